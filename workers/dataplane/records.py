@@ -1,0 +1,468 @@
+"""Pipeline edge records: the 40-byte header of CONTRACTS.md and the payload codecs.
+
+Pure stdlib + numpy so that the node's edge threads never import torch. Every decoder
+validates eagerly and raises `RecordError` with the offending values: a bad record is a
+run fault (DECISIONS 14), and the operator needs to see exactly what arrived.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "FLAG_ABORT",
+    "FLAG_BEGIN",
+    "FLAG_EOS",
+    "HEADER_LEN",
+    "KNOWN_FLAGS",
+    "MAGIC",
+    "SAMPLING_HEADER_BYTES",
+    "SAMPLING_HEADER_LEN",
+    "VERSION",
+    "EdgeKind",
+    "EdgeSpec",
+    "RecordError",
+    "RecordHeader",
+    "RecordOrder",
+    "SamplingParams",
+    "SequenceChecker",
+    "TokenSequenceError",
+    "activation_max_extent",
+    "activation_spec",
+    "decode_activation",
+    "decode_begin_payload",
+    "decode_header",
+    "decode_sampling_header",
+    "decode_token_out",
+    "decode_tokens",
+    "encode_activation",
+    "encode_begin_payload",
+    "encode_header",
+    "encode_sampling_header",
+    "encode_tokens",
+    "pipeline_edge_specs",
+    "token_in_max_extent",
+    "token_in_spec",
+    "token_out_max_extent",
+    "token_out_spec",
+]
+
+MAGIC = b"MO01"
+VERSION = 1
+HEADER_LEN = 40
+
+FLAG_EOS = 1
+"""End of sequence: on token-out, the token is the model's EOS token."""
+FLAG_BEGIN = 2
+"""Begin sequence: the first record of a prompt; the per-object sequence restarts at 0."""
+FLAG_ABORT = 4
+"""Extension (DECISIONS 19): every stage drops its KV state for the request."""
+KNOWN_FLAGS = FLAG_EOS | FLAG_BEGIN | FLAG_ABORT
+
+_HEADER = struct.Struct("<4sHHQQQII")
+assert _HEADER.size == HEADER_LEN
+
+_U32_MAX = 0xFFFF_FFFF
+_U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
+
+TOKEN_ALIGNMENT = 4
+ACTIVATION_ALIGNMENT = 2
+
+
+class RecordError(ValueError):
+    """A record (header or payload) that breaks the edge contract; fatal for the edge."""
+
+
+class TokenSequenceError(RecordError):
+    """A token-out record whose sequence differs from the driver's expectation."""
+
+
+class EdgeKind(enum.StrEnum):
+    TOKEN_IN = "token_in"
+    ACTIVATION = "activation"
+    TOKEN_OUT = "token_out"
+
+
+class _EdgePlanLike(Protocol):
+    @property
+    def edge_id(self) -> int: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def max_extent(self) -> int: ...
+    @property
+    def alignment(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeSpec:
+    """What an edge may carry; both ends derive it from the run plan."""
+
+    edge_id: int
+    kind: EdgeKind
+    max_extent: int
+    alignment: int
+
+    @classmethod
+    def from_plan(cls, plan: _EdgePlanLike) -> EdgeSpec:
+        """From an `mvp_core.models.EdgePlan` (duck-typed: no import of the core models)."""
+        return cls(plan.edge_id, EdgeKind(plan.kind), plan.max_extent, plan.alignment)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.edge_id <= _U32_MAX:
+            raise ValueError(f"edge id must be in 1..{_U32_MAX}, got {self.edge_id}")
+        if self.alignment <= 0:
+            raise ValueError(f"edge {self.edge_id}: alignment must be > 0, got {self.alignment}")
+        if self.max_extent < 0 or self.max_extent % self.alignment:
+            raise ValueError(
+                f"edge {self.edge_id}: max extent {self.max_extent} must be >= 0 and a "
+                f"multiple of alignment {self.alignment}"
+            )
+
+    def check_extent(self, extent: int) -> None:
+        """Raise RecordError if `extent` payload bytes may not travel on this edge."""
+        if extent > self.max_extent:
+            raise RecordError(
+                f"edge {self.edge_id}: extent {extent} exceeds the edge's max extent "
+                f"{self.max_extent}"
+            )
+        if extent % self.alignment:
+            raise RecordError(
+                f"edge {self.edge_id}: extent {extent} is not a multiple of alignment "
+                f"{self.alignment}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class RecordHeader:
+    object_id: int
+    sequence: int
+    extent: int
+    flags: int = 0
+
+    @property
+    def eos(self) -> bool:
+        return bool(self.flags & FLAG_EOS)
+
+    @property
+    def begin(self) -> bool:
+        return bool(self.flags & FLAG_BEGIN)
+
+    @property
+    def abort(self) -> bool:
+        return bool(self.flags & FLAG_ABORT)
+
+
+def _check_flags(flags: int, where: str) -> None:
+    if not 0 <= flags <= _U32_MAX:
+        raise RecordError(f"{where}flags {flags} out of u32 range")
+    unknown = flags & ~KNOWN_FLAGS
+    if unknown:
+        raise RecordError(
+            f"{where}unknown flag bits 0x{unknown:x} in flags 0x{flags:x} "
+            f"(known: EOS=1, BEGIN=2, ABORT=4)"
+        )
+
+
+def encode_header(
+    object_id: int, sequence: int, extent: int, flags: int = 0, spec: EdgeSpec | None = None
+) -> bytes:
+    """Pack a header; validates like the receiver would, so a bad send fails locally."""
+    where = f"edge {spec.edge_id}: " if spec is not None else ""
+    for name, value in (("object_id", object_id), ("sequence", sequence), ("extent", extent)):
+        if not 0 <= value <= _U64_MAX:
+            raise RecordError(f"{where}{name} {value} out of u64 range")
+    _check_flags(flags, where)
+    if spec is not None:
+        spec.check_extent(extent)
+    return _HEADER.pack(MAGIC, VERSION, HEADER_LEN, object_id, sequence, extent, flags, 0)
+
+
+def decode_header(
+    data: bytes | bytearray | memoryview, spec: EdgeSpec | None = None
+) -> RecordHeader:
+    """Unpack and validate a 40-byte header (against `spec` when given)."""
+    where = f"edge {spec.edge_id}: " if spec is not None else ""
+    if len(data) != HEADER_LEN:
+        raise RecordError(f"{where}record header must be {HEADER_LEN} bytes, got {len(data)}")
+    magic, version, header_len, object_id, sequence, extent, flags, reserved = _HEADER.unpack(data)
+    if magic != MAGIC:
+        raise RecordError(f"{where}bad magic {bytes(magic)!r} (expected {MAGIC!r})")
+    if version != VERSION:
+        raise RecordError(f"{where}unsupported version {version} (supported: {VERSION})")
+    if header_len != HEADER_LEN:
+        raise RecordError(f"{where}header length {header_len} (expected {HEADER_LEN})")
+    if reserved != 0:
+        raise RecordError(f"{where}non-zero reserved field 0x{reserved:08x}")
+    _check_flags(flags, where)
+    if spec is not None:
+        spec.check_extent(extent)
+    return RecordHeader(object_id=object_id, sequence=sequence, extent=extent, flags=flags)
+
+
+# --------------------------------------------------------------------------- ordering
+
+
+class RecordOrder:
+    """Per-object sequence order on one edge: 0, 1, 2, ... restarting at 0 on BEGIN.
+
+    A record of an object not seen yet must carry sequence 0. EOS ends the object (its
+    state is dropped, so a later prompt may reuse the id). ABORT is accepted with any
+    sequence, because the side aborting may not know how far the edge got, and also
+    ends the object.
+    """
+
+    __slots__ = ("_edge_id", "_next")
+
+    def __init__(self, edge_id: int) -> None:
+        self._edge_id = edge_id
+        self._next: dict[int, int] = {}
+
+    def check(self, header: RecordHeader) -> None:
+        if header.abort:
+            self._next.pop(header.object_id, None)
+            return
+        expected = 0 if header.begin else self._next.get(header.object_id, 0)
+        if header.sequence != expected:
+            what = "begin record" if header.begin else "record"
+            raise RecordError(
+                f"edge {self._edge_id}: out-of-order {what} for object {header.object_id}: "
+                f"expected sequence {expected}, got {header.sequence}"
+            )
+        if header.eos:
+            self._next.pop(header.object_id, None)
+        else:
+            self._next[header.object_id] = expected + 1
+
+    def expected(self, object_id: int) -> int:
+        return self._next.get(object_id, 0)
+
+
+class SequenceChecker:
+    """The driver's token-out rule: each record's sequence equals the expected one."""
+
+    __slots__ = ("expected",)
+
+    def __init__(self, start: int = 0) -> None:
+        self.expected = start
+
+    def check(self, got: int) -> None:
+        if got != self.expected:
+            raise TokenSequenceError(
+                f"pipeline token sequence violation: expected {self.expected}, got {got}"
+            )
+        self.expected += 1
+
+    def reset(self, start: int = 0) -> None:
+        self.expected = start
+
+
+# --------------------------------------------------------------------------- tokens
+
+
+def encode_tokens(tokens: Sequence[int]) -> bytes:
+    """Token ids as u32 LE."""
+    for i, t in enumerate(tokens):
+        if not 0 <= t <= _U32_MAX:
+            raise RecordError(f"token id {t} at index {i} out of u32 range")
+    return np.asarray(tokens, dtype="<u4").tobytes()
+
+
+def decode_tokens(payload: bytes | bytearray | memoryview) -> list[int]:
+    if len(payload) % 4:
+        raise RecordError(f"token payload of {len(payload)} bytes is not a multiple of 4")
+    return [int(t) for t in np.frombuffer(payload, dtype="<u4")]
+
+
+def decode_token_out(payload: bytes | bytearray | memoryview) -> int:
+    """A token-out record carries exactly one u32 token."""
+    if len(payload) != 4:
+        raise RecordError(f"token-out payload must be exactly 4 bytes, got {len(payload)}")
+    return int(struct.unpack("<I", payload)[0])
+
+
+# --------------------------------------------------------------------------- sampling header
+
+# request_id u64 | seed u64 | max_new_tokens u32 | temperature f32 | top_k u32 | top_p f32
+# | sampling flags u32 (bit 0 = has_seed) | reserved u32 = 0   -> 40 bytes (a multiple of 8)
+_SAMPLING = struct.Struct("<QQIfIfII")
+SAMPLING_HEADER_LEN = _SAMPLING.size
+SAMPLING_HEADER_BYTES = SAMPLING_HEADER_LEN  # the name mvp_core.planner refers to
+assert SAMPLING_HEADER_LEN == 40
+_SAMPLING_HAS_SEED = 1
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Carried ahead of the prompt tokens in token-in's BEGIN record (DECISIONS 19).
+
+    Defaults are greedy raw completion (DECISIONS 10). `max_new_tokens` 0 = no cap
+    beyond EOS and context exhaustion; `top_k` 0 = disabled; `top_p` 1.0 = disabled.
+    """
+
+    request_id: int
+    max_new_tokens: int = 0
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def validate(self) -> None:
+        if not 0 <= self.request_id <= _U64_MAX:
+            raise RecordError(f"sampling header: request_id {self.request_id} out of u64 range")
+        if not 0 <= self.max_new_tokens <= _U32_MAX:
+            raise RecordError(
+                f"sampling header: max_new_tokens {self.max_new_tokens} out of u32 range"
+            )
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise RecordError(
+                f"sampling header: temperature {self.temperature} must be finite and >= 0"
+            )
+        if not 0 <= self.top_k <= _U32_MAX:
+            raise RecordError(f"sampling header: top_k {self.top_k} out of u32 range")
+        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise RecordError(f"sampling header: top_p {self.top_p} must be in (0, 1]")
+        if self.seed is not None and not 0 <= self.seed <= _U64_MAX:
+            raise RecordError(f"sampling header: seed {self.seed} out of u64 range")
+
+
+def encode_sampling_header(params: SamplingParams) -> bytes:
+    params.validate()
+    return _SAMPLING.pack(
+        params.request_id,
+        params.seed if params.seed is not None else 0,
+        params.max_new_tokens,
+        params.temperature,
+        params.top_k,
+        params.top_p,
+        _SAMPLING_HAS_SEED if params.seed is not None else 0,
+        0,
+    )
+
+
+def decode_sampling_header(data: bytes | bytearray | memoryview) -> SamplingParams:
+    if len(data) != SAMPLING_HEADER_LEN:
+        raise RecordError(f"sampling header must be {SAMPLING_HEADER_LEN} bytes, got {len(data)}")
+    request_id, seed, max_new, temperature, top_k, top_p, sflags, reserved = _SAMPLING.unpack(data)
+    if sflags & ~_SAMPLING_HAS_SEED:
+        raise RecordError(f"sampling header: unknown flag bits 0x{sflags & ~_SAMPLING_HAS_SEED:x}")
+    if reserved:
+        raise RecordError(f"sampling header: non-zero reserved field 0x{reserved:08x}")
+    if not sflags & _SAMPLING_HAS_SEED and seed:
+        raise RecordError(f"sampling header: seed {seed} given without the has_seed flag")
+    params = SamplingParams(
+        request_id=request_id,
+        max_new_tokens=max_new,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed if sflags & _SAMPLING_HAS_SEED else None,
+    )
+    params.validate()
+    return params
+
+
+def encode_begin_payload(params: SamplingParams, prompt_tokens: Sequence[int]) -> bytes:
+    """Token-in BEGIN payload: sampling header, then the prompt's u32 token ids."""
+    if not prompt_tokens:
+        raise RecordError("begin record needs at least one prompt token")
+    return encode_sampling_header(params) + encode_tokens(prompt_tokens)
+
+
+def decode_begin_payload(
+    payload: bytes | bytearray | memoryview,
+) -> tuple[SamplingParams, list[int]]:
+    if len(payload) < SAMPLING_HEADER_LEN + 4:
+        raise RecordError(
+            f"begin payload of {len(payload)} bytes is shorter than the sampling header "
+            f"({SAMPLING_HEADER_LEN}) plus one token"
+        )
+    view = memoryview(payload)
+    return (
+        decode_sampling_header(view[:SAMPLING_HEADER_LEN]),
+        decode_tokens(view[SAMPLING_HEADER_LEN:]),
+    )
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def encode_activation(arr: npt.NDArray[np.float16]) -> memoryview:
+    """A `[T, hidden]` float16 array as LE bytes; zero-copy when already C-contiguous LE."""
+    if arr.ndim != 2 or arr.shape[0] == 0:
+        raise RecordError(f"activation must be [T>=1, hidden], got shape {arr.shape}")
+    if arr.dtype != np.float16:
+        raise RecordError(f"activation must be float16, got {arr.dtype}")
+    le = np.ascontiguousarray(arr, dtype="<f2")
+    return le.data.cast("B")
+
+
+def decode_activation(
+    payload: bytes | bytearray | memoryview, hidden: int
+) -> npt.NDArray[np.float16]:
+    """Payload -> `[T, hidden]` float16 view (no copy; writable when payload is)."""
+    row = hidden * 2
+    if hidden <= 0 or len(payload) == 0 or len(payload) % row:
+        raise RecordError(
+            f"activation payload of {len(payload)} bytes is not a positive multiple of "
+            f"hidden {hidden} * 2 bytes"
+        )
+    return np.frombuffer(payload, dtype="<f2").reshape(-1, hidden)
+
+
+# --------------------------------------------------------------------------- specs
+
+
+def token_in_max_extent(max_seq_len: int) -> int:
+    """Sampling header plus a full-context prompt of u32 tokens."""
+    return SAMPLING_HEADER_LEN + max_seq_len * 4
+
+
+def token_out_max_extent(max_seq_len: int) -> int:
+    """One u32 token per record (as mvp_core.planner plans it).
+
+    The contract's generic token object spec (max_seq_len*4) only sizes the ring; a
+    token-out record longer than one token is a protocol error, so reject it at the header.
+    """
+    del max_seq_len
+    return 4
+
+
+def activation_max_extent(max_seq_len: int, hidden: int) -> int:
+    return max_seq_len * hidden * 2
+
+
+def token_in_spec(max_seq_len: int) -> EdgeSpec:
+    return EdgeSpec(1, EdgeKind.TOKEN_IN, token_in_max_extent(max_seq_len), TOKEN_ALIGNMENT)
+
+
+def activation_spec(edge_id: int, max_seq_len: int, hidden: int) -> EdgeSpec:
+    return EdgeSpec(
+        edge_id,
+        EdgeKind.ACTIVATION,
+        activation_max_extent(max_seq_len, hidden),
+        ACTIVATION_ALIGNMENT,
+    )
+
+
+def token_out_spec(edge_id: int, max_seq_len: int) -> EdgeSpec:
+    return EdgeSpec(edge_id, EdgeKind.TOKEN_OUT, token_out_max_extent(max_seq_len), TOKEN_ALIGNMENT)
+
+
+def pipeline_edge_specs(stages: int, max_seq_len: int, hidden: int) -> list[EdgeSpec]:
+    """Edges of an N-stage plan: token-in 1, activations 2..N, token-out N+1."""
+    if stages < 2:
+        raise ValueError(f"a pipeline with edges needs >= 2 stages, got {stages}")
+    return [
+        token_in_spec(max_seq_len),
+        *(activation_spec(i, max_seq_len, hidden) for i in range(2, stages + 1)),
+        token_out_spec(stages + 1, max_seq_len),
+    ]
