@@ -1,0 +1,73 @@
+"""Pure rules of the token loop (actor spec 7.3, 7.4, 12.4).
+
+The head node's driver uses these; they are unit-tested without an engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+
+class TokenSequenceViolation(RuntimeError):
+    """A token-out record arrived out of order: a run fault (DECISIONS 14)."""
+
+
+@dataclass
+class TokenFeedback:
+    """Consumes token-out records in strict order and decides what to inject next.
+
+    The next feedback sequence is released only after the previous one was consumed.
+    """
+
+    expected: int = 0
+    injected: int = 0  # sequence 0 is the prompt record
+
+    def consume(self, sequence: int) -> int:
+        """Validate a token-out sequence; returns the sequence to inject as feedback."""
+        if sequence != self.expected:
+            raise TokenSequenceViolation(
+                f"pipeline token sequence violation: expected {self.expected}, got {sequence}"
+            )
+        self.expected += 1
+        self.injected = sequence + 1
+        return self.injected
+
+    def may_inject(self, sequence: int) -> bool:
+        return sequence == 0 or sequence <= self.expected
+
+
+@dataclass
+class StopRule:
+    """EOS, the token limit and the context end stop generation."""
+
+    max_new_tokens: int | None
+    stop_ids: Collection[int]
+    max_seq_len: int
+    generated: int = 0
+    reason: str | None = field(default=None)
+
+    def accept(self, token_id: int, position: int) -> bool:
+        """Record a sampled token; False means stop (and the token is not emitted if EOS)."""
+        if token_id in self.stop_ids:
+            self.reason = "eos"
+            return False
+        self.generated += 1
+        if self.max_new_tokens is not None and self.generated >= self.max_new_tokens:
+            self.reason = "max_tokens"
+        elif position >= self.max_seq_len:
+            self.reason = "context"
+        return True
+
+    @property
+    def done(self) -> bool:
+        return self.reason is not None
+
+
+def effective_max_tokens(requested: int | None, run_default: int | None) -> int | None:
+    """CONTRACTS: absent or 0 means no arbitrary cap, unless the run sets a default."""
+    if requested:
+        return requested
+    if run_default:
+        return run_default
+    return None

@@ -1,0 +1,446 @@
+"""Typed messages that cross a process boundary, named as in the actor spec.
+
+Every model here travels as JSON through Temporal (workflow and activity inputs and
+results, signals, updates, queries). None of them may carry a secret: secrets are read
+from the environment of the process that needs them.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+# --------------------------------------------------------------------------- run request
+
+
+class ProviderKind(StrEnum):
+    PROCESS = "process"
+    DOCKER = "docker"
+    VASTAI = "vastai"
+
+
+class ModelSource(_Model):
+    """Where the GGUF comes from: a bundled default by name, or a local path."""
+
+    bundled: str | None = Field(
+        default=None, description="Name of a bundled model, e.g. 'SmolLM2-135M-Instruct.Q4_1'"
+    )
+    path: str | None = Field(default=None, description="Path of a GGUF file on the provider host")
+
+
+class RunTimeouts(_Model):
+    """Deadlines of the run (DECISIONS 8), all in seconds."""
+
+    readiness_s: float = Field(default=120.0, gt=0)
+    ack_s: float = Field(default=30.0, gt=0)
+    ack_resend_s: float = Field(default=1.0, gt=0)
+    weight_load_s: float = Field(default=300.0, gt=0)
+    stop_grace_s: float = Field(default=5.0, ge=0)
+    stage_stopped_wait_s: float = Field(default=10.0, ge=0)
+    lease_heartbeat_s: float = Field(default=10.0, gt=0)
+    generate_heartbeat_s: float = Field(default=5.0, gt=0)
+
+
+class EngineSettings(_Model):
+    precision: Literal["default", "float32"] = "default"
+    threads: int | None = Field(default=None, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class RunRequest(_Model):
+    """The typed input of a run (actor spec 4.1)."""
+
+    run_id: int | None = Field(default=None, ge=0)
+    orchestrator_node_id: int = Field(default=0, ge=0)
+    node_id: int = Field(default=1, ge=0, description="First worker node id (CONTRACTS)")
+    provider: ProviderKind = ProviderKind.PROCESS
+    worker_image: str | None = None
+    model: ModelSource = Field(default_factory=ModelSource)
+    tokenizer: ModelSource | None = None
+    pipeline_stages: int = Field(default=1)
+    default_max_tokens: int | None = Field(default=None, ge=0)
+    max_context: int | None = Field(default=None, ge=1)
+    prompt_queue_capacity: int = Field(default=8)
+    timeouts: RunTimeouts = Field(default_factory=RunTimeouts)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    node_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra non-secret environment for node agents (secrets come from the worker's env)",
+    )
+
+
+# --------------------------------------------------------------------------- plan
+
+
+class ModelFacts(_Model):
+    architecture: str
+    name: str
+    block_count: int
+    embedding_length: int
+    context_length: int
+    eos_token_id: int | None = None
+
+
+class LayerRange(_Model):
+    start: int
+    end: int
+
+
+class EdgeKind(StrEnum):
+    TOKEN_IN = "token_in"
+    ACTIVATION = "activation"
+    TOKEN_OUT = "token_out"
+
+
+class EdgePlan(_Model):
+    edge_id: int
+    kind: EdgeKind
+    src_stage: int | None  # None = driver
+    dst_stage: int | None  # None = driver
+    max_extent: int
+    alignment: int
+
+
+class RingSpec(_Model):
+    edge_id: int
+    capacity: int
+    alignment: int
+
+
+class StagePlan(_Model):
+    stage_index: int
+    node_id: int
+    layers: LayerRange
+    holds_embedding: bool
+    holds_output: bool
+
+
+class RunPlan(_Model):
+    """A committed plan (actor spec 4.2): workers never choose their own topology."""
+
+    run_id: int
+    orchestrator_node_id: int
+    stage_count: int
+    stages: list[StagePlan]
+    edges: list[EdgePlan]
+    rings: list[RingSpec]
+    max_seq_len: int
+    model_path: str
+    tokenizer_path: str
+    model_facts: ModelFacts
+
+
+# --------------------------------------------------------------------------- provisioning
+
+
+class NodeProvisionSpec(_Model):
+    """What a provider needs to start one node agent (actor spec 6.3)."""
+
+    run_id: int
+    node_id: int
+    stage_index: int
+    nonce: str
+    task_queue: str
+    readiness_id: str
+    authorized_orchestrator: str
+    run_workflow_id: str
+    image_or_artifact: str | None = None
+    environment: dict[str, str] = Field(default_factory=dict)
+    mounts: list[str] = Field(default_factory=list)
+    coordinator_endpoint: str
+    temporal_namespace: str = "default"
+
+
+class NodeHandle(_Model):
+    """A provider's durable record of a started node."""
+
+    run_id: int
+    node_id: int
+    provider: ProviderKind
+    host: str
+    pid: int | None = None
+    log_path: str | None = None
+    resource_name: str
+
+
+class StopNodeInput(_Model):
+    handle: NodeHandle
+    grace_s: float
+
+
+class StopNodeResult(_Model):
+    node_id: int
+    stopped: bool
+    error: str | None = None
+
+
+class WatchNodesInput(_Model):
+    handles: list[NodeHandle]
+
+
+class NodeExited(_Model):
+    """Provider report that a node's process is gone (NodeFailed of actor spec 4.3)."""
+
+    run_id: int
+    node_id: int
+    detail: str
+
+
+class PreparePlanInput(_Model):
+    run_id: int
+    orchestrator_node_id: int
+    node_id: int
+    model: ModelSource
+    tokenizer: ModelSource | None
+    pipeline_stages: int
+    max_context: int | None
+
+
+class CheckRouteInput(_Model):
+    task_queue: str
+    identity: str
+
+
+# --------------------------------------------------------------------------- node reports
+
+
+class NodeRuntimeReady(_Model):
+    run_id: int
+    node_id: int
+    stage_index: int
+    endpoint: str
+    node_actor: str  # the node's task queue
+    worker_identity: str
+    datastream_publisher: str | None = None
+    readiness_id: str
+
+
+class NodeRuntimeReadyAck(_Model):
+    run_id: int
+    node_id: int
+    stage_index: int
+    readiness_id: str
+
+
+class LeaseStarted(_Model):
+    run_id: int
+    node_id: int
+    readiness_id: str
+    worker_identity: str
+
+
+class LeaseInput(_Model):
+    run_id: int
+    node_id: int
+    readiness_id: str
+    run_workflow_id: str
+    heartbeat_every_s: float = 1.0
+
+
+class WeightsReady(_Model):
+    run_id: int
+    node_id: int
+    stage_index: int
+    readiness_id: str = ""
+
+
+class StageReady(_Model):
+    run_id: int
+    stage_index: int
+    readiness_id: str = ""
+
+
+class StageFault(_Model):
+    run_id: int
+    stage_index: int
+    reason: str
+    readiness_id: str = ""
+
+
+class StageStopped(_Model):
+    run_id: int
+    stage_index: int
+    readiness_id: str = ""
+
+
+class EdgeEndpoint(_Model):
+    edge_id: int
+    host: str
+    port: int
+
+
+class StageProvision(_Model):
+    """Everything a stage needs (actor spec 6.6); rejected unless the authority matches."""
+
+    run_id: int
+    authorized_orchestrator: str
+    node_id: int
+    stage_index: int
+    stage_count: int
+    layers: LayerRange
+    inbound_edge: EdgePlan | None
+    outbound_edge: EdgePlan | None
+    consumer_endpoint: EdgeEndpoint | None
+    model_name: str
+    model_path: str
+    tokenizer_path: str
+    max_seq_len: int
+    rings: list[RingSpec] = Field(default_factory=list)
+    readiness_id: str
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    run_workflow_id: str
+
+
+class StopRun(_Model):
+    run_id: int
+    stage_index: int
+    readiness_id: str
+    authorized_orchestrator: str
+    reason: str
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+class SubmitPrompt(_Model):
+    """A prompt (actor spec 4.5 plus DECISIONS 10). ``reply_to`` is the prompt stream."""
+
+    request_id: int = Field(ge=0)
+    prompt_text: str
+    max_tokens: int | None = Field(default=None, ge=0)
+    chat: bool = False
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_k: int = Field(default=0, ge=0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0)
+
+
+class TextDelta(_Model):
+    type: Literal["text_delta"] = "text_delta"
+    request_id: int
+    text: str
+
+
+class Done(_Model):
+    type: Literal["done"] = "done"
+    request_id: int
+    final_text: str
+    tokens_generated: int
+    elapsed_ms: int
+
+
+class Fault(_Model):
+    type: Literal["fault"] = "fault"
+    request_id: int
+    error: str
+
+
+PromptTerminal = Annotated[Done | Fault, Field(discriminator="type")]
+PromptEvent = Annotated[TextDelta | Done | Fault, Field(discriminator="type")]
+
+
+class CancelPrompt(_Model):
+    request_id: int
+
+
+class ShutdownReason(StrEnum):
+    OPERATOR_REQUESTED = "operator_requested"
+    HOST_REQUESTED = "host_requested"
+    PROMPT_SESSION_CLOSED = "prompt_session_closed"
+    FATAL_DEPENDENCY = "fatal_dependency"
+
+
+class RequestShutdown(_Model):
+    run_id: int | None = None
+    reason: ShutdownReason = ShutdownReason.OPERATOR_REQUESTED
+    reply_to: str | None = None
+
+
+class GenerateInput(_Model):
+    """The head node's generate activity input (one prompt)."""
+
+    run_id: int
+    readiness_id: str
+    prompt_workflow_id: str
+    prompt: SubmitPrompt
+    max_new_tokens: int | None
+    stream_batch_ms: int = 100
+
+
+class PromptOutcome(_Model):
+    """What a prompt workflow returns: the terminal event, and a run fault if any."""
+
+    terminal: PromptTerminal
+    run_fault: str | None = None
+
+
+class PromptInput(_Model):
+    run_id: int
+    readiness_id: str
+    prompt: SubmitPrompt
+    max_new_tokens: int | None
+    head_task_queue: str
+    generate_heartbeat_s: float = 5.0
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+class LifecycleKind(StrEnum):
+    RUN_ACCEPTED = "RunAccepted"
+    RUN_REJECTED = "RunRejected"
+    RUN_PLANNING_STARTED = "RunPlanningStarted"
+    RUN_PLANNING_READY = "RunPlanningReady"
+    RUN_PROVISIONING_STARTED = "RunProvisioningStarted"
+    RUN_READINESS_STARTED = "RunReadinessStarted"
+    RUN_READY = "RunReady"
+    PROMPT_ACCEPTED = "PromptAccepted"
+    PROMPT_COMPLETED = "PromptCompleted"
+    PROMPT_FAULTED = "PromptFaulted"
+    RUN_OPERATOR_STOPPED = "RunOperatorStopped"
+    RUN_FAULTED = "RunFaulted"
+    RUN_TEARING_DOWN = "RunTearingDown"
+    RUN_TORN_DOWN = "RunTornDown"
+
+
+class LifecycleReport(_Model):
+    kind: LifecycleKind
+    run_id: int
+    detail: str = ""
+    request_id: int | None = None
+
+
+class RunPhase(StrEnum):
+    ACCEPTED = "accepted"
+    PLANNING = "planning"
+    PROVISIONING = "provisioning"
+    READINESS = "readiness"
+    STAGE_PROVISIONING = "stage_provisioning"
+    PROMPT_READY = "prompt_ready"
+    ROLLING_OVER = "rolling_over"
+    TEARING_DOWN = "tearing_down"
+    TORN_DOWN = "torn_down"
+    REJECTED = "rejected"
+
+
+class RunOutcomeKind(StrEnum):
+    OPERATOR_STOPPED = "operator_stopped"
+    FAULTED = "faulted"
+    REJECTED = "rejected"
+
+
+class RunOutcome(_Model):
+    run_id: int
+    outcome: RunOutcomeKind
+    lifecycle: list[LifecycleReport]
+    first_fault: str | None = None
+    first_stop_error: str | None = None
+    prompts_completed: int = 0
+    prompts_faulted: int = 0

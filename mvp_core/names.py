@@ -1,0 +1,83 @@
+"""Names shared by workflows, activities, workers and clients.
+
+Task queues, workflow ids, activity, signal, update and query names live here so that
+the workflow code (which must not import worker or engine code) can address the node
+agent's activities by name, and so that docs and scripts can rely on them.
+"""
+
+from __future__ import annotations
+
+ORCHESTRATOR_TASK_QUEUE = "mvp-orchestrator"
+SEARCH_ATTRIBUTE_PHASE = "MvpRunPhase"
+
+RUN_WORKFLOW = "RunWorkflow"
+PROMPT_WORKFLOW = "PromptWorkflow"
+
+# Public surface of the run workflow.
+UPDATE_SUBMIT_PROMPT = "submit_prompt"
+SIGNAL_REQUEST_SHUTDOWN = "request_shutdown"
+SIGNAL_CANCEL_PROMPT = "cancel_prompt"
+QUERY_SNAPSHOT = "snapshot"
+
+# Node reports (signals from node agents to the run).
+SIGNAL_NODE_RUNTIME_READY = "node_runtime_ready"
+SIGNAL_LEASE_STARTED = "lease_started"
+SIGNAL_WEIGHTS_READY = "weights_ready"
+SIGNAL_STAGE_READY = "stage_ready"
+SIGNAL_STAGE_FAULT = "stage_fault"
+SIGNAL_STAGE_STOPPED = "stage_stopped"
+
+# Prompt workflow signals.
+SIGNAL_PROMPT_ACTIVATE = "activate"
+SIGNAL_PROMPT_CANCEL = "cancel"
+
+# Stream topic carrying PromptEvent items of one prompt.
+PROMPT_STREAM_TOPIC = "prompt"
+
+# Node agent activities (run on the node's own task queue).
+ACT_NODE_RUNTIME_READY_ACK = "node.runtime_ready_ack"
+ACT_NODE_LEASE = "node.lease"
+ACT_NODE_PROVISION_STAGE = "node.provision_stage"
+ACT_NODE_GENERATE = "node.generate"
+ACT_NODE_STOP_STAGE = "node.stop_stage"
+
+# Orchestrator activities.
+ACT_PROVIDER_QUEUE = "orch.provider_queue"
+ACT_PREPARE_PLAN = "orch.prepare_plan"
+ACT_CHECK_ROUTE = "orch.check_route"
+ACT_START_NODE = "provider.start_node"
+ACT_STOP_NODE = "provider.stop_node"
+ACT_WATCH_NODES = "provider.watch_nodes"
+
+EDGE_TOKEN_BYTES = 16
+
+
+def run_workflow_id(run_id: int) -> str:
+    """Workflow id of run ``run_id``: the run's durable address."""
+    return f"mvp-run-{run_id}"
+
+
+def run_id_from_workflow_id(workflow_id: str) -> int | None:
+    """Inverse of :func:`run_workflow_id`; ``None`` when the id has another shape."""
+    prefix = "mvp-run-"
+    if not workflow_id.startswith(prefix):
+        return None
+    tail = workflow_id[len(prefix) :]
+    if not tail.isdigit():
+        return None
+    return int(tail)
+
+
+def node_task_queue(run_id: int, node_id: int, nonce: str) -> str:
+    """A node agent's own task queue; the nonce makes stale nodes unroutable."""
+    return f"mvp-node-{run_id}-{node_id}-{nonce[:8]}"
+
+
+def provider_task_queue(host: str) -> str:
+    """Host-affine queue for providers that act on the host where their nodes run."""
+    return f"mvp-provider-{host}"
+
+
+def prompt_workflow_id(run_id: int, request_id: int, unique: str) -> str:
+    """Child workflow id of one prompt; ``unique`` is the admitting update's id."""
+    return f"mvp-run-{run_id}-prompt-{request_id}-{unique}"

@@ -1,0 +1,358 @@
+"""The run state machine: pure, deterministic, serialisable.
+
+The workflow feeds it reports and asks it questions; every rule of the actor spec that
+decides whether the run advances lives here and is unit-tested without Temporal.
+The whole state is a pydantic model, so it is what ``snapshot`` returns and what
+continue-as-new carries.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, Field
+
+from mvp_core.models import (
+    LeaseStarted,
+    LifecycleKind,
+    LifecycleReport,
+    NodeHandle,
+    NodeRuntimeReady,
+    NodeRuntimeReadyAck,
+    RunOutcome,
+    RunOutcomeKind,
+    RunPhase,
+    RunPlan,
+    ShutdownReason,
+    StageFault,
+    StageReady,
+    StageStopped,
+    WeightsReady,
+)
+
+
+class PromptRejection(StrEnum):
+    """Typed rejections of ``submit_prompt`` (DECISIONS 9)."""
+
+    NOT_PROMPT_READY = "RunNotPromptReady"
+    DUPLICATE_REQUEST_ID = "DuplicateRequestId"
+    QUEUE_FULL = "PromptQueueFull"
+    ROLLING_OVER = "RunRollingOver"
+
+
+class NodeState(BaseModel):
+    node_id: int
+    stage_index: int
+    task_queue: str
+    readiness_id: str
+    runtime_ready: NodeRuntimeReady | None = None
+    lease_started: bool = False
+    lease_lost: bool = False
+    route_owned: bool = False
+    acked: bool = False
+    stage_provisioned: bool = False
+    weights_ready: bool = False
+    stage_ready: bool = False
+    stage_stopped: bool = False
+    exited: bool = False
+    handle: NodeHandle | None = None
+    provider_stopped: bool = False
+
+
+class PromptRecord(BaseModel):
+    request_id: int
+    workflow_id: str
+    active: bool = False
+
+
+class RunState(BaseModel):
+    run_id: int
+    nonce: str
+    authorized_orchestrator: str
+    phase: RunPhase = RunPhase.ACCEPTED
+    plan: RunPlan | None = None
+    provider_queue: str | None = None
+    nodes: list[NodeState] = Field(default_factory=list)
+    active: PromptRecord | None = None
+    pending: list[PromptRecord] = Field(default_factory=list)
+    lifecycle: list[LifecycleReport] = Field(default_factory=list)
+    first_fault: str | None = None
+    first_stop_error: str | None = None
+    shutdown: ShutdownReason | None = None
+    prompts_completed: int = 0
+    prompts_faulted: int = 0
+    continued: int = 0
+    ignored_reports: int = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def record(self, kind: LifecycleKind, detail: str = "", request_id: int | None = None) -> bool:
+        """Append a lifecycle report. RunTornDown is recorded at most once."""
+        if kind is LifecycleKind.RUN_TORN_DOWN and self.torn_down:
+            return False
+        self.lifecycle.append(
+            LifecycleReport(kind=kind, run_id=self.run_id, detail=detail, request_id=request_id)
+        )
+        return True
+
+    @property
+    def torn_down(self) -> bool:
+        return any(r.kind is LifecycleKind.RUN_TORN_DOWN for r in self.lifecycle)
+
+    def fault(self, reason: str) -> bool:
+        """The first run fault is terminal and sticky; later ones are ignored."""
+        if self.first_fault is not None:
+            return False
+        self.first_fault = reason
+        if self.shutdown is None:
+            self.record(LifecycleKind.RUN_FAULTED, reason)
+        return True
+
+    def request_shutdown(self, reason: ShutdownReason) -> bool:
+        """Operator stop: terminal and distinct from a fault. Ignored after a fault."""
+        if self.shutdown is not None or self.first_fault is not None:
+            return False
+        self.shutdown = reason
+        self.record(LifecycleKind.RUN_OPERATOR_STOPPED, reason.value)
+        return True
+
+    @property
+    def stopping(self) -> bool:
+        return self.first_fault is not None or self.shutdown is not None
+
+    def stop_error(self, error: str) -> None:
+        """Teardown keeps the first stop error and goes on with the other stops."""
+        if self.first_stop_error is None:
+            self.first_stop_error = error
+
+    def outcome(self) -> RunOutcome:
+        if self.phase is RunPhase.REJECTED:
+            kind = RunOutcomeKind.REJECTED
+        elif self.first_fault is not None:
+            kind = RunOutcomeKind.FAULTED
+        else:
+            kind = RunOutcomeKind.OPERATOR_STOPPED
+        return RunOutcome(
+            run_id=self.run_id,
+            outcome=kind,
+            lifecycle=list(self.lifecycle),
+            first_fault=self.first_fault,
+            first_stop_error=self.first_stop_error,
+            prompts_completed=self.prompts_completed,
+            prompts_faulted=self.prompts_faulted,
+        )
+
+    # ------------------------------------------------------------------ planning
+    def may_provision(self) -> bool:
+        """Provisioning starts only after a committed plan and only if not stopping."""
+        return self.plan is not None and not self.stopping and self.phase is not RunPhase.REJECTED
+
+    # ------------------------------------------------------------------ node reports
+    def node(self, node_id: int) -> NodeState | None:
+        for n in self.nodes:
+            if n.node_id == node_id:
+                return n
+        return None
+
+    def _match(
+        self, run_id: int, node_id: int | None, stage_index: int | None, readiness_id: str | None
+    ) -> NodeState | None:
+        if run_id != self.run_id:
+            return None
+        candidates = self.nodes
+        if node_id is not None:
+            candidates = [n for n in candidates if n.node_id == node_id]
+        if stage_index is not None:
+            candidates = [n for n in candidates if n.stage_index == stage_index]
+        if readiness_id is not None:
+            candidates = [n for n in candidates if n.readiness_id == readiness_id]
+        if len(candidates) != 1:
+            return None
+        return candidates[0]
+
+    def _ignored(self) -> bool:
+        self.ignored_reports += 1
+        return False
+
+    def on_runtime_ready(self, report: NodeRuntimeReady) -> bool:
+        """Accept a NodeRuntimeReady only if run, node, stage and readiness id all match."""
+        node = self._match(report.run_id, report.node_id, report.stage_index, report.readiness_id)
+        if node is None or report.node_actor != node.task_queue:
+            return self._ignored()
+        if node.runtime_ready is None:
+            node.runtime_ready = report
+        return True
+
+    def on_lease_started(self, report: LeaseStarted) -> bool:
+        node = self._match(report.run_id, report.node_id, None, report.readiness_id)
+        if node is None:
+            return self._ignored()
+        node.lease_started = True
+        return True
+
+    def on_route_checked(self, node_id: int, owned: bool) -> None:
+        node = self.node(node_id)
+        if node is not None:
+            node.route_owned = owned
+
+    def on_ack(self, ack: NodeRuntimeReadyAck) -> bool:
+        node = self._match(ack.run_id, ack.node_id, ack.stage_index, ack.readiness_id)
+        if node is None or not self.barrier_passed(node):
+            return self._ignored()
+        node.acked = True
+        return True
+
+    def on_weights_ready(self, report: WeightsReady) -> bool:
+        node = self._match(report.run_id, report.node_id, report.stage_index, report.readiness_id)
+        if node is None or not node.stage_provisioned:
+            return self._ignored()
+        node.weights_ready = True
+        return True
+
+    def on_stage_ready(self, report: StageReady) -> bool:
+        node = self._match(report.run_id, None, report.stage_index, report.readiness_id)
+        if node is None or not node.weights_ready:
+            return self._ignored()
+        node.stage_ready = True
+        return True
+
+    def on_stage_fault(self, report: StageFault) -> bool:
+        node = self._match(report.run_id, None, report.stage_index, report.readiness_id)
+        if node is None:
+            return self._ignored()
+        self.fault(f"stage {report.stage_index} fault: {report.reason}")
+        return True
+
+    def on_stage_stopped(self, report: StageStopped) -> bool:
+        node = self._match(report.run_id, None, report.stage_index, report.readiness_id)
+        if node is None:
+            return self._ignored()
+        node.stage_stopped = True
+        return True
+
+    def on_lease_lost(self, node_id: int, detail: str) -> None:
+        """Membership loss: a startup fault before prompt-ready, a run fault after."""
+        node = self.node(node_id)
+        if node is None:
+            return
+        node.lease_lost = True
+        if not self.stopping:
+            self.fault(f"{self._phase_word()}: membership lost for node {node_id}: {detail}")
+
+    def on_node_exited(self, node_id: int, detail: str) -> None:
+        node = self.node(node_id)
+        if node is None:
+            return
+        node.exited = True
+        if not self.stopping:
+            self.fault(f"{self._phase_word()}: node {node_id} exited: {detail}")
+
+    def _phase_word(self) -> str:
+        if self.phase is RunPhase.PROMPT_READY or self.phase is RunPhase.ROLLING_OVER:
+            return "prompt serving"
+        return f"startup ({self.phase.value})"
+
+    # ------------------------------------------------------------------ readiness
+    def barrier_passed(self, node: NodeState) -> bool:
+        """Runtime readiness (actor spec 6.4): report + membership + route + no failure."""
+        return (
+            node.runtime_ready is not None
+            and node.lease_started
+            and not node.lease_lost
+            and node.route_owned
+            and not node.exited
+        )
+
+    def all_barriers_passed(self) -> bool:
+        return bool(self.nodes) and all(self.barrier_passed(n) for n in self.nodes)
+
+    def all_acked(self) -> bool:
+        return bool(self.nodes) and all(n.acked for n in self.nodes)
+
+    def prompt_ready_allowed(self) -> bool:
+        """Prompt-ready (actor spec 6.8): every barrier, ack, stage and weight fact."""
+        return (
+            not self.stopping
+            and self.all_barriers_passed()
+            and self.all_acked()
+            and all(n.stage_provisioned and n.weights_ready and n.stage_ready for n in self.nodes)
+        )
+
+    def head(self) -> NodeState:
+        return min(self.nodes, key=lambda n: n.stage_index)
+
+    # ------------------------------------------------------------------ prompts
+    def admission_rejection(
+        self, request_id: int, capacity: int, rolling_over: bool
+    ) -> PromptRejection | None:
+        if self.phase is not RunPhase.PROMPT_READY or self.stopping:
+            if rolling_over and not self.stopping:
+                return PromptRejection.ROLLING_OVER
+            return PromptRejection.NOT_PROMPT_READY
+        if rolling_over:
+            return PromptRejection.ROLLING_OVER
+        if self.prompt(request_id) is not None:
+            return PromptRejection.DUPLICATE_REQUEST_ID
+        if self.prompts_in_flight() >= capacity:
+            return PromptRejection.QUEUE_FULL
+        return None
+
+    def prompts_in_flight(self) -> int:
+        return len(self.pending) + (1 if self.active is not None else 0)
+
+    def prompt(self, request_id: int) -> PromptRecord | None:
+        if self.active is not None and self.active.request_id == request_id:
+            return self.active
+        for p in self.pending:
+            if p.request_id == request_id:
+                return p
+        return None
+
+    def admit(self, request_id: int, workflow_id: str) -> PromptRecord:
+        record = PromptRecord(request_id=request_id, workflow_id=workflow_id)
+        self.pending.append(record)
+        self.record(LifecycleKind.PROMPT_ACCEPTED, workflow_id, request_id)
+        return record
+
+    def activate_next(self) -> PromptRecord | None:
+        """One active prompt at a time, FIFO; only while prompt-ready."""
+        if self.active is not None or not self.pending or self.stopping:
+            return None
+        if self.phase is not RunPhase.PROMPT_READY and self.phase is not RunPhase.ROLLING_OVER:
+            return None
+        record = self.pending.pop(0)
+        record.active = True
+        self.active = record
+        return record
+
+    def remove_pending(self, request_id: int) -> PromptRecord | None:
+        for i, p in enumerate(self.pending):
+            if p.request_id == request_id:
+                return self.pending.pop(i)
+        return None
+
+    def finish_prompt(self, workflow_id: str, ok: bool, detail: str, request_id: int) -> None:
+        """Clear the prompt's state after its one terminal event."""
+        if self.active is not None and self.active.workflow_id == workflow_id:
+            self.active = None
+        else:
+            self.pending = [p for p in self.pending if p.workflow_id != workflow_id]
+        if ok:
+            self.prompts_completed += 1
+            self.record(LifecycleKind.PROMPT_COMPLETED, detail, request_id)
+        else:
+            self.prompts_faulted += 1
+            self.record(LifecycleKind.PROMPT_FAULTED, detail, request_id)
+
+    # ------------------------------------------------------------------ teardown
+    def stages_to_stop(self) -> list[NodeState]:
+        """StopRun goes to every stage that was provisioned and whose node is not lost."""
+        return [n for n in self.nodes if n.stage_provisioned and not n.exited and not n.lease_lost]
+
+    def stage_stops_observed(self) -> bool:
+        return all(n.stage_stopped for n in self.stages_to_stop())
+
+    def nodes_to_stop(self) -> list[NodeState]:
+        return [n for n in self.nodes if n.handle is not None and not n.provider_stopped]
+
+    def teardown_complete(self) -> bool:
+        return not self.nodes_to_stop()

@@ -1,0 +1,63 @@
+"""Run request validation (actor spec 6.1): a rejected run provisions nothing."""
+
+from __future__ import annotations
+
+from mvp_core.models import ProviderKind, RunRequest
+from mvp_core.names import run_id_from_workflow_id
+
+MAX_PROMPT_QUEUE = 8
+
+
+class RunRejectedError(ValueError):
+    """The request is invalid; the message names what is wrong."""
+
+
+def resolve_run_id(request: RunRequest, workflow_id: str) -> int:
+    """DECISIONS 1: run_id comes from the workflow id; a different one in the request rejects."""
+    from_id = run_id_from_workflow_id(workflow_id)
+    if from_id is None:
+        if request.run_id is None:
+            raise RunRejectedError(
+                f"missing run id: workflow id {workflow_id!r} is not 'mvp-run-<run_id>' "
+                "and the request carries no run_id"
+            )
+        return request.run_id
+    if request.run_id is not None and request.run_id != from_id:
+        raise RunRejectedError(
+            f"run_id {request.run_id} in the request does not match workflow id {workflow_id!r}"
+        )
+    return from_id
+
+
+def validate_request(request: RunRequest) -> None:
+    """Reject what can be decided without I/O. Planning checks the model itself."""
+    if request.pipeline_stages <= 0:
+        raise RunRejectedError("--pipeline-stages must be greater than 0")
+    if not 1 <= request.prompt_queue_capacity <= MAX_PROMPT_QUEUE:
+        raise RunRejectedError(
+            f"prompt_queue_capacity={request.prompt_queue_capacity} must be between 1 and "
+            f"{MAX_PROMPT_QUEUE}"
+        )
+    model = request.model
+    if (model.bundled is None) == (model.path is None):
+        raise RunRejectedError(
+            "missing model source: set exactly one of model.bundled or model.path"
+        )
+    if request.tokenizer is not None and (request.tokenizer.bundled is None) == (
+        request.tokenizer.path is None
+    ):
+        raise RunRejectedError("tokenizer source must set exactly one of bundled or path")
+    if request.provider is not ProviderKind.PROCESS:
+        if not request.worker_image:
+            raise RunRejectedError(
+                f"missing worker image: provider {request.provider.value!r} needs worker_image"
+            )
+        raise RunRejectedError(
+            f"unsupported provider {request.provider.value!r} in this release; use process"
+        )
+    for key in request.node_env:
+        if any(s in key.upper() for s in ("KEY", "TOKEN", "SECRET", "PASSWORD")):
+            raise RunRejectedError(
+                f"node_env key {key!r} looks like a secret; secrets are read from the "
+                "orchestrator worker's environment, never from the run request"
+            )
