@@ -1,0 +1,50 @@
+"""Planning activities: resolve the model, read its GGUF metadata, commit a plan."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.gguf_facts import read_model_facts
+from activities.models_store import ModelSourceError, resolve_model
+from mvp_core import names
+from mvp_core.models import PreparePlanInput, RunPlan
+from mvp_core.planner import PlanningError, build_plan
+
+
+def provider_host() -> str:
+    import os
+
+    return os.environ.get("MVP_PROVIDER_HOST") or socket.gethostname()
+
+
+@activity.defn(name=names.ACT_PROVIDER_QUEUE)
+async def provider_queue() -> str:
+    """The host-affine provider queue of the worker that runs this (DECISIONS 17)."""
+    return names.provider_task_queue(provider_host())
+
+
+@activity.defn(name=names.ACT_PREPARE_PLAN)
+async def prepare_plan(inp: PreparePlanInput) -> RunPlan:
+    """Resolve the model on this host and plan the run from its GGUF metadata."""
+    try:
+        model_path = await asyncio.to_thread(resolve_model, inp.model)
+        tokenizer_path = (
+            await asyncio.to_thread(resolve_model, inp.tokenizer) if inp.tokenizer else model_path
+        )
+        facts = await asyncio.to_thread(read_model_facts, model_path)
+        return build_plan(
+            run_id=inp.run_id,
+            orchestrator_node_id=inp.orchestrator_node_id,
+            base_node_id=inp.node_id,
+            stage_count=inp.pipeline_stages,
+            max_context=inp.max_context,
+            facts=facts,
+            model_path=model_path,
+            tokenizer_path=tokenizer_path,
+        )
+    except (PlanningError, ModelSourceError) as err:
+        raise ApplicationError(str(err), type="PlanningError", non_retryable=True) from None

@@ -1,0 +1,198 @@
+"""The process provider: node agents as local detached processes.
+
+Each node runs in its own session and process group, with its output in a log file, so
+it outlives the orchestrator worker that started it. A pid file keyed by
+(run_id, node_id, nonce) makes start idempotent; the recorded process start time
+guards against pid reuse.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from activities.providers.base import SECRET_ENV_PASSTHROUGH
+from mvp_core.models import NodeExited, NodeHandle, NodeProvisionSpec, ProviderKind, StopNodeResult
+
+NODE_MODULE = "workers.node"
+_PASS_ENV = (
+    "PATH",
+    "HOME",
+    "LANG",
+    "LC_ALL",
+    "PYTHONPATH",
+    "VIRTUAL_ENV",
+    "TMPDIR",
+    "MVP_MODELS_DIR",
+    "XDG_CACHE_HOME",
+    "TEMPORAL_ADDRESS",
+    "CUDA_VISIBLE_DEVICES",
+)
+
+
+def state_dir() -> Path:
+    root = os.environ.get("MVP_STATE_DIR")
+    if root:
+        return Path(root)
+    return (
+        Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"))
+        / "mvp-orchestrator"
+    )
+
+
+def resource_name(run_id: int, node_id: int, nonce: str) -> str:
+    return f"mvp-{run_id}-{node_id}-{nonce[:8]}"
+
+
+def _alive(pid: int, create_time: float | None) -> bool:
+    try:
+        proc = psutil.Process(pid)
+        if create_time is not None and abs(proc.create_time() - create_time) > 0.5:
+            return False
+        return bool(proc.status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+class ProcessProvider:
+    def __init__(self, *, python: str | None = None, host: str | None = None) -> None:
+        self.python = python or sys.executable
+        self.host = host or socket.gethostname()
+
+    def _node_dir(self, run_id: int, node_id: int, nonce: str) -> Path:
+        return state_dir() / "nodes" / resource_name(run_id, node_id, nonce)
+
+    def start(self, spec: NodeProvisionSpec) -> NodeHandle:
+        name = resource_name(spec.run_id, spec.node_id, spec.nonce)
+        node_dir = self._node_dir(spec.run_id, spec.node_id, spec.nonce)
+        node_dir.mkdir(parents=True, exist_ok=True)
+        pid_file = node_dir / "pid.json"
+        log_path = node_dir / "node.log"
+        if pid_file.exists():
+            rec = json.loads(pid_file.read_text())
+            return self._handle(spec, name, int(rec["pid"]), log_path)
+        env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
+        env.update({k: os.environ[k] for k in SECRET_ENV_PASSTHROUGH if k in os.environ})
+        env.update(spec.environment)
+        env.update(
+            {
+                "MVP_RUN_ID": str(spec.run_id),
+                "MVP_NODE_ID": str(spec.node_id),
+                "MVP_STAGE_INDEX": str(spec.stage_index),
+                "MVP_TASK_QUEUE": spec.task_queue,
+                "MVP_READINESS_ID": spec.readiness_id,
+                "MVP_RUN_WORKFLOW_ID": spec.run_workflow_id,
+                "MVP_AUTHORIZED_ORCHESTRATOR": spec.authorized_orchestrator,
+                "MVP_TEMPORAL_NAMESPACE": spec.temporal_namespace,
+                "MVP_NODE_DIR": str(node_dir),
+                "PYTHONUNBUFFERED": "1",
+                "OMP_WAIT_POLICY": "PASSIVE",
+            }
+        )
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                [self.python, "-m", NODE_MODULE],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=str(node_dir),
+            )
+        create_time = psutil.Process(proc.pid).create_time()
+        tmp = pid_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pid": proc.pid, "create_time": create_time}))
+        os.replace(tmp, pid_file)
+        return self._handle(spec, name, proc.pid, log_path)
+
+    def _handle(self, spec: NodeProvisionSpec, name: str, pid: int, log_path: Path) -> NodeHandle:
+        return NodeHandle(
+            run_id=spec.run_id,
+            node_id=spec.node_id,
+            provider=ProviderKind.PROCESS,
+            host=self.host,
+            pid=pid,
+            log_path=str(log_path),
+            resource_name=name,
+        )
+
+    def _create_time(self, handle: NodeHandle) -> float | None:
+        if handle.log_path is None:
+            return None
+        pid_file = Path(handle.log_path).with_name("pid.json")
+        try:
+            return float(json.loads(pid_file.read_text())["create_time"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def stop(self, handle: NodeHandle, grace_s: float) -> StopNodeResult:
+        pid = handle.pid
+        if pid is None:
+            return StopNodeResult(node_id=handle.node_id, stopped=True)
+        create_time = self._create_time(handle)
+        if not _alive(pid, create_time):
+            _reap(pid)
+            return StopNodeResult(node_id=handle.node_id, stopped=True)
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return StopNodeResult(node_id=handle.node_id, stopped=True)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            _reap(pid)
+            if not _alive(pid, create_time):
+                return StopNodeResult(node_id=handle.node_id, stopped=True)
+            time.sleep(0.05)
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return StopNodeResult(node_id=handle.node_id, stopped=True)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            _reap(pid)
+            if not _alive(pid, create_time):
+                return StopNodeResult(node_id=handle.node_id, stopped=True)
+            time.sleep(0.05)
+        return StopNodeResult(
+            node_id=handle.node_id, stopped=False, error=f"process group {pid} survived SIGKILL"
+        )
+
+    def poll_exited(self, handles: list[NodeHandle]) -> NodeExited | None:
+        for handle in handles:
+            if handle.pid is None:
+                continue
+            _reap(handle.pid)
+            if not _alive(handle.pid, self._create_time(handle)):
+                return NodeExited(
+                    run_id=handle.run_id,
+                    node_id=handle.node_id,
+                    detail=f"process {handle.pid} is gone{self._tail(handle)}",
+                )
+        return None
+
+    def _tail(self, handle: NodeHandle) -> str:
+        if handle.log_path is None:
+            return ""
+        try:
+            with open(handle.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(f.tell() - 400, 0))
+                lines = f.read().decode(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return f"; last log line: {lines[-1][:200]}" if lines else ""

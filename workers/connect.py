@@ -1,0 +1,31 @@
+"""Connecting to Temporal: one place for the address, namespace and data converter."""
+
+from __future__ import annotations
+
+import os
+
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+
+DEFAULT_ADDRESS = "localhost:7233"
+
+
+def temporal_address() -> str:
+    return os.environ.get("TEMPORAL_ADDRESS", DEFAULT_ADDRESS)
+
+
+def temporal_namespace() -> str:
+    return os.environ.get("TEMPORAL_NAMESPACE", "default")
+
+
+async def connect(
+    address: str | None = None, namespace: str | None = None, identity: str | None = None
+) -> Client:
+    """A client that speaks pydantic models on the wire."""
+    kwargs = {"identity": identity} if identity else {}
+    return await Client.connect(
+        address or temporal_address(),
+        namespace=namespace or temporal_namespace(),
+        data_converter=pydantic_data_converter,
+        **kwargs,  # type: ignore[arg-type]
+    )

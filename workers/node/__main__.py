@@ -1,0 +1,3 @@
+from workers.node.agent import main
+
+main()

@@ -1,0 +1,241 @@
+"""The node agent's activities, served on the node's own task queue."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import timedelta
+from typing import Any
+
+from temporalio import activity
+from temporalio.client import Client, WorkflowHandle
+from temporalio.contrib.workflow_streams import WorkflowStreamClient
+from temporalio.exceptions import ApplicationError
+
+from mvp_core import names
+from mvp_core.models import (
+    Done,
+    Fault,
+    GenerateInput,
+    LeaseInput,
+    LeaseStarted,
+    NodeRuntimeReadyAck,
+    PromptOutcome,
+    StageProvision,
+    StageReady,
+    StageStopped,
+    StopRun,
+    TextDelta,
+    WeightsReady,
+)
+from workers.node.config import NodeConfig
+from workers.node.runtime import PromptTooLong, StageRuntime, load_async
+
+
+class NodeActivities:
+    def __init__(self, cfg: NodeConfig, client: Client) -> None:
+        self.cfg = cfg
+        self.client = client
+        self.acked = asyncio.Event()
+        self.stopped = asyncio.Event()
+        self.runtime: StageRuntime | None = None
+        self.last_lease_beat = time.monotonic()
+        self.leases_running = 0
+
+    def _run(self) -> WorkflowHandle[Any, Any]:
+        return self.client.get_workflow_handle(self.cfg.run_workflow_id)
+
+    def _check(self, run_id: int, readiness_id: str, authority: str | None = None) -> None:
+        """A stage rejects commands that are not from its run's authority (actor spec 6.6)."""
+        cfg = self.cfg
+        if run_id != cfg.run_id or readiness_id != cfg.readiness_id:
+            raise ApplicationError(
+                f"node {cfg.node_id}: command for run {run_id}/{readiness_id} rejected; this node "
+                f"serves run {cfg.run_id}/{cfg.readiness_id}",
+                type="StageRejected",
+                non_retryable=True,
+            )
+        if authority is not None and authority != cfg.authorized_orchestrator:
+            raise ApplicationError(
+                f"node {cfg.node_id}: unauthorized orchestrator {authority!r}",
+                type="StageRejected",
+                non_retryable=True,
+            )
+
+    @activity.defn(name=names.ACT_NODE_RUNTIME_READY_ACK)
+    async def runtime_ready_ack(self, ack: NodeRuntimeReadyAck) -> NodeRuntimeReadyAck:
+        cfg = self.cfg
+        self._check(ack.run_id, ack.readiness_id)
+        if ack.node_id != cfg.node_id or ack.stage_index != cfg.stage_index:
+            raise ApplicationError("ack for another node", type="StageRejected", non_retryable=True)
+        self.acked.set()
+        return NodeRuntimeReadyAck(
+            run_id=cfg.run_id,
+            node_id=cfg.node_id,
+            stage_index=cfg.stage_index,
+            readiness_id=cfg.readiness_id,
+        )
+
+    @activity.defn(name=names.ACT_NODE_LEASE)
+    async def lease(self, inp: LeaseInput) -> None:
+        """Membership: runs for the life of the run, heartbeating; its loss is a fault."""
+        cfg = self.cfg
+        self._check(inp.run_id, inp.readiness_id)
+        await self._run().signal(
+            names.SIGNAL_LEASE_STARTED,
+            LeaseStarted(
+                run_id=cfg.run_id,
+                node_id=cfg.node_id,
+                readiness_id=cfg.readiness_id,
+                worker_identity=cfg.identity,
+            ),
+        )
+        self.leases_running += 1
+        try:
+            while True:
+                activity.heartbeat()
+                self.last_lease_beat = time.monotonic()
+                await asyncio.sleep(inp.heartbeat_every_s)
+        except asyncio.CancelledError:
+            return
+        finally:
+            self.leases_running -= 1
+            self.last_lease_beat = time.monotonic()
+
+    @activity.defn(name=names.ACT_NODE_PROVISION_STAGE)
+    async def provision_stage(self, prov: StageProvision) -> None:
+        cfg = self.cfg
+        self._check(prov.run_id, prov.readiness_id, prov.authorized_orchestrator)
+        if prov.node_id != cfg.node_id or prov.stage_index != cfg.stage_index:
+            raise ApplicationError(
+                f"node {cfg.node_id}: provision for node {prov.node_id} stage "
+                f"{prov.stage_index} rejected",
+                type="StageRejected",
+                non_retryable=True,
+            )
+        if self.runtime is None:
+            task = asyncio.ensure_future(load_async(prov))
+            while not task.done():
+                activity.heartbeat("loading")
+                await asyncio.wait({task}, timeout=2)
+            try:
+                self.runtime = task.result()
+            except Exception as err:
+                raise ApplicationError(
+                    f"stage {cfg.stage_index} weight load failed: {err}",
+                    type="StageLoadFailed",
+                    non_retryable=True,
+                ) from None
+            print(
+                f"stage {cfg.stage_index} loaded layers [{prov.layers.start},{prov.layers.end}) "
+                f"in {self.runtime.load_s:.2f}s",
+                flush=True,
+            )
+        run = self._run()
+        await run.signal(
+            names.SIGNAL_WEIGHTS_READY,
+            WeightsReady(
+                run_id=cfg.run_id,
+                node_id=cfg.node_id,
+                stage_index=cfg.stage_index,
+                readiness_id=cfg.readiness_id,
+            ),
+        )
+        # Direct mode has no edges: weights ready + runtime ready = stage ready.
+        await run.signal(
+            names.SIGNAL_STAGE_READY,
+            StageReady(
+                run_id=cfg.run_id, stage_index=cfg.stage_index, readiness_id=cfg.readiness_id
+            ),
+        )
+
+    @activity.defn(name=names.ACT_NODE_GENERATE)
+    async def generate(self, inp: GenerateInput) -> PromptOutcome:
+        """Encode, run the token loop, publish text deltas, return the terminal event."""
+        self._check(inp.run_id, inp.readiness_id)
+        runtime = self.runtime
+        request_id = inp.prompt.request_id
+        if runtime is None:
+            raise ApplicationError(
+                "generate before the stage was provisioned",
+                type="StageNotReady",
+                non_retryable=True,
+            )
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[str | None] = asyncio.Queue()
+        cancel = False
+
+        def on_text(piece: str) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, piece)
+
+        def should_stop() -> bool:
+            return cancel
+
+        def work():  # type: ignore[no-untyped-def]
+            try:
+                return runtime.run_direct(inp.prompt, inp.max_new_tokens, on_text, should_stop)
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, None)
+
+        stream = WorkflowStreamClient.create(
+            activity.client(),
+            inp.prompt_workflow_id,
+            batch_interval=timedelta(milliseconds=inp.stream_batch_ms),
+        )
+        topic = stream.topic(names.PROMPT_STREAM_TOPIC, type=TextDelta)
+        task = asyncio.ensure_future(asyncio.to_thread(work))
+        async with stream:
+            try:
+                while True:
+                    try:
+                        piece = await asyncio.wait_for(queue.get(), timeout=1.0)
+                    except TimeoutError:
+                        activity.heartbeat()
+                        continue
+                    if piece is None:
+                        break
+                    topic.publish(TextDelta(request_id=request_id, text=piece))
+                    activity.heartbeat()
+            except asyncio.CancelledError:
+                cancel = True
+                try:
+                    await task
+                except Exception:
+                    pass
+                await stream.flush()
+                raise
+            try:
+                result = await task
+            except PromptTooLong as err:
+                await stream.flush()
+                return PromptOutcome(terminal=Fault(request_id=request_id, error=str(err)))
+            except Exception as err:
+                raise ApplicationError(
+                    f"engine fault on stage {self.cfg.stage_index}: {type(err).__name__}: {err}",
+                    type="EngineFault",
+                    non_retryable=True,
+                ) from None
+            await stream.flush()
+        return PromptOutcome(
+            terminal=Done(
+                request_id=request_id,
+                final_text=result.text,
+                tokens_generated=result.tokens,
+                elapsed_ms=result.elapsed_ms,
+            )
+        )
+
+    @activity.defn(name=names.ACT_NODE_STOP_STAGE)
+    async def stop_stage(self, cmd: StopRun) -> None:
+        cfg = self.cfg
+        self._check(cmd.run_id, cmd.readiness_id, cmd.authorized_orchestrator)
+        runtime, self.runtime = self.runtime, None
+        if runtime is not None:
+            await asyncio.to_thread(runtime.close)
+        await self._run().signal(
+            names.SIGNAL_STAGE_STOPPED,
+            StageStopped(
+                run_id=cfg.run_id, stage_index=cfg.stage_index, readiness_id=cfg.readiness_id
+            ),
+        )
+        self.stopped.set()

@@ -1,0 +1,135 @@
+"""The node agent: ``python -m workers.node`` (started by a provider).
+
+Runs a Temporal worker on the node's own nonce-bearing task queue, reports
+NodeRuntimeReady to the run until acknowledged, and shuts itself down (dead-man switch,
+DECISIONS 7) when the run is closed or no lease has run for a while.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+from temporalio.api.enums.v1 import WorkflowExecutionStatus
+from temporalio.client import Client
+from temporalio.service import RPCError, RPCStatusCode
+from temporalio.worker import Worker
+
+from mvp_core import names
+from mvp_core.models import NodeRuntimeReady
+from workers.connect import connect
+from workers.node.activities import NodeActivities
+from workers.node.config import NodeConfig
+
+log = logging.getLogger("mvp.node")
+DEADMAN_CHECK_S = 2.0
+
+
+async def report_ready(
+    cfg: NodeConfig, client: Client, acts: NodeActivities, stop: asyncio.Event
+) -> None:
+    """Re-send NodeRuntimeReady with backoff until acknowledged (DECISIONS 3)."""
+    report = NodeRuntimeReady(
+        run_id=cfg.run_id,
+        node_id=cfg.node_id,
+        stage_index=cfg.stage_index,
+        endpoint=f"temporal:{cfg.task_queue}",
+        node_actor=cfg.task_queue,
+        worker_identity=cfg.identity,
+        readiness_id=cfg.readiness_id,
+    )
+    handle = client.get_workflow_handle(cfg.run_workflow_id)
+    delay, deadline = 0.25, time.monotonic() + cfg.readiness_timeout_s
+    while not acts.acked.is_set() and not stop.is_set():
+        try:
+            await handle.signal(names.SIGNAL_NODE_RUNTIME_READY, report)
+        except RPCError as err:
+            log.warning("NodeRuntimeReady not delivered: %s", err.message)
+        if time.monotonic() > deadline:
+            log.error("no runtime-ready acknowledgement in %.0fs; exiting", cfg.readiness_timeout_s)
+            stop.set()
+            return
+        try:
+            await asyncio.wait_for(acts.acked.wait(), timeout=delay)
+        except TimeoutError:
+            delay = min(delay * 2, 5.0)
+
+
+async def dead_man(
+    cfg: NodeConfig, client: Client, acts: NodeActivities, stop: asyncio.Event
+) -> None:
+    """Exit when the run is closed, or when no lease activity has run for a while."""
+    handle = client.get_workflow_handle(cfg.run_workflow_id)
+    while not stop.is_set():
+        await asyncio.sleep(DEADMAN_CHECK_S)
+        try:
+            desc = await handle.describe()
+            if (
+                desc.raw_description.workflow_execution_info.status
+                != WorkflowExecutionStatus.WORKFLOW_EXECUTION_STATUS_RUNNING
+            ):
+                log.warning("run %s is closed; shutting down", cfg.run_workflow_id)
+                stop.set()
+                return
+        except RPCError as err:
+            if err.status == RPCStatusCode.NOT_FOUND:
+                log.warning("run %s not found; shutting down", cfg.run_workflow_id)
+                stop.set()
+                return
+        silent = time.monotonic() - acts.last_lease_beat
+        if acts.leases_running == 0 and silent > cfg.lease_silence_s:
+            log.warning("no lease for %.0fs; shutting down", silent)
+            stop.set()
+            return
+        if acts.stopped.is_set():
+            # StopRun done: linger briefly so the provider's stop finds us, then leave.
+            await asyncio.sleep(5.0)
+            stop.set()
+            return
+
+
+async def amain() -> None:
+    cfg = NodeConfig.from_env()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    client = await connect(cfg.address, cfg.namespace, identity=cfg.identity)
+    acts = NodeActivities(cfg, client)
+    worker = Worker(
+        client,
+        task_queue=cfg.task_queue,
+        activities=[
+            acts.runtime_ready_ack,
+            acts.lease,
+            acts.provision_stage,
+            acts.generate,
+            acts.stop_stage,
+        ],
+        identity=cfg.identity,
+        max_concurrent_activities=16,
+        graceful_shutdown_timeout=__import__("datetime").timedelta(seconds=2),
+    )
+    print(
+        f"node {cfg.node_id} stage {cfg.stage_index} serving {cfg.task_queue} as {cfg.identity}",
+        flush=True,
+    )
+    tasks = [
+        asyncio.ensure_future(worker.run()),
+        asyncio.ensure_future(report_ready(cfg, client, acts, stop)),
+        asyncio.ensure_future(dead_man(cfg, client, acts, stop)),
+    ]
+    await stop.wait()
+    for t in tasks[1:]:
+        t.cancel()
+    await worker.shutdown()
+    if acts.runtime is not None:
+        acts.runtime.close()
+    print(f"node {cfg.node_id} stopped", flush=True)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(amain())

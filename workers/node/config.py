@@ -1,0 +1,48 @@
+"""The node agent's facts, given by its provider in the environment."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    run_id: int
+    node_id: int
+    stage_index: int
+    task_queue: str
+    readiness_id: str
+    run_workflow_id: str
+    authorized_orchestrator: str
+    namespace: str
+    address: str
+    identity: str
+    readiness_timeout_s: float = 120.0
+    lease_silence_s: float = 60.0
+
+    @classmethod
+    def from_env(cls) -> NodeConfig:
+        env = os.environ
+
+        def need(key: str) -> str:
+            value = env.get(key)
+            if not value:
+                raise SystemExit(f"mvp-node: missing environment {key}")
+            return value
+
+        task_queue = need("MVP_TASK_QUEUE")
+        return cls(
+            run_id=int(need("MVP_RUN_ID")),
+            node_id=int(need("MVP_NODE_ID")),
+            stage_index=int(need("MVP_STAGE_INDEX")),
+            task_queue=task_queue,
+            readiness_id=need("MVP_READINESS_ID"),
+            run_workflow_id=need("MVP_RUN_WORKFLOW_ID"),
+            authorized_orchestrator=need("MVP_AUTHORIZED_ORCHESTRATOR"),
+            namespace=env.get("MVP_TEMPORAL_NAMESPACE", "default"),
+            address=env.get("TEMPORAL_ADDRESS", "localhost:7233"),
+            identity=f"{task_queue}@{socket.gethostname()}:{os.getpid()}",
+            lease_silence_s=float(env.get("MVP_LEASE_SILENCE_S", "60")),
+        )

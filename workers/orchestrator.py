@@ -1,0 +1,70 @@
+"""The orchestrator worker: ``python -m workers.orchestrator``.
+
+Hosts RunWorkflow and PromptWorkflow plus the shared activities on ``mvp-orchestrator``,
+and this host's provider activities on ``mvp-provider-<host>``. Run as many as you
+like; a killed one loses nothing, because a run's state is its workflow history.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from temporalio.worker import Worker
+
+from activities.membership import check_route
+from activities.planning import prepare_plan, provider_host, provider_queue
+from activities.provisioning import ProviderActivities
+from mvp_core import names
+from workers.connect import connect, temporal_address
+from workflows.prompt import PromptWorkflow
+from workflows.run import RunWorkflow
+
+log = logging.getLogger("mvp.orchestrator")
+
+
+async def run_worker(stop: asyncio.Event) -> None:
+    client = await connect()
+    providers = ProviderActivities()
+    host_queue = names.provider_task_queue(provider_host())
+    shared = Worker(
+        client,
+        task_queue=names.ORCHESTRATOR_TASK_QUEUE,
+        workflows=[RunWorkflow, PromptWorkflow],
+        activities=[provider_queue, check_route],
+        max_concurrent_activities=64,
+    )
+    local = Worker(
+        client,
+        task_queue=host_queue,
+        activities=[prepare_plan, providers.start_node, providers.stop_node, providers.watch_nodes],
+        max_concurrent_activities=64,
+    )
+    log.info(
+        "orchestrator worker on %s (queues %s, %s)",
+        temporal_address(),
+        names.ORCHESTRATOR_TASK_QUEUE,
+        host_queue,
+    )
+    async with shared, local:
+        print(
+            f"mvp-orchestrator worker ready: {names.ORCHESTRATOR_TASK_QUEUE} + {host_queue}",
+            flush=True,
+        )
+        await stop.wait()
+
+
+def main() -> None:
+    argparse.ArgumentParser(description=__doc__).parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    loop.run_until_complete(run_worker(stop))
+
+
+if __name__ == "__main__":
+    main()

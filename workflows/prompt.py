@@ -1,0 +1,100 @@
+"""PromptWorkflow: one prompt, hosting the stream its text deltas travel through.
+
+Started by the run at admission (so a client can subscribe while the prompt waits),
+activated by the run when it is this prompt's turn, then it schedules the generate
+activity on the head node's queue and returns the terminal event.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.contrib.workflow_streams import WorkflowStream
+from temporalio.exceptions import ActivityError, ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from mvp_core import names
+    from mvp_core.models import (
+        Fault,
+        GenerateInput,
+        PromptInput,
+        PromptOutcome,
+    )
+
+
+def _cause(err: BaseException) -> str:
+    """The innermost message of an activity failure, for people to read."""
+    cause: BaseException | None = err
+    while cause is not None and isinstance(cause, ActivityError) and cause.cause is not None:
+        cause = cause.cause
+    if isinstance(cause, ApplicationError):
+        return cause.message
+    return str(cause) if cause is not None else str(err)
+
+
+@workflow.defn(name=names.PROMPT_WORKFLOW)
+class PromptWorkflow:
+    @workflow.init
+    def __init__(self, inp: PromptInput) -> None:
+        self._stream = WorkflowStream()
+        self._activated = False
+        self._cancel_reason: str | None = None
+
+    @workflow.signal(name=names.SIGNAL_PROMPT_ACTIVATE)
+    def activate(self) -> None:
+        self._activated = True
+
+    @workflow.signal(name=names.SIGNAL_PROMPT_CANCEL)
+    def cancel(self, reason: str) -> None:
+        if self._cancel_reason is None:
+            self._cancel_reason = reason or "cancelled"
+
+    @workflow.run
+    async def run(self, inp: PromptInput) -> PromptOutcome:
+        request_id = inp.prompt.request_id
+        await workflow.wait_condition(lambda: self._activated or self._cancel_reason is not None)
+        if self._cancel_reason is not None:
+            return self._finish(
+                PromptOutcome(terminal=Fault(request_id=request_id, error=self._cancel_reason))
+            )
+        handle = workflow.start_activity(
+            names.ACT_NODE_GENERATE,
+            GenerateInput(
+                run_id=inp.run_id,
+                readiness_id=inp.readiness_id,
+                prompt_workflow_id=workflow.info().workflow_id,
+                prompt=inp.prompt,
+                max_new_tokens=inp.max_new_tokens,
+            ),
+            result_type=PromptOutcome,
+            task_queue=inp.head_task_queue,
+            schedule_to_start_timeout=timedelta(seconds=30),
+            start_to_close_timeout=timedelta(hours=6),
+            heartbeat_timeout=timedelta(seconds=inp.generate_heartbeat_s),
+            # A retry would publish the same text twice (DECISIONS 11).
+            retry_policy=RetryPolicy(maximum_attempts=1),
+            cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+        )
+        await workflow.wait_condition(lambda: handle.done() or self._cancel_reason is not None)
+        if not handle.done():
+            handle.cancel()
+        try:
+            outcome = await handle
+        except ActivityError as err:
+            if self._cancel_reason is not None:
+                outcome = PromptOutcome(
+                    terminal=Fault(request_id=request_id, error=self._cancel_reason)
+                )
+            else:
+                reason = _cause(err)
+                outcome = PromptOutcome(
+                    terminal=Fault(request_id=request_id, error=f"prompt serving fault: {reason}"),
+                    run_fault=f"prompt serving: generate on {inp.head_task_queue} failed: {reason}",
+                )
+        return self._finish(outcome)
+
+    def _finish(self, outcome: PromptOutcome) -> PromptOutcome:
+        self._stream.topic(names.PROMPT_STREAM_TOPIC).publish(outcome.terminal)
+        return outcome

@@ -1,0 +1,695 @@
+"""RunWorkflow: the run authority of the actor spec, wired to Temporal.
+
+Thin by design: every decision is a method of the pure ``RunState``; this module turns
+those decisions into activities, signals, child workflows and timers. Teardown runs on
+every exit path except continue-as-new, which carries the state to the next run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from typing import Any, NoReturn
+
+from pydantic import BaseModel
+from temporalio import workflow
+from temporalio.common import RetryPolicy, SearchAttributeKey
+from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
+
+with workflow.unsafe.imports_passed_through():
+    from mvp_core import names
+    from mvp_core.generation import effective_max_tokens
+    from mvp_core.models import (
+        CancelPrompt,
+        CheckRouteInput,
+        Fault,
+        LeaseInput,
+        LeaseStarted,
+        LifecycleKind,
+        NodeExited,
+        NodeHandle,
+        NodeProvisionSpec,
+        NodeRuntimeReady,
+        NodeRuntimeReadyAck,
+        PreparePlanInput,
+        PromptInput,
+        PromptOutcome,
+        PromptTerminal,
+        RequestShutdown,
+        RunOutcome,
+        RunPhase,
+        RunPlan,
+        RunRequest,
+        ShutdownReason,
+        StageFault,
+        StageProvision,
+        StageReady,
+        StageStopped,
+        StopNodeInput,
+        StopNodeResult,
+        StopRun,
+        SubmitPrompt,
+        WatchNodesInput,
+        WeightsReady,
+    )
+    from mvp_core.run_state import NodeState, PromptRejection, RunState
+    from mvp_core.validation import RunRejectedError, resolve_run_id, validate_request
+    from workflows.prompt import PromptWorkflow, _cause
+
+PHASE_KEY = SearchAttributeKey.for_keyword(names.SEARCH_ATTRIBUTE_PHASE)
+HANDLERS_DRAIN = timedelta(seconds=30)
+
+
+class RunCarry(BaseModel):
+    """What continue-as-new hands to the next run of the same workflow id."""
+
+    state: RunState
+
+
+class _Stopping(Exception):
+    """Internal: the run started stopping while a startup step was waiting."""
+
+
+@workflow.defn(name=names.RUN_WORKFLOW, failure_exception_types=[Exception])
+class RunWorkflow:
+    @workflow.init
+    def __init__(self, request: RunRequest, carry: RunCarry | None = None) -> None:
+        self._request = request
+        self._rejection: str | None = None
+        self._children: dict[str, Any] = {}
+        self._leases: dict[int, asyncio.Task[None]] = {}
+        self._watch: asyncio.Task[None] | None = None
+        self._rolling_over = False
+        if carry is not None:
+            self._state = carry.state
+            self._state.continued += 1
+            return
+        run_id = -1
+        try:
+            run_id = resolve_run_id(request, workflow.info().workflow_id)
+            validate_request(request)
+        except RunRejectedError as err:
+            self._rejection = str(err)
+        nonce = workflow.uuid4().hex
+        self._state = RunState(
+            run_id=run_id if run_id >= 0 else (request.run_id or 0),
+            nonce=nonce,
+            authorized_orchestrator=f"{workflow.info().workflow_id}/{nonce[:8]}",
+        )
+
+    # ------------------------------------------------------------------ run
+    @workflow.run
+    async def run(self, request: RunRequest, carry: RunCarry | None = None) -> RunOutcome:
+        state = self._state
+        if carry is None:
+            if self._rejection is not None:
+                self._reject(self._rejection)
+            state.record(LifecycleKind.RUN_ACCEPTED)
+            self._set_phase(RunPhase.ACCEPTED)
+        action = "stop"
+        try:
+            if carry is None:
+                plan_error = await self._plan()
+                if plan_error is not None:
+                    self._reject(plan_error)
+                await self._startup()
+            else:
+                self._resume()
+            action = await self._serve()
+        except _Stopping:
+            pass
+        except asyncio.CancelledError:
+            state.request_shutdown(ShutdownReason.HOST_REQUESTED)
+        except Exception as err:
+            state.fault(f"{state._phase_word()}: {_describe(err)}")
+        if action == "continue_as_new":
+            await self._cancel_background()
+            workflow.continue_as_new(args=[self._request, RunCarry(state=state)])
+        await asyncio.shield(asyncio.ensure_future(self._teardown()))
+        outcome = state.outcome()
+        if state.first_fault is not None:
+            raise ApplicationError(
+                f"RunFaulted: {state.first_fault}", outcome, type="RunFaulted", non_retryable=True
+            )
+        return outcome
+
+    def _reject(self, reason: str) -> NoReturn:
+        state = self._state
+        state.phase = RunPhase.REJECTED
+        state.record(LifecycleKind.RUN_REJECTED, reason)
+        self._set_phase(RunPhase.REJECTED)
+        raise ApplicationError(
+            f"RunRejected: {reason}", state.outcome(), type="RunRejected", non_retryable=True
+        )
+
+    # ------------------------------------------------------------------ planning
+    async def _plan(self) -> str | None:
+        state, req = self._state, self._request
+        self._set_phase(RunPhase.PLANNING)
+        state.record(LifecycleKind.RUN_PLANNING_STARTED)
+        state.provider_queue = await workflow.execute_activity(
+            names.ACT_PROVIDER_QUEUE,
+            result_type=str,
+            task_queue=names.ORCHESTRATOR_TASK_QUEUE,
+            start_to_close_timeout=timedelta(seconds=10),
+        )
+        try:
+            plan = await workflow.execute_activity(
+                names.ACT_PREPARE_PLAN,
+                PreparePlanInput(
+                    run_id=state.run_id,
+                    orchestrator_node_id=req.orchestrator_node_id,
+                    node_id=req.node_id,
+                    model=req.model,
+                    tokenizer=req.tokenizer,
+                    pipeline_stages=req.pipeline_stages,
+                    max_context=req.max_context,
+                ),
+                result_type=RunPlan,
+                task_queue=state.provider_queue,
+                start_to_close_timeout=timedelta(minutes=10),
+                retry_policy=RetryPolicy(
+                    maximum_attempts=3, non_retryable_error_types=["PlanningError"]
+                ),
+            )
+        except ActivityError as err:
+            return f"planning failed: {_cause(err)}"
+        state.plan = plan
+        for stage in plan.stages:
+            state.nodes.append(
+                NodeState(
+                    node_id=stage.node_id,
+                    stage_index=stage.stage_index,
+                    task_queue=names.node_task_queue(state.run_id, stage.node_id, state.nonce),
+                    readiness_id=f"{state.nonce[:8]}-{stage.node_id}-{stage.stage_index}",
+                )
+            )
+        state.record(
+            LifecycleKind.RUN_PLANNING_READY,
+            f"{plan.stage_count} stage(s) of {plan.model_facts.name}, max_seq_len {plan.max_seq_len}",
+        )
+        return None
+
+    # ------------------------------------------------------------------ startup
+    async def _startup(self) -> None:
+        state, req = self._state, self._request
+        assert state.plan is not None and state.provider_queue is not None
+        if not state.may_provision():
+            raise _Stopping()
+        self._set_phase(RunPhase.PROVISIONING)
+        state.record(LifecycleKind.RUN_PROVISIONING_STARTED)
+        for node in state.nodes:
+            spec = NodeProvisionSpec(
+                run_id=state.run_id,
+                node_id=node.node_id,
+                stage_index=node.stage_index,
+                nonce=state.nonce,
+                task_queue=node.task_queue,
+                readiness_id=node.readiness_id,
+                authorized_orchestrator=state.authorized_orchestrator,
+                run_workflow_id=workflow.info().workflow_id,
+                image_or_artifact=req.worker_image,
+                environment=dict(req.node_env),
+                coordinator_endpoint="",
+                temporal_namespace=workflow.info().namespace,
+            )
+            node.handle = await self._guard(
+                workflow.execute_activity(
+                    names.ACT_START_NODE,
+                    spec,
+                    result_type=NodeHandle,
+                    task_queue=state.provider_queue,
+                    start_to_close_timeout=timedelta(seconds=60),
+                    retry_policy=RetryPolicy(maximum_attempts=3),
+                )
+            )
+        self._start_watch()
+        self._set_phase(RunPhase.READINESS)
+        state.record(LifecycleKind.RUN_READINESS_STARTED)
+        deadline = workflow.now() + timedelta(seconds=req.timeouts.readiness_s)
+        for node in state.nodes:
+            self._start_lease(node, req.timeouts.readiness_s)
+        for node in state.nodes:
+            await self._wait(
+                lambda n=node: n.runtime_ready is not None,
+                deadline,
+                f"node {node.node_id} did not report NodeRuntimeReady",
+            )
+            await self._wait(
+                lambda n=node: n.lease_started,
+                deadline,
+                f"node {node.node_id} lease never started (membership)",
+            )
+            await self._check_route(node, deadline)
+            await self._ack(node)
+        self._set_phase(RunPhase.STAGE_PROVISIONING)
+        for node in sorted(state.nodes, key=lambda n: n.stage_index):
+            await self._provision_stage(node)
+        if not state.prompt_ready_allowed():
+            raise _Stopping() if state.stopping else RuntimeError("prompt-ready facts incomplete")
+        self._set_phase(RunPhase.PROMPT_READY)
+        state.record(LifecycleKind.RUN_READY)
+
+    async def _check_route(self, node: NodeState, deadline: Any) -> None:
+        assert node.runtime_ready is not None
+        remaining = max((deadline - workflow.now()).total_seconds(), 1.0)
+        owned = await self._guard(
+            workflow.execute_activity(
+                names.ACT_CHECK_ROUTE,
+                CheckRouteInput(
+                    task_queue=node.task_queue, identity=node.runtime_ready.worker_identity
+                ),
+                result_type=bool,
+                task_queue=names.ORCHESTRATOR_TASK_QUEUE,
+                start_to_close_timeout=timedelta(seconds=10),
+                schedule_to_close_timeout=timedelta(seconds=remaining),
+                retry_policy=RetryPolicy(
+                    initial_interval=timedelta(milliseconds=200),
+                    backoff_coefficient=1.5,
+                    maximum_interval=timedelta(seconds=2),
+                ),
+            )
+        )
+        self._state.on_route_checked(node.node_id, bool(owned))
+        if not owned:
+            raise RuntimeError(
+                f"route owner of {node.task_queue} does not match node {node.node_id}"
+            )
+
+    async def _ack(self, node: NodeState) -> None:
+        t = self._request.timeouts
+        ack = await self._guard(
+            workflow.execute_activity(
+                names.ACT_NODE_RUNTIME_READY_ACK,
+                NodeRuntimeReadyAck(
+                    run_id=self._state.run_id,
+                    node_id=node.node_id,
+                    stage_index=node.stage_index,
+                    readiness_id=node.readiness_id,
+                ),
+                result_type=NodeRuntimeReadyAck,
+                task_queue=node.task_queue,
+                start_to_close_timeout=timedelta(seconds=max(t.ack_resend_s, 1.0)),
+                schedule_to_close_timeout=timedelta(seconds=t.ack_s),
+                retry_policy=RetryPolicy(
+                    initial_interval=timedelta(seconds=t.ack_resend_s), backoff_coefficient=1.0
+                ),
+            )
+        )
+        if not self._state.on_ack(ack):
+            raise RuntimeError(
+                f"runtime-ready acknowledgement of node {node.node_id} did not match"
+            )
+
+    async def _provision_stage(self, node: NodeState) -> None:
+        state, req = self._state, self._request
+        assert state.plan is not None
+        stage = state.plan.stages[node.stage_index]
+        provision = StageProvision(
+            run_id=state.run_id,
+            authorized_orchestrator=state.authorized_orchestrator,
+            node_id=node.node_id,
+            stage_index=node.stage_index,
+            stage_count=state.plan.stage_count,
+            layers=stage.layers,
+            inbound_edge=None,
+            outbound_edge=None,
+            consumer_endpoint=None,
+            model_name=state.plan.model_facts.name,
+            model_path=state.plan.model_path,
+            tokenizer_path=state.plan.tokenizer_path,
+            max_seq_len=state.plan.max_seq_len,
+            rings=state.plan.rings,
+            readiness_id=node.readiness_id,
+            engine=req.engine,
+            run_workflow_id=workflow.info().workflow_id,
+        )
+        node.stage_provisioned = True
+        await self._guard(
+            workflow.execute_activity(
+                names.ACT_NODE_PROVISION_STAGE,
+                provision,
+                task_queue=node.task_queue,
+                start_to_close_timeout=timedelta(seconds=req.timeouts.weight_load_s),
+                heartbeat_timeout=timedelta(seconds=30),
+                retry_policy=RetryPolicy(
+                    maximum_attempts=2, non_retryable_error_types=["StageRejected"]
+                ),
+            )
+        )
+        deadline = workflow.now() + timedelta(seconds=req.timeouts.ack_s)
+        await self._wait(
+            lambda: node.weights_ready and node.stage_ready,
+            deadline,
+            f"stage {node.stage_index} did not report WeightsReady/StageReady",
+        )
+
+    # ------------------------------------------------------------------ background
+    def _start_lease(self, node: NodeState, schedule_to_start_s: float) -> None:
+        state, t = self._state, self._request.timeouts
+
+        async def lease() -> None:
+            try:
+                await workflow.execute_activity(
+                    names.ACT_NODE_LEASE,
+                    LeaseInput(
+                        run_id=state.run_id,
+                        node_id=node.node_id,
+                        readiness_id=node.readiness_id,
+                        run_workflow_id=workflow.info().workflow_id,
+                    ),
+                    task_queue=node.task_queue,
+                    schedule_to_start_timeout=timedelta(seconds=schedule_to_start_s),
+                    start_to_close_timeout=timedelta(days=30),
+                    heartbeat_timeout=timedelta(seconds=t.lease_heartbeat_s),
+                    retry_policy=RetryPolicy(maximum_attempts=1),
+                    cancellation_type=workflow.ActivityCancellationType.TRY_CANCEL,
+                )
+                detail = "lease ended"
+            except asyncio.CancelledError:
+                return
+            except ActivityError as err:
+                detail = _cause(err)
+            state.on_lease_lost(node.node_id, detail)
+
+        self._leases[node.node_id] = asyncio.ensure_future(lease())
+
+    def _start_watch(self) -> None:
+        state = self._state
+        assert state.provider_queue is not None
+        handles = [n.handle for n in state.nodes if n.handle is not None]
+        queue = state.provider_queue
+
+        async def watch() -> None:
+            try:
+                exited = await workflow.execute_activity(
+                    names.ACT_WATCH_NODES,
+                    WatchNodesInput(handles=handles),
+                    result_type=NodeExited,
+                    task_queue=queue,
+                    start_to_close_timeout=timedelta(days=30),
+                    heartbeat_timeout=timedelta(seconds=10),
+                    retry_policy=RetryPolicy(
+                        initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=5)
+                    ),
+                    cancellation_type=workflow.ActivityCancellationType.TRY_CANCEL,
+                )
+            except (asyncio.CancelledError, ActivityError):
+                return
+            state.on_node_exited(exited.node_id, exited.detail)
+
+        self._watch = asyncio.ensure_future(watch())
+
+    async def _cancel_background(self) -> None:
+        tasks = [*self._leases.values(), *([self._watch] if self._watch else [])]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        self._leases.clear()
+        self._watch = None
+
+    # ------------------------------------------------------------------ waiting helpers
+    async def _wait(self, cond: Any, deadline: Any, what: str) -> None:
+        state = self._state
+        remaining = (deadline - workflow.now()).total_seconds()
+        try:
+            await workflow.wait_condition(
+                lambda: cond() or state.stopping, timeout=max(remaining, 0.001)
+            )
+        except TimeoutError:
+            raise RuntimeError(f"{what} in time") from None
+        if state.stopping:
+            raise _Stopping()
+
+    async def _guard(self, awaitable: Any) -> Any:
+        """Await an activity, but give up on it as soon as the run starts stopping."""
+        task = asyncio.ensure_future(awaitable)
+        await workflow.wait_condition(lambda: task.done() or self._state.stopping)
+        if not task.done():
+            task.cancel()
+            raise _Stopping()
+        return task.result()
+
+    # ------------------------------------------------------------------ serving
+    def _resume(self) -> None:
+        """After continue-as-new: leases and the watch start again at once."""
+        for node in self._state.nodes:
+            self._start_lease(node, self._request.timeouts.lease_heartbeat_s * 3)
+        self._start_watch()
+        self._set_phase(RunPhase.PROMPT_READY)
+
+    async def _serve(self) -> str:
+        state = self._state
+        while True:
+            await workflow.wait_condition(
+                lambda: (
+                    state.stopping
+                    or (state.active is None and bool(state.pending))
+                    or (workflow.info().is_continue_as_new_suggested() and not self._rolling_over)
+                    or (self._rolling_over and state.prompts_in_flight() == 0)
+                )
+            )
+            if state.stopping:
+                return "stop"
+            if self._rolling_over and state.prompts_in_flight() == 0:
+                await workflow.wait_condition(workflow.all_handlers_finished)
+                if state.stopping:
+                    return "stop"
+                return "continue_as_new"
+            if workflow.info().is_continue_as_new_suggested() and not self._rolling_over:
+                self._rolling_over = True
+                self._set_phase(RunPhase.ROLLING_OVER)
+                continue
+            state.activate_next()
+
+    @workflow.update(name=names.UPDATE_SUBMIT_PROMPT)
+    async def submit_prompt(self, prompt: SubmitPrompt) -> PromptTerminal:
+        state = self._state
+        update_id = (workflow.current_update_info() or _NoUpdate()).id
+        wf_id = names.prompt_workflow_id(state.run_id, prompt.request_id, _safe(update_id))
+        record = state.admit(prompt.request_id, wf_id)
+        head = state.head()
+        child = await workflow.start_child_workflow(
+            PromptWorkflow.run,
+            PromptInput(
+                run_id=state.run_id,
+                readiness_id=head.readiness_id,
+                prompt=prompt,
+                max_new_tokens=effective_max_tokens(
+                    prompt.max_tokens, self._request.default_max_tokens
+                ),
+                head_task_queue=head.task_queue,
+                generate_heartbeat_s=self._request.timeouts.generate_heartbeat_s,
+            ),
+            id=wf_id,
+            task_queue=names.ORCHESTRATOR_TASK_QUEUE,
+            parent_close_policy=workflow.ParentClosePolicy.ABANDON,
+            execution_timeout=timedelta(days=1),
+        )
+        self._children[wf_id] = child
+        await workflow.wait_condition(lambda: record.active or child.done() or state.stopping)
+        if record.active and not child.done():
+            await child.signal(names.SIGNAL_PROMPT_ACTIVATE)
+        elif state.stopping and not child.done():
+            await self._cancel_child(wf_id, "run is shutting down")
+        try:
+            outcome: PromptOutcome = await child
+        except ChildWorkflowError as err:
+            outcome = PromptOutcome(
+                terminal=Fault(
+                    request_id=prompt.request_id, error=f"prompt workflow failed: {err}"
+                ),
+                run_fault=f"prompt serving: prompt workflow {wf_id} failed",
+            )
+        self._children.pop(wf_id, None)
+        ok = outcome.terminal.type == "done"
+        state.finish_prompt(
+            wf_id, ok, "" if ok else getattr(outcome.terminal, "error", ""), prompt.request_id
+        )
+        if outcome.run_fault is not None:
+            state.fault(outcome.run_fault)
+        return outcome.terminal
+
+    @submit_prompt.validator
+    def _validate_prompt(self, prompt: SubmitPrompt) -> None:
+        if not prompt.prompt_text:
+            raise ApplicationError(
+                "InvalidPrompt: prompt_text must not be empty",
+                type="InvalidPrompt",
+                non_retryable=True,
+            )
+        rejection = self._state.admission_rejection(
+            prompt.request_id, self._request.prompt_queue_capacity, self._rolling_over
+        )
+        if rejection is not None:
+            raise ApplicationError(
+                f"{rejection.value}: {_REJECTION_TEXT[rejection]} (request_id {prompt.request_id},"
+                f" run {self._state.run_id}, phase {self._state.phase.value})",
+                type=rejection.value,
+                non_retryable=rejection is not PromptRejection.ROLLING_OVER,
+            )
+
+    @workflow.signal(name=names.SIGNAL_CANCEL_PROMPT)
+    async def cancel_prompt(self, cancel: CancelPrompt) -> None:
+        record = self._state.prompt(cancel.request_id)
+        if record is None:
+            return
+        self._state.remove_pending(cancel.request_id)
+        await self._cancel_child(record.workflow_id, "cancelled")
+
+    async def _cancel_child(self, wf_id: str, reason: str) -> None:
+        child = self._children.get(wf_id)
+        if child is None or child.done():
+            return
+        try:
+            await child.signal(names.SIGNAL_PROMPT_CANCEL, reason)
+        except Exception:
+            workflow.logger.info("cancel signal to %s not delivered", wf_id)
+
+    # ------------------------------------------------------------------ shutdown and reports
+    @workflow.signal(name=names.SIGNAL_REQUEST_SHUTDOWN)
+    def request_shutdown(self, req: RequestShutdown) -> None:
+        if req.run_id is not None and req.run_id != self._state.run_id:
+            self._state.ignored_reports += 1
+            return
+        self._state.request_shutdown(req.reason)
+
+    @workflow.update(name="request_shutdown_and_wait")
+    async def request_shutdown_and_wait(self, req: RequestShutdown) -> RunOutcome:
+        self.request_shutdown(req)
+        await workflow.wait_condition(lambda: self._state.torn_down)
+        return self._state.outcome()
+
+    @workflow.signal(name=names.SIGNAL_NODE_RUNTIME_READY)
+    def node_runtime_ready(self, report: NodeRuntimeReady) -> None:
+        self._state.on_runtime_ready(report)
+
+    @workflow.signal(name=names.SIGNAL_LEASE_STARTED)
+    def lease_started(self, report: LeaseStarted) -> None:
+        self._state.on_lease_started(report)
+
+    @workflow.signal(name=names.SIGNAL_WEIGHTS_READY)
+    def weights_ready(self, report: WeightsReady) -> None:
+        self._state.on_weights_ready(report)
+
+    @workflow.signal(name=names.SIGNAL_STAGE_READY)
+    def stage_ready(self, report: StageReady) -> None:
+        self._state.on_stage_ready(report)
+
+    @workflow.signal(name=names.SIGNAL_STAGE_FAULT)
+    def stage_fault(self, report: StageFault) -> None:
+        self._state.on_stage_fault(report)
+
+    @workflow.signal(name=names.SIGNAL_STAGE_STOPPED)
+    def stage_stopped(self, report: StageStopped) -> None:
+        self._state.on_stage_stopped(report)
+
+    @workflow.query(name=names.QUERY_SNAPSHOT)
+    def snapshot(self) -> RunState:
+        return self._state
+
+    # ------------------------------------------------------------------ teardown
+    async def _teardown(self) -> None:
+        """StopRun, StageStopped, provider stop, RunTornDown once (DECISIONS 16)."""
+        state, t = self._state, self._request.timeouts
+        self._set_phase(RunPhase.TEARING_DOWN)
+        state.record(LifecycleKind.RUN_TEARING_DOWN, state.first_fault or (state.shutdown or ""))
+        for wf_id in list(self._children):
+            await self._cancel_child(
+                wf_id,
+                "run is shutting down"
+                if state.first_fault is None
+                else f"run faulted: {state.first_fault}",
+            )
+        await self._cancel_background()
+        stages = state.stages_to_stop()
+
+        async def stop_stage(node: NodeState) -> None:
+            try:
+                await workflow.execute_activity(
+                    names.ACT_NODE_STOP_STAGE,
+                    StopRun(
+                        run_id=state.run_id,
+                        stage_index=node.stage_index,
+                        readiness_id=node.readiness_id,
+                        authorized_orchestrator=state.authorized_orchestrator,
+                        reason=state.first_fault or "operator stop",
+                    ),
+                    task_queue=node.task_queue,
+                    schedule_to_close_timeout=timedelta(seconds=max(t.stage_stopped_wait_s, 1)),
+                    start_to_close_timeout=timedelta(seconds=max(t.stage_stopped_wait_s, 1)),
+                    retry_policy=RetryPolicy(maximum_attempts=2),
+                )
+            except ActivityError as err:
+                state.stop_error(
+                    f"StopRun stage {node.stage_index} (node {node.node_id}): {_cause(err)}"
+                )
+
+        await asyncio.gather(*(stop_stage(n) for n in stages))
+        try:
+            await workflow.wait_condition(
+                state.stage_stops_observed, timeout=max(t.stage_stopped_wait_s, 0.001)
+            )
+        except TimeoutError:
+            missing = [n.stage_index for n in state.stages_to_stop() if not n.stage_stopped]
+            state.stop_error(f"StageStopped not observed for stage(s) {missing}")
+
+        async def stop_node(node: NodeState) -> None:
+            assert node.handle is not None and state.provider_queue is not None
+            try:
+                result = await workflow.execute_activity(
+                    names.ACT_STOP_NODE,
+                    StopNodeInput(handle=node.handle, grace_s=t.stop_grace_s),
+                    result_type=StopNodeResult,
+                    task_queue=state.provider_queue,
+                    start_to_close_timeout=timedelta(seconds=t.stop_grace_s + 30),
+                    retry_policy=RetryPolicy(maximum_attempts=3),
+                )
+                if result.error is not None:
+                    state.stop_error(f"provider stop node {node.node_id}: {result.error}")
+            except ActivityError as err:
+                state.stop_error(f"provider stop node {node.node_id}: {_cause(err)}")
+            node.provider_stopped = True
+
+        await asyncio.gather(*(stop_node(n) for n in state.nodes_to_stop()))
+        state.record(LifecycleKind.RUN_TORN_DOWN, state.first_stop_error or "")
+        self._set_phase(RunPhase.TORN_DOWN)
+        try:
+            await workflow.wait_condition(
+                workflow.all_handlers_finished, timeout=HANDLERS_DRAIN.total_seconds()
+            )
+        except TimeoutError:
+            workflow.logger.warning("prompt handlers still open after teardown")
+
+    def _set_phase(self, phase: RunPhase) -> None:
+        self._state.phase = phase
+        workflow.upsert_search_attributes([PHASE_KEY.value_set(phase.value)])
+
+
+_REJECTION_TEXT = {
+    PromptRejection.NOT_PROMPT_READY: "the run is not prompt-ready",
+    PromptRejection.DUPLICATE_REQUEST_ID: "a prompt with this request_id is active or pending",
+    PromptRejection.QUEUE_FULL: "the prompt queue is full",
+    PromptRejection.ROLLING_OVER: "the run is rolling over (continue-as-new); retry shortly",
+}
+
+
+class _NoUpdate:
+    id = "noupdate"
+
+
+def _safe(update_id: str) -> str:
+    cleaned = "".join(c for c in update_id if c.isalnum() or c == "-")
+    return cleaned[:36] or "u"
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, ActivityError):
+        return _cause(err)
+    if isinstance(err, ApplicationError):
+        return err.message
+    return f"{type(err).__name__}: {err}"
