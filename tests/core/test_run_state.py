@@ -1,0 +1,216 @@
+"""Actor spec 12.4 / 12.5 checks on the pure run state machine."""
+
+import pytest
+
+from mvp_core.models import (
+    LeaseStarted,
+    LifecycleKind,
+    ModelFacts,
+    NodeHandle,
+    NodeRuntimeReady,
+    NodeRuntimeReadyAck,
+    ProviderKind,
+    RunOutcomeKind,
+    RunPhase,
+    ShutdownReason,
+    StageFault,
+    StageReady,
+    StageStopped,
+    WeightsReady,
+)
+from mvp_core.planner import build_plan
+from mvp_core.run_state import NodeState, PromptRejection, RunState
+
+RID = "abcd1234-1-0"
+
+
+def new_state() -> RunState:
+    s = RunState(run_id=7, nonce="abcd1234ffff", authorized_orchestrator="mvp-run-7/abcd1234")
+    s.plan = build_plan(run_id=7, orchestrator_node_id=0, base_node_id=1, stage_count=1,
+                        max_context=None,
+                        facts=ModelFacts(architecture="llama", name="m", block_count=30,
+                                         embedding_length=576, context_length=8192),
+                        model_path="m", tokenizer_path="m")
+    s.nodes.append(NodeState(node_id=1, stage_index=0, task_queue="mvp-node-7-1-abcd1234",
+                             readiness_id=RID))
+    return s
+
+
+def ready_report(**kw) -> NodeRuntimeReady:
+    base = dict(run_id=7, node_id=1, stage_index=0, endpoint="e", node_actor="mvp-node-7-1-abcd1234",
+                worker_identity="mvp-node-7-1-abcd1234@h:1", readiness_id=RID)
+    base.update(kw)
+    return NodeRuntimeReady(**base)
+
+
+def bring_to_prompt_ready(s: RunState) -> None:
+    assert s.on_runtime_ready(ready_report())
+    assert s.on_lease_started(LeaseStarted(run_id=7, node_id=1, readiness_id=RID, worker_identity="x"))
+    s.on_route_checked(1, True)
+    assert s.on_ack(NodeRuntimeReadyAck(run_id=7, node_id=1, stage_index=0, readiness_id=RID))
+    s.nodes[0].stage_provisioned = True
+    assert s.on_weights_ready(WeightsReady(run_id=7, node_id=1, stage_index=0, readiness_id=RID))
+    assert s.on_stage_ready(StageReady(run_id=7, stage_index=0, readiness_id=RID))
+    assert s.prompt_ready_allowed()
+    s.phase = RunPhase.PROMPT_READY
+
+
+def test_provisioning_starts_only_after_a_committed_plan():
+    s = new_state()
+    assert s.may_provision()
+    s.plan = None
+    assert not s.may_provision()
+
+
+@pytest.mark.parametrize("change", [{"run_id": 8}, {"node_id": 2}, {"stage_index": 1},
+                                    {"readiness_id": "stale-1-0"}, {"node_actor": "mvp-node-7-1-00000000"}])
+def test_mismatched_runtime_ready_reports_do_not_advance(change):
+    s = new_state()
+    assert not s.on_runtime_ready(ready_report(**change))
+    assert s.nodes[0].runtime_ready is None and s.ignored_reports == 1
+
+
+def test_barrier_needs_report_membership_and_route_ownership():
+    s = new_state()
+    n = s.nodes[0]
+    s.on_runtime_ready(ready_report())
+    assert not s.barrier_passed(n)
+    s.on_lease_started(LeaseStarted(run_id=7, node_id=1, readiness_id=RID, worker_identity="x"))
+    assert not s.barrier_passed(n)  # route not yet owned
+    s.on_route_checked(1, True)
+    assert s.barrier_passed(n)
+    s.on_node_exited(1, "gone")
+    assert not s.barrier_passed(n)
+
+
+def test_ack_before_barrier_is_ignored():
+    s = new_state()
+    s.on_runtime_ready(ready_report())
+    assert not s.on_ack(NodeRuntimeReadyAck(run_id=7, node_id=1, stage_index=0, readiness_id=RID))
+
+
+def test_stage_readiness_gates_prompt_ready():
+    s = new_state()
+    s.on_runtime_ready(ready_report())
+    s.on_lease_started(LeaseStarted(run_id=7, node_id=1, readiness_id=RID, worker_identity="x"))
+    s.on_route_checked(1, True)
+    s.on_ack(NodeRuntimeReadyAck(run_id=7, node_id=1, stage_index=0, readiness_id=RID))
+    assert not s.prompt_ready_allowed()
+    # weights before the stage was provisioned do not count
+    assert not s.on_weights_ready(WeightsReady(run_id=7, node_id=1, stage_index=0, readiness_id=RID))
+    s.nodes[0].stage_provisioned = True
+    s.on_weights_ready(WeightsReady(run_id=7, node_id=1, stage_index=0, readiness_id=RID))
+    assert not s.prompt_ready_allowed()
+    assert not s.on_stage_ready(StageReady(run_id=7, stage_index=0, readiness_id="other"))
+    s.on_stage_ready(StageReady(run_id=7, stage_index=0, readiness_id=RID))
+    assert s.prompt_ready_allowed()
+
+
+def test_first_run_fault_is_terminal_and_sticky():
+    s = new_state()
+    assert s.fault("first")
+    assert not s.fault("second")
+    assert not s.request_shutdown(ShutdownReason.OPERATOR_REQUESTED)
+    assert s.first_fault == "first"
+    assert s.outcome().outcome is RunOutcomeKind.FAULTED
+    assert [r.kind for r in s.lifecycle].count(LifecycleKind.RUN_FAULTED) == 1
+
+
+def test_operator_stop_is_terminal_and_distinct_from_fault():
+    s = new_state()
+    assert s.request_shutdown(ShutdownReason.OPERATOR_REQUESTED)
+    assert s.stopping and s.first_fault is None
+    assert s.outcome().outcome is RunOutcomeKind.OPERATOR_STOPPED
+    assert LifecycleKind.RUN_FAULTED not in [r.kind for r in s.lifecycle]
+
+
+def test_stage_fault_report_faults_the_run_only_when_it_matches():
+    s = new_state()
+    assert not s.on_stage_fault(StageFault(run_id=7, stage_index=3, reason="x", readiness_id=RID))
+    assert s.first_fault is None
+    assert s.on_stage_fault(StageFault(run_id=7, stage_index=0, reason="oom", readiness_id=RID))
+    assert "oom" in (s.first_fault or "")
+
+
+def test_membership_loss_names_the_phase():
+    s = new_state()
+    s.phase = RunPhase.READINESS
+    s.on_lease_lost(1, "heartbeat timeout")
+    assert s.first_fault is not None and s.first_fault.startswith("startup (readiness)")
+    s2 = new_state()
+    bring_to_prompt_ready(s2)
+    s2.on_lease_lost(1, "heartbeat timeout")
+    assert s2.first_fault is not None and s2.first_fault.startswith("prompt serving")
+
+
+def test_prompt_queue_admission_rules():
+    s = new_state()
+    assert s.admission_rejection(1, 8, False) is PromptRejection.NOT_PROMPT_READY
+    bring_to_prompt_ready(s)
+    for i in range(8):
+        assert s.admission_rejection(i, 8, False) is None
+        s.admit(i, f"wf-{i}")
+    assert s.admission_rejection(3, 8, False) is PromptRejection.DUPLICATE_REQUEST_ID
+    assert s.admission_rejection(99, 8, False) is PromptRejection.QUEUE_FULL
+    assert s.admission_rejection(99, 8, True) is PromptRejection.ROLLING_OVER
+
+
+def test_one_active_prompt_fifo_and_ids_reusable_after_end():
+    s = new_state()
+    bring_to_prompt_ready(s)
+    for i in (5, 3, 9):
+        s.admit(i, f"wf-{i}")
+    first = s.activate_next()
+    assert first is not None and first.request_id == 5
+    assert s.activate_next() is None  # one active at a time
+    s.finish_prompt("wf-5", True, "", 5)
+    assert s.admission_rejection(5, 8, False) is None
+    nxt = s.activate_next()
+    assert nxt is not None and nxt.request_id == 3
+    assert s.prompts_completed == 1
+
+
+def test_no_activation_while_stopping():
+    s = new_state()
+    bring_to_prompt_ready(s)
+    s.admit(1, "wf-1")
+    s.fault("boom")
+    assert s.activate_next() is None
+
+
+def test_teardown_waits_for_every_stage_stop_and_node_stop_and_torn_down_once():
+    s = new_state()
+    bring_to_prompt_ready(s)
+    s.nodes[0].handle = NodeHandle(run_id=7, node_id=1, provider=ProviderKind.PROCESS, host="h",
+                                   resource_name="r")
+    assert not s.stage_stops_observed()
+    assert not s.on_stage_stopped(StageStopped(run_id=7, stage_index=0, readiness_id="x"))
+    assert s.on_stage_stopped(StageStopped(run_id=7, stage_index=0, readiness_id=RID))
+    assert s.stage_stops_observed()
+    assert not s.teardown_complete()
+    s.nodes[0].provider_stopped = True
+    assert s.teardown_complete()
+    assert s.record(LifecycleKind.RUN_TORN_DOWN)
+    assert not s.record(LifecycleKind.RUN_TORN_DOWN)
+
+
+def test_first_stop_error_is_kept():
+    s = new_state()
+    s.stop_error("a")
+    s.stop_error("b")
+    assert s.first_stop_error == "a"
+
+
+def test_lost_nodes_are_skipped_by_stage_stop():
+    s = new_state()
+    bring_to_prompt_ready(s)
+    s.on_node_exited(1, "killed")
+    assert s.stages_to_stop() == [] and s.stage_stops_observed()
+
+
+def test_state_round_trips_as_json_for_continue_as_new():
+    s = new_state()
+    bring_to_prompt_ready(s)
+    s.admit(1, "wf-1")
+    again = RunState.model_validate_json(s.model_dump_json())
+    assert again == s
