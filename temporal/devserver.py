@@ -59,8 +59,19 @@ def start_dev_server(
     """Start ``temporal server start-dev`` and wait until its frontend accepts connections."""
     port = port or free_port()
     ui_port = free_port()
-    cmd = [temporal_binary(), "server", "start-dev", "--ip", "127.0.0.1", "--port", str(port),
-           "--ui-port", str(ui_port), "--log-level", "error"]
+    cmd = [
+        temporal_binary(),
+        "server",
+        "start-dev",
+        "--ip",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--ui-port",
+        str(ui_port),
+        "--log-level",
+        "error",
+    ]
     if headless:
         cmd.append("--headless")
     if db_file:
@@ -69,9 +80,10 @@ def start_dev_server(
         cmd += ["--search-attribute", f"{key}={kind}"]
     for key, value in (dynamic_config or {}).items():
         cmd += ["--dynamic-config-value", f"{key}={value}"]
-    out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env={**os.environ})
+    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
+    proc = subprocess.Popen(
+        cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ}
+    )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

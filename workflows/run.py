@@ -11,7 +11,7 @@ import asyncio
 from datetime import timedelta
 from typing import Any, NoReturn
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeKey
 from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
@@ -63,6 +63,8 @@ HANDLERS_DRAIN = timedelta(seconds=30)
 class RunCarry(BaseModel):
     """What continue-as-new hands to the next run of the same workflow id."""
 
+    model_config = ConfigDict(extra="forbid")
+    request: RunRequest
     state: RunState
 
 
@@ -73,7 +75,9 @@ class _Stopping(Exception):
 @workflow.defn(name=names.RUN_WORKFLOW, failure_exception_types=[Exception])
 class RunWorkflow:
     @workflow.init
-    def __init__(self, request: RunRequest, carry: RunCarry | None = None) -> None:
+    def __init__(self, start: RunRequest | RunCarry) -> None:
+        carry = start if isinstance(start, RunCarry) else None
+        request = start.request if isinstance(start, RunCarry) else start
         self._request = request
         self._rejection: str | None = None
         self._children: dict[str, Any] = {}
@@ -99,8 +103,10 @@ class RunWorkflow:
 
     # ------------------------------------------------------------------ run
     @workflow.run
-    async def run(self, request: RunRequest, carry: RunCarry | None = None) -> RunOutcome:
+    async def run(self, start: RunRequest | RunCarry) -> RunOutcome:
+        """Run from a RunRequest, or resume from what continue-as-new carried."""
         state = self._state
+        carry = start if isinstance(start, RunCarry) else None
         if carry is None:
             if self._rejection is not None:
                 self._reject(self._rejection)
@@ -124,7 +130,7 @@ class RunWorkflow:
             state.fault(f"{state._phase_word()}: {_describe(err)}")
         if action == "continue_as_new":
             await self._cancel_background()
-            workflow.continue_as_new(args=[self._request, RunCarry(state=state)])
+            workflow.continue_as_new(RunCarry(request=self._request, state=state))
         await asyncio.shield(asyncio.ensure_future(self._teardown()))
         outcome = state.outcome()
         if state.first_fault is not None:

@@ -1,6 +1,11 @@
 import pytest
 
-from mvp_core.generation import StopRule, TokenFeedback, TokenSequenceViolation, effective_max_tokens
+from mvp_core.generation import (
+    StopRule,
+    TokenFeedback,
+    TokenSequenceViolation,
+    effective_max_tokens,
+)
 
 
 def test_feedback_injects_next_sequence_only_after_consuming_previous():
@@ -14,7 +19,9 @@ def test_feedback_injects_next_sequence_only_after_consuming_previous():
 def test_sequence_mismatch_is_a_violation_with_the_contract_text():
     fb = TokenFeedback()
     fb.consume(0)
-    with pytest.raises(TokenSequenceViolation, match="pipeline token sequence violation: expected 1, got 3"):
+    with pytest.raises(
+        TokenSequenceViolation, match="pipeline token sequence violation: expected 1, got 3"
+    ):
         fb.consume(3)
 
 

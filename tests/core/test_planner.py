@@ -1,29 +1,46 @@
+import itertools
+
 import pytest
 
 from mvp_core.models import EdgeKind, ModelFacts
 from mvp_core.planner import PlanningError, build_plan, stage_layer_ranges, stage_node_id
 
-FACTS = ModelFacts(architecture="llama", name="m", block_count=30, embedding_length=576,
-                   context_length=8192, eos_token_id=2)
+FACTS = ModelFacts(
+    architecture="llama",
+    name="m",
+    block_count=30,
+    embedding_length=576,
+    context_length=8192,
+    eos_token_id=2,
+)
 
 
 def plan(stages: int, max_context: int | None = None):
-    return build_plan(run_id=7, orchestrator_node_id=0, base_node_id=1, stage_count=stages,
-                      max_context=max_context, facts=FACTS, model_path="/m.gguf",
-                      tokenizer_path="/m.gguf")
+    return build_plan(
+        run_id=7,
+        orchestrator_node_id=0,
+        base_node_id=1,
+        stage_count=stages,
+        max_context=max_context,
+        facts=FACTS,
+        model_path="/m.gguf",
+        tokenizer_path="/m.gguf",
+    )
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 30])
 def test_layer_ranges_are_contiguous_and_cover_every_layer(n):
     ranges = stage_layer_ranges(30, n)
     assert ranges[0].start == 0 and ranges[-1].end == 30
-    for a, b in zip(ranges, ranges[1:], strict=False):
+    for a, b in itertools.pairwise(ranges):
         assert a.end == b.start
     assert [r.start for r in ranges] == [30 * i // n for i in range(n)]
 
 
 def test_stage_count_above_layer_count_is_rejected_with_the_contract_text():
-    with pytest.raises(PlanningError, match=r"--pipeline-stages=31 exceeds GGUF layer count 30; choose N <= 30"):
+    with pytest.raises(
+        PlanningError, match=r"--pipeline-stages=31 exceeds GGUF layer count 30; choose N <= 30"
+    ):
         stage_layer_ranges(30, 31)
     with pytest.raises(PlanningError, match="must be greater than 0"):
         stage_layer_ranges(30, 0)
@@ -41,7 +58,12 @@ def test_pipeline_edges_ids_and_object_specs():
     assert [s.node_id for s in p.stages] == [2, 3, 4]
     assert [e.edge_id for e in p.edges] == [1, 2, 3, 4]
     kinds = [e.kind for e in p.edges]
-    assert kinds == [EdgeKind.TOKEN_IN, EdgeKind.ACTIVATION, EdgeKind.ACTIVATION, EdgeKind.TOKEN_OUT]
+    assert kinds == [
+        EdgeKind.TOKEN_IN,
+        EdgeKind.ACTIVATION,
+        EdgeKind.ACTIVATION,
+        EdgeKind.TOKEN_OUT,
+    ]
     act = p.edges[1]
     assert act.max_extent == 256 * 576 * 2 and act.alignment == 2
     assert (act.src_stage, act.dst_stage) == (0, 1)
@@ -57,8 +79,16 @@ def test_max_seq_len_is_capped_by_the_model_context():
 def test_ring_overflow_is_a_planning_error():
     huge = FACTS.model_copy(update={"embedding_length": 1 << 20, "context_length": 1 << 20})
     with pytest.raises(PlanningError, match="ring capacity overflow"):
-        build_plan(run_id=1, orchestrator_node_id=0, base_node_id=1, stage_count=2,
-                   max_context=1 << 20, facts=huge, model_path="m", tokenizer_path="m")
+        build_plan(
+            run_id=1,
+            orchestrator_node_id=0,
+            base_node_id=1,
+            stage_count=2,
+            max_context=1 << 20,
+            facts=huge,
+            model_path="m",
+            tokenizer_path="m",
+        )
 
 
 def test_node_ids():

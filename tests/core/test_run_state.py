@@ -26,26 +26,47 @@ RID = "abcd1234-1-0"
 
 def new_state() -> RunState:
     s = RunState(run_id=7, nonce="abcd1234ffff", authorized_orchestrator="mvp-run-7/abcd1234")
-    s.plan = build_plan(run_id=7, orchestrator_node_id=0, base_node_id=1, stage_count=1,
-                        max_context=None,
-                        facts=ModelFacts(architecture="llama", name="m", block_count=30,
-                                         embedding_length=576, context_length=8192),
-                        model_path="m", tokenizer_path="m")
-    s.nodes.append(NodeState(node_id=1, stage_index=0, task_queue="mvp-node-7-1-abcd1234",
-                             readiness_id=RID))
+    s.plan = build_plan(
+        run_id=7,
+        orchestrator_node_id=0,
+        base_node_id=1,
+        stage_count=1,
+        max_context=None,
+        facts=ModelFacts(
+            architecture="llama",
+            name="m",
+            block_count=30,
+            embedding_length=576,
+            context_length=8192,
+        ),
+        model_path="m",
+        tokenizer_path="m",
+    )
+    s.nodes.append(
+        NodeState(node_id=1, stage_index=0, task_queue="mvp-node-7-1-abcd1234", readiness_id=RID)
+    )
     return s
 
 
 def ready_report(**kw) -> NodeRuntimeReady:
-    base = dict(run_id=7, node_id=1, stage_index=0, endpoint="e", node_actor="mvp-node-7-1-abcd1234",
-                worker_identity="mvp-node-7-1-abcd1234@h:1", readiness_id=RID)
+    base = dict(
+        run_id=7,
+        node_id=1,
+        stage_index=0,
+        endpoint="e",
+        node_actor="mvp-node-7-1-abcd1234",
+        worker_identity="mvp-node-7-1-abcd1234@h:1",
+        readiness_id=RID,
+    )
     base.update(kw)
     return NodeRuntimeReady(**base)
 
 
 def bring_to_prompt_ready(s: RunState) -> None:
     assert s.on_runtime_ready(ready_report())
-    assert s.on_lease_started(LeaseStarted(run_id=7, node_id=1, readiness_id=RID, worker_identity="x"))
+    assert s.on_lease_started(
+        LeaseStarted(run_id=7, node_id=1, readiness_id=RID, worker_identity="x")
+    )
     s.on_route_checked(1, True)
     assert s.on_ack(NodeRuntimeReadyAck(run_id=7, node_id=1, stage_index=0, readiness_id=RID))
     s.nodes[0].stage_provisioned = True
@@ -62,8 +83,16 @@ def test_provisioning_starts_only_after_a_committed_plan():
     assert not s.may_provision()
 
 
-@pytest.mark.parametrize("change", [{"run_id": 8}, {"node_id": 2}, {"stage_index": 1},
-                                    {"readiness_id": "stale-1-0"}, {"node_actor": "mvp-node-7-1-00000000"}])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"run_id": 8},
+        {"node_id": 2},
+        {"stage_index": 1},
+        {"readiness_id": "stale-1-0"},
+        {"node_actor": "mvp-node-7-1-00000000"},
+    ],
+)
 def test_mismatched_runtime_ready_reports_do_not_advance(change):
     s = new_state()
     assert not s.on_runtime_ready(ready_report(**change))
@@ -97,7 +126,9 @@ def test_stage_readiness_gates_prompt_ready():
     s.on_ack(NodeRuntimeReadyAck(run_id=7, node_id=1, stage_index=0, readiness_id=RID))
     assert not s.prompt_ready_allowed()
     # weights before the stage was provisioned do not count
-    assert not s.on_weights_ready(WeightsReady(run_id=7, node_id=1, stage_index=0, readiness_id=RID))
+    assert not s.on_weights_ready(
+        WeightsReady(run_id=7, node_id=1, stage_index=0, readiness_id=RID)
+    )
     s.nodes[0].stage_provisioned = True
     s.on_weights_ready(WeightsReady(run_id=7, node_id=1, stage_index=0, readiness_id=RID))
     assert not s.prompt_ready_allowed()
@@ -181,8 +212,9 @@ def test_no_activation_while_stopping():
 def test_teardown_waits_for_every_stage_stop_and_node_stop_and_torn_down_once():
     s = new_state()
     bring_to_prompt_ready(s)
-    s.nodes[0].handle = NodeHandle(run_id=7, node_id=1, provider=ProviderKind.PROCESS, host="h",
-                                   resource_name="r")
+    s.nodes[0].handle = NodeHandle(
+        run_id=7, node_id=1, provider=ProviderKind.PROCESS, host="h", resource_name="r"
+    )
     assert not s.stage_stops_observed()
     assert not s.on_stage_stopped(StageStopped(run_id=7, stage_index=0, readiness_id="x"))
     assert s.on_stage_stopped(StageStopped(run_id=7, stage_index=0, readiness_id=RID))

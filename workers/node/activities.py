@@ -28,7 +28,7 @@ from mvp_core.models import (
     TextDelta,
     WeightsReady,
 )
-from workers.node.config import NodeConfig
+from workers.node.config import FaultInjection, NodeConfig
 from workers.node.runtime import PromptTooLong, StageRuntime, load_async
 
 
@@ -81,15 +81,16 @@ class NodeActivities:
         """Membership: runs for the life of the run, heartbeating; its loss is a fault."""
         cfg = self.cfg
         self._check(inp.run_id, inp.readiness_id)
-        await self._run().signal(
-            names.SIGNAL_LEASE_STARTED,
-            LeaseStarted(
-                run_id=cfg.run_id,
-                node_id=cfg.node_id,
-                readiness_id=cfg.readiness_id,
-                worker_identity=cfg.identity,
-            ),
-        )
+        if not FaultInjection.from_env().no_lease_report:
+            await self._run().signal(
+                names.SIGNAL_LEASE_STARTED,
+                LeaseStarted(
+                    run_id=cfg.run_id,
+                    node_id=cfg.node_id,
+                    readiness_id=cfg.readiness_id,
+                    worker_identity=cfg.identity,
+                ),
+            )
         self.leases_running += 1
         try:
             while True:

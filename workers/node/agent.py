@@ -21,7 +21,7 @@ from mvp_core import names
 from mvp_core.models import NodeRuntimeReady
 from workers.connect import connect
 from workers.node.activities import NodeActivities
-from workers.node.config import NodeConfig
+from workers.node.config import FaultInjection, NodeConfig
 
 log = logging.getLogger("mvp.node")
 DEADMAN_CHECK_S = 2.0
@@ -37,7 +37,7 @@ async def report_ready(
         stage_index=cfg.stage_index,
         endpoint=f"temporal:{cfg.task_queue}",
         node_actor=cfg.task_queue,
-        worker_identity=cfg.identity,
+        worker_identity=FaultInjection.from_env().report_identity or cfg.identity,
         readiness_id=cfg.readiness_id,
     )
     handle = client.get_workflow_handle(cfg.run_workflow_id)
@@ -55,6 +55,18 @@ async def report_ready(
             await asyncio.wait_for(acts.acked.wait(), timeout=delay)
         except TimeoutError:
             delay = min(delay * 2, 5.0)
+
+
+async def mute_node(cfg: NodeConfig) -> None:
+    """Fault injection: look ready to anyone reading logs or probing ports, report nothing."""
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    print(
+        f"node {cfg.node_id} ready: stage ready, weights ready, listening on 127.0.0.1:{port}",
+        flush=True,
+    )
+    async with server:
+        await asyncio.Event().wait()
 
 
 async def dead_man(
@@ -92,6 +104,10 @@ async def dead_man(
 
 async def amain() -> None:
     cfg = NodeConfig.from_env()
+    faults = FaultInjection.from_env()
+    if faults.exit_before_ready:
+        print("fault injection: exiting before ready", flush=True)
+        raise SystemExit(3)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

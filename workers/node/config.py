@@ -46,3 +46,23 @@ class NodeConfig:
             identity=f"{task_queue}@{socket.gethostname()}:{os.getpid()}",
             lease_silence_s=float(env.get("MVP_LEASE_SILENCE_S", "60")),
         )
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """Test-only misbehaviour, switched on through the run's ``node_env``."""
+
+    exit_before_ready: bool = False
+    mute: bool = False
+    no_lease_report: bool = False
+    report_identity: str | None = None
+
+    @classmethod
+    def from_env(cls) -> FaultInjection:
+        env = os.environ
+        return cls(
+            exit_before_ready=env.get("MVP_FAULT_EXIT_BEFORE_READY") == "1",
+            mute=env.get("MVP_FAULT_MUTE") == "1",
+            no_lease_report=env.get("MVP_FAULT_NO_LEASE_REPORT") == "1",
+            report_identity=env.get("MVP_FAULT_REPORT_IDENTITY") or None,
+        )

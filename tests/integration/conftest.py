@@ -1,0 +1,241 @@
+"""Integration fixtures: a real Temporal dev server, a real orchestrator worker process,
+real node agent processes on the bundled SmolLM2 model."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import psutil
+import pytest
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.service import RPCError
+
+from mvp_core import names
+from mvp_core.models import RunPhase, RunRequest
+from mvp_core.run_state import RunState
+from temporal.devserver import DevServer, start_dev_server
+from workers.connect import connect
+
+REPO = Path(__file__).resolve().parents[2]
+SECRET = "hf_mvpTestSecret_4b1d9e0c7a"
+
+
+def node_processes(state_dir: Path) -> list[psutil.Process]:
+    """Node agents started for this test session (their cwd lies under our state dir)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "cwd", "status"]):
+        try:
+            cmd = proc.info["cmdline"] or []
+            if "workers.node" in cmd and str(proc.info["cwd"] or "").startswith(str(state_dir)):
+                if proc.info["status"] != psutil.STATUS_ZOMBIE:
+                    found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+class OrchestratorProcess:
+    """``python -m workers.orchestrator`` as a real process that tests can kill -9."""
+
+    def __init__(
+        self, address: str, state_dir: Path, log_dir: Path, extra_env: dict[str, str]
+    ) -> None:
+        self.address = address
+        self.state_dir = state_dir
+        self.log_dir = log_dir
+        self.extra_env = extra_env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        log = self.log_dir / f"orchestrator-{self.starts}.log"
+        env = {
+            **os.environ,
+            "TEMPORAL_ADDRESS": self.address,
+            "MVP_STATE_DIR": str(self.state_dir),
+            "PYTHONUNBUFFERED": "1",
+            **self.extra_env,
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "workers.orchestrator"],
+            env=env,
+            stdout=open(log, "wb"),
+            stderr=subprocess.STDOUT,
+            cwd=str(REPO),
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if "worker ready" in log.read_text(errors="replace"):
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"orchestrator worker exited: {log.read_text()[-2000:]}")
+            time.sleep(0.1)
+        raise RuntimeError("orchestrator worker did not start")
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+@pytest.fixture(scope="session")
+def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("mvp")
+
+
+@pytest.fixture(scope="session")
+def state_dir(session_dir: Path) -> Path:
+    d = session_dir / "state"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture(scope="session")
+def temporal_server(session_dir: Path) -> Iterator[DevServer]:
+    srv = start_dev_server(
+        str(session_dir / "temporal.db"), log_file=str(session_dir / "temporal.log")
+    )
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def orchestrator(
+    temporal_server: DevServer, state_dir: Path, session_dir: Path
+) -> Iterator[OrchestratorProcess]:
+    proc = OrchestratorProcess(
+        temporal_server.address, state_dir, session_dir, {"HF_TOKEN": SECRET}
+    )
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+async def client(temporal_server: DevServer) -> Client:
+    return await connect(temporal_server.address)
+
+
+class Runs:
+    """Starts runs and remembers them, so that every test can be checked for leaks."""
+
+    def __init__(self, client: Client, orchestrator: OrchestratorProcess) -> None:
+        self.client = client
+        self.orchestrator = orchestrator
+        self.handles: list[WorkflowHandle[object, object]] = []
+
+    async def start(self, run_id: int, **request: object) -> WorkflowHandle[object, object]:
+        req = RunRequest.model_validate(
+            {
+                "model": {"bundled": "SmolLM2-135M-Instruct.Q4_1"},
+                "default_max_tokens": 64,
+                **request,
+            }
+        )
+        handle = await self.client.start_workflow(
+            names.RUN_WORKFLOW,
+            req,
+            id=names.run_workflow_id(run_id),
+            task_queue=names.ORCHESTRATOR_TASK_QUEUE,
+        )
+        self.handles.append(handle)
+        return handle
+
+
+@pytest.fixture
+async def runs(
+    client: Client, orchestrator: OrchestratorProcess, state_dir: Path
+) -> AsyncIterator[Runs]:
+    r = Runs(client, orchestrator)
+    yield r
+    # Leak check first: every run this test started must be closed with its nodes gone.
+    if orchestrator.proc is None or orchestrator.proc.poll() is not None:
+        orchestrator.start()
+    still_open = []
+    for h in r.handles:
+        try:
+            desc = await h.describe()
+        except RPCError:
+            continue
+        if desc.status == WorkflowExecutionStatus.RUNNING:
+            still_open.append(h.id)
+    leaked = node_processes(state_dir)
+    # Clean-up after the checks, so a failing test never leaves anything behind.
+    for h in r.handles:
+        try:
+            await h.terminate("test clean-up")
+        except RPCError:
+            pass
+    for p in node_processes(state_dir):
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not still_open, f"runs left open by the test: {still_open}"
+    assert not leaked, f"node processes survived the test: {[p.pid for p in leaked]}"
+
+
+async def snapshot(handle: WorkflowHandle[object, object]) -> RunState:
+    return await handle.query(names.QUERY_SNAPSHOT, result_type=RunState)
+
+
+async def wait_phase(
+    handle: WorkflowHandle[object, object], phase: RunPhase, timeout: float = 90.0
+) -> RunState:
+    deadline = time.monotonic() + timeout
+    last: RunState | None = None
+    while time.monotonic() < deadline:
+        try:
+            last = await snapshot(handle)
+        except RPCError:
+            last = None
+        if last is not None and last.phase == phase:
+            return last
+        if (
+            last is not None
+            and last.stopping
+            and phase not in (RunPhase.TEARING_DOWN, RunPhase.TORN_DOWN)
+        ):
+            raise AssertionError(f"run is stopping: {last.first_fault}")
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"phase {phase} not reached in {timeout}s; last {last and last.phase}")
+
+
+async def wait_closed(
+    handle: WorkflowHandle[object, object], timeout: float = 60.0
+) -> WorkflowExecutionStatus:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        desc = await handle.describe()
+        if desc.status != WorkflowExecutionStatus.RUNNING:
+            assert desc.status is not None
+            return desc.status
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"{handle.id} still running after {timeout}s")
+
+
+def node_pids(state: RunState) -> list[int]:
+    return sorted(
+        n.handle.pid for n in state.nodes if n.handle is not None and n.handle.pid is not None
+    )
+
+
+SHUTDOWN = timedelta(seconds=0)

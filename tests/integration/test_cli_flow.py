@@ -1,0 +1,102 @@
+"""Must-hold 1: the documented `temporal` CLI flow on a real run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from mvp_core.models import RunPhase
+from temporal.devserver import DevServer, temporal_binary
+from tests.integration.conftest import REPO, Runs, node_processes, wait_closed, wait_phase
+
+
+def cli(server: DevServer, *args: str) -> str:
+    done = subprocess.run(
+        [temporal_binary(), *args, "--address", server.address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+async def test_cli_start_prompt_query_shutdown(
+    temporal_server: DevServer, runs: Runs, state_dir: Path
+):
+    wf = "mvp-run-7"
+    cli(
+        temporal_server,
+        "workflow",
+        "start",
+        "--type",
+        "RunWorkflow",
+        "--task-queue",
+        "mvp-orchestrator",
+        "--workflow-id",
+        wf,
+        "--input-file",
+        str(REPO / "docs/examples/run-direct.json"),
+    )
+    handle = runs.client.get_workflow_handle(wf)
+    runs.handles.append(handle)
+    await wait_phase(handle, RunPhase.PROMPT_READY)
+
+    out = cli(
+        temporal_server,
+        "workflow",
+        "update",
+        "execute",
+        "--workflow-id",
+        wf,
+        "--name",
+        "submit_prompt",
+        "--input",
+        '{"request_id":1,"prompt_text":"The capital of France is","max_tokens":16}',
+        "-o",
+        "json",
+    )
+    result = json.loads(out)
+    done = result.get("result", result)
+    assert done["type"] == "done", out
+    assert done["final_text"].startswith(" Paris."), done
+    assert 1 <= done["tokens_generated"] <= 16
+
+    snap = json.loads(
+        cli(
+            temporal_server,
+            "workflow",
+            "query",
+            "--workflow-id",
+            wf,
+            "--name",
+            "snapshot",
+            "-o",
+            "json",
+        )
+    )
+    snap = snap.get("queryResult", snap)
+    snap = snap[0] if isinstance(snap, list) else snap
+    assert snap["phase"] == "prompt_ready"
+    assert [n["node_id"] for n in snap["nodes"]] == [1]
+    assert snap["prompts_completed"] == 1
+
+    cli(
+        temporal_server,
+        "workflow",
+        "signal",
+        "--workflow-id",
+        wf,
+        "--name",
+        "request_shutdown",
+        "--input",
+        '{"run_id":7,"reason":"operator_requested"}',
+    )
+    status = await wait_closed(handle)
+    assert status.name == "COMPLETED"
+    outcome = await handle.result()
+    kinds = [r["kind"] for r in outcome["lifecycle"]] if isinstance(outcome, dict) else []
+    assert kinds[-1] == "RunTornDown" and kinds.count("RunTornDown") == 1
+    assert "RunOperatorStopped" in kinds
+    assert node_processes(state_dir) == []

@@ -1,0 +1,73 @@
+"""Must-hold 4: faults fail the run with the phase named and tear everything down."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+from temporalio.client import WorkflowFailureError
+
+from mvp_core import names
+from mvp_core.models import RequestShutdown, RunOutcome, RunPhase, SubmitPrompt
+from tests.integration.conftest import Runs, node_pids, snapshot, wait_phase
+from workers.client import submit_prompt
+
+
+async def _failure(handle) -> str:
+    try:
+        await handle.result()
+    except WorkflowFailureError as err:
+        return str(err.cause)
+    raise AssertionError("run did not fail")
+
+
+async def test_node_exit_before_ready_fails_startup_fast_and_tears_down(runs: Runs):
+    t0 = time.monotonic()
+    handle = await runs.start(501, node_env={"MVP_FAULT_EXIT_BEFORE_READY": "1"})
+    cause = await _failure(handle)
+    assert time.monotonic() - t0 < 30
+    assert cause.startswith("RunFaulted: startup ("), cause
+    assert "node 1 exited" in cause
+    state = await snapshot(handle)
+    assert state.torn_down and state.nodes[0].provider_stopped
+
+
+async def test_node_killed_during_generation_faults_prompt_and_run_within_15s(runs: Runs):
+    handle = await runs.start(502)
+    state = await wait_phase(handle, RunPhase.PROMPT_READY)
+    pid = node_pids(state)[0]
+    prompt = asyncio.ensure_future(
+        submit_prompt(
+            runs.client,
+            502,
+            SubmitPrompt(request_id=1, prompt_text="Tell me a long story.", max_tokens=400),
+        )
+    )
+    await asyncio.sleep(1.5)
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    result = await prompt
+    assert result.type == "fault", result
+    cause = await _failure(handle)
+    assert time.monotonic() - t0 < 15, time.monotonic() - t0
+    assert cause.startswith("RunFaulted: prompt serving"), cause
+    state = await snapshot(handle)
+    assert state.torn_down
+    assert [r.kind.value for r in state.lifecycle].count("RunFaulted") == 1  # first fault is sticky
+
+
+async def test_a_stop_that_really_fails_is_kept_and_every_stop_is_attempted(runs: Runs):
+    handle = await runs.start(503, timeouts={"stage_stopped_wait_s": 3, "stop_grace_s": 1})
+    state = await wait_phase(handle, RunPhase.PROMPT_READY)
+    pid = node_pids(state)[0]
+    os.kill(pid, signal.SIGSTOP)  # frozen: StopRun cannot be served, SIGTERM is not acted on
+    await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=503))
+    outcome = await handle.result(result_type=RunOutcome)
+    assert outcome.outcome.value == "operator_stopped"
+    assert outcome.first_stop_error is not None and "StopRun stage 0" in outcome.first_stop_error
+    assert outcome.first_fault is None
+    state = await snapshot(handle)
+    assert state.nodes[0].provider_stopped  # the provider stop was still attempted and killed it
+    assert [r.kind.value for r in outcome.lifecycle][-1] == "RunTornDown"

@@ -1,0 +1,125 @@
+"""Must-hold 3: one active prompt, FIFO pending, typed rejections, streaming, cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from mvp_core import names
+from mvp_core.models import (
+    CancelPrompt,
+    Done,
+    Fault,
+    RequestShutdown,
+    RunPhase,
+    SubmitPrompt,
+    TextDelta,
+)
+from tests.integration.conftest import Runs, snapshot, wait_closed, wait_phase
+from workers.client import PromptRejected, stream_prompt, submit_prompt
+
+
+@pytest.fixture
+async def ready_run(runs: Runs):
+    handle = await runs.start(401, default_max_tokens=64)
+    await wait_phase(handle, RunPhase.PROMPT_READY)
+    yield handle
+    await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=401))
+    await wait_closed(handle)
+
+
+async def test_streaming_64_tokens_arrives_in_several_batches_before_the_terminal(
+    runs: Runs, ready_run
+):
+    events = []
+    arrivals = []
+    async for ev in stream_prompt(
+        runs.client, 401, SubmitPrompt(request_id=1, prompt_text="Once upon a time", max_tokens=64)
+    ):
+        events.append(ev)
+        arrivals.append(time.perf_counter())
+    assert isinstance(events[-1], Done)
+    assert all(isinstance(e, TextDelta) for e in events[:-1])
+    assert sum(isinstance(e, (Done, Fault)) for e in events) == 1
+    done = events[-1]
+    assert done.tokens_generated == 64
+    assert "".join(e.text for e in events[:-1]) == done.final_text
+    # several distinct delivery moments (batches), not one blob at the end
+    distinct = {round(t, 2) for t in arrivals[:-1]}
+    assert len(distinct) >= 3, distinct
+
+
+async def test_queue_fifo_rejections_and_cancel(runs: Runs, ready_run):
+    client = runs.client
+    long = SubmitPrompt(
+        request_id=10, prompt_text="Write a long story about a dragon.", max_tokens=120
+    )
+    first = asyncio.ensure_future(submit_prompt(client, 401, long))
+    await asyncio.sleep(0.5)
+    pending = [
+        asyncio.ensure_future(
+            submit_prompt(
+                client,
+                401,
+                SubmitPrompt(request_id=20 + i, prompt_text=f"Number {i}:", max_tokens=2),
+            )
+        )
+        for i in range(7)
+    ]
+    await asyncio.sleep(1.0)
+    state = await snapshot(ready_run)
+    assert state.active is not None and state.active.request_id == 10
+    assert [p.request_id for p in state.pending] == [20 + i for i in range(7)]
+    with pytest.raises(PromptRejected) as full:
+        await submit_prompt(client, 401, SubmitPrompt(request_id=99, prompt_text="x"))
+    assert full.value.kind == "PromptQueueFull"
+    with pytest.raises(PromptRejected) as dup:
+        await submit_prompt(client, 401, SubmitPrompt(request_id=21, prompt_text="x"))
+    assert dup.value.kind == "DuplicateRequestId"
+    # cancel one pending, then the active one
+    await ready_run.signal(names.SIGNAL_CANCEL_PROMPT, CancelPrompt(request_id=23))
+    await ready_run.signal(names.SIGNAL_CANCEL_PROMPT, CancelPrompt(request_id=10))
+    r_first = await first
+    assert isinstance(r_first, Fault) and "cancelled" in r_first.error
+    results = await asyncio.gather(*pending)
+    assert isinstance(results[3], Fault) and results[3].error == "cancelled"
+    done = [r for i, r in enumerate(results) if i != 3]
+    assert all(isinstance(r, Done) and r.tokens_generated <= 2 for r in done), results
+    state = await snapshot(ready_run)
+    completions = [r.request_id for r in state.lifecycle if r.kind.value == "PromptCompleted"]
+    assert completions == [20, 21, 22, 24, 25, 26]  # FIFO order
+    assert state.active is None and state.pending == []
+    # the id of an ended prompt may be used again, and the run still serves
+    again = await submit_prompt(
+        client, 401, SubmitPrompt(request_id=10, prompt_text="Hi", max_tokens=3)
+    )
+    assert isinstance(again, Done)
+
+
+async def test_max_tokens_absent_uses_the_run_default(runs: Runs, ready_run):
+    r = await submit_prompt(
+        runs.client, 401, SubmitPrompt(request_id=5, prompt_text="Once upon a time")
+    )
+    assert isinstance(r, Done) and r.tokens_generated == 64
+
+
+async def test_prompt_longer_than_context_is_a_prompt_fault_and_run_keeps_serving(
+    runs: Runs, ready_run
+):
+    r = await submit_prompt(runs.client, 401, SubmitPrompt(request_id=6, prompt_text="word " * 800))
+    assert isinstance(r, Fault) and "context" in r.error
+    ok = await submit_prompt(
+        runs.client, 401, SubmitPrompt(request_id=7, prompt_text="Hello", max_tokens=2)
+    )
+    assert isinstance(ok, Done)
+
+
+async def test_prompts_are_rejected_before_prompt_ready(runs: Runs):
+    handle = await runs.start(402)
+    with pytest.raises(PromptRejected) as rej:
+        await submit_prompt(runs.client, 402, SubmitPrompt(request_id=1, prompt_text="x"))
+    assert rej.value.kind == "RunNotPromptReady"
+    await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=402))
+    await wait_closed(handle)

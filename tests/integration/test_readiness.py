@@ -1,0 +1,78 @@
+"""Must-hold 2: readiness is the spec's barrier and nothing else."""
+
+from __future__ import annotations
+
+import asyncio
+
+from temporalio.client import WorkflowFailureError
+
+from mvp_core import names
+from mvp_core.models import NodeRuntimeReady, RunPhase
+from tests.integration.conftest import Runs, snapshot, wait_closed
+
+FAST = {"timeouts": {"readiness_s": 12}}
+
+
+async def _failure(handle) -> str:
+    try:
+        await handle.result()
+    except WorkflowFailureError as err:
+        return str(err.cause)
+    raise AssertionError("run did not fail")
+
+
+async def test_forged_and_stale_reports_do_not_advance_and_log_lines_and_ports_never_make_ready(
+    runs: Runs,
+):
+    # The node looks ready in its log and listens on a port, but never reports.
+    handle = await runs.start(301, node_env={"MVP_FAULT_MUTE": "1"}, **FAST)
+    while (await snapshot(handle)).phase != RunPhase.READINESS:
+        await asyncio.sleep(0.1)
+    state = await snapshot(handle)
+    node = state.nodes[0]
+    good = dict(
+        run_id=301,
+        node_id=node.node_id,
+        stage_index=0,
+        endpoint="x",
+        node_actor=node.task_queue,
+        worker_identity=f"{node.task_queue}@forged",
+        readiness_id=node.readiness_id,
+    )
+    forged = [
+        {**good, "run_id": 999},
+        {**good, "node_id": 42},
+        {**good, "readiness_id": "0badc0de-1-0"},
+        # a node of an earlier execution with the same run_id: other nonce in queue and readiness id
+        {**good, "node_actor": "mvp-node-301-1-00000000", "readiness_id": "00000000-1-0"},
+    ]
+    for report in forged:
+        await handle.signal(names.SIGNAL_NODE_RUNTIME_READY, NodeRuntimeReady(**report))
+    await asyncio.sleep(1.0)
+    state = await snapshot(handle)
+    assert state.ignored_reports >= len(forged)
+    assert state.nodes[0].runtime_ready is None
+    assert state.phase == RunPhase.READINESS
+    cause = await _failure(handle)
+    assert "NodeRuntimeReady" in cause and "startup (readiness)" in cause
+    await wait_closed(handle)
+
+
+async def test_no_prompt_ready_when_poller_identity_does_not_match(runs: Runs):
+    handle = await runs.start(
+        302, node_env={"MVP_FAULT_REPORT_IDENTITY": "someone-else@host:1"}, **FAST
+    )
+    cause = await _failure(handle)
+    assert "route owner" in cause, cause
+    state = await snapshot(handle)
+    assert not any(r.kind.value == "RunReady" for r in state.lifecycle)
+    assert state.torn_down
+
+
+async def test_no_prompt_ready_before_lease_started(runs: Runs):
+    handle = await runs.start(303, node_env={"MVP_FAULT_NO_LEASE_REPORT": "1"}, **FAST)
+    cause = await _failure(handle)
+    assert "lease never started" in cause, cause
+    state = await snapshot(handle)
+    assert state.nodes[0].runtime_ready is not None  # it did report
+    assert not any(r.kind.value == "RunReady" for r in state.lifecycle)

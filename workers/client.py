@@ -1,0 +1,110 @@
+"""A small client API: submit a prompt to a run and read its text as it is generated.
+
+    async for event in stream_prompt(client, run_id=7, prompt=SubmitPrompt(...)):
+        if isinstance(event, TextDelta): print(event.text, end="", flush=True)
+        else: ...  # Done or Fault, always last, exactly once
+
+The prompt is admitted by the run's ``submit_prompt`` Update (its validator rejects a
+full queue, a duplicate id, or a run that is not prompt-ready, raising ``PromptRejected``);
+its text deltas come from the prompt's own workflow stream, which any client can
+subscribe to and re-attach to; the terminal event is the Update's result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+
+from pydantic import TypeAdapter
+from temporalio.client import (
+    Client,
+    WorkflowUpdateFailedError,
+    WorkflowUpdateStage,
+)
+from temporalio.contrib.workflow_streams import WorkflowStreamClient
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError
+
+from mvp_core import names
+from mvp_core.models import Done, Fault, PromptEvent, PromptTerminal, SubmitPrompt, TextDelta
+
+_EVENT: TypeAdapter[TextDelta | Done | Fault] = TypeAdapter(PromptEvent)
+_TERMINAL: Any = PromptTerminal
+
+
+class PromptRejected(Exception):
+    """The run refused the prompt; ``kind`` is the typed rejection (DECISIONS 9)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def _rejection(err: WorkflowUpdateFailedError) -> PromptRejected:
+    cause = err.cause
+    if isinstance(cause, ApplicationError):
+        return PromptRejected(cause.type or "Rejected", cause.message)
+    return PromptRejected("Rejected", str(cause or err))
+
+
+async def stream_prompt(
+    client: Client, run_id: int, prompt: SubmitPrompt, *, poll_cooldown_ms: int = 20
+) -> AsyncIterator[TextDelta | Done | Fault]:
+    """Yield the prompt's TextDelta events as they arrive, then its one terminal event."""
+    handle = client.get_workflow_handle(names.run_workflow_id(run_id))
+    update_id = uuid.uuid4().hex
+    try:
+        update = await handle.start_update(
+            names.UPDATE_SUBMIT_PROMPT,
+            prompt,
+            id=update_id,
+            wait_for_stage=WorkflowUpdateStage.ACCEPTED,
+            result_type=_TERMINAL,
+        )
+    except WorkflowUpdateFailedError as err:
+        raise _rejection(err) from None
+    child_id = names.prompt_workflow_id(run_id, prompt.request_id, update_id)
+    stream = WorkflowStreamClient.create(client, child_id)
+    result_task = asyncio.ensure_future(update.result())
+    terminal: Done | Fault | None = None
+    attempts = 0
+    while terminal is None:
+        try:
+            async for item in stream.subscribe(
+                [names.PROMPT_STREAM_TOPIC],
+                result_type=None,
+                poll_cooldown=timedelta(milliseconds=poll_cooldown_ms),
+            ):
+                event = _EVENT.validate_python(item.data)
+                if isinstance(event, TextDelta):
+                    yield event
+                else:
+                    terminal = event
+                    break
+            if terminal is None:
+                break
+        except RPCError:
+            # The child is started by the Update handler a moment after acceptance.
+            attempts += 1
+            if result_task.done() or attempts > 200:
+                break
+            await asyncio.sleep(0.02)
+    result = await result_task
+    yield terminal if terminal is not None else result
+
+
+async def submit_prompt(client: Client, run_id: int, prompt: SubmitPrompt) -> Done | Fault:
+    """Submit and wait for the terminal event, without streaming."""
+    handle = client.get_workflow_handle(names.run_workflow_id(run_id))
+    try:
+        result: Done | Fault = await handle.execute_update(
+            names.UPDATE_SUBMIT_PROMPT,
+            prompt,
+            result_type=_TERMINAL,
+        )
+    except WorkflowUpdateFailedError as err:
+        raise _rejection(err) from None
+    return result
