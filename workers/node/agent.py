@@ -11,6 +11,7 @@ import asyncio
 import logging
 import signal
 import time
+from datetime import timedelta
 
 from temporalio.api.enums.v1 import WorkflowExecutionStatus
 from temporalio.client import Client
@@ -126,7 +127,7 @@ async def amain() -> None:
         ],
         identity=cfg.identity,
         max_concurrent_activities=16,
-        graceful_shutdown_timeout=__import__("datetime").timedelta(seconds=2),
+        graceful_shutdown_timeout=timedelta(seconds=2),
     )
     print(
         f"node {cfg.node_id} stage {cfg.stage_index} serving {cfg.task_queue} as {cfg.identity}",
@@ -134,7 +135,9 @@ async def amain() -> None:
     )
     tasks = [
         asyncio.ensure_future(worker.run()),
-        asyncio.ensure_future(report_ready(cfg, client, acts, stop)),
+        asyncio.ensure_future(
+            mute_node(cfg) if faults.mute else report_ready(cfg, client, acts, stop)
+        ),
         asyncio.ensure_future(dead_man(cfg, client, acts, stop)),
     ]
     await stop.wait()
