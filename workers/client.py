@@ -22,6 +22,7 @@ from pydantic import TypeAdapter
 from temporalio.client import (
     Client,
     WorkflowUpdateFailedError,
+    WorkflowUpdateHandle,
     WorkflowUpdateStage,
 )
 from temporalio.contrib.workflow_streams import WorkflowStreamClient
@@ -94,6 +95,22 @@ async def stream_prompt(
             await asyncio.sleep(0.02)
     result = await result_task
     yield terminal if terminal is not None else result
+
+
+async def start_prompt(
+    client: Client, run_id: int, prompt: SubmitPrompt
+) -> WorkflowUpdateHandle[Any]:
+    """Submit and return once the run has admitted the prompt (FIFO from here on)."""
+    handle = client.get_workflow_handle(names.run_workflow_id(run_id))
+    try:
+        return await handle.start_update(
+            names.UPDATE_SUBMIT_PROMPT,
+            prompt,
+            wait_for_stage=WorkflowUpdateStage.ACCEPTED,
+            result_type=_TERMINAL,
+        )
+    except WorkflowUpdateFailedError as err:
+        raise _rejection(err) from None
 
 
 async def submit_prompt(client: Client, run_id: int, prompt: SubmitPrompt) -> Done | Fault:

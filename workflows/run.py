@@ -135,7 +135,7 @@ class RunWorkflow:
         outcome = state.outcome()
         if state.first_fault is not None:
             raise ApplicationError(
-                f"RunFaulted: {state.first_fault}", outcome, type="RunFaulted", non_retryable=True
+                state.first_fault, outcome, type="RunFaulted", non_retryable=True
             )
         return outcome
 
@@ -145,7 +145,7 @@ class RunWorkflow:
         state.record(LifecycleKind.RUN_REJECTED, reason)
         self._set_phase(RunPhase.REJECTED)
         raise ApplicationError(
-            f"RunRejected: {reason}", state.outcome(), type="RunRejected", non_retryable=True
+            reason, state.outcome(), type="RunRejected", non_retryable=True
         )
 
     # ------------------------------------------------------------------ planning

@@ -73,6 +73,6 @@ async def test_thirty_prompts_cross_two_continue_as_new_on_the_same_nodes(low_th
     assert completed == list(range(30))  # exactly one terminal event each
     latest = runs.client.get_workflow_handle(names.run_workflow_id(701))
     await latest.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=701))
-    outcome = await latest.result(result_type=RunOutcome)
+    outcome = RunOutcome.model_validate(await latest.result())
     assert outcome.lifecycle[-1].kind.value == "RunTornDown"
     assert RunRequest  # typed import kept for readers

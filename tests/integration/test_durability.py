@@ -55,7 +55,7 @@ async def test_kill9_worker_while_ready_and_while_generating(
     assert all(psutil.pid_exists(p) for p in pids)
     assert len(list((orchestrator.state_dir / "nodes").glob("mvp-601-*"))) == 1
     await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=601))
-    outcome = await handle.result(result_type=RunOutcome)
+    outcome = RunOutcome.model_validate(await handle.result())
     assert outcome.lifecycle[-1].kind.value == "RunTornDown"
 
 
@@ -69,7 +69,7 @@ async def test_secret_in_worker_env_reaches_nodes_but_never_history(runs: Runs):
     )
     assert isinstance(r, Done)
     await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=602))
-    await handle.result(result_type=RunOutcome)
+    RunOutcome.model_validate(await handle.result())
     history = await handle.fetch_history()
     assert SECRET not in history.to_json()
     desc = await handle.describe()

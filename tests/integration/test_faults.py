@@ -19,7 +19,7 @@ async def _failure(handle) -> str:
     try:
         await handle.result()
     except WorkflowFailureError as err:
-        return str(err.cause)
+        return err.cause.message if hasattr(err.cause, 'message') else str(err.cause)
     raise AssertionError("run did not fail")
 
 
@@ -28,7 +28,7 @@ async def test_node_exit_before_ready_fails_startup_fast_and_tears_down(runs: Ru
     handle = await runs.start(501, node_env={"MVP_FAULT_EXIT_BEFORE_READY": "1"})
     cause = await _failure(handle)
     assert time.monotonic() - t0 < 30
-    assert cause.startswith("RunFaulted: startup ("), cause
+    assert cause.startswith("startup ("), cause
     assert "node 1 exited" in cause
     state = await snapshot(handle)
     assert state.torn_down and state.nodes[0].provider_stopped
@@ -42,7 +42,7 @@ async def test_node_killed_during_generation_faults_prompt_and_run_within_15s(ru
         submit_prompt(
             runs.client,
             502,
-            SubmitPrompt(request_id=1, prompt_text="Tell me a long story.", max_tokens=400),
+            SubmitPrompt(request_id=1, prompt_text="Once upon a time", max_tokens=2000),
         )
     )
     await asyncio.sleep(1.5)
@@ -52,7 +52,7 @@ async def test_node_killed_during_generation_faults_prompt_and_run_within_15s(ru
     assert result.type == "fault", result
     cause = await _failure(handle)
     assert time.monotonic() - t0 < 15, time.monotonic() - t0
-    assert cause.startswith("RunFaulted: prompt serving"), cause
+    assert cause.startswith("prompt serving"), cause
     state = await snapshot(handle)
     assert state.torn_down
     assert [r.kind.value for r in state.lifecycle].count("RunFaulted") == 1  # first fault is sticky
@@ -64,7 +64,7 @@ async def test_a_stop_that_really_fails_is_kept_and_every_stop_is_attempted(runs
     pid = node_pids(state)[0]
     os.kill(pid, signal.SIGSTOP)  # frozen: StopRun cannot be served, SIGTERM is not acted on
     await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=503))
-    outcome = await handle.result(result_type=RunOutcome)
+    outcome = RunOutcome.model_validate(await handle.result())
     assert outcome.outcome.value == "operator_stopped"
     assert outcome.first_stop_error is not None and "StopRun stage 0" in outcome.first_stop_error
     assert outcome.first_fault is None

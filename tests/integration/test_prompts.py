@@ -18,7 +18,7 @@ from mvp_core.models import (
     TextDelta,
 )
 from tests.integration.conftest import Runs, snapshot, wait_closed, wait_phase
-from workers.client import PromptRejected, stream_prompt, submit_prompt
+from workers.client import PromptRejected, start_prompt, stream_prompt, submit_prompt
 
 
 @pytest.fixture
@@ -54,20 +54,15 @@ async def test_streaming_64_tokens_arrives_in_several_batches_before_the_termina
 async def test_queue_fifo_rejections_and_cancel(runs: Runs, ready_run):
     client = runs.client
     long = SubmitPrompt(
-        request_id=10, prompt_text="Write a long story about a dragon.", max_tokens=120
+        request_id=10, prompt_text="Once upon a time", max_tokens=2000
     )
     first = asyncio.ensure_future(submit_prompt(client, 401, long))
     await asyncio.sleep(0.5)
-    pending = [
-        asyncio.ensure_future(
-            submit_prompt(
-                client,
-                401,
-                SubmitPrompt(request_id=20 + i, prompt_text=f"Number {i}:", max_tokens=2),
-            )
-        )
-        for i in range(7)
-    ]
+    pending = []
+    for i in range(7):
+        prompt = SubmitPrompt(request_id=20 + i, prompt_text=f"Number {i}:", max_tokens=2)
+        accepted = await start_prompt(client, 401, prompt)
+        pending.append(asyncio.ensure_future(accepted.result()))
     await asyncio.sleep(1.0)
     state = await snapshot(ready_run)
     assert state.active is not None and state.active.request_id == 10

@@ -17,7 +17,7 @@ async def _failure(handle) -> str:
     try:
         await handle.result()
     except WorkflowFailureError as err:
-        return str(err.cause)
+        return err.cause.message if hasattr(err.cause, 'message') else str(err.cause)
     raise AssertionError("run did not fail")
 
 
