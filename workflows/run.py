@@ -84,6 +84,7 @@ class RunWorkflow:
         self._leases: dict[int, asyncio.Task[None]] = {}
         self._watch: asyncio.Task[None] | None = None
         self._rolling_over = False
+        self._background_cancelled = False
         if carry is not None:
             self._state = carry.state
             self._state.continued += 1
@@ -376,7 +377,8 @@ class RunWorkflow:
                 return
             except ActivityError as err:
                 detail = _cause(err)
-            state.on_lease_lost(node.node_id, detail)
+            if not self._background_cancelled:
+                state.on_lease_lost(node.node_id, detail)
 
         self._leases[node.node_id] = asyncio.ensure_future(lease())
 
@@ -402,11 +404,14 @@ class RunWorkflow:
                 )
             except (asyncio.CancelledError, ActivityError):
                 return
-            state.on_node_exited(exited.node_id, exited.detail)
+            if not self._background_cancelled:
+                state.on_node_exited(exited.node_id, exited.detail)
 
         self._watch = asyncio.ensure_future(watch())
 
     async def _cancel_background(self) -> None:
+        """Stop leases and the watch on purpose: their ends are then no membership loss."""
+        self._background_cancelled = True
         tasks = [*self._leases.values(), *([self._watch] if self._watch else [])]
         for task in tasks:
             task.cancel()

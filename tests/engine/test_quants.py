@@ -8,7 +8,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf import quants as gq
 
-from tests.engine.tiny_models import BLOCK, quantize
+from tests.engine.tiny_models import quantize
 from workers.engine.kernels import int4_codes, pack_int4
 from workers.engine.quants import AFFINE_BITS, affine_groups, dequantize, dequantize_rows
 
@@ -66,7 +66,3 @@ def test_int4_packing_reproduces_weights_exactly_with_float32_scales(qtype: int)
     y = torch._weight_int4pack_mm_for_cpu(xx, pack_int4(codes), 32, sz)
     expected = x.double() @ torch.from_numpy(ref).double().T
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-4)
-
-
-def test_block_sizes_of_test_helper_match_ggml() -> None:
-    assert BLOCK[QT.Q4_K] == 256 and BLOCK[QT.Q8_0] == 32

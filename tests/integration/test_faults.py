@@ -65,7 +65,7 @@ async def test_a_stop_that_really_fails_is_kept_and_every_stop_is_attempted(runs
     os.kill(pid, signal.SIGSTOP)  # frozen: StopRun cannot be served, SIGTERM is not acted on
     await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=503))
     outcome = RunOutcome.model_validate(await handle.result())
-    assert outcome.outcome.value == "operator_stopped"
+    assert outcome.outcome.value == "operator_stopped", outcome
     assert outcome.first_stop_error is not None and "StopRun stage 0" in outcome.first_stop_error
     assert outcome.first_fault is None
     state = await snapshot(handle)
