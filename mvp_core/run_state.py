@@ -285,7 +285,7 @@ class RunState(BaseModel):
         self, request_id: int, capacity: int, rolling_over: bool
     ) -> PromptRejection | None:
         if self.phase is not RunPhase.PROMPT_READY or self.stopping:
-            if rolling_over and not self.stopping:
+            if (rolling_over or self.phase is RunPhase.ROLLING_OVER) and not self.stopping:
                 return PromptRejection.ROLLING_OVER
             return PromptRejection.NOT_PROMPT_READY
         if rolling_over:

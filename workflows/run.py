@@ -88,6 +88,8 @@ class RunWorkflow:
         if carry is not None:
             self._state = carry.state
             self._state.continued += 1
+            # Serving resumes at once; leases restart in run() (DECISIONS 13).
+            self._state.phase = RunPhase.PROMPT_READY
             return
         run_id = -1
         try:
