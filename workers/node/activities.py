@@ -185,6 +185,7 @@ class NodeActivities:
         )
         topic = stream.topic(names.PROMPT_STREAM_TOPIC, type=TextDelta)
         task = asyncio.ensure_future(asyncio.to_thread(work))
+        first = True
         async with stream:
             try:
                 while True:
@@ -195,7 +196,9 @@ class NodeActivities:
                         continue
                     if piece is None:
                         break
-                    topic.publish(TextDelta(request_id=request_id, text=piece))
+                    # The first delta goes out at once: it is the time to first text.
+                    topic.publish(TextDelta(request_id=request_id, text=piece), force_flush=first)
+                    first = False
                     activity.heartbeat()
             except asyncio.CancelledError:
                 cancel = True
