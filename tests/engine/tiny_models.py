@@ -126,7 +126,12 @@ class TinyModel:
             writer.add_tensor(name, data)
             self.w[name] = data.astype(np.float64)
 
-        h, hd, qd, kvd = spec.hidden, spec.head_dim, spec.n_head * spec.head_dim, spec.n_kv_head * spec.head_dim
+        h, hd, qd, kvd = (
+            spec.hidden,
+            spec.head_dim,
+            spec.n_head * spec.head_dim,
+            spec.n_kv_head * spec.head_dim,
+        )
         add("token_embd.weight", (spec.vocab, h), spec.embd_type, scale=0.5)
         if spec.rope_freq_factors:
             factors = np.linspace(1.0, 4.0, hd // 2).astype(np.float32)
@@ -198,7 +203,11 @@ class TinyModel:
             k = a @ w[p + "attn_k.weight"].T
             v = a @ w[p + "attn_v.weight"].T
             if p + "attn_q.bias" in w:
-                q, k, v = q + w[p + "attn_q.bias"], k + w[p + "attn_k.bias"], v + w[p + "attn_v.bias"]
+                q, k, v = (
+                    q + w[p + "attn_q.bias"],
+                    k + w[p + "attn_k.bias"],
+                    v + w[p + "attn_v.bias"],
+                )
             q = q.reshape(t, s.n_head, s.head_dim)
             k = k.reshape(t, s.n_kv_head, s.head_dim)
             v = v.reshape(t, s.n_kv_head, s.head_dim)

@@ -1,0 +1,116 @@
+"""Every architecture and quant type on tiny GGUFs written here, against a numpy reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from tests.engine.tiny_models import TinyModel, TinySpec
+from workers.engine import EngineOptions, load_stage, read_model_facts
+from workers.engine.gguf_reader import GGUFError
+from workers.engine.kernels import DenseLinear, Int4Linear
+
+IDS = [5, 17, 3, 99, 250, 7, 1, 42]
+QTYPES = [QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+COMPACT = {QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K, QT.Q5_K}
+OPTS32 = EngineOptions(device="cpu", precision="float32", threads=1)
+OPTS = EngineOptions(device="cpu", threads=1)
+
+
+def _spec(arch: str, qtype: QT, **kw: object) -> TinySpec:
+    base: dict[str, object] = {"arch": arch, "qtype": qtype, "embd_type": QT.Q8_0}
+    if arch == "llama":
+        base.update(rope_freq_factors=True, rope_scaling_factor=2.0)
+    base.update(kw)
+    return TinySpec(**base)  # type: ignore[arg-type]
+
+
+def _logits(path: str, opts: EngineOptions, ids: list[int] = IDS) -> np.ndarray:
+    stage = load_stage(path, 0, read_model_facts(path).block_count, opts)
+    session = stage.new_session(64)
+    out = session.forward_tokens(ids).numpy()
+    stage.close()
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_forward_matches_reference(tmp_path: Path, arch: str, qtype: QT) -> None:
+    model = TinyModel(_spec(arch, qtype), tmp_path / "m.gguf")
+    ref = model.logits(IDS)
+    np.testing.assert_allclose(_logits(model.path, OPTS32), ref, rtol=0, atol=2e-4)
+    stage = load_stage(model.path, 0, 3, OPTS)
+    kernel = Int4Linear if qtype in COMPACT else DenseLinear
+    assert isinstance(stage.model.layers[0].gate_up, kernel)
+    out = stage.new_session(64).forward_tokens(IDS).numpy()
+    # The fast path rounds activations to bfloat16 inside its kernels (~0.3% per matmul;
+    # random weights amplify it through the layers).
+    assert np.linalg.norm(out - ref) <= 0.05 * np.linalg.norm(ref)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_tied_and_untied_output_head(tmp_path: Path, tied: bool) -> None:
+    model = TinyModel(_spec("llama", QT.Q4_0, tied=tied), tmp_path / "m.gguf")
+    np.testing.assert_allclose(_logits(model.path, OPTS32), model.logits(IDS), atol=2e-4)
+    last = load_stage(model.path, 2, 3, OPTS32)
+    assert ("output.weight" in last.tensor_names_loaded) is not tied
+    assert ("token_embd.weight" in last.tensor_names_loaded) is tied
+
+
+def test_qwen3_head_dim_from_key_length(tmp_path: Path) -> None:
+    model = TinyModel(_spec("qwen3", QT.Q8_0, head_dim=32), tmp_path / "m.gguf")
+    np.testing.assert_allclose(_logits(model.path, OPTS32), model.logits(IDS), atol=2e-4)
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_stages_compose_to_the_whole_model(tmp_path: Path, split: int) -> None:
+    model = TinyModel(_spec("qwen2", QT.Q4_K), tmp_path / "m.gguf")
+    for opts in (OPTS32, OPTS):
+        whole = load_stage(model.path, 0, 3, opts).new_session(32).forward_tokens(IDS)
+        first = load_stage(model.path, 0, split, opts)
+        last = load_stage(model.path, split, 3, opts)
+        hidden = first.new_session(32).forward_tokens(IDS)
+        assert hidden.shape == (len(IDS), 256) and hidden.dtype == torch.float32
+        ref_hidden = model.hidden_after(IDS, split)
+        if opts is OPTS32:
+            np.testing.assert_allclose(hidden.numpy(), ref_hidden, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            last.new_session(32).forward_hidden(hidden), whole, rtol=0, atol=1e-4
+        )
+
+
+def test_stage_touches_only_its_tensors(tmp_path: Path) -> None:
+    model = TinyModel(_spec("qwen3", QT.Q4_0, tied=False), tmp_path / "m.gguf")
+    middle = load_stage(model.path, 1, 2, OPTS)
+    assert middle.tensor_names_loaded == {
+        n.format(1)
+        for n in [
+            "blk.{}.attn_norm.weight", "blk.{}.attn_q.weight", "blk.{}.attn_k.weight",
+            "blk.{}.attn_v.weight", "blk.{}.attn_q_norm.weight", "blk.{}.attn_k_norm.weight",
+            "blk.{}.attn_output.weight", "blk.{}.ffn_norm.weight", "blk.{}.ffn_gate.weight",
+            "blk.{}.ffn_up.weight", "blk.{}.ffn_down.weight",
+        ]
+    }  # fmt: skip
+    assert not middle.is_first and not middle.is_last
+    first = load_stage(model.path, 0, 1, OPTS)
+    assert "token_embd.weight" in first.tensor_names_loaded
+    assert not any(n.startswith(("blk.1.", "blk.2.", "output")) for n in first.tensor_names_loaded)
+
+
+def test_unsupported_architecture_is_rejected(tmp_path: Path) -> None:
+    model = TinyModel(_spec("llama", QT.F32), tmp_path / "m.gguf")
+    data = Path(model.path).read_bytes().replace(b"llama", b"gpt2x")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(data)
+    with pytest.raises(GGUFError, match="not supported"):
+        load_stage(str(bad), 0, 1, OPTS)
+
+
+def test_layer_range_is_validated(tmp_path: Path) -> None:
+    model = TinyModel(_spec("llama", QT.F32), tmp_path / "m.gguf")
+    with pytest.raises(GGUFError, match="outside"):
+        load_stage(model.path, 2, 4, OPTS)

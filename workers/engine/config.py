@@ -1,0 +1,133 @@
+"""Model facts and architecture hyperparameters, read only from GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .gguf_reader import GGUFError, GGUFFile, LazyArray
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# llama.cpp rotates adjacent pairs for llama-family GGUFs (the converter permuted q/k
+# rows for that) and the two halves of each head ("NEOX") for qwen2/qwen3.
+_NEOX_ARCHITECTURES = frozenset({"qwen2", "qwen3"})
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a planner needs to know about a model, cheap to read."""
+
+    architecture: str
+    name: str
+    block_count: int
+    embedding_length: int
+    context_length: int
+    vocab_size: int
+    eos_token_id: int | None
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """Hyperparameters of the forward pass."""
+
+    architecture: str
+    n_layers: int
+    hidden: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    ffn: int
+    eps: float
+    rope_base: float
+    rope_dim: int
+    rope_neox: bool
+    rope_linear_scale: float  # positions are multiplied by this (1 / scaling factor)
+    vocab_size: int
+    context_length: int
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_head * self.head_dim
+
+
+def _vocab_size(f: GGUFFile) -> int:
+    v = f.arch_key("vocab_size")
+    if v is not None:
+        return int(v)
+    if "token_embd.weight" in f.tensors:
+        return f.tensors["token_embd.weight"].shape[0]
+    tokens = f.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, LazyArray):
+        return tokens.count
+    if isinstance(tokens, list):
+        return len(tokens)
+    raise GGUFError(f"{f.path}: cannot tell the vocabulary size")
+
+
+def facts_of(f: GGUFFile) -> ModelFacts:
+    arch = f.architecture
+    if not arch:
+        raise GGUFError(f"{f.path}: missing general.architecture")
+    eos = f.get("tokenizer.ggml.eos_token_id")
+    return ModelFacts(
+        architecture=arch,
+        name=str(f.get("general.name", "")),
+        block_count=int(f.arch_key("block_count", 0)),
+        embedding_length=int(f.arch_key("embedding_length", 0)),
+        context_length=int(f.arch_key("context_length", 0)),
+        vocab_size=_vocab_size(f),
+        eos_token_id=None if eos is None else int(eos),
+    )
+
+
+def read_model_facts(path: str) -> ModelFacts:
+    """Metadata only: the tensor data is neither mapped nor read."""
+    return facts_of(GGUFFile(path, map_tensors=False))
+
+
+def arch_config(f: GGUFFile) -> ArchConfig:
+    arch = f.architecture
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(
+            f"{f.path}: architecture {arch!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+
+    def need(key: str) -> int:
+        v = f.arch_key(key)
+        if v is None:
+            raise GGUFError(f"{f.path}: missing metadata {arch}.{key}")
+        return int(v)
+
+    hidden = need("embedding_length")
+    n_head = need("attention.head_count")
+    n_kv = int(f.arch_key("attention.head_count_kv", n_head))
+    head_dim = int(f.arch_key("attention.key_length", hidden // n_head))
+    value_dim = int(f.arch_key("attention.value_length", head_dim))
+    if value_dim != head_dim:
+        raise GGUFError(f"{f.path}: key_length {head_dim} != value_length {value_dim}")
+    scale = 1.0
+    scaling_type = str(f.arch_key("rope.scaling.type", "none"))
+    if scaling_type == "linear":
+        scale = 1.0 / float(f.arch_key("rope.scaling.factor", 1.0))
+    elif scaling_type not in ("none", ""):
+        raise GGUFError(f"{f.path}: rope scaling {scaling_type!r} is not supported")
+    return ArchConfig(
+        architecture=arch,
+        n_layers=need("block_count"),
+        hidden=hidden,
+        n_head=n_head,
+        n_kv_head=n_kv,
+        head_dim=head_dim,
+        ffn=need("feed_forward_length"),
+        eps=float(f.arch_key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_base=float(f.arch_key("rope.freq_base", 10000.0)),
+        rope_dim=int(f.arch_key("rope.dimension_count", head_dim)),
+        rope_neox=arch in _NEOX_ARCHITECTURES,
+        rope_linear_scale=scale,
+        vocab_size=_vocab_size(f),
+        context_length=int(f.arch_key("context_length", 0)),
+    )

@@ -1,0 +1,209 @@
+"""Matrix kernels: how a (possibly fused) weight matrix is stored and multiplied.
+
+* ``Int4Linear`` keeps 32-wide affine groups as torch's CPU int4 weight-only format
+  (``_weight_int4pack_mm_for_cpu``). Q4_0/Q4_1/Q4_K map onto it exactly (only the
+  per-group scale and zero are rounded to bfloat16). Wider codes (Q8_0, Q5_K) are split
+  into a high and a low nibble, stored side by side along K, and the input is duplicated,
+  so one kernel call still computes the exact product. The kernel only has a vectorised
+  path for bfloat16 activations; its output is bfloat16.
+* ``DenseLinear`` holds a plain matrix (float32 for the reference path, bfloat16 or
+  float16 where no compact kernel applies, e.g. Q6_K's 16-wide groups, or on CUDA).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .quants import AFFINE_BITS
+
+GROUP = 32
+_BLOCK_N = 64
+# Activation (and scale) dtype of the int4 kernel: only bfloat16 has a vectorised CPU path.
+INT4_ACT_DTYPE = torch.bfloat16
+
+
+def _probe_direct_layout() -> bool:
+    """True when torch's CPU int4 layout is ``[N/64, K, 32]`` with n and n+32 in one byte.
+
+    That layout lets us pack straight from uint8 codes (fast, little memory); otherwise
+    we fall back to torch's converter. Checked once on a small random matrix.
+    """
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=gen)
+    try:
+        ref = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    except (RuntimeError, AttributeError):
+        return False
+    return bool(torch.equal(ref, _pack_direct(q.to(torch.uint8))))
+
+
+def _pack_direct(q: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    blocks = q.view(n // _BLOCK_N, _BLOCK_N, k).transpose(1, 2)
+    packed = blocks[..., : _BLOCK_N // 2] | (blocks[..., _BLOCK_N // 2 :] << 4)
+    return packed.contiguous().view(n, k // 2)
+
+
+_DIRECT: bool | None = None
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] in 0..15 -> torch's CPU int4 packed weight."""
+    global _DIRECT
+    if _DIRECT is None:
+        _DIRECT = _probe_direct_layout()
+    if _DIRECT and q.shape[0] % _BLOCK_N == 0:
+        return _pack_direct(q)
+    return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+
+
+def int4_kernel_available() -> bool:
+    return hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(
+        torch, "_convert_weight_to_int4pack_for_cpu"
+    )
+
+
+class Linear:
+    """``y = x @ W.T (+ b) (+ add_to)`` with float32 input and output, whatever the storage.
+
+    ``add_to`` lets the residual add ride along with the matmul (one op fewer per call).
+    """
+
+    out_features: int
+    in_features: int
+
+    def __call__(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+
+class DenseLinear(Linear):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight
+        self.bias = bias
+        self.out_features, self.in_features = weight.shape
+        self._dtype = weight.dtype
+        self._wt = weight.t()
+
+    def __call__(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
+        if self._dtype == x.dtype:
+            base = self.bias if add_to is None else add_to
+            if base is None:
+                return torch.mm(x, self._wt)
+            y = torch.addmm(base, x, self._wt)
+            return y if add_to is None or self.bias is None else y.add_(self.bias)
+        y = torch.mm(x.to(self._dtype), self._wt).float()
+        if self.bias is not None:
+            y = y.add_(self.bias)
+        return y if add_to is None else y.add_(add_to)
+
+    @property
+    def nbytes(self) -> int:
+        b = 0 if self.bias is None else self.bias.nbytes
+        return self.weight.nbytes + b
+
+
+class Int4Linear(Linear):
+    """int4 weights through torch's bfloat16 CPU kernel, with float32-grade zeros.
+
+    The kernel rounds activations, scales, zeros and its output to bfloat16. For formats
+    with their own per-group minimum (Q4_1, Q4_K, Q5_K) the rounded zero costs the most
+    accuracy (it multiplies the whole group's input sum), so the zeros' bf16 residual is
+    applied outside the kernel: ``group_sums(x) @ zero_lo``, a matmul over K/32 rows,
+    cheap next to the kernel.
+    """
+
+    ZERO_CORRECTION = True
+
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        scales_zeros: torch.Tensor,
+        zero_lo: torch.Tensor | None,
+        out_features: int,
+        in_features: int,
+        duplicate_input: bool,
+        bias: torch.Tensor | None,
+    ) -> None:
+        self.packed = packed
+        self.scales_zeros = scales_zeros
+        self.zero_lo = zero_lo
+        self.out_features = out_features
+        self.in_features = in_features
+        self.duplicate_input = duplicate_input
+        self.bias = bias
+        self._groups = packed.shape[1] * 2 // GROUP
+
+    @classmethod
+    def build(
+        cls,
+        packed: torch.Tensor,
+        scales_zeros: torch.Tensor,
+        out_features: int,
+        in_features: int,
+        duplicate_input: bool,
+        bias: torch.Tensor | None,
+        independent_zeros: bool,
+    ) -> Int4Linear:
+        """From float32 scales/zeros [K/32, N, 2]. ``independent_zeros``: the format has
+        its own minimum per group, so zeros get the residual correction."""
+        sz = scales_zeros.to(INT4_ACT_DTYPE)
+        zero_lo = None
+        if independent_zeros and cls.ZERO_CORRECTION and INT4_ACT_DTYPE != torch.float32:
+            zero_lo = (scales_zeros[..., 1] - sz[..., 1].float()).contiguous()
+        return cls(packed, sz, zero_lo, out_features, in_features, duplicate_input, bias)
+
+    def __call__(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
+        if self.duplicate_input:
+            x = torch.cat([x, x], dim=-1)
+        y = torch._weight_int4pack_mm_for_cpu(
+            x.to(self.scales_zeros.dtype), self.packed, GROUP, self.scales_zeros
+        )
+        base = add_to
+        if self.bias is not None:
+            base = self.bias if base is None else base + self.bias
+        if self.zero_lo is not None:
+            sums = x.view(x.shape[0], self._groups, GROUP).sum(-1)
+            if base is None:
+                return torch.mm(sums, self.zero_lo).add_(y)
+            return torch.addmm(base, sums, self.zero_lo).add_(y)
+        return y.float() if base is None else base + y
+
+    @property
+    def nbytes(self) -> int:
+        n = self.packed.nbytes + self.scales_zeros.nbytes
+        n += 0 if self.zero_lo is None else self.zero_lo.nbytes
+        return n + (0 if self.bias is None else self.bias.nbytes)
+
+
+def int4_codes(
+    q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, split: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kernel codes, scales and zeros for ``w = q * scale + offset`` (the kernel computes
+    ``(code - 8) * scale + zero``).
+
+    With ``split``, codes wider than 4 bits become ``[hi | lo]`` along K,
+    ``w = 16 s hi + s lo + o``. Hi codes of formats up to 7 bits are stored as ``8 + hi``
+    (so ``code - 8`` is small and the bf16 rounding of scale and zero is not amplified).
+    Zeros that are power-of-two multiples of the scale (Q4_0, Q8_0, every lo part) stay
+    consistent with the scale after rounding.
+    """
+    if not split:
+        return q, scale, offset + 8.0 * scale
+    shift = 8 if bits < 8 else 0  # hi codes of <= 7-bit formats fit in 8..15
+    hi = (q >> 4) + shift
+    codes = torch.cat([hi, q & 15], dim=1)
+    zero = torch.cat([16.0 * (8 - shift) * scale + offset, 8.0 * scale], dim=1)
+    return codes, torch.cat([16.0 * scale, scale], dim=1), zero
+
+
+def int4_compatible(types: list[int], shapes: list[tuple[int, ...]]) -> bool:
+    """Whether these fused parts can share one int4 kernel."""
+    if not int4_kernel_available():
+        return False
+    if any(t not in AFFINE_BITS for t in types):
+        return False
+    return all(len(s) == 2 and s[1] % GROUP == 0 for s in shapes)

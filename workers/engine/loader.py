@@ -1,0 +1,202 @@
+"""Turn one stage's GGUF tensors into kernel-ready weights.
+
+Only the tensors a stage needs are touched (the file records each one it hands out).
+Matrices that are used together are fused (q|k|v, gate|up) so a layer makes fewer
+kernel calls. For llama-family files the q/k rows are permuted from the adjacent-pair
+rope layout back to the half-split one, so a single rope implementation serves all
+architectures (attention scores are unchanged: q and k get the same permutation).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .config import ArchConfig
+from .gguf_reader import GGUFError, GGUFFile
+from .kernels import (
+    GROUP,
+    DenseLinear,
+    Int4Linear,
+    Linear,
+    int4_codes,
+    int4_compatible,
+    pack_int4,
+)
+from .quants import (
+    AFFINE_BITS,
+    Q4_1,
+    Q4_K,
+    Q5_K,
+    SUPPORTED_TYPES,
+    affine_groups,
+    as_torch_bytes,
+    dequantize,
+)
+
+# Rows converted per step: bounds the temporary memory of large matrices (the head).
+_CHUNK_ROWS = 4096
+# Formats with a separate minimum per group: their zeros get the bf16 residual correction.
+_WITH_MINS = frozenset({Q4_1, Q4_K, Q5_K})
+
+
+@dataclass(frozen=True)
+class Part:
+    """One GGUF matrix inside a fused weight, with an optional row permutation and a
+    factor folded into its rows (the attention scale goes into q this way)."""
+
+    name: str
+    perm: torch.Tensor | None = None
+    row_scale: float = 1.0
+
+
+class WeightBuilder:
+    """Builds linears and vectors for one precision mode and device."""
+
+    def __init__(self, f: GGUFFile, precision: str, device: torch.device) -> None:
+        if precision not in ("default", "float32"):
+            raise ValueError(f"unknown precision {precision!r}; use 'default' or 'float32'")
+        self.f = f
+        self.precision = precision
+        self.device = device
+
+    def _info(self, name: str) -> tuple[int, tuple[int, ...]]:
+        if name not in self.f.tensors:
+            raise GGUFError(f"{self.f.path}: missing tensor {name}")
+        info = self.f.tensors[name]
+        if info.ggml_type not in SUPPORTED_TYPES:
+            raise GGUFError(f"{self.f.path}: tensor {name} has unsupported type {info.type_name}")
+        return info.ggml_type, info.shape
+
+    def raw(self, name: str) -> torch.Tensor:
+        return as_torch_bytes(self.f.raw(name))
+
+    def vector(self, name: str) -> torch.Tensor:
+        """A float32 vector (norm weights, biases)."""
+        t, shape = self._info(name)
+        return dequantize(self.raw(name), t, shape).clone().to(self.device)
+
+    def optional_vector(self, name: str) -> torch.Tensor | None:
+        return self.vector(name) if name in self.f.tensors else None
+
+    def linear(self, parts: list[Part], biases: list[str] | None = None) -> Linear:
+        types, shapes = zip(*(self._info(p.name) for p in parts), strict=True)
+        k = shapes[0][1]
+        if any(len(s) != 2 or s[1] != k for s in shapes):
+            raise GGUFError(
+                f"{self.f.path}: cannot fuse {[p.name for p in parts]}: shapes {shapes}"
+            )
+        bias = None
+        if biases is not None:
+            vecs = [self.vector(b) for b in biases]
+            bias = torch.cat(
+                [
+                    (v if p.perm is None else v[p.perm]) * p.row_scale
+                    for v, p in zip(vecs, parts, strict=True)
+                ]
+            )
+        use_int4 = (
+            self.precision == "default"
+            and self.device.type == "cpu"
+            and int4_compatible(list(types), list(shapes))
+        )
+        if use_int4:
+            return self._int4(parts, list(shapes), max(_bits(t) for t in types), bias)
+        return self._dense(parts, list(shapes), bias)
+
+    def _chunks(self, part: Part, shape: tuple[int, ...]) -> Iterator[tuple[int, torch.Tensor]]:
+        """(row offset, raw bytes) of row chunks; a permuted part comes whole."""
+        raw = self.raw(part.name)
+        rows = shape[0]
+        step = rows if part.perm is not None else _CHUNK_ROWS
+        row_bytes = raw.numel() // rows
+        for r in range(0, rows, step):
+            n = min(step, rows - r)
+            yield r, raw[r * row_bytes : (r + n) * row_bytes]
+
+    def _int4(
+        self, parts: list[Part], shapes: list[tuple[int, ...]], bits: int, bias: torch.Tensor | None
+    ) -> Int4Linear:
+        n_total = sum(s[0] for s in shapes)
+        k = shapes[0][1]
+        split = bits > 4
+        kp = 2 * k if split else k
+        packed_rows: list[torch.Tensor] = []
+        sz = torch.empty(kp // GROUP, n_total, 2, dtype=torch.float32)
+        row0 = 0
+        for part, shape in zip(parts, shapes, strict=True):
+            t = self.f.tensors[part.name].ggml_type
+            row_bytes = self.f.tensors[part.name].n_bytes // shape[0]
+            for r, raw in self._chunks(part, shape):
+                n = raw.numel() // row_bytes
+                # 4-bit codes fused with wider ones split fine: their high nibble is 0.
+                g = affine_groups(raw, t, (n, k))
+                q, scale, offset = g.q, g.scale * part.row_scale, g.offset * part.row_scale
+                if part.perm is not None:
+                    q, scale, offset = q[part.perm], scale[part.perm], offset[part.perm]
+                q, scale, zero = int4_codes(q, scale, offset, bits, split)
+                packed_rows.append(pack_int4(q))
+                a = row0 + r
+                sz[:, a : a + n, 0] = scale.t()
+                sz[:, a : a + n, 1] = zero.t()
+            row0 += shape[0]
+        packed = packed_rows[0] if len(packed_rows) == 1 else torch.cat(packed_rows)
+        independent = any(self.f.tensors[p.name].ggml_type in _WITH_MINS for p in parts)
+        return Int4Linear.build(packed, sz, n_total, k, split, bias, independent)
+
+    def _dense(
+        self, parts: list[Part], shapes: list[tuple[int, ...]], bias: torch.Tensor | None
+    ) -> DenseLinear:
+        n_total = sum(s[0] for s in shapes)
+        k = shapes[0][1]
+        if self.precision == "float32":
+            dtype = torch.float32
+        else:
+            dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
+        w = torch.empty(n_total, k, dtype=dtype, device=self.device)
+        row0 = 0
+        for part, shape in zip(parts, shapes, strict=True):
+            t = self.f.tensors[part.name].ggml_type
+            row_bytes = self.f.tensors[part.name].n_bytes // shape[0]
+            for r, raw in self._chunks(part, shape):
+                n = raw.numel() // row_bytes
+                m = dequantize(raw, t, (n, k))
+                if part.row_scale != 1.0:
+                    m = m * part.row_scale
+                if part.perm is not None:
+                    m = m[part.perm]
+                w[row0 + r : row0 + r + n] = m.to(self.device)
+            row0 += shape[0]
+        return DenseLinear(w, bias)
+
+
+def _bits(ggml_type: int) -> int:
+    return AFFINE_BITS[ggml_type]
+
+
+def rope_permutation(cfg: ArchConfig, n_heads: int) -> torch.Tensor | None:
+    """Row order that turns adjacent-pair rope rows into half-split ones (None for NEOX)."""
+    if cfg.rope_neox:
+        return None
+    rot = cfg.rope_dim
+    within = torch.cat(
+        [torch.arange(0, rot, 2), torch.arange(1, rot, 2), torch.arange(rot, cfg.head_dim)]
+    )
+    heads = torch.arange(n_heads).view(-1, 1) * cfg.head_dim
+    return (heads + within.view(1, -1)).reshape(-1)
+
+
+def trim_heap() -> None:
+    """Give freed conversion buffers back to the OS so RSS reflects the weights only."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -1,0 +1,148 @@
+"""The transformer forward pass over a stage's layers (llama / mistral / qwen2 / qwen3).
+
+Tensor shapes, per layer (T new tokens, S = position + T cached tokens):
+  h          [T, hidden]                      float32 residual stream
+  qkv        [T, (n_head + 2 n_kv) head_dim]  one fused matmul (+ qwen2 biases)
+  k/v cache  [n_kv, max_seq, head_dim]        per layer, owned by the session
+  scores     [n_kv, group T, S]               grouped-query attention without repeating k/v
+  gate_up    [T, 2 ffn]                       one fused matmul, then silu(gate) * up
+Rope is applied in the half-split (NEOX) form; llama-family q/k rows were permuted at load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .config import ArchConfig
+from .kernels import Linear
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor
+    qkv: Linear
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    wo: Linear
+    ffn_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
+class RopeTables:
+    """cos/sin per position, grown on demand, shaped for ``x * cos + roll(x) * sin``."""
+
+    def __init__(self, cfg: ArchConfig, freq_factors: torch.Tensor | None, device: torch.device):
+        half = cfg.rope_dim // 2
+        exponents = torch.arange(half, dtype=torch.float64) * 2.0 / cfg.rope_dim
+        inv_freq = cfg.rope_base ** (-exponents)
+        if freq_factors is not None:
+            inv_freq = inv_freq / freq_factors.to(torch.float64).cpu()[:half]
+        self.inv_freq = inv_freq * cfg.rope_linear_scale
+        self.device = device
+        self.cos = torch.empty(0, 1, cfg.rope_dim, device=device)
+        self.sin = torch.empty(0, 1, cfg.rope_dim, device=device)
+
+    def ensure(self, n: int) -> None:
+        if self.cos.shape[0] >= n:
+            return
+        n = max(n, 2 * self.cos.shape[0], 64)
+        angles = torch.arange(n, dtype=torch.float64).view(-1, 1) * self.inv_freq.view(1, -1)
+        c, s = angles.cos().float(), angles.sin().float()
+        self.cos = torch.cat([c, c], dim=-1).unsqueeze(1).to(self.device)
+        self.sin = torch.cat([-s, s], dim=-1).unsqueeze(1).to(self.device)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:
+    """Rotate the first ``rot`` dims of each head (half-split pairs)."""
+    if rot == x.shape[-1]:
+        return x * cos + torch.roll(x, rot // 2, -1) * sin
+    head, tail = x[..., :rot], x[..., rot:]
+    return torch.cat([head * cos + torch.roll(head, rot // 2, -1) * sin, tail], dim=-1)
+
+
+class StageModel:
+    """Layers ``[layer_start, layer_end)`` plus, where held, the embedding and the head."""
+
+    def __init__(
+        self,
+        cfg: ArchConfig,
+        layer_start: int,
+        layers: list[LayerWeights],
+        rope: RopeTables,
+        output_norm: torch.Tensor | None,
+        head: Linear | None,
+        fp16_split_points: tuple[int, ...],
+    ) -> None:
+        self.cfg = cfg
+        self.layer_start = layer_start
+        self.layers = layers
+        self.rope = rope
+        self.output_norm = output_norm
+        self.head = head
+        end = layer_start + len(layers)
+        self.round_before = frozenset(
+            k - layer_start for k in fp16_split_points if layer_start < k < end
+        )
+
+    def forward(
+        self, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int
+    ) -> torch.Tensor:
+        """Run the stage's layers on ``h`` [T, hidden] at positions ``pos..pos+T-1``.
+
+        This is the hot loop: every op costs microseconds of dispatch, so the attention
+        scale lives in the q weights, q and k are rotated together and the residual adds
+        ride along with the output matmuls.
+        """
+        cfg = self.cfg
+        t = h.shape[0]
+        end = pos + t
+        self.rope.ensure(end)
+        cos, sin = self.rope.cos[pos:end], self.rope.sin[pos:end]
+        mask = None
+        if t > 1:
+            q_pos = torch.arange(pos, end, device=h.device).view(-1, 1)
+            mask = torch.arange(end, device=h.device).view(1, -1) > q_pos  # [T, S] True = hidden
+        nh, nkv, hd, eps, rot = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.eps, cfg.rope_dim
+        group = nh // nkv
+        qd, qkd = cfg.q_dim, cfg.q_dim + cfg.kv_dim
+        hidden = (cfg.hidden,)
+        for i, lw in enumerate(self.layers):
+            if i in self.round_before:
+                h = h.half().float()
+            qkv = lw.qkv(F.rms_norm(h, hidden, lw.attn_norm, eps))
+            qk = qkv[:, :qkd].view(t, nh + nkv, hd)
+            if lw.q_norm is not None and lw.k_norm is not None:
+                qk = torch.cat(
+                    [F.rms_norm(qk[:, :nh], (hd,), lw.q_norm, eps),
+                     F.rms_norm(qk[:, nh:], (hd,), lw.k_norm, eps)], dim=1,
+                )  # fmt: skip
+            qk = _rope(qk, cos, sin, rot)
+            kc, vc = k_cache[i], v_cache[i]
+            kc[:, pos:end] = qk[:, nh:].transpose(0, 1)
+            vc[:, pos:end] = qkv[:, qkd:].view(t, nkv, hd).transpose(0, 1)
+            # [T, nh, hd] -> [nkv, group * T, hd]; head h uses kv head h // group.
+            if t == 1:
+                qg = qk[:, :nh].reshape(nkv, group, hd)
+            else:
+                qg = qk[:, :nh].reshape(t, nkv, group, hd).permute(1, 2, 0, 3).reshape(nkv, -1, hd)
+            scores = torch.bmm(qg, kc[:, :end].transpose(1, 2))
+            if mask is not None:
+                scores.view(nkv, group, t, end).masked_fill_(mask, float("-inf"))
+            attn = torch.bmm(torch.softmax(scores, dim=-1), vc[:, :end])
+            if t > 1:
+                attn = attn.view(nkv, group, t, hd).permute(2, 0, 1, 3)
+            h = lw.wo(attn.reshape(t, qd), h)
+            gu = lw.gate_up(F.rms_norm(h, hidden, lw.ffn_norm, eps))
+            h = lw.down(F.silu(gu[:, : cfg.ffn]) * gu[:, cfg.ffn :], h)
+        return h
+
+    def logits(self, h_last: torch.Tensor) -> torch.Tensor:
+        """Logits [vocab] float32 of one hidden state [hidden]."""
+        if self.output_norm is None or self.head is None:
+            raise RuntimeError("this stage does not hold the output head")
+        x = F.rms_norm(h_last.view(1, -1), (self.cfg.hidden,), self.output_norm, self.cfg.eps)
+        return self.head(x).view(-1).float()

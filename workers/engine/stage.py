@@ -1,0 +1,174 @@
+"""Loading a contiguous layer range of a GGUF model as a runnable stage."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .config import ArchConfig, ModelFacts, arch_config, facts_of
+from .gguf_reader import GGUFError, GGUFFile
+from .loader import Part, WeightBuilder, rope_permutation, trim_heap
+from .model import LayerWeights, RopeTables, StageModel
+from .quants import as_torch_bytes, dequantize_rows
+
+if TYPE_CHECKING:
+    from .session import StageSession
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How a stage is loaded: device ("auto" | "cpu" | "cuda"), precision ("default" =
+    compact weights, "float32" = everything dequantized, the reference path), CPU threads
+    (None = all cores), and layer boundaries after which a single stage rounds the hidden
+    state to float16 (to reproduce a pipeline split in one process)."""
+
+    device: str = "auto"
+    precision: str = "default"
+    threads: int | None = None
+    fp16_split_points: tuple[int, ...] = ()
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' requested but torch sees no CUDA device")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {name!r}; use auto, cpu or cuda")
+    return torch.device(name)
+
+
+class Embedding:
+    """Token rows dequantized on demand from the mapped file (never the whole table)."""
+
+    def __init__(self, f: GGUFFile, device: torch.device) -> None:
+        info = f.tensors["token_embd.weight"]
+        self._raw = as_torch_bytes(f.raw("token_embd.weight"))
+        self._type = info.ggml_type
+        self._shape = info.shape
+        self._device = device
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self._shape[0]):
+            raise ValueError(f"token id out of range [0, {self._shape[0]})")
+        return dequantize_rows(self._raw, self._type, self._shape, ids).to(self._device)
+
+
+class Stage:
+    """Weights of layers ``[layer_start, layer_end)``; sessions hold the per-request state."""
+
+    def __init__(
+        self,
+        file: GGUFFile,
+        cfg: ArchConfig,
+        facts: ModelFacts,
+        layer_start: int,
+        layer_end: int,
+        model: StageModel,
+        embedding: Embedding | None,
+        device: torch.device,
+        options: EngineOptions,
+    ) -> None:
+        self.file = file
+        self.cfg = cfg
+        self.facts = facts
+        self.layer_start = layer_start
+        self.layer_end = layer_end
+        self.is_first = layer_start == 0
+        self.is_last = layer_end == cfg.n_layers
+        self.model = model
+        self.embedding = embedding
+        self.device = device.type
+        self.torch_device = device
+        self.options = options
+        self.tensor_names_loaded: frozenset[str] = frozenset(file.materialized)
+        self.closed = False
+
+    def new_session(self, max_seq_len: int) -> StageSession:
+        from .session import StageSession
+
+        if self.closed:
+            raise RuntimeError("stage is closed")
+        return StageSession(self, max_seq_len)
+
+    def close(self) -> None:
+        """Drop the weights and the file mapping."""
+        self.closed = True
+        self.model.layers = []
+        self.model.head = None
+        self.embedding = None
+        self.file.close()
+
+
+def _layer(b: WeightBuilder, cfg: ArchConfig, i: int) -> LayerWeights:
+    p = f"blk.{i}."
+    names = b.f.tensors
+    # The attention scale 1/sqrt(head_dim) is folded into q (or into q_norm, which follows it).
+    scale = 1.0 / math.sqrt(cfg.head_dim)
+    has_q_norm = p + "attn_q_norm.weight" in names
+    q_norm = b.vector(p + "attn_q_norm.weight") * scale if has_q_norm else None
+    qkv_bias = None
+    if p + "attn_q.bias" in names:
+        qkv_bias = [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"]
+    return LayerWeights(
+        attn_norm=b.vector(p + "attn_norm.weight"),
+        qkv=b.linear(
+            [
+                Part(
+                    p + "attn_q.weight",
+                    rope_permutation(cfg, cfg.n_head),
+                    1.0 if has_q_norm else scale,
+                ),
+                Part(p + "attn_k.weight", rope_permutation(cfg, cfg.n_kv_head)),
+                Part(p + "attn_v.weight"),
+            ],
+            qkv_bias,
+        ),
+        q_norm=q_norm,
+        k_norm=b.optional_vector(p + "attn_k_norm.weight"),
+        wo=b.linear([Part(p + "attn_output.weight")]),
+        ffn_norm=b.vector(p + "ffn_norm.weight"),
+        gate_up=b.linear([Part(p + "ffn_gate.weight"), Part(p + "ffn_up.weight")]),
+        down=b.linear([Part(p + "ffn_down.weight")]),
+    )
+
+
+def load_stage(
+    path: str, layer_start: int, layer_end: int, options: EngineOptions = EngineOptions()
+) -> Stage:
+    """Map the GGUF and build layers ``[layer_start, layer_end)`` (end exclusive)."""
+    device = resolve_device(options.device)
+    if device.type == "cpu":
+        torch.set_num_threads(options.threads or os.cpu_count() or 1)
+    f = GGUFFile(path)
+    try:
+        cfg = arch_config(f)
+        facts = facts_of(f)
+        if not 0 <= layer_start < layer_end <= cfg.n_layers:
+            raise GGUFError(
+                f"layer range [{layer_start}, {layer_end}) is outside the model's "
+                f"{cfg.n_layers} layers"
+            )
+        b = WeightBuilder(f, options.precision, device)
+        with torch.inference_mode():
+            layers = [_layer(b, cfg, i) for i in range(layer_start, layer_end)]
+            rope = RopeTables(cfg, b.optional_vector("rope_freqs.weight"), device)
+            output_norm, head = None, None
+            if layer_end == cfg.n_layers:
+                output_norm = b.vector("output_norm.weight")
+                head_name = "output.weight" if "output.weight" in f.tensors else "token_embd.weight"
+                head = b.linear([Part(head_name)])
+            embedding = Embedding(f, device) if layer_start == 0 else None
+        model = StageModel(
+            cfg, layer_start, layers, rope, output_norm, head, options.fp16_split_points
+        )
+    except BaseException:
+        f.close()
+        raise
+    f.release_pages()
+    trim_heap()
+    return Stage(f, cfg, facts, layer_start, layer_end, model, embedding, device, options)
