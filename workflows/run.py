@@ -147,9 +147,7 @@ class RunWorkflow:
         state.phase = RunPhase.REJECTED
         state.record(LifecycleKind.RUN_REJECTED, reason)
         self._set_phase(RunPhase.REJECTED)
-        raise ApplicationError(
-            reason, state.outcome(), type="RunRejected", non_retryable=True
-        )
+        raise ApplicationError(reason, state.outcome(), type="RunRejected", non_retryable=True)
 
     # ------------------------------------------------------------------ planning
     async def _plan(self) -> str | None:
