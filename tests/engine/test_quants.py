@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants as gq
 
 from tests.engine.tiny_models import quantize
-from workers.engine.kernels import int4_codes, pack_int4
+from workers.engine.kernels import Int4Linear, int4_codes, int4_rows, pack_int4
 from workers.engine.quants import AFFINE_BITS, affine_groups, dequantize, dequantize_rows
 
 ALL_TYPES = [QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
@@ -66,3 +66,19 @@ def test_int4_packing_reproduces_weights_exactly_with_float32_scales(qtype: int)
     y = torch._weight_int4pack_mm_for_cpu(xx, pack_int4(codes), 32, sz)
     expected = x.double() @ torch.from_numpy(ref).double().T
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q4_K, QT.Q5_K], ids=lambda t: t.name)
+def test_zero_correction_columns_reduce_the_bf16_error(qtype: QT) -> None:
+    raw, ref = _sample(qtype, rows=128)
+    g = affine_groups(torch.from_numpy(raw), int(qtype), ref.shape)
+    split = g.bits > 4
+    x = torch.randn(4, ref.shape[1], generator=torch.Generator().manual_seed(1))
+    exact = x.double() @ torch.from_numpy(ref).double().T
+    errors = []
+    for correct in (False, True):
+        codes, sz, extra = int4_rows(*int4_codes(g.q, g.scale, g.offset, g.bits, split), correct)
+        lin = Int4Linear(pack_int4(codes), sz.contiguous(), 128, ref.shape[1], split, extra, None)
+        assert (extra > 0) is correct
+        errors.append(float((lin(x).double() - exact).norm() / exact.norm()))
+    assert errors[1] < errors[0] < 0.01

@@ -40,6 +40,8 @@ async def low_threshold(tmp_path: Path):
         except Exception:
             pass
     leaked = node_processes(state)
+    for proc in node_processes(state):
+        proc.kill()
     worker.stop()
     srv.stop()
     assert not leaked

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .quants import AFFINE_BITS
 
@@ -47,12 +48,17 @@ def _pack_direct(q: torch.Tensor) -> torch.Tensor:
 _DIRECT: bool | None = None
 
 
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """uint8 codes [N, K] in 0..15 -> torch's CPU int4 packed weight."""
+def row_blocks_pack_independently(rows: int) -> bool:
+    """Whether packed row blocks of this size can be concatenated (direct layout only)."""
     global _DIRECT
     if _DIRECT is None:
         _DIRECT = _probe_direct_layout()
-    if _DIRECT and q.shape[0] % _BLOCK_N == 0:
+    return _DIRECT and rows % _BLOCK_N == 0
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] in 0..15 -> torch's CPU int4 packed weight."""
+    if row_blocks_pack_independently(q.shape[0]):
         return _pack_direct(q)
     return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
 
@@ -107,76 +113,83 @@ class DenseLinear(Linear):
 
 
 class Int4Linear(Linear):
-    """int4 weights through torch's bfloat16 CPU kernel, with float32-grade zeros.
+    """int4 weights through torch's bfloat16 CPU kernel.
 
-    The kernel rounds activations, scales, zeros and its output to bfloat16. For formats
-    with their own per-group minimum (Q4_1, Q4_K, Q5_K) the rounded zero costs the most
-    accuracy (it multiplies the whole group's input sum), so the zeros' bf16 residual is
-    applied outside the kernel: ``group_sums(x) @ zero_lo``, a matmul over K/32 rows,
-    cheap next to the kernel.
+    ``extra_groups`` > 0: the weight carries zero-correction columns after its K inputs
+    (see ``int4_rows``); the input is extended by its 32-wide group sums to match.
     """
-
-    ZERO_CORRECTION = True
 
     def __init__(
         self,
         packed: torch.Tensor,
         scales_zeros: torch.Tensor,
-        zero_lo: torch.Tensor | None,
         out_features: int,
         in_features: int,
         duplicate_input: bool,
+        extra_groups: int,
         bias: torch.Tensor | None,
     ) -> None:
         self.packed = packed
         self.scales_zeros = scales_zeros
-        self.zero_lo = zero_lo
         self.out_features = out_features
         self.in_features = in_features
         self.duplicate_input = duplicate_input
+        self.extra_groups = extra_groups
         self.bias = bias
-        self._groups = packed.shape[1] * 2 // GROUP
-
-    @classmethod
-    def build(
-        cls,
-        packed: torch.Tensor,
-        scales_zeros: torch.Tensor,
-        out_features: int,
-        in_features: int,
-        duplicate_input: bool,
-        bias: torch.Tensor | None,
-        independent_zeros: bool,
-    ) -> Int4Linear:
-        """From float32 scales/zeros [K/32, N, 2]. ``independent_zeros``: the format has
-        its own minimum per group, so zeros get the residual correction."""
-        sz = scales_zeros.to(INT4_ACT_DTYPE)
-        zero_lo = None
-        if independent_zeros and cls.ZERO_CORRECTION and INT4_ACT_DTYPE != torch.float32:
-            zero_lo = (scales_zeros[..., 1] - sz[..., 1].float()).contiguous()
-        return cls(packed, sz, zero_lo, out_features, in_features, duplicate_input, bias)
+        self._groups = in_features * (2 if duplicate_input else 1) // GROUP
+        pad = extra_groups * GROUP - self._groups
+        self._pad = torch.zeros(1, max(pad, 0), device=packed.device)
 
     def __call__(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
         if self.duplicate_input:
             x = torch.cat([x, x], dim=-1)
+        if self.extra_groups:
+            t = x.shape[0]
+            sums = x.view(t, self._groups, GROUP).sum(-1)
+            x = torch.cat([x, sums, self._pad.expand(t, -1)], dim=-1)
         y = torch._weight_int4pack_mm_for_cpu(
             x.to(self.scales_zeros.dtype), self.packed, GROUP, self.scales_zeros
         )
         base = add_to
         if self.bias is not None:
             base = self.bias if base is None else base + self.bias
-        if self.zero_lo is not None:
-            sums = x.view(x.shape[0], self._groups, GROUP).sum(-1)
-            if base is None:
-                return torch.mm(sums, self.zero_lo).add_(y)
-            return torch.addmm(base, sums, self.zero_lo).add_(y)
         return y.float() if base is None else base + y
 
     @property
     def nbytes(self) -> int:
         n = self.packed.nbytes + self.scales_zeros.nbytes
-        n += 0 if self.zero_lo is None else self.zero_lo.nbytes
         return n + (0 if self.bias is None else self.bias.nbytes)
+
+
+def int4_rows(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, correct_zeros: bool
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Rows for the kernel: (codes [n, K'], scales_zeros [K'/32, n, 2], extra groups).
+
+    The kernel rounds scales and zeros to bfloat16. For formats with their own per-group
+    minimum (Q4_1, Q4_K, Q5_K) the rounded zero costs the most accuracy: its error
+    multiplies the sum of the group's inputs. With ``correct_zeros`` the residual
+    ``zero - bf16(zero)`` of each of the G groups is itself stored as int4 weights of
+    ``ceil(G/32)`` extra groups, whose inputs are the group sums of ``x``; so the kernel
+    applies the correction (to ~1/14 of the residual) for ~5% more work.
+    """
+    dt = INT4_ACT_DTYPE
+    n = codes.shape[0]
+    zero_b = zero.to(dt)
+    extra = 0
+    if correct_zeros and dt != torch.float32:
+        resid = zero - zero_b.float()
+        g = resid.shape[1]
+        extra = (g + GROUP - 1) // GROUP
+        resid = F.pad(resid, (0, extra * GROUP - g)).view(n, extra, GROUP)
+        step = (resid.abs().amax(-1) / 7.0).to(dt).float()
+        step = torch.where(step > 0, step, torch.ones_like(step))
+        extra_codes = (torch.round(resid / step[..., None]) + 8).clamp_(0, 15)
+        codes = torch.cat([codes, extra_codes.to(torch.uint8).view(n, -1)], dim=1)
+        scale = torch.cat([scale, step], dim=1)
+        zero_b = torch.cat([zero_b, torch.zeros(n, extra, dtype=dt)], dim=1)
+    sz = torch.stack([scale.t().to(dt), zero_b.t()], dim=-1)
+    return codes, sz, extra
 
 
 def int4_codes(

@@ -11,6 +11,7 @@ Rope is applied in the half-split (NEOX) form; llama-family q/k rows were permut
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,13 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> to
     return torch.cat([head * cos + torch.roll(head, rot // 2, -1) * sin, tail], dim=-1)
 
 
+def _rms_norm(x: torch.Tensor, w_scaled: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """RMS norm with ``w_scaled = w * sqrt(n)`` and ``c = sqrt(n * eps)``:
+    ``x / sqrt(mean(x^2) + eps) * w == x * w_scaled / hypot(||x||, c)``, in 4 cheap ops
+    (about half the time of ``F.rms_norm`` for one row)."""
+    return x * (w_scaled / torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), c))
+
+
 class StageModel:
     """Layers ``[layer_start, layer_end)`` plus, where held, the embedding and the head."""
 
@@ -81,8 +89,18 @@ class StageModel:
         self.layer_start = layer_start
         self.layers = layers
         self.rope = rope
-        self.output_norm = output_norm
         self.head = head
+        # Norm weights are stored pre-scaled for _rms_norm.
+        root_h, root_d = math.sqrt(cfg.hidden), math.sqrt(cfg.head_dim)
+        for lw in layers:
+            lw.attn_norm = lw.attn_norm * root_h
+            lw.ffn_norm = lw.ffn_norm * root_h
+            if lw.q_norm is not None and lw.k_norm is not None:
+                lw.q_norm, lw.k_norm = lw.q_norm * root_d, lw.k_norm * root_d
+        self.output_norm = None if output_norm is None else output_norm * root_h
+        device = rope.device
+        self.c_hidden = torch.tensor(math.sqrt(cfg.hidden * cfg.eps), device=device)
+        self.c_head = torch.tensor(math.sqrt(cfg.head_dim * cfg.eps), device=device)
         end = layer_start + len(layers)
         self.round_before = frozenset(
             k - layer_start for k in fp16_split_points if layer_start < k < end
@@ -106,19 +124,19 @@ class StageModel:
         if t > 1:
             q_pos = torch.arange(pos, end, device=h.device).view(-1, 1)
             mask = torch.arange(end, device=h.device).view(1, -1) > q_pos  # [T, S] True = hidden
-        nh, nkv, hd, eps, rot = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.eps, cfg.rope_dim
+        nh, nkv, hd, rot = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.rope_dim
         group = nh // nkv
         qd, qkd = cfg.q_dim, cfg.q_dim + cfg.kv_dim
-        hidden = (cfg.hidden,)
+        ch, cd = self.c_hidden, self.c_head
         for i, lw in enumerate(self.layers):
             if i in self.round_before:
                 h = h.half().float()
-            qkv = lw.qkv(F.rms_norm(h, hidden, lw.attn_norm, eps))
+            qkv = lw.qkv(_rms_norm(h, lw.attn_norm, ch))
             qk = qkv[:, :qkd].view(t, nh + nkv, hd)
             if lw.q_norm is not None and lw.k_norm is not None:
                 qk = torch.cat(
-                    [F.rms_norm(qk[:, :nh], (hd,), lw.q_norm, eps),
-                     F.rms_norm(qk[:, nh:], (hd,), lw.k_norm, eps)], dim=1,
+                    [_rms_norm(qk[:, :nh], lw.q_norm, cd), _rms_norm(qk[:, nh:], lw.k_norm, cd)],
+                    dim=1,
                 )  # fmt: skip
             qk = _rope(qk, cos, sin, rot)
             kc, vc = k_cache[i], v_cache[i]
@@ -136,7 +154,7 @@ class StageModel:
             if t > 1:
                 attn = attn.view(nkv, group, t, hd).permute(2, 0, 1, 3)
             h = lw.wo(attn.reshape(t, qd), h)
-            gu = lw.gate_up(F.rms_norm(h, hidden, lw.ffn_norm, eps))
+            gu = lw.gate_up(_rms_norm(h, lw.ffn_norm, ch))
             h = lw.down(F.silu(gu[:, : cfg.ffn]) * gu[:, cfg.ffn :], h)
         return h
 
@@ -144,5 +162,5 @@ class StageModel:
         """Logits [vocab] float32 of one hidden state [hidden]."""
         if self.output_norm is None or self.head is None:
             raise RuntimeError("this stage does not hold the output head")
-        x = F.rms_norm(h_last.view(1, -1), (self.cfg.hidden,), self.output_norm, self.cfg.eps)
+        x = _rms_norm(h_last.view(1, -1), self.output_norm, self.c_hidden)
         return self.head(x).view(-1).float()

@@ -75,8 +75,13 @@ async def dead_man(
 ) -> None:
     """Exit when the run is closed, or when no lease activity has run for a while."""
     handle = client.get_workflow_handle(cfg.run_workflow_id)
+    last_contact = time.monotonic()
     while not stop.is_set():
         await asyncio.sleep(DEADMAN_CHECK_S)
+        if time.monotonic() - last_contact > cfg.lease_silence_s:
+            log.warning("Temporal unreachable for %.0fs; shutting down", cfg.lease_silence_s)
+            stop.set()
+            return
         try:
             desc = await handle.describe()
             if (
@@ -86,6 +91,7 @@ async def dead_man(
                 log.warning("run %s is closed; shutting down", cfg.run_workflow_id)
                 stop.set()
                 return
+            last_contact = time.monotonic()
         except RPCError as err:
             if err.status == RPCStatusCode.NOT_FOUND:
                 log.warning("run %s not found; shutting down", cfg.run_workflow_id)
