@@ -61,13 +61,20 @@ def run_engine(
     bounds = [(n * i // n_stages, n * (i + 1) // n_stages) for i in range(n_stages)]
     gc.collect()
     base = _rss()
-    t0 = time.perf_counter()
     opts = EngineOptions(device="cpu", threads=threads)
-    stages = [load_stage(model, a, b, opts) for a, b in bounds]
-    load_s = time.perf_counter() - t0
-    gc.collect()
-    rss = _rss() - base
     f = GGUFFile(model, map_tensors=False)
+    stages = []
+    load_s = 0.0
+    stage_ratios = []
+    for a, b in bounds:
+        before = _rss()
+        t0 = time.perf_counter()
+        stages.append(load_stage(model, a, b, opts))
+        load_s += time.perf_counter() - t0
+        gc.collect()
+        own = sum(f.tensors[nm].n_bytes for nm in stages[-1].tensor_names_loaded)
+        stage_ratios.append((_rss() - before) / own)
+    rss = _rss() - base
     names = set().union(*(s.tensor_names_loaded for s in stages))
     weight_bytes = sum(f.tensors[nm].n_bytes for nm in names)
     # Prefill: the prompt through all stages once (fp16 between stages, as in generate).
@@ -101,6 +108,7 @@ def run_engine(
         "rss_run_mb": rss_after / 2**20,
         "weights_mb": weight_bytes / 2**20,
         "rss_ratio": rss / weight_bytes,
+        "stage_ratio_max": max(stage_ratios),
         "prefill_tps": len(ids) / prefill_s,
         "decode_tps": len(decode) / sum(decode),
     }
@@ -218,13 +226,17 @@ def main() -> None:
         rows.append(json.loads(lines[-1][7:]))
     print(f"\nmodel {Path(args.model).name}, threads {args.threads}, prompt {len(ids)} tokens, "
           f"decode {args.tokens} tokens greedy")  # fmt: skip
-    head = f"{'runtime':34} {'load s':>7} {'RSS MB':>7} {'w MB':>6} {'RSS/w':>6} {'prefill t/s':>12} {'decode t/s':>11}"
+    head = (
+        f"{'runtime':34} {'load s':>7} {'RSS MB':>7} {'w MB':>6} {'RSS/w':>6} {'stage max':>9} "
+        f"{'prefill t/s':>12} {'decode t/s':>11}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
         w = f"{r['weights_mb']:6.1f}" if "weights_mb" in r else f"{'':6}"
         ratio = f"{r['rss_ratio']:6.2f}" if "rss_ratio" in r else f"{'':6}"
-        print(f"{r['name']:34} {r['load_s']:7.3f} {r['rss_mb']:7.1f} {w} {ratio} "
+        smax = f"{r['stage_ratio_max']:9.2f}" if "stage_ratio_max" in r else f"{'':9}"
+        print(f"{r['name']:34} {r['load_s']:7.3f} {r['rss_mb']:7.1f} {w} {ratio} {smax} "
               f"{r['prefill_tps']:12.1f} {r['decode_tps']:11.1f}")  # fmt: skip
 
 

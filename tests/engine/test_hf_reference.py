@@ -50,3 +50,23 @@ def test_float32_greedy_generation_equals_hf(smollm_f32: Stage) -> None:
             )
         )  # fmt: skip
         assert out == case["greedy"]
+
+
+def test_default_path_deviation_from_hf_is_bounded(smollm_default: Stage) -> None:
+    """The compact path is not held to 0.1 (DECISIONS 23: reduced precision reports its
+    deviation); measured: top-1 94/96 steps, max |diff| 0.33, mean 0.16. Guard against drift."""
+    agree = total = 0
+    worst = 0.0
+    for case in _cases():
+        session = smollm_default.new_session(64)
+        logits = session.forward_tokens(case["prompt_ids"])
+        for step, token in zip(case["steps"], case["greedy"], strict=True):
+            ours = logits[step["ids"]]
+            worst = max(worst, float((ours - torch.tensor(step["logits"])).abs().max()))
+            agree += int(torch.argmax(logits)) == step["top1"]
+            total += 1
+            logits = session.forward_tokens([token])
+        session.close()
+    print(f"default path vs HF float32: top-1 {agree}/{total}, max |logit diff| {worst:.3f}")
+    assert agree >= 0.95 * total
+    assert worst <= 0.6

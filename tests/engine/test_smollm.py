@@ -128,8 +128,10 @@ def test_context_limit(smollm_default: Stage) -> None:
         session.forward_tokens([1])
     # generate stops cleanly when the context is full: every yielded token has a slot.
     assert _gen([smollm_default], 100, max_seq_len=10) == ONCE_CONTINUATION[:6]
-    with pytest.raises(ContextOverflow):
-        _gen([smollm_default], 4, max_seq_len=3)
+    with pytest.raises(ContextOverflow):  # raised at call time, before iterating
+        generate([smollm_default], ONCE_UPON_A_TIME, max_new_tokens=4, max_seq_len=3,
+                 sampling=GREEDY, stop_ids=[])  # fmt: skip
+    assert _gen([smollm_default], 0) == []
 
 
 def test_generate_stops_on_stop_ids_and_should_stop(smollm_default: Stage) -> None:

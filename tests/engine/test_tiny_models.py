@@ -61,9 +61,15 @@ def test_tied_and_untied_output_head(tmp_path: Path, tied: bool) -> None:
     assert ("token_embd.weight" in last.tensor_names_loaded) is tied
 
 
-def test_qwen3_head_dim_from_key_length(tmp_path: Path) -> None:
-    model = TinyModel(_spec("qwen3", QT.Q8_0, head_dim=32), tmp_path / "m.gguf")
-    np.testing.assert_allclose(_logits(model.path, OPTS32), model.logits(IDS), atol=2e-4)
+def test_head_dim_from_key_length_and_rows_off_the_64_grid(tmp_path: Path) -> None:
+    """head_dim 32 with one kv head: k/v have 32 rows, so int4 packing takes torch's own
+    converter instead of the direct 64-row block layout."""
+    spec = _spec("qwen3", QT.Q4_1, head_dim=32, n_head=3, n_kv_head=1)  # qkv: 160 rows
+    model = TinyModel(spec, tmp_path / "m.gguf")
+    ref = model.logits(IDS)
+    np.testing.assert_allclose(_logits(model.path, OPTS32), ref, atol=2e-4)
+    out = _logits(model.path, OPTS)
+    assert np.linalg.norm(out - ref) <= 0.05 * np.linalg.norm(ref)
 
 
 @pytest.mark.parametrize("split", [1, 2])
@@ -114,3 +120,19 @@ def test_layer_range_is_validated(tmp_path: Path) -> None:
     model = TinyModel(_spec("llama", QT.F32), tmp_path / "m.gguf")
     with pytest.raises(GGUFError, match="outside"):
         load_stage(model.path, 2, 4, OPTS)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("rope_dim", [None, 32])
+def test_incremental_decode_matches_reference(
+    tmp_path: Path, arch: str, rope_dim: int | None
+) -> None:
+    """Single-token steps take another rope path (a rotation matmul) than prefill; also
+    partial rotary (rope.dimension_count < head_dim)."""
+    model = TinyModel(_spec(arch, QT.Q8_0, rope_dim=rope_dim), tmp_path / "m.gguf")
+    np.testing.assert_allclose(_logits(model.path, OPTS32), model.logits(IDS), atol=2e-4)
+    session = load_stage(model.path, 0, 3, OPTS32).new_session(16)
+    session.forward_tokens(IDS[:2])
+    for n in range(3, len(IDS) + 1):
+        out = session.forward_tokens([IDS[n - 1]])
+        np.testing.assert_allclose(out.numpy(), model.logits(IDS[:n]), rtol=0, atol=2e-4)

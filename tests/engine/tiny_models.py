@@ -35,6 +35,7 @@ class TinySpec:
     rope_base: float = 10000.0
     rope_scaling_factor: float | None = None  # linear scaling
     rope_freq_factors: bool = False  # Llama 3 style rope_freqs tensor
+    rope_dim: int | None = None  # partial rotary when < head_dim
     eps: float = 1e-5
     seed: int = 0
     context_length: int = 128
@@ -97,7 +98,7 @@ class TinyModel:
         writer.add_uint32(f"{arch}.attention.head_count_kv", spec.n_kv_head)
         writer.add_uint32(f"{arch}.attention.key_length", spec.head_dim)
         writer.add_uint32(f"{arch}.attention.value_length", spec.head_dim)
-        writer.add_uint32(f"{arch}.rope.dimension_count", spec.head_dim)
+        writer.add_uint32(f"{arch}.rope.dimension_count", spec.rope_dim or spec.head_dim)
         writer.add_float32(f"{arch}.rope.freq_base", spec.rope_base)
         writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", spec.eps)
         if spec.rope_scaling_factor is not None:
@@ -134,7 +135,7 @@ class TinyModel:
         )
         add("token_embd.weight", (spec.vocab, h), spec.embd_type, scale=0.5)
         if spec.rope_freq_factors:
-            factors = np.linspace(1.0, 4.0, hd // 2).astype(np.float32)
+            factors = np.linspace(1.0, 4.0, (spec.rope_dim or hd) // 2).astype(np.float32)
             writer.add_tensor("rope_freqs.weight", factors)
             self.w["rope_freqs.weight"] = factors.astype(np.float64)
         for i in range(spec.n_layers):
@@ -171,8 +172,8 @@ class TinyModel:
     def _rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """x [T, heads, hd]; llama.cpp 'normal' rope for llama, NEOX for qwen."""
         s = self.spec
-        hd = s.head_dim
-        inv = s.rope_base ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
+        rot = s.rope_dim or s.head_dim
+        inv = s.rope_base ** (-np.arange(0, rot, 2, dtype=np.float64) / rot)
         if "rope_freqs.weight" in self.w:
             inv = inv / self.w["rope_freqs.weight"]
         if s.rope_scaling_factor is not None:
@@ -181,13 +182,13 @@ class TinyModel:
         c, sn = np.cos(ang), np.sin(ang)
         out = x.copy()
         if s.arch in ("qwen2", "qwen3"):
-            a, b = x[..., : hd // 2], x[..., hd // 2 :]
-            out[..., : hd // 2] = a * c - b * sn
-            out[..., hd // 2 :] = b * c + a * sn
+            a, b = x[..., : rot // 2], x[..., rot // 2 : rot]
+            out[..., : rot // 2] = a * c - b * sn
+            out[..., rot // 2 : rot] = b * c + a * sn
         else:
-            a, b = x[..., 0::2], x[..., 1::2]
-            out[..., 0::2] = a * c - b * sn
-            out[..., 1::2] = b * c + a * sn
+            a, b = x[..., 0:rot:2], x[..., 1:rot:2]
+            out[..., 0:rot:2] = a * c - b * sn
+            out[..., 1:rot:2] = b * c + a * sn
         return out
 
     def hidden_after(self, ids: list[int], n_layers: int) -> np.ndarray:

@@ -40,9 +40,10 @@ def generate(
 ) -> Iterator[int]:
     """Yield generated token ids one at a time (stop ids are not yielded).
 
-    Ends on a stop id, ``max_new_tokens``, ``should_stop()``, or when the context is full:
-    every yielded token has a cache slot, so at most ``max_seq_len - len(prompt)`` tokens
-    come out. Raises ContextOverflow when the prompt alone does not fit.
+    Ends on a stop id, ``max_new_tokens``, ``should_stop()`` (polled before each token), or
+    when the context is full: every yielded token has a cache slot, so at most
+    ``max_seq_len - len(prompt)`` tokens come out. Raises ContextOverflow (at call time)
+    when the prompt alone does not fit. Closing the iterator early frees the KV caches.
     """
     if not stages:
         raise ValueError("no stages")
@@ -59,15 +60,27 @@ def generate(
         raise ContextOverflow(
             f"prompt of {len(prompt_ids)} tokens exceeds max_seq_len {max_seq_len}"
         )
-    sampler = Sampler(sampling)
-    stops = frozenset(stop_ids)
+    # Validation above runs at call time; the loop below runs as the caller iterates.
+    return _generate(stages, prompt_ids, max_new_tokens, max_seq_len, Sampler(sampling),
+                     frozenset(stop_ids), should_stop)  # fmt: skip
+
+
+def _generate(
+    stages: Sequence[Stage],
+    prompt_ids: Sequence[int],
+    max_new_tokens: int | None,
+    max_seq_len: int,
+    sampler: Sampler,
+    stops: frozenset[int],
+    should_stop: Callable[[], bool],
+) -> Iterator[int]:
+    if max_new_tokens is not None and max_new_tokens <= 0:
+        return
     sessions = [s.new_session(max_seq_len) for s in stages]
     try:
         logits = _step(sessions, prompt_ids)
         produced = 0
         while True:
-            if max_new_tokens is not None and produced >= max_new_tokens:
-                return
             if sessions[0].position >= max_seq_len or should_stop():
                 return
             token = sampler.sample(logits)

@@ -45,14 +45,8 @@ def _pack_direct(q: torch.Tensor) -> torch.Tensor:
     return packed.contiguous().view(n, k // 2)
 
 
-_DIRECT: bool | None = None
-
-
 def row_blocks_pack_independently(rows: int) -> bool:
     """Whether packed row blocks of this size can be concatenated (direct layout only)."""
-    global _DIRECT
-    if _DIRECT is None:
-        _DIRECT = _probe_direct_layout()
     return _DIRECT and rows % _BLOCK_N == 0
 
 
@@ -67,6 +61,11 @@ def int4_kernel_available() -> bool:
     return hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(
         torch, "_convert_weight_to_int4pack_for_cpu"
     )
+
+
+# Probed at import: a property of the torch build, and it pages in the converter's code
+# here rather than during the first load.
+_DIRECT = int4_kernel_available() and _probe_direct_layout()
 
 
 class Linear:

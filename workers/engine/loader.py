@@ -129,7 +129,9 @@ class WeightBuilder:
         n_total = sum(s[0] for s in shapes)
         k = shapes[0][1]
         split = bits > 4
-        correct = CORRECT_ZEROS and any(self.f.tensors[p.name].ggml_type in _WITH_MINS for p in parts)
+        correct = CORRECT_ZEROS and any(
+            self.f.tensors[p.name].ggml_type in _WITH_MINS for p in parts
+        )
         # Pack chunk by chunk (little temporary memory) when packed blocks concatenate.
         by_chunk = all(row_blocks_pack_independently(s[0]) for s in shapes)
         packed_rows: list[torch.Tensor] = []

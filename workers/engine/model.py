@@ -56,6 +56,19 @@ class RopeTables:
         self.cos = torch.cat([c, c], dim=-1).unsqueeze(1).to(self.device)
         self.sin = torch.cat([-s, s], dim=-1).unsqueeze(1).to(self.device)
 
+    def matrix(self, pos: int, head_dim: int) -> torch.Tensor:
+        """[head_dim, head_dim] R with ``x @ R`` = rope of a single position: one matmul per
+        layer instead of four elementwise ops (decode is dispatch-bound)."""
+        c = self.cos[pos, 0]
+        rot = c.shape[0]
+        half = self.sin[pos, 0, rot // 2 :]
+        diag = c if rot == head_dim else torch.cat([c, c.new_ones(head_dim - rot)])
+        r = torch.diag(diag)
+        idx = torch.arange(rot // 2, device=c.device)
+        r[idx + rot // 2, idx] = -half
+        r[idx, idx + rot // 2] = half
+        return r
+
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:
     """Rotate the first ``rot`` dims of each head (half-split pairs)."""
@@ -120,6 +133,7 @@ class StageModel:
         end = pos + t
         self.rope.ensure(end)
         cos, sin = self.rope.cos[pos:end], self.rope.sin[pos:end]
+        rot_matrix = self.rope.matrix(pos, cfg.head_dim) if t == 1 else None
         mask = None
         if t > 1:
             q_pos = torch.arange(pos, end, device=h.device).view(-1, 1)
@@ -138,7 +152,10 @@ class StageModel:
                     [_rms_norm(qk[:, :nh], lw.q_norm, cd), _rms_norm(qk[:, nh:], lw.k_norm, cd)],
                     dim=1,
                 )  # fmt: skip
-            qk = _rope(qk, cos, sin, rot)
+            if rot_matrix is not None:
+                qk = torch.mm(qk.view(nh + nkv, hd), rot_matrix).view(1, nh + nkv, hd)
+            else:
+                qk = _rope(qk, cos, sin, rot)
             kc, vc = k_cache[i], v_cache[i]
             kc[:, pos:end] = qk[:, nh:].transpose(0, 1)
             vc[:, pos:end] = qkv[:, qkd:].view(t, nkv, hd).transpose(0, 1)
