@@ -52,6 +52,10 @@ class EngineSettings(_Model):
     precision: Literal["default", "float32"] = "default"
     threads: int | None = Field(default=None, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    fp16_split_points: list[int] = Field(
+        default_factory=list,
+        description="Round activations to float16 after these layers (emulates a pipeline split)",
+    )
 
 
 class RunRequest(_Model):
@@ -215,7 +219,7 @@ class NodeRuntimeReady(_Model):
     run_id: int
     node_id: int
     stage_index: int
-    endpoint: str
+    endpoint: str  # the node's data-plane listener, host:port
     node_actor: str  # the node's task queue
     worker_identity: str
     datastream_publisher: str | None = None
@@ -264,6 +268,14 @@ class StageFault(_Model):
     readiness_id: str = ""
 
 
+class TokenEndpointsReady(_Model):
+    """The head node's driver has its token-in and token-out edges connected."""
+
+    run_id: int
+    node_id: int
+    readiness_id: str
+
+
 class StageStopped(_Model):
     run_id: int
     stage_index: int
@@ -287,7 +299,11 @@ class StageProvision(_Model):
     layers: LayerRange
     inbound_edge: EdgePlan | None
     outbound_edge: EdgePlan | None
-    consumer_endpoint: EdgeEndpoint | None
+    consumer_endpoint: EdgeEndpoint | None  # where the outbound edge connects
+    driver_edges: list[EdgePlan] = Field(
+        default_factory=list, description="Head only: token-in and token-out of the driver"
+    )
+    edge_token: str = ""  # authenticates this run's edges (DECISIONS 2, 20)
     model_name: str
     model_path: str
     tokenizer_path: str

@@ -26,6 +26,7 @@ SIGNAL_WEIGHTS_READY = "weights_ready"
 SIGNAL_STAGE_READY = "stage_ready"
 SIGNAL_STAGE_FAULT = "stage_fault"
 SIGNAL_STAGE_STOPPED = "stage_stopped"
+SIGNAL_TOKEN_ENDPOINTS_READY = "token_endpoints_ready"
 
 # Prompt workflow signals.
 SIGNAL_PROMPT_ACTIVATE = "activate"

@@ -27,6 +27,7 @@ from mvp_core.models import (
     StageFault,
     StageReady,
     StageStopped,
+    TokenEndpointsReady,
     WeightsReady,
 )
 
@@ -83,6 +84,8 @@ class RunState(BaseModel):
     prompts_faulted: int = 0
     continued: int = 0
     ignored_reports: int = 0
+    token_endpoints_ready: bool = False
+    token_endpoints_stopped: bool = False
 
     # ------------------------------------------------------------------ lifecycle
     def record(self, kind: LifecycleKind, detail: str = "", request_id: int | None = None) -> bool:
@@ -222,6 +225,17 @@ class RunState(BaseModel):
         self.fault(f"stage {report.stage_index} fault: {report.reason}")
         return True
 
+    def on_token_endpoints_ready(self, report: TokenEndpointsReady) -> bool:
+        node = self._match(report.run_id, report.node_id, 0, report.readiness_id)
+        if node is None or not node.stage_provisioned:
+            return self._ignored()
+        self.token_endpoints_ready = True
+        return True
+
+    @property
+    def uses_token_endpoints(self) -> bool:
+        return self.plan is not None and self.plan.stage_count > 1
+
     def on_stage_stopped(self, report: StageStopped) -> bool:
         node = self._match(report.run_id, None, report.stage_index, report.readiness_id)
         if node is None:
@@ -275,6 +289,7 @@ class RunState(BaseModel):
             and self.all_barriers_passed()
             and self.all_acked()
             and all(n.stage_provisioned and n.weights_ready and n.stage_ready for n in self.nodes)
+            and (self.token_endpoints_ready or not self.uses_token_endpoints)
         )
 
     def head(self) -> NodeState:

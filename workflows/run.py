@@ -8,6 +8,7 @@ every exit path except continue-as-new, which carries the state to the next run.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -22,6 +23,8 @@ with workflow.unsafe.imports_passed_through():
     from mvp_core.models import (
         CancelPrompt,
         CheckRouteInput,
+        EdgeEndpoint,
+        EdgePlan,
         Fault,
         LeaseInput,
         LeaseStarted,
@@ -49,6 +52,7 @@ with workflow.unsafe.imports_passed_through():
         StopNodeResult,
         StopRun,
         SubmitPrompt,
+        TokenEndpointsReady,
         WatchNodesInput,
         WeightsReady,
     )
@@ -216,7 +220,8 @@ class RunWorkflow:
                 authorized_orchestrator=state.authorized_orchestrator,
                 run_workflow_id=workflow.info().workflow_id,
                 image_or_artifact=req.worker_image,
-                environment=dict(req.node_env),
+                # Local providers put every node on this host: nodes share its cores.
+                environment={**req.node_env, "MVP_HOST_NODES": str(len(state.nodes))},
                 coordinator_endpoint="",
                 temporal_namespace=workflow.info().namespace,
             )
@@ -250,8 +255,22 @@ class RunWorkflow:
             await self._check_route(node, deadline)
             await self._ack(node)
         self._set_phase(RunPhase.STAGE_PROVISIONING)
+        # Weights load one stage after another (actor spec 6.7); edges connect meanwhile.
         for node in sorted(state.nodes, key=lambda n: n.stage_index):
             await self._provision_stage(node)
+        deadline = workflow.now() + timedelta(seconds=req.timeouts.readiness_s)
+        for node in state.nodes:
+            await self._wait(
+                lambda n=node: n.stage_ready,
+                deadline,
+                f"stage {node.stage_index} did not report StageReady (edges)",
+            )
+        if state.uses_token_endpoints:
+            await self._wait(
+                lambda: state.token_endpoints_ready,
+                deadline,
+                "the head node's token endpoints did not become ready",
+            )
         if not state.prompt_ready_allowed():
             raise _Stopping() if state.stopping else RuntimeError("prompt-ready facts incomplete")
         self._set_phase(RunPhase.PROMPT_READY)
@@ -319,9 +338,15 @@ class RunWorkflow:
             stage_index=node.stage_index,
             stage_count=state.plan.stage_count,
             layers=stage.layers,
-            inbound_edge=None,
-            outbound_edge=None,
-            consumer_endpoint=None,
+            inbound_edge=self._edge(dst=node.stage_index),
+            outbound_edge=self._edge(src=node.stage_index),
+            consumer_endpoint=self._consumer(node.stage_index),
+            driver_edges=[
+                e
+                for e in state.plan.edges
+                if node.stage_index == 0 and (e.src_stage is None or e.dst_stage is None)
+            ],
+            edge_token=hashlib.sha256(f"{state.nonce}/edges".encode()).hexdigest()[:32],
             model_name=state.plan.model_facts.name,
             model_path=state.plan.model_path,
             tokenizer_path=state.plan.tokenizer_path,
@@ -346,10 +371,31 @@ class RunWorkflow:
         )
         deadline = workflow.now() + timedelta(seconds=req.timeouts.ack_s)
         await self._wait(
-            lambda: node.weights_ready and node.stage_ready,
+            lambda: node.weights_ready,
             deadline,
-            f"stage {node.stage_index} did not report WeightsReady/StageReady",
+            f"stage {node.stage_index} did not report WeightsReady",
         )
+
+    def _edge(self, *, src: int | None = None, dst: int | None = None) -> EdgePlan | None:
+        """The stage's outbound (src) or inbound (dst) edge of the committed plan."""
+        assert self._state.plan is not None
+        for edge in self._state.plan.edges:
+            if src is not None and edge.src_stage == src:
+                return edge
+            if dst is not None and edge.dst_stage == dst:
+                return edge
+        return None
+
+    def _consumer(self, stage_index: int) -> EdgeEndpoint | None:
+        """Where stage ``stage_index`` sends: the next stage, or the head's driver."""
+        edge = self._edge(src=stage_index)
+        if edge is None:
+            return None
+        target = edge.dst_stage if edge.dst_stage is not None else 0
+        node = next(n for n in self._state.nodes if n.stage_index == target)
+        assert node.runtime_ready is not None
+        host, _, port = node.runtime_ready.endpoint.rpartition(":")
+        return EdgeEndpoint(edge_id=edge.edge_id, host=host, port=int(port))
 
     # ------------------------------------------------------------------ background
     def _start_lease(self, node: NodeState, schedule_to_start_s: float) -> None:
@@ -595,6 +641,10 @@ class RunWorkflow:
     def stage_fault(self, report: StageFault) -> None:
         self._state.on_stage_fault(report)
 
+    @workflow.signal(name=names.SIGNAL_TOKEN_ENDPOINTS_READY)
+    def token_endpoints_ready(self, report: TokenEndpointsReady) -> None:
+        self._state.on_token_endpoints_ready(report)
+
     @workflow.signal(name=names.SIGNAL_STAGE_STOPPED)
     def stage_stopped(self, report: StageStopped) -> None:
         self._state.on_stage_stopped(report)
@@ -667,6 +717,10 @@ class RunWorkflow:
             node.provider_stopped = True
 
         await asyncio.gather(*(stop_node(n) for n in state.nodes_to_stop()))
+        if state.uses_token_endpoints:
+            # The token endpoints live on the head's driver; its StopRun tears them down.
+            head = state.head()
+            state.token_endpoints_stopped = head.stage_stopped or head.provider_stopped
         state.record(LifecycleKind.RUN_TORN_DOWN, state.first_stop_error or "")
         self._set_phase(RunPhase.TORN_DOWN)
         try:
