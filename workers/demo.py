@@ -134,7 +134,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--stages", type=int, default=1)
+    parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--chat", action="store_true")
     parser.add_argument("--run-id", type=int, default=0)
     parser.add_argument("--data-dir", default=".temporal/demo")

@@ -7,6 +7,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from pydantic import BaseModel
 from temporalio import activity
 from temporalio.client import Client, WorkflowHandle
 from temporalio.contrib.workflow_streams import WorkflowStreamClient
@@ -21,21 +22,25 @@ from mvp_core.models import (
     LeaseStarted,
     NodeRuntimeReadyAck,
     PromptOutcome,
+    StageFault,
     StageProvision,
     StageReady,
     StageStopped,
     StopRun,
     TextDelta,
+    TokenEndpointsReady,
     WeightsReady,
 )
+from workers.dataplane import DataPlaneServer
 from workers.node.config import FaultInjection, NodeConfig
 from workers.node.runtime import PromptTooLong, StageRuntime, load_async
 
 
 class NodeActivities:
-    def __init__(self, cfg: NodeConfig, client: Client) -> None:
+    def __init__(self, cfg: NodeConfig, client: Client, server: DataPlaneServer) -> None:
         self.cfg = cfg
         self.client = client
+        self.server = server
         self.acked = asyncio.Event()
         self.stopped = asyncio.Event()
         self.runtime: StageRuntime | None = None
@@ -120,7 +125,8 @@ class NodeActivities:
                 activity.heartbeat("loading")
                 await asyncio.wait({task}, timeout=2)
             try:
-                self.runtime = task.result()
+                runtime = task.result()
+                self._join_data_plane(runtime)
             except Exception as err:
                 raise ApplicationError(
                     f"stage {cfg.stage_index} weight load failed: {err}",
@@ -129,11 +135,11 @@ class NodeActivities:
                 ) from None
             print(
                 f"stage {cfg.stage_index} loaded layers [{prov.layers.start},{prov.layers.end}) "
-                f"in {self.runtime.load_s:.2f}s",
+                f"in {runtime.load_s:.2f}s",
                 flush=True,
             )
-        run = self._run()
-        await run.signal(
+            self.runtime = runtime
+        await self._run().signal(
             names.SIGNAL_WEIGHTS_READY,
             WeightsReady(
                 run_id=cfg.run_id,
@@ -142,11 +148,43 @@ class NodeActivities:
                 readiness_id=cfg.readiness_id,
             ),
         )
-        # Direct mode has no edges: weights ready + runtime ready = stage ready.
-        await run.signal(
-            names.SIGNAL_STAGE_READY,
-            StageReady(
-                run_id=cfg.run_id, stage_index=cfg.stage_index, readiness_id=cfg.readiness_id
+
+    def _join_data_plane(self, runtime: StageRuntime) -> None:
+        """StageReady when both edges connect (at once in direct mode); faults by signal."""
+        cfg, loop = self.cfg, asyncio.get_running_loop()
+
+        def send(signal_name: str, report: BaseModel) -> None:
+            async def deliver() -> None:
+                try:
+                    await self._run().signal(signal_name, report)
+                except Exception as err:
+                    print(f"report {signal_name} not delivered: {err}", flush=True)
+
+            asyncio.run_coroutine_threadsafe(deliver(), loop)
+
+        runtime.attach_pipeline(
+            self.server,
+            connect_timeout_s=cfg.readiness_timeout_s,
+            on_stage_ready=lambda: send(
+                names.SIGNAL_STAGE_READY,
+                StageReady(
+                    run_id=cfg.run_id, stage_index=cfg.stage_index, readiness_id=cfg.readiness_id
+                ),
+            ),
+            on_endpoints_ready=lambda: send(
+                names.SIGNAL_TOKEN_ENDPOINTS_READY,
+                TokenEndpointsReady(
+                    run_id=cfg.run_id, node_id=cfg.node_id, readiness_id=cfg.readiness_id
+                ),
+            ),
+            on_fault=lambda reason: send(
+                names.SIGNAL_STAGE_FAULT,
+                StageFault(
+                    run_id=cfg.run_id,
+                    stage_index=cfg.stage_index,
+                    reason=reason,
+                    readiness_id=cfg.readiness_id,
+                ),
             ),
         )
 
@@ -174,7 +212,7 @@ class NodeActivities:
 
         def work():  # type: ignore[no-untyped-def]
             try:
-                return runtime.run_direct(inp.prompt, inp.max_new_tokens, on_text, should_stop)
+                return runtime.run(inp.prompt, inp.max_new_tokens, on_text, should_stop)
             finally:
                 loop.call_soon_threadsafe(queue.put_nowait, None)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from datetime import timedelta
@@ -21,6 +22,7 @@ from temporalio.worker import Worker
 from mvp_core import names
 from mvp_core.models import NodeRuntimeReady
 from workers.connect import connect
+from workers.dataplane import DataPlaneServer
 from workers.node.activities import NodeActivities
 from workers.node.config import FaultInjection, NodeConfig
 
@@ -36,7 +38,7 @@ async def report_ready(
         run_id=cfg.run_id,
         node_id=cfg.node_id,
         stage_index=cfg.stage_index,
-        endpoint=f"temporal:{cfg.task_queue}",
+        endpoint=f"{acts.server.host}:{acts.server.port}",
         node_actor=cfg.task_queue,
         worker_identity=FaultInjection.from_env().report_identity or cfg.identity,
         readiness_id=cfg.readiness_id,
@@ -120,7 +122,9 @@ async def amain() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     client = await connect(cfg.address, cfg.namespace, identity=cfg.identity)
-    acts = NodeActivities(cfg, client)
+    # The data-plane listener is up from boot and advertised in NodeRuntimeReady.
+    server = DataPlaneServer(os.environ.get("MVP_DATAPLANE_HOST", "127.0.0.1"))
+    acts = NodeActivities(cfg, client, server)
     worker = Worker(
         client,
         task_queue=cfg.task_queue,
@@ -152,6 +156,7 @@ async def amain() -> None:
     await worker.shutdown()
     if acts.runtime is not None:
         acts.runtime.close()
+    server.close()
     print(f"node {cfg.node_id} stopped", flush=True)
 
 

@@ -106,7 +106,10 @@ class StageLink:
         try:
             with self.group.guard():
                 out = connect_edge(
-                    self.consumer.host, self.consumer.port, self.outbound_spec, self.token,
+                    self.consumer.host,
+                    self.consumer.port,
+                    self.outbound_spec,
+                    self.token,
                     self.connect_timeout_s,
                 )
                 self.group.add(out)
@@ -114,10 +117,11 @@ class StageLink:
                 self.group.add(inbound)
                 self.on_ready()
                 self._serve(inbound, out)
-        except BaseException as err:  # noqa: BLE001 - reported as a typed stage fault
+        except BaseException as err:
             if not self._stop.is_set():
-                log.error("stage [%d,%d) failed: %s", self.stage.layer_start,
-                          self.stage.layer_end, err)
+                log.error(
+                    "stage [%d,%d) failed: %s", self.stage.layer_start, self.stage.layer_end, err
+                )
                 self.on_fault(f"{type(err).__name__}: {err}")
 
     def _serve(self, inbound: EdgeReceiver, out: EdgeSender) -> None:
@@ -176,8 +180,9 @@ class StageLink:
 
 
 def _engine_sampling(wire: WireSampling) -> SamplingParams:
-    return SamplingParams(temperature=wire.temperature, top_k=wire.top_k, top_p=wire.top_p,
-                          seed=wire.seed)
+    return SamplingParams(
+        temperature=wire.temperature, top_k=wire.top_k, top_p=wire.top_p, seed=wire.seed
+    )
 
 
 class Driver:
@@ -217,13 +222,18 @@ class Driver:
     def _connect(self) -> None:
         try:
             with self.group.guard():
-                self._tin = connect_edge(self.server.host, self.server.port, self.token_in_spec,
-                                         self.token, self.connect_timeout_s)
+                self._tin = connect_edge(
+                    self.server.host,
+                    self.server.port,
+                    self.token_in_spec,
+                    self.token,
+                    self.connect_timeout_s,
+                )
                 self.group.add(self._tin)
                 self._tout = self._token_out.result(self.connect_timeout_s)
                 self.group.add(self._tout)
             self.on_ready()
-        except BaseException as err:  # noqa: BLE001
+        except BaseException as err:
             self.on_fault(f"token endpoints: {type(err).__name__}: {err}")
 
     def run(
@@ -241,9 +251,14 @@ class Driver:
         tin, tout = self._tin, self._tout
         if tin is None or tout is None:
             raise RuntimeError("token endpoints are not connected")
-        wire = WireSampling(request_id=request_id, max_new_tokens=max_new_tokens or 0,
-                            temperature=sampling.temperature, top_k=sampling.top_k,
-                            top_p=sampling.top_p, seed=sampling.seed)
+        wire = WireSampling(
+            request_id=request_id,
+            max_new_tokens=max_new_tokens or 0,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+        )
         with self.lock, self.group.guard():
             seq = 0
             tin.send(request_id, seq, encode_begin_payload(wire, prompt_ids), FLAG_BEGIN)
@@ -254,8 +269,10 @@ class Driver:
                     hdr, payload = tout.recv(self.record_timeout_s)
                     checker.check(hdr.sequence)
                     if hdr.object_id != request_id:
-                        raise RuntimeError(f"token-out record for object {hdr.object_id} while "
-                                           f"request {request_id} is active")
+                        raise RuntimeError(
+                            f"token-out record for object {hdr.object_id} while "
+                            f"request {request_id} is active"
+                        )
                     token = decode_token_out(payload)
                     if hdr.eos:
                         return "eos"
@@ -273,4 +290,3 @@ class Driver:
                 if not self.group.failed:
                     # Free every stage's KV state for the request (DECISIONS 19).
                     tin.send(request_id, seq + 1, b"", FLAG_ABORT)
-

@@ -7,13 +7,15 @@ stream publishing) never blocks on it.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from mvp_core.generation import StopRule
-from mvp_core.models import StageProvision, SubmitPrompt
+from mvp_core.models import EdgeKind, StageProvision, SubmitPrompt
+from workers.dataplane import DataPlaneServer, EdgeGroup, EdgeSpec
 from workers.engine import (
     ContextOverflow,
     EngineOptions,
@@ -23,6 +25,10 @@ from workers.engine import (
     load_stage,
 )
 from workers.engine.tokenizer import Tokenizer
+from workers.node.pipeline import Driver, Endpoint, StageLink
+
+# A token-out record later than this means a stage is stuck: a run fault, never a hang.
+RECORD_TIMEOUT_S = 60.0
 
 
 class PromptTooLong(ValueError):
@@ -48,18 +54,84 @@ class StageRuntime:
         self.tokenizer = tokenizer
         self.load_s = load_s
         self.lock = threading.Lock()  # one active prompt on this stage
+        self.link: StageLink | None = None
+        self.driver: Driver | None = None
+        self.group: EdgeGroup | None = None
 
     @classmethod
     def load(cls, provision: StageProvision) -> StageRuntime:
         started = time.perf_counter()
+        settings = provision.engine
+        # Nodes sharing a host share its cores (DECISIONS 20).
+        host_nodes = max(int(os.environ.get("MVP_HOST_NODES", "1")), 1)
         opts = EngineOptions(
-            device=provision.engine.device,
-            precision=provision.engine.precision,
-            threads=provision.engine.threads,
+            device=settings.device,
+            precision=settings.precision,
+            threads=settings.threads or max(1, (os.cpu_count() or 1) // host_nodes),
+            fp16_split_points=tuple(settings.fp16_split_points),
         )
         stage = load_stage(provision.model_path, provision.layers.start, provision.layers.end, opts)
         tokenizer = Tokenizer.from_gguf(provision.tokenizer_path)
         return cls(provision, stage, tokenizer, time.perf_counter() - started)
+
+    @property
+    def stop_ids(self) -> set[int]:
+        ids = set(self.tokenizer.eog_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def attach_pipeline(
+        self,
+        server: DataPlaneServer,
+        *,
+        connect_timeout_s: float,
+        on_stage_ready: Callable[[], None],
+        on_endpoints_ready: Callable[[], None],
+        on_fault: Callable[[str], None],
+    ) -> None:
+        """Join the data plane: expect the inbound edge, connect the outbound one."""
+        prov = self.provision
+        if (
+            prov.inbound_edge is None
+            or prov.outbound_edge is None
+            or prov.consumer_endpoint is None
+        ):
+            on_stage_ready()  # direct mode: no edges to wait for
+            return
+        self.group = EdgeGroup(f"stage{prov.stage_index}")
+        endpoint = prov.consumer_endpoint
+        self.link = StageLink(
+            self.stage,
+            server=server,
+            group=self.group,
+            inbound=EdgeSpec.from_plan(prov.inbound_edge),
+            outbound=EdgeSpec.from_plan(prov.outbound_edge),
+            consumer=Endpoint(endpoint.host, endpoint.port),
+            token=prov.edge_token,
+            max_seq_len=prov.max_seq_len,
+            stop_ids=self.stop_ids,
+            connect_timeout_s=connect_timeout_s,
+            on_ready=on_stage_ready,
+            on_fault=on_fault,
+        )
+        if prov.driver_edges:
+            token_in = next(e for e in prov.driver_edges if e.kind is EdgeKind.TOKEN_IN)
+            token_out = next(e for e in prov.driver_edges if e.kind is EdgeKind.TOKEN_OUT)
+            self.driver = Driver(
+                server=server,
+                group=self.group,
+                token_in=EdgeSpec.from_plan(token_in),
+                token_out=EdgeSpec.from_plan(token_out),
+                token=prov.edge_token,
+                connect_timeout_s=connect_timeout_s,
+                record_timeout_s=RECORD_TIMEOUT_S,
+                on_ready=on_endpoints_ready,
+                on_fault=on_fault,
+            )
+        self.link.start()
+        if self.driver is not None:
+            self.driver.start()
 
     def encode(self, prompt: SubmitPrompt) -> list[int]:
         text = prompt.prompt_text
@@ -80,25 +152,26 @@ class StageRuntime:
             )
         return ids
 
-    def run_direct(
+    def run(
         self,
         prompt: SubmitPrompt,
         max_new_tokens: int | None,
         on_text: Callable[[str], None],
         should_stop: Callable[[], bool],
     ) -> GenerationResult:
-        """Generate in this thread; ``on_text`` gets each complete piece of text."""
+        """Generate in this thread (in-process, or over the pipeline when this node is the
+        head of one); ``on_text`` gets each complete piece of text."""
         started = time.perf_counter()
         ids = self.encode(prompt)
-        stop_ids = set(self.tokenizer.eog_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            stop_ids.add(self.tokenizer.eos_token_id)
+        stop_ids = self.stop_ids
         rule = StopRule(
             max_new_tokens=max_new_tokens, stop_ids=stop_ids, max_seq_len=self.provision.max_seq_len
         )
-        sampling = SamplingParams(
-            temperature=prompt.temperature, top_k=prompt.top_k, top_p=prompt.top_p, seed=prompt.seed
-        )
+        sampling = sampling_of(prompt)
+        if self.driver is not None:
+            return self._run_pipeline(
+                prompt, ids, max_new_tokens, on_text, should_stop, started, sampling
+            )
         decoder = self.tokenizer.incremental_decoder()
         pieces: list[str] = []
         with self.lock:
@@ -133,8 +206,62 @@ class StageRuntime:
             stop_reason=reason,
         )
 
+    def _run_pipeline(
+        self,
+        prompt: SubmitPrompt,
+        ids: list[int],
+        max_new_tokens: int | None,
+        on_text: Callable[[str], None],
+        should_stop: Callable[[], bool],
+        started: float,
+        sampling: SamplingParams,
+    ) -> GenerationResult:
+        """The head's driver runs the token loop over the data plane (DECISIONS 19)."""
+        assert self.driver is not None
+        decoder = self.tokenizer.incremental_decoder()
+        pieces: list[str] = []
+        count = 0
+
+        def on_token(token: int) -> None:
+            nonlocal count
+            count += 1
+            piece = decoder.push(token)
+            if piece:
+                pieces.append(piece)
+                on_text(piece)
+
+        reason = self.driver.run(
+            prompt.request_id,
+            ids,
+            sampling,
+            max_new_tokens=max_new_tokens,
+            max_seq_len=self.provision.max_seq_len,
+            on_token=on_token,
+            should_stop=should_stop,
+        )
+        tail = decoder.flush()
+        if tail:
+            pieces.append(tail)
+            on_text(tail)
+        return GenerationResult(
+            text="".join(pieces),
+            tokens=count,
+            elapsed_ms=int((time.perf_counter() - started) * 1000),
+            stop_reason=reason,
+        )
+
     def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
+        if self.group is not None:
+            self.group.close()
         self.stage.close()
+
+
+def sampling_of(prompt: SubmitPrompt) -> SamplingParams:
+    return SamplingParams(
+        temperature=prompt.temperature, top_k=prompt.top_k, top_p=prompt.top_p, seed=prompt.seed
+    )
 
 
 async def load_async(provision: StageProvision) -> StageRuntime:
