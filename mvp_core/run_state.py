@@ -213,8 +213,9 @@ class RunState(BaseModel):
 
     def on_stage_ready(self, report: StageReady) -> bool:
         node = self._match(report.run_id, None, report.stage_index, report.readiness_id)
-        if node is None or not node.weights_ready:
+        if node is None or not node.stage_provisioned:
             return self._ignored()
+        # Kept even when it overtakes WeightsReady (DECISIONS 3); both gate prompt-ready.
         node.stage_ready = True
         return True
 
@@ -222,7 +223,7 @@ class RunState(BaseModel):
         node = self._match(report.run_id, None, report.stage_index, report.readiness_id)
         if node is None:
             return self._ignored()
-        self.fault(f"stage {report.stage_index} fault: {report.reason}")
+        self.fault(f"{self._phase_word()}: stage {report.stage_index} fault: {report.reason}")
         return True
 
     def on_token_endpoints_ready(self, report: TokenEndpointsReady) -> bool:

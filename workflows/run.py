@@ -89,6 +89,7 @@ class RunWorkflow:
         self._watch: asyncio.Task[None] | None = None
         self._rolling_over = False
         self._background_cancelled = False
+        self._watch_cancelled = False
         if carry is not None:
             self._state = carry.state
             self._state.continued += 1
@@ -429,36 +430,52 @@ class RunWorkflow:
         self._leases[node.node_id] = asyncio.ensure_future(lease())
 
     def _start_watch(self) -> None:
+        """Provider watch: reports each node whose runtime is gone, until none is left.
+
+        It keeps running through teardown, so a node that dies then is skipped at once.
+        """
         state = self._state
         assert state.provider_queue is not None
-        handles = [n.handle for n in state.nodes if n.handle is not None]
         queue = state.provider_queue
 
         async def watch() -> None:
-            try:
-                exited = await workflow.execute_activity(
-                    names.ACT_WATCH_NODES,
-                    WatchNodesInput(handles=handles),
-                    result_type=NodeExited,
-                    task_queue=queue,
-                    start_to_close_timeout=timedelta(days=30),
-                    heartbeat_timeout=timedelta(seconds=10),
-                    retry_policy=RetryPolicy(
-                        initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=5)
-                    ),
-                    cancellation_type=workflow.ActivityCancellationType.TRY_CANCEL,
-                )
-            except (asyncio.CancelledError, ActivityError):
-                return
-            if not self._background_cancelled:
+            while True:
+                handles = [n.handle for n in state.nodes if n.handle is not None and not n.exited]
+                if not handles:
+                    return
+                try:
+                    exited = await workflow.execute_activity(
+                        names.ACT_WATCH_NODES,
+                        WatchNodesInput(handles=handles),
+                        result_type=NodeExited,
+                        task_queue=queue,
+                        start_to_close_timeout=timedelta(days=30),
+                        heartbeat_timeout=timedelta(seconds=10),
+                        retry_policy=RetryPolicy(
+                            initial_interval=timedelta(seconds=1),
+                            maximum_interval=timedelta(seconds=5),
+                        ),
+                        cancellation_type=workflow.ActivityCancellationType.TRY_CANCEL,
+                    )
+                except (asyncio.CancelledError, ActivityError):
+                    return
+                if self._watch_cancelled:
+                    return
                 state.on_node_exited(exited.node_id, exited.detail)
 
         self._watch = asyncio.ensure_future(watch())
 
-    async def _cancel_background(self) -> None:
-        """Stop leases and the watch on purpose: their ends are then no membership loss."""
-        self._background_cancelled = True
-        tasks = [*self._leases.values(), *([self._watch] if self._watch else [])]
+    async def _cancel_background(self, *, leases: bool = True, watch: bool = True) -> None:
+        """Stop leases and/or the watch on purpose: their ends are then no membership loss."""
+        tasks: list[asyncio.Task[None]] = []
+        if leases:
+            self._background_cancelled = True
+            tasks += self._leases.values()
+            self._leases = {}
+        if watch and self._watch is not None:
+            self._watch_cancelled = True
+            tasks.append(self._watch)
+            self._watch = None
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -466,8 +483,6 @@ class RunWorkflow:
                 await task
             except asyncio.CancelledError:
                 pass
-        self._leases.clear()
-        self._watch = None
 
     # ------------------------------------------------------------------ waiting helpers
     async def _wait(self, cond: Any, deadline: Any, what: str) -> None:
@@ -666,12 +681,13 @@ class RunWorkflow:
                 if state.first_fault is None
                 else f"run faulted: {state.first_fault}",
             )
-        await self._cancel_background()
+        # Leases end now; the provider watch runs on so that a node dying now is skipped.
+        await self._cancel_background(watch=False)
         stages = state.stages_to_stop()
 
         async def stop_stage(node: NodeState) -> None:
-            try:
-                await workflow.execute_activity(
+            task = asyncio.ensure_future(
+                workflow.execute_activity(
                     names.ACT_NODE_STOP_STAGE,
                     StopRun(
                         run_id=state.run_id,
@@ -685,6 +701,13 @@ class RunWorkflow:
                     start_to_close_timeout=timedelta(seconds=max(t.stage_stopped_wait_s, 1)),
                     retry_policy=RetryPolicy(maximum_attempts=2),
                 )
+            )
+            await workflow.wait_condition(lambda: task.done() or node.exited)
+            if not task.done():
+                task.cancel()  # the node is gone: nothing left to stop there
+                return
+            try:
+                await task
             except ActivityError as err:
                 state.stop_error(
                     f"StopRun stage {node.stage_index} (node {node.node_id}): {_cause(err)}"
@@ -717,6 +740,7 @@ class RunWorkflow:
             node.provider_stopped = True
 
         await asyncio.gather(*(stop_node(n) for n in state.nodes_to_stop()))
+        await self._cancel_background(leases=False)
         if state.uses_token_endpoints:
             # The token endpoints live on the head's driver; its StopRun tears them down.
             head = state.head()

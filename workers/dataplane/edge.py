@@ -461,6 +461,7 @@ class DataPlaneServer:
         self._expected: dict[int, _Expectation] = {}
         self._futures: dict[int, Future[EdgeReceiver]] = {}
         self._connected: set[int] = set()
+        self._tokens: dict[int, bytes] = {}  # kept after connection: later peers still authenticate
         self._receivers: list[EdgeReceiver] = []
         self._handshaking: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
@@ -491,6 +492,7 @@ class DataPlaneServer:
                 raise ValueError(f"edge {spec.edge_id} is already expected")
             self._connected.discard(spec.edge_id)
             self._expected[spec.edge_id] = exp
+            self._tokens[spec.edge_id] = token_b
             self._futures[spec.edge_id] = exp.future
         return exp.future
 
@@ -622,12 +624,22 @@ class DataPlaneServer:
         with self._lock:
             exp = self._expected.get(edge_id)
             connected = edge_id in self._connected
+            known = self._tokens.get(edge_id)
             if exp is not None and hmac.compare_digest(token, exp.token):
                 del self._expected[edge_id]
                 self._connected.add(edge_id)
                 token_ok = True
             else:
                 token_ok = False
+        if (
+            exp is None
+            and connected
+            and known is not None
+            and not hmac.compare_digest(token, known)
+        ):
+            log.error("edge %d: authentication failed: wrong edge token from %s", edge_id, peer)
+            self._answer(sock, _REJECT, "authentication failed: wrong edge token")
+            return False
         if exp is None:
             if connected:
                 log.warning(

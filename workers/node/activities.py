@@ -42,6 +42,7 @@ class NodeActivities:
         self.client = client
         self.server = server
         self.acked = asyncio.Event()
+        self.weights_reported = asyncio.Event()
         self.stopped = asyncio.Event()
         self.runtime: StageRuntime | None = None
         self.last_lease_beat = time.monotonic()
@@ -148,6 +149,7 @@ class NodeActivities:
                 readiness_id=cfg.readiness_id,
             ),
         )
+        self.weights_reported.set()
 
     def _join_data_plane(self, runtime: StageRuntime) -> None:
         """StageReady when both edges connect (at once in direct mode); faults by signal."""
@@ -155,6 +157,8 @@ class NodeActivities:
 
         def send(signal_name: str, report: BaseModel) -> None:
             async def deliver() -> None:
+                if signal_name != names.SIGNAL_STAGE_FAULT:
+                    await self.weights_reported.wait()  # readiness in the spec's order
                 try:
                     await self._run().signal(signal_name, report)
                 except Exception as err:

@@ -56,6 +56,7 @@ class FaultInjection:
     mute: bool = False
     no_lease_report: bool = False
     report_identity: str | None = None
+    skew_token_out_sequence: bool = False
 
     @classmethod
     def from_env(cls) -> FaultInjection:
@@ -65,4 +66,5 @@ class FaultInjection:
             mute=env.get("MVP_FAULT_MUTE") == "1",
             no_lease_report=env.get("MVP_FAULT_NO_LEASE_REPORT") == "1",
             report_identity=env.get("MVP_FAULT_REPORT_IDENTITY") or None,
+            skew_token_out_sequence=env.get("MVP_FAULT_SKEW_TOKEN_OUT_SEQUENCE") == "1",
         )

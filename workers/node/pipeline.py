@@ -76,8 +76,10 @@ class StageLink:
         connect_timeout_s: float,
         on_ready: Callable[[], None],
         on_fault: Callable[[str], None],
+        sequence_skew: int = 0,
     ) -> None:
         self.stage = stage
+        self.sequence_skew = sequence_skew  # fault injection: break the token-out order
         self.group = group
         self.outbound_spec = outbound
         self.consumer = consumer
@@ -122,7 +124,8 @@ class StageLink:
                 log.error(
                     "stage [%d,%d) failed: %s", self.stage.layer_start, self.stage.layer_end, err
                 )
-                self.on_fault(f"{type(err).__name__}: {err}")
+                first = self.group.first_error or err  # the cause, not "closed locally"
+                self.on_fault(f"{type(first).__name__}: {first}")
 
     def _serve(self, inbound: EdgeReceiver, out: EdgeSender) -> None:
         stage = self.stage
@@ -168,7 +171,8 @@ class StageLink:
                     flags = (FLAG_BEGIN if hdr.begin else 0) | (
                         FLAG_EOS if token in self.stop_ids else 0
                     )
-                    out.send(hdr.object_id, hdr.sequence, encode_tokens([token]), flags)
+                    seq = hdr.sequence + (self.sequence_skew if hdr.sequence else 0)
+                    out.send(hdr.object_id, seq, encode_tokens([token]), flags)
                 else:
                     rows16 = encode_activation(result.to(torch.float16).numpy())
                     if hdr.begin:

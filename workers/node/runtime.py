@@ -25,6 +25,7 @@ from workers.engine import (
     load_stage,
 )
 from workers.engine.tokenizer import Tokenizer
+from workers.node.config import FaultInjection
 from workers.node.pipeline import Driver, Endpoint, StageLink
 
 # A token-out record later than this means a stage is stuck: a run fault, never a hang.
@@ -114,6 +115,7 @@ class StageRuntime:
             connect_timeout_s=connect_timeout_s,
             on_ready=on_stage_ready,
             on_fault=on_fault,
+            sequence_skew=1 if FaultInjection.from_env().skew_token_out_sequence else 0,
         )
         if prov.driver_edges:
             token_in = next(e for e in prov.driver_edges if e.kind is EdgeKind.TOKEN_IN)

@@ -1,0 +1,119 @@
+"""Issue 4: one model across N node processes, tokens through the data plane."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import struct
+import time
+from pathlib import Path
+
+import pytest
+from temporalio.client import WorkflowFailureError
+
+from mvp_core import names
+from mvp_core.models import Done, Fault, RequestShutdown, RunOutcome, RunPhase, SubmitPrompt
+from tests.integration.conftest import Runs, node_pids, snapshot, wait_closed, wait_phase
+from workers.client import submit_prompt
+
+PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
+
+
+async def _failure(handle) -> str:
+    try:
+        await handle.result()
+    except WorkflowFailureError as err:
+        return getattr(err.cause, "message", str(err.cause))
+    raise AssertionError("run did not fail")
+
+
+async def _shutdown(handle, run_id: int) -> RunOutcome:
+    await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=run_id))
+    return RunOutcome.model_validate(await handle.result())
+
+
+async def test_two_stages_equal_one_stage_with_the_same_fp16_rounding(runs: Runs):
+    pipe = await runs.start(801, pipeline_stages=2)
+    ref = await runs.start(802, engine={"fp16_split_points": [15]})
+    state = await wait_phase(pipe, RunPhase.PROMPT_READY)
+    await wait_phase(ref, RunPhase.PROMPT_READY)
+    assert [(s.layers.start, s.layers.end) for s in state.plan.stages] == [(0, 15), (15, 30)]
+    assert [n.node_id for n in state.nodes] == [2, 3]
+    assert [e.edge_id for e in state.plan.edges] == [1, 2, 3]
+    assert state.token_endpoints_ready
+    for i, text in enumerate(PROMPTS):
+        got = await submit_prompt(runs.client, 801, SubmitPrompt(request_id=i, prompt_text=text, max_tokens=32))
+        want = await submit_prompt(runs.client, 802, SubmitPrompt(request_id=i, prompt_text=text, max_tokens=32))
+        assert isinstance(got, Done) and isinstance(want, Done)
+        assert (got.final_text, got.tokens_generated) == (want.final_text, want.tokens_generated)
+    for handle, rid in ((pipe, 801), (ref, 802)):
+        outcome = await _shutdown(handle, rid)
+        assert outcome.lifecycle[-1].kind.value == "RunTornDown"
+
+
+@pytest.mark.parametrize(("victim", "name"), [(0, "head"), (1, "middle"), (2, "last")])
+async def test_killing_any_stage_node_faults_prompt_and_run_within_15s(runs: Runs, victim: int, name: str):
+    run_id = 810 + victim
+    handle = await runs.start(run_id, pipeline_stages=3)
+    state = await wait_phase(handle, RunPhase.PROMPT_READY)
+    pid = next(n.handle.pid for n in state.nodes if n.stage_index == victim)
+    prompt = asyncio.ensure_future(submit_prompt(runs.client, run_id, SubmitPrompt(
+        request_id=1, prompt_text="Once upon a time", max_tokens=2000)))
+    await asyncio.sleep(1.0)
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    result = await asyncio.wait_for(prompt, 20)
+    assert isinstance(result, Fault), result
+    cause = await _failure(handle)
+    elapsed = time.monotonic() - t0
+    if elapsed >= 15:
+        hist = await handle.fetch_history()
+        for ev in hist.events:
+            print("EV", ev.event_time.ToDatetime().strftime("%H:%M:%S.%f"), ev.event_type, str(ev)[:0])
+    assert elapsed < 15, f"{name}: {elapsed:.1f}s"
+    assert cause.startswith("prompt serving"), cause
+    final = await snapshot(handle)
+    assert final.torn_down and all(n.provider_stopped for n in final.nodes)
+
+
+def _hello(edge_id: int, token: bytes, magic: bytes = b"MOH1") -> bytes:
+    return struct.pack("<4sIH", magic, edge_id, len(token)) + token
+
+
+async def test_rogue_peers_are_rejected_and_long_prompts_fault_while_the_run_keeps_serving(
+    runs: Runs, state_dir: Path
+):
+    handle = await runs.start(820, pipeline_stages=2, max_context=64)
+    state = await wait_phase(handle, RunPhase.PROMPT_READY)
+    last = next(n for n in state.nodes if n.stage_index == 1)
+    host, _, port = last.runtime_ready.endpoint.rpartition(":")
+    for payload in (_hello(2, b"not-the-run-token"), _hello(2, b"x", magic=b"EVIL"), b"\x00" * 7):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(payload)
+            s.settimeout(5)
+            try:
+                while s.recv(1024):
+                    pass
+            except OSError:
+                pass
+    log = Path(last.handle.log_path).read_text()
+    assert "authentication failed: wrong edge token" in log
+    too_long = await submit_prompt(runs.client, 820, SubmitPrompt(request_id=1, prompt_text="word " * 200))
+    assert isinstance(too_long, Fault) and "context" in too_long.error
+    ok = await submit_prompt(runs.client, 820, SubmitPrompt(request_id=2, prompt_text="Hello", max_tokens=4))
+    assert isinstance(ok, Done) and ok.tokens_generated >= 1
+    assert node_pids(await snapshot(handle)) == node_pids(state)
+    await _shutdown(handle, 820)
+
+
+async def test_token_sequence_violation_inside_a_live_run_faults_it_cleanly(runs: Runs):
+    handle = await runs.start(830, pipeline_stages=2, node_env={"MVP_FAULT_SKEW_TOKEN_OUT_SEQUENCE": "1"})
+    await wait_phase(handle, RunPhase.PROMPT_READY)
+    result = await submit_prompt(runs.client, 830, SubmitPrompt(request_id=1, prompt_text="Once upon a time",
+                                                                max_tokens=8))
+    assert isinstance(result, Fault)
+    cause = await _failure(handle)
+    assert "pipeline token sequence violation: expected 1, got 2" in cause, cause
+    await wait_closed(handle)
