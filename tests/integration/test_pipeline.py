@@ -109,7 +109,7 @@ async def test_rogue_peers_are_rejected_and_long_prompts_fault_while_the_run_kee
 
 
 async def test_token_sequence_violation_inside_a_live_run_faults_it_cleanly(runs: Runs):
-    handle = await runs.start(830, pipeline_stages=2, node_env={"MVP_FAULT_SKEW_TOKEN_OUT_SEQUENCE": "1"})
+    handle = await runs.start(830, pipeline_stages=2, node_env={"MVP_FAULT_SKEW_OUT_SEQUENCE": "1"})
     await wait_phase(handle, RunPhase.PROMPT_READY)
     result = await submit_prompt(runs.client, 830, SubmitPrompt(request_id=1, prompt_text="Once upon a time",
                                                                 max_tokens=8))

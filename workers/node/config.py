@@ -66,5 +66,5 @@ class FaultInjection:
             mute=env.get("MVP_FAULT_MUTE") == "1",
             no_lease_report=env.get("MVP_FAULT_NO_LEASE_REPORT") == "1",
             report_identity=env.get("MVP_FAULT_REPORT_IDENTITY") or None,
-            skew_token_out_sequence=env.get("MVP_FAULT_SKEW_TOKEN_OUT_SEQUENCE") == "1",
+            skew_token_out_sequence=env.get("MVP_FAULT_SKEW_OUT_SEQUENCE") == "1",
         )
