@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import time
 from datetime import timedelta
 
@@ -112,6 +113,9 @@ async def dead_man(
 
 
 async def amain() -> None:
+    # The engine, the data-plane threads and the event loop hand the GIL to each other
+    # once per token or more; the default 5 ms switch interval would add up to that much.
+    sys.setswitchinterval(0.0005)
     cfg = NodeConfig.from_env()
     faults = FaultInjection.from_env()
     if faults.exit_before_ready:

@@ -68,7 +68,7 @@ class StageRuntime:
         opts = EngineOptions(
             device=settings.device,
             precision=settings.precision,
-            threads=settings.threads or max(1, (os.cpu_count() or 1) // host_nodes),
+            threads=settings.threads or default_threads(os.cpu_count() or 1, host_nodes),
             fp16_split_points=tuple(settings.fp16_split_points),
         )
         stage = load_stage(provision.model_path, provision.layers.start, provision.layers.end, opts)
@@ -258,6 +258,14 @@ class StageRuntime:
         if self.group is not None:
             self.group.close()
         self.stage.close()
+
+
+def default_threads(cores: int, host_nodes: int) -> int:
+    """Nodes on one host share its cores (DECISIONS 20), and one core is left to the
+    control plane (Temporal, the orchestrator worker, the node's own event loop): on 2
+    cores a 2-thread node decodes at about a third of a 1-thread node's speed, because its
+    OpenMP threads stall behind those processes."""
+    return max(1, (cores - 1) // host_nodes) if cores > 1 else 1
 
 
 def sampling_of(prompt: SubmitPrompt) -> SamplingParams:
