@@ -31,6 +31,11 @@ from mvp_core.models import (
     WeightsReady,
 )
 
+MAX_PROMPT_REPORTS = 256
+_PROMPT_REPORTS = frozenset(
+    {LifecycleKind.PROMPT_ACCEPTED, LifecycleKind.PROMPT_COMPLETED, LifecycleKind.PROMPT_FAULTED}
+)
+
 
 class PromptRejection(StrEnum):
     """Typed rejections of ``submit_prompt`` (DECISIONS 9)."""
@@ -95,7 +100,19 @@ class RunState(BaseModel):
         self.lifecycle.append(
             LifecycleReport(kind=kind, run_id=self.run_id, detail=detail, request_id=request_id)
         )
+        if kind in _PROMPT_REPORTS:
+            self._trim_prompt_reports()
         return True
+
+    def _trim_prompt_reports(self) -> None:
+        """Keep every run-level report but only the latest prompt reports, so that the
+        state carried across continue-as-new stays bounded on a long run."""
+        prompt_reports = [r for r in self.lifecycle if r.kind in _PROMPT_REPORTS]
+        excess = len(prompt_reports) - MAX_PROMPT_REPORTS
+        if excess <= 0:
+            return
+        drop = {id(r) for r in prompt_reports[:excess]}
+        self.lifecycle = [r for r in self.lifecycle if id(r) not in drop]
 
     @property
     def torn_down(self) -> bool:

@@ -246,3 +246,19 @@ def test_state_round_trips_as_json_for_continue_as_new():
     s.admit(1, "wf-1")
     again = RunState.model_validate_json(s.model_dump_json())
     assert again == s
+
+
+def test_prompt_reports_are_bounded_but_run_reports_are_kept():
+    from mvp_core.run_state import MAX_PROMPT_REPORTS
+
+    s = new_state()
+    bring_to_prompt_ready(s)
+    s.record(LifecycleKind.RUN_READY)
+    for i in range(MAX_PROMPT_REPORTS):
+        s.admit(i, f"wf-{i}")
+        s.finish_prompt(f"wf-{i}", True, "", i)
+    prompt_reports = [r for r in s.lifecycle if r.kind.value.startswith("Prompt")]
+    assert len(prompt_reports) == MAX_PROMPT_REPORTS
+    assert prompt_reports[-1].request_id == MAX_PROMPT_REPORTS - 1
+    assert LifecycleKind.RUN_READY in [r.kind for r in s.lifecycle]
+    assert s.prompts_completed == MAX_PROMPT_REPORTS  # the counters stay exact
