@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -34,6 +35,53 @@ from mvp_core.models import (
 from workers.dataplane import DataPlaneServer
 from workers.node.config import FaultInjection, NodeConfig
 from workers.node.runtime import PromptTooLong, StageRuntime, load_async
+
+HEARTBEAT_EVERY_S = 1.0
+
+
+class TextPipe:
+    """Text from the engine thread to the event loop, woken at most once per batch.
+
+    The engine thread appends; it wakes the loop only when the loop has taken everything
+    before, so a fast token loop costs one wake-up per batch, not one per token.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pieces: list[str] = []
+        self._closed = False
+        self._ready = asyncio.Event()
+        self._signalled = False
+
+    def _wake(self) -> None:
+        if not self._signalled:
+            self._signalled = True
+            self._loop.call_soon_threadsafe(self._ready.set)
+
+    def put(self, piece: str) -> None:
+        with self._lock:
+            self._pieces.append(piece)
+            self._wake()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._wake()
+
+    async def take(self, timeout: float) -> str | None:
+        """The text since the last take ("" after a quiet ``timeout``); None at the end."""
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+        except TimeoutError:
+            return ""
+        with self._lock:
+            text, self._pieces = "".join(self._pieces), []
+            if self._closed:
+                return text or None  # the event stays set: the next take ends at once
+            self._ready.clear()
+            self._signalled = False
+            return text
 
 
 class NodeActivities:
@@ -204,21 +252,17 @@ class NodeActivities:
                 type="StageNotReady",
                 non_retryable=True,
             )
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[str | None] = asyncio.Queue()
+        pipe = TextPipe(asyncio.get_running_loop())
         cancel = False
-
-        def on_text(piece: str) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, piece)
 
         def should_stop() -> bool:
             return cancel
 
         def work():  # type: ignore[no-untyped-def]
             try:
-                return runtime.run(inp.prompt, inp.max_new_tokens, on_text, should_stop)
+                return runtime.run(inp.prompt, inp.max_new_tokens, pipe.put, should_stop)
             finally:
-                loop.call_soon_threadsafe(queue.put_nowait, None)
+                pipe.close()
 
         stream = WorkflowStreamClient.create(
             activity.client(),
@@ -228,20 +272,19 @@ class NodeActivities:
         topic = stream.topic(names.PROMPT_STREAM_TOPIC, type=TextDelta)
         task = asyncio.ensure_future(asyncio.to_thread(work))
         first = True
+        last_beat = 0.0
         async with stream:
             try:
-                while True:
-                    try:
-                        piece = await asyncio.wait_for(queue.get(), timeout=1.0)
-                    except TimeoutError:
+                while (text := await pipe.take(timeout=1.0)) is not None:
+                    if text:
+                        # The first delta goes out at once: it is the time to first text.
+                        topic.publish(
+                            TextDelta(request_id=request_id, text=text), force_flush=first
+                        )
+                        first = False
+                    if time.monotonic() - last_beat > HEARTBEAT_EVERY_S:
                         activity.heartbeat()
-                        continue
-                    if piece is None:
-                        break
-                    # The first delta goes out at once: it is the time to first text.
-                    topic.publish(TextDelta(request_id=request_id, text=piece), force_flush=first)
-                    first = False
-                    activity.heartbeat()
+                        last_beat = time.monotonic()
             except asyncio.CancelledError:
                 cancel = True
                 try:

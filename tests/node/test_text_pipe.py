@@ -1,0 +1,29 @@
+import asyncio
+import threading
+
+from workers.node.activities import TextPipe
+
+
+async def test_text_from_a_thread_arrives_in_order_and_ends_once():
+    pipe = TextPipe(asyncio.get_running_loop())
+    pieces = [f"p{i} " for i in range(500)]
+
+    def produce() -> None:
+        for p in pieces:
+            pipe.put(p)
+        pipe.close()
+
+    threading.Thread(target=produce).start()
+    got = []
+    while (text := await pipe.take(timeout=5)) is not None:
+        got.append(text)
+    assert "".join(got) == "".join(pieces)
+    assert len(got) < len(pieces)  # batched: far fewer wake-ups than tokens
+    assert await pipe.take(timeout=0.1) is None
+
+
+async def test_a_quiet_pipe_returns_empty_text_so_the_caller_can_heartbeat():
+    pipe = TextPipe(asyncio.get_running_loop())
+    assert await pipe.take(timeout=0.05) == ""
+    pipe.put("x")
+    assert await pipe.take(timeout=1) == "x"
