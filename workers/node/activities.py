@@ -37,6 +37,7 @@ from workers.node.config import FaultInjection, NodeConfig
 from workers.node.runtime import PromptTooLong, StageRuntime, load_async
 
 HEARTBEAT_EVERY_S = 1.0
+TEXT_GATHER_S = 0.025
 
 
 class TextPipe:
@@ -285,6 +286,9 @@ class NodeActivities:
                     if time.monotonic() - last_beat > HEARTBEAT_EVERY_S:
                         activity.heartbeat()
                         last_beat = time.monotonic()
+                    # Let text gather: the stream flushes every batch interval anyway, and
+                    # each wake-up of this loop takes the GIL from the token loop.
+                    await asyncio.sleep(TEXT_GATHER_S)
             except asyncio.CancelledError:
                 cancel = True
                 try:
