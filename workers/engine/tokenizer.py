@@ -16,6 +16,7 @@ from __future__ import annotations
 import codecs
 import heapq
 import os
+import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -157,18 +158,29 @@ def _clean_spaces(text: bytes) -> bytes:
 
 
 def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The `tokenizer.*` key/values of a GGUF file, as plain Python values."""
-    import gguf  # local import: only needed when loading from a file
+    """The `tokenizer.*` key/values of a GGUF file, as plain Python values.
 
+    Uses the engine's lazy reader: ~0.1 s for SmolLM2's 98k vocabulary strings, where
+    ``gguf.GGUFReader`` takes ~2 s decoding every array of the file.
+    """
+    from .gguf_reader import GGUFFile, LazyArray, read_lazy_array
+
+    name = os.fspath(path)
     try:
-        reader = gguf.GGUFReader(os.fspath(path))
-    except (OSError, ValueError) as e:
-        raise TokenizerError(f"cannot read GGUF file {os.fspath(path)!r}: {e}") from e
-    return {
-        key: field.contents()
-        for key, field in reader.fields.items()
-        if key.startswith("tokenizer.")
-    }
+        f = GGUFFile(name, map_tensors=False)
+        try:
+            meta: dict[str, Any] = {}
+            for key in f.metadata:
+                if key.startswith("tokenizer."):
+                    value = f.get(key)
+                    meta[key] = (
+                        read_lazy_array(name, value) if isinstance(value, LazyArray) else value
+                    )
+            return meta
+        finally:
+            f.close()
+    except (OSError, ValueError, EOFError, struct.error) as e:
+        raise TokenizerError(f"cannot read GGUF file {name!r}: {e}") from e
 
 
 class IncrementalDecoder:
