@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle
 from temporalio.service import RPCError
 
 from mvp_core import names
@@ -230,6 +230,15 @@ async def wait_closed(
             return desc.status
         await asyncio.sleep(0.2)
     raise AssertionError(f"{handle.id} still running after {timeout}s")
+
+
+async def run_failure(handle: WorkflowHandle[object, object]) -> str:
+    """The failure message of a run that must fail (RunFaulted / RunRejected)."""
+    try:
+        await handle.result()
+    except WorkflowFailureError as err:
+        return str(getattr(err.cause, "message", err.cause))
+    raise AssertionError("run did not fail")
 
 
 def node_pids(state: RunState) -> list[int]:

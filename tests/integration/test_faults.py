@@ -7,26 +7,16 @@ import os
 import signal
 import time
 
-from temporalio.client import WorkflowFailureError
-
 from mvp_core import names
 from mvp_core.models import RequestShutdown, RunOutcome, RunPhase, SubmitPrompt
-from tests.integration.conftest import Runs, node_pids, snapshot, wait_phase
+from tests.integration.conftest import Runs, node_pids, run_failure, snapshot, wait_phase
 from workers.client import submit_prompt
-
-
-async def _failure(handle) -> str:
-    try:
-        await handle.result()
-    except WorkflowFailureError as err:
-        return err.cause.message if hasattr(err.cause, 'message') else str(err.cause)
-    raise AssertionError("run did not fail")
 
 
 async def test_node_exit_before_ready_fails_startup_fast_and_tears_down(runs: Runs):
     t0 = time.monotonic()
     handle = await runs.start(501, node_env={"MVP_FAULT_EXIT_BEFORE_READY": "1"})
-    cause = await _failure(handle)
+    cause = await run_failure(handle)
     assert time.monotonic() - t0 < 30
     assert cause.startswith("startup ("), cause
     assert "node 1 exited" in cause
@@ -50,7 +40,7 @@ async def test_node_killed_during_generation_faults_prompt_and_run_within_15s(ru
     os.kill(pid, signal.SIGKILL)
     result = await prompt
     assert result.type == "fault", result
-    cause = await _failure(handle)
+    cause = await run_failure(handle)
     assert time.monotonic() - t0 < 15, time.monotonic() - t0
     assert cause.startswith("prompt serving"), cause
     state = await snapshot(handle)

@@ -11,22 +11,20 @@ import time
 from pathlib import Path
 
 import pytest
-from temporalio.client import WorkflowFailureError
 
 from mvp_core import names
 from mvp_core.models import Done, Fault, RequestShutdown, RunOutcome, RunPhase, SubmitPrompt
-from tests.integration.conftest import Runs, node_pids, snapshot, wait_closed, wait_phase
+from tests.integration.conftest import (
+    Runs,
+    node_pids,
+    run_failure,
+    snapshot,
+    wait_closed,
+    wait_phase,
+)
 from workers.client import submit_prompt
 
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
-
-
-async def _failure(handle) -> str:
-    try:
-        await handle.result()
-    except WorkflowFailureError as err:
-        return getattr(err.cause, "message", str(err.cause))
-    raise AssertionError("run did not fail")
 
 
 async def _shutdown(handle, run_id: int) -> RunOutcome:
@@ -66,7 +64,7 @@ async def test_killing_any_stage_node_faults_prompt_and_run_within_15s(runs: Run
     os.kill(pid, signal.SIGKILL)
     result = await asyncio.wait_for(prompt, 20)
     assert isinstance(result, Fault), result
-    cause = await _failure(handle)
+    cause = await run_failure(handle)
     elapsed = time.monotonic() - t0
     if elapsed >= 15:
         hist = await handle.fetch_history()
@@ -114,7 +112,7 @@ async def test_token_sequence_violation_inside_a_live_run_faults_it_cleanly(runs
     result = await submit_prompt(runs.client, 830, SubmitPrompt(request_id=1, prompt_text="Once upon a time",
                                                                 max_tokens=8))
     assert isinstance(result, Fault)
-    cause = await _failure(handle)
+    cause = await run_failure(handle)
     # The first fault to arrive may be the driver's or a peer stage seeing its edge close;
     # either way the run faults while serving, and the head says exactly what happened.
     assert cause.startswith("prompt serving"), cause

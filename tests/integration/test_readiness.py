@@ -4,21 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-from temporalio.client import WorkflowFailureError
-
 from mvp_core import names
 from mvp_core.models import NodeRuntimeReady, RunPhase
-from tests.integration.conftest import Runs, snapshot, wait_closed
+from tests.integration.conftest import Runs, run_failure, snapshot, wait_closed
 
 FAST = {"timeouts": {"readiness_s": 12}}
-
-
-async def _failure(handle) -> str:
-    try:
-        await handle.result()
-    except WorkflowFailureError as err:
-        return err.cause.message if hasattr(err.cause, 'message') else str(err.cause)
-    raise AssertionError("run did not fail")
 
 
 async def test_forged_and_stale_reports_do_not_advance_and_log_lines_and_ports_never_make_ready(
@@ -53,7 +43,7 @@ async def test_forged_and_stale_reports_do_not_advance_and_log_lines_and_ports_n
     assert state.ignored_reports >= len(forged)
     assert state.nodes[0].runtime_ready is None
     assert state.phase == RunPhase.READINESS
-    cause = await _failure(handle)
+    cause = await run_failure(handle)
     assert "NodeRuntimeReady" in cause and "startup (readiness)" in cause
     await wait_closed(handle)
 
@@ -62,7 +52,7 @@ async def test_no_prompt_ready_when_poller_identity_does_not_match(runs: Runs):
     handle = await runs.start(
         302, node_env={"MVP_FAULT_REPORT_IDENTITY": "someone-else@host:1"}, **FAST
     )
-    cause = await _failure(handle)
+    cause = await run_failure(handle)
     assert "route owner" in cause, cause
     state = await snapshot(handle)
     assert not any(r.kind.value == "RunReady" for r in state.lifecycle)
@@ -71,7 +61,7 @@ async def test_no_prompt_ready_when_poller_identity_does_not_match(runs: Runs):
 
 async def test_no_prompt_ready_before_lease_started(runs: Runs):
     handle = await runs.start(303, node_env={"MVP_FAULT_NO_LEASE_REPORT": "1"}, **FAST)
-    cause = await _failure(handle)
+    cause = await run_failure(handle)
     assert "lease never started" in cause, cause
     state = await snapshot(handle)
     assert state.nodes[0].runtime_ready is not None  # it did report
