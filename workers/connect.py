@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
 DEFAULT_ADDRESS = "localhost:7233"
+STARTUP_GRACE_S = 30.0
 
 
 def temporal_address() -> str:
@@ -23,9 +26,17 @@ async def connect(
 ) -> Client:
     """A client that speaks pydantic models on the wire."""
     kwargs = {"identity": identity} if identity else {}
-    return await Client.connect(
-        address or temporal_address(),
-        namespace=namespace or temporal_namespace(),
-        data_converter=pydantic_data_converter,
-        **kwargs,  # type: ignore[arg-type]
-    )
+    deadline = time.monotonic() + STARTUP_GRACE_S
+    while True:
+        try:
+            return await Client.connect(
+                address or temporal_address(),
+                namespace=namespace or temporal_namespace(),
+                data_converter=pydantic_data_converter,
+                **kwargs,  # type: ignore[arg-type]
+            )
+        except RuntimeError as err:
+            # A server that has just started accepts connections before it is healthy.
+            if "not healthy" not in str(err) or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
