@@ -17,6 +17,8 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from mvp_core.generation import TokenFeedback, TokenSequenceViolation
+
 __all__ = [
     "FLAG_ABORT",
     "FLAG_BEGIN",
@@ -247,22 +249,26 @@ class RecordOrder:
 
 
 class SequenceChecker:
-    """The driver's token-out rule: each record's sequence equals the expected one."""
+    """The driver's token-out rule, as a data-plane error: the rule itself is
+    mvp_core.generation.TokenFeedback (actor spec 7.3), so it is written once."""
 
-    __slots__ = ("expected",)
+    __slots__ = ("_feedback",)
 
     def __init__(self, start: int = 0) -> None:
-        self.expected = start
+        self._feedback = TokenFeedback(expected=start)
+
+    @property
+    def expected(self) -> int:
+        return self._feedback.expected
 
     def check(self, got: int) -> None:
-        if got != self.expected:
-            raise TokenSequenceError(
-                f"pipeline token sequence violation: expected {self.expected}, got {got}"
-            )
-        self.expected += 1
+        try:
+            self._feedback.consume(got)
+        except TokenSequenceViolation as e:
+            raise TokenSequenceError(str(e)) from None
 
     def reset(self, start: int = 0) -> None:
-        self.expected = start
+        self._feedback = TokenFeedback(expected=start)
 
 
 # --------------------------------------------------------------------------- tokens

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mvp_core.generation import StopRule
 from workers.dataplane import (
     FLAG_ABORT,
     FLAG_BEGIN,
@@ -267,7 +268,8 @@ class Driver:
             seq = 0
             tin.send(request_id, seq, encode_begin_payload(wire, prompt_ids), FLAG_BEGIN)
             checker = SequenceChecker()
-            generated = 0
+            # EOS arrives as the record's flag, so the rule itself needs no stop ids.
+            rule = StopRule(max_new_tokens=max_new_tokens, stop_ids=(), max_seq_len=max_seq_len)
             try:
                 while True:
                     hdr, payload = tout.recv(self.record_timeout_s)
@@ -281,11 +283,9 @@ class Driver:
                     if hdr.eos:
                         return "eos"
                     on_token(token)
-                    generated += 1
-                    if max_new_tokens is not None and generated >= max_new_tokens:
-                        return "max_tokens"
-                    if len(prompt_ids) + generated >= max_seq_len:
-                        return "context"
+                    rule.accept(token, len(prompt_ids) + rule.generated + 1)
+                    if rule.reason is not None:
+                        return rule.reason
                     if should_stop():
                         return "cancelled"
                     seq += 1

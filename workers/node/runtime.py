@@ -166,14 +166,14 @@ class StageRuntime:
         started = time.perf_counter()
         ids = self.encode(prompt)
         stop_ids = self.stop_ids
-        rule = StopRule(
-            max_new_tokens=max_new_tokens, stop_ids=stop_ids, max_seq_len=self.provision.max_seq_len
-        )
         sampling = sampling_of(prompt)
         if self.driver is not None:
             return self._run_pipeline(
                 prompt, ids, max_new_tokens, on_text, should_stop, started, sampling
             )
+        rule = StopRule(
+            max_new_tokens=max_new_tokens, stop_ids=stop_ids, max_seq_len=self.provision.max_seq_len
+        )
         decoder = self.tokenizer.incremental_decoder()
         pieces: list[str] = []
         with self.lock:
