@@ -240,7 +240,7 @@ class RunState(BaseModel):
         node = self._match(report.run_id, None, report.stage_index, report.readiness_id)
         if node is None:
             return self._ignored()
-        self.fault(f"{self._phase_word()}: stage {report.stage_index} fault: {report.reason}")
+        self.fault(f"{self.phase_word()}: stage {report.stage_index} fault: {report.reason}")
         return True
 
     def on_token_endpoints_ready(self, report: TokenEndpointsReady) -> bool:
@@ -268,7 +268,7 @@ class RunState(BaseModel):
             return
         node.lease_lost = True
         if not self.stopping:
-            self.fault(f"{self._phase_word()}: membership lost for node {node_id}: {detail}")
+            self.fault(f"{self.phase_word()}: membership lost for node {node_id}: {detail}")
 
     def on_node_exited(self, node_id: int, detail: str) -> None:
         node = self.node(node_id)
@@ -276,9 +276,9 @@ class RunState(BaseModel):
             return
         node.exited = True
         if not self.stopping:
-            self.fault(f"{self._phase_word()}: node {node_id} exited: {detail}")
+            self.fault(f"{self.phase_word()}: node {node_id} exited: {detail}")
 
-    def _phase_word(self) -> str:
+    def phase_word(self) -> str:
         if self.phase is RunPhase.PROMPT_READY or self.phase is RunPhase.ROLLING_OVER:
             return "prompt serving"
         return f"startup ({self.phase.value})"

@@ -24,7 +24,7 @@ with workflow.unsafe.imports_passed_through():
     )
 
 
-def _cause(err: BaseException) -> str:
+def failure_cause(err: BaseException) -> str:
     """The innermost message of an activity failure, for people to read."""
     cause: BaseException | None = err
     while cause is not None and isinstance(cause, ActivityError) and cause.cause is not None:
@@ -88,7 +88,7 @@ class PromptWorkflow:
                     terminal=Fault(request_id=request_id, error=self._cancel_reason)
                 )
             else:
-                reason = _cause(err)
+                reason = failure_cause(err)
                 outcome = PromptOutcome(
                     terminal=Fault(request_id=request_id, error=f"prompt serving fault: {reason}"),
                     run_fault=f"prompt serving: generate on {inp.head_task_queue} failed: {reason}",

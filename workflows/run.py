@@ -58,7 +58,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from mvp_core.run_state import NodeState, PromptRejection, RunState
     from mvp_core.validation import RunRejectedError, resolve_run_id, validate_request
-    from workflows.prompt import PromptWorkflow, _cause
+    from workflows.prompt import PromptWorkflow, failure_cause
 
 PHASE_KEY = SearchAttributeKey.for_keyword(names.SEARCH_ATTRIBUTE_PHASE)
 HANDLERS_DRAIN = timedelta(seconds=30)
@@ -135,7 +135,7 @@ class RunWorkflow:
         except asyncio.CancelledError:
             state.request_shutdown(ShutdownReason.HOST_REQUESTED)
         except Exception as err:
-            state.fault(f"{state._phase_word()}: {_describe(err)}")
+            state.fault(f"{state.phase_word()}: {_describe(err)}")
         if action == "continue_as_new":
             await self._cancel_background()
             workflow.continue_as_new(RunCarry(request=self._request, state=state))
@@ -185,7 +185,7 @@ class RunWorkflow:
                 ),
             )
         except ActivityError as err:
-            return f"planning failed: {_cause(err)}"
+            return f"planning failed: {failure_cause(err)}"
         state.plan = plan
         for stage in plan.stages:
             state.nodes.append(
@@ -423,7 +423,7 @@ class RunWorkflow:
             except asyncio.CancelledError:
                 return
             except ActivityError as err:
-                detail = _cause(err)
+                detail = failure_cause(err)
             if not self._background_cancelled:
                 state.on_lease_lost(node.node_id, detail)
 
@@ -710,7 +710,7 @@ class RunWorkflow:
                 await task
             except ActivityError as err:
                 state.stop_error(
-                    f"StopRun stage {node.stage_index} (node {node.node_id}): {_cause(err)}"
+                    f"StopRun stage {node.stage_index} (node {node.node_id}): {failure_cause(err)}"
                 )
 
         await asyncio.gather(*(stop_stage(n) for n in stages))
@@ -736,7 +736,7 @@ class RunWorkflow:
                 if result.error is not None:
                     state.stop_error(f"provider stop node {node.node_id}: {result.error}")
             except ActivityError as err:
-                state.stop_error(f"provider stop node {node.node_id}: {_cause(err)}")
+                state.stop_error(f"provider stop node {node.node_id}: {failure_cause(err)}")
             node.provider_stopped = True
 
         await asyncio.gather(*(stop_node(n) for n in state.nodes_to_stop()))
@@ -778,7 +778,7 @@ def _safe(update_id: str) -> str:
 
 def _describe(err: BaseException) -> str:
     if isinstance(err, ActivityError):
-        return _cause(err)
+        return failure_cause(err)
     if isinstance(err, ApplicationError):
         return err.message
     return f"{type(err).__name__}: {err}"
