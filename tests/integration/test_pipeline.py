@@ -66,10 +66,6 @@ async def test_killing_any_stage_node_faults_prompt_and_run_within_15s(runs: Run
     assert isinstance(result, Fault), result
     cause = await run_failure(handle)
     elapsed = time.monotonic() - t0
-    if elapsed >= 15:
-        hist = await handle.fetch_history()
-        for ev in hist.events:
-            print("EV", ev.event_time.ToDatetime().strftime("%H:%M:%S.%f"), ev.event_type, str(ev)[:0])
     assert elapsed < 15, f"{name}: {elapsed:.1f}s"
     assert cause.startswith("prompt serving"), cause
     final = await snapshot(handle)

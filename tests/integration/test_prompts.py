@@ -51,7 +51,21 @@ async def test_streaming_64_tokens_arrives_in_several_batches_before_the_termina
     assert len(distinct) >= 3, distinct
 
 
-async def test_queue_fifo_rejections_and_cancel(runs: Runs, ready_run):
+@pytest.fixture
+async def slow_run(runs: Runs):
+    """A run whose node holds each piece of text 20 ms, so a long prompt is surely still
+    active when the test cancels it (on a fast machine SmolLM2 can reach EOS first)."""
+    handle = await runs.start(
+        401, default_max_tokens=64, node_env={"MVP_FAULT_TEXT_DELAY_MS": "20"}
+    )
+    await wait_phase(handle, RunPhase.PROMPT_READY)
+    yield handle
+    await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=401))
+    await wait_closed(handle)
+
+
+async def test_queue_fifo_rejections_and_cancel(runs: Runs, slow_run):
+    ready_run = slow_run
     client = runs.client
     long = SubmitPrompt(
         request_id=10, prompt_text="Once upon a time", max_tokens=2000

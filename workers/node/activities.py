@@ -259,9 +259,16 @@ class NodeActivities:
         def should_stop() -> bool:
             return cancel
 
+        delay = FaultInjection.from_env().text_delay_s
+
+        def on_text(piece: str) -> None:
+            if delay > 0:
+                time.sleep(delay)
+            pipe.put(piece)
+
         def work():  # type: ignore[no-untyped-def]
             try:
-                return runtime.run(inp.prompt, inp.max_new_tokens, pipe.put, should_stop)
+                return runtime.run(inp.prompt, inp.max_new_tokens, on_text, should_stop)
             finally:
                 pipe.close()
 

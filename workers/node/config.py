@@ -57,6 +57,7 @@ class FaultInjection:
     no_lease_report: bool = False
     report_identity: str | None = None
     skew_token_out_sequence: bool = False
+    text_delay_s: float = 0.0  # a slow node: each piece of text is held this long
 
     @classmethod
     def from_env(cls) -> FaultInjection:
@@ -67,4 +68,5 @@ class FaultInjection:
             no_lease_report=env.get("MVP_FAULT_NO_LEASE_REPORT") == "1",
             report_identity=env.get("MVP_FAULT_REPORT_IDENTITY") or None,
             skew_token_out_sequence=env.get("MVP_FAULT_SKEW_OUT_SEQUENCE") == "1",
+            text_delay_s=float(env.get("MVP_FAULT_TEXT_DELAY_MS", "0")) / 1000.0,
         )
