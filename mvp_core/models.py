@@ -56,6 +56,13 @@ class EngineSettings(_Model):
         default_factory=list,
         description="Round activations to float16 after these layers (emulates a pipeline split)",
     )
+    compute_cpus: Literal["auto", "off"] | list[Annotated[int, Field(ge=0)]] = Field(
+        default="auto",
+        description=(
+            "Cores for each node's token path: 'auto' = all of the node's cores but the "
+            "first (left to the control plane), 'off' = no pinning, or a list of core ids"
+        ),
+    )
 
 
 class RunRequest(_Model):

@@ -27,6 +27,17 @@ from workers.client import submit_prompt
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
 
 
+def _thread_cpus(pid: int) -> dict[int, set[int]]:
+    """Each thread's allowed cores, from /proc."""
+    out: dict[int, set[int]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out[int(task.name)] = os.sched_getaffinity(int(task.name))
+        except ProcessLookupError:
+            pass  # a thread that just ended
+    return out
+
+
 async def _shutdown(handle, run_id: int) -> RunOutcome:
     await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=run_id))
     return RunOutcome.model_validate(await handle.result())
@@ -41,6 +52,14 @@ async def test_two_stages_equal_one_stage_with_the_same_fp16_rounding(runs: Runs
     assert [n.node_id for n in state.nodes] == [2, 3]
     assert [e.edge_id for e in state.plan.edges] == [1, 2, 3]
     assert state.token_endpoints_ready
+    if len(os.sched_getaffinity(0)) > 1:
+        # Both nodes' stage threads share the compute cores (all but the first); the
+        # rest of each process (event loop, Temporal SDK) is not pinned.
+        compute = set(sorted(os.sched_getaffinity(0))[1:])
+        for pid in node_pids(state):
+            cpus = _thread_cpus(pid)
+            assert compute in cpus.values(), cpus
+            assert cpus[pid] == os.sched_getaffinity(0), cpus
     for i, text in enumerate(PROMPTS):
         got = await submit_prompt(runs.client, 801, SubmitPrompt(request_id=i, prompt_text=text, max_tokens=32))
         want = await submit_prompt(runs.client, 802, SubmitPrompt(request_id=i, prompt_text=text, max_tokens=32))

@@ -48,6 +48,7 @@ from workers.dataplane import (
 )
 from workers.dataplane import SamplingParams as WireSampling
 from workers.engine import Sampler, SamplingParams, Stage
+from workers.node.affinity import pin_thread
 
 log = logging.getLogger("mvp.pipeline")
 IDLE_POLL_S = 1.0
@@ -78,8 +79,10 @@ class StageLink:
         on_ready: Callable[[], None],
         on_fault: Callable[[str], None],
         sequence_skew: int = 0,
+        cpus: frozenset[int] = frozenset(),
     ) -> None:
         self.stage = stage
+        self.cpus = cpus  # the host's token-path cores (workers.node.affinity)
         self.sequence_skew = sequence_skew  # fault injection: break the token-out order
         self.group = group
         self.outbound_spec = outbound
@@ -106,6 +109,7 @@ class StageLink:
         self._thread.join(timeout=5)
 
     def _main(self) -> None:
+        pin_thread(self.cpus)
         try:
             with self.group.guard():
                 out = connect_edge(

@@ -25,6 +25,7 @@ from workers.engine import (
     load_stage,
 )
 from workers.engine.tokenizer import Tokenizer
+from workers.node.affinity import compute_set, pinned
 from workers.node.config import FaultInjection
 from workers.node.pipeline import Driver, Endpoint, StageLink
 
@@ -58,6 +59,8 @@ class StageRuntime:
         self.link: StageLink | None = None
         self.driver: Driver | None = None
         self.group: EdgeGroup | None = None
+        # The token path's cores, shared by every node of this host (see affinity.py).
+        self.cpus = compute_set(provision.engine.compute_cpus)
 
     @classmethod
     def load(cls, provision: StageProvision) -> StageRuntime:
@@ -116,6 +119,7 @@ class StageRuntime:
             on_ready=on_stage_ready,
             on_fault=on_fault,
             sequence_skew=1 if FaultInjection.from_env().skew_token_out_sequence else 0,
+            cpus=self.cpus,
         )
         if prov.driver_edges:
             token_in = next(e for e in prov.driver_edges if e.kind is EdgeKind.TOKEN_IN)
@@ -165,12 +169,24 @@ class StageRuntime:
         head of one); ``on_text`` gets each complete piece of text."""
         started = time.perf_counter()
         ids = self.encode(prompt)
+        with pinned(self.cpus):
+            if self.driver is not None:
+                return self._run_pipeline(
+                    prompt, ids, max_new_tokens, on_text, should_stop, started
+                )
+            return self._run_direct(prompt, ids, max_new_tokens, on_text, should_stop, started)
+
+    def _run_direct(
+        self,
+        prompt: SubmitPrompt,
+        ids: list[int],
+        max_new_tokens: int | None,
+        on_text: Callable[[str], None],
+        should_stop: Callable[[], bool],
+        started: float,
+    ) -> GenerationResult:
         stop_ids = self.stop_ids
         sampling = sampling_of(prompt)
-        if self.driver is not None:
-            return self._run_pipeline(
-                prompt, ids, max_new_tokens, on_text, should_stop, started, sampling
-            )
         rule = StopRule(
             max_new_tokens=max_new_tokens, stop_ids=stop_ids, max_seq_len=self.provision.max_seq_len
         )
@@ -216,10 +232,10 @@ class StageRuntime:
         on_text: Callable[[str], None],
         should_stop: Callable[[], bool],
         started: float,
-        sampling: SamplingParams,
     ) -> GenerationResult:
         """The head's driver runs the token loop over the data plane (DECISIONS 19)."""
         assert self.driver is not None
+        sampling = sampling_of(prompt)
         decoder = self.tokenizer.incremental_decoder()
         pieces: list[str] = []
         count = 0

@@ -1,0 +1,67 @@
+"""The token path's compute core set (workers.node.affinity)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from mvp_core.models import EngineSettings
+from workers.node.affinity import compute_set, pin_thread, pinned
+
+
+def test_auto_leaves_the_first_core_to_the_control_plane() -> None:
+    assert compute_set("auto", [0, 1]) == {1}
+    assert compute_set("auto", [3, 1, 2]) == {2, 3}
+    assert compute_set("auto", [5]) == frozenset()  # one core: nothing to gain, no pinning
+
+
+def test_off_and_explicit_lists() -> None:
+    assert compute_set("off", [0, 1, 2]) == frozenset()
+    assert compute_set([2, 7], [0, 1, 2, 3]) == {2}  # cores the node cannot use are dropped
+    assert compute_set([9], [0, 1]) == frozenset()
+    with pytest.raises(ValueError, match="compute_cpus"):
+        compute_set("fast", [0, 1])
+
+
+def test_engine_settings_accept_auto_off_or_core_ids() -> None:
+    assert EngineSettings().compute_cpus == "auto"
+    assert EngineSettings.model_validate({"compute_cpus": [1, 2]}).compute_cpus == [1, 2]
+    for bad in ("fast", [-1]):
+        with pytest.raises(ValueError):
+            EngineSettings.model_validate({"compute_cpus": bad})
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_pinning_is_per_thread_and_restored() -> None:
+    whole = os.sched_getaffinity(0)
+    cpus = compute_set("auto")
+    seen: dict[str, set[int]] = {}
+
+    def worker() -> None:
+        with pinned(cpus):
+            seen["inside"] = os.sched_getaffinity(0)
+            child = threading.Thread(target=lambda: seen.update(child=os.sched_getaffinity(0)))
+            child.start()
+            child.join()
+            seen["main_meanwhile"] = os.sched_getaffinity(main_tid)
+        seen["after"] = os.sched_getaffinity(0)
+
+    main_tid = threading.get_native_id()
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen["inside"] == cpus and seen["child"] == cpus  # threads it starts inherit
+    assert seen["main_meanwhile"] == whole  # other threads of the process are untouched
+    assert seen["after"] == whole
+
+    def dedicated() -> None:
+        pin_thread(cpus)
+        seen["dedicated"] = os.sched_getaffinity(0)
+
+    d = threading.Thread(target=dedicated)
+    d.start()
+    d.join()
+    assert seen["dedicated"] == cpus
+    assert os.sched_getaffinity(0) == whole
