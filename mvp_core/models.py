@@ -63,6 +63,15 @@ class EngineSettings(_Model):
             "first (left to the control plane), 'off' = no pinning, or a list of core ids"
         ),
     )
+    token_path_nice: int | None = Field(
+        default=-5,
+        ge=-20,
+        le=19,
+        description=(
+            "Nice value of each node's token-path threads (applied where the node may raise "
+            "priority: root or CAP_SYS_NICE); null leaves the default"
+        ),
+    )
 
 
 class RunRequest(_Model):

@@ -37,20 +37,20 @@ from temporal.devserver import start_dev_server
 from workers.client import stream_prompt
 from workers.connect import connect
 from workers.engine import EngineOptions, SamplingParams, generate, load_stage
-from workers.node.affinity import compute_set, pinned
+from workers.node.affinity import Placement, compute_set
 from workers.node.runtime import default_threads
 
 PROMPT_IDS = [6403, 1980, 253, 655]  # "Once upon a time"
 
 
 def in_process(path: str, stages: int, tokens: int, threads: int) -> float:
-    """The same stages one after another in one thread, on the nodes' compute cores."""
+    """The same stages one after another in one thread, placed like a node's token path."""
     layers = stage_layer_ranges(30, stages)
     loaded = [load_stage(path, r.start, r.end, EngineOptions(device="cpu", threads=threads))
               for r in layers]
     try:
         rates = []
-        with pinned(compute_set("auto")):
+        with Placement(compute_set("auto"), nice=-5).applied():
             for _ in range(3):
                 t0 = time.perf_counter()
                 n = len(list(generate(loaded, PROMPT_IDS, max_new_tokens=tokens, max_seq_len=512,
@@ -63,7 +63,8 @@ def in_process(path: str, stages: int, tokens: int, threads: int) -> float:
 
 
 async def start_run(client: Any, run_id: int, stages: int) -> tuple[Any, float, RunState]:
-    req = RunRequest.model_validate({"model": {"bundled": DEFAULT_BUNDLED}, "pipeline_stages": stages})
+    req = RunRequest.model_validate({"model": {"bundled": DEFAULT_BUNDLED}, "pipeline_stages": stages,
+                                     "node_env": dict(kv.split("=", 1) for kv in os.environ.get("BENCH_NODE_ENV", "").split() if kv)})
     t0 = time.perf_counter()
     handle = await client.start_workflow(names.RUN_WORKFLOW, req, id=names.run_workflow_id(run_id),
                                          task_queue=names.ORCHESTRATOR_TASK_QUEUE)
@@ -105,6 +106,8 @@ async def main(args: argparse.Namespace) -> None:
         await asyncio.sleep(2)
         for n in args.stages:
             runs[n] = await start_run(client, 950 + n, n)
+        for n in args.idle_runs:  # (diagnostic) extra runs that stay idle meanwhile
+            runs[100 + n] = await start_run(client, 950 + 100 + n, n)
         for n in args.stages:  # warm-up: the first prompt of a run pays one-time costs
             await one_prompt(client, 950 + n, 0, 16)
         for r in range(args.rounds):
@@ -124,16 +127,17 @@ async def main(args: argparse.Namespace) -> None:
     base = args.stages[0]
     print(f"\nSmolLM2-135M Q4_1, {os.cpu_count()} cores, {args.tokens}-token greedy decode, "
           f"loopback, median of {args.rounds} interleaved rounds\n")
-    print(f"| stages | prompt-ready s | engine loop tok/s | vs {base} stage (paired) | client tok/s | "
+    print(f"| stages | prompt-ready s | engine loop tok/s | vs {base} stage, paired (range) | client tok/s | "
           "first delta ms | in-process tok/s | per-hop overhead ms | RSS per node MiB |")
     print("|---|---|---|---|---|---|---|---|---|")
     for n in args.stages:
         eng = statistics.median(s[0] for s in samples[n])
-        ratio = statistics.median(a[0] / b[0] for a, b in zip(samples[n], samples[base], strict=True))
+        ratios = sorted(a[0] / b[0] for a, b in zip(samples[n], samples[base], strict=True))
+        ratio = statistics.median(ratios)
         seen = statistics.median(s[1] for s in samples[n])
         ttft = statistics.median(s[2] for s in samples[n])
         hop = (1 / eng - 1 / local[n]) / (n + 1) * 1000 if n > 1 else 0.0
-        print(f"| {n} | {runs[n][1]:.1f} | {eng:.1f} | {ratio:.3f}x | {seen:.1f} | {ttft:.0f} | "
+        print(f"| {n} | {runs[n][1]:.1f} | {eng:.1f} | {ratio:.3f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}) | {seen:.1f} | {ttft:.0f} | "
               f"{local[n]:.1f} | {hop:.2f} | {', '.join(f'{x:.0f}' for x in rss[n])} |")
 
 
@@ -142,4 +146,6 @@ if __name__ == "__main__":
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--idle-runs", type=int, nargs="*", default=[],
+                        help="stage counts of extra runs kept idle during the rounds")
     asyncio.run(main(parser.parse_args()))

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from mvp_core.models import EngineSettings
-from workers.node.affinity import compute_set, pin_thread, pinned
+from workers.node.affinity import Placement, compute_set
 
 
 def test_auto_leaves_the_first_core_to_the_control_plane() -> None:
@@ -40,7 +40,7 @@ def test_pinning_is_per_thread_and_restored() -> None:
     seen: dict[str, set[int]] = {}
 
     def worker() -> None:
-        with pinned(cpus):
+        with Placement(cpus).applied():
             seen["inside"] = os.sched_getaffinity(0)
             child = threading.Thread(target=lambda: seen.update(child=os.sched_getaffinity(0)))
             child.start()
@@ -57,7 +57,7 @@ def test_pinning_is_per_thread_and_restored() -> None:
     assert seen["after"] == whole
 
     def dedicated() -> None:
-        pin_thread(cpus)
+        Placement(cpus).adopt()
         seen["dedicated"] = os.sched_getaffinity(0)
 
     d = threading.Thread(target=dedicated)
@@ -65,3 +65,59 @@ def test_pinning_is_per_thread_and_restored() -> None:
     d.join()
     assert seen["dedicated"] == cpus
     assert os.sched_getaffinity(0) == whole
+
+
+def test_token_path_nice_is_per_thread_restored_or_warned(caplog: pytest.LogCaptureFixture) -> None:
+    main_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen: dict[str, int] = {}
+
+    def worker() -> None:
+        tid = threading.get_native_id()
+        with Placement(nice=main_nice - 5).applied():
+            seen["inside"] = os.getpriority(os.PRIO_PROCESS, tid)
+        seen["after"] = os.getpriority(os.PRIO_PROCESS, tid)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_nice
+    if seen["inside"] == main_nice:  # not allowed to raise priority here: said, not raised
+        assert "CAP_SYS_NICE" in caplog.text
+    else:
+        assert seen["inside"] == main_nice - 5
+        assert seen["after"] == main_nice
+
+
+_CONFINE_CHILD = """
+import os, threading
+from workers.node.affinity import Placement, compute_set
+ready = threading.Event(); done = threading.Event()
+t = threading.Thread(target=lambda: (ready.set(), done.wait()))
+t.start(); ready.wait()
+p = Placement(compute_set("auto"))
+p.confine_others()
+seen = {}
+def token_path():
+    p.adopt()
+    seen["token"] = os.sched_getaffinity(0)
+tp = threading.Thread(target=token_path); tp.start(); tp.join()
+late = threading.Thread(target=lambda: seen.update(late=os.sched_getaffinity(0)))
+late.start(); late.join()
+print(sorted(os.sched_getaffinity(0)), sorted(os.sched_getaffinity(t.native_id)),
+      sorted(seen["token"]), sorted(seen["late"]))
+done.set()
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_confine_others_moves_the_rest_of_the_process_off_the_compute_cores() -> None:
+    import subprocess
+    import sys
+
+    cores = sorted(os.sched_getaffinity(0))
+    out = subprocess.run(
+        [sys.executable, "-c", _CONFINE_CHILD], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    rest, compute = str(cores[:1]), str(cores[1:])
+    # main thread, an existing thread, a token-path thread, a thread started later by main
+    assert out == f"{rest} {rest} {compute} {rest}", out

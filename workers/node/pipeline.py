@@ -48,7 +48,7 @@ from workers.dataplane import (
 )
 from workers.dataplane import SamplingParams as WireSampling
 from workers.engine import Sampler, SamplingParams, Stage
-from workers.node.affinity import pin_thread
+from workers.node.affinity import Placement
 
 log = logging.getLogger("mvp.pipeline")
 IDLE_POLL_S = 1.0
@@ -79,10 +79,10 @@ class StageLink:
         on_ready: Callable[[], None],
         on_fault: Callable[[str], None],
         sequence_skew: int = 0,
-        cpus: frozenset[int] = frozenset(),
+        placement: Placement | None = None,
     ) -> None:
         self.stage = stage
-        self.cpus = cpus  # the host's token-path cores (workers.node.affinity)
+        self.placement = placement or Placement()  # token-path cores and priority
         self.sequence_skew = sequence_skew  # fault injection: break the token-out order
         self.group = group
         self.outbound_spec = outbound
@@ -109,7 +109,7 @@ class StageLink:
         self._thread.join(timeout=5)
 
     def _main(self) -> None:
-        pin_thread(self.cpus)
+        self.placement.adopt()
         try:
             with self.group.guard():
                 out = connect_edge(

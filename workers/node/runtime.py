@@ -25,7 +25,7 @@ from workers.engine import (
     load_stage,
 )
 from workers.engine.tokenizer import Tokenizer
-from workers.node.affinity import compute_set, pinned
+from workers.node.affinity import Placement, compute_set
 from workers.node.config import FaultInjection
 from workers.node.pipeline import Driver, Endpoint, StageLink
 
@@ -60,7 +60,8 @@ class StageRuntime:
         self.driver: Driver | None = None
         self.group: EdgeGroup | None = None
         # The token path's cores, shared by every node of this host (see affinity.py).
-        self.cpus = compute_set(provision.engine.compute_cpus)
+        engine = provision.engine
+        self.placement = Placement(compute_set(engine.compute_cpus), engine.token_path_nice)
 
     @classmethod
     def load(cls, provision: StageProvision) -> StageRuntime:
@@ -95,6 +96,7 @@ class StageRuntime:
         on_fault: Callable[[str], None],
     ) -> None:
         """Join the data plane: expect the inbound edge, connect the outbound one."""
+        self.placement.confine_others()  # before the token-path threads start
         prov = self.provision
         if (
             prov.inbound_edge is None
@@ -119,7 +121,7 @@ class StageRuntime:
             on_ready=on_stage_ready,
             on_fault=on_fault,
             sequence_skew=1 if FaultInjection.from_env().skew_token_out_sequence else 0,
-            cpus=self.cpus,
+            placement=self.placement,
         )
         if prov.driver_edges:
             token_in = next(e for e in prov.driver_edges if e.kind is EdgeKind.TOKEN_IN)
@@ -169,7 +171,7 @@ class StageRuntime:
         head of one); ``on_text`` gets each complete piece of text."""
         started = time.perf_counter()
         ids = self.encode(prompt)
-        with pinned(self.cpus):
+        with self.placement.applied():
             if self.driver is not None:
                 return self._run_pipeline(
                     prompt, ids, max_new_tokens, on_text, should_stop, started
