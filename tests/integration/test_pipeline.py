@@ -75,7 +75,9 @@ async def test_two_stages_equal_one_stage_with_the_same_fp16_rounding(runs: Runs
 @pytest.mark.parametrize(("victim", "name"), [(0, "head"), (1, "middle"), (2, "last")])
 async def test_killing_any_stage_node_faults_prompt_and_run_within_15s(runs: Runs, victim: int, name: str):
     run_id = 810 + victim
-    handle = await runs.start(run_id, pipeline_stages=3)
+    handle = await runs.start(
+        run_id, pipeline_stages=3, node_env={"MVP_FAULT_TEXT_DELAY_MS": "10"}
+    )  # the prompt cannot reach EOS before the kill, however fast the machine
     state = await wait_phase(handle, RunPhase.PROMPT_READY)
     pid = next(n.handle.pid for n in state.nodes if n.stage_index == victim)
     prompt = asyncio.ensure_future(submit_prompt(runs.client, run_id, SubmitPrompt(

@@ -31,7 +31,7 @@ async def ready_run(runs: Runs):
 
 
 async def test_streaming_64_tokens_arrives_in_several_batches_before_the_terminal(
-    runs: Runs, ready_run
+    runs: Runs, slow_run
 ):
     events = []
     arrivals = []
@@ -53,8 +53,9 @@ async def test_streaming_64_tokens_arrives_in_several_batches_before_the_termina
 
 @pytest.fixture
 async def slow_run(runs: Runs):
-    """A run whose node holds each piece of text 20 ms, so a long prompt is surely still
-    active when the test cancels it (on a fast machine SmolLM2 can reach EOS first)."""
+    """A run whose node holds each piece of text 20 ms, so timing-bound tests do not depend
+    on the machine: a long prompt is surely still active when it is cancelled (a fast one
+    can reach EOS first), and 64 tokens span several stream batches."""
     handle = await runs.start(
         401, default_max_tokens=64, node_env={"MVP_FAULT_TEXT_DELAY_MS": "20"}
     )
