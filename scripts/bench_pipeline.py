@@ -100,14 +100,15 @@ async def main(args: argparse.Namespace) -> None:
     worker = subprocess.Popen([sys.executable, "-m", "workers.orchestrator"], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     runs: dict[int, tuple[Any, float, RunState]] = {}
+    idle: dict[int, Any] = {}  # run id -> handle of the diagnostic runs that stay idle
     samples: dict[int, list[tuple[float, float, float]]] = {n: [] for n in args.stages}
     try:
         client = await connect(server.address)
         await asyncio.sleep(2)
         for n in args.stages:
             runs[n] = await start_run(client, 950 + n, n)
-        for n in args.idle_runs:  # (diagnostic) extra runs that stay idle meanwhile
-            runs[100 + n] = await start_run(client, 950 + 100 + n, n)
+        for i, n in enumerate(args.idle_runs):
+            idle[1050 + i] = (await start_run(client, 1050 + i, n))[0]
         for n in args.stages:  # warm-up: the first prompt of a run pays one-time costs
             await one_prompt(client, 950 + n, 0, 16)
         for r in range(args.rounds):
@@ -115,8 +116,9 @@ async def main(args: argparse.Namespace) -> None:
                 samples[n].append(await one_prompt(client, 950 + n, 1 + r, args.tokens))
         rss = {n: [psutil.Process(x.handle.pid).memory_info().rss / 2**20
                    for x in runs[n][2].nodes if x.handle and x.handle.pid] for n in args.stages}
-        for n, (handle, _, _) in runs.items():
-            await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=950 + n))
+        to_stop = {950 + n: handle for n, (handle, _, _) in runs.items()} | idle
+        for run_id, handle in to_stop.items():
+            await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=run_id))
             await handle.result()
     finally:
         worker.terminate()

@@ -14,8 +14,8 @@ from pathlib import Path
 SEARCH_ATTRIBUTES = {"MvpRunPhase": "Keyword"}
 
 
-# The local control plane (dev server, orchestrator worker) yields the CPU to node token
-# paths on a shared host: at nice 0 they slowed 2-stage decoding by up to 15 %.
+# The local dev server yields the CPU to node token paths on a host it shares with them
+# (see workers/node/affinity.py).
 CONTROL_PLANE_NICE = int(os.environ.get("MVP_CONTROL_PLANE_NICE", "5"))
 
 

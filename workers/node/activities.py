@@ -261,10 +261,11 @@ class NodeActivities:
 
         delay = FaultInjection.from_env().text_delay_s
 
-        def on_text(piece: str) -> None:
-            if delay > 0:
-                time.sleep(delay)
+        def delayed(piece: str) -> None:
+            time.sleep(delay)
             pipe.put(piece)
+
+        on_text = delayed if delay > 0 else pipe.put
 
         def work():  # type: ignore[no-untyped-def]
             try:

@@ -12,9 +12,11 @@ SmolLM2 in two stages, see scripts/bench_pipeline.py):
   left to the control plane (Temporal, the orchestrator worker, event loops).
 - a woken token-path thread that finds a control-plane process (the Temporal server
   writing history, the orchestrator running workflow tasks) on its core may wait for it:
-  back-to-back prompts decoded at 79-94 tok/s instead of 102-108. So token-path threads
-  also run at a higher priority (nice -5 by default) where the node is allowed to
-  (CAP_SYS_NICE or root); elsewhere they keep the default and the node logs it once.
+  back-to-back 2-stage prompts decoded at 79-94 tok/s, and at 102-108 with the server's
+  and orchestrator's main threads reniced to 10. So token-path threads run at a higher
+  priority (nice -5 by default: 90-103 tok/s alone) where the node is allowed to
+  (CAP_SYS_NICE or root; elsewhere they keep the default and the node logs it once),
+  and the local dev server runs at nice 5 (temporal/devserver.py).
 
 The node's other threads (event loop, Temporal SDK, data-plane acceptor) move to the
 cores outside the compute set, so they never sit on the core a token is handed over on;

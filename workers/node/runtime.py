@@ -192,8 +192,7 @@ class StageRuntime:
         rule = StopRule(
             max_new_tokens=max_new_tokens, stop_ids=stop_ids, max_seq_len=self.provision.max_seq_len
         )
-        decoder = self.tokenizer.incremental_decoder()
-        pieces: list[str] = []
+        text = _TextOut(self.tokenizer, on_text)
         with self.lock:
             try:
                 for n, token in enumerate(
@@ -208,19 +207,13 @@ class StageRuntime:
                     )
                 ):
                     rule.accept(token, len(ids) + n + 1)
-                    piece = decoder.push(token)
-                    if piece:
-                        pieces.append(piece)
-                        on_text(piece)
+                    text.push(token)
             except ContextOverflow as err:
                 raise PromptTooLong(str(err)) from None
-            tail = decoder.flush()
-            if tail:
-                pieces.append(tail)
-                on_text(tail)
+            final = text.finish()
         reason = rule.reason or ("cancelled" if should_stop() else "eos_or_context")
         return GenerationResult(
-            text="".join(pieces),
+            text=final,
             tokens=rule.generated,
             elapsed_ms=int((time.perf_counter() - started) * 1000),
             stop_reason=reason,
@@ -237,35 +230,19 @@ class StageRuntime:
     ) -> GenerationResult:
         """The head's driver runs the token loop over the data plane (DECISIONS 19)."""
         assert self.driver is not None
-        sampling = sampling_of(prompt)
-        decoder = self.tokenizer.incremental_decoder()
-        pieces: list[str] = []
-        count = 0
-
-        def on_token(token: int) -> None:
-            nonlocal count
-            count += 1
-            piece = decoder.push(token)
-            if piece:
-                pieces.append(piece)
-                on_text(piece)
-
+        text = _TextOut(self.tokenizer, on_text)
         reason = self.driver.run(
             prompt.request_id,
             ids,
-            sampling,
+            sampling_of(prompt),
             max_new_tokens=max_new_tokens,
             max_seq_len=self.provision.max_seq_len,
-            on_token=on_token,
+            on_token=text.push,
             should_stop=should_stop,
         )
-        tail = decoder.flush()
-        if tail:
-            pieces.append(tail)
-            on_text(tail)
         return GenerationResult(
-            text="".join(pieces),
-            tokens=count,
+            text=text.finish(),
+            tokens=text.tokens,
             elapsed_ms=int((time.perf_counter() - started) * 1000),
             stop_reason=reason,
         )
@@ -276,6 +253,30 @@ class StageRuntime:
         if self.group is not None:
             self.group.close()
         self.stage.close()
+
+
+class _TextOut:
+    """Generated tokens -> text: each complete piece goes to ``on_text`` as it forms, and
+    the whole is kept for the terminal event."""
+
+    def __init__(self, tokenizer: Tokenizer, on_text: Callable[[str], None]) -> None:
+        self._decoder = tokenizer.incremental_decoder()
+        self._on_text = on_text
+        self._pieces: list[str] = []
+        self.tokens = 0
+
+    def _emit(self, piece: str) -> None:
+        if piece:
+            self._pieces.append(piece)
+            self._on_text(piece)
+
+    def push(self, token: int) -> None:
+        self.tokens += 1
+        self._emit(self._decoder.push(token))
+
+    def finish(self) -> str:
+        self._emit(self._decoder.flush())
+        return "".join(self._pieces)
 
 
 def default_threads(cores: int, host_nodes: int) -> int:
