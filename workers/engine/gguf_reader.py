@@ -1,151 +1,48 @@
-"""A small, lazy GGUF reader.
+"""A small, lazy GGUF file: the header decoded once, tensors handed out as views.
 
-Why not ``gguf.GGUFReader``: it decodes every metadata array eagerly (the tokenizer's
-tens of thousands of strings) and builds numpy views for every tensor, which costs more
-than loading a small model's weights. This reader parses the header once, skips large
-arrays without decoding them, memory-maps the file and hands out numpy views of single
-tensors on demand, recording each tensor it materialises (so a stage can prove it never
-touched another stage's weights).
+The header is decoded by ``mvp_core.gguf_header`` (shared with the planner). The file is
+memory-mapped; ``raw`` gives numpy views of single tensors on demand and records each
+tensor it materialises, so a stage can prove it never touched another stage's weights.
 """
 
 from __future__ import annotations
 
 import mmap
-import struct
-from dataclasses import dataclass
-from typing import Any, BinaryIO
+import os
+from typing import Any
 
 import numpy as np
 
-GGUF_MAGIC = b"GGUF"
-DEFAULT_ALIGNMENT = 32
-# Arrays longer than this are kept as lazy references instead of Python lists.
-_EAGER_ARRAY_LIMIT = 4096
+from mvp_core.gguf_header import (
+    DEFAULT_ALIGNMENT,
+    GGML_TYPES,
+    GGUF_MAGIC,
+    GGUFError,
+    LazyArray,
+    TensorInfo,
+    decode_array,
+    parse_header,
+)
 
-# Value types of GGUF metadata.
-_SCALAR_FORMATS: dict[int, str] = {
-    0: "<B",
-    1: "<b",
-    2: "<H",
-    3: "<h",
-    4: "<I",
-    5: "<i",
-    6: "<f",
-    7: "<?",
-    10: "<Q",
-    11: "<q",
-    12: "<d",
-}
-_STRING = 8
-_ARRAY = 9
-
-# ggml tensor types: (name, block size in elements, bytes per block).
-GGML_TYPES: dict[int, tuple[str, int, int]] = {
-    0: ("F32", 1, 4),
-    1: ("F16", 1, 2),
-    2: ("Q4_0", 32, 18),
-    3: ("Q4_1", 32, 20),
-    6: ("Q5_0", 32, 22),
-    7: ("Q5_1", 32, 24),
-    8: ("Q8_0", 32, 34),
-    10: ("Q2_K", 256, 84),
-    11: ("Q3_K", 256, 110),
-    12: ("Q4_K", 256, 144),
-    13: ("Q5_K", 256, 176),
-    14: ("Q6_K", 256, 210),
-    30: ("BF16", 1, 2),
-}
+__all__ = [
+    "DEFAULT_ALIGNMENT",
+    "GGML_TYPES",
+    "GGUF_MAGIC",
+    "GGUFError",
+    "GGUFFile",
+    "LazyArray",
+    "TensorInfo",
+    "map_file",
+    "read_lazy_array",
+]
 
 
-class GGUFError(ValueError):
-    """The file is not a GGUF this reader understands."""
-
-
-@dataclass(frozen=True)
-class LazyArray:
-    """A metadata array too large to decode up front (e.g. the tokenizer vocabulary)."""
-
-    item_type: int
-    count: int
-    offset: int
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """Where a tensor lives in the file. ``shape`` is numpy order (rows first)."""
-
-    name: str
-    shape: tuple[int, ...]
-    ggml_type: int
-    offset: int  # absolute byte offset in the file
-
-    @property
-    def type_name(self) -> str:
-        return (
-            GGML_TYPES[self.ggml_type][0] if self.ggml_type in GGML_TYPES else str(self.ggml_type)
-        )
-
-    @property
-    def n_elements(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def n_bytes(self) -> int:
-        if self.ggml_type not in GGML_TYPES:
-            raise GGUFError(f"tensor {self.name}: unsupported ggml type {self.ggml_type}")
-        _, block, size = GGML_TYPES[self.ggml_type]
-        return self.n_elements // block * size
-
-
-class _Cursor:
-    """Sequential little-endian reads from a file object, buffered by the OS."""
-
-    def __init__(self, fh: BinaryIO) -> None:
-        self.fh = fh
-
-    def read(self, n: int) -> bytes:
-        data = self.fh.read(n)
-        if len(data) != n:
-            raise GGUFError("unexpected end of file in GGUF header")
-        return data
-
-    def u32(self) -> int:
-        return int(struct.unpack("<I", self.read(4))[0])
-
-    def u64(self) -> int:
-        return int(struct.unpack("<Q", self.read(8))[0])
-
-    def string(self) -> str:
-        return self.read(self.u64()).decode("utf-8", errors="replace")
-
-    def value(self, vtype: int) -> Any:
-        if vtype in _SCALAR_FORMATS:
-            fmt = _SCALAR_FORMATS[vtype]
-            return struct.unpack(fmt, self.read(struct.calcsize(fmt)))[0]
-        if vtype == _STRING:
-            return self.string()
-        if vtype == _ARRAY:
-            item_type = self.u32()
-            count = self.u64()
-            start = self.fh.tell()
-            if count > _EAGER_ARRAY_LIMIT:
-                self.skip_array(item_type, count)
-                return LazyArray(item_type, count, start)
-            return [self.value(item_type) for _ in range(count)]
-        raise GGUFError(f"unknown GGUF metadata type {vtype}")
-
-    def skip_array(self, item_type: int, count: int) -> None:
-        if item_type in _SCALAR_FORMATS:
-            self.fh.seek(count * struct.calcsize(_SCALAR_FORMATS[item_type]), 1)
-        elif item_type == _STRING:
-            for _ in range(count):
-                self.fh.seek(self.u64(), 1)
-        else:
-            for _ in range(count):
-                self.value(item_type)
+def map_file(path: str) -> mmap.mmap | bytes:
+    """The file read-only and memory-mapped (b"" when it is empty: mmap refuses those)."""
+    with open(path, "rb") as fh:
+        if os.fstat(fh.fileno()).st_size == 0:
+            return b""
+        return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
 
 
 class GGUFFile:
@@ -153,39 +50,20 @@ class GGUFFile:
 
     def __init__(self, path: str, *, map_tensors: bool = True) -> None:
         self.path = path
-        self.metadata: dict[str, Any] = {}
-        self.tensors: dict[str, TensorInfo] = {}
         self.materialized: set[str] = set()
         self._mmap: mmap.mmap | None = None
-        with open(path, "rb") as fh:
-            self._parse(_Cursor(fh))
-            if map_tensors:
-                self._mmap = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-
-    def _parse(self, cur: _Cursor) -> None:
-        if cur.read(4) != GGUF_MAGIC:
-            raise GGUFError(f"{self.path} is not a GGUF file")
-        version = cur.u32()
-        if version not in (2, 3):
-            raise GGUFError(f"{self.path}: unsupported GGUF version {version}")
-        n_tensors = cur.u64()
-        n_kv = cur.u64()
-        for _ in range(n_kv):
-            key = cur.string()
-            self.metadata[key] = cur.value(cur.u32())
-        raw: list[tuple[str, tuple[int, ...], int, int]] = []
-        for _ in range(n_tensors):
-            name = cur.string()
-            n_dims = cur.u32()
-            dims = tuple(cur.u64() for _ in range(n_dims))
-            ggml_type = cur.u32()
-            rel = cur.u64()
-            raw.append((name, tuple(reversed(dims)), ggml_type, rel))
-        align = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
-        pos = cur.fh.tell()
-        data_start = (pos + align - 1) // align * align
-        for name, shape, ggml_type, rel in raw:
-            self.tensors[name] = TensorInfo(name, shape, ggml_type, data_start + rel)
+        buf = map_file(path)
+        try:
+            header = parse_header(buf, path)
+        except BaseException:
+            _close(buf)
+            raise
+        self.metadata: dict[str, Any] = header.metadata
+        self.tensors: dict[str, TensorInfo] = header.tensors
+        if map_tensors and isinstance(buf, mmap.mmap):
+            self._mmap = buf
+        else:
+            _close(buf)
 
     @property
     def architecture(self) -> str:
@@ -203,6 +81,8 @@ class GGUFFile:
         if self._mmap is None:
             raise GGUFError(f"{self.path} was opened for metadata only")
         info = self.tensors[name]
+        if info.offset + info.n_bytes > len(self._mmap):
+            raise GGUFError(f"{self.path}: tensor {name} extends past the end of the file")
         self.materialized.add(name)
         return np.frombuffer(self._mmap, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
 
@@ -216,17 +96,23 @@ class GGUFFile:
 
     def close(self) -> None:
         if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                # A view still references the mapping; it is closed when collected.
-                pass
+            _close(self._mmap)
             self._mmap = None
+
+
+def _close(buf: mmap.mmap | bytes) -> None:
+    if isinstance(buf, mmap.mmap):
+        try:
+            buf.close()
+        except BufferError:
+            # A view still references the mapping; it is closed when collected.
+            pass
 
 
 def read_lazy_array(path: str, ref: LazyArray) -> list[Any]:
     """Decode a lazily skipped metadata array (for callers that need it)."""
-    with open(path, "rb") as fh:
-        fh.seek(ref.offset)
-        cur = _Cursor(fh)
-        return [cur.value(ref.item_type) for _ in range(ref.count)]
+    buf = map_file(path)
+    try:
+        return decode_array(buf, ref)
+    finally:
+        _close(buf)

@@ -1,0 +1,98 @@
+"""GGUF header decoding (mvp_core.gguf_header) and the planner's facts read through it."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import gguf
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from activities.gguf_facts import read_model_facts
+from mvp_core.gguf_header import GGUFError, LazyArray, decode_array, parse_header
+from mvp_core.planner import PlanningError
+from tests.engine.tiny_models import TinyModel, TinySpec
+
+
+def _write(path: Path, kv: dict[str, int | str | list[str]]) -> bytes:
+    w = gguf.GGUFWriter(str(path), str(kv.get("general.architecture", "llama")))
+    for key, value in kv.items():
+        if key == "general.architecture":
+            continue
+        if isinstance(value, list):
+            w.add_array(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_uint32(key, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path.read_bytes()
+
+
+def test_header_matches_gguf_py_and_skips_large_arrays(tmp_path: Path) -> None:
+    model = TinyModel(TinySpec(arch="llama", qtype=QT.Q4_1), tmp_path / "m.gguf")
+    data = Path(model.path).read_bytes()
+    header = parse_header(data, model.path)
+    ref = gguf.GGUFReader(model.path)
+    assert header.metadata["general.architecture"] == "llama"
+    assert header.metadata["llama.block_count"] == 3
+    assert {t.name: (int(t.tensor_type), int(t.data_offset)) for t in ref.tensors} == {
+        name: (info.ggml_type, info.offset) for name, info in header.tensors.items()
+    }
+    tokens = [f"t{i}" for i in range(5000)]
+    data = _write(tmp_path / "v.gguf", {"tokenizer.ggml.tokens": tokens, "llama.block_count": 1})
+    ref_arr = parse_header(data).metadata["tokenizer.ggml.tokens"]
+    assert isinstance(ref_arr, LazyArray) and ref_arr.count == 5000
+    assert decode_array(data, ref_arr) == tokens
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda b: b"GGUX" + b[4:], "m.gguf is not a GGUF file"),
+        (lambda b: b[:4] + struct.pack("<I", 7) + b[8:], "unsupported GGUF version 7"),
+        (lambda b: b[:40], "unexpected end of file in GGUF header"),
+        (lambda b: b"", "m.gguf is not a GGUF file"),
+    ],
+)
+def test_bad_headers_are_named(tmp_path: Path, mutate, message: str) -> None:  # type: ignore[no-untyped-def]
+    data = _write(tmp_path / "m.gguf", {"llama.block_count": 2, "general.name": "x"})
+    with pytest.raises(GGUFError, match=message):
+        parse_header(mutate(data), "m.gguf")
+
+
+def test_zero_alignment_is_rejected(tmp_path: Path) -> None:
+    data = _write(tmp_path / "m.gguf", {"general.alignment": 0})
+    with pytest.raises(GGUFError, match=r"general\.alignment 0 is not a positive integer"):
+        parse_header(data, "m.gguf")
+
+
+def test_planner_facts(tmp_path: Path) -> None:
+    model = TinyModel(TinySpec(arch="qwen2", qtype=QT.Q4_K), tmp_path / "m.gguf")
+    facts = read_model_facts(model.path)
+    assert (facts.architecture, facts.block_count) == ("qwen2", 3)
+    assert (
+        facts.embedding_length
+        == gguf.GGUFReader(model.path).get_field("qwen2.embedding_length").contents()
+    )
+
+
+def test_planner_facts_errors_name_the_file_and_key(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    _write(path, {"llama.block_count": 4, "llama.embedding_length": 64})
+    with pytest.raises(PlanningError, match=rf"GGUF {path} is missing llama.context_length"):
+        read_model_facts(str(path))
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(
+        PlanningError, match=r"cannot read GGUF metadata of .*empty\.gguf: .*not a GGUF"
+    ):
+        read_model_facts(str(tmp_path / "empty.gguf"))
+    path.write_bytes(path.read_bytes()[:30])
+    with pytest.raises(PlanningError, match="unexpected end of file"):
+        read_model_facts(str(path))
+    with pytest.raises(PlanningError, match=r"cannot read GGUF metadata of .*missing\.gguf"):
+        read_model_facts(str(tmp_path / "missing.gguf"))
