@@ -88,6 +88,16 @@ class RunRequest(_Model):
     default_max_tokens: int | None = Field(default=None, ge=0)
     max_context: int | None = Field(default=None, ge=1)
     prompt_queue_capacity: int = Field(default=8)
+    stream_batch_ms: int = Field(
+        default=100,
+        ge=10,
+        le=10_000,
+        description=(
+            "How often the head node flushes text into a prompt's stream (the first delta "
+            "goes at once). Each flush is a signal and workflow tasks on the Temporal "
+            "server: larger batches cost the host less CPU, smaller ones stream smoother"
+        ),
+    )
     timeouts: RunTimeouts = Field(default_factory=RunTimeouts)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     node_env: dict[str, str] = Field(
@@ -420,6 +430,7 @@ class PromptInput(_Model):
     max_new_tokens: int | None
     head_task_queue: str
     generate_heartbeat_s: float = 5.0
+    stream_batch_ms: int = 100
 
 
 # --------------------------------------------------------------------------- lifecycle

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from pydantic import ValidationError
+
 from mvp_core.models import ProviderKind, RunRequest
 from mvp_core.names import run_id_from_workflow_id
 
@@ -10,6 +14,41 @@ MAX_PROMPT_QUEUE = 8
 
 class RunRejectedError(ValueError):
     """The request is invalid; the message names what is wrong."""
+
+
+def describe_invalid(err: ValidationError) -> str:
+    """Every field that is wrong, by path, without the values (node_env may hold
+    near-secrets): ``engine.token_path_nice: Input should be less than or equal to 19``."""
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or 'input'}: {e['msg']}"
+        for e in err.errors(include_url=False, include_input=False)
+    )
+
+
+def parse_request(raw: Any) -> RunRequest:
+    """A run request decoded from JSON (a client, the CLI). Malformed input raises
+    RunRejectedError naming what is wrong, so the run is rejected instead of its first
+    workflow task failing over and over."""
+    if not isinstance(raw, dict):
+        raise RunRejectedError(
+            f"invalid run request: expected a JSON object, got {_json_kind(raw)}"
+        )
+    try:
+        return RunRequest.model_validate(raw)
+    except ValidationError as err:
+        raise RunRejectedError(f"invalid run request: {describe_invalid(err)}") from None
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "no input"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else type(value).__name__
 
 
 def resolve_run_id(request: RunRequest, workflow_id: str) -> int:

@@ -67,6 +67,7 @@ class PromptWorkflow:
                 prompt_workflow_id=workflow.info().workflow_id,
                 prompt=inp.prompt,
                 max_new_tokens=inp.max_new_tokens,
+                stream_batch_ms=inp.stream_batch_ms,
             ),
             result_type=PromptOutcome,
             task_queue=inp.head_task_queue,

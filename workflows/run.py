@@ -12,9 +12,9 @@ import hashlib
 from datetime import timedelta
 from typing import Any, NoReturn
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 from temporalio import workflow
-from temporalio.common import RetryPolicy, SearchAttributeKey
+from temporalio.common import RawValue, RetryPolicy, SearchAttributeKey
 from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
@@ -57,7 +57,13 @@ with workflow.unsafe.imports_passed_through():
         WeightsReady,
     )
     from mvp_core.run_state import NodeState, PromptRejection, RunState
-    from mvp_core.validation import RunRejectedError, resolve_run_id, validate_request
+    from mvp_core.validation import (
+        RunRejectedError,
+        describe_invalid,
+        parse_request,
+        resolve_run_id,
+        validate_request,
+    )
     from workflows.prompt import PromptWorkflow, failure_cause
 
 PHASE_KEY = SearchAttributeKey.for_keyword(names.SEARCH_ATTRIBUTE_PHASE)
@@ -79,11 +85,30 @@ class _Stopping(Exception):
 @workflow.defn(name=names.RUN_WORKFLOW, failure_exception_types=[Exception])
 class RunWorkflow:
     @workflow.init
-    def __init__(self, start: RunRequest | RunCarry) -> None:
-        carry = start if isinstance(start, RunCarry) else None
-        request = start.request if isinstance(start, RunCarry) else start
-        self._request = request
+    def __init__(self, start: RawValue) -> None:
+        # The input arrives raw (a RunRequest from a client or the CLI, or the RunCarry of
+        # continue-as-new) so that a malformed request is rejected, naming its bad fields,
+        # instead of failing every workflow task while the SDK decodes it.
         self._rejection: str | None = None
+        carry: RunCarry | None = None
+        request = RunRequest()
+        try:
+            try:
+                raw = workflow.payload_converter().from_payload(start.payload)
+            except Exception:
+                raise RunRejectedError("invalid run request: the input is not JSON") from None
+            if isinstance(raw, dict) and raw.keys() == {"request", "state"}:
+                try:
+                    carry = RunCarry.model_validate(raw)
+                except ValidationError as err:
+                    raise RunRejectedError(f"invalid run carry: {describe_invalid(err)}") from None
+                request = carry.request
+            else:
+                request = parse_request(raw)
+        except RunRejectedError as err:
+            self._rejection = str(err)
+        self._carry = carry
+        self._request = request
         self._children: dict[str, Any] = {}
         self._leases: dict[int, asyncio.Task[None]] = {}
         self._watch: asyncio.Task[None] | None = None
@@ -99,9 +124,10 @@ class RunWorkflow:
         run_id = -1
         try:
             run_id = resolve_run_id(request, workflow.info().workflow_id)
-            validate_request(request)
+            if self._rejection is None:
+                validate_request(request)
         except RunRejectedError as err:
-            self._rejection = str(err)
+            self._rejection = self._rejection or str(err)
         nonce = workflow.uuid4().hex
         self._state = RunState(
             run_id=run_id if run_id >= 0 else (request.run_id or 0),
@@ -111,10 +137,10 @@ class RunWorkflow:
 
     # ------------------------------------------------------------------ run
     @workflow.run
-    async def run(self, start: RunRequest | RunCarry) -> RunOutcome:
+    async def run(self, start: RawValue) -> RunOutcome:
         """Run from a RunRequest, or resume from what continue-as-new carried."""
         state = self._state
-        carry = start if isinstance(start, RunCarry) else None
+        carry = self._carry
         if carry is None:
             if self._rejection is not None:
                 self._reject(self._rejection)
@@ -556,6 +582,7 @@ class RunWorkflow:
                 ),
                 head_task_queue=head.task_queue,
                 generate_heartbeat_s=self._request.timeouts.generate_heartbeat_s,
+                stream_batch_ms=self._request.stream_batch_ms,
             ),
             id=wf_id,
             task_queue=names.ORCHESTRATOR_TASK_QUEUE,

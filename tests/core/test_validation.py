@@ -1,7 +1,7 @@
 import pytest
 
 from mvp_core.models import ModelSource, ProviderKind, RunRequest
-from mvp_core.validation import RunRejectedError, resolve_run_id, validate_request
+from mvp_core.validation import RunRejectedError, parse_request, resolve_run_id, validate_request
 
 OK = RunRequest(model=ModelSource(bundled="SmolLM2-135M-Instruct.Q4_1"))
 
@@ -39,3 +39,29 @@ def test_invalid_requests_are_rejected_naming_what_is_wrong(change, message):
 
 def test_valid_request_passes():
     validate_request(OK)
+
+
+def test_malformed_requests_name_every_bad_field_and_never_echo_values():
+    raw = {
+        "model": {"bundled": "SmolLM2-135M-Instruct.Q4_1"},
+        "stream_batch_ms": 5,
+        "engine": {"token_path_nice": 50},
+        "pipeline_stage": 2,
+        "node_env": {"A": 12345},
+    }
+    with pytest.raises(RunRejectedError) as err:
+        parse_request(raw)
+    text = str(err.value)
+    assert text.startswith("invalid run request: ")
+    for part in (
+        "stream_batch_ms: Input should be greater than or equal to 10",
+        "engine.token_path_nice: Input should be less than or equal to 19",
+        "pipeline_stage: Extra inputs are not permitted",
+        "node_env.A: Input should be a valid string",
+    ):
+        assert part in text, text
+    assert "12345" not in text
+    for bad, kind in ((None, "no input"), ([1], "an array"), ("x", "a string"), (3, "a number")):
+        with pytest.raises(RunRejectedError, match=f"expected a JSON object, got {kind}$"):
+            parse_request(bad)
+    assert parse_request(OK.model_dump(mode="json")) == OK

@@ -8,7 +8,15 @@ from pathlib import Path
 
 from mvp_core.models import RunPhase
 from temporal.devserver import DevServer, temporal_binary
-from tests.integration.conftest import REPO, Runs, node_processes, wait_closed, wait_phase
+from tests.integration.conftest import (
+    REPO,
+    Runs,
+    node_processes,
+    run_failure,
+    snapshot,
+    wait_closed,
+    wait_phase,
+)
 
 
 def cli(server: DevServer, *args: str) -> str:
@@ -99,4 +107,41 @@ async def test_cli_start_prompt_query_shutdown(
     kinds = [r["kind"] for r in outcome["lifecycle"]] if isinstance(outcome, dict) else []
     assert kinds[-1] == "RunTornDown" and kinds.count("RunTornDown") == 1
     assert "RunOperatorStopped" in kinds
+    assert node_processes(state_dir) == []
+
+
+async def test_malformed_cli_input_rejects_the_run_naming_the_fields(
+    temporal_server: DevServer, runs: Runs, state_dir: Path
+):
+    """A request the SDK cannot decode into a RunRequest is a RunRejected run, not a
+    workflow task that fails forever."""
+    bad = {
+        "model": {"bundled": "SmolLM2-135M-Instruct.Q4_1"},
+        "stream_batch_ms": 5,
+        "engine": {"token_path_nice": 50},
+        "pipeline_stage": 2,
+    }
+    for wf, text in (("mvp-run-8", json.dumps(bad)), ("mvp-run-9", "[1, 2]")):
+        cli(
+            temporal_server,
+            "workflow",
+            "start",
+            "--type",
+            "RunWorkflow",
+            "--task-queue",
+            "mvp-orchestrator",
+            "--workflow-id",
+            wf,
+            "--input",
+            text,
+        )
+        runs.handles.append(runs.client.get_workflow_handle(wf))
+    first, second = runs.handles[-2:]
+    cause = await run_failure(first)
+    assert cause.startswith("invalid run request: "), cause
+    assert "stream_batch_ms: Input should be greater than or equal to 10" in cause
+    assert "engine.token_path_nice: Input should be less than or equal to 19" in cause
+    assert "pipeline_stage: Extra inputs are not permitted" in cause
+    assert await run_failure(second) == "invalid run request: expected a JSON object, got an array"
+    assert (await snapshot(first)).phase == RunPhase.REJECTED
     assert node_processes(state_dir) == []

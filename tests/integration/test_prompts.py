@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import pytest
@@ -49,6 +50,32 @@ async def test_streaming_64_tokens_arrives_in_several_batches_before_the_termina
     # several distinct delivery moments (batches), not one blob at the end
     distinct = {round(t, 2) for t in arrivals[:-1]}
     assert len(distinct) >= 3, distinct
+
+
+async def test_stream_batch_interval_is_the_runs_choice(runs: Runs):
+    """stream_batch_ms=1000: the first delta at once, then about one flush a second (the
+    default 100 ms gives a dozen deltas for the same ~1.3 s prompt)."""
+    handle = await runs.start(
+        402,
+        stream_batch_ms=1000,
+        default_max_tokens=64,
+        node_env={"MVP_FAULT_TEXT_DELAY_MS": "20"},
+    )
+    await wait_phase(handle, RunPhase.PROMPT_READY)
+    events, arrivals = [], []
+    async for ev in stream_prompt(
+        runs.client, 402, SubmitPrompt(request_id=1, prompt_text="Once upon a time")
+    ):
+        events.append(ev)
+        arrivals.append(time.perf_counter())
+    done = events[-1]
+    assert isinstance(done, Done) and done.tokens_generated == 64
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == done.final_text
+    # Delivery moments: deltas of one batch arrive together (gaps well under 100 ms).
+    moments = 1 + sum(b - a > 0.1 for a, b in itertools.pairwise(arrivals[:-1]))
+    assert 2 <= moments <= 4, [round(t - arrivals[0], 2) for t in arrivals]
+    await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=402))
+    await wait_closed(handle)
 
 
 @pytest.fixture

@@ -279,6 +279,7 @@ class NodeActivities:
             batch_interval=timedelta(milliseconds=inp.stream_batch_ms),
         )
         topic = stream.topic(names.PROMPT_STREAM_TOPIC, type=TextDelta)
+        gather_s = min(1.0, max(TEXT_GATHER_S, inp.stream_batch_ms / 4000))
         task = asyncio.ensure_future(asyncio.to_thread(work))
         first = True
         last_beat = 0.0
@@ -296,7 +297,7 @@ class NodeActivities:
                         last_beat = time.monotonic()
                     # Let text gather: the stream flushes every batch interval anyway, and
                     # each wake-up of this loop takes the GIL from the token loop.
-                    await asyncio.sleep(TEXT_GATHER_S)
+                    await asyncio.sleep(gather_s)
             except asyncio.CancelledError:
                 cancel = True
                 try:
