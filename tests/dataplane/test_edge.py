@@ -201,8 +201,9 @@ def test_wrong_token_rejected_and_logged(server, caplog) -> None:
 
 def test_unknown_edge_rejected_and_logged(server, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="mvp.dataplane"):
+        # Held hold_unexpected_s (0.5 s) for the edge to become expected, then sent away.
         with pytest.raises(EdgeTimeout, match="edge 9 not expected by this node"):
-            connect_edge("127.0.0.1", server.port, activation_spec(9, 4, 4), TOKEN, timeout=0.3)
+            connect_edge("127.0.0.1", server.port, activation_spec(9, 4, 4), TOKEN, timeout=0.8)
     msgs = [r.getMessage() for r in caplog.records]
     assert any(
         m.startswith("edge 9: rejected connection from 127.0.0.1:")
@@ -237,9 +238,11 @@ def test_connect_retries_until_expected(server) -> None:
         )
     )
     t.start()
-    time.sleep(0.2)
+    time.sleep(0.3)  # the upstream's hello is held, not sent away to poll
+    expected_at = time.monotonic()
     server.expect(ACT, TOKEN)
     receiver = server.wait_inbound(2, 3.0)
+    assert time.monotonic() - expected_at < 0.1
     t.join(3)
     sender = result[0]
     with sender, receiver:

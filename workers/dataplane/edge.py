@@ -10,7 +10,9 @@ all of that stage's edges (`EdgeGroup`) so the driver sees EOF within millisecon
 
 Hello (connecting side): magic `MOH1`, edge_id u32 LE, token length u16 LE, token bytes.
 Answer (accepting side): status u8 (0 ok, 1 edge not expected yet: retry, 2 rejected),
-reason length u16 LE, reason UTF-8. On a non-zero status the accepting side closes.
+reason length u16 LE, reason UTF-8. On a non-zero status the accepting side closes. A
+hello for an edge not expected yet is held up to `hold_unexpected_s` before the retry
+answer, so an upstream that connects early is accepted as soon as the edge is expected.
 """
 
 from __future__ import annotations
@@ -420,7 +422,10 @@ def connect_edge(
         except (OSError, EOFError) as e:
             if sock is not None:
                 _hard_close(sock)
-            last = f"{type(e).__name__}: {e}"
+            # Timing out while the downstream holds the hello means the same as its last
+            # answer (the edge is still not expected): keep that, it says more.
+            if not (isinstance(e, TimeoutError) and last.startswith("rejected: ")):
+                last = f"{type(e).__name__}: {e}"
         else:
             if status == _OK:
                 sock.settimeout(None)
@@ -454,10 +459,20 @@ class DataPlaneServer:
     """
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, *, handshake_timeout_s: float = 5.0
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        handshake_timeout_s: float = 5.0,
+        hold_unexpected_s: float = 0.5,
     ) -> None:
         self.handshake_timeout_s = handshake_timeout_s
+        # A hello for an edge not expected yet (its stage is still loading) is held this
+        # long for the expectation to appear, instead of being sent away to poll: the
+        # upstream connects the moment the stage expects it.
+        self.hold_unexpected_s = hold_unexpected_s
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # an edge became expected, or closing
         self._expected: dict[int, _Expectation] = {}
         self._futures: dict[int, Future[EdgeReceiver]] = {}
         self._connected: set[int] = set()
@@ -494,6 +509,7 @@ class DataPlaneServer:
             self._expected[spec.edge_id] = exp
             self._tokens[spec.edge_id] = token_b
             self._futures[spec.edge_id] = exp.future
+            self._changed.notify_all()
         return exp.future
 
     def wait_inbound(self, edge_id: int, timeout: float) -> EdgeReceiver:
@@ -513,6 +529,7 @@ class DataPlaneServer:
             if self._closing:
                 return
             self._closing = True
+            self._changed.notify_all()
             pending = list(self._expected.values())
             self._expected.clear()
             receivers = list(self._receivers)
@@ -622,6 +639,10 @@ class DataPlaneServer:
             return False
 
         with self._lock:
+            self._changed.wait_for(
+                lambda: edge_id in self._expected or edge_id in self._connected or self._closing,
+                timeout=max(0.0, min(self.hold_unexpected_s, deadline - time.monotonic())),
+            )
             exp = self._expected.get(edge_id)
             connected = edge_id in self._connected
             known = self._tokens.get(edge_id)
