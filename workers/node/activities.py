@@ -6,7 +6,7 @@ import asyncio
 import threading
 import time
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 from temporalio import activity
@@ -34,7 +34,11 @@ from mvp_core.models import (
 )
 from workers.dataplane import DataPlaneServer
 from workers.node.config import FaultInjection, NodeConfig
-from workers.node.runtime import PromptTooLong, StageRuntime, load_async
+
+if TYPE_CHECKING:
+    # The runtime brings the engine and torch (~0.8 s to import): the agent imports it in
+    # the background at boot (``preload_runtime``) while it connects and reports ready.
+    from workers.node.runtime import StageRuntime
 
 HEARTBEAT_EVERY_S = 1.0
 TEXT_GATHER_S = 0.025
@@ -170,7 +174,7 @@ class NodeActivities:
                 non_retryable=True,
             )
         if self.runtime is None:
-            task = asyncio.ensure_future(load_async(prov))
+            task = asyncio.ensure_future(asyncio.to_thread(_load_runtime, prov))
             while not task.done():
                 activity.heartbeat("loading")
                 await asyncio.wait({task}, timeout=2)
@@ -308,7 +312,7 @@ class NodeActivities:
                 raise
             try:
                 result = await task
-            except PromptTooLong as err:
+            except _prompt_too_long() as err:
                 await stream.flush()
                 return PromptOutcome(terminal=Fault(request_id=request_id, error=str(err)))
             except Exception as err:
@@ -341,3 +345,30 @@ class NodeActivities:
             ),
         )
         self.stopped.set()
+
+
+def _load_runtime(prov: StageProvision) -> StageRuntime:
+    from workers.node.runtime import StageRuntime  # waits for the boot-time import
+
+    return StageRuntime.load(prov)
+
+
+def _prompt_too_long() -> type[Exception]:
+    from workers.node.runtime import PromptTooLong
+
+    return PromptTooLong
+
+
+def preload_runtime() -> threading.Thread:
+    """Import the runtime (engine, torch) in a background thread; activities that need it
+    import it again, which waits for this import to finish."""
+
+    def work() -> None:
+        try:
+            import workers.node.runtime  # noqa: F401
+        except Exception:  # the activity's own import reports it where it matters
+            pass
+
+    t = threading.Thread(target=work, name="preload-runtime", daemon=True)
+    t.start()
+    return t

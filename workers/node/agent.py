@@ -24,7 +24,7 @@ from mvp_core import names
 from mvp_core.models import NodeRuntimeReady
 from workers.connect import connect
 from workers.dataplane import DataPlaneServer
-from workers.node.activities import NodeActivities
+from workers.node.activities import NodeActivities, preload_runtime
 from workers.node.config import FaultInjection, NodeConfig
 
 log = logging.getLogger("mvp.node")
@@ -117,6 +117,7 @@ async def amain() -> None:
     # once per token or more; the default 5 ms switch interval would add up to that much
     # (measured on 2 cores: 2-stage decode 82-94 tok/s at 5 ms, 98-100 at 0.1 ms).
     sys.setswitchinterval(float(os.environ.get("MVP_SWITCH_INTERVAL", "0.0001")))
+    preload_runtime()  # torch imports while the node connects and reports ready
     cfg = NodeConfig.from_env()
     faults = FaultInjection.from_env()
     if faults.exit_before_ready:

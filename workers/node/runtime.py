@@ -6,7 +6,6 @@ stream publishing) never blocks on it.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 import time
@@ -291,7 +290,3 @@ def sampling_of(prompt: SubmitPrompt) -> SamplingParams:
     return SamplingParams(
         temperature=prompt.temperature, top_k=prompt.top_k, top_p=prompt.top_p, seed=prompt.seed
     )
-
-
-async def load_async(provision: StageProvision) -> StageRuntime:
-    return await asyncio.to_thread(StageRuntime.load, provision)
