@@ -30,12 +30,9 @@ def cli(server: DevServer, *args: str) -> str:
     return done.stdout
 
 
-async def test_cli_start_prompt_query_shutdown(
-    temporal_server: DevServer, runs: Runs, state_dir: Path
-):
-    wf = "mvp-run-7"
+def start_run(server: DevServer, workflow_id: str, *input_args: str) -> None:
     cli(
-        temporal_server,
+        server,
         "workflow",
         "start",
         "--type",
@@ -43,10 +40,16 @@ async def test_cli_start_prompt_query_shutdown(
         "--task-queue",
         "mvp-orchestrator",
         "--workflow-id",
-        wf,
-        "--input-file",
-        str(REPO / "docs/examples/run-direct.json"),
+        workflow_id,
+        *input_args,
     )
+
+
+async def test_cli_start_prompt_query_shutdown(
+    temporal_server: DevServer, runs: Runs, state_dir: Path
+):
+    wf = "mvp-run-7"
+    start_run(temporal_server, wf, "--input-file", str(REPO / "docs/examples/run-direct.json"))
     handle = runs.client.get_workflow_handle(wf)
     runs.handles.append(handle)
     await wait_phase(handle, RunPhase.PROMPT_READY)
@@ -122,19 +125,7 @@ async def test_malformed_cli_input_rejects_the_run_naming_the_fields(
         "pipeline_stage": 2,
     }
     for wf, text in (("mvp-run-8", json.dumps(bad)), ("mvp-run-9", "[1, 2]")):
-        cli(
-            temporal_server,
-            "workflow",
-            "start",
-            "--type",
-            "RunWorkflow",
-            "--task-queue",
-            "mvp-orchestrator",
-            "--workflow-id",
-            wf,
-            "--input",
-            text,
-        )
+        start_run(temporal_server, wf, "--input", text)
         runs.handles.append(runs.client.get_workflow_handle(wf))
     first, second = runs.handles[-2:]
     cause = await run_failure(first)
