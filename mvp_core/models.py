@@ -72,6 +72,15 @@ class EngineSettings(_Model):
             "priority: root or CAP_SYS_NICE); null leaves the default"
         ),
     )
+    address_layout: Literal["auto", "fixed", "randomized"] = Field(
+        default="auto",
+        description=(
+            "'fixed': node processes run with address-space randomization off, so nodes that "
+            "share a host map the same code at the same addresses and keep the core's branch "
+            "predictor warm across the per-token switch between them. 'auto' = fixed when a "
+            "local provider puts two or more nodes on one host, else 'randomized'"
+        ),
+    )
 
 
 class RunRequest(_Model):

@@ -8,9 +8,16 @@ between the two is what the control plane (Temporal server, streams, event loops
 pipeline on a shared host.
 
     .venv/bin/python scripts/bench_dataplane.py [--stages 2 3] [--tokens 128] [--rounds 7]
+        [--address-layout fixed|randomized]
 """
 
 from __future__ import annotations
+
+# First, before any other import maps a library: the node processes' address layout.
+from workers.node.layout import map_native_libraries, randomized
+
+if not randomized():
+    map_native_libraries()
 
 import argparse
 import multiprocessing as mp
@@ -151,4 +158,11 @@ if __name__ == "__main__":
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=7)
-    main(parser.parse_args())
+    parser.add_argument("--address-layout", choices=["fixed", "randomized"], default="fixed",
+                        help="as engine.address_layout (fixed: what a run with 2+ local nodes gets)")
+    args = parser.parse_args()
+    from workers.node.layout import ensure_layout
+
+    if (note := ensure_layout(args.address_layout)) is not None:  # may re-exec this script
+        print(note)
+    main(args)

@@ -41,6 +41,7 @@ from workers.node.affinity import Placement, compute_set
 from workers.node.runtime import default_threads
 
 PROMPT_IDS = [6403, 1980, 253, 655]  # "Once upon a time"
+ADDRESS_LAYOUT = "auto"  # engine.address_layout of every run (--address-layout)
 
 
 def in_process(path: str, stages: int, tokens: int, threads: int) -> float:
@@ -64,6 +65,7 @@ def in_process(path: str, stages: int, tokens: int, threads: int) -> float:
 
 async def start_run(client: Any, run_id: int, stages: int) -> tuple[Any, float, RunState]:
     req = RunRequest.model_validate({"model": {"bundled": DEFAULT_BUNDLED}, "pipeline_stages": stages,
+                                     "engine": {"address_layout": ADDRESS_LAYOUT},
                                      "node_env": dict(kv.split("=", 1) for kv in os.environ.get("BENCH_NODE_ENV", "").split() if kv)})
     t0 = time.perf_counter()
     handle = await client.start_workflow(names.RUN_WORKFLOW, req, id=names.run_workflow_id(run_id),
@@ -148,6 +150,10 @@ if __name__ == "__main__":
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--address-layout", choices=["auto", "fixed", "randomized"], default="auto",
+                        help="engine.address_layout of the runs (auto: fixed for 2+ nodes)")
     parser.add_argument("--idle-runs", type=int, nargs="*", default=[],
                         help="stage counts of extra runs kept idle during the rounds")
-    asyncio.run(main(parser.parse_args()))
+    args = parser.parse_args()
+    ADDRESS_LAYOUT = args.address_layout
+    asyncio.run(main(args))

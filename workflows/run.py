@@ -19,7 +19,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflow
 
 with workflow.unsafe.imports_passed_through():
     from mvp_core import names
-    from mvp_core.generation import effective_max_tokens
+    from mvp_core.generation import effective_max_tokens, fixed_address_layout
     from mvp_core.models import (
         CancelPrompt,
         CheckRouteInput,
@@ -248,7 +248,13 @@ class RunWorkflow:
                 run_workflow_id=workflow.info().workflow_id,
                 image_or_artifact=req.worker_image,
                 # Local providers put every node on this host: nodes share its cores.
-                environment={**req.node_env, "MVP_HOST_NODES": str(len(state.nodes))},
+                environment={
+                    **req.node_env,
+                    "MVP_HOST_NODES": str(len(state.nodes)),
+                    "MVP_ADDRESS_LAYOUT": "fixed"
+                    if fixed_address_layout(req.engine.address_layout, len(state.nodes))
+                    else "randomized",
+                },
                 coordinator_endpoint="",
                 temporal_namespace=workflow.info().namespace,
             )

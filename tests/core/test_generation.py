@@ -5,6 +5,7 @@ from mvp_core.generation import (
     TokenFeedback,
     TokenSequenceViolation,
     effective_max_tokens,
+    fixed_address_layout,
 )
 
 
@@ -50,3 +51,12 @@ def test_max_tokens_absent_or_zero_means_no_cap_unless_run_default():
     assert effective_max_tokens(0, None) is None
     assert effective_max_tokens(0, 64) == 64
     assert effective_max_tokens(16, 64) == 16
+
+
+def test_address_layout_is_fixed_only_for_co_located_nodes_unless_chosen():
+    assert not fixed_address_layout("auto", 1)
+    assert fixed_address_layout("auto", 2)
+    assert fixed_address_layout("fixed", 1)
+    assert not fixed_address_layout("randomized", 3)
+    with pytest.raises(ValueError, match="address_layout must be auto, fixed or randomized"):
+        fixed_address_layout("off", 2)

@@ -23,6 +23,7 @@ from tests.integration.conftest import (
     wait_phase,
 )
 from workers.client import submit_prompt
+from workers.node.layout import ADDR_NO_RANDOMIZE
 
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
 
@@ -36,6 +37,19 @@ def _thread_cpus(pid: int) -> dict[int, set[int]]:
         except ProcessLookupError:
             pass  # a thread that just ended
     return out
+
+
+def _no_randomize(pid: int) -> bool:
+    return bool(int(Path(f"/proc/{pid}/personality").read_text(), 16) & ADDR_NO_RANDOMIZE)
+
+
+def _code_at(pid: int, library: str) -> str:
+    """Where a library's code is mapped in a process."""
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 6 and parts[1].startswith("r-x") and parts[5].endswith(library):
+            return parts[0]
+    raise AssertionError(f"{library} not mapped in {pid}")
 
 
 async def _shutdown(handle, run_id: int) -> RunOutcome:
@@ -62,6 +76,12 @@ async def test_two_stages_equal_one_stage_with_the_same_fp16_rounding(runs: Runs
             assert compute in cpus.values(), cpus
             assert cpus[pid] == rest, cpus
             assert all(c in (compute, rest) for c in cpus.values()), cpus
+    # engine.address_layout "auto": the two co-located nodes run without address-space
+    # randomization and have torch's code at the same addresses; the lone node keeps ASLR.
+    head, last = node_pids(state)
+    assert _no_randomize(head) and _no_randomize(last)
+    assert _code_at(head, "libtorch_cpu.so") == _code_at(last, "libtorch_cpu.so")
+    assert not _no_randomize(node_pids(await snapshot(ref))[0])
     for i, text in enumerate(PROMPTS):
         got = await submit_prompt(runs.client, 801, SubmitPrompt(request_id=i, prompt_text=text, max_tokens=32))
         want = await submit_prompt(runs.client, 802, SubmitPrompt(request_id=i, prompt_text=text, max_tokens=32))

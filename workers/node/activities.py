@@ -33,6 +33,7 @@ from mvp_core.models import (
     WeightsReady,
 )
 from workers.dataplane import DataPlaneServer
+from workers.node import layout
 from workers.node.config import FaultInjection, NodeConfig
 
 if TYPE_CHECKING:
@@ -361,7 +362,11 @@ def _prompt_too_long() -> type[Exception]:
 
 def preload_runtime() -> threading.Thread:
     """Import the runtime (engine, torch) in a background thread; activities that need it
-    import it again, which waits for this import to finish."""
+    import it again, which waits for this import to finish. With a fixed address layout
+    torch's native libraries are mapped first, here, so they land at the same addresses
+    in every node (workers/node/layout.py)."""
+    if not layout.randomized():
+        layout.map_native_libraries()
 
     def work() -> None:
         try:

@@ -24,6 +24,7 @@ from mvp_core import names
 from mvp_core.models import NodeRuntimeReady
 from workers.connect import connect
 from workers.dataplane import DataPlaneServer
+from workers.node import layout
 from workers.node.activities import NodeActivities, preload_runtime
 from workers.node.config import FaultInjection, NodeConfig
 
@@ -166,6 +167,9 @@ async def amain() -> None:
     print(f"node {cfg.node_id} stopped", flush=True)
 
 
-def main() -> None:
+def main(layout_note: str | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if layout_note is not None:
+        log.warning("%s", layout_note)
+    log.info("address layout: %s", "randomized" if layout.randomized() else "fixed")
     asyncio.run(amain())
