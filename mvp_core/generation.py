@@ -76,7 +76,7 @@ def effective_max_tokens(requested: int | None, run_default: int | None) -> int 
 def fixed_address_layout(setting: str, host_nodes: int) -> bool:
     """Whether a node starts with address-space randomization off (engine.address_layout):
     co-located stages then run their shared code at the same virtual addresses, and the
-    branch predictor state one stage leaves on a core still fits the next stage's code."""
+    front-end state one stage leaves on a core still fits the next stage's code."""
     if setting not in ("auto", "fixed", "randomized"):
         raise ValueError(f"address_layout must be auto, fixed or randomized, not {setting!r}")
     return setting == "fixed" or (setting == "auto" and host_nodes > 1)

@@ -76,8 +76,8 @@ class EngineSettings(_Model):
         default="auto",
         description=(
             "'fixed': node processes run with address-space randomization off, so nodes that "
-            "share a host map the same code at the same addresses and keep the core's branch "
-            "predictor warm across the per-token switch between them. 'auto' = fixed when a "
+            "share a host map the same code at the same addresses and keep the core's front "
+            "end (branch predictors) warm across the per-token switch between them. 'auto' = fixed when a "
             "local provider puts two or more nodes on one host, else 'randomized'"
         ),
     )

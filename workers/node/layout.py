@@ -2,8 +2,10 @@
 
 Nodes that share a host hand every token from one process to the next on the same core
 (workers/node/affinity.py). With address-space randomization each process maps Python,
-torch and their libraries at different addresses, so the branch predictor state the last
-stage left on the core is keyed to addresses this stage's code does not use. Started with
+torch and their libraries at different addresses, so the front-end state the last stage
+left on the core (branch predictors, the micro-op cache: keyed by virtual address) does
+not fit this stage's code. That is our reading of the measurement below, not a counter
+reading (this VM exposes no performance counters). Started with
 randomization off (``ADDR_NO_RANDOMIZE``), nodes map the same files at the same addresses
 and share that state. Measured on the 2-core dev VM, SmolLM2 in 2 stages, paired against
 the 1-stage run (scripts/bench_pipeline.py --address-layout, 3 alternating runs each):
