@@ -99,7 +99,7 @@ class RunRequest(_Model):
     prompt_queue_capacity: int = Field(default=8)
     stream_batch_ms: int = Field(
         default=100,
-        ge=10,
+        ge=25,
         le=10_000,
         description=(
             "How often the head node flushes text into a prompt's stream (the first delta "

@@ -54,7 +54,7 @@ def test_malformed_requests_name_every_bad_field_and_never_echo_values():
     text = str(err.value)
     assert text.startswith("invalid run request: ")
     for part in (
-        "stream_batch_ms: Input should be greater than or equal to 10",
+        "stream_batch_ms: Input should be greater than or equal to 25",
         "engine.token_path_nice: Input should be less than or equal to 19",
         "pipeline_stage: Extra inputs are not permitted",
         "node_env.A: Input should be a valid string",

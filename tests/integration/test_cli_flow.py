@@ -130,7 +130,7 @@ async def test_malformed_cli_input_rejects_the_run_naming_the_fields(
     first, second = runs.handles[-2:]
     cause = await run_failure(first)
     assert cause.startswith("invalid run request: "), cause
-    assert "stream_batch_ms: Input should be greater than or equal to 10" in cause
+    assert "stream_batch_ms: Input should be greater than or equal to 25" in cause
     assert "engine.token_path_nice: Input should be less than or equal to 19" in cause
     assert "pipeline_stage: Extra inputs are not permitted" in cause
     assert await run_failure(second) == "invalid run request: expected a JSON object, got an array"

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from workers.node.runtime import StageRuntime
 
 HEARTBEAT_EVERY_S = 1.0
-TEXT_GATHER_S = 0.025
+TEXT_GATHER_S = 0.025  # the finest stream granularity: stream_batch_ms is at least this
 
 
 class TextPipe:
