@@ -4,10 +4,9 @@ Nodes that share a host hand every token from one process to the next on the sam
 (workers/node/affinity.py). With address-space randomization each process maps Python,
 torch and their libraries at different addresses, so the front-end state the last stage
 left on the core (branch predictors, the micro-op cache: keyed by virtual address) does
-not fit this stage's code. That is our reading of the measurement below, not a counter
-reading (this VM exposes no performance counters). Started with
-randomization off (``ADDR_NO_RANDOMIZE``), nodes map the same files at the same addresses
-and share that state. Measured on the 2-core dev VM, SmolLM2 in 2 stages, paired against
+not fit this stage's code. Started with randomization off (``ADDR_NO_RANDOMIZE``), nodes
+map the same files at the same addresses and share that state. (That is our reading of
+the measurement below; this VM exposes no performance counters to prove it.) Measured on the 2-core dev VM, SmolLM2 in 2 stages, paired against
 the 1-stage run (scripts/bench_pipeline.py --address-layout, 3 alternating runs each):
 0.92x with randomization, 0.96x without; without Temporal (scripts/bench_dataplane.py)
 0.92x -> 0.95x.
@@ -63,7 +62,11 @@ def ensure_layout(setting: str | None = None) -> str | None:
         return f"address layout stays randomized: personality(2) refused ({os.strerror(ctypes.get_errno())})"
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, list(sys.orig_argv))
+    try:
+        os.execv(sys.executable, list(sys.orig_argv))
+    except OSError as err:
+        _personality(current)  # as it was: nothing changed for this process
+        return f"address layout stays randomized: re-exec failed ({err})"
     raise AssertionError("unreachable")  # pragma: no cover
 
 
