@@ -6,7 +6,7 @@ import mmap
 import os
 from typing import Any
 
-from mvp_core.gguf_header import GGUFError, GGUFHeader, parse_header
+from mvp_core.gguf_header import GGUFHeader, parse_header
 from mvp_core.models import ModelFacts
 from mvp_core.planner import PlanningError
 
@@ -23,7 +23,7 @@ def _read_header(path: str) -> GGUFHeader:
 def read_model_facts(path: str) -> ModelFacts:
     try:
         meta = _read_header(path).metadata
-    except (OSError, GGUFError) as err:
+    except (OSError, ValueError) as err:  # GGUFError is a ValueError; so is mmap on a FIFO
         raise PlanningError(f"cannot read GGUF metadata of {path}: {err}") from None
     arch = meta.get("general.architecture")
     if not isinstance(arch, str):
