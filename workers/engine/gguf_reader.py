@@ -33,7 +33,7 @@ __all__ = [
     "LazyArray",
     "TensorInfo",
     "map_file",
-    "read_lazy_array",
+    "read_metadata",
 ]
 
 
@@ -109,10 +109,15 @@ def _close(buf: mmap.mmap | bytes) -> None:
             pass
 
 
-def read_lazy_array(path: str, ref: LazyArray) -> list[Any]:
-    """Decode a lazily skipped metadata array (for callers that need it)."""
+def read_metadata(path: str, prefix: str = "") -> dict[str, Any]:
+    """The metadata keys that start with ``prefix``, large arrays decoded too, from one
+    mapping of the file (the tokenizer's vocabulary, merges and token types)."""
     buf = map_file(path)
     try:
-        return decode_array(buf, ref)
+        return {
+            key: decode_array(buf, value) if isinstance(value, LazyArray) else value
+            for key, value in parse_header(buf, path).metadata.items()
+            if key.startswith(prefix)
+        }
     finally:
         _close(buf)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import codecs
 import heapq
 import os
-import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -163,23 +162,12 @@ def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     Uses the engine's lazy reader: ~0.1 s for SmolLM2's 98k vocabulary strings, where
     ``gguf.GGUFReader`` takes ~2 s decoding every array of the file.
     """
-    from .gguf_reader import GGUFFile, LazyArray, read_lazy_array
+    from .gguf_reader import read_metadata
 
     name = os.fspath(path)
     try:
-        f = GGUFFile(name, map_tensors=False)
-        try:
-            meta: dict[str, Any] = {}
-            for key in f.metadata:
-                if key.startswith("tokenizer."):
-                    value = f.get(key)
-                    meta[key] = (
-                        read_lazy_array(name, value) if isinstance(value, LazyArray) else value
-                    )
-            return meta
-        finally:
-            f.close()
-    except (OSError, ValueError, EOFError, struct.error) as e:
+        return read_metadata(name, "tokenizer.")
+    except (OSError, ValueError) as e:
         raise TokenizerError(f"cannot read GGUF file {name!r}: {e}") from e
 
 
