@@ -80,3 +80,8 @@ def fixed_address_layout(setting: str, host_nodes: int) -> bool:
     if setting not in ("auto", "fixed", "randomized"):
         raise ValueError(f"address_layout must be auto, fixed or randomized, not {setting!r}")
     return setting == "fixed" or (setting == "auto" and host_nodes > 1)
+
+
+class PromptTooLong(ValueError):
+    """A prompt-local fault (too long for the planned context, empty, or asking for a chat
+    template the model lacks): the prompt gets a Fault and the run keeps serving."""

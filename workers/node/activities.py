@@ -15,6 +15,7 @@ from temporalio.contrib.workflow_streams import WorkflowStreamClient
 from temporalio.exceptions import ApplicationError
 
 from mvp_core import names
+from mvp_core.generation import PromptTooLong
 from mvp_core.models import (
     Done,
     Fault,
@@ -313,7 +314,7 @@ class NodeActivities:
                 raise
             try:
                 result = await task
-            except _prompt_too_long() as err:
+            except PromptTooLong as err:
                 await stream.flush()
                 return PromptOutcome(terminal=Fault(request_id=request_id, error=str(err)))
             except Exception as err:
@@ -352,12 +353,6 @@ def _load_runtime(prov: StageProvision) -> StageRuntime:
     from workers.node.runtime import StageRuntime  # waits for the boot-time import
 
     return StageRuntime.load(prov)
-
-
-def _prompt_too_long() -> type[Exception]:
-    from workers.node.runtime import PromptTooLong
-
-    return PromptTooLong
 
 
 def preload_runtime() -> threading.Thread:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mvp_core.generation import StopRule
+from mvp_core.generation import PromptTooLong, StopRule
 from mvp_core.models import EdgeKind, StageProvision, SubmitPrompt
 from workers.dataplane import DataPlaneServer, EdgeGroup, EdgeSpec
 from workers.engine import (
@@ -30,10 +30,6 @@ from workers.node.pipeline import Driver, Endpoint, StageLink
 
 # A token-out record later than this means a stage is stuck: a run fault, never a hang.
 RECORD_TIMEOUT_S = 60.0
-
-
-class PromptTooLong(ValueError):
-    """A prompt-local fault: the run keeps serving."""
 
 
 @dataclass
@@ -170,28 +166,32 @@ class StageRuntime:
         head of one); ``on_text`` gets each complete piece of text."""
         started = time.perf_counter()
         ids = self.encode(prompt)
+        text = _TextOut(self.tokenizer, on_text)
         with self.placement.applied():
             if self.driver is not None:
-                return self._run_pipeline(
-                    prompt, ids, max_new_tokens, on_text, should_stop, started
-                )
-            return self._run_direct(prompt, ids, max_new_tokens, on_text, should_stop, started)
+                reason = self._run_pipeline(prompt, ids, max_new_tokens, text, should_stop)
+            else:
+                reason = self._run_direct(prompt, ids, max_new_tokens, text, should_stop)
+        return GenerationResult(
+            text=text.finish(),
+            tokens=text.tokens,
+            elapsed_ms=int((time.perf_counter() - started) * 1000),
+            stop_reason=reason,
+        )
 
     def _run_direct(
         self,
         prompt: SubmitPrompt,
         ids: list[int],
         max_new_tokens: int | None,
-        on_text: Callable[[str], None],
+        text: _TextOut,
         should_stop: Callable[[], bool],
-        started: float,
-    ) -> GenerationResult:
+    ) -> str:
+        """Generate in this thread; returns why it stopped."""
         stop_ids = self.stop_ids
-        sampling = sampling_of(prompt)
         rule = StopRule(
             max_new_tokens=max_new_tokens, stop_ids=stop_ids, max_seq_len=self.provision.max_seq_len
         )
-        text = _TextOut(self.tokenizer, on_text)
         with self.lock:
             try:
                 for n, token in enumerate(
@@ -200,7 +200,7 @@ class StageRuntime:
                         ids,
                         max_new_tokens=max_new_tokens,
                         max_seq_len=self.provision.max_seq_len,
-                        sampling=sampling,
+                        sampling=sampling_of(prompt),
                         stop_ids=stop_ids,
                         should_stop=should_stop,
                     )
@@ -209,28 +209,20 @@ class StageRuntime:
                     text.push(token)
             except ContextOverflow as err:
                 raise PromptTooLong(str(err)) from None
-            final = text.finish()
-        reason = rule.reason or ("cancelled" if should_stop() else "eos_or_context")
-        return GenerationResult(
-            text=final,
-            tokens=rule.generated,
-            elapsed_ms=int((time.perf_counter() - started) * 1000),
-            stop_reason=reason,
-        )
+        return rule.reason or ("cancelled" if should_stop() else "eos_or_context")
 
     def _run_pipeline(
         self,
         prompt: SubmitPrompt,
         ids: list[int],
         max_new_tokens: int | None,
-        on_text: Callable[[str], None],
+        text: _TextOut,
         should_stop: Callable[[], bool],
-        started: float,
-    ) -> GenerationResult:
-        """The head's driver runs the token loop over the data plane (DECISIONS 19)."""
+    ) -> str:
+        """The head's driver runs the token loop over the data plane (DECISIONS 19);
+        returns why it stopped."""
         assert self.driver is not None
-        text = _TextOut(self.tokenizer, on_text)
-        reason = self.driver.run(
+        return self.driver.run(
             prompt.request_id,
             ids,
             sampling_of(prompt),
@@ -238,12 +230,6 @@ class StageRuntime:
             max_seq_len=self.provision.max_seq_len,
             on_token=text.push,
             should_stop=should_stop,
-        )
-        return GenerationResult(
-            text=text.finish(),
-            tokens=text.tokens,
-            elapsed_ms=int((time.perf_counter() - started) * 1000),
-            stop_reason=reason,
         )
 
     def close(self) -> None:
