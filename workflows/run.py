@@ -78,6 +78,21 @@ class RunCarry(BaseModel):
     state: RunState
 
 
+def _decode_start(start: RawValue) -> RunRequest | RunCarry:
+    """The run's start input: the RunCarry of continue-as-new, or a RunRequest validated
+    field by field (RunRejectedError names what is wrong)."""
+    try:
+        raw = workflow.payload_converter().from_payload(start.payload)
+    except Exception:
+        raise RunRejectedError("invalid run request: the input is not JSON") from None
+    if not (isinstance(raw, dict) and raw.keys() == {"request", "state"}):
+        return parse_request(raw)
+    try:
+        return RunCarry.model_validate(raw)
+    except ValidationError as err:
+        raise RunRejectedError(f"invalid run carry: {describe_invalid(err)}") from None
+
+
 class _Stopping(Exception):
     """Internal: the run started stopping while a startup step was waiting."""
 
@@ -90,23 +105,13 @@ class RunWorkflow:
         # continue-as-new) so that a malformed request is rejected, naming its bad fields,
         # instead of failing every workflow task while the SDK decodes it.
         self._rejection: str | None = None
-        carry: RunCarry | None = None
-        request = RunRequest()
+        decoded: RunRequest | RunCarry
         try:
-            try:
-                raw = workflow.payload_converter().from_payload(start.payload)
-            except Exception:
-                raise RunRejectedError("invalid run request: the input is not JSON") from None
-            if isinstance(raw, dict) and raw.keys() == {"request", "state"}:
-                try:
-                    carry = RunCarry.model_validate(raw)
-                except ValidationError as err:
-                    raise RunRejectedError(f"invalid run carry: {describe_invalid(err)}") from None
-                request = carry.request
-            else:
-                request = parse_request(raw)
+            decoded = _decode_start(start)
         except RunRejectedError as err:
-            self._rejection = str(err)
+            decoded, self._rejection = RunRequest(), str(err)
+        carry = decoded if isinstance(decoded, RunCarry) else None
+        request = decoded.request if isinstance(decoded, RunCarry) else decoded
         self._carry = carry
         self._request = request
         self._children: dict[str, Any] = {}
