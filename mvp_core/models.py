@@ -379,12 +379,19 @@ class TextDelta(_Model):
     text: str
 
 
+StopReason = Literal["eos", "max_tokens", "context"]
+
+
 class Done(_Model):
     type: Literal["done"] = "done"
     request_id: int
     final_text: str
     tokens_generated: int
     elapsed_ms: int
+    stop_reason: StopReason = Field(
+        description="Why generation stopped: the model's end token, max_tokens, or the "
+        "planned context (max_seq_len) filled up"
+    )
 
 
 class Fault(_Model):

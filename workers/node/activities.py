@@ -324,12 +324,15 @@ class NodeActivities:
                     non_retryable=True,
                 ) from None
             await stream.flush()
+        if result.stop_reason not in ("eos", "max_tokens", "context"):
+            return PromptOutcome(terminal=Fault(request_id=request_id, error="cancelled"))
         return PromptOutcome(
             terminal=Done(
                 request_id=request_id,
                 final_text=result.text,
                 tokens_generated=result.tokens,
                 elapsed_ms=result.elapsed_ms,
+                stop_reason=result.stop_reason,
             )
         )
 

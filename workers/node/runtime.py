@@ -209,7 +209,12 @@ class StageRuntime:
                     text.push(token)
             except ContextOverflow as err:
                 raise PromptTooLong(str(err)) from None
-        return rule.reason or ("cancelled" if should_stop() else "eos_or_context")
+        if rule.reason is not None:
+            return rule.reason
+        if should_stop():
+            return "cancelled"
+        # generate() ends by itself at the end token or the end of the context.
+        return "context" if len(ids) + rule.generated >= self.provision.max_seq_len else "eos"
 
     def _run_pipeline(
         self,
