@@ -247,6 +247,14 @@ class CheckRouteInput(_Model):
     identity: str
 
 
+class RouteCheck(_Model):
+    """What DescribeTaskQueue showed on a node's queue (route ownership, DECISIONS 5)."""
+
+    owned: bool
+    pollers: list[str] = Field(default_factory=list, description="Distinct poller identities")
+    reason: str = ""
+
+
 # --------------------------------------------------------------------------- node reports
 
 
@@ -338,7 +346,6 @@ class StageProvision(_Model):
     driver_edges: list[EdgePlan] = Field(
         default_factory=list, description="Head only: token-in and token-out of the driver"
     )
-    edge_token: str = ""  # authenticates this run's edges (DECISIONS 2, 20)
     model_name: str
     model_path: str
     tokenizer_path: str
@@ -432,11 +439,20 @@ class GenerateInput(_Model):
     stream_batch_ms: int = 100
 
 
+class PromptStatus(StrEnum):
+    """How a prompt ended, as its workflow's result and search attribute show it."""
+
+    DONE = "done"
+    CANCELLED = "cancelled"
+    FAULTED = "faulted"
+
+
 class PromptOutcome(_Model):
     """What a prompt workflow returns: the terminal event, and a run fault if any."""
 
     terminal: PromptTerminal
     run_fault: str | None = None
+    status: PromptStatus = PromptStatus.DONE
 
 
 class PromptInput(_Model):
@@ -495,11 +511,24 @@ class RunOutcomeKind(StrEnum):
     REJECTED = "rejected"
 
 
+class IgnoredInput(_Model):
+    """A signal, report or update payload the run ignored: what it was and why, never its
+    content (which may carry secrets or user text)."""
+
+    kind: str
+    reason: str
+
+
 class RunOutcome(_Model):
     run_id: int
     outcome: RunOutcomeKind
     lifecycle: list[LifecycleReport]
     first_fault: str | None = None
     first_stop_error: str | None = None
+    later_faults: list[str] = Field(
+        default_factory=list,
+        description="Faults seen after the run's terminal cause (an operator stop): facts, "
+        "not a new outcome",
+    )
     prompts_completed: int = 0
     prompts_faulted: int = 0

@@ -17,6 +17,7 @@ PROMPT_WORKFLOW = "PromptWorkflow"
 UPDATE_SUBMIT_PROMPT = "submit_prompt"
 SIGNAL_REQUEST_SHUTDOWN = "request_shutdown"
 SIGNAL_CANCEL_PROMPT = "cancel_prompt"
+UPDATE_SHUTDOWN_AND_WAIT = "request_shutdown_and_wait"
 QUERY_SNAPSHOT = "snapshot"
 
 # Node reports (signals from node agents to the run).
@@ -50,7 +51,13 @@ ACT_START_NODE = "provider.start_node"
 ACT_STOP_NODE = "provider.stop_node"
 ACT_WATCH_NODES = "provider.watch_nodes"
 
-EDGE_TOKEN_BYTES = 16
+# Workflow task timeout of the runs and prompts we start: a worker lost mid-task costs
+# this long (the server's default is 10 s). Sticky queues fall back as fast.
+WORKFLOW_TASK_TIMEOUT_S = 5
+STICKY_SCHEDULE_TO_START_S = 2
+
+# Search attribute of a prompt workflow: done, cancelled or faulted.
+SEARCH_ATTRIBUTE_PROMPT = "MvpPromptStatus"
 
 
 def run_workflow_id(run_id: int) -> str:

@@ -13,6 +13,7 @@ from enum import StrEnum
 from pydantic import BaseModel, Field
 
 from mvp_core.models import (
+    IgnoredInput,
     LeaseStarted,
     LifecycleKind,
     LifecycleReport,
@@ -32,6 +33,8 @@ from mvp_core.models import (
 )
 
 MAX_PROMPT_REPORTS = 256
+MAX_IGNORED_KEPT = 16  # the latest ignored inputs described in the snapshot (all are counted)
+MAX_LATER_FAULTS = 8
 _PROMPT_REPORTS = frozenset(
     {LifecycleKind.PROMPT_ACCEPTED, LifecycleKind.PROMPT_COMPLETED, LifecycleKind.PROMPT_FAULTED}
 )
@@ -84,11 +87,15 @@ class RunState(BaseModel):
     lifecycle: list[LifecycleReport] = Field(default_factory=list)
     first_fault: str | None = None
     first_stop_error: str | None = None
+    provider_stop_error: str | None = None
+    later_faults: list[str] = Field(default_factory=list)
+    suspected_fault: str | None = None
     shutdown: ShutdownReason | None = None
     prompts_completed: int = 0
     prompts_faulted: int = 0
     continued: int = 0
     ignored_reports: int = 0
+    ignored: list[IgnoredInput] = Field(default_factory=list)
     token_endpoints_ready: bool = False
     token_endpoints_stopped: bool = False
 
@@ -119,13 +126,35 @@ class RunState(BaseModel):
         return any(r.kind is LifecycleKind.RUN_TORN_DOWN for r in self.lifecycle)
 
     def fault(self, reason: str) -> bool:
-        """The first run fault is terminal and sticky; later ones are ignored."""
-        if self.first_fault is not None:
+        """The first terminal cause decides the outcome (actor spec 12.4): the first run
+        fault is terminal and sticky; a fault after an operator stop, or after the first
+        fault, is kept as a fact and changes nothing."""
+        if self.first_fault is not None or self.shutdown is not None:
+            if reason != self.first_fault and len(self.later_faults) < MAX_LATER_FAULTS:
+                self.later_faults.append(reason)
             return False
         self.first_fault = reason
-        if self.shutdown is None:
-            self.record(LifecycleKind.RUN_FAULTED, reason)
+        self.record(LifecycleKind.RUN_FAULTED, reason)
         return True
+
+    def suspect(self, reason: str) -> bool:
+        """A fault reported by a survivor (a stage whose peer closed its edge, a driver
+        whose pipeline went quiet) may be the echo of a node that died: it becomes the
+        run's fault only if no node is found gone within a short grace
+        (``confirm_suspected``), so that the first fault names the node that died."""
+        if self.stopping:
+            return self.fault(reason)  # kept as a later fact
+        if self.suspected_fault is not None:
+            if len(self.later_faults) < MAX_LATER_FAULTS:
+                self.later_faults.append(reason)
+            return False
+        self.suspected_fault = reason
+        return True
+
+    def confirm_suspected(self) -> bool:
+        """The grace is over: a suspected fault that nothing explained is the run's fault."""
+        reason, self.suspected_fault = self.suspected_fault, None
+        return reason is not None and self.fault(reason)
 
     def request_shutdown(self, reason: ShutdownReason) -> bool:
         """Operator stop: terminal and distinct from a fault. Ignored after a fault."""
@@ -139,10 +168,21 @@ class RunState(BaseModel):
     def stopping(self) -> bool:
         return self.first_fault is not None or self.shutdown is not None
 
-    def stop_error(self, error: str) -> None:
-        """Teardown keeps the first stop error and goes on with the other stops."""
+    def stop_error(self, error: str, *, provider: bool = False) -> None:
+        """Teardown keeps the first stop error and goes on with the other stops. A failed
+        provider stop (a node that may still run) also fails an operator-stopped run
+        (process spec 10.13)."""
         if self.first_stop_error is None:
             self.first_stop_error = error
+        if provider and self.provider_stop_error is None:
+            self.provider_stop_error = error
+
+    def ignore(self, kind: str, reason: str) -> bool:
+        """Count and describe an input the run does not act on (never its content)."""
+        self.ignored_reports += 1
+        self.ignored.append(IgnoredInput(kind=kind, reason=reason))
+        del self.ignored[:-MAX_IGNORED_KEPT]
+        return False
 
     def outcome(self) -> RunOutcome:
         if self.phase is RunPhase.REJECTED:
@@ -157,6 +197,7 @@ class RunState(BaseModel):
             lifecycle=list(self.lifecycle),
             first_fault=self.first_fault,
             first_stop_error=self.first_stop_error,
+            later_faults=list(self.later_faults),
             prompts_completed=self.prompts_completed,
             prompts_faulted=self.prompts_faulted,
         )
@@ -174,9 +215,16 @@ class RunState(BaseModel):
         return None
 
     def _match(
-        self, run_id: int, node_id: int | None, stage_index: int | None, readiness_id: str | None
+        self,
+        kind: str,
+        run_id: int,
+        node_id: int | None,
+        stage_index: int | None,
+        readiness_id: str | None,
     ) -> NodeState | None:
+        """The one node a report is about, or None (counted and described as ignored)."""
         if run_id != self.run_id:
+            self.ignore(kind, f"run_id {run_id} is not this run ({self.run_id})")
             return None
         candidates = self.nodes
         if node_id is not None:
@@ -186,26 +234,37 @@ class RunState(BaseModel):
         if readiness_id is not None:
             candidates = [n for n in candidates if n.readiness_id == readiness_id]
         if len(candidates) != 1:
+            self.ignore(
+                kind,
+                f"no node of this execution matches node {node_id}, stage {stage_index} "
+                "and its readiness id",
+            )
             return None
         return candidates[0]
 
-    def _ignored(self) -> bool:
-        self.ignored_reports += 1
-        return False
-
     def on_runtime_ready(self, report: NodeRuntimeReady) -> bool:
         """Accept a NodeRuntimeReady only if run, node, stage and readiness id all match."""
-        node = self._match(report.run_id, report.node_id, report.stage_index, report.readiness_id)
-        if node is None or report.node_actor != node.task_queue:
-            return self._ignored()
+        node = self._match(
+            "node_runtime_ready",
+            report.run_id,
+            report.node_id,
+            report.stage_index,
+            report.readiness_id,
+        )
+        if node is None:
+            return False
+        if report.node_actor != node.task_queue:
+            return self.ignore("node_runtime_ready", "node_actor is not the node's task queue")
         if node.runtime_ready is None:
             node.runtime_ready = report
         return True
 
     def on_lease_started(self, report: LeaseStarted) -> bool:
-        node = self._match(report.run_id, report.node_id, None, report.readiness_id)
+        node = self._match(
+            "lease_started", report.run_id, report.node_id, None, report.readiness_id
+        )
         if node is None:
-            return self._ignored()
+            return False
         node.lease_started = True
         return True
 
@@ -215,38 +274,58 @@ class RunState(BaseModel):
             node.route_owned = owned
 
     def on_ack(self, ack: NodeRuntimeReadyAck) -> bool:
-        node = self._match(ack.run_id, ack.node_id, ack.stage_index, ack.readiness_id)
-        if node is None or not self.barrier_passed(node):
-            return self._ignored()
+        node = self._match(
+            "runtime_ready_ack", ack.run_id, ack.node_id, ack.stage_index, ack.readiness_id
+        )
+        if node is None:
+            return False
+        if not self.barrier_passed(node):
+            return self.ignore(
+                "runtime_ready_ack", f"node {node.node_id} has not passed its barrier"
+            )
         node.acked = True
         return True
 
     def on_weights_ready(self, report: WeightsReady) -> bool:
-        node = self._match(report.run_id, report.node_id, report.stage_index, report.readiness_id)
-        if node is None or not node.stage_provisioned:
-            return self._ignored()
+        node = self._match(
+            "weights_ready", report.run_id, report.node_id, report.stage_index, report.readiness_id
+        )
+        if node is None:
+            return False
+        if not node.stage_provisioned:
+            return self.ignore("weights_ready", f"stage {node.stage_index} was not provisioned")
         node.weights_ready = True
         return True
 
     def on_stage_ready(self, report: StageReady) -> bool:
-        node = self._match(report.run_id, None, report.stage_index, report.readiness_id)
-        if node is None or not node.stage_provisioned:
-            return self._ignored()
+        node = self._match(
+            "stage_ready", report.run_id, None, report.stage_index, report.readiness_id
+        )
+        if node is None:
+            return False
+        if not node.stage_provisioned:
+            return self.ignore("stage_ready", f"stage {node.stage_index} was not provisioned")
         # Kept even when it overtakes WeightsReady (DECISIONS 3); both gate prompt-ready.
         node.stage_ready = True
         return True
 
     def on_stage_fault(self, report: StageFault) -> bool:
-        node = self._match(report.run_id, None, report.stage_index, report.readiness_id)
+        node = self._match(
+            "stage_fault", report.run_id, None, report.stage_index, report.readiness_id
+        )
         if node is None:
-            return self._ignored()
-        self.fault(f"{self.phase_word()}: stage {report.stage_index} fault: {report.reason}")
+            return False
+        self.suspect(f"{self.phase_word()}: stage {report.stage_index} fault: {report.reason}")
         return True
 
     def on_token_endpoints_ready(self, report: TokenEndpointsReady) -> bool:
-        node = self._match(report.run_id, report.node_id, 0, report.readiness_id)
-        if node is None or not node.stage_provisioned:
-            return self._ignored()
+        node = self._match(
+            "token_endpoints_ready", report.run_id, report.node_id, 0, report.readiness_id
+        )
+        if node is None:
+            return False
+        if not node.stage_provisioned:
+            return self.ignore("token_endpoints_ready", "the head stage was not provisioned")
         self.token_endpoints_ready = True
         return True
 
@@ -255,9 +334,11 @@ class RunState(BaseModel):
         return self.plan is not None and self.plan.stage_count > 1
 
     def on_stage_stopped(self, report: StageStopped) -> bool:
-        node = self._match(report.run_id, None, report.stage_index, report.readiness_id)
+        node = self._match(
+            "stage_stopped", report.run_id, None, report.stage_index, report.readiness_id
+        )
         if node is None:
-            return self._ignored()
+            return False
         node.stage_stopped = True
         return True
 
@@ -317,7 +398,7 @@ class RunState(BaseModel):
     def admission_rejection(
         self, request_id: int, capacity: int, rolling_over: bool
     ) -> PromptRejection | None:
-        if self.phase is not RunPhase.PROMPT_READY or self.stopping:
+        if self.phase is not RunPhase.PROMPT_READY or self.stopping or self.suspected_fault:
             if (rolling_over or self.phase is RunPhase.ROLLING_OVER) and not self.stopping:
                 return PromptRejection.ROLLING_OVER
             return PromptRejection.NOT_PROMPT_READY
@@ -348,7 +429,7 @@ class RunState(BaseModel):
 
     def activate_next(self) -> PromptRecord | None:
         """One active prompt at a time, FIFO; only while prompt-ready."""
-        if self.active is not None or not self.pending or self.stopping:
+        if self.active is not None or not self.pending or self.stopping or self.suspected_fault:
             return None
         if self.phase is not RunPhase.PROMPT_READY and self.phase is not RunPhase.ROLLING_OVER:
             return None

@@ -10,6 +10,9 @@ from mvp_core.models import ProviderKind, RunRequest
 from mvp_core.names import run_id_from_workflow_id
 
 MAX_PROMPT_QUEUE = 8
+# Node tuning a run may choose; every other MVP_ key of a node's environment is the
+# provider's (identity, edge token) or the test harness's (fault injection).
+NODE_ENV_TUNABLES = frozenset({"MVP_SWITCH_INTERVAL", "MVP_LEASE_SILENCE_S"})
 
 
 class RunRejectedError(ValueError):
@@ -30,16 +33,15 @@ def parse_request(raw: Any) -> RunRequest:
     RunRejectedError naming what is wrong, so the run is rejected instead of its first
     workflow task failing over and over."""
     if not isinstance(raw, dict):
-        raise RunRejectedError(
-            f"invalid run request: expected a JSON object, got {_json_kind(raw)}"
-        )
+        raise RunRejectedError(f"invalid run request: expected a JSON object, got {json_kind(raw)}")
     try:
         return RunRequest.model_validate(raw)
     except ValidationError as err:
         raise RunRejectedError(f"invalid run request: {describe_invalid(err)}") from None
 
 
-def _json_kind(value: Any) -> str:
+def json_kind(value: Any) -> str:
+    """What a decoded JSON value is, in words (never the value itself)."""
     if value is None:
         return "no input"
     if isinstance(value, bool):
@@ -95,6 +97,16 @@ def validate_request(request: RunRequest) -> None:
             f"unsupported provider {request.provider.value!r} in this release; use process"
         )
     for key in request.node_env:
+        if key.upper().startswith(("MVP_FAULT_", "MVP_TEST_")):
+            raise RunRejectedError(
+                f"node_env key {key!r} is test-only fault injection; a run request cannot "
+                "switch it on"
+            )
+        if key.upper().startswith("MVP_") and key not in NODE_ENV_TUNABLES:
+            raise RunRejectedError(
+                f"node_env key {key!r} is set by the provider; a run request may set only "
+                f"{', '.join(sorted(NODE_ENV_TUNABLES))} of the MVP_ keys"
+            )
         if any(s in key.upper() for s in ("KEY", "TOKEN", "SECRET", "PASSWORD")):
             raise RunRejectedError(
                 f"node_env key {key!r} looks like a secret; secrets are read from the "

@@ -51,12 +51,15 @@ def _rejection(err: WorkflowUpdateFailedError) -> PromptRejected:
     return PromptRejected("Rejected", str(cause or err))
 
 
-async def stream_prompt(
-    client: Client, run_id: int, prompt: SubmitPrompt, *, poll_cooldown_ms: int = 20
-) -> AsyncIterator[TextDelta | Done | Fault]:
-    """Yield the prompt's TextDelta events as they arrive, then its one terminal event."""
+async def _admit(client: Client, run_id: int, prompt: SubmitPrompt, update_id: str) -> Any:
+    """Start the ``submit_prompt`` Update and return its handle once the run admitted the
+    prompt; a refusal raises PromptRejected.
+
+    A validator's rejection comes back as an Update already completed with a failure
+    (the server answers the ACCEPTED wait with the outcome): it is read at once here,
+    so the caller never holds a handle for a prompt that was not admitted.
+    """
     handle = client.get_workflow_handle(names.run_workflow_id(run_id))
-    update_id = uuid.uuid4().hex
     try:
         update = await handle.start_update(
             names.UPDATE_SUBMIT_PROMPT,
@@ -65,8 +68,20 @@ async def stream_prompt(
             wait_for_stage=WorkflowUpdateStage.ACCEPTED,
             result_type=_TERMINAL,
         )
+        outcome = getattr(update, "_known_outcome", None)
+        if outcome is not None and outcome.HasField("failure"):
+            await update.result()  # raises the rejection, without another RPC
     except WorkflowUpdateFailedError as err:
         raise _rejection(err) from None
+    return update
+
+
+async def stream_prompt(
+    client: Client, run_id: int, prompt: SubmitPrompt, *, poll_cooldown_ms: int = 20
+) -> AsyncIterator[TextDelta | Done | Fault]:
+    """Yield the prompt's TextDelta events as they arrive, then its one terminal event."""
+    update_id = uuid.uuid4().hex
+    update = await _admit(client, run_id, prompt, update_id)
     child_id = names.prompt_workflow_id(run_id, prompt.request_id, update_id)
     stream = WorkflowStreamClient.create(client, child_id)
     result_task = asyncio.ensure_future(update.result())
@@ -100,17 +115,10 @@ async def stream_prompt(
 async def start_prompt(
     client: Client, run_id: int, prompt: SubmitPrompt
 ) -> WorkflowUpdateHandle[Any]:
-    """Submit and return once the run has admitted the prompt (FIFO from here on)."""
-    handle = client.get_workflow_handle(names.run_workflow_id(run_id))
-    try:
-        return await handle.start_update(
-            names.UPDATE_SUBMIT_PROMPT,
-            prompt,
-            wait_for_stage=WorkflowUpdateStage.ACCEPTED,
-            result_type=_TERMINAL,
-        )
-    except WorkflowUpdateFailedError as err:
-        raise _rejection(err) from None
+    """Submit and return once the run has admitted the prompt (FIFO from here on);
+    raises PromptRejected when the run refuses it."""
+    handle: WorkflowUpdateHandle[Any] = await _admit(client, run_id, prompt, uuid.uuid4().hex)
+    return handle
 
 
 async def submit_prompt(client: Client, run_id: int, prompt: SubmitPrompt) -> Done | Fault:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
+from temporalio.common import RetryPolicy, SearchAttributeKey
 from temporalio.contrib.workflow_streams import WorkflowStream
 from temporalio.exceptions import ActivityError, ApplicationError
 
@@ -21,7 +21,10 @@ with workflow.unsafe.imports_passed_through():
         GenerateInput,
         PromptInput,
         PromptOutcome,
+        PromptStatus,
     )
+
+STATUS_KEY = SearchAttributeKey.for_keyword(names.SEARCH_ATTRIBUTE_PROMPT)
 
 
 def failure_cause(err: BaseException) -> str:
@@ -56,9 +59,7 @@ class PromptWorkflow:
         request_id = inp.prompt.request_id
         await workflow.wait_condition(lambda: self._activated or self._cancel_reason is not None)
         if self._cancel_reason is not None:
-            return self._finish(
-                PromptOutcome(terminal=Fault(request_id=request_id, error=self._cancel_reason))
-            )
+            return self._finish(self._cancelled(request_id))
         handle = workflow.start_activity(
             names.ACT_NODE_GENERATE,
             GenerateInput(
@@ -85,17 +86,35 @@ class PromptWorkflow:
             outcome = await handle
         except ActivityError as err:
             if self._cancel_reason is not None:
-                outcome = PromptOutcome(
-                    terminal=Fault(request_id=request_id, error=self._cancel_reason)
-                )
+                outcome = self._cancelled(request_id)
             else:
                 reason = failure_cause(err)
                 outcome = PromptOutcome(
                     terminal=Fault(request_id=request_id, error=f"prompt serving fault: {reason}"),
                     run_fault=f"prompt serving: generate on {inp.head_task_queue} failed: {reason}",
+                    status=PromptStatus.FAULTED,
                 )
+        if outcome.terminal.type == "fault" and outcome.status is PromptStatus.DONE:
+            # A prompt-local fault from the node (too long, cancelled by the node).
+            cancelled = self._cancel_reason is not None or outcome.terminal.error == "cancelled"
+            outcome.status = PromptStatus.CANCELLED if cancelled else PromptStatus.FAULTED
         return self._finish(outcome)
 
+    def _cancelled(self, request_id: int) -> PromptOutcome:
+        return PromptOutcome(
+            terminal=Fault(request_id=request_id, error=self._cancel_reason or "cancelled"),
+            status=PromptStatus.CANCELLED,
+        )
+
     def _finish(self, outcome: PromptOutcome) -> PromptOutcome:
+        """Publish the one terminal event, and show how the prompt ended: its result, its
+        search attribute (MvpPromptStatus) and its details line in the Web UI."""
         self._stream.topic(names.PROMPT_STREAM_TOPIC).publish(outcome.terminal)
+        workflow.upsert_search_attributes([STATUS_KEY.value_set(outcome.status.value)])
+        terminal = outcome.terminal
+        if terminal.type == "done":
+            detail = f"done: {terminal.tokens_generated} tokens ({terminal.stop_reason})"
+        else:
+            detail = f"{outcome.status.value}: {terminal.error}"
+        workflow.set_current_details(detail[:400])
         return outcome

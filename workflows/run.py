@@ -8,18 +8,21 @@ every exit path except continue-as-new, which carries the state to the next run.
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import inspect
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 from temporalio import workflow
 from temporalio.common import RawValue, RetryPolicy, SearchAttributeKey
-from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
+from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError, TimeoutType
+from temporalio.exceptions import TimeoutError as TimeoutError_
 
 with workflow.unsafe.imports_passed_through():
     from mvp_core import names
     from mvp_core.generation import effective_max_tokens, fixed_address_layout
+    from mvp_core.inputs import InvalidInput, NotJson, decode_one
     from mvp_core.models import (
         CancelPrompt,
         CheckRouteInput,
@@ -37,8 +40,10 @@ with workflow.unsafe.imports_passed_through():
         PreparePlanInput,
         PromptInput,
         PromptOutcome,
+        PromptStatus,
         PromptTerminal,
         RequestShutdown,
+        RouteCheck,
         RunOutcome,
         RunPhase,
         RunPlan,
@@ -68,6 +73,15 @@ with workflow.unsafe.imports_passed_through():
 
 PHASE_KEY = SearchAttributeKey.for_keyword(names.SEARCH_ATTRIBUTE_PHASE)
 HANDLERS_DRAIN = timedelta(seconds=30)
+WORKFLOW_TASK_TIMEOUT = timedelta(seconds=names.WORKFLOW_TASK_TIMEOUT_S)
+# A survivor's fault report (an edge its dead peer closed) waits this long for the
+# provider watch (0.5 s polls) to name the node that died: the first fault names it.
+CULPRIT_GRACE = timedelta(seconds=2)
+# A lease that failed while its node lives (a control-plane outage outlasting the lease
+# heartbeat) is scheduled again; membership is lost only if no lease starts in this time.
+LEASE_RECOVERY = timedelta(seconds=30)
+# Orchestrator-side activities heartbeat, so a lost worker costs this, not a timeout.
+ACTIVITY_HEARTBEAT = timedelta(seconds=5)
 
 
 class RunCarry(BaseModel):
@@ -97,6 +111,10 @@ class _Stopping(Exception):
     """Internal: the run started stopping while a startup step was waiting."""
 
 
+class _Rejected(Exception):
+    """Internal: planning rejected the run; nothing was provisioned."""
+
+
 @workflow.defn(name=names.RUN_WORKFLOW, failure_exception_types=[Exception])
 class RunWorkflow:
     @workflow.init
@@ -120,6 +138,7 @@ class RunWorkflow:
         self._rolling_over = False
         self._background_cancelled = False
         self._watch_cancelled = False
+        self._grace: asyncio.Task[None] | None = None
         if carry is not None:
             self._state = carry.state
             self._state.continued += 1
@@ -148,19 +167,19 @@ class RunWorkflow:
         carry = self._carry
         if carry is None:
             if self._rejection is not None:
-                self._reject(self._rejection)
+                return self._reject(self._rejection)
             state.record(LifecycleKind.RUN_ACCEPTED)
             self._set_phase(RunPhase.ACCEPTED)
         action = "stop"
         try:
             if carry is None:
-                plan_error = await self._plan()
-                if plan_error is not None:
-                    self._reject(plan_error)
+                await self._plan()
                 await self._startup()
             else:
                 self._resume()
             action = await self._serve()
+        except _Rejected as rejected:
+            return self._reject(str(rejected))  # planning provisioned nothing: no teardown
         except _Stopping:
             pass
         except asyncio.CancelledError:
@@ -169,16 +188,27 @@ class RunWorkflow:
             state.fault(f"{state.phase_word()}: {_describe(err)}")
         if action == "continue_as_new":
             await self._cancel_background()
-            workflow.continue_as_new(RunCarry(request=self._request, state=state))
+            workflow.continue_as_new(
+                RunCarry(request=self._request, state=state), task_timeout=WORKFLOW_TASK_TIMEOUT
+            )
         await asyncio.shield(asyncio.ensure_future(self._teardown()))
         outcome = state.outcome()
         if state.first_fault is not None:
             raise ApplicationError(
                 state.first_fault, outcome, type="RunFaulted", non_retryable=True
             )
+        if state.provider_stop_error is not None:
+            # Operator stop, but a node may still run (process spec 10.13).
+            raise ApplicationError(
+                f"operator stop: {state.provider_stop_error}",
+                outcome,
+                type="RunStopFailed",
+                non_retryable=True,
+            )
         return outcome
 
-    def _reject(self, reason: str) -> NoReturn:
+    def _reject(self, reason: str) -> RunOutcome:
+        """RunRejected: the workflow fails with the reason; nothing was provisioned."""
         state = self._state
         state.phase = RunPhase.REJECTED
         state.record(LifecycleKind.RUN_REJECTED, reason)
@@ -186,37 +216,44 @@ class RunWorkflow:
         raise ApplicationError(reason, state.outcome(), type="RunRejected", non_retryable=True)
 
     # ------------------------------------------------------------------ planning
-    async def _plan(self) -> str | None:
+    async def _plan(self) -> None:
+        """Commit a plan, or raise _Rejected (a planning failure is a rejection, actor
+        spec 6.2); a shutdown while planning stops the run at once."""
         state, req = self._state, self._request
         self._set_phase(RunPhase.PLANNING)
         state.record(LifecycleKind.RUN_PLANNING_STARTED)
-        state.provider_queue = await workflow.execute_activity(
-            names.ACT_PROVIDER_QUEUE,
-            result_type=str,
-            task_queue=names.ORCHESTRATOR_TASK_QUEUE,
-            start_to_close_timeout=timedelta(seconds=10),
+        state.provider_queue = await self._guard(
+            workflow.execute_activity(
+                names.ACT_PROVIDER_QUEUE,
+                result_type=str,
+                task_queue=names.ORCHESTRATOR_TASK_QUEUE,
+                start_to_close_timeout=timedelta(seconds=10),
+            )
         )
         try:
-            plan = await workflow.execute_activity(
-                names.ACT_PREPARE_PLAN,
-                PreparePlanInput(
-                    run_id=state.run_id,
-                    orchestrator_node_id=req.orchestrator_node_id,
-                    node_id=req.node_id,
-                    model=req.model,
-                    tokenizer=req.tokenizer,
-                    pipeline_stages=req.pipeline_stages,
-                    max_context=req.max_context,
-                ),
-                result_type=RunPlan,
-                task_queue=state.provider_queue,
-                start_to_close_timeout=timedelta(minutes=10),
-                retry_policy=RetryPolicy(
-                    maximum_attempts=3, non_retryable_error_types=["PlanningError"]
-                ),
+            plan = await self._guard(
+                workflow.execute_activity(
+                    names.ACT_PREPARE_PLAN,
+                    PreparePlanInput(
+                        run_id=state.run_id,
+                        orchestrator_node_id=req.orchestrator_node_id,
+                        node_id=req.node_id,
+                        model=req.model,
+                        tokenizer=req.tokenizer,
+                        pipeline_stages=req.pipeline_stages,
+                        max_context=req.max_context,
+                    ),
+                    result_type=RunPlan,
+                    task_queue=state.provider_queue,
+                    start_to_close_timeout=timedelta(minutes=10),
+                    heartbeat_timeout=ACTIVITY_HEARTBEAT,
+                    retry_policy=RetryPolicy(
+                        maximum_attempts=3, non_retryable_error_types=["PlanningError"]
+                    ),
+                )
             )
         except ActivityError as err:
-            return f"planning failed: {failure_cause(err)}"
+            raise _Rejected(f"planning failed: {failure_cause(err)}") from None
         state.plan = plan
         for stage in plan.stages:
             state.nodes.append(
@@ -231,7 +268,6 @@ class RunWorkflow:
             LifecycleKind.RUN_PLANNING_READY,
             f"{plan.stage_count} stage(s) of {plan.model_facts.name}, max_seq_len {plan.max_seq_len}",
         )
-        return None
 
     # ------------------------------------------------------------------ startup
     async def _startup(self) -> None:
@@ -263,16 +299,19 @@ class RunWorkflow:
                 coordinator_endpoint="",
                 temporal_namespace=workflow.info().namespace,
             )
-            node.handle = await self._guard(
-                workflow.execute_activity(
-                    names.ACT_START_NODE,
-                    spec,
-                    result_type=NodeHandle,
-                    task_queue=state.provider_queue,
-                    start_to_close_timeout=timedelta(seconds=60),
-                    retry_policy=RetryPolicy(maximum_attempts=3),
-                )
+            # Not abandoned on shutdown: a start in flight may launch its node, which
+            # teardown must then know about to stop it.
+            node.handle = await workflow.execute_activity(
+                names.ACT_START_NODE,
+                spec,
+                result_type=NodeHandle,
+                task_queue=state.provider_queue,
+                start_to_close_timeout=timedelta(seconds=60),
+                heartbeat_timeout=ACTIVITY_HEARTBEAT,
+                retry_policy=RetryPolicy(maximum_attempts=3),
             )
+            if state.stopping:
+                raise _Stopping()
         self._start_watch()
         self._set_phase(RunPhase.READINESS)
         state.record(LifecycleKind.RUN_READINESS_STARTED)
@@ -317,13 +356,13 @@ class RunWorkflow:
     async def _check_route(self, node: NodeState, deadline: Any) -> None:
         assert node.runtime_ready is not None
         remaining = max((deadline - workflow.now()).total_seconds(), 1.0)
-        owned = await self._guard(
+        check: RouteCheck = await self._guard(
             workflow.execute_activity(
                 names.ACT_CHECK_ROUTE,
                 CheckRouteInput(
                     task_queue=node.task_queue, identity=node.runtime_ready.worker_identity
                 ),
-                result_type=bool,
+                result_type=RouteCheck,
                 task_queue=names.ORCHESTRATOR_TASK_QUEUE,
                 start_to_close_timeout=timedelta(seconds=10),
                 schedule_to_close_timeout=timedelta(seconds=remaining),
@@ -334,10 +373,11 @@ class RunWorkflow:
                 ),
             )
         )
-        self._state.on_route_checked(node.node_id, bool(owned))
-        if not owned:
+        self._state.on_route_checked(node.node_id, check.owned)
+        if not check.owned:
             raise RuntimeError(
-                f"route owner of {node.task_queue} does not match node {node.node_id}"
+                f"route owner of {node.task_queue} does not match node {node.node_id}: "
+                f"{check.reason}"
             )
 
     async def _ack(self, node: NodeState) -> None:
@@ -384,7 +424,6 @@ class RunWorkflow:
                 for e in state.plan.edges
                 if node.stage_index == 0 and (e.src_stage is None or e.dst_stage is None)
             ],
-            edge_token=hashlib.sha256(f"{state.nonce}/edges".encode()).hexdigest()[:32],
             model_name=state.plan.model_facts.name,
             model_path=state.plan.model_path,
             tokenizer_path=state.plan.tokenizer_path,
@@ -440,27 +479,41 @@ class RunWorkflow:
         state, t = self._state, self._request.timeouts
 
         async def lease() -> None:
-            try:
-                await workflow.execute_activity(
-                    names.ACT_NODE_LEASE,
-                    LeaseInput(
-                        run_id=state.run_id,
-                        node_id=node.node_id,
-                        readiness_id=node.readiness_id,
-                        run_workflow_id=workflow.info().workflow_id,
-                    ),
-                    task_queue=node.task_queue,
-                    schedule_to_start_timeout=timedelta(seconds=schedule_to_start_s),
-                    start_to_close_timeout=timedelta(days=30),
-                    heartbeat_timeout=timedelta(seconds=t.lease_heartbeat_s),
-                    retry_policy=RetryPolicy(maximum_attempts=1),
-                    cancellation_type=workflow.ActivityCancellationType.TRY_CANCEL,
-                )
-                detail = "lease ended"
-            except asyncio.CancelledError:
-                return
-            except ActivityError as err:
-                detail = failure_cause(err)
+            # Membership is lost when the node is gone, not when the control plane
+            # blinked: a lease that failed while its node lives (heartbeats that could not
+            # reach the server) is scheduled again, and only a lease that no node picks
+            # up in time, or one the node ends, is a loss.
+            start_within = timedelta(seconds=schedule_to_start_s)
+            while True:
+                try:
+                    await workflow.execute_activity(
+                        names.ACT_NODE_LEASE,
+                        LeaseInput(
+                            run_id=state.run_id,
+                            node_id=node.node_id,
+                            readiness_id=node.readiness_id,
+                            run_workflow_id=workflow.info().workflow_id,
+                        ),
+                        task_queue=node.task_queue,
+                        schedule_to_start_timeout=start_within,
+                        start_to_close_timeout=timedelta(days=30),
+                        heartbeat_timeout=timedelta(seconds=t.lease_heartbeat_s),
+                        retry_policy=RetryPolicy(maximum_attempts=1),
+                        cancellation_type=workflow.ActivityCancellationType.TRY_CANCEL,
+                    )
+                    detail = "lease ended"
+                except asyncio.CancelledError:
+                    return
+                except ActivityError as err:
+                    detail = failure_cause(err)
+                    if _is_heartbeat_timeout(err) and not node.exited:
+                        workflow.logger.warning(
+                            "lease of node %s lost its heartbeat; scheduling it again",
+                            node.node_id,
+                        )
+                        start_within = LEASE_RECOVERY
+                        continue
+                break
             if not self._background_cancelled:
                 state.on_lease_lost(node.node_id, detail)
 
@@ -576,8 +629,9 @@ class RunWorkflow:
             state.activate_next()
 
     @workflow.update(name=names.UPDATE_SUBMIT_PROMPT)
-    async def submit_prompt(self, prompt: SubmitPrompt) -> PromptTerminal:
+    async def submit_prompt(self, *args: Any) -> PromptTerminal:
         state = self._state
+        prompt = self._prompt_of(args)
         update_id = (workflow.current_update_info() or _NoUpdate()).id
         wf_id = names.prompt_workflow_id(state.run_id, prompt.request_id, _safe(update_id))
         record = state.admit(prompt.request_id, wf_id)
@@ -599,6 +653,7 @@ class RunWorkflow:
             task_queue=names.ORCHESTRATOR_TASK_QUEUE,
             parent_close_policy=workflow.ParentClosePolicy.ABANDON,
             execution_timeout=timedelta(days=1),
+            task_timeout=WORKFLOW_TASK_TIMEOUT,
         )
         self._children[wf_id] = child
         await workflow.wait_condition(lambda: record.active or child.done() or state.stopping)
@@ -614,6 +669,7 @@ class RunWorkflow:
                     request_id=prompt.request_id, error=f"prompt workflow failed: {err}"
                 ),
                 run_fault=f"prompt serving: prompt workflow {wf_id} failed",
+                status=PromptStatus.FAULTED,
             )
         self._children.pop(wf_id, None)
         ok = outcome.terminal.type == "done"
@@ -621,11 +677,13 @@ class RunWorkflow:
             wf_id, ok, "" if ok else getattr(outcome.terminal, "error", ""), prompt.request_id
         )
         if outcome.run_fault is not None:
-            state.fault(outcome.run_fault)
+            # The head's driver saw its pipeline fail: maybe a peer died (the watch names it).
+            self._suspect(outcome.run_fault)
         return outcome.terminal
 
     @submit_prompt.validator
-    def _validate_prompt(self, prompt: SubmitPrompt) -> None:
+    def _validate_prompt(self, *args: Any) -> None:
+        prompt = self._prompt_of(args)
         if not prompt.prompt_text:
             raise ApplicationError(
                 "InvalidPrompt: prompt_text must not be empty",
@@ -643,13 +701,23 @@ class RunWorkflow:
                 non_retryable=rejection is not PromptRejection.ROLLING_OVER,
             )
 
-    @workflow.signal(name=names.SIGNAL_CANCEL_PROMPT)
-    async def cancel_prompt(self, cancel: CancelPrompt) -> None:
+    def _prompt_of(self, args: Sequence[Any]) -> SubmitPrompt:
+        """The update's SubmitPrompt, or a typed InvalidPrompt naming the bad fields."""
+        try:
+            return decode_one(names.UPDATE_SUBMIT_PROMPT, SubmitPrompt, args)
+        except InvalidInput as err:
+            raise ApplicationError(
+                f"InvalidPrompt: {err.reason}", type="InvalidPrompt", non_retryable=True
+            ) from None
+
+    def cancel_prompt(self, cancel: CancelPrompt) -> Any:
         record = self._state.prompt(cancel.request_id)
         if record is None:
-            return
+            return self._ignore(
+                names.SIGNAL_CANCEL_PROMPT, f"no active or pending prompt {cancel.request_id}"
+            )
         self._state.remove_pending(cancel.request_id)
-        await self._cancel_child(record.workflow_id, "cancelled")
+        return self._cancel_child(record.workflow_id, "cancelled")
 
     async def _cancel_child(self, wf_id: str, reason: str) -> None:
         child = self._children.get(wf_id)
@@ -661,50 +729,122 @@ class RunWorkflow:
             workflow.logger.info("cancel signal to %s not delivered", wf_id)
 
     # ------------------------------------------------------------------ shutdown and reports
-    @workflow.signal(name=names.SIGNAL_REQUEST_SHUTDOWN)
     def request_shutdown(self, req: RequestShutdown) -> None:
         if req.run_id is not None and req.run_id != self._state.run_id:
-            self._state.ignored_reports += 1
+            self._ignore(
+                names.SIGNAL_REQUEST_SHUTDOWN,
+                f"run_id {req.run_id} is not this run ({self._state.run_id})",
+            )
             return
         self._state.request_shutdown(req.reason)
 
-    @workflow.update(name="request_shutdown_and_wait")
-    async def request_shutdown_and_wait(self, req: RequestShutdown) -> RunOutcome:
-        self.request_shutdown(req)
+    @workflow.update(name=names.UPDATE_SHUTDOWN_AND_WAIT)
+    async def request_shutdown_and_wait(self, *args: Any) -> RunOutcome:
+        self.request_shutdown(self._shutdown_of(args))
         await workflow.wait_condition(lambda: self._state.torn_down)
         return self._state.outcome()
 
-    @workflow.signal(name=names.SIGNAL_NODE_RUNTIME_READY)
+    @request_shutdown_and_wait.validator
+    def _validate_shutdown(self, *args: Any) -> None:
+        req = self._shutdown_of(args)
+        if req.run_id is not None and req.run_id != self._state.run_id:
+            raise ApplicationError(
+                f"InvalidShutdown: run_id {req.run_id} is not this run ({self._state.run_id})",
+                type="InvalidShutdown",
+                non_retryable=True,
+            )
+
+    def _shutdown_of(self, args: Sequence[Any]) -> RequestShutdown:
+        try:
+            return decode_one(
+                names.UPDATE_SHUTDOWN_AND_WAIT, RequestShutdown, args, missing_is_default=True
+            )
+        except InvalidInput as err:
+            raise ApplicationError(
+                f"InvalidShutdown: {err.reason}", type="InvalidShutdown", non_retryable=True
+            ) from None
+
+    @workflow.signal(dynamic=True)
+    async def on_signal(self, name: str, args: Sequence[RawValue]) -> None:
+        """Every signal of the run, decoded here: its payload is untrusted (the CLI, the
+        Web UI, a stale node). A malformed, mismatched or unknown one is ignored, counted
+        and described in ``snapshot`` and the worker log; none can fail the run."""
+        route = _SIGNALS.get(name)
+        if route is None:
+            self._ignore(name, "unknown signal")
+            return
+        model, handler = route
+        values: list[Any] = []
+        for raw in args:
+            try:
+                values.append(workflow.payload_converter().from_payload(raw.payload))
+            except Exception:
+                values.append(NotJson())
+        try:
+            message = decode_one(
+                name, model, values, missing_is_default=name == names.SIGNAL_REQUEST_SHUTDOWN
+            )
+        except InvalidInput as err:
+            self._ignore(name, err.reason)
+            return
+        result = handler(self, message)
+        if inspect.isawaitable(result):
+            await result
+        if self._state.suspected_fault is not None:
+            self._start_grace()
+
+    def _ignore(self, kind: str, reason: str) -> None:
+        self._state.ignore(kind, reason)
+        workflow.logger.warning("ignored %s: %s", kind, reason)
+
+    def _suspect(self, reason: str) -> None:
+        if self._state.suspect(reason):
+            self._start_grace()
+
+    def _start_grace(self) -> None:
+        """After a survivor's fault report: give the provider watch a moment to find the
+        node that died, then fault with the report if none did."""
+        if self._grace is not None:
+            return
+        state = self._state
+
+        async def confirm() -> None:
+            try:
+                await workflow.wait_condition(
+                    lambda: state.stopping, timeout=CULPRIT_GRACE.total_seconds()
+                )
+            except TimeoutError:
+                pass
+            state.confirm_suspected()
+
+        self._grace = asyncio.ensure_future(confirm())
+
     def node_runtime_ready(self, report: NodeRuntimeReady) -> None:
         self._state.on_runtime_ready(report)
 
-    @workflow.signal(name=names.SIGNAL_LEASE_STARTED)
     def lease_started(self, report: LeaseStarted) -> None:
         self._state.on_lease_started(report)
 
-    @workflow.signal(name=names.SIGNAL_WEIGHTS_READY)
     def weights_ready(self, report: WeightsReady) -> None:
         self._state.on_weights_ready(report)
 
-    @workflow.signal(name=names.SIGNAL_STAGE_READY)
     def stage_ready(self, report: StageReady) -> None:
         self._state.on_stage_ready(report)
 
-    @workflow.signal(name=names.SIGNAL_STAGE_FAULT)
     def stage_fault(self, report: StageFault) -> None:
         self._state.on_stage_fault(report)
 
-    @workflow.signal(name=names.SIGNAL_TOKEN_ENDPOINTS_READY)
     def token_endpoints_ready(self, report: TokenEndpointsReady) -> None:
         self._state.on_token_endpoints_ready(report)
 
-    @workflow.signal(name=names.SIGNAL_STAGE_STOPPED)
     def stage_stopped(self, report: StageStopped) -> None:
         self._state.on_stage_stopped(report)
 
     @workflow.query(name=names.QUERY_SNAPSHOT)
     def snapshot(self) -> RunState:
-        return self._state
+        """The run's state; the full execution nonce stays inside (its first 8 characters,
+        in queue names and readiness ids, are shown)."""
+        return self._state.model_copy(update={"nonce": self._state.nonce[:8]})
 
     # ------------------------------------------------------------------ teardown
     async def _teardown(self) -> None:
@@ -769,15 +909,22 @@ class RunWorkflow:
                     result_type=StopNodeResult,
                     task_queue=state.provider_queue,
                     start_to_close_timeout=timedelta(seconds=t.stop_grace_s + 30),
+                    heartbeat_timeout=ACTIVITY_HEARTBEAT,
                     retry_policy=RetryPolicy(maximum_attempts=3),
                 )
                 if result.error is not None:
-                    state.stop_error(f"provider stop node {node.node_id}: {result.error}")
+                    state.stop_error(
+                        f"provider stop node {node.node_id}: {result.error}", provider=True
+                    )
             except ActivityError as err:
-                state.stop_error(f"provider stop node {node.node_id}: {failure_cause(err)}")
+                state.stop_error(
+                    f"provider stop node {node.node_id}: {failure_cause(err)}", provider=True
+                )
             node.provider_stopped = True
 
         await asyncio.gather(*(stop_node(n) for n in state.nodes_to_stop()))
+        if not state.teardown_complete():
+            state.stop_error("provider stop was not attempted for every node", provider=True)
         await self._cancel_background(leases=False)
         if state.uses_token_endpoints:
             # The token endpoints live on the head's driver; its StopRun tears them down.
@@ -797,6 +944,18 @@ class RunWorkflow:
         workflow.upsert_search_attributes([PHASE_KEY.value_set(phase.value)])
 
 
+_SIGNALS: dict[str, tuple[type[BaseModel], Any]] = {
+    names.SIGNAL_REQUEST_SHUTDOWN: (RequestShutdown, RunWorkflow.request_shutdown),
+    names.SIGNAL_CANCEL_PROMPT: (CancelPrompt, RunWorkflow.cancel_prompt),
+    names.SIGNAL_NODE_RUNTIME_READY: (NodeRuntimeReady, RunWorkflow.node_runtime_ready),
+    names.SIGNAL_LEASE_STARTED: (LeaseStarted, RunWorkflow.lease_started),
+    names.SIGNAL_WEIGHTS_READY: (WeightsReady, RunWorkflow.weights_ready),
+    names.SIGNAL_STAGE_READY: (StageReady, RunWorkflow.stage_ready),
+    names.SIGNAL_STAGE_FAULT: (StageFault, RunWorkflow.stage_fault),
+    names.SIGNAL_TOKEN_ENDPOINTS_READY: (TokenEndpointsReady, RunWorkflow.token_endpoints_ready),
+    names.SIGNAL_STAGE_STOPPED: (StageStopped, RunWorkflow.stage_stopped),
+}
+
 _REJECTION_TEXT = {
     PromptRejection.NOT_PROMPT_READY: "the run is not prompt-ready",
     PromptRejection.DUPLICATE_REQUEST_ID: "a prompt with this request_id is active or pending",
@@ -812,6 +971,11 @@ class _NoUpdate:
 def _safe(update_id: str) -> str:
     cleaned = "".join(c for c in update_id if c.isalnum() or c == "-")
     return cleaned[:36] or "u"
+
+
+def _is_heartbeat_timeout(err: ActivityError) -> bool:
+    cause = err.cause
+    return isinstance(cause, TimeoutError_) and cause.type == TimeoutType.HEARTBEAT
 
 
 def _describe(err: BaseException) -> str:

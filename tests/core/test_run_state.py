@@ -159,8 +159,57 @@ def test_stage_fault_report_faults_the_run_only_when_it_matches():
     s = new_state()
     assert not s.on_stage_fault(StageFault(run_id=7, stage_index=3, reason="x", readiness_id=RID))
     assert s.first_fault is None
+    assert s.ignored[-1].kind == "stage_fault" and "stage 3" in s.ignored[-1].reason
     assert s.on_stage_fault(StageFault(run_id=7, stage_index=0, reason="oom", readiness_id=RID))
+    # a survivor's report is suspected first: the grace may find the node that really died
+    assert s.first_fault is None and "oom" in (s.suspected_fault or "")
+    assert s.admission_rejection(1, 8, False) is PromptRejection.NOT_PROMPT_READY
+    assert s.confirm_suspected()
     assert "oom" in (s.first_fault or "")
+
+
+def test_a_node_found_dead_during_the_grace_is_the_first_fault_not_the_survivor():
+    s = new_state()
+    s.nodes.append(
+        NodeState(node_id=2, stage_index=1, task_queue="mvp-node-7-2-abcd1234", readiness_id="r2")
+    )
+    s.phase = RunPhase.PROMPT_READY
+    assert s.on_stage_fault(
+        StageFault(run_id=7, stage_index=1, reason="EdgeClosed: edge 2", readiness_id="r2")
+    )
+    s.on_node_exited(1, "process 123 is gone")
+    assert s.first_fault == "prompt serving: node 1 exited: process 123 is gone"
+    assert not s.confirm_suspected()  # the echo changes nothing
+    assert s.first_fault.startswith("prompt serving: node 1 exited")
+    assert [r.kind for r in s.lifecycle].count(LifecycleKind.RUN_FAULTED) == 1
+
+
+def test_a_fault_after_an_operator_stop_is_a_fact_not_the_outcome():
+    s = new_state()
+    assert s.request_shutdown(ShutdownReason.OPERATOR_REQUESTED)
+    assert not s.fault("prompt serving: node 1 exited")
+    assert s.first_fault is None and s.later_faults == ["prompt serving: node 1 exited"]
+    out = s.outcome()
+    assert out.outcome is RunOutcomeKind.OPERATOR_STOPPED
+    assert out.later_faults == ["prompt serving: node 1 exited"]
+    assert LifecycleKind.RUN_FAULTED not in [r.kind for r in s.lifecycle]
+
+
+def test_a_failed_provider_stop_is_kept_apart_from_other_stop_errors():
+    s = new_state()
+    s.stop_error("StopRun stage 0: timeout")
+    assert s.provider_stop_error is None
+    s.stop_error("provider stop node 1: survived SIGKILL", provider=True)
+    assert s.first_stop_error == "StopRun stage 0: timeout"
+    assert s.provider_stop_error == "provider stop node 1: survived SIGKILL"
+
+
+def test_ignored_inputs_are_counted_and_the_latest_described():
+    s = new_state()
+    for i in range(40):
+        s.ignore("request_shutdown", f"reason {i}")
+    assert s.ignored_reports == 40
+    assert len(s.ignored) == 16 and s.ignored[-1].reason == "reason 39"
 
 
 def test_membership_loss_names_the_phase():

@@ -30,6 +30,10 @@ def test_missing_run_id_is_rejected():
         ({"prompt_queue_capacity": 9}, "between 1 and 8"),
         ({"provider": ProviderKind.DOCKER}, "needs worker_image"),
         ({"node_env": {"HF_TOKEN": "x"}}, "looks like a secret"),
+        ({"node_env": {"MVP_FAULT_MUTE": "1"}}, "test-only fault injection"),
+        ({"node_env": {"mvp_fault_text_delay_ms": "5"}}, "test-only fault injection"),
+        ({"node_env": {"MVP_TEST_FAULTS_ALLOWED": "1"}}, "test-only fault injection"),
+        ({"node_env": {"MVP_RUN_ID": "9"}}, "set by the provider"),
     ],
 )
 def test_invalid_requests_are_rejected_naming_what_is_wrong(change, message):
