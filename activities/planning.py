@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
+import os
 import socket
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.gguf_facts import read_model_facts
+from activities.heartbeat import in_thread
 from activities.models_store import ModelSourceError, resolve_model
 from mvp_core import names
 from mvp_core.models import PreparePlanInput, RunPlan
@@ -16,8 +17,6 @@ from mvp_core.planner import PlanningError, build_plan
 
 
 def provider_host() -> str:
-    import os
-
     return os.environ.get("MVP_PROVIDER_HOST") or socket.gethostname()
 
 
@@ -31,11 +30,11 @@ async def provider_queue() -> str:
 async def prepare_plan(inp: PreparePlanInput) -> RunPlan:
     """Resolve the model on this host and plan the run from its GGUF metadata."""
     try:
-        model_path = await asyncio.to_thread(resolve_model, inp.model)
+        model_path = await in_thread(resolve_model, inp.model)
         tokenizer_path = (
-            await asyncio.to_thread(resolve_model, inp.tokenizer) if inp.tokenizer else model_path
+            await in_thread(resolve_model, inp.tokenizer) if inp.tokenizer else model_path
         )
-        facts = await asyncio.to_thread(read_model_facts, model_path)
+        facts = await in_thread(read_model_facts, model_path)
         return build_plan(
             run_id=inp.run_id,
             orchestrator_node_id=inp.orchestrator_node_id,

@@ -7,6 +7,7 @@ import asyncio
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.heartbeat import in_thread
 from activities.providers.base import Provider
 from activities.providers.process import ProcessProvider
 from mvp_core import names
@@ -44,12 +45,12 @@ class ProviderActivities:
     @activity.defn(name=names.ACT_START_NODE)
     async def start_node(self, spec: NodeProvisionSpec) -> NodeHandle:
         provider = self._provider(ProviderKind.PROCESS)
-        return await asyncio.to_thread(provider.start, spec)
+        return await in_thread(provider.start, spec)
 
     @activity.defn(name=names.ACT_STOP_NODE)
     async def stop_node(self, inp: StopNodeInput) -> StopNodeResult:
         provider = self._provider(inp.handle.provider)
-        return await asyncio.to_thread(provider.stop, inp.handle, inp.grace_s)
+        return await in_thread(provider.stop, inp.handle, inp.grace_s)
 
     @activity.defn(name=names.ACT_WATCH_NODES)
     async def watch_nodes(self, inp: WatchNodesInput) -> NodeExited:

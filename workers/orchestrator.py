@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
+from datetime import timedelta
 
 from temporalio.worker import Worker
 
@@ -29,12 +31,17 @@ async def run_worker(stop: asyncio.Event) -> None:
     client = await connect()
     providers = ProviderActivities()
     host_queue = names.provider_task_queue(provider_host())
+    # A worker lost mid-task costs its sticky queue's schedule-to-start (default 10 s)
+    # before another worker takes the run: keep it short. MVP_MAX_CACHED_WORKFLOWS=0
+    # replays every workflow task from history (the reliability suite uses it).
     shared = Worker(
         client,
         task_queue=names.ORCHESTRATOR_TASK_QUEUE,
         workflows=[RunWorkflow, PromptWorkflow],
         activities=[provider_queue, check_route],
         max_concurrent_activities=64,
+        max_cached_workflows=int(os.environ.get("MVP_MAX_CACHED_WORKFLOWS", "1000")),
+        sticky_queue_schedule_to_start_timeout=timedelta(seconds=names.STICKY_SCHEDULE_TO_START_S),
     )
     local = Worker(
         client,

@@ -1,14 +1,35 @@
-"""The provider interface: one class per kind (process, docker, vastai)."""
+"""The provider interface: one class per kind (process, docker, vastai), and the facts
+every provider puts into a node's environment the same way."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
+import json
+import os
+import secrets
+from pathlib import Path
 from typing import Protocol
 
 from mvp_core.models import NodeExited, NodeHandle, NodeProvisionSpec, StopNodeResult
 
 # Secrets a provider passes from its own environment into node environments. They never
-# travel in workflow or activity payloads (ARCHITECTURE "Rules").
-SECRET_ENV_PASSTHROUGH = ("HF_TOKEN",)
+# travel in workflow or activity payloads (docs/architecture.md "Secrets").
+SECRET_ENV_PASSTHROUGH = ("HF_TOKEN", "MVP_PAYLOAD_KEY")
+
+# The edge token (docs/decisions.md 32): derived on the provider's host from a secret that
+# never enters Temporal, and handed to the node in its environment only.
+EDGE_SECRET_ENV = "MVP_EDGE_SECRET"
+EDGE_TOKEN_ENV = "MVP_EDGE_TOKEN"
+
+# Test-only fault injection (docs/decisions.md 31): a provider hands MVP_FAULT_* knobs to
+# its nodes only when the orchestrator worker itself was started by a test harness with
+# MVP_TEST_FAULTS_FILE (a JSON object: run id -> {knob: value}); nodes honour them only
+# with MVP_TEST_FAULTS_ALLOWED=1 in their own environment, which only such a provider sets.
+TEST_FAULTS_FILE_ENV = "MVP_TEST_FAULTS_FILE"
+TEST_FAULTS_ALLOWED_ENV = "MVP_TEST_FAULTS_ALLOWED"
+FAULT_PREFIX = "MVP_FAULT_"
 
 
 class Provider(Protocol):
@@ -23,3 +44,91 @@ class Provider(Protocol):
     def poll_exited(self, handles: list[NodeHandle]) -> NodeExited | None:
         """Report the first node whose runtime is gone, if any."""
         ...
+
+
+def state_dir() -> Path:
+    """Where providers of this host keep node directories and the host's edge secret."""
+    root = os.environ.get("MVP_STATE_DIR")
+    if root:
+        return Path(root)
+    return (
+        Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"))
+        / "mvp-orchestrator"
+    )
+
+
+def edge_secret() -> bytes:
+    """The secret edge tokens are derived from: ``MVP_EDGE_SECRET`` (base64, to share it
+    between the hosts whose providers start nodes of one run), else a random per-host
+    secret kept in the state directory (mode 0600), made on first use."""
+    configured = os.environ.get(EDGE_SECRET_ENV)
+    if configured:
+        try:
+            raw = base64.b64decode(configured, validate=True)
+        except ValueError:
+            raise ValueError(f"{EDGE_SECRET_ENV} is not valid base64") from None
+        if len(raw) < 16:
+            raise ValueError(f"{EDGE_SECRET_ENV} must hold at least 16 bytes")
+        return raw
+    path = state_dir() / "edge-secret"
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fresh = secrets.token_bytes(32)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path.read_bytes()  # another worker of this host made it first
+    with os.fdopen(fd, "wb") as f:
+        f.write(fresh)
+    return fresh
+
+
+def edge_token(secret: bytes, run_workflow_id: str, nonce: str) -> str:
+    """The token that authenticates one execution's data-plane edges: every node of the
+    execution derives the same one, nothing outside the provider's hosts can."""
+    msg = f"{run_workflow_id}/{nonce}/edges".encode()
+    return hmac.new(secret, msg, hashlib.sha256).hexdigest()[:32]
+
+
+def test_faults(run_id: int) -> dict[str, str]:
+    """The test harness's fault knobs for ``run_id`` ({} outside a test harness)."""
+    path = os.environ.get(TEST_FAULTS_FILE_ENV)
+    if not path:
+        return {}
+    try:
+        table = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    knobs = table.get(str(run_id), {}) if isinstance(table, dict) else {}
+    faults = {str(k): str(v) for k, v in knobs.items() if str(k).startswith(FAULT_PREFIX)}
+    return {**faults, TEST_FAULTS_ALLOWED_ENV: "1"}
+
+
+def node_environment(spec: NodeProvisionSpec, node_dir: str) -> dict[str, str]:
+    """What every provider puts into a node's environment, above the run's ``node_env``
+    (from which reserved keys are dropped again, whatever validation let through)."""
+    env = {
+        k: v
+        for k, v in spec.environment.items()
+        if not (k.startswith(FAULT_PREFIX) or k.startswith("MVP_TEST_") or k == EDGE_TOKEN_ENV)
+    }
+    env.update({k: os.environ[k] for k in SECRET_ENV_PASSTHROUGH if k in os.environ})
+    env.update(test_faults(spec.run_id))
+    env.update(
+        {
+            "MVP_RUN_ID": str(spec.run_id),
+            "MVP_NODE_ID": str(spec.node_id),
+            "MVP_STAGE_INDEX": str(spec.stage_index),
+            "MVP_TASK_QUEUE": spec.task_queue,
+            "MVP_READINESS_ID": spec.readiness_id,
+            "MVP_RUN_WORKFLOW_ID": spec.run_workflow_id,
+            "MVP_AUTHORIZED_ORCHESTRATOR": spec.authorized_orchestrator,
+            "MVP_TEMPORAL_NAMESPACE": spec.temporal_namespace,
+            "MVP_NODE_DIR": node_dir,
+            EDGE_TOKEN_ENV: edge_token(edge_secret(), spec.run_workflow_id, spec.nonce),
+        }
+    )
+    return env

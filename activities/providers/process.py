@@ -1,9 +1,11 @@
 """The process provider: node agents as local detached processes.
 
 Each node runs in its own session and process group, with its output in a log file, so
-it outlives the orchestrator worker that started it. A pid file keyed by
-(run_id, node_id, nonce) makes start idempotent; the recorded process start time
-guards against pid reuse.
+it outlives the orchestrator worker that started it. Start is idempotent at its source:
+the node's command line carries its resource name (run_id, node_id, nonce), and a
+retried start looks for a live process with that name before it launches another, so a
+worker killed between launching a node and recording it never starts the node twice.
+A pid file keeps the record; the recorded process start time guards against pid reuse.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import psutil
 
-from activities.providers.base import SECRET_ENV_PASSTHROUGH
+from activities.providers.base import TEST_FAULTS_FILE_ENV, node_environment, state_dir
 from mvp_core.models import NodeExited, NodeHandle, NodeProvisionSpec, ProviderKind, StopNodeResult
 
 NODE_MODULE = "workers.node"
@@ -39,16 +41,6 @@ _PASS_ENV = (
 )
 
 
-def state_dir() -> Path:
-    root = os.environ.get("MVP_STATE_DIR")
-    if root:
-        return Path(root)
-    return (
-        Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"))
-        / "mvp-orchestrator"
-    )
-
-
 def resource_name(run_id: int, node_id: int, nonce: str) -> str:
     return f"mvp-{run_id}-{node_id}-{nonce[:8]}"
 
@@ -61,6 +53,23 @@ def _alive(pid: int, create_time: float | None) -> bool:
         return bool(proc.status() != psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
         return False
+
+
+def resource_arg(name: str) -> str:
+    """The command-line mark of a node process: how a retried start finds it."""
+    return f"--resource={name}"
+
+
+def find_node_process(name: str) -> psutil.Process | None:
+    """The live node process of this execution, if one runs (whoever launched it)."""
+    mark = resource_arg(name)
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if mark in (proc.info["cmdline"] or []) and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                return proc
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return None
 
 
 def _reap(pid: int) -> None:
@@ -87,27 +96,17 @@ class ProcessProvider:
         if pid_file.exists():
             rec = json.loads(pid_file.read_text())
             return self._handle(spec, name, int(rec["pid"]), log_path)
+        running = find_node_process(name)
+        if running is not None:
+            # Launched by an attempt that died before it could record it: adopt it.
+            self._record(pid_file, running.pid, running.create_time())
+            return self._handle(spec, name, running.pid, log_path)
         env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
-        env.update({k: os.environ[k] for k in SECRET_ENV_PASSTHROUGH if k in os.environ})
-        env.update(spec.environment)
-        env.update(
-            {
-                "MVP_RUN_ID": str(spec.run_id),
-                "MVP_NODE_ID": str(spec.node_id),
-                "MVP_STAGE_INDEX": str(spec.stage_index),
-                "MVP_TASK_QUEUE": spec.task_queue,
-                "MVP_READINESS_ID": spec.readiness_id,
-                "MVP_RUN_WORKFLOW_ID": spec.run_workflow_id,
-                "MVP_AUTHORIZED_ORCHESTRATOR": spec.authorized_orchestrator,
-                "MVP_TEMPORAL_NAMESPACE": spec.temporal_namespace,
-                "MVP_NODE_DIR": str(node_dir),
-                "PYTHONUNBUFFERED": "1",
-                "OMP_WAIT_POLICY": "PASSIVE",
-            }
-        )
+        env.update(node_environment(spec, str(node_dir)))
+        env.update({"PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE"})
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
-                [self.python, "-m", NODE_MODULE],
+                [self.python, "-m", NODE_MODULE, resource_arg(name)],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -115,11 +114,19 @@ class ProcessProvider:
                 start_new_session=True,
                 cwd=str(node_dir),
             )
-        create_time = psutil.Process(proc.pid).create_time()
-        tmp = pid_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"pid": proc.pid, "create_time": create_time}))
-        os.replace(tmp, pid_file)
+        if (
+            os.environ.get(TEST_FAULTS_FILE_ENV)
+            and os.environ.get("MVP_TEST_CRASH_AFTER_LAUNCH") == "1"
+        ):
+            os._exit(1)  # test harness only: the worker dies before recording the node
+        self._record(pid_file, proc.pid, psutil.Process(proc.pid).create_time())
         return self._handle(spec, name, proc.pid, log_path)
+
+    @staticmethod
+    def _record(pid_file: Path, pid: int, create_time: float) -> None:
+        tmp = pid_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pid": pid, "create_time": create_time}))
+        os.replace(tmp, pid_file)
 
     def _handle(self, spec: NodeProvisionSpec, name: str, pid: int, log_path: Path) -> NodeHandle:
         return NodeHandle(

@@ -4,6 +4,8 @@ real node agent processes on the bundled SmolLM2 model."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import os
 import signal
 import subprocess
@@ -26,6 +28,9 @@ from workers.connect import connect
 
 REPO = Path(__file__).resolve().parents[2]
 SECRET = "hf_mvpTestSecret_4b1d9e0c7a"
+# The orchestrator worker's edge secret: tests derive each run's edge token from it and
+# check that the token never shows up in Temporal or in logs.
+EDGE_SECRET = base64.b64encode(b"mvp-test-edge-secret-0123456789ab").decode()
 
 
 def node_processes(state_dir: Path) -> list[psutil.Process]:
@@ -118,11 +123,29 @@ def temporal_server(session_dir: Path) -> Iterator[DevServer]:
 
 
 @pytest.fixture(scope="session")
+def faults_file(session_dir: Path) -> Path:
+    """Test-only fault knobs per run id, read by the orchestrator's process provider
+    (a run request cannot switch fault injection on)."""
+    path = session_dir / "faults.json"
+    path.write_text("{}")
+    return path
+
+
+def harness_env(faults_file: Path) -> dict[str, str]:
+    """What the test harness (never a run request) gives an orchestrator worker."""
+    return {
+        "HF_TOKEN": SECRET,
+        "MVP_EDGE_SECRET": EDGE_SECRET,
+        "MVP_TEST_FAULTS_FILE": str(faults_file),
+    }
+
+
+@pytest.fixture(scope="session")
 def orchestrator(
-    temporal_server: DevServer, state_dir: Path, session_dir: Path
+    temporal_server: DevServer, state_dir: Path, session_dir: Path, faults_file: Path
 ) -> Iterator[OrchestratorProcess]:
     proc = OrchestratorProcess(
-        temporal_server.address, state_dir, session_dir, {"HF_TOKEN": SECRET}
+        temporal_server.address, state_dir, session_dir, harness_env(faults_file)
     )
     proc.start()
     yield proc
@@ -137,12 +160,26 @@ async def client(temporal_server: DevServer) -> Client:
 class Runs:
     """Starts runs and remembers them, so that every test can be checked for leaks."""
 
-    def __init__(self, client: Client, orchestrator: OrchestratorProcess) -> None:
+    def __init__(
+        self, client: Client, orchestrator: OrchestratorProcess, faults_file: Path
+    ) -> None:
         self.client = client
         self.orchestrator = orchestrator
+        self.faults_file = faults_file
         self.handles: list[WorkflowHandle[object, object]] = []
 
-    async def start(self, run_id: int, **request: object) -> WorkflowHandle[object, object]:
+    def set_faults(self, run_id: int, faults: dict[str, str]) -> None:
+        table = json.loads(self.faults_file.read_text())
+        table[str(run_id)] = faults
+        tmp = self.faults_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(table))
+        os.replace(tmp, self.faults_file)
+
+    async def start(
+        self, run_id: int, *, faults: dict[str, str] | None = None, **request: object
+    ) -> WorkflowHandle[object, object]:
+        """Start run ``run_id``; ``faults``: test-only MVP_FAULT_* knobs for its nodes."""
+        self.set_faults(run_id, faults or {})
         req = RunRequest.model_validate(
             {
                 "model": {"bundled": "SmolLM2-135M-Instruct.Q4_1"},
@@ -155,6 +192,7 @@ class Runs:
             req,
             id=names.run_workflow_id(run_id),
             task_queue=names.ORCHESTRATOR_TASK_QUEUE,
+            task_timeout=timedelta(seconds=names.WORKFLOW_TASK_TIMEOUT_S),
         )
         self.handles.append(handle)
         return handle
@@ -162,9 +200,9 @@ class Runs:
 
 @pytest.fixture
 async def runs(
-    client: Client, orchestrator: OrchestratorProcess, state_dir: Path
+    client: Client, orchestrator: OrchestratorProcess, state_dir: Path, faults_file: Path
 ) -> AsyncIterator[Runs]:
-    r = Runs(client, orchestrator)
+    r = Runs(client, orchestrator, faults_file)
     yield r
     # Leak check first: every run this test started must be closed with its nodes gone.
     if orchestrator.proc is None or orchestrator.proc.poll() is not None:

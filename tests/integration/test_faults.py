@@ -15,7 +15,7 @@ from workers.client import submit_prompt
 
 async def test_node_exit_before_ready_fails_startup_fast_and_tears_down(runs: Runs):
     t0 = time.monotonic()
-    handle = await runs.start(501, node_env={"MVP_FAULT_EXIT_BEFORE_READY": "1"})
+    handle = await runs.start(501, faults={"MVP_FAULT_EXIT_BEFORE_READY": "1"})
     cause = await run_failure(handle)
     assert time.monotonic() - t0 < 30
     assert cause.startswith("startup ("), cause
@@ -27,7 +27,7 @@ async def test_node_exit_before_ready_fails_startup_fast_and_tears_down(runs: Ru
 async def test_node_killed_during_generation_faults_prompt_and_run_within_15s(runs: Runs):
     # each piece of text held 10 ms: the prompt cannot reach EOS before the kill, however
     # fast the machine
-    handle = await runs.start(502, node_env={"MVP_FAULT_TEXT_DELAY_MS": "10"})
+    handle = await runs.start(502, faults={"MVP_FAULT_TEXT_DELAY_MS": "10"})
     state = await wait_phase(handle, RunPhase.PROMPT_READY)
     pid = node_pids(state)[0]
     prompt = asyncio.ensure_future(

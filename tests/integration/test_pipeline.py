@@ -83,8 +83,12 @@ async def test_two_stages_equal_one_stage_with_the_same_fp16_rounding(runs: Runs
     assert _code_at(head, "libtorch_cpu.so") == _code_at(last, "libtorch_cpu.so")
     assert not _no_randomize(node_pids(await snapshot(ref))[0])
     for i, text in enumerate(PROMPTS):
-        got = await submit_prompt(runs.client, 801, SubmitPrompt(request_id=i, prompt_text=text, max_tokens=32))
-        want = await submit_prompt(runs.client, 802, SubmitPrompt(request_id=i, prompt_text=text, max_tokens=32))
+        got = await submit_prompt(
+            runs.client, 801, SubmitPrompt(request_id=i, prompt_text=text, max_tokens=32)
+        )
+        want = await submit_prompt(
+            runs.client, 802, SubmitPrompt(request_id=i, prompt_text=text, max_tokens=32)
+        )
         assert isinstance(got, Done) and isinstance(want, Done)
         assert (got.final_text, got.tokens_generated) == (want.final_text, want.tokens_generated)
     for handle, rid in ((pipe, 801), (ref, 802)):
@@ -93,15 +97,22 @@ async def test_two_stages_equal_one_stage_with_the_same_fp16_rounding(runs: Runs
 
 
 @pytest.mark.parametrize(("victim", "name"), [(0, "head"), (1, "middle"), (2, "last")])
-async def test_killing_any_stage_node_faults_prompt_and_run_within_15s(runs: Runs, victim: int, name: str):
+async def test_killing_any_stage_node_faults_prompt_and_run_within_15s(
+    runs: Runs, victim: int, name: str
+):
     run_id = 810 + victim
     handle = await runs.start(
-        run_id, pipeline_stages=3, node_env={"MVP_FAULT_TEXT_DELAY_MS": "10"}
+        run_id, pipeline_stages=3, faults={"MVP_FAULT_TEXT_DELAY_MS": "10"}
     )  # the prompt cannot reach EOS before the kill, however fast the machine
     state = await wait_phase(handle, RunPhase.PROMPT_READY)
     pid = next(n.handle.pid for n in state.nodes if n.stage_index == victim)
-    prompt = asyncio.ensure_future(submit_prompt(runs.client, run_id, SubmitPrompt(
-        request_id=1, prompt_text="Once upon a time", max_tokens=2000)))
+    prompt = asyncio.ensure_future(
+        submit_prompt(
+            runs.client,
+            run_id,
+            SubmitPrompt(request_id=1, prompt_text="Once upon a time", max_tokens=2000),
+        )
+    )
     await asyncio.sleep(1.0)
     t0 = time.monotonic()
     os.kill(pid, signal.SIGKILL)
@@ -137,26 +148,34 @@ async def test_rogue_peers_are_rejected_and_long_prompts_fault_while_the_run_kee
                 pass
     log = Path(last.handle.log_path).read_text()
     assert "authentication failed: wrong edge token" in log
-    too_long = await submit_prompt(runs.client, 820, SubmitPrompt(request_id=1, prompt_text="word " * 200))
+    too_long = await submit_prompt(
+        runs.client, 820, SubmitPrompt(request_id=1, prompt_text="word " * 200)
+    )
     assert isinstance(too_long, Fault) and "context" in too_long.error
-    ok = await submit_prompt(runs.client, 820, SubmitPrompt(request_id=2, prompt_text="Hello", max_tokens=4))
+    ok = await submit_prompt(
+        runs.client, 820, SubmitPrompt(request_id=2, prompt_text="Hello", max_tokens=4)
+    )
     assert isinstance(ok, Done) and ok.tokens_generated >= 1
     assert node_pids(await snapshot(handle)) == node_pids(state)
     await _shutdown(handle, 820)
 
 
 async def test_token_sequence_violation_inside_a_live_run_faults_it_cleanly(runs: Runs):
-    handle = await runs.start(830, pipeline_stages=2, node_env={"MVP_FAULT_SKEW_OUT_SEQUENCE": "1"})
+    handle = await runs.start(830, pipeline_stages=2, faults={"MVP_FAULT_SKEW_OUT_SEQUENCE": "1"})
     state = await wait_phase(handle, RunPhase.PROMPT_READY)
-    result = await submit_prompt(runs.client, 830, SubmitPrompt(request_id=1, prompt_text="Once upon a time",
-                                                                max_tokens=8))
+    result = await submit_prompt(
+        runs.client, 830, SubmitPrompt(request_id=1, prompt_text="Once upon a time", max_tokens=8)
+    )
     assert isinstance(result, Fault)
     cause = await run_failure(handle)
     # The first fault to arrive may be the driver's or a peer stage seeing its edge close;
     # either way the run faults while serving, and the head says exactly what happened.
     assert cause.startswith("prompt serving"), cause
     head = next(n for n in state.nodes if n.stage_index == 0)
-    assert "pipeline token sequence violation: expected 1, got 2" in Path(head.handle.log_path).read_text()
+    assert (
+        "pipeline token sequence violation: expected 1, got 2"
+        in Path(head.handle.log_path).read_text()
+    )
     final = await snapshot(handle)
     assert final.torn_down and all(n.provider_stopped for n in final.nodes)
     await wait_closed(handle)

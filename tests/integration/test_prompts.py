@@ -59,7 +59,7 @@ async def test_stream_batch_interval_is_the_runs_choice(runs: Runs):
         402,
         stream_batch_ms=1000,
         default_max_tokens=64,
-        node_env={"MVP_FAULT_TEXT_DELAY_MS": "20"},
+        faults={"MVP_FAULT_TEXT_DELAY_MS": "20"},
     )
     await wait_phase(handle, RunPhase.PROMPT_READY)
     events, arrivals = [], []
@@ -86,9 +86,7 @@ async def slow_run(runs: Runs):
     """A run whose node holds each piece of text 20 ms, so timing-bound tests do not depend
     on the machine: a long prompt is surely still active when it is cancelled (a fast one
     can reach EOS first), and 64 tokens span several stream batches."""
-    handle = await runs.start(
-        401, default_max_tokens=64, node_env={"MVP_FAULT_TEXT_DELAY_MS": "20"}
-    )
+    handle = await runs.start(401, default_max_tokens=64, faults={"MVP_FAULT_TEXT_DELAY_MS": "20"})
     await wait_phase(handle, RunPhase.PROMPT_READY)
     yield handle
     await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=401))
@@ -98,9 +96,7 @@ async def slow_run(runs: Runs):
 async def test_queue_fifo_rejections_and_cancel(runs: Runs, slow_run):
     ready_run = slow_run
     client = runs.client
-    long = SubmitPrompt(
-        request_id=10, prompt_text="Once upon a time", max_tokens=2000
-    )
+    long = SubmitPrompt(request_id=10, prompt_text="Once upon a time", max_tokens=2000)
     first = asyncio.ensure_future(submit_prompt(client, 401, long))
     await asyncio.sleep(0.5)
     pending = []

@@ -15,7 +15,7 @@ async def test_forged_and_stale_reports_do_not_advance_and_log_lines_and_ports_n
     runs: Runs,
 ):
     # The node looks ready in its log and listens on a port, but never reports.
-    handle = await runs.start(301, node_env={"MVP_FAULT_MUTE": "1"}, **FAST)
+    handle = await runs.start(301, faults={"MVP_FAULT_MUTE": "1"}, **FAST)
     while (await snapshot(handle)).phase != RunPhase.READINESS:
         await asyncio.sleep(0.1)
     state = await snapshot(handle)
@@ -50,7 +50,7 @@ async def test_forged_and_stale_reports_do_not_advance_and_log_lines_and_ports_n
 
 async def test_no_prompt_ready_when_poller_identity_does_not_match(runs: Runs):
     handle = await runs.start(
-        302, node_env={"MVP_FAULT_REPORT_IDENTITY": "someone-else@host:1"}, **FAST
+        302, faults={"MVP_FAULT_REPORT_IDENTITY": "someone-else@host:1"}, **FAST
     )
     cause = await run_failure(handle)
     assert "route owner" in cause, cause
@@ -60,7 +60,7 @@ async def test_no_prompt_ready_when_poller_identity_does_not_match(runs: Runs):
 
 
 async def test_no_prompt_ready_before_lease_started(runs: Runs):
-    handle = await runs.start(303, node_env={"MVP_FAULT_NO_LEASE_REPORT": "1"}, **FAST)
+    handle = await runs.start(303, faults={"MVP_FAULT_NO_LEASE_REPORT": "1"}, **FAST)
     cause = await run_failure(handle)
     assert "lease never started" in cause, cause
     state = await snapshot(handle)

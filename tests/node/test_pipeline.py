@@ -39,8 +39,9 @@ class Pipeline:
         self.ready = threading.Semaphore(0)
         self.servers = [DataPlaneServer() for _ in range(stages)]
         self.groups = [EdgeGroup(f"node{i}") for i in range(stages)]
-        self.stages = [load_stage(path, r.start, r.end, EngineOptions(device="cpu", threads=1))
-                       for r in layers]
+        self.stages = [
+            load_stage(path, r.start, r.end, EngineOptions(device="cpu", threads=1)) for r in layers
+        ]
         token = "t" * 32
         spec = {e.edge_id: EdgeSpec.from_plan(e) for e in edges}
         self.links = []
@@ -48,17 +49,35 @@ class Pipeline:
             inbound = next(e for e in edges if e.dst_stage == i)
             outbound = next(e for e in edges if e.src_stage == i)
             target = self.servers[outbound.dst_stage if outbound.dst_stage is not None else 0]
-            self.links.append(StageLink(
-                st, server=self.servers[i], group=self.groups[i], inbound=spec[inbound.edge_id],
-                outbound=spec[outbound.edge_id], consumer=Endpoint(target.host, target.port),
-                token=token, max_seq_len=max_seq_len, stop_ids=set(), connect_timeout_s=20,
-                on_ready=self.ready.release, on_fault=self.faults.append))
+            self.links.append(
+                StageLink(
+                    st,
+                    server=self.servers[i],
+                    group=self.groups[i],
+                    inbound=spec[inbound.edge_id],
+                    outbound=spec[outbound.edge_id],
+                    consumer=Endpoint(target.host, target.port),
+                    token=token,
+                    max_seq_len=max_seq_len,
+                    stop_ids=set(),
+                    connect_timeout_s=20,
+                    on_ready=self.ready.release,
+                    on_fault=self.faults.append,
+                )
+            )
         tin = next(e for e in edges if e.kind is EdgeKind.TOKEN_IN)
         tout = next(e for e in edges if e.kind is EdgeKind.TOKEN_OUT)
-        self.driver = Driver(server=self.servers[0], group=self.groups[0], token_in=spec[tin.edge_id],
-                             token_out=spec[tout.edge_id], token=token, connect_timeout_s=20,
-                             record_timeout_s=30, on_ready=self.ready.release,
-                             on_fault=self.faults.append)
+        self.driver = Driver(
+            server=self.servers[0],
+            group=self.groups[0],
+            token_in=spec[tin.edge_id],
+            token_out=spec[tout.edge_id],
+            token=token,
+            connect_timeout_s=20,
+            record_timeout_s=30,
+            on_ready=self.ready.release,
+            on_fault=self.faults.append,
+        )
         for link in self.links:
             link.start()
         self.driver.start()
@@ -68,12 +87,20 @@ class Pipeline:
     @staticmethod
     def _layers(path: str) -> int:
         from workers.engine import read_model_facts
+
         return read_model_facts(path).block_count
 
     def run(self, request_id: int, ids: list[int], n: int, max_seq_len: int) -> list[int]:
         out: list[int] = []
-        self.driver.run(request_id, ids, SamplingParams(), max_new_tokens=n, max_seq_len=max_seq_len,
-                        on_token=out.append, should_stop=lambda: False)
+        self.driver.run(
+            request_id,
+            ids,
+            SamplingParams(),
+            max_new_tokens=n,
+            max_seq_len=max_seq_len,
+            on_token=out.append,
+            should_stop=lambda: False,
+        )
         return out
 
     def close(self) -> None:
@@ -96,12 +123,26 @@ def pipeline(path: str, stages: int, max_seq_len: int, hidden: int) -> Iterator[
         p.close()
 
 
-def reference(path: str, ids: list[int], n: int, splits: tuple[int, ...], max_seq_len: int) -> list[int]:
-    stage = load_stage(path, 0, Pipeline._layers(path),
-                       EngineOptions(device="cpu", threads=1, fp16_split_points=splits))
+def reference(
+    path: str, ids: list[int], n: int, splits: tuple[int, ...], max_seq_len: int
+) -> list[int]:
+    stage = load_stage(
+        path,
+        0,
+        Pipeline._layers(path),
+        EngineOptions(device="cpu", threads=1, fp16_split_points=splits),
+    )
     try:
-        return list(generate([stage], ids, max_new_tokens=n, max_seq_len=max_seq_len,
-                             sampling=SamplingParams(), stop_ids=set()))
+        return list(
+            generate(
+                [stage],
+                ids,
+                max_new_tokens=n,
+                max_seq_len=max_seq_len,
+                sampling=SamplingParams(),
+                stop_ids=set(),
+            )
+        )
     finally:
         stage.close()
 
@@ -112,15 +153,19 @@ def smollm() -> str:
 
 
 @pytest.mark.parametrize("stages", [2, 3])
-def test_smollm_pipeline_equals_one_stage_with_the_same_fp16_rounding(smollm: str, stages: int) -> None:
+def test_smollm_pipeline_equals_one_stage_with_the_same_fp16_rounding(
+    smollm: str, stages: int
+) -> None:
     splits = tuple(r.start for r in stage_layer_ranges(30, stages)[1:])
     with pipeline(smollm, stages, 256, 576) as p:
         for rid, ids in enumerate(PROMPTS):
             got = p.run(rid, ids, 32, 256)
             want = reference(smollm, ids, 32, splits, 256)
             plain = reference(smollm, ids, 32, (), 256)
-            print(f"stages={stages} prompt={rid}: fp16-split equal={got == want}, "
-                  f"plain 1-stage equal={got == plain}")
+            print(
+                f"stages={stages} prompt={rid}: fp16-split equal={got == want}, "
+                f"plain 1-stage equal={got == plain}"
+            )
             assert got == want
         assert not p.faults
 

@@ -223,6 +223,7 @@ class NodeActivities:
 
         runtime.attach_pipeline(
             self.server,
+            edge_token=cfg.edge_token,
             connect_timeout_s=cfg.readiness_timeout_s,
             on_stage_ready=lambda: send(
                 names.SIGNAL_STAGE_READY,

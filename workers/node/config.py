@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -19,8 +19,12 @@ class NodeConfig:
     namespace: str
     address: str
     identity: str
+    # Authenticates this execution's edges; from the provider, never from Temporal.
+    edge_token: str = field(default="", repr=False)
     readiness_timeout_s: float = 120.0
-    lease_silence_s: float = 60.0
+    # Longer than a control-plane outage the run rides out (60 s): a node leaves on its
+    # own only when its run is closed, or when nothing reached it for this long.
+    lease_silence_s: float = 120.0
 
     @classmethod
     def from_env(cls) -> NodeConfig:
@@ -44,13 +48,16 @@ class NodeConfig:
             namespace=env.get("MVP_TEMPORAL_NAMESPACE", "default"),
             address=env.get("TEMPORAL_ADDRESS", "localhost:7233"),
             identity=f"{task_queue}@{socket.gethostname()}:{os.getpid()}",
-            lease_silence_s=float(env.get("MVP_LEASE_SILENCE_S", "60")),
+            edge_token=need("MVP_EDGE_TOKEN"),
+            lease_silence_s=float(env.get("MVP_LEASE_SILENCE_S", "120")),
         )
 
 
 @dataclass(frozen=True)
 class FaultInjection:
-    """Test-only misbehaviour, switched on through the run's ``node_env``."""
+    """Test-only misbehaviour. Honoured only when this process's own environment allows
+    it (MVP_TEST_FAULTS_ALLOWED=1, which only a provider running under a test harness
+    sets); a run request can never switch it on (its node_env may not name MVP_FAULT_*)."""
 
     exit_before_ready: bool = False
     mute: bool = False
@@ -62,6 +69,8 @@ class FaultInjection:
     @classmethod
     def from_env(cls) -> FaultInjection:
         env = os.environ
+        if env.get("MVP_TEST_FAULTS_ALLOWED") != "1":
+            return cls()
         return cls(
             exit_before_ready=env.get("MVP_FAULT_EXIT_BEFORE_READY") == "1",
             mute=env.get("MVP_FAULT_MUTE") == "1",
