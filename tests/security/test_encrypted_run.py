@@ -1,0 +1,183 @@
+"""With MVP_PAYLOAD_KEY set, a real run on a real dev server keeps prompt and completion
+text out of Temporal's stored history, while a client with the key still reads it.
+
+The test starts its own dev server and orchestrator worker (not the session's shared
+ones), so its encrypted history never mixes with theirs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from google.protobuf.message import Message
+from temporalio.api.common.v1 import Payload
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowHandle,
+    WorkflowHistory,
+    WorkflowQueryFailedError,
+)
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.service import RPCError
+
+from mvp_core import names
+from mvp_core.models import (
+    Done,
+    RequestShutdown,
+    RunOutcome,
+    RunRequest,
+    ShutdownReason,
+    SubmitPrompt,
+)
+from mvp_core.run_state import RunState
+from temporal.devserver import start_dev_server
+from tests.integration.conftest import OrchestratorProcess, node_processes
+from workers.client import PromptRejected, submit_prompt
+from workers.codec import ENCODING, EncryptionCodec, new_key, parse_key
+from workers.connect import connect, encrypted_data_converter
+
+RUN_ID = 9301
+PROMPT = "Okapi-Zanzibar-7719 is a secret code word. Tell me about"
+
+
+def _payloads(msg: Message, *, skip: frozenset[str] = frozenset()) -> Iterator[Payload]:
+    """Every Payload inside a proto message (fields named in ``skip`` left out)."""
+    if isinstance(msg, Payload):
+        yield msg
+        return
+    for field, value in msg.ListFields():
+        if field.name in skip or field.type != field.TYPE_MESSAGE:
+            continue
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            items = list(value.values())
+        elif field.is_repeated:
+            items = list(value)
+        else:
+            items = [value]
+        for item in items:
+            if isinstance(item, Message):
+                yield from _payloads(item, skip=skip)
+
+
+async def _wait_prompt_ready(handle: WorkflowHandle[object, object], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = await handle.query(names.QUERY_SNAPSHOT, result_type=RunState)
+        except (RPCError, WorkflowQueryFailedError):
+            last = None
+            desc = await handle.describe()
+            if desc.status != WorkflowExecutionStatus.RUNNING:
+                await handle.result()  # raises the run's failure, decoded with the key
+                raise AssertionError(f"run closed before prompt-ready: {desc.status}") from None
+        if last is not None and last.phase.value == "prompt_ready":
+            return
+        assert last is None or not last.stopping, f"run stopped: {last.first_fault}"
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"not prompt-ready in {timeout}s (last {last and last.phase})")
+
+
+async def _histories(raw: Client, run_wf: str) -> dict[str, WorkflowHistory]:
+    """Raw (undecoded) history events of the run and its prompt children."""
+    ids: set[str] = set()
+    for _ in range(50):  # visibility lags the close by a moment
+        ids = {wf.id async for wf in raw.list_workflows()}
+        if run_wf in ids and any(i.startswith(f"{run_wf}-prompt-") for i in ids):
+            break
+        await asyncio.sleep(0.1)
+    assert run_wf in ids and any(i.startswith(f"{run_wf}-prompt-") for i in ids), ids
+    return {wf_id: await raw.get_workflow_handle(wf_id).fetch_history() for wf_id in sorted(ids)}
+
+
+@pytest.mark.timeout(150)
+async def test_prompt_and_completion_are_encrypted_at_rest(tmp_path: Path):
+    key = new_key()
+    codec = EncryptionCodec(parse_key(key))
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    server = start_dev_server(
+        str(tmp_path / "temporal.db"), log_file=str(tmp_path / "temporal.log")
+    )
+    orchestrator = OrchestratorProcess(
+        server.address, state_dir, tmp_path, {"MVP_PAYLOAD_KEY": key}
+    )
+    client: Client | None = None
+    try:
+        orchestrator.start()
+        client = await connect(server.address, data_converter=encrypted_data_converter(codec))
+        raw = await connect(server.address, data_converter=pydantic_data_converter)
+        request = RunRequest.model_validate(
+            {"model": {"bundled": "SmolLM2-135M-Instruct.Q4_1"}, "default_max_tokens": 16}
+        )
+        handle = await client.start_workflow(
+            names.RUN_WORKFLOW,
+            request,
+            id=names.run_workflow_id(RUN_ID),
+            task_queue=names.ORCHESTRATOR_TASK_QUEUE,
+        )
+        # Failure messages are sealed too (encode_common_attributes); a keyed client reads them.
+        with pytest.raises(PromptRejected) as rejected:
+            await submit_prompt(client, RUN_ID, SubmitPrompt(request_id=0, prompt_text=PROMPT))
+        assert rejected.value.kind == "RunNotPromptReady"
+        assert str(rejected.value) not in ("", "Encoded failure")
+        await _wait_prompt_ready(handle, 60)
+        done = await submit_prompt(client, RUN_ID, SubmitPrompt(request_id=1, prompt_text=PROMPT))
+        assert isinstance(done, Done), done
+        completion = done.final_text.strip()
+        assert len(completion) >= 8, done  # long enough that a chance match means a leak
+        outcome = await handle.execute_update(
+            "request_shutdown_and_wait",
+            RequestShutdown(run_id=RUN_ID, reason=ShutdownReason.OPERATOR_REQUESTED),
+            result_type=RunOutcome,
+        )
+        assert outcome is not None
+        await asyncio.wait_for(handle.result(), 30)
+
+        histories = await _histories(raw, handle.id)
+        # The texts as they are and as they appear inside JSON (escaped newlines).
+        escaped = json.dumps(completion)[1:-1].encode()
+        secrets_ = {PROMPT.encode(), completion.encode(), escaped, b"Okapi-Zanzibar"}
+        secrets_ |= {line.encode() for line in completion.splitlines() if len(line) >= 8}
+        decoded = bytearray()
+        for wf_id, history in histories.items():
+            whole = history.to_json().encode()  # the whole history as the CLI would dump it
+            for s in secrets_:
+                assert s not in whole, f"{wf_id}: user text in clear in the history"
+            for event in history.events:
+                blob = event.SerializeToString()
+                for s in secrets_:
+                    assert s not in blob, f"{wf_id}: {event.event_type} holds user text in clear"
+                # Every payload but search attributes (which Temporal must index) is sealed.
+                for p in _payloads(event, skip=frozenset({"search_attributes"})):
+                    assert p.metadata.get("encoding") == ENCODING, (wf_id, event.event_type)
+                    decoded += codec.decrypt(p).SerializeToString()
+        assert PROMPT.encode() in decoded
+        assert escaped in decoded
+
+        deadline = time.monotonic() + 10
+        while node_processes(state_dir) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert not node_processes(state_dir), "node processes survived the run"
+    finally:
+        if client is not None:
+            try:
+                desc = await client.get_workflow_handle(names.run_workflow_id(RUN_ID)).describe()
+                if desc.status == WorkflowExecutionStatus.RUNNING:
+                    await client.get_workflow_handle(desc.id).terminate("test clean-up")
+            except RPCError:
+                pass
+        for proc in node_processes(state_dir):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        orchestrator.stop()
+        server.stop()
