@@ -304,6 +304,15 @@ SAMPLING_HEADER_LEN = _SAMPLING.size
 SAMPLING_HEADER_BYTES = SAMPLING_HEADER_LEN  # the name mvp_core.planner refers to
 assert SAMPLING_HEADER_LEN == 40
 _SAMPLING_HAS_SEED = 1
+_F32 = struct.Struct("<f")
+
+
+def _as_f32(value: float) -> float | None:
+    """`value` as the float32 the sampling header carries; None when out of its range."""
+    try:
+        return float(_F32.unpack(_F32.pack(value))[0])
+    except OverflowError:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,10 +341,21 @@ class SamplingParams:
             raise RecordError(
                 f"sampling header: temperature {self.temperature} must be finite and >= 0"
             )
+        # The wire carries float32: a temperature beyond its range would fail to pack (an
+        # OverflowError, not a RecordError), and a tiny top_p would arrive as 0, which the
+        # receiver rejects; both are refused here, on the side that made them.
+        if _as_f32(self.temperature) is None:
+            raise RecordError(
+                f"sampling header: temperature {self.temperature} is out of float32 range"
+            )
         if not 0 <= self.top_k <= _U32_MAX:
             raise RecordError(f"sampling header: top_k {self.top_k} out of u32 range")
         if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise RecordError(f"sampling header: top_p {self.top_p} must be in (0, 1]")
+        if _as_f32(self.top_p) == 0.0:
+            raise RecordError(
+                f"sampling header: top_p {self.top_p} is 0 as a float32; must be in (0, 1]"
+            )
         if self.seed is not None and not 0 <= self.seed <= _U64_MAX:
             raise RecordError(f"sampling header: seed {self.seed} out of u64 range")
 
