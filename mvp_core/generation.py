@@ -33,9 +33,6 @@ class TokenFeedback:
         self.injected = sequence + 1
         return self.injected
 
-    def may_inject(self, sequence: int) -> bool:
-        return sequence == 0 or sequence <= self.expected
-
 
 @dataclass
 class StopRule:

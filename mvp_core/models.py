@@ -35,17 +35,23 @@ class ModelSource(_Model):
     path: str | None = Field(default=None, description="Path of a GGUF file on the provider host")
 
 
-class RunTimeouts(_Model):
-    """Deadlines of the run (DECISIONS 8), all in seconds."""
+_DAY_S = 86_400.0
+_U32 = 2**32 - 1
+_U64 = 2**64 - 1
 
-    readiness_s: float = Field(default=120.0, gt=0)
-    ack_s: float = Field(default=30.0, gt=0)
-    ack_resend_s: float = Field(default=1.0, gt=0)
-    weight_load_s: float = Field(default=300.0, gt=0)
-    stop_grace_s: float = Field(default=5.0, ge=0)
-    stage_stopped_wait_s: float = Field(default=10.0, ge=0)
-    lease_heartbeat_s: float = Field(default=10.0, gt=0)
-    generate_heartbeat_s: float = Field(default=5.0, gt=0)
+
+class RunTimeouts(_Model):
+    """Deadlines of the run (DECISIONS 8), all in seconds, finite and at most a day."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    readiness_s: float = Field(default=120.0, gt=0, le=_DAY_S)
+    ack_s: float = Field(default=30.0, gt=0, le=_DAY_S)
+    ack_resend_s: float = Field(default=1.0, gt=0, le=_DAY_S)
+    weight_load_s: float = Field(default=300.0, gt=0, le=_DAY_S)
+    stop_grace_s: float = Field(default=5.0, ge=0, le=_DAY_S)
+    stage_stopped_wait_s: float = Field(default=10.0, ge=0, le=_DAY_S)
+    lease_heartbeat_s: float = Field(default=10.0, gt=0, le=_DAY_S)
+    generate_heartbeat_s: float = Field(default=5.0, gt=0, le=_DAY_S)
 
 
 class EngineSettings(_Model):
@@ -368,16 +374,20 @@ class StopRun(_Model):
 
 
 class SubmitPrompt(_Model):
-    """A prompt (actor spec 4.5 plus DECISIONS 10). ``reply_to`` is the prompt stream."""
+    """A prompt (actor spec 4.5 plus DECISIONS 10). ``reply_to`` is the prompt stream.
 
-    request_id: int = Field(ge=0)
+    Bounds are the data plane's: ids and seeds are u64, counts u32, sampling floats
+    finite float32 values (the begin record carries them)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    request_id: int = Field(ge=0, le=_U64)
     prompt_text: str
-    max_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=0, le=_U32)
     chat: bool = False
-    temperature: float = Field(default=0.0, ge=0.0)
-    top_k: int = Field(default=0, ge=0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0)
+    temperature: float = Field(default=0.0, ge=0.0, le=1000.0)
+    top_k: int = Field(default=0, ge=0, le=_U32)
+    top_p: float = Field(default=1.0, ge=1e-6, le=1.0)
+    seed: int | None = Field(default=None, ge=0, le=_U64)
 
 
 class TextDelta(_Model):

@@ -21,7 +21,12 @@ from pathlib import Path
 
 import psutil
 
-from activities.providers.base import TEST_FAULTS_FILE_ENV, node_environment, state_dir
+from activities.providers.base import (
+    TEST_FAULTS_FILE_ENV,
+    node_environment,
+    state_dir,
+    test_faults,
+)
 from mvp_core.models import NodeExited, NodeHandle, NodeProvisionSpec, ProviderKind, StopNodeResult
 
 NODE_MODULE = "workers.node"
@@ -149,6 +154,18 @@ class ProcessProvider:
             return None
 
     def stop(self, handle: NodeHandle, grace_s: float) -> StopNodeResult:
+        result = self._stop(handle, grace_s)
+        if (
+            test_faults(handle.run_id).get("MVP_FAULT_PROVIDER_STOP") == "1"
+            and result.error is None
+        ):
+            # Test harness only: the node is stopped, but the provider reports it was not.
+            return StopNodeResult(
+                node_id=handle.node_id, stopped=False, error="injected provider stop failure"
+            )
+        return result
+
+    def _stop(self, handle: NodeHandle, grace_s: float) -> StopNodeResult:
         pid = handle.pid
         if pid is None:
             return StopNodeResult(node_id=handle.node_id, stopped=True)

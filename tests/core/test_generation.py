@@ -10,11 +10,15 @@ from mvp_core.generation import (
 
 
 def test_feedback_injects_next_sequence_only_after_consuming_previous():
+    # The driver injects the sequence consume() returns, after consuming the previous one
+    # (workers/node/pipeline.py through SequenceChecker): nothing can be injected early.
     fb = TokenFeedback()
-    assert fb.may_inject(0) and not fb.may_inject(2)
-    assert fb.consume(0) == 1
-    assert fb.may_inject(1) and not fb.may_inject(2)
-    assert fb.consume(1) == 2
+    assert fb.injected == 0  # only the prompt record (sequence 0) is out
+    assert fb.consume(0) == 1 and fb.injected == 1
+    assert fb.consume(1) == 2 and fb.injected == 2
+    with pytest.raises(TokenSequenceViolation):
+        fb.consume(1)  # a replayed sequence is never fed back twice
+    assert fb.injected == 2
 
 
 def test_sequence_mismatch_is_a_violation_with_the_contract_text():

@@ -69,3 +69,48 @@ def test_malformed_requests_name_every_bad_field_and_never_echo_values():
         with pytest.raises(RunRejectedError, match=f"expected a JSON object, got {kind}$"):
             parse_request(bad)
     assert parse_request(OK.model_dump(mode="json")) == OK
+
+
+def test_nodes_ignore_fault_knobs_unless_their_own_environment_allows_them(monkeypatch):
+    from workers.node.config import FaultInjection
+
+    monkeypatch.setenv("MVP_FAULT_MUTE", "1")
+    monkeypatch.setenv("MVP_FAULT_TEXT_DELAY_MS", "50")
+    monkeypatch.delenv("MVP_TEST_FAULTS_ALLOWED", raising=False)
+    assert FaultInjection.from_env() == FaultInjection()
+    monkeypatch.setenv("MVP_TEST_FAULTS_ALLOWED", "1")
+    assert FaultInjection.from_env().mute and FaultInjection.from_env().text_delay_s == 0.05
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        (
+            {"model": {"bundled": "m"}, "timeouts": {"readiness_s": float("inf")}},
+            "timeouts.readiness_s",
+        ),
+        ({"model": {"bundled": "m"}, "timeouts": {"ack_s": 1e300}}, "timeouts.ack_s"),
+    ],
+)
+def test_unbounded_timeouts_are_rejected_before_anything_starts(raw, field):
+    with pytest.raises(RunRejectedError, match=field):
+        parse_request(raw)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"request_id": 2**64},
+        {"seed": 2**64},
+        {"top_k": 2**32},
+        {"temperature": float("inf")},
+        {"top_p": 1e-50},
+    ],
+)
+def test_prompt_values_the_data_plane_cannot_carry_are_invalid(change):
+    from pydantic import ValidationError
+
+    from mvp_core.models import SubmitPrompt
+
+    with pytest.raises(ValidationError):
+        SubmitPrompt.model_validate({"request_id": 1, "prompt_text": "x", **change})

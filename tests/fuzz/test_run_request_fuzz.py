@@ -341,7 +341,7 @@ _valid_prompt = st.fixed_dictionaries(
         "chat": st.booleans(),
         "temperature": st.floats(0.0, 2.0),
         "top_k": st.integers(0, 100),
-        "top_p": st.floats(0.0, 1.0, exclude_min=True),
+        "top_p": st.floats(1e-6, 1.0),
         "seed": st.none() | st.integers(0, 2**63),
     },
 )
@@ -353,15 +353,20 @@ _PROMPT_MUTATIONS: dict[str, st.SearchStrategy[Any]] = {
     "chat": st.one_of(
         _marker, st.integers().filter(lambda i: i not in (0, 1)), st.lists(_marker), st.none()
     ),
-    "temperature": st.floats(max_value=-1e-12) | st.just(math.nan) | _not_float | st.none(),
-    "top_k": _negative | _not_int | st.none(),
+    "temperature": st.floats(max_value=-1e-12)
+    | st.floats(min_value=1000.0, exclude_min=True)
+    | st.just(math.nan)
+    | st.just(math.inf)
+    | _not_float
+    | st.none(),
+    "top_k": _negative | _not_int | st.none() | st.integers(min_value=2**32),
     "top_p": st.one_of(
-        st.floats(max_value=0.0),
+        st.floats(max_value=1e-6, exclude_max=True),
         st.floats(min_value=1.0, exclude_min=True),
         st.just(math.nan),
         _not_float,
     ),
-    "seed": _negative | _not_int,
+    "seed": _negative | _not_int | st.integers(min_value=2**64),
     "surplus": _json,
 }
 
