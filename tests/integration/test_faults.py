@@ -7,6 +7,10 @@ import os
 import signal
 import time
 
+import pytest
+from temporalio.client import WorkflowFailureError
+from temporalio.exceptions import ApplicationError
+
 from mvp_core import names
 from mvp_core.models import RequestShutdown, RunOutcome, RunPhase, SubmitPrompt
 from tests.integration.conftest import Runs, node_pids, run_failure, snapshot, wait_phase
@@ -63,3 +67,42 @@ async def test_a_stop_that_really_fails_is_kept_and_every_stop_is_attempted(runs
     state = await snapshot(handle)
     assert state.nodes[0].provider_stopped  # the provider stop was still attempted and killed it
     assert [r.kind.value for r in outcome.lifecycle][-1] == "RunTornDown"
+
+
+async def test_an_operator_stop_whose_provider_stop_fails_fails_the_run_naming_it(runs: Runs):
+    handle = await runs.start(504, faults={"MVP_FAULT_PROVIDER_STOP": "1"})
+    await wait_phase(handle, RunPhase.PROMPT_READY)
+    await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN)
+    with pytest.raises(WorkflowFailureError) as err:
+        await handle.result()
+    cause = err.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "RunStopFailed"
+    assert "provider stop node 1: injected provider stop failure" in cause.message
+    outcome = RunOutcome.model_validate(cause.details[0])
+    assert outcome.outcome.value == "operator_stopped" and outcome.first_fault is None
+    assert outcome.lifecycle[-1].kind.value == "RunTornDown"
+
+
+async def test_a_node_dying_after_an_operator_stop_does_not_make_the_run_faulted(runs: Runs):
+    handle = await runs.start(
+        505,
+        pipeline_stages=2,
+        faults={"MVP_FAULT_TEXT_DELAY_MS": "10"},
+        timeouts={"stop_grace_s": 1},
+    )
+    state = await wait_phase(handle, RunPhase.PROMPT_READY)
+    prompt = asyncio.ensure_future(
+        submit_prompt(
+            runs.client, 505, SubmitPrompt(request_id=1, prompt_text="Once upon", max_tokens=2000)
+        )
+    )
+    await asyncio.sleep(1.0)
+    await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN)
+    os.kill(node_pids(state)[-1], signal.SIGKILL)  # a fault after the stop: a fact only
+    result = await prompt
+    assert result.type == "fault"
+    outcome = RunOutcome.model_validate(await handle.result())
+    assert outcome.outcome.value == "operator_stopped", outcome
+    assert outcome.first_fault is None
+    kinds = [r.kind.value for r in outcome.lifecycle]
+    assert "RunFaulted" not in kinds and kinds[-1] == "RunTornDown"

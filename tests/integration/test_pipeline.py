@@ -105,7 +105,8 @@ async def test_killing_any_stage_node_faults_prompt_and_run_within_15s(
         run_id, pipeline_stages=3, faults={"MVP_FAULT_TEXT_DELAY_MS": "10"}
     )  # the prompt cannot reach EOS before the kill, however fast the machine
     state = await wait_phase(handle, RunPhase.PROMPT_READY)
-    pid = next(n.handle.pid for n in state.nodes if n.stage_index == victim)
+    victim_node = next(n for n in state.nodes if n.stage_index == victim)
+    pid = victim_node.handle.pid
     prompt = asyncio.ensure_future(
         submit_prompt(
             runs.client,
@@ -122,6 +123,8 @@ async def test_killing_any_stage_node_faults_prompt_and_run_within_15s(
     elapsed = time.monotonic() - t0
     assert elapsed < 15, f"{name}: {elapsed:.1f}s"
     assert cause.startswith("prompt serving"), cause
+    # the first fault names the node that died, not a survivor that saw its edge close
+    assert f"node {victim_node.node_id} exited" in cause, cause
     final = await snapshot(handle)
     assert final.torn_down and all(n.provider_stopped for n in final.nodes)
 

@@ -119,6 +119,11 @@ async def test_queue_fifo_rejections_and_cancel(runs: Runs, slow_run):
     await ready_run.signal(names.SIGNAL_CANCEL_PROMPT, CancelPrompt(request_id=10))
     r_first = await first
     assert isinstance(r_first, Fault) and "cancelled" in r_first.error
+    # a cancelled prompt's workflow says so: result, search attribute, details
+    child = client.get_workflow_handle(_prompt_wf(await snapshot(ready_run), 10))
+    desc = await child.describe()
+    assert desc.search_attributes.get("MvpPromptStatus") == ["cancelled"]
+    assert (await child.result())["status"] == "cancelled"
     results = await asyncio.gather(*pending)
     assert isinstance(results[3], Fault) and results[3].error == "cancelled"
     done = [r for i, r in enumerate(results) if i != 3]
@@ -134,11 +139,31 @@ async def test_queue_fifo_rejections_and_cancel(runs: Runs, slow_run):
     assert isinstance(again, Done)
 
 
+def _prompt_wf(state, request_id: int) -> str:
+    """The prompt workflow id of the latest PromptAccepted report for ``request_id``."""
+    return next(
+        r.detail
+        for r in reversed(state.lifecycle)
+        if r.kind.value == "PromptAccepted" and r.request_id == request_id
+    )
+
+
 async def test_max_tokens_absent_uses_the_run_default(runs: Runs, ready_run):
     r = await submit_prompt(
         runs.client, 401, SubmitPrompt(request_id=5, prompt_text="Once upon a time")
     )
-    assert isinstance(r, Done) and r.tokens_generated == 64
+    assert isinstance(r, Done) and r.tokens_generated == 64 and r.stop_reason == "max_tokens"
+    child = runs.client.get_workflow_handle(_prompt_wf(await snapshot(ready_run), 5))
+    assert (await child.describe()).search_attributes.get("MvpPromptStatus") == ["done"]
+
+
+async def test_done_says_the_model_ended_it(runs: Runs, ready_run):
+    r = await submit_prompt(
+        runs.client,
+        401,
+        SubmitPrompt(request_id=8, prompt_text="Say hi.", chat=True, max_tokens=200),
+    )
+    assert isinstance(r, Done) and r.stop_reason == "eos" and r.tokens_generated < 200
 
 
 async def test_prompt_longer_than_context_is_a_prompt_fault_and_run_keeps_serving(

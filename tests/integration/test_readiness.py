@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from mvp_core import names
 from mvp_core.models import NodeRuntimeReady, RunPhase
@@ -49,11 +50,15 @@ async def test_forged_and_stale_reports_do_not_advance_and_log_lines_and_ports_n
 
 
 async def test_no_prompt_ready_when_poller_identity_does_not_match(runs: Runs):
+    t0 = time.monotonic()
     handle = await runs.start(
         302, faults={"MVP_FAULT_REPORT_IDENTITY": "someone-else@host:1"}, **FAST
     )
     cause = await run_failure(handle)
-    assert "route owner" in cause, cause
+    # a real mismatch verdict naming the poller seen, not the check's retries running out
+    assert "route owner" in cause and "expected poller 'someone-else@host:1'" in cause, cause
+    assert "saw ['mvp-node-302-1-" in cause, cause
+    assert time.monotonic() - t0 < 12, "the mismatch must not wait for the readiness deadline"
     state = await snapshot(handle)
     assert not any(r.kind.value == "RunReady" for r in state.lifecycle)
     assert state.torn_down
