@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 
@@ -9,8 +10,9 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.gguf_facts import read_model_facts
-from activities.heartbeat import in_thread
+from activities.heartbeat import HEARTBEAT_EVERY_S, in_thread
 from activities.models_store import ModelSourceError, resolve_model
+from activities.providers.base import harness_faults
 from mvp_core import names
 from mvp_core.models import PreparePlanInput, RunPlan
 from mvp_core.planner import PlanningError, build_plan
@@ -29,6 +31,7 @@ async def provider_queue() -> str:
 @activity.defn(name=names.ACT_PREPARE_PLAN)
 async def prepare_plan(inp: PreparePlanInput) -> RunPlan:
     """Resolve the model on this host and plan the run from its GGUF metadata."""
+    await _test_delay(inp.run_id)
     try:
         model_path = await in_thread(resolve_model, inp.model)
         tokenizer_path = (
@@ -47,3 +50,12 @@ async def prepare_plan(inp: PreparePlanInput) -> RunPlan:
         )
     except (PlanningError, ModelSourceError) as err:
         raise ApplicationError(str(err), type="PlanningError", non_retryable=True) from None
+
+
+async def _test_delay(run_id: int) -> None:
+    """Test harness only (MVP_FAULT_PLAN_DELAY_S): a slow planning, heartbeating."""
+    delay = float(harness_faults(run_id).get("MVP_FAULT_PLAN_DELAY_S", "0"))
+    deadline = asyncio.get_running_loop().time() + delay
+    while asyncio.get_running_loop().time() < deadline:
+        activity.heartbeat("test delay")
+        await asyncio.sleep(min(HEARTBEAT_EVERY_S, delay))

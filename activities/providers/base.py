@@ -93,7 +93,7 @@ def edge_token(secret: bytes, run_workflow_id: str, nonce: str) -> str:
     return hmac.new(secret, msg, hashlib.sha256).hexdigest()[:32]
 
 
-def test_faults(run_id: int) -> dict[str, str]:
+def harness_faults(run_id: int) -> dict[str, str]:
     """The test harness's fault knobs for ``run_id`` ({} outside a test harness)."""
     path = os.environ.get(TEST_FAULTS_FILE_ENV)
     if not path:
@@ -116,7 +116,7 @@ def node_environment(spec: NodeProvisionSpec, node_dir: str) -> dict[str, str]:
         if not (k.startswith(FAULT_PREFIX) or k.startswith("MVP_TEST_") or k == EDGE_TOKEN_ENV)
     }
     env.update({k: os.environ[k] for k in SECRET_ENV_PASSTHROUGH if k in os.environ})
-    env.update(test_faults(spec.run_id))
+    env.update(harness_faults(spec.run_id))
     env.update(
         {
             "MVP_RUN_ID": str(spec.run_id),

@@ -23,9 +23,9 @@ import psutil
 
 from activities.providers.base import (
     TEST_FAULTS_FILE_ENV,
+    harness_faults,
     node_environment,
     state_dir,
-    test_faults,
 )
 from mvp_core.models import NodeExited, NodeHandle, NodeProvisionSpec, ProviderKind, StopNodeResult
 
@@ -156,7 +156,7 @@ class ProcessProvider:
     def stop(self, handle: NodeHandle, grace_s: float) -> StopNodeResult:
         result = self._stop(handle, grace_s)
         if (
-            test_faults(handle.run_id).get("MVP_FAULT_PROVIDER_STOP") == "1"
+            harness_faults(handle.run_id).get("MVP_FAULT_PROVIDER_STOP") == "1"
             and result.error is None
         ):
             # Test harness only: the node is stopped, but the provider reports it was not.

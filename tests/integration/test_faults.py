@@ -106,3 +106,18 @@ async def test_a_node_dying_after_an_operator_stop_does_not_make_the_run_faulted
     assert outcome.first_fault is None
     kinds = [r.kind.value for r in outcome.lifecycle]
     assert "RunFaulted" not in kinds and kinds[-1] == "RunTornDown"
+
+
+async def test_shutdown_during_a_slow_planning_takes_effect_at_once(runs: Runs):
+    """Every wait watches for shutdown: planning (which heartbeats) is abandoned, and
+    the run ends as an operator stop with nothing provisioned."""
+    handle = await runs.start(506, faults={"MVP_FAULT_PLAN_DELAY_S": "120"})
+    await wait_phase(handle, RunPhase.PLANNING, timeout=30)
+    await asyncio.sleep(1.0)
+    t0 = time.monotonic()
+    await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN)
+    outcome = RunOutcome.model_validate(await handle.result())
+    assert time.monotonic() - t0 < 5, time.monotonic() - t0
+    assert outcome.outcome.value == "operator_stopped"
+    kinds = [r.kind.value for r in outcome.lifecycle]
+    assert "RunProvisioningStarted" not in kinds and kinds[-1] == "RunTornDown"
