@@ -1,0 +1,239 @@
+"""Chat with a running run from a terminal: ``mvp-chat --run-id N``.
+
+Every line read from standard input is one prompt, sent with the model's chat template
+(``--raw``: as a plain completion); the reply streams as it is generated, then its stop
+reason. The run keeps no conversation: each line stands on its own. End with EOF
+(Ctrl-D), ``/quit`` or Ctrl-C; Ctrl-C during a reply cancels that prompt first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from datetime import timedelta
+from typing import Any
+
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowHandle,
+    WorkflowQueryFailedError,
+    WorkflowQueryRejectedError,
+)
+from temporalio.service import RPCError, RPCStatusCode
+
+from mvp_core import names
+from mvp_core.models import CancelPrompt, Done, RunPhase, SubmitPrompt, TextDelta
+from mvp_core.run_state import RunState
+from workers.client import PromptRejected, stream_prompt
+from workers.connect import DEFAULT_ADDRESS, connect, temporal_address
+
+PROMPT = "prompt:> "
+QUIT = "/quit"
+# A duplicate id belongs to a prompt another client has in the run's queue (at most 8).
+MAX_ID_TRIES = 9
+
+
+class ChatError(Exception):
+    """Why mvp-chat cannot start, in words for stderr; it exits with 1."""
+
+
+async def open_run(client: Client, run_id: int, address: str) -> WorkflowHandle[Any, Any]:
+    """The run's handle, once it is known to exist and to be open."""
+    handle = client.get_workflow_handle(names.run_workflow_id(run_id))
+    try:
+        desc = await handle.describe()
+    except RPCError as err:
+        if err.status is RPCStatusCode.NOT_FOUND:
+            raise ChatError(f"no run {handle.id} on {address}") from None
+        raise ChatError(f"cannot describe run {handle.id} on {address}: {err}") from None
+    if desc.status is not WorkflowExecutionStatus.RUNNING:
+        status = desc.status.name.lower() if desc.status else "closed"
+        raise ChatError(f"run {handle.id} has ended ({status})")
+    with contextlib.suppress(RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError):
+        state = await handle.query(
+            names.QUERY_SNAPSHOT, result_type=RunState, rpc_timeout=timedelta(seconds=5)
+        )
+        if state.phase is not RunPhase.PROMPT_READY:
+            print(
+                f"note: run {handle.id} is {state.phase.value}; it rejects prompts until it "
+                "is prompt_ready",
+                flush=True,
+            )
+    return handle
+
+
+class Chat:
+    """The conversation loop: lines in, streamed replies out."""
+
+    def __init__(self, client: Client, run_id: int, args: argparse.Namespace) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.max_tokens: int | None = args.max_tokens
+        self.chat = not args.raw
+        self.next_id = 1
+        self.in_flight: int | None = None
+
+    async def reply(self, text: str) -> None:
+        """Submit one prompt and print its reply as it streams, then how it ended."""
+        for _ in range(MAX_ID_TRIES):
+            request_id, self.next_id = self.next_id, self.next_id + 1
+            prompt = SubmitPrompt(
+                request_id=request_id,
+                prompt_text=text,
+                max_tokens=self.max_tokens,
+                chat=self.chat,
+            )
+            self.in_flight = request_id  # kept when cancelled: the prompt to cancel
+            try:
+                await self._stream(prompt)
+                self.in_flight = None
+                return
+            except PromptRejected as err:
+                self.in_flight = None
+                if err.kind != "DuplicateRequestId":
+                    print(f"rejected ({err.kind}): {err}", flush=True)
+                    return
+            except RPCError as err:  # e.g. the run has ended, or the server is gone
+                raise ChatError(f"lost run {names.run_workflow_id(self.run_id)}: {err}") from None
+        print(f"rejected: request ids up to {self.next_id - 1} are all in use", flush=True)
+
+    async def _stream(self, prompt: SubmitPrompt) -> None:
+        async for event in stream_prompt(self.client, self.run_id, prompt):
+            if isinstance(event, TextDelta):
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            elif isinstance(event, Done):
+                print(
+                    f"\n[{event.tokens_generated} tokens, stopped by {event.stop_reason}, "
+                    f"{event.elapsed_ms} ms]",
+                    flush=True,
+                )
+            else:
+                print(f"\nerror: {event.error}", flush=True)
+
+    async def cancel(self, request_id: int) -> None:
+        """Tell the run the client is going away: it ends the prompt with a Fault."""
+        handle = self.client.get_workflow_handle(names.run_workflow_id(self.run_id))
+        await handle.signal(names.SIGNAL_CANCEL_PROMPT, CancelPrompt(request_id=request_id))
+
+
+def run_turn(loop: asyncio.AbstractEventLoop, chat: Chat, text: str) -> bool:
+    """One prompt on the loop; Ctrl-C (or SIGTERM) cancels it. False when interrupted."""
+    turn = loop.create_task(chat.reply(text))
+    interrupted: list[int] = []
+
+    def on_signal(sig: int) -> None:
+        interrupted.append(sig)
+        turn.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        with contextlib.suppress(asyncio.CancelledError):
+            loop.run_until_complete(turn)
+    except Exception:
+        # An interrupt may surface as the SDK's own error (an update RPC "cancelled").
+        if not interrupted:
+            raise
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    if not interrupted:
+        return True
+    request_id = chat.in_flight
+    if request_id is not None:
+        with contextlib.suppress(RPCError, TimeoutError):
+            loop.run_until_complete(asyncio.wait_for(chat.cancel(request_id), 5))
+        print(f"\ncancelled request {request_id}", flush=True)
+    return False
+
+
+def read_line(tty: bool) -> str | None:
+    """The next line, None at EOF. Read here, off the loop, so that a terminal gets line
+    editing; Ctrl-C raises KeyboardInterrupt as usual."""
+    try:
+        return input(PROMPT if tty else "")
+    except EOFError:
+        if tty:
+            print(flush=True)
+        return None
+
+
+def converse(loop: asyncio.AbstractEventLoop, chat: Chat) -> int:
+    tty = sys.stdin.isatty()
+    if tty:
+        with contextlib.suppress(ImportError):
+            import readline  # noqa: F401  (line editing and history for input())
+    try:
+        while (line := read_line(tty)) is not None:
+            text = line.strip()
+            if text == QUIT:
+                break
+            if text and not run_turn(loop, chat, text):
+                return 130
+    except KeyboardInterrupt:
+        print(flush=True)
+        return 130
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mvp-chat",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--run-id", type=int, required=True, help="the run to talk to (mvp-run-<id>)")
+    p.add_argument(
+        "--address",
+        default=None,
+        help=f"Temporal frontend HOST:PORT (default: $TEMPORAL_ADDRESS, else {DEFAULT_ADDRESS})",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="most tokens per reply (default: the run's default_max_tokens)",
+    )
+    p.add_argument(
+        "--raw", action="store_true", help="send lines as plain completions, no chat template"
+    )
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
+    address = args.address or temporal_address()
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    code = 1
+    try:
+        client = loop.run_until_complete(connect(address))
+        loop.run_until_complete(open_run(client, args.run_id, address))
+        code = converse(loop, Chat(client, args.run_id, args))
+    except ChatError as err:
+        print(f"mvp-chat: {err}", file=sys.stderr)
+    except RuntimeError as err:  # the SDK's connection failure
+        print(f"mvp-chat: cannot reach Temporal at {address}: {err}", file=sys.stderr)
+    except KeyboardInterrupt:  # while connecting
+        code = 130
+    finally:
+        loop.run_until_complete(_cancel_rest())
+        loop.close()
+    raise SystemExit(code)
+
+
+async def _cancel_rest() -> None:
+    """Tasks left behind by an interrupted prompt (e.g. its pending result)."""
+    rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in rest:
+        task.cancel()
+    await asyncio.gather(*rest, return_exceptions=True)
+
+
+if __name__ == "__main__":
+    main()
