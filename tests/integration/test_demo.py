@@ -1,0 +1,304 @@
+"""The terminal programs a new user meets first, run for real: ``python -m workers.demo``
+(its own dev server, worker and nodes) and ``mvp-chat`` against a run.
+
+Every demo here gets its own --data-dir under tmp_path, so the processes it starts can be
+told from everyone else's: the dev server by its --db-filename, the orchestrator worker
+by its MVP_STATE_DIR, the nodes by their working directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+
+from activities.models_store import DEFAULT_BUNDLED, fetch_bundled
+from mvp_core import names
+from mvp_core.models import RequestShutdown, RunPhase
+from temporal.devserver import DevServerError, exit_cause, start_dev_server
+from tests.integration.conftest import REPO, Runs, snapshot, wait_closed, wait_phase
+
+EXIT_BOUND_S = 10.0
+LONG_REPLY = ["--max-tokens", "400"]  # long enough to be interrupted while it streams
+
+
+class Demo:
+    """``python -m workers.demo`` in its own session (as a terminal runs it), its output
+    collected by threads so that a test can wait for a line and then signal it."""
+
+    def __init__(self, data_dir: Path, *args: str) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "MVP_STATE_DIR"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "workers.demo", "--data-dir", str(data_dir), *args],
+            cwd=REPO,
+            env={**env, "PYTHONUNBUFFERED": "1"},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._readers = [
+            threading.Thread(target=self._read, args=(self.proc.stdout, self.out), daemon=True),
+            threading.Thread(target=self._read, args=(self.proc.stderr, self.err), daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream: object, into: list[str]) -> None:
+        assert stream is not None
+        while chunk := os.read(stream.fileno(), 4096):  # type: ignore[attr-defined]
+            into.append(chunk.decode(errors="replace"))
+
+    @property
+    def stdout(self) -> str:
+        return "".join(self.out)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.err)
+
+    def wait_for(self, ready: Callable[[str], bool], timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready(self.stdout):
+            if self.proc.poll() is not None:
+                raise AssertionError(f"demo exited early:\n{self.stdout}\n{self.stderr}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"demo never got there:\n{self.stdout}\n{self.stderr}")
+            time.sleep(0.05)
+
+    def wait_streaming(self, prompt: str = "The capital of France is") -> None:
+        """Until the reply has begun: text after the prompt that follows prompt-ready."""
+
+        def streaming(out: str) -> bool:
+            _, ready, rest = out.partition("prompt-ready")
+            return bool(ready) and len(rest.partition(prompt)[2].strip()) >= 3
+
+        self.wait_for(streaming)
+
+    def finish(self, timeout: float = 120) -> int:
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        for reader in self._readers:
+            reader.join(5)
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def leftovers(data_dir: Path) -> list[str]:
+    """Live processes that belong to demos under ``data_dir``."""
+    mark = str(data_dir)
+    found = []
+    for proc in psutil.process_iter(["cmdline", "cwd", "status"]):
+        try:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            cmd = " ".join(proc.info["cmdline"] or [])
+            ours = (
+                mark in cmd
+                or str(proc.info["cwd"] or "").startswith(mark)
+                or proc.environ().get("MVP_STATE_DIR", "").startswith(mark)
+            )
+            if ours and proc.pid != os.getpid():
+                found.append(f"{proc.pid} {cmd[:160]}")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def stop_leftovers(data_dir: Path) -> None:
+    """After a failed test: leave nothing behind for the next one."""
+    for line in leftovers(data_dir):
+        try:
+            psutil.Process(int(line.split()[0])).kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path):
+    d = tmp_path / "demo"
+    yield d
+    stop_leftovers(d)
+
+
+def assert_interrupted_cleanly(demo: Demo, sig: signal.Signals, began: float, data_dir: Path):
+    code = demo.finish(timeout=30)
+    took = time.monotonic() - began
+    out, err = demo.stdout, demo.stderr
+    assert "Traceback" not in out + err, out + err
+    assert code == 128 + sig.value, (code, out, err)
+    assert took < EXIT_BOUND_S, f"exit took {took:.1f} s:\n{out}\n{err}"
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines == [lines[0]] and lines[0].startswith(f"interrupted by {sig.name}: stopped "), err
+    assert "the run, the orchestrator worker, the dev server" in lines[0], err
+    assert leftovers(data_dir) == []
+
+
+# --------------------------------------------------------------------------- signals
+
+
+def test_ctrl_c_while_streaming_stops_run_worker_and_server(data_dir: Path):
+    demo = Demo(data_dir, *LONG_REPLY)
+    demo.wait_streaming()
+    began = time.monotonic()
+    os.killpg(demo.proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    assert_interrupted_cleanly(demo, signal.SIGINT, began, data_dir)
+    assert "tokens, stopped by" not in demo.stdout  # it really was cut off mid-reply
+
+
+def test_sigterm_while_nodes_start_stops_run_worker_and_server(data_dir: Path):
+    demo = Demo(data_dir, *LONG_REPLY)
+    demo.wait_for(lambda out: "waiting for prompt-ready" in out)
+    time.sleep(1.0)  # provisioning: node processes are being started
+    began = time.monotonic()
+    demo.proc.send_signal(signal.SIGTERM)  # `kill -TERM <demo>`: the demo alone
+    assert_interrupted_cleanly(demo, signal.SIGTERM, began, data_dir)
+
+
+def test_run_left_by_a_demo_killed_hard_is_terminated_not_resumed(data_dir: Path):
+    first = Demo(data_dir, *LONG_REPLY)
+    first.wait_streaming()
+    run_id = re.search(r"run (mvp-run-\d+) started", first.stdout)
+    assert run_id is not None
+    first.proc.send_signal(signal.SIGKILL)  # the demo alone: its children outlive it
+    first.finish()
+
+    second = Demo(data_dir, "--max-tokens", "4")
+    assert second.finish() == 0, second.stdout + second.stderr
+    assert re.search(
+        rf"terminated {run_id.group(1)} \(and stopped \d node process\(es\)\): left running by "
+        "an earlier demo that was killed",
+        second.stdout,
+    ), second.stdout
+    assert "Traceback" not in second.stdout + second.stderr
+    assert leftovers(data_dir) == []  # the first demo's nodes too
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def test_rejected_run_ends_the_demo_with_its_reason(data_dir: Path):
+    demo = Demo(data_dir, "--stages", "0")
+    assert demo.finish(timeout=60) == 1
+    assert "run rejected: --pipeline-stages must be greater than 0" in demo.stderr
+    assert "Traceback" not in demo.stdout + demo.stderr
+    assert leftovers(data_dir) == []
+
+
+def test_second_demo_on_a_data_dir_names_the_busy_database(data_dir: Path):
+    model = str(fetch_bundled(DEFAULT_BUNDLED))
+    prompt = "What is the capital of France?"
+    first = Demo(data_dir, "--model", model, "--chat", "--prompt", prompt, "--max-tokens", "8")
+    first.wait_for(lambda out: "started" in out)
+    second = Demo(data_dir, "--max-tokens", "4")
+    assert second.finish(timeout=30) == 1
+    assert f"in use by another demo (pid {first.proc.pid}" in second.stderr, second.stderr
+    assert f"{data_dir / 'dev.db'} is busy" in second.stderr
+    assert "Traceback" not in second.stderr
+
+    # The first one is unharmed; with --chat the prompt is a user line, the reply its own.
+    assert first.finish() == 0, first.stdout + first.stderr
+    out = first.stdout
+    assert out.count(prompt) == 1 and f"user: {prompt}\nassistant: " in out, out
+    assert re.search(r"\[\d tokens, stopped by (eos|max_tokens);", out), out
+    assert "download" not in out  # the model is cached: no download line
+    assert leftovers(data_dir) == []
+
+
+def test_model_that_is_neither_bundled_nor_a_file_is_named(data_dir: Path):
+    demo = Demo(data_dir, "--model", "/no/such/model.gguf")
+    assert demo.finish(timeout=30) == 1
+    assert "--model '/no/such/model.gguf' is neither a bundled model" in demo.stderr
+    assert DEFAULT_BUNDLED in demo.stderr
+
+
+def test_dev_server_early_exit_names_its_cause(tmp_path: Path):
+    not_a_file = tmp_path / "db-is-a-directory"
+    not_a_file.mkdir()
+    with pytest.raises(DevServerError, match="unable to open database file"):
+        start_dev_server(str(not_a_file))
+    server = start_dev_server(str(tmp_path / "a.db"))
+    try:
+        with pytest.raises(DevServerError, match="address already in use"):
+            start_dev_server(str(tmp_path / "b.db"), port=server.port)
+    finally:
+        server.stop()
+    busy = (
+        "Error: failed starting server: failed creating namespaces: unable to create SQLite "
+        "admin DB: database is locked (5) (SQLITE_BUSY)"
+    )
+    assert exit_cause(f"Temporal CLI 1.9.1\n{busy}\n") == busy.removeprefix("Error: ")
+
+
+# --------------------------------------------------------------------------- mvp-chat
+
+
+def chat(address: str, run_id: int, *args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "workers.chat", "--run-id", str(run_id), *args],
+        cwd=REPO,
+        env={**os.environ, "TEMPORAL_ADDRESS": address},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+async def test_chat_streams_replies_and_cancels_on_ctrl_c(runs: Runs, temporal_server):
+    run_id = 1001
+    handle = await runs.start(run_id)
+    await wait_phase(handle, RunPhase.PROMPT_READY)
+
+    proc = chat(temporal_server.address, run_id, "--raw", "--max-tokens", "6")
+    lines = b"The capital of France is\n\n/quit\nnot sent\n"
+    out, err = await asyncio.to_thread(proc.communicate, lines, 60)
+    assert proc.returncode == 0, err
+    text = out.decode()
+    assert "[6 tokens, stopped by max_tokens" in text and "Traceback" not in text + err.decode()
+    assert (await snapshot(handle)).prompts_completed == 1  # "not sent" was not
+
+    proc = chat(temporal_server.address, run_id, "--raw", "--max-tokens", "400")
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(b"Once upon a time\n")
+    proc.stdin.flush()
+    assert await asyncio.to_thread(proc.stdout.read, 8)  # the reply streams
+    proc.send_signal(signal.SIGINT)
+    out, err = await asyncio.to_thread(proc.communicate, None, 30)
+    assert proc.returncode == 130, err
+    assert "cancelled request 1" in out.decode() and not err
+    deadline = time.monotonic() + 20
+    while (state := await snapshot(handle)).prompts_faulted < 1:
+        assert time.monotonic() < deadline, state
+        await asyncio.sleep(0.2)
+    assert state.active is None and state.lifecycle[-1].detail == "cancelled"
+
+    await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=run_id))
+    await wait_closed(handle)
+
+
+async def test_chat_names_a_run_that_does_not_exist(temporal_server):
+    proc = chat(temporal_server.address, 987654)
+    _, err = await asyncio.to_thread(proc.communicate, b"", 60)
+    assert proc.returncode == 1
+    assert err.decode().strip() == f"mvp-chat: no run mvp-run-987654 on {temporal_server.address}"
