@@ -1,0 +1,78 @@
+"""Every program the project offers answers ``--help``: the console scripts declared in
+pyproject.toml, the ``python -m`` modules and the scripts that README.md and docs/ tell a
+user to run (or that parse arguments). A declared script whose module is missing, or a
+module that fails on import, fails here instead of in a new user's terminal."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+OUR_PACKAGES = ("workers", "activities", "mvp_core", "workflows", "temporal", "scripts")
+ALWAYS = {"workers.demo", "workers.orchestrator", "workers.chat"}
+# Offline tools that import an optional package at the top; skipped where it is absent.
+NEEDS = {"scripts/reference/llamacpp_reference.py": "llama_cpp"}
+
+
+def console_scripts() -> dict[str, str]:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    scripts: dict[str, str] = project.get("scripts", {})
+    return scripts
+
+
+def documented_modules() -> set[str]:
+    found = set(ALWAYS)
+    for doc in DOCS:
+        for module in re.findall(r"python[\d.]* -m ([A-Za-z_][\w.]*)", doc.read_text()):
+            if module.split(".")[0] in OUR_PACKAGES:
+                found.add(module)
+    return found
+
+
+def scripts() -> set[str]:
+    found = {
+        str(path.relative_to(REPO))
+        for path in (REPO / "scripts").rglob("*.py")
+        if "argparse" in path.read_text()
+    }
+    for doc in DOCS:
+        found.update(re.findall(r"\b(scripts/[\w/]+\.py)\b", doc.read_text()))
+    return found
+
+
+def assert_help(cmd: list[str], what: str) -> None:
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{what} --help exited {done.returncode}:\n{done.stderr}"
+    assert done.stdout.startswith("usage:"), f"{what} --help printed:\n{done.stdout}"
+
+
+@pytest.mark.parametrize("name", sorted(console_scripts()))
+def test_console_script_answers_help(name: str):
+    target = console_scripts()[name]
+    module = target.partition(":")[0]
+    assert importlib.util.find_spec(module) is not None, f"{name} = {target!r}: no such module"
+    installed = Path(sys.executable).with_name(name)
+    assert installed.exists(), f"{name} is not installed in the venv: pip install -e ."
+    assert_help([str(installed), "--help"], name)
+
+
+@pytest.mark.parametrize("module", sorted(documented_modules()))
+def test_python_m_module_answers_help(module: str):
+    assert_help([sys.executable, "-m", module, "--help"], f"python -m {module}")
+
+
+@pytest.mark.parametrize("script", sorted(scripts()))
+def test_script_answers_help(script: str):
+    assert (REPO / script).is_file(), f"{script} is documented but does not exist"
+    needed = NEEDS.get(script)
+    if needed is not None and importlib.util.find_spec(needed) is None:
+        pytest.skip(f"{script} needs {needed}, an optional offline tool")
+    assert_help([sys.executable, script, "--help"], script)
