@@ -610,7 +610,7 @@ class RunWorkflow:
             await workflow.wait_condition(
                 lambda: (
                     state.stopping
-                    or (state.active is None and bool(state.pending))
+                    or (state.active is None and bool(state.pending) and not state.suspected_fault)
                     or (workflow.info().is_continue_as_new_suggested() and not self._rolling_over)
                     or (self._rolling_over and state.prompts_in_flight() == 0)
                 )

@@ -203,7 +203,16 @@ async def runs(
     client: Client, orchestrator: OrchestratorProcess, state_dir: Path, faults_file: Path
 ) -> AsyncIterator[Runs]:
     r = Runs(client, orchestrator, faults_file)
+    seen = {log: log.stat().st_size for log in orchestrator.log_dir.glob("orchestrator-*.log")}
     yield r
+    # No workflow task of the test's runs may have failed (a deadlock, a nondeterminism,
+    # an exception the workflow did not expect): the run may have recovered, but it was a bug.
+    task_failures = [
+        line
+        for log in orchestrator.log_dir.glob("orchestrator-*.log")
+        for line in log.read_text(errors="replace")[seen.get(log, 0) :].splitlines()
+        if "Failed handling activation" in line or "TMPRL1101" in line
+    ]
     # Leak check first: every run this test started must be closed with its nodes gone.
     if orchestrator.proc is None or orchestrator.proc.poll() is not None:
         orchestrator.start()
@@ -228,6 +237,7 @@ async def runs(
         except ProcessLookupError:
             pass
     assert not still_open, f"runs left open by the test: {still_open}"
+    assert not task_failures, f"workflow tasks failed: {task_failures[:3]}"
     assert not leaked, f"node processes survived the test: {[p.pid for p in leaked]}"
 
 

@@ -22,7 +22,7 @@ from tests.integration.conftest import (
     wait_closed,
     wait_phase,
 )
-from workers.client import submit_prompt
+from workers.client import start_prompt, submit_prompt
 from workers.node.layout import ADDR_NO_RANDOMIZE
 
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
@@ -114,11 +114,16 @@ async def test_killing_any_stage_node_faults_prompt_and_run_within_15s(
             SubmitPrompt(request_id=1, prompt_text="Once upon a time", max_tokens=2000),
         )
     )
-    await asyncio.sleep(1.0)
+    await asyncio.sleep(0.5)
+    queued = await start_prompt(  # pending behind the active one when the node dies
+        runs.client, run_id, SubmitPrompt(request_id=2, prompt_text="Hi", max_tokens=4)
+    )
+    await asyncio.sleep(0.5)
     t0 = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     result = await asyncio.wait_for(prompt, 20)
     assert isinstance(result, Fault), result
+    assert (await asyncio.wait_for(queued.result(), 20)).type == "fault"
     cause = await run_failure(handle)
     elapsed = time.monotonic() - t0
     assert elapsed < 15, f"{name}: {elapsed:.1f}s"
@@ -166,11 +171,19 @@ async def test_rogue_peers_are_rejected_and_long_prompts_fault_while_the_run_kee
 async def test_token_sequence_violation_inside_a_live_run_faults_it_cleanly(runs: Runs):
     handle = await runs.start(830, pipeline_stages=2, faults={"MVP_FAULT_SKEW_OUT_SEQUENCE": "1"})
     state = await wait_phase(handle, RunPhase.PROMPT_READY)
-    result = await submit_prompt(
+    first = await start_prompt(
         runs.client, 830, SubmitPrompt(request_id=1, prompt_text="Once upon a time", max_tokens=8)
     )
+    queued = await start_prompt(
+        runs.client, 830, SubmitPrompt(request_id=2, prompt_text="Hi", max_tokens=4)
+    )
+    result = await first.result()
     assert isinstance(result, Fault)
+    # while the fault waits out its grace (no node died), the queued prompt is not started
+    # and ends with a Fault when the run faults: exactly one terminal event
+    assert (await queued.result()).type == "fault"
     cause = await run_failure(handle)
+    assert "sequence violation" in cause, cause
     # The first fault to arrive may be the driver's or a peer stage seeing its edge close;
     # either way the run faults while serving, and the head says exactly what happened.
     assert cause.startswith("prompt serving"), cause
