@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import fcntl
+import json
 import logging
 import os
 import signal
@@ -105,8 +106,10 @@ def model_source(value: str) -> ModelSource:
 class DataDirLock:
     """One demo per data directory: its dev server's SQLite database allows one server.
 
-    The lock file holds the pid of the demo that has it; the kernel drops the lock when
-    that process ends, however it ends."""
+    The lock file names the demo that holds it and the processes it started; the kernel
+    drops the lock when that demo ends, however it ends. A demo killed hard leaves its
+    dev server and worker to die of its death (they get SIGTERM) and the next demo waits
+    for them, so that two servers never share the database."""
 
     def __init__(self, root: Path) -> None:
         path = root / LOCK_FILE
@@ -114,19 +117,54 @@ class DataDirLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            holder = _read_lock(fd).get("pid", "unknown")
             os.close(fd)
             raise DemoError(
                 f"the data directory {root} is in use by another demo (pid {holder}, see "
                 f"{path}): its Temporal database {root / 'dev.db'} is busy. Wait for that "
                 f"demo to end, stop it (kill -INT {holder}), or pass another --data-dir"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
+        self._left: dict[str, list[float]] = _read_lock(fd).get("children", {})
+        self._record: dict[str, Any] = {"pid": os.getpid(), "children": {}}
+        self._write()
+
+    def record(self, name: str, pid: int) -> None:
+        """Remember a process this demo started, for the next demo if this one is killed."""
+        self._record["children"][name] = [pid, psutil.Process(pid).create_time()]
+        self._write()
+
+    def stop_leftovers(self, wait_s: float = 5.0) -> list[str]:
+        """The processes an earlier demo here started and that still run: wait for them
+        to exit, kill them past ``wait_s``; what had to be killed."""
+        procs: dict[str, psutil.Process] = {}
+        for name, (pid, created) in self._left.items():
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(int(pid))
+                if abs(proc.create_time() - created) < 0.5:  # not a reused pid
+                    procs[name] = proc
+        _, alive = psutil.wait_procs(list(procs.values()), timeout=wait_s)
+        for proc in alive:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(alive, timeout=5)
+        return [name for name, proc in procs.items() if proc in alive]
+
+    def _write(self) -> None:
+        data = json.dumps(self._record).encode()
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, data, 0)
 
     def release(self) -> None:
         os.close(self._fd)
+
+
+def _read_lock(fd: int) -> dict[str, Any]:
+    try:
+        data = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 class DownloadLine:
@@ -177,6 +215,7 @@ class Demo:
     root: Path
     source: ModelSource
     state_dir: Path
+    lock: DataDirLock
     server: DevServer | None = None
     worker: subprocess.Popen[bytes] | None = None
     handle: WorkflowHandle[Any, Any] | None = None
@@ -251,6 +290,7 @@ class Demo:
             )
         except DevServerError as err:
             raise DemoError(f"{err}; its log: {root / 'temporal.log'}") from None
+        self.lock.record("dev server", self.server.process.pid)
         print(
             f"  gRPC {self.server.address}, Web UI http://127.0.0.1:{self.server.ui_port}",
             flush=True,
@@ -258,6 +298,7 @@ class Demo:
         client = await connect(self.server.address)
         await self._terminate_leftovers(client)
         self.worker = self._start_worker(self.server.address)
+        self.lock.record("orchestrator worker", self.worker.pid)
         self.run_id = args.run_id or int(time.time()) % 1_000_000
         try:
             request = RunRequest(
@@ -591,9 +632,13 @@ def run(args: argparse.Namespace) -> int:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
+        killed = lock.stop_leftovers()
+        if killed:
+            print(f"killed the {' and '.join(killed)} an earlier demo left running", flush=True)
         fetch_model(source)
         state_dir = Path(os.environ.get("MVP_STATE_DIR") or root / "state").resolve()
-        return asyncio.run(Demo(args=args, root=root, source=source, state_dir=state_dir).main())
+        demo = Demo(args=args, root=root, source=source, state_dir=state_dir, lock=lock)
+        return asyncio.run(demo.main())
     except DemoError as err:
         print(f"demo: {err}", file=sys.stderr)
         return 1
