@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-SEARCH_ATTRIBUTES = {"MvpRunPhase": "Keyword"}
+SEARCH_ATTRIBUTES = {"MvpRunPhase": "Keyword", "MvpPromptStatus": "Keyword"}
 
 
 # The local dev server yields the CPU to node token paths on a host it shares with them

@@ -602,6 +602,8 @@ class RunWorkflow:
         for node in self._state.nodes:
             self._start_lease(node, self._request.timeouts.lease_heartbeat_s * 3)
         self._start_watch()
+        if self._state.suspected_fault is not None:
+            self._start_grace()  # its timer did not cross continue-as-new
         self._set_phase(RunPhase.PROMPT_READY)
 
     async def _serve(self) -> str:
