@@ -27,9 +27,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import llama_cpp
-from llama_cpp import Llama
-from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+try:  # an offline tool (see README): --help works without it, a run needs it
+    import llama_cpp
+    from llama_cpp import Llama
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+except ImportError:
+    llama_cpp = None
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "tests" / "engine" / "data"
@@ -574,6 +577,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-generation", action="store_true")
     args = parser.parse_args()
+    if llama_cpp is None:
+        raise SystemExit(
+            "llamacpp_reference: needs llama-cpp-python==0.3.36 (an offline build, see README)"
+        )
     DATA.mkdir(parents=True, exist_ok=True)
 
     ref = tokenizer_reference(args.model)
