@@ -6,11 +6,12 @@
 Starts its own dev servers (databases in a temp dir; one with a low
 ``suggestContinueAsNew`` for the continue-as-new scenario) and an orchestrator worker on
 each, runs a fixed set of scenarios on real nodes, and writes ``WorkflowHistory.to_json()``
-of every RunWorkflow execution (the whole continue-as-new chain) and every PromptWorkflow
-child into ``tests/histories/<scenario>/<workflow id>.<k>.json`` (k: position in the
-chain, 0 for a prompt). Replay needs the workflow id (a run derives its run id and its
-children's ids from it), hence the file names. Nothing is written unless every scenario
-ran as expected; a scenario's directory is replaced as a whole.
+of every RunWorkflow execution (the whole continue-as-new chain: ``run.<k>.json``) and
+every PromptWorkflow child (``prompt-<request id>.json``) into
+``tests/histories/<scenario>/``, with ``workflows.json`` naming each file's workflow id:
+replay needs it (a run derives its run id and its children's ids from it). Nothing is
+written unless every scenario ran as expected and no workflow task failed; a scenario's
+directory is replaced as a whole.
 
 Re-export after a workflow change that is meant to be incompatible (and therefore
 versioned or deployed on a new task queue); a compatible change must replay the old files.
@@ -72,6 +73,7 @@ from workers.client import PromptRejected, start_prompt, stream_prompt, submit_p
 from workers.connect import connect
 
 OUT = REPO / "tests" / "histories"
+INDEX = "workflows.json"  # file name -> workflow id, per scenario
 MODEL = {"bundled": "SmolLM2-135M-Instruct.Q4_1"}
 # Each piece of text held this long on a slowed node, so that a kill or a cancel after the
 # first delta lands mid-generation whatever the machine. A cancel of the active prompt
@@ -297,14 +299,18 @@ async def histories(client: Client, run: WorkflowHandle[Any, Any]) -> dict[str, 
     while run_id:
         await closed(client, run.id, run_id)
         history = await client.get_workflow_handle(run.id, run_id=run_id).fetch_history()
-        out[f"{run.id}.{k}.json"] = history
+        out[f"run.{k}.json"] = history
         run_id = None
         for event in history.events:
             if event.event_type == EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_STARTED:
                 child = event.child_workflow_execution_started_event_attributes.workflow_execution
                 await closed(client, child.workflow_id, child.run_id)
                 handle = client.get_workflow_handle(child.workflow_id, run_id=child.run_id)
-                out[f"{child.workflow_id}.0.json"] = await handle.fetch_history()
+                request_id = child.workflow_id.split("-prompt-")[1].split("-")[0]
+                name, n = f"prompt-{request_id}.json", 1
+                while name in out:  # a request id used again after its prompt ended
+                    name, n = f"prompt-{request_id}.{n}.json", n + 1
+                out[name] = await handle.fetch_history()
             elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW:
                 attrs = event.workflow_execution_continued_as_new_event_attributes
                 run_id = attrs.new_execution_run_id
@@ -336,6 +342,15 @@ class Site:
         self.worker.start()
         self.ctx = Ctx(await connect(self.server.address), self.faults, self.state)
         return self.ctx
+
+    def task_failures(self) -> list[str]:
+        """Workflow task failures the worker logged: a history with one shows a bug."""
+        return [
+            line
+            for log in self.dir.glob("orchestrator-*.log")
+            for line in log.read_text(errors="replace").splitlines()
+            if "Failed handling activation" in line or "TMPRL1101" in line
+        ]
 
     async def close(self) -> None:
         if self.ctx is not None:
@@ -376,6 +391,9 @@ async def export(selected: list[str], out: Path) -> dict[str, dict[str, Workflow
                         f"{time.monotonic() - t0:5.1f} s",
                         flush=True,
                     )
+                failures = site.task_failures()
+                if failures:
+                    raise RuntimeError(f"workflow tasks failed: {failures[:3]}")
             finally:
                 await site.close()
     return result
@@ -388,6 +406,8 @@ def write(result: dict[str, dict[str, WorkflowHistory]], out: Path) -> None:
         target.mkdir(parents=True)
         for file, history in sorted(files.items()):
             (target / file).write_text(history.to_json() + "\n")
+        index = {file: history.workflow_id for file, history in sorted(files.items())}
+        (target / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def main() -> None:

@@ -42,8 +42,18 @@ from workers.connect import connect
 RUN = 1601
 
 
+def task_failures(log_dir: Path) -> list[str]:
+    """Workflow task failures the orchestrator worker logged (deadlock, nondeterminism)."""
+    return [
+        line
+        for log in log_dir.glob("orchestrator-*.log")
+        for line in log.read_text(errors="replace").splitlines()
+        if "Failed handling activation" in line or "TMPRL1101" in line
+    ]
+
+
 @pytest.fixture
-async def uncached(tmp_path: Path) -> AsyncIterator[tuple[Runs, Path]]:
+async def uncached(tmp_path: Path) -> AsyncIterator[tuple[Runs, Path, Path]]:
     srv = start_dev_server(str(tmp_path / "t.db"), log_file=str(tmp_path / "temporal.log"))
     state = tmp_path / "state"
     state.mkdir()
@@ -57,7 +67,7 @@ async def uncached(tmp_path: Path) -> AsyncIterator[tuple[Runs, Path]]:
         worker.start()
         client: Client = await connect(srv.address)
         runs = Runs(client, worker, faults)
-        yield runs, state
+        yield runs, state, tmp_path
     finally:
         for h in runs.handles if runs else []:
             try:
@@ -71,7 +81,7 @@ async def uncached(tmp_path: Path) -> AsyncIterator[tuple[Runs, Path]]:
 
 
 async def test_a_two_stage_run_serves_streams_cancels_and_stops_replaying_every_task(uncached):
-    runs, state_dir = uncached
+    runs, state_dir, log_dir = uncached
     client = runs.client
     # Each piece of text held 20 ms: the long prompt is surely active when it is cancelled.
     handle = await runs.start(
@@ -126,3 +136,4 @@ async def test_a_two_stage_run_serves_streams_cancels_and_stops_replaying_every_
         if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED
     ]
     assert len(scheduled) > 20 and TaskQueueKind.TASK_QUEUE_KIND_STICKY not in scheduled
+    assert not task_failures(log_dir), task_failures(log_dir)[:3]
