@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from temporalio.api.enums.v1 import EventType, TaskQueueKind
+from temporalio.api.enums.v1 import EventType, TaskQueueKind, WorkflowTaskFailedCause
 from temporalio.client import Client
 
 from mvp_core import names
@@ -40,6 +40,7 @@ from workers.client import start_prompt, stream_prompt, submit_prompt
 from workers.connect import connect
 
 RUN = 1601
+UNHANDLED_COMMAND = WorkflowTaskFailedCause.WORKFLOW_TASK_FAILED_CAUSE_UNHANDLED_COMMAND
 
 
 def task_failures(log_dir: Path) -> list[str]:
@@ -126,10 +127,18 @@ async def test_a_two_stage_run_serves_streams_cancels_and_stops_replaying_every_
         assert time.monotonic() < deadline, [p.pid for p in node_processes(state_dir)]
         await asyncio.sleep(0.2)
     # No workflow task failed on the way, and none went to a sticky queue: with no cache
-    # the worker takes every task from the normal queue, with the whole history.
+    # the worker takes every task from the normal queue, with the whole history. The
+    # server's UnhandledCommand is no failure of the code: the run's last task tried to
+    # complete while an event (the provider watch's last activity) arrived, so the
+    # server had the worker see that event first (slow uncached tasks make it likely).
     history = await handle.fetch_history()
-    event_types = [e.event_type for e in history.events]
-    assert EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED not in event_types
+    task_failed = [
+        (e.event_id, e.workflow_task_failed_event_attributes)
+        for e in history.events
+        if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED
+        and e.workflow_task_failed_event_attributes.cause != UNHANDLED_COMMAND
+    ]
+    assert not task_failed, task_failed
     scheduled = [
         e.workflow_task_scheduled_event_attributes.task_queue.kind
         for e in history.events
