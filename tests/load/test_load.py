@@ -64,6 +64,16 @@ TEXTS = [
 class Site:
     runs: Runs
     state_dir: Path
+    log_dir: Path
+
+    def task_failures(self) -> list[str]:
+        """Workflow task failures the worker logged (deadlock, nondeterminism, a bug)."""
+        return [
+            line
+            for log in self.log_dir.glob("orchestrator-*.log")
+            for line in log.read_text(errors="replace").splitlines()
+            if "Failed handling activation" in line or "TMPRL1101" in line
+        ]
 
     @property
     def client(self) -> Client:
@@ -87,7 +97,7 @@ async def site(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Site]:
     try:
         worker.start()
         runs = Runs(await connect(srv.address), worker, faults)
-        yield Site(runs, state)
+        yield Site(runs, state, tmp)
     finally:
         for h in runs.handles if runs else []:
             try:
@@ -179,6 +189,7 @@ async def test_four_runs_at_once_with_full_queues_give_the_reference_texts(site:
         assert all(completed[i] == 1 for i in range(len(TEXTS))), (run_id, completed)
         assert state.prompts_faulted == 0 and state.continued == 0, state
     outcomes = [await stop(h, i) for h, i in zip(handles, ids, strict=True)]
+    assert not site.task_failures(), site.task_failures()[:3]
     assert [o.prompts_completed for o in outcomes] == [16, 8, 8, 8]
     totals = [len((await h.fetch_history()).events) for h in handles]
     n = len(ids) * len(TEXTS)
@@ -225,6 +236,7 @@ async def test_a_thousand_prompts_across_continue_as_new_keep_history_bounded(si
     assert state.prompts_completed == PROMPTS and state.prompts_faulted == 0, state
     assert state.continued >= 2, state.continued
     await stop(latest, run_id)
+    assert not site.task_failures(), site.task_failures()[:3]
     histories = await chain(client, handle)
     assert len(histories) == state.continued + 1
     sizes = [len(h.events) for h in histories]
