@@ -13,6 +13,7 @@ from temporal.devserver import start_dev_server
 from tests.integration.conftest import (
     OrchestratorProcess,
     Runs,
+    harness_env,
     node_pids,
     node_processes,
     snapshot,
@@ -29,10 +30,12 @@ async def low_threshold(tmp_path: Path):
     )
     state = tmp_path / "state"
     state.mkdir()
-    worker = OrchestratorProcess(srv.address, state, tmp_path, {})
+    faults = tmp_path / "faults.json"
+    faults.write_text("{}")
+    worker = OrchestratorProcess(srv.address, state, tmp_path, harness_env(faults))
     worker.start()
     client = await connect(srv.address)
-    runs = Runs(client, worker)
+    runs = Runs(client, worker, faults)
     yield runs, state
     for h in runs.handles:
         try:

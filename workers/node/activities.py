@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     # the background at boot (``preload_runtime``) while it connects and reports ready.
     from workers.node.runtime import StageRuntime
 
-HEARTBEAT_EVERY_S = 1.0
+HEARTBEAT_EVERY_S = 0.5  # how soon a generate learns it was cancelled
 TEXT_GATHER_S = 0.025  # the finest stream granularity: stream_batch_ms is at least this
 
 

@@ -30,6 +30,7 @@ from workers.node.config import FaultInjection, NodeConfig
 
 log = logging.getLogger("mvp.node")
 DEADMAN_CHECK_S = 2.0
+HEARTBEAT_THROTTLE = timedelta(milliseconds=500)
 
 
 async def report_ready(
@@ -145,6 +146,10 @@ async def amain() -> None:
         identity=cfg.identity,
         max_concurrent_activities=16,
         graceful_shutdown_timeout=timedelta(seconds=2),
+        # Heartbeats carry cancellation back: the SDK's default throttle (0.8 x the
+        # heartbeat timeout, 4 s for generate) would let a cancelled prompt run that long.
+        max_heartbeat_throttle_interval=HEARTBEAT_THROTTLE,
+        default_heartbeat_throttle_interval=HEARTBEAT_THROTTLE,
     )
     print(
         f"node {cfg.node_id} stage {cfg.stage_index} serving {cfg.task_queue} as {cfg.identity}",
