@@ -1,0 +1,1 @@
+"""The chaos matrix of the reliability suite (docs/reliability.md)."""
