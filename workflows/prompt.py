@@ -12,7 +12,8 @@ from datetime import timedelta
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeKey
 from temporalio.contrib.workflow_streams import WorkflowStream
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutType
+from temporalio.exceptions import TimeoutError as TimeoutError_
 
 with workflow.unsafe.imports_passed_through():
     from mvp_core import names
@@ -35,6 +36,12 @@ def failure_cause(err: BaseException) -> str:
     if isinstance(cause, ApplicationError):
         return cause.message
     return str(cause) if cause is not None else str(err)
+
+
+def heartbeat_lost(err: ActivityError) -> bool:
+    """The activity's heartbeats stopped reaching the server (its node may be alive)."""
+    cause = err.cause
+    return isinstance(cause, TimeoutError_) and cause.type == TimeoutType.HEARTBEAT
 
 
 @workflow.defn(name=names.PROMPT_WORKFLOW)
@@ -91,7 +98,13 @@ class PromptWorkflow:
                 reason = failure_cause(err)
                 outcome = PromptOutcome(
                     terminal=Fault(request_id=request_id, error=f"prompt serving fault: {reason}"),
-                    run_fault=f"prompt serving: generate on {inp.head_task_queue} failed: {reason}",
+                    # A generate that lost its heartbeat says nothing about the pipeline: the
+                    # control plane may have been away while the node kept going (it stops on
+                    # its own when its next heartbeat is refused). A dead node faults the run
+                    # through the provider watch or its lease, naming the node.
+                    run_fault=None
+                    if heartbeat_lost(err)
+                    else f"prompt serving: generate on {inp.head_task_queue} failed: {reason}",
                     status=PromptStatus.FAULTED,
                 )
         if outcome.terminal.type == "fault" and outcome.status is PromptStatus.DONE:

@@ -16,8 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 from temporalio import workflow
 from temporalio.common import RawValue, RetryPolicy, SearchAttributeKey
-from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError, TimeoutType
-from temporalio.exceptions import TimeoutError as TimeoutError_
+from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
     from mvp_core import names
@@ -69,7 +68,7 @@ with workflow.unsafe.imports_passed_through():
         resolve_run_id,
         validate_request,
     )
-    from workflows.prompt import PromptWorkflow, failure_cause
+    from workflows.prompt import PromptWorkflow, failure_cause, heartbeat_lost
 
 PHASE_KEY = SearchAttributeKey.for_keyword(names.SEARCH_ATTRIBUTE_PHASE)
 HANDLERS_DRAIN = timedelta(seconds=30)
@@ -82,6 +81,7 @@ CULPRIT_GRACE = timedelta(seconds=2)
 LEASE_RECOVERY = timedelta(seconds=30)
 # Orchestrator-side activities heartbeat, so a lost worker costs this, not a timeout.
 ACTIVITY_HEARTBEAT = timedelta(seconds=5)
+PROMPT_DRAIN_S = 5.0  # beyond a generate's heartbeat timeout, for its prompt to end
 
 
 class RunCarry(BaseModel):
@@ -506,7 +506,7 @@ class RunWorkflow:
                     return
                 except ActivityError as err:
                     detail = failure_cause(err)
-                    if _is_heartbeat_timeout(err) and not node.exited:
+                    if heartbeat_lost(err) and not node.exited:
                         workflow.logger.warning(
                             "lease of node %s lost its heartbeat; scheduling it again",
                             node.node_id,
@@ -932,6 +932,14 @@ class RunWorkflow:
             # The token endpoints live on the head's driver; its StopRun tears them down.
             head = state.head()
             state.token_endpoints_stopped = head.stage_stopped or head.provider_stopped
+        # Every admitted prompt has its one terminal event before RunTornDown. A prompt
+        # whose head node died ends only when its generate's heartbeat times out.
+        try:
+            await workflow.wait_condition(
+                lambda: not self._children, timeout=t.generate_heartbeat_s + PROMPT_DRAIN_S
+            )
+        except TimeoutError:
+            state.stop_error(f"prompt(s) {sorted(self._children)} had no terminal event in time")
         state.record(LifecycleKind.RUN_TORN_DOWN, state.first_stop_error or "")
         self._set_phase(RunPhase.TORN_DOWN)
         try:
@@ -973,11 +981,6 @@ class _NoUpdate:
 def _safe(update_id: str) -> str:
     cleaned = "".join(c for c in update_id if c.isalnum() or c == "-")
     return cleaned[:36] or "u"
-
-
-def _is_heartbeat_timeout(err: ActivityError) -> bool:
-    cause = err.cause
-    return isinstance(cause, TimeoutError_) and cause.type == TimeoutType.HEARTBEAT
 
 
 def _describe(err: BaseException) -> str:
