@@ -242,7 +242,8 @@ async def runs(
 
 
 async def snapshot(handle: WorkflowHandle[object, object]) -> RunState:
-    return await handle.query(names.QUERY_SNAPSHOT, result_type=RunState)
+    state: RunState = await handle.query(names.QUERY_SNAPSHOT, result_type=RunState)
+    return state
 
 
 async def wait_phase(
