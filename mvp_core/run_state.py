@@ -40,6 +40,11 @@ _PROMPT_REPORTS = frozenset(
 )
 
 
+def _echo(reason: str) -> bool:
+    """A fault that only reports a peer closing its edge: the echo of a fault elsewhere."""
+    return "EdgeClosed" in reason
+
+
 class PromptRejection(StrEnum):
     """Typed rejections of ``submit_prompt`` (DECISIONS 9)."""
 
@@ -145,8 +150,12 @@ class RunState(BaseModel):
         if self.stopping:
             return self.fault(reason)  # kept as a later fact
         if self.suspected_fault is not None:
+            kept = reason
+            if _echo(self.suspected_fault) and not _echo(reason):
+                # The first report was a peer seeing the edge close; this one says why.
+                kept, self.suspected_fault = self.suspected_fault, reason
             if len(self.later_faults) < MAX_LATER_FAULTS:
-                self.later_faults.append(reason)
+                self.later_faults.append(kept)
             return False
         self.suspected_fault = reason
         return True

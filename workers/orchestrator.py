@@ -25,6 +25,7 @@ from workflows.prompt import PromptWorkflow
 from workflows.run import RunWorkflow
 
 log = logging.getLogger("mvp.orchestrator")
+SHUTDOWN_DEADLINE_S = 8.0
 
 
 async def run_worker(stop: asyncio.Event) -> None:
@@ -40,6 +41,7 @@ async def run_worker(stop: asyncio.Event) -> None:
         workflows=[RunWorkflow, PromptWorkflow],
         activities=[provider_queue, check_route],
         max_concurrent_activities=64,
+        graceful_shutdown_timeout=timedelta(seconds=3),
         max_cached_workflows=int(os.environ.get("MVP_MAX_CACHED_WORKFLOWS", "1000")),
         sticky_queue_schedule_to_start_timeout=timedelta(seconds=names.STICKY_SCHEDULE_TO_START_S),
     )
@@ -55,12 +57,26 @@ async def run_worker(stop: asyncio.Event) -> None:
         names.ORCHESTRATOR_TASK_QUEUE,
         host_queue,
     )
-    async with shared, local:
-        print(
-            f"mvp-orchestrator worker ready: {names.ORCHESTRATOR_TASK_QUEUE} + {host_queue}",
-            flush=True,
+    running = [asyncio.ensure_future(w.run()) for w in (shared, local)]
+    print(
+        f"mvp-orchestrator worker ready: {names.ORCHESTRATOR_TASK_QUEUE} + {host_queue}",
+        flush=True,
+    )
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([stopping, *running], return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    # Bounded: with Temporal unreachable, a worker's shutdown would wait on its pollers.
+    try:
+        await asyncio.wait_for(
+            asyncio.gather(shared.shutdown(), local.shutdown(), *running, return_exceptions=True),
+            SHUTDOWN_DEADLINE_S,
         )
-        await stop.wait()
+    except TimeoutError:
+        log.warning("workers did not stop in %.0f s (Temporal unreachable?)", SHUTDOWN_DEADLINE_S)
+    for task in running:
+        err = task.exception() if task.done() and not task.cancelled() else None
+        if err is not None:
+            raise err  # a worker that failed by itself: exit non-zero, saying why
 
 
 def main() -> None:
@@ -71,6 +87,9 @@ def main() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     loop.run_until_complete(run_worker(stop))
+    # Threads of activities abandoned at the deadline (a provider call that hangs) must not
+    # keep the process alive past it.
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -311,3 +311,14 @@ def test_prompt_reports_are_bounded_but_run_reports_are_kept():
     assert prompt_reports[-1].request_id == MAX_PROMPT_REPORTS - 1
     assert LifecycleKind.RUN_READY in [r.kind for r in s.lifecycle]
     assert s.prompts_completed == MAX_PROMPT_REPORTS  # the counters stay exact
+
+
+def test_a_suspected_echo_gives_way_to_the_report_that_says_why():
+    s = new_state()
+    s.phase = RunPhase.PROMPT_READY
+    assert s.suspect("prompt serving: stage 1 fault: EdgeClosed: edge 2: peer closed")
+    assert not s.suspect("prompt serving: stage 0 fault: TokenSequenceError: sequence violation")
+    assert not s.suspect("prompt serving: stage 1 fault: EdgeClosed: edge 3: peer closed")
+    assert s.confirm_suspected()
+    assert s.first_fault is not None and "sequence violation" in s.first_fault
+    assert len(s.later_faults) == 2
