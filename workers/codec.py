@@ -12,6 +12,7 @@ import argparse
 import base64
 import binascii
 import hashlib
+import logging
 import os
 import secrets
 import sys
@@ -27,9 +28,13 @@ KEY_ENV = "MVP_PAYLOAD_KEY"
 KEY_BYTES = 32
 NONCE_BYTES = 12
 ENCODING = b"binary/encrypted"
+UNDECRYPTABLE = b"binary/undecryptable"  # no converter knows it: decoding it fails there
 CIPHER = b"AES-256-GCM"
 KEY_ID_META = "encryption-key-id"
 CIPHER_META = "encryption-cipher"
+
+
+log = logging.getLogger("mvp.codec")
 
 
 class PayloadKeyError(ValueError):
@@ -78,7 +83,13 @@ class EncryptionCodec(PayloadCodec):
     """AES-256-GCM over the whole serialized payload (metadata and data), so the inner
     encoding is hidden too; a fresh random 12-byte nonce per payload."""
 
-    def __init__(self, key: bytes) -> None:
+    def __init__(self, key: bytes, *, lenient: bool = False) -> None:
+        """``lenient``: a payload this key cannot open decodes to an undecodable
+        placeholder instead of failing the whole decode. The workflow worker needs it:
+        the SDK decodes an activation before any workflow code runs, so one forged or
+        wrong-key signal would otherwise fail every workflow task of the run; with the
+        placeholder, the run's own input checks refuse that one payload."""
+        self._lenient = lenient
         if len(key) != KEY_BYTES:
             raise PayloadKeyError(f"payload key must be {KEY_BYTES} bytes, got {len(key)}")
         self._aead = AESGCM(key)
@@ -139,15 +150,26 @@ class EncryptionCodec(PayloadCodec):
         return [self.encrypt(p) for p in payloads]
 
     async def decode(self, payloads: Sequence[Payload]) -> list[Payload]:
-        return [self.decrypt(p) for p in payloads]
+        if not self._lenient:
+            return [self.decrypt(p) for p in payloads]
+        out = []
+        for p in payloads:
+            try:
+                out.append(self.decrypt(p))
+            except PayloadDecryptError as err:
+                log.warning("payload not decrypted, passed on as undecodable: %s", err)
+                out.append(Payload(metadata={"encoding": UNDECRYPTABLE}))
+        return out
 
 
-def codec_from_env(environ: Mapping[str, str] | None = None) -> EncryptionCodec | None:
+def codec_from_env(
+    environ: Mapping[str, str] | None = None, *, lenient: bool = False
+) -> EncryptionCodec | None:
     """The codec for ``MVP_PAYLOAD_KEY``, or None when it is unset or empty."""
     text = (os.environ if environ is None else environ).get(KEY_ENV, "")
     if not text.strip():
         return None
-    return EncryptionCodec(parse_key(text))
+    return EncryptionCodec(parse_key(text), lenient=lenient)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

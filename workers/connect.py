@@ -37,9 +37,13 @@ def encrypted_data_converter(codec: EncryptionCodec) -> DataConverter:
     )
 
 
-def default_data_converter(environ: Mapping[str, str] | None = None) -> DataConverter:
-    """Encrypted when ``MVP_PAYLOAD_KEY`` is set (a bad key fails here, at startup)."""
-    codec = codec_from_env(environ)
+def default_data_converter(
+    environ: Mapping[str, str] | None = None, *, lenient: bool = False
+) -> DataConverter:
+    """Encrypted when ``MVP_PAYLOAD_KEY`` is set (a bad key fails here, at startup).
+    ``lenient``: for workflow workers, a payload the key cannot open reaches the
+    workflow as undecodable instead of failing its every task (workers/codec.py)."""
+    codec = codec_from_env(environ, lenient=lenient)
     return pydantic_data_converter if codec is None else encrypted_data_converter(codec)
 
 

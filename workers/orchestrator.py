@@ -20,7 +20,7 @@ from activities.membership import check_route
 from activities.planning import prepare_plan, provider_host, provider_queue
 from activities.provisioning import ProviderActivities
 from mvp_core import names
-from workers.connect import connect, temporal_address
+from workers.connect import connect, default_data_converter, temporal_address
 from workflows.prompt import PromptWorkflow
 from workflows.run import RunWorkflow
 
@@ -29,7 +29,8 @@ SHUTDOWN_DEADLINE_S = 8.0
 
 
 async def run_worker(stop: asyncio.Event) -> None:
-    client = await connect()
+    # A forged or wrong-key payload must not fail the run's workflow tasks.
+    client = await connect(data_converter=default_data_converter(lenient=True))
     providers = ProviderActivities()
     host_queue = names.provider_task_queue(provider_host())
     # A worker lost mid-task costs its sticky queue's schedule-to-start (default 10 s)

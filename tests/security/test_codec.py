@@ -159,3 +159,32 @@ def test_new_key_cli_prints_a_usable_key(capsys, monkeypatch):
     monkeypatch.setenv(KEY_ENV, text)
     assert codec_mod.main(["--key-id"]) == 0
     assert capsys.readouterr().out.strip() == key_id(parse_key(text))
+
+
+async def test_a_lenient_codec_passes_an_unopenable_payload_on_as_undecodable():
+    """The workflow worker's codec: one forged or wrong-key payload becomes a placeholder
+    that no converter decodes (the run's input checks then refuse it), instead of failing
+    the decode of the whole activation, and so every workflow task of the run."""
+    import base64 as b64
+    import os as _os
+
+    from temporalio.api.common.v1 import Payload as P
+    from temporalio.contrib.pydantic import pydantic_data_converter
+
+    from workers.codec import UNDECRYPTABLE, EncryptionCodec
+
+    theirs = EncryptionCodec(_os.urandom(32))
+    ours = EncryptionCodec(_os.urandom(32), lenient=True)
+    good = (await ours.encode([P(metadata={"encoding": b"json/plain"}, data=b'{"a":1}')]))[0]
+    forged = P(metadata={"encoding": b"binary/encrypted"}, data=b64.b64decode("AAAA"))
+    wrong = (await theirs.encode([P(metadata={"encoding": b"json/plain"}, data=b"{}")]))[0]
+    out = await ours.decode([good, forged, wrong])
+    assert out[0].data == b'{"a":1}'
+    assert [p.metadata["encoding"] for p in out[1:]] == [UNDECRYPTABLE, UNDECRYPTABLE]
+    import pytest as _pytest
+
+    with _pytest.raises(KeyError):  # "unknown payload encoding"
+        pydantic_data_converter.payload_converter.from_payload(out[1])
+    strict = EncryptionCodec(_os.urandom(32))
+    with _pytest.raises(ValueError):
+        await strict.decode([wrong])
