@@ -81,6 +81,12 @@ def node_task_queue(run_id: int, node_id: int, nonce: str) -> str:
     return f"mvp-node-{run_id}-{node_id}-{nonce[:8]}"
 
 
+def node_resource_name(run_id: int, node_id: int, nonce: str) -> str:
+    """The name a provider gives a node's resource (process mark, container, label): a
+    retried start finds the node by it, and teardown can stop a node it has no handle of."""
+    return f"mvp-{run_id}-{node_id}-{nonce[:8]}"
+
+
 def provider_task_queue(host: str) -> str:
     """Host-affine queue for providers that act on the host where their nodes run."""
     return f"mvp-provider-{host}"

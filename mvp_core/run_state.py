@@ -40,6 +40,14 @@ _PROMPT_REPORTS = frozenset(
 )
 
 
+MAX_KIND = 64
+MAX_REASON = 500  # a fault or refusal reason kept in state (reports are untrusted text)
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_REASON else text[: MAX_REASON - 1] + "…"
+
+
 def _echo(reason: str) -> bool:
     """A fault that only reports a peer closing its edge: the echo of a fault elsewhere."""
     return "EdgeClosed" in reason
@@ -70,6 +78,7 @@ class NodeState(BaseModel):
     stage_stopped: bool = False
     exited: bool = False
     handle: NodeHandle | None = None
+    start_attempted: bool = False
     provider_stopped: bool = False
 
 
@@ -134,6 +143,7 @@ class RunState(BaseModel):
         """The first terminal cause decides the outcome (actor spec 12.4): the first run
         fault is terminal and sticky; a fault after an operator stop, or after the first
         fault, is kept as a fact and changes nothing."""
+        reason = _clip(reason)
         if self.first_fault is not None or self.shutdown is not None:
             if reason != self.first_fault and len(self.later_faults) < MAX_LATER_FAULTS:
                 self.later_faults.append(reason)
@@ -157,7 +167,7 @@ class RunState(BaseModel):
             if len(self.later_faults) < MAX_LATER_FAULTS:
                 self.later_faults.append(kept)
             return False
-        self.suspected_fault = reason
+        self.suspected_fault = _clip(reason)
         return True
 
     def confirm_suspected(self) -> bool:
@@ -189,7 +199,7 @@ class RunState(BaseModel):
     def ignore(self, kind: str, reason: str) -> bool:
         """Count and describe an input the run does not act on (never its content)."""
         self.ignored_reports += 1
-        self.ignored.append(IgnoredInput(kind=kind, reason=reason))
+        self.ignored.append(IgnoredInput(kind=kind[:MAX_KIND], reason=_clip(reason)))
         del self.ignored[:-MAX_IGNORED_KEPT]
         return False
 
@@ -475,7 +485,10 @@ class RunState(BaseModel):
         return all(n.stage_stopped for n in self.stages_to_stop())
 
     def nodes_to_stop(self) -> list[NodeState]:
-        return [n for n in self.nodes if n.handle is not None and not n.provider_stopped]
-
-    def teardown_complete(self) -> bool:
-        return not self.nodes_to_stop()
+        """Every node whose start was attempted: one without a handle (its start never
+        reported back) may still have been launched, and is stopped by its name."""
+        return [
+            n
+            for n in self.nodes
+            if (n.start_attempted or n.handle is not None) and not n.provider_stopped
+        ]

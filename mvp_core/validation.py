@@ -10,6 +10,11 @@ from mvp_core.models import ProviderKind, RunRequest
 from mvp_core.names import run_id_from_workflow_id
 
 MAX_PROMPT_QUEUE = 8
+MAX_ERRORS_SHOWN = 8  # a refusal names at most this many bad fields
+# Environment a run request may not set for its nodes: how they run and what they reach
+# is the provider's (a request could otherwise point a node holding secrets elsewhere).
+NODE_ENV_DENIED = frozenset({"PATH", "HOME", "VIRTUAL_ENV", "TMPDIR", "CUDA_VISIBLE_DEVICES"})
+NODE_ENV_DENIED_PREFIXES = ("LD_", "PYTHON", "TEMPORAL_", "XDG_")
 # Node tuning a run may choose; every other MVP_ key of a node's environment is the
 # provider's (identity, edge token) or the test harness's (fault injection).
 NODE_ENV_TUNABLES = frozenset({"MVP_SWITCH_INTERVAL", "MVP_LEASE_SILENCE_S"})
@@ -22,10 +27,13 @@ class RunRejectedError(ValueError):
 def describe_invalid(err: ValidationError) -> str:
     """Every field that is wrong, by path, without the values (node_env may hold
     near-secrets): ``engine.token_path_nice: Input should be less than or equal to 19``."""
-    return "; ".join(
-        f"{'.'.join(str(p) for p in e['loc']) or 'input'}: {e['msg']}"
-        for e in err.errors(include_url=False, include_input=False)
+    errors = err.errors(include_url=False, include_input=False)
+    shown = "; ".join(
+        f"{'.'.join(str(p) for p in e['loc'])[:80] or 'input'}: {e['msg']}"
+        for e in errors[:MAX_ERRORS_SHOWN]
     )
+    more = len(errors) - MAX_ERRORS_SHOWN
+    return shown if more <= 0 else f"{shown}; and {more} more"
 
 
 def parse_request(raw: Any) -> RunRequest:
@@ -101,6 +109,11 @@ def validate_request(request: RunRequest) -> None:
             raise RunRejectedError(
                 f"node_env key {key!r} is test-only fault injection; a run request cannot "
                 "switch it on"
+            )
+        if key.upper() in NODE_ENV_DENIED or key.upper().startswith(NODE_ENV_DENIED_PREFIXES):
+            raise RunRejectedError(
+                f"node_env key {key!r} is set by the provider (how a node runs and what it "
+                "reaches); a run request cannot change it"
             )
         if key.upper().startswith("MVP_") and key not in NODE_ENV_TUNABLES:
             raise RunRejectedError(

@@ -222,15 +222,15 @@ class RunWorkflow:
         state, req = self._state, self._request
         self._set_phase(RunPhase.PLANNING)
         state.record(LifecycleKind.RUN_PLANNING_STARTED)
-        state.provider_queue = await self._guard(
-            workflow.execute_activity(
-                names.ACT_PROVIDER_QUEUE,
-                result_type=str,
-                task_queue=names.ORCHESTRATOR_TASK_QUEUE,
-                start_to_close_timeout=timedelta(seconds=10),
-            )
-        )
         try:
+            state.provider_queue = await self._guard(
+                workflow.execute_activity(
+                    names.ACT_PROVIDER_QUEUE,
+                    result_type=str,
+                    task_queue=names.ORCHESTRATOR_TASK_QUEUE,
+                    start_to_close_timeout=timedelta(seconds=10),
+                )
+            )
             plan = await self._guard(
                 workflow.execute_activity(
                     names.ACT_PREPARE_PLAN,
@@ -299,17 +299,25 @@ class RunWorkflow:
                 coordinator_endpoint="",
                 temporal_namespace=workflow.info().namespace,
             )
-            # Not abandoned on shutdown: a start in flight may launch its node, which
-            # teardown must then know about to stop it.
-            node.handle = await workflow.execute_activity(
-                names.ACT_START_NODE,
-                spec,
-                result_type=NodeHandle,
-                task_queue=state.provider_queue,
-                start_to_close_timeout=timedelta(seconds=60),
-                heartbeat_timeout=ACTIVITY_HEARTBEAT,
-                retry_policy=RetryPolicy(maximum_attempts=3),
+            # Neither abandoned on shutdown nor cancelled with the workflow: a start in
+            # flight may launch its node, which teardown must then know about to stop it.
+            node.start_attempted = True
+            start = asyncio.ensure_future(
+                workflow.execute_activity(
+                    names.ACT_START_NODE,
+                    spec,
+                    result_type=NodeHandle,
+                    task_queue=state.provider_queue,
+                    start_to_close_timeout=timedelta(seconds=60),
+                    heartbeat_timeout=ACTIVITY_HEARTBEAT,
+                    retry_policy=RetryPolicy(maximum_attempts=3),
+                )
             )
+            try:
+                node.handle = await asyncio.shield(start)
+            except asyncio.CancelledError:
+                node.handle = await start
+                raise
             if state.stopping:
                 raise _Stopping()
         self._start_watch()
@@ -620,7 +628,9 @@ class RunWorkflow:
             if state.stopping:
                 return "stop"
             if self._rolling_over and state.prompts_in_flight() == 0:
-                await workflow.wait_condition(workflow.all_handlers_finished)
+                await workflow.wait_condition(
+                    lambda: workflow.all_handlers_finished() or state.stopping
+                )
                 if state.stopping:
                     return "stop"
                 return "continue_as_new"
@@ -903,11 +913,18 @@ class RunWorkflow:
             state.stop_error(f"StageStopped not observed for stage(s) {missing}")
 
         async def stop_node(node: NodeState) -> None:
-            assert node.handle is not None and state.provider_queue is not None
+            assert state.provider_queue is not None
+            handle = node.handle or NodeHandle(  # a start that never reported back
+                run_id=state.run_id,
+                node_id=node.node_id,
+                provider=self._request.provider,
+                host="",
+                resource_name=names.node_resource_name(state.run_id, node.node_id, state.nonce),
+            )
             try:
                 result = await workflow.execute_activity(
                     names.ACT_STOP_NODE,
-                    StopNodeInput(handle=node.handle, grace_s=t.stop_grace_s),
+                    StopNodeInput(handle=handle, grace_s=t.stop_grace_s),
                     result_type=StopNodeResult,
                     task_queue=state.provider_queue,
                     start_to_close_timeout=timedelta(seconds=t.stop_grace_s + 30),
@@ -925,8 +942,6 @@ class RunWorkflow:
             node.provider_stopped = True
 
         await asyncio.gather(*(stop_node(n) for n in state.nodes_to_stop()))
-        if not state.teardown_complete():
-            state.stop_error("provider stop was not attempted for every node", provider=True)
         await self._cancel_background(leases=False)
         if state.uses_token_endpoints:
             # The token endpoints live on the head's driver; its StopRun tears them down.

@@ -9,6 +9,7 @@ import hmac
 import json
 import os
 import secrets
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -107,14 +108,19 @@ def harness_faults(run_id: int) -> dict[str, str]:
     return {**faults, TEST_FAULTS_ALLOWED_ENV: "1"}
 
 
-def node_environment(spec: NodeProvisionSpec, node_dir: str) -> dict[str, str]:
-    """What every provider puts into a node's environment, above the run's ``node_env``
-    (from which reserved keys are dropped again, whatever validation let through)."""
+def node_environment(
+    spec: NodeProvisionSpec, node_dir: str, host_env: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """A node's environment, in rising precedence: the run's ``node_env`` (reserved keys
+    dropped again, whatever validation let through), the provider host's own environment
+    ``host_env`` (PATH, the venv, TEMPORAL_ADDRESS), secrets, test faults, and the
+    provider's facts about the node."""
     env = {
         k: v
         for k, v in spec.environment.items()
         if not (k.startswith(FAULT_PREFIX) or k.startswith("MVP_TEST_") or k == EDGE_TOKEN_ENV)
     }
+    env.update(host_env or {})
     env.update({k: os.environ[k] for k in SECRET_ENV_PASSTHROUGH if k in os.environ})
     env.update(harness_faults(spec.run_id))
     env.update(

@@ -27,6 +27,7 @@ from activities.providers.base import (
     node_environment,
     state_dir,
 )
+from mvp_core import names
 from mvp_core.models import NodeExited, NodeHandle, NodeProvisionSpec, ProviderKind, StopNodeResult
 
 NODE_MODULE = "workers.node"
@@ -44,10 +45,6 @@ _PASS_ENV = (
     "TEMPORAL_ADDRESS",
     "CUDA_VISIBLE_DEVICES",
 )
-
-
-def resource_name(run_id: int, node_id: int, nonce: str) -> str:
-    return f"mvp-{run_id}-{node_id}-{nonce[:8]}"
 
 
 def _alive(pid: int, create_time: float | None) -> bool:
@@ -90,10 +87,10 @@ class ProcessProvider:
         self.host = host or socket.gethostname()
 
     def _node_dir(self, run_id: int, node_id: int, nonce: str) -> Path:
-        return state_dir() / "nodes" / resource_name(run_id, node_id, nonce)
+        return state_dir() / "nodes" / names.node_resource_name(run_id, node_id, nonce)
 
     def start(self, spec: NodeProvisionSpec) -> NodeHandle:
-        name = resource_name(spec.run_id, spec.node_id, spec.nonce)
+        name = names.node_resource_name(spec.run_id, spec.node_id, spec.nonce)
         node_dir = self._node_dir(spec.run_id, spec.node_id, spec.nonce)
         node_dir.mkdir(parents=True, exist_ok=True)
         pid_file = node_dir / "pid.json"
@@ -106,8 +103,9 @@ class ProcessProvider:
             # Launched by an attempt that died before it could record it: adopt it.
             self._record(pid_file, running.pid, running.create_time())
             return self._handle(spec, name, running.pid, log_path)
-        env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
-        env.update(node_environment(spec, str(node_dir)))
+        env = node_environment(
+            spec, str(node_dir), host_env={k: os.environ[k] for k in _PASS_ENV if k in os.environ}
+        )
         env.update({"PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE"})
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
@@ -166,6 +164,12 @@ class ProcessProvider:
         return result
 
     def _stop(self, handle: NodeHandle, grace_s: float) -> StopNodeResult:
+        if handle.pid is None:
+            # Teardown of a node whose start never reported back: find it by its mark.
+            running = find_node_process(handle.resource_name)
+            if running is None:
+                return StopNodeResult(node_id=handle.node_id, stopped=True)
+            handle = handle.model_copy(update={"pid": running.pid})
         pid = handle.pid
         if pid is None:
             return StopNodeResult(node_id=handle.node_id, stopped=True)

@@ -261,6 +261,12 @@ def test_no_activation_while_stopping():
 def test_teardown_waits_for_every_stage_stop_and_node_stop_and_torn_down_once():
     s = new_state()
     bring_to_prompt_ready(s)
+    s.nodes.append(
+        NodeState(
+            node_id=2, stage_index=1, task_queue="q2", readiness_id="r2", start_attempted=True
+        )
+    )  # its start never reported back: still stopped, by name
+    s.nodes[0].start_attempted = True
     s.nodes[0].handle = NodeHandle(
         run_id=7, node_id=1, provider=ProviderKind.PROCESS, host="h", resource_name="r"
     )
@@ -268,9 +274,10 @@ def test_teardown_waits_for_every_stage_stop_and_node_stop_and_torn_down_once():
     assert not s.on_stage_stopped(StageStopped(run_id=7, stage_index=0, readiness_id="x"))
     assert s.on_stage_stopped(StageStopped(run_id=7, stage_index=0, readiness_id=RID))
     assert s.stage_stops_observed()
-    assert not s.teardown_complete()
+    assert [n.node_id for n in s.nodes_to_stop()] == [1, 2]  # what teardown stops
     s.nodes[0].provider_stopped = True
-    assert s.teardown_complete()
+    s.nodes[1].provider_stopped = True
+    assert s.nodes_to_stop() == []
     assert s.record(LifecycleKind.RUN_TORN_DOWN)
     assert not s.record(LifecycleKind.RUN_TORN_DOWN)
 
@@ -322,3 +329,11 @@ def test_a_suspected_echo_gives_way_to_the_report_that_says_why():
     assert s.confirm_suspected()
     assert s.first_fault is not None and "sequence violation" in s.first_fault
     assert len(s.later_faults) == 2
+
+
+def test_untrusted_reasons_are_clipped_in_state():
+    s = new_state()
+    s.ignore("x" * 1000, "y" * 100_000)
+    assert len(s.ignored[-1].kind) == 64 and len(s.ignored[-1].reason) == 500
+    s.fault("z" * 100_000)
+    assert s.first_fault is not None and len(s.first_fault) == 500

@@ -34,6 +34,10 @@ def test_missing_run_id_is_rejected():
         ({"node_env": {"mvp_fault_text_delay_ms": "5"}}, "test-only fault injection"),
         ({"node_env": {"MVP_TEST_FAULTS_ALLOWED": "1"}}, "test-only fault injection"),
         ({"node_env": {"MVP_RUN_ID": "9"}}, "set by the provider"),
+        ({"node_env": {"TEMPORAL_ADDRESS": "elsewhere:7233"}}, "set by the provider"),
+        ({"node_env": {"LD_PRELOAD": "/tmp/x.so"}}, "set by the provider"),
+        ({"node_env": {"PYTHONPATH": "/tmp"}}, "set by the provider"),
+        ({"node_env": {"PATH": "/tmp"}}, "set by the provider"),
     ],
 )
 def test_invalid_requests_are_rejected_naming_what_is_wrong(change, message):
@@ -114,3 +118,10 @@ def test_prompt_values_the_data_plane_cannot_carry_are_invalid(change):
 
     with pytest.raises(ValidationError):
         SubmitPrompt.model_validate({"request_id": 1, "prompt_text": "x", **change})
+
+
+def test_a_huge_malformed_request_is_refused_in_a_bounded_message():
+    raw = {"model": {"bundled": "m"}, **{f"a{i}": 0 for i in range(5000)}}
+    with pytest.raises(RunRejectedError) as err:
+        parse_request(raw)
+    assert len(str(err.value)) < 1000 and "and 4992 more" in str(err.value)

@@ -295,14 +295,21 @@ def test_run_request_arbitrary_json() -> None:
         if not isinstance(raw, dict):
             assert msg.startswith("invalid run request: expected a JSON object, got "), msg
             return
-        # Every unknown top-level key is named (by its name: a key is not a value).
+        # Every unknown top-level key is named (by its name: a key is not a value), up to
+        # the message's bound ("and N more").
         for key in raw:
             if key and key not in RunRequest.model_fields:
-                assert outcome == "parse_rejected" and f"{key}: Extra inputs" in msg, (key, msg)
+                assert outcome == "parse_rejected", (key, msg)
+                assert f"{key[:80]}: Extra inputs" in msg or _cut(msg), (key, msg)
 
     started = time.monotonic()
     case()
     _report("run request, arbitrary JSON", sum(kinds.values()), started, kinds)
+
+
+def _cut(msg: str) -> bool:
+    """The message named the first fields and counted the rest (mvp_core.validation)."""
+    return msg.endswith(" more")
 
 
 def test_run_request_wrong_fields() -> None:
@@ -318,8 +325,8 @@ def test_run_request_wrong_fields() -> None:
         validate_level = [frag for _f, level, frag in applied if level == "validate"]
         if parse_level:
             assert outcome == "parse_rejected", (raw, applied, outcome)
-            for fragment in parse_level:  # pydantic reports every broken field
-                assert fragment in msg, (fragment, msg)
+            for fragment in parse_level:  # every broken field, up to the message's bound
+                assert fragment in msg or _cut(msg), (fragment, msg)
         elif validate_level:
             assert outcome == "validate_rejected", (raw, applied, outcome)
             assert any(fragment in msg for fragment in validate_level), (validate_level, msg)
@@ -415,9 +422,11 @@ def test_submit_prompt_fuzz() -> None:
             return
         assert prompt is None, (raw, broken)
         for field in broken:
-            assert f"{field}: " in msg, (field, msg)
+            assert f"{field}: " in msg or _cut(msg), (field, msg)
         # The paths are the message's: "field: why; field: why", never a value.
         for part in msg.split("; "):
+            if part.startswith("and ") and part.endswith(" more"):
+                continue
             path = part.split(": ", 1)[0]
             assert path.split(".")[0] in [*_PROMPT_FIELDS, "surplus"], (path, msg)
 

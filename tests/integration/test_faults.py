@@ -13,7 +13,14 @@ from temporalio.exceptions import ApplicationError
 
 from mvp_core import names
 from mvp_core.models import RequestShutdown, RunOutcome, RunPhase, SubmitPrompt
-from tests.integration.conftest import Runs, node_pids, run_failure, snapshot, wait_phase
+from tests.integration.conftest import (
+    Runs,
+    node_pids,
+    node_processes,
+    run_failure,
+    snapshot,
+    wait_phase,
+)
 from workers.client import submit_prompt
 
 
@@ -121,3 +128,19 @@ async def test_shutdown_during_a_slow_planning_takes_effect_at_once(runs: Runs):
     assert outcome.outcome.value == "operator_stopped"
     kinds = [r.kind.value for r in outcome.lifecycle]
     assert "RunProvisioningStarted" not in kinds and kinds[-1] == "RunTornDown"
+
+
+async def test_a_run_cancelled_while_nodes_start_leaves_no_node(runs: Runs, state_dir):
+    """`temporal workflow cancel` in provisioning: a start in flight is finished, not
+    abandoned, so teardown knows and stops every node it launched."""
+    handle = await runs.start(507, pipeline_stages=3)
+    deadline = time.monotonic() + 60
+    while (await snapshot(handle)).phase != RunPhase.PROVISIONING:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    await handle.cancel()
+    outcome = RunOutcome.model_validate(await handle.result())
+    assert outcome.outcome.value == "operator_stopped"
+    state = await snapshot(handle)
+    assert all(n.provider_stopped for n in state.nodes if n.start_attempted)
+    assert node_processes(state_dir) == []  # at once, not by the nodes' dead-man switch
