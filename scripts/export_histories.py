@@ -31,7 +31,6 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +60,7 @@ from mvp_core.models import (
     TextDelta,
 )
 from temporal.devserver import DevServer, start_dev_server
+from tests.helpers.runs import start_run, task_failures
 from tests.integration.conftest import (
     OrchestratorProcess,
     harness_env,
@@ -102,13 +102,7 @@ class Ctx:
         table[str(run_id)] = faults or {}
         self.faults_file.write_text(json.dumps(table))
         req = RunRequest.model_validate({"model": MODEL, "default_max_tokens": 8, **request})
-        handle: WorkflowHandle[Any, Any] = await self.client.start_workflow(
-            names.RUN_WORKFLOW,
-            req,
-            id=names.run_workflow_id(run_id),
-            task_queue=names.ORCHESTRATOR_TASK_QUEUE,
-            task_timeout=timedelta(seconds=names.WORKFLOW_TASK_TIMEOUT_S),
-        )
+        handle = await start_run(self.client, run_id, req)
         self.handles.append(handle)
         return handle
 
@@ -345,12 +339,7 @@ class Site:
 
     def task_failures(self) -> list[str]:
         """Workflow task failures the worker logged: a history with one shows a bug."""
-        return [
-            line
-            for log in self.dir.glob("orchestrator-*.log")
-            for line in log.read_text(errors="replace").splitlines()
-            if "Failed handling activation" in line or "TMPRL1101" in line
-        ]
+        return task_failures(self.dir)
 
     async def close(self) -> None:
         if self.ctx is not None:

@@ -55,6 +55,7 @@ from mvp_core.models import (
 )
 from mvp_core.run_state import NodeState, RunState
 from temporal.devserver import DevServer, start_dev_server, temporal_binary
+from tests.helpers.runs import start_run
 from tests.integration.conftest import OrchestratorProcess, harness_env, node_processes, snapshot
 from workers.client import start_prompt
 from workers.connect import connect
@@ -281,13 +282,7 @@ class Scope:
             }
         )
         self.censuses.append(Census(run_id))
-        handle: WorkflowHandle[Any, Any] = await self.client.start_workflow(
-            names.RUN_WORKFLOW,
-            req,
-            id=names.run_workflow_id(run_id),
-            task_queue=names.ORCHESTRATOR_TASK_QUEUE,
-            task_timeout=timedelta(seconds=names.WORKFLOW_TASK_TIMEOUT_S),
-        )
+        handle = await start_run(self.client, run_id, req)
         self.handles.append(handle)
         return handle
 

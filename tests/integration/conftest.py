@@ -24,6 +24,7 @@ from mvp_core import names
 from mvp_core.models import RunPhase, RunRequest
 from mvp_core.run_state import RunState
 from temporal.devserver import DevServer, start_dev_server
+from tests.helpers.runs import log_sizes, start_run, task_failures
 from workers.connect import connect
 
 REPO = Path(__file__).resolve().parents[2]
@@ -187,13 +188,7 @@ class Runs:
                 **request,
             }
         )
-        handle = await self.client.start_workflow(
-            names.RUN_WORKFLOW,
-            req,
-            id=names.run_workflow_id(run_id),
-            task_queue=names.ORCHESTRATOR_TASK_QUEUE,
-            task_timeout=timedelta(seconds=names.WORKFLOW_TASK_TIMEOUT_S),
-        )
+        handle = await start_run(self.client, run_id, req)
         self.handles.append(handle)
         return handle
 
@@ -203,16 +198,10 @@ async def runs(
     client: Client, orchestrator: OrchestratorProcess, state_dir: Path, faults_file: Path
 ) -> AsyncIterator[Runs]:
     r = Runs(client, orchestrator, faults_file)
-    seen = {log: log.stat().st_size for log in orchestrator.log_dir.glob("orchestrator-*.log")}
+    seen = log_sizes(orchestrator.log_dir)
     yield r
-    # No workflow task of the test's runs may have failed (a deadlock, a nondeterminism,
-    # an exception the workflow did not expect): the run may have recovered, but it was a bug.
-    task_failures = [
-        line
-        for log in orchestrator.log_dir.glob("orchestrator-*.log")
-        for line in log.read_text(errors="replace")[seen.get(log, 0) :].splitlines()
-        if "Failed handling activation" in line or "TMPRL1101" in line
-    ]
+    # No workflow task of the test's runs may have failed (see task_failures).
+    failed_tasks = task_failures(orchestrator.log_dir, since=seen)
     # Leak check first: every run this test started must be closed with its nodes gone.
     if orchestrator.proc is None or orchestrator.proc.poll() is not None:
         orchestrator.start()
@@ -237,7 +226,7 @@ async def runs(
         except ProcessLookupError:
             pass
     assert not still_open, f"runs left open by the test: {still_open}"
-    assert not task_failures, f"workflow tasks failed: {task_failures[:3]}"
+    assert not failed_tasks, f"workflow tasks failed: {failed_tasks[:3]}"
     assert not leaked, f"node processes survived the test: {[p.pid for p in leaked]}"
 
 

@@ -28,6 +28,7 @@ from temporalio.client import Client, WorkflowHandle, WorkflowHistory
 from mvp_core import names
 from mvp_core.models import Done, RequestShutdown, RunOutcome, RunPhase, SubmitPrompt
 from temporal.devserver import start_dev_server
+from tests.helpers.runs import task_failures
 from tests.integration.conftest import (
     OrchestratorProcess,
     Runs,
@@ -68,12 +69,7 @@ class Site:
 
     def task_failures(self) -> list[str]:
         """Workflow task failures the worker logged (deadlock, nondeterminism, a bug)."""
-        return [
-            line
-            for log in self.log_dir.glob("orchestrator-*.log")
-            for line in log.read_text(errors="replace").splitlines()
-            if "Failed handling activation" in line or "TMPRL1101" in line
-        ]
+        return task_failures(self.log_dir)
 
     @property
     def client(self) -> Client:

@@ -28,6 +28,7 @@ from mvp_core.models import (
     TextDelta,
 )
 from temporal.devserver import start_dev_server
+from tests.helpers.runs import task_failures
 from tests.integration.conftest import (
     OrchestratorProcess,
     Runs,
@@ -41,16 +42,6 @@ from workers.connect import connect
 
 RUN = 1601
 UNHANDLED_COMMAND = WorkflowTaskFailedCause.WORKFLOW_TASK_FAILED_CAUSE_UNHANDLED_COMMAND
-
-
-def task_failures(log_dir: Path) -> list[str]:
-    """Workflow task failures the orchestrator worker logged (deadlock, nondeterminism)."""
-    return [
-        line
-        for log in log_dir.glob("orchestrator-*.log")
-        for line in log.read_text(errors="replace").splitlines()
-        if "Failed handling activation" in line or "TMPRL1101" in line
-    ]
 
 
 @pytest.fixture
