@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 from datetime import timedelta
@@ -224,7 +225,12 @@ def main() -> None:
     finally:
         loop.run_until_complete(_cancel_rest())
         loop.close()
-    raise SystemExit(code)
+    # Exit without interpreter finalisation: an RPC cancelled by Ctrl-C can leave a
+    # callback of the SDK's native runtime in flight, and finalising under it aborts the
+    # process (SIGABRT in PyGILState_Release) instead of exiting 130.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 async def _cancel_rest() -> None:
