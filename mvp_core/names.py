@@ -12,6 +12,7 @@ SEARCH_ATTRIBUTE_PHASE = "MvpRunPhase"
 
 RUN_WORKFLOW = "RunWorkflow"
 PROMPT_WORKFLOW = "PromptWorkflow"
+REAPER_WORKFLOW = "ReaperWorkflow"
 
 # Public surface of the run workflow.
 UPDATE_SUBMIT_PROMPT = "submit_prompt"
@@ -50,6 +51,17 @@ ACT_CHECK_ROUTE = "orch.check_route"
 ACT_START_NODE = "provider.start_node"
 ACT_STOP_NODE = "provider.stop_node"
 ACT_WATCH_NODES = "provider.watch_nodes"
+
+# The reaper (DECISIONS 30): listing and destroying run on the host's provider queue,
+# the liveness check of the runs on the shared queue.
+ACT_LIST_RESOURCES = "provider.list_resources"
+ACT_DESTROY_RESOURCE = "provider.destroy_resource"
+ACT_RUN_LIVENESS = "orch.run_liveness"
+# The reaper's schedule of a host and the workflows it starts share this prefix (the
+# schedule appends a timestamp to each workflow's id).
+REAPER_ID_PREFIX = "mvp-reaper-"
+REAPER_INTERVAL_ENV = "MVP_REAPER_INTERVAL_S"
+REAPER_DEFAULT_INTERVAL_S = 60
 
 # Workflow task timeout of the runs and prompts we start: a worker lost mid-task costs
 # this long (the server's default is 10 s). Sticky queues fall back as fast.
@@ -95,3 +107,13 @@ def provider_task_queue(host: str) -> str:
 def prompt_workflow_id(run_id: int, request_id: int, unique: str) -> str:
     """Child workflow id of one prompt; ``unique`` is the admitting update's id."""
     return f"mvp-run-{run_id}-prompt-{request_id}-{unique}"
+
+
+def reaper_schedule_id(host: str) -> str:
+    """The Temporal Schedule that runs the reaper of ``host``."""
+    return f"{REAPER_ID_PREFIX}{host}"
+
+
+def reaper_workflow_id(host: str) -> str:
+    """Workflow id (prefix) of the reaper runs of ``host``'s schedule."""
+    return f"{REAPER_ID_PREFIX}{host}"

@@ -1,8 +1,9 @@
 """The orchestrator worker: ``python -m workers.orchestrator``.
 
-Hosts RunWorkflow and PromptWorkflow plus the shared activities on ``mvp-orchestrator``,
-and this host's provider activities on ``mvp-provider-<host>``. Run as many as you
-like; a killed one loses nothing, because a run's state is its workflow history.
+Hosts RunWorkflow, PromptWorkflow and ReaperWorkflow plus the shared activities on
+``mvp-orchestrator``, and this host's provider activities on ``mvp-provider-<host>``.
+Run as many as you like; a killed one loses nothing, because a run's state is its
+workflow history. On start it makes this host's reaper schedule (idempotently).
 """
 
 from __future__ import annotations
@@ -14,14 +15,18 @@ import os
 import signal
 from datetime import timedelta
 
+from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities.membership import check_route
 from activities.planning import prepare_plan, provider_host, provider_queue
 from activities.provisioning import ProviderActivities
+from activities.reaper import ReaperActivities, run_liveness
 from mvp_core import names
 from workers.connect import connect, default_data_converter, temporal_address
+from workers.reaper_schedule import ensure_reaper_schedule, reaper_interval_s
 from workflows.prompt import PromptWorkflow
+from workflows.reaper import ReaperWorkflow
 from workflows.run import RunWorkflow
 
 log = logging.getLogger("mvp.orchestrator")
@@ -32,6 +37,7 @@ async def run_worker(stop: asyncio.Event) -> None:
     # A forged or wrong-key payload must not fail the run's workflow tasks.
     client = await connect(data_converter=default_data_converter(lenient=True))
     providers = ProviderActivities()
+    reaper = ReaperActivities(providers)
     host_queue = names.provider_task_queue(provider_host())
     # A worker lost mid-task costs its sticky queue's schedule-to-start (default 10 s)
     # before another worker takes the run: keep it short. MVP_MAX_CACHED_WORKFLOWS=0
@@ -39,8 +45,8 @@ async def run_worker(stop: asyncio.Event) -> None:
     shared = Worker(
         client,
         task_queue=names.ORCHESTRATOR_TASK_QUEUE,
-        workflows=[RunWorkflow, PromptWorkflow],
-        activities=[provider_queue, check_route],
+        workflows=[RunWorkflow, PromptWorkflow, ReaperWorkflow],
+        activities=[provider_queue, check_route, run_liveness],
         max_concurrent_activities=64,
         graceful_shutdown_timeout=timedelta(seconds=3),
         max_cached_workflows=int(os.environ.get("MVP_MAX_CACHED_WORKFLOWS", "1000")),
@@ -49,7 +55,14 @@ async def run_worker(stop: asyncio.Event) -> None:
     local = Worker(
         client,
         task_queue=host_queue,
-        activities=[prepare_plan, providers.start_node, providers.stop_node, providers.watch_nodes],
+        activities=[
+            prepare_plan,
+            providers.start_node,
+            providers.stop_node,
+            providers.watch_nodes,
+            reaper.list_resources,
+            reaper.destroy_resource,
+        ],
         max_concurrent_activities=64,
     )
     log.info(
@@ -58,6 +71,7 @@ async def run_worker(stop: asyncio.Event) -> None:
         names.ORCHESTRATOR_TASK_QUEUE,
         host_queue,
     )
+    await _ensure_reaper(client)
     running = [asyncio.ensure_future(w.run()) for w in (shared, local)]
     print(
         f"mvp-orchestrator worker ready: {names.ORCHESTRATOR_TASK_QUEUE} + {host_queue}",
@@ -78,6 +92,15 @@ async def run_worker(stop: asyncio.Event) -> None:
         err = task.exception() if task.done() and not task.cancelled() else None
         if err is not None:
             raise err  # a worker that failed by itself: exit non-zero, saying why
+
+
+async def _ensure_reaper(client: Client) -> None:
+    """This host's reaper schedule; a failure is logged, the worker still serves runs."""
+    interval_s = reaper_interval_s()  # a bad MVP_REAPER_INTERVAL_S fails the start
+    try:
+        log.info("%s", await ensure_reaper_schedule(client, provider_host(), interval_s))
+    except Exception:
+        log.exception("could not make the reaper schedule of %s", provider_host())
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,7 +29,14 @@ from activities.providers.base import (
     state_dir,
 )
 from mvp_core import names
-from mvp_core.models import NodeExited, NodeHandle, NodeProvisionSpec, ProviderKind, StopNodeResult
+from mvp_core.models import (
+    NodeExited,
+    NodeHandle,
+    NodeProvisionSpec,
+    ProviderKind,
+    ProviderResource,
+    StopNodeResult,
+)
 
 NODE_MODULE = "workers.node"
 _PASS_ENV = (
@@ -72,6 +80,54 @@ def find_node_process(name: str) -> psutil.Process | None:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return None
+
+
+_RESOURCE_PREFIX = resource_arg("")
+_RESOURCE_NAME = re.compile(r"mvp-(\d+)-(\d+)-([0-9a-f]{8})")
+# The reaper's stop of a node of a closed run: the grace of a run's default stop.
+DESTROY_GRACE_S = 5.0
+
+
+def parse_resource_name(name: str) -> tuple[int, int, str] | None:
+    """(run_id, node_id, nonce8) of ``mvp-<run_id>-<node_id>-<nonce8>``, else None."""
+    match = _RESOURCE_NAME.fullmatch(name)
+    if match is None:
+        return None
+    return int(match[1]), int(match[2]), match[3]
+
+
+def _nodes_root() -> Path:
+    return state_dir() / "nodes"
+
+
+def marked_node_processes(nodes_root: Path) -> dict[str, psutil.Process]:
+    """The live node processes of this state directory, by resource name: marked on
+    their command line and running in their node directory. Nodes of another state
+    directory (another deployment or test session on this host) are not ours."""
+    root = nodes_root.resolve()
+    found: dict[str, psutil.Process] = {}
+    for proc in psutil.process_iter(["cmdline", "cwd", "status"]):
+        try:
+            cmd = proc.info["cmdline"] or []
+            if NODE_MODULE not in cmd or proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            marks = [a[len(_RESOURCE_PREFIX) :] for a in cmd if a.startswith(_RESOURCE_PREFIX)]
+            cwd = Path(proc.info["cwd"] or "/")
+            for name in marks:
+                if parse_resource_name(name) and cwd.parent == root and cwd.name == name:
+                    found[name] = proc
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def _read_record(pid_file: Path) -> tuple[int, float | None] | None:
+    try:
+        rec = json.loads(pid_file.read_text())
+        create_time = rec.get("create_time")
+        return int(rec["pid"]), None if create_time is None else float(create_time)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def _reap(pid: int) -> None:
@@ -225,3 +281,71 @@ class ProcessProvider:
         except OSError:
             return ""
         return f"; last log line: {lines[-1][:200]}" if lines else ""
+
+    # ------------------------------------------------------------------ the reaper's sweep
+
+    def _resource(self, name: str, detail: str) -> ProviderResource:
+        parsed = parse_resource_name(name)
+        assert parsed is not None
+        run_id, _, nonce8 = parsed
+        return ProviderResource(
+            provider=ProviderKind.PROCESS,
+            kind="process",
+            name=name,
+            run_workflow_id=names.run_workflow_id(run_id),
+            nonce8=nonce8,
+            host=self.host,
+            detail=detail,
+        )
+
+    def list_resources(self) -> list[ProviderResource]:
+        """Live marked node processes of this state directory, and node directories
+        whose recorded process is gone ("dead": only the record is left to remove)."""
+        root = _nodes_root()
+        live = marked_node_processes(root)
+        found = {name: self._resource(name, f"live, pid {p.pid}") for name, p in live.items()}
+        try:
+            dirs = sorted(d for d in root.iterdir() if d.is_dir())
+        except FileNotFoundError:
+            dirs = []
+        for node_dir in dirs:
+            name = node_dir.name
+            if name in found or parse_resource_name(name) is None:
+                continue
+            rec = _read_record(node_dir / "pid.json")
+            if rec is None:
+                continue  # never recorded (a start in flight) or already reaped
+            pid, create_time = rec
+            if _alive(pid, create_time):
+                found[name] = self._resource(name, f"live, pid {pid} (recorded)")
+            else:
+                found[name] = self._resource(name, f"dead: pid {pid} is gone, its record is left")
+        return [found[name] for name in sorted(found)]
+
+    def destroy(self, resource: ProviderResource) -> None:
+        """Stop the node as a run's stop does (SIGTERM to its group, grace, SIGKILL),
+        then remove its record (``pid.json``; ``node.log`` stays). "Not found" is success."""
+        if parse_resource_name(resource.name) is None:
+            return
+        node_dir = _nodes_root() / resource.name
+        pid_file = node_dir / "pid.json"
+        rec = _read_record(pid_file)
+        running = marked_node_processes(_nodes_root()).get(resource.name)
+        handle = NodeHandle(
+            run_id=0,
+            node_id=0,
+            provider=ProviderKind.PROCESS,
+            host=self.host,
+            resource_name=resource.name,
+        )
+        if running is not None:
+            # Found by its mark just now: no recorded start time to check it against.
+            handle.pid = running.pid
+        elif rec is not None and _alive(*rec):
+            handle.pid, handle.log_path = rec[0], str(node_dir / "node.log")
+        if handle.pid is not None:
+            result = self._stop(handle, DESTROY_GRACE_S)
+            if not result.stopped:
+                raise RuntimeError(result.error or f"node {resource.name} did not stop")
+        for path in (pid_file, pid_file.with_suffix(".tmp")):
+            path.unlink(missing_ok=True)

@@ -138,6 +138,9 @@ def harness_env(faults_file: Path) -> dict[str, str]:
         "HF_TOKEN": SECRET,
         "MVP_EDGE_SECRET": EDGE_SECRET,
         "MVP_TEST_FAULTS_FILE": str(faults_file),
+        # The reaper's schedule is made, but sweeps only when a test triggers it (an
+        # interval fires on multiples of it since the epoch: a day's is 00:00 UTC).
+        "MVP_REAPER_INTERVAL_S": "86400",
     }
 
 

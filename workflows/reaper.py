@@ -1,0 +1,144 @@
+"""ReaperWorkflow: one sweep of one host's provider resources (DECISIONS 30).
+
+Thin by design: it lists what the host's providers report (provider queue), checks the
+liveness of the runs those resources name (shared queue), lets the pure rule of
+``mvp_core.reaper`` decide, and destroys what the rule gives it (provider queue). Its
+result, a ReapReport, says what it destroyed, kept and failed to destroy, and why. A
+schedule per host starts it (``workers/reaper_schedule.py``); overlap SKIP keeps two
+sweeps of one host from running at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from mvp_core import names
+    from mvp_core.reaper import (
+        DestroyInput,
+        DestroyResult,
+        LivenessInput,
+        LivenessResult,
+        ReapDecision,
+        ReapInput,
+        ReapReport,
+        ResourceListing,
+        decide,
+        run_ids_of,
+    )
+    from workflows.prompt import failure_cause
+
+HEARTBEAT = timedelta(seconds=10)
+# A host whose workers are all gone never takes the listing: the sweep fails instead of
+# waiting, and the schedule's next sweep tries again.
+LIST_TIMEOUT = timedelta(seconds=120)
+LIVENESS_TIMEOUT = timedelta(seconds=120)
+RETRY = RetryPolicy(maximum_attempts=3, initial_interval=timedelta(seconds=1))
+
+
+@workflow.defn(name=names.REAPER_WORKFLOW)
+class ReaperWorkflow:
+    @workflow.run
+    async def run(self, inp: ReapInput) -> ReapReport:
+        queue = names.provider_task_queue(inp.host)
+        try:
+            listing = await workflow.execute_activity(
+                names.ACT_LIST_RESOURCES,
+                inp.host,
+                task_queue=queue,
+                result_type=ResourceListing,
+                schedule_to_close_timeout=LIST_TIMEOUT,
+                heartbeat_timeout=HEARTBEAT,
+                retry_policy=RETRY,
+            )
+            liveness = await workflow.execute_activity(
+                names.ACT_RUN_LIVENESS,
+                LivenessInput(run_workflow_ids=run_ids_of(listing.resources)),
+                task_queue=names.ORCHESTRATOR_TASK_QUEUE,
+                result_type=LivenessResult,
+                schedule_to_close_timeout=LIVENESS_TIMEOUT,
+                heartbeat_timeout=HEARTBEAT,
+                retry_policy=RETRY,
+            )
+        except ActivityError as err:
+            raise ApplicationError(
+                f"reaper of {inp.host}: {failure_cause(err)}",
+                type="ReaperFailed",
+                non_retryable=True,
+            ) from None
+        plan = decide(listing.resources, liveness.runs)
+        report = ReapReport(
+            host=inp.host,
+            listed=len(listing.resources),
+            kept=plan.keep,
+            errors=listing.errors,
+            unavailable=listing.unavailable,
+        )
+        results = await asyncio.gather(*(self._destroy(queue, d, inp) for d in plan.destroy))
+        for decision, (destroyed, error) in zip(plan.destroy, results, strict=True):
+            if destroyed:
+                report.destroyed.append(decision)
+            else:
+                report.failed.append(
+                    ReapDecision(resource=decision.resource, reason=f"{decision.reason}; {error}")
+                )
+        self._log(report)
+        return report
+
+    @staticmethod
+    async def _destroy(queue: str, decision: ReapDecision, inp: ReapInput) -> tuple[bool, str]:
+        try:
+            result = await workflow.execute_activity(
+                names.ACT_DESTROY_RESOURCE,
+                DestroyInput(resource=decision.resource),
+                task_queue=queue,
+                result_type=DestroyResult,
+                start_to_close_timeout=timedelta(seconds=inp.destroy_timeout_s),
+                schedule_to_close_timeout=timedelta(seconds=3 * inp.destroy_timeout_s),
+                heartbeat_timeout=HEARTBEAT,
+                retry_policy=RETRY,
+            )
+        except ActivityError as err:
+            return False, f"destroy failed: {failure_cause(err)}"
+        return result.destroyed, f"destroy failed: {result.error}"
+
+    @staticmethod
+    def _log(report: ReapReport) -> None:
+        log = workflow.logger
+        for d in report.destroyed:
+            log.info(
+                "reaper %s: destroyed %s %s: %s",
+                report.host,
+                d.resource.kind,
+                d.resource.name,
+                d.reason,
+            )
+        for d in report.failed:
+            log.warning(
+                "reaper %s: could not destroy %s %s: %s",
+                report.host,
+                d.resource.kind,
+                d.resource.name,
+                d.reason,
+            )
+        for d in report.kept:
+            log.info(
+                "reaper %s: kept %s %s: %s", report.host, d.resource.kind, d.resource.name, d.reason
+            )
+        for e in report.errors:
+            log.warning("reaper %s: provider could not list: %s", report.host, e)
+        for u in report.unavailable:
+            log.info("reaper %s: provider not swept (unavailable here): %s", report.host, u)
+        log.info(
+            "reaper %s: %d listed, %d destroyed, %d kept, %d failed",
+            report.host,
+            report.listed,
+            len(report.destroyed),
+            len(report.kept),
+            len(report.failed),
+        )
