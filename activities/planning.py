@@ -12,7 +12,8 @@ from temporalio.exceptions import ApplicationError
 from activities.gguf_facts import read_model_facts
 from activities.heartbeat import HEARTBEAT_EVERY_S, in_thread
 from activities.models_store import ModelSourceError, resolve_model
-from activities.providers.base import harness_faults
+from activities.providers.base import ProviderUnavailable, harness_faults
+from activities.provisioning import ProviderActivities
 from mvp_core import names
 from mvp_core.models import PreparePlanInput, RunPlan
 from mvp_core.planner import PlanningError, build_plan
@@ -28,10 +29,31 @@ async def provider_queue() -> str:
     return names.provider_task_queue(provider_host())
 
 
-@activity.defn(name=names.ACT_PREPARE_PLAN)
-async def prepare_plan(inp: PreparePlanInput) -> RunPlan:
+class PlanningActivities:
+    """Planning runs on the provider's host: the model is resolved where nodes read it,
+    and the run's provider is checked there before any node starts (process spec 9.2)."""
+
+    def __init__(self, providers: ProviderActivities) -> None:
+        self.providers = providers
+
+    @activity.defn(name=names.ACT_PREPARE_PLAN)
+    async def prepare_plan(self, inp: PreparePlanInput) -> RunPlan:
+        """Check the provider, resolve the model, plan the run from its GGUF metadata."""
+        await _test_delay(inp.run_id)
+        try:
+            provider = self.providers.provider(inp.provider)
+            await in_thread(provider.check, inp.gpus)
+        except ProviderUnavailable as err:
+            raise ApplicationError(
+                f"provider {inp.provider.value!r} unavailable: {err}",
+                type="PlanningError",
+                non_retryable=True,
+            ) from None
+        return await plan_run(inp)
+
+
+async def plan_run(inp: PreparePlanInput) -> RunPlan:
     """Resolve the model on this host and plan the run from its GGUF metadata."""
-    await _test_delay(inp.run_id)
     try:
         model_path = await in_thread(resolve_model, inp.model)
         tokenizer_path = (

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.heartbeat import in_thread
-from activities.providers.base import Provider
+from activities.providers.base import NodeStartFailed, Provider, ProviderUnavailable
 from activities.providers.process import ProcessProvider
 from mvp_core import names
 from mvp_core.models import (
@@ -24,28 +25,64 @@ from mvp_core.models import (
 WATCH_INTERVAL_S = 0.5
 
 
+def _docker() -> Provider:
+    from activities.providers.docker import DockerProvider  # the docker SDK only when used
+
+    return DockerProvider()
+
+
+# How each provider of this host is made, on first use: a host without a Docker daemon
+# still serves process runs, and a docker run there is rejected naming what is missing.
+DEFAULT_FACTORIES: dict[ProviderKind, Callable[[], Provider]] = {
+    ProviderKind.PROCESS: ProcessProvider,
+    ProviderKind.DOCKER: _docker,
+}
+
+
 class ProviderActivities:
     """Holds the providers of this host; credentials live only in this worker's env."""
 
     def __init__(self, providers: dict[ProviderKind, Provider] | None = None) -> None:
-        self.providers: dict[ProviderKind, Provider] = providers or {
-            ProviderKind.PROCESS: ProcessProvider()
-        }
+        self.providers: dict[ProviderKind, Provider] = dict(providers or {})
+        self.factories = {} if providers else dict(DEFAULT_FACTORIES)
 
-    def _provider(self, kind: ProviderKind) -> Provider:
+    def provider(self, kind: ProviderKind) -> Provider:
+        """This host's provider of ``kind``; ProviderUnavailable when it has none."""
         provider = self.providers.get(kind)
         if provider is None:
-            raise ApplicationError(
-                f"unsupported provider {kind.value!r} on this worker",
-                type="ProviderUnavailable",
-                non_retryable=True,
-            )
+            factory = self.factories.get(kind)
+            if factory is None:
+                raise ProviderUnavailable(f"provider {kind.value!r} is not available on this host")
+            provider = self.providers[kind] = factory()
         return provider
+
+    def available(self) -> list[Provider]:
+        """The providers this host can reach now (the reaper sweeps these)."""
+        found = []
+        for kind in {*self.providers, *self.factories}:
+            try:
+                provider = self.provider(kind)
+                provider.check(None)
+            except ProviderUnavailable:
+                continue
+            found.append(provider)
+        return found
+
+    def _provider(self, kind: ProviderKind) -> Provider:
+        try:
+            return self.provider(kind)
+        except ProviderUnavailable as err:
+            raise ApplicationError(
+                str(err), type="ProviderUnavailable", non_retryable=True
+            ) from None
 
     @activity.defn(name=names.ACT_START_NODE)
     async def start_node(self, spec: NodeProvisionSpec) -> NodeHandle:
-        provider = self._provider(ProviderKind.PROCESS)
-        return await in_thread(provider.start, spec)
+        provider = self._provider(spec.provider)
+        try:
+            return await in_thread(provider.start, spec)
+        except (NodeStartFailed, ProviderUnavailable) as err:
+            raise ApplicationError(str(err), type=type(err).__name__, non_retryable=True) from None
 
     @activity.defn(name=names.ACT_STOP_NODE)
     async def stop_node(self, inp: StopNodeInput) -> StopNodeResult:

@@ -89,6 +89,20 @@ class EngineSettings(_Model):
     )
 
 
+class DockerSettings(_Model):
+    """Docker provider settings of a run (process spec [docker])."""
+
+    gpus: str | None = Field(
+        default=None,
+        max_length=200,
+        description=(
+            "GPUs for each node container: 'all', a count ('2'), or device ids "
+            "('0,1' or 'GPU-uuid,...'); null or '' = none. A host without a GPU driver for "
+            "Docker fails the node's start with nothing left behind"
+        ),
+    )
+
+
 class RunRequest(_Model):
     """The typed input of a run (actor spec 4.1)."""
 
@@ -96,7 +110,15 @@ class RunRequest(_Model):
     orchestrator_node_id: int = Field(default=0, ge=0)
     node_id: int = Field(default=1, ge=0, description="First worker node id (CONTRACTS)")
     provider: ProviderKind = ProviderKind.PROCESS
-    worker_image: str | None = None
+    worker_image: str | None = Field(
+        default=None,
+        max_length=300,
+        description=(
+            "Node image (docker); unset = the offline host image the provider builds "
+            "from this host's Python and package the first time a run needs it"
+        ),
+    )
+    docker: DockerSettings = Field(default_factory=DockerSettings)
     model: ModelSource = Field(default_factory=ModelSource)
     tokenizer: ModelSource | None = None
     pipeline_stages: int = Field(default=1)
@@ -198,9 +220,13 @@ class NodeProvisionSpec(_Model):
     run_workflow_id: str
     image_or_artifact: str | None = None
     environment: dict[str, str] = Field(default_factory=dict)
-    mounts: list[str] = Field(default_factory=list)
+    mounts: list[str] = Field(
+        default_factory=list, description="Host files a node reads (the model): mounted read-only"
+    )
     coordinator_endpoint: str
     temporal_namespace: str = "default"
+    provider: ProviderKind = ProviderKind.PROCESS
+    gpus: str | None = None
 
 
 class NodeHandle(_Model):
@@ -213,6 +239,21 @@ class NodeHandle(_Model):
     pid: int | None = None
     log_path: str | None = None
     resource_name: str
+    container_id: str | None = None
+    address: str | None = Field(default=None, description="The node's own network address")
+
+
+class ProviderResource(_Model):
+    """One thing a provider made for a run, as the provider itself reports it (the
+    reaper sweeps by these, not by the run's records)."""
+
+    provider: ProviderKind
+    kind: Literal["process", "container", "network", "instance"]
+    name: str
+    run_workflow_id: str
+    nonce8: str = Field(description="The first 8 characters of the execution's nonce")
+    host: str
+    detail: str = ""
 
 
 class StopNodeInput(_Model):
@@ -246,6 +287,8 @@ class PreparePlanInput(_Model):
     tokenizer: ModelSource | None
     pipeline_stages: int
     max_context: int | None
+    provider: ProviderKind = ProviderKind.PROCESS
+    gpus: str | None = None
 
 
 class CheckRouteInput(_Model):

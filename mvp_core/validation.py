@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import ValidationError
@@ -22,6 +23,11 @@ NODE_ENV_TUNABLES = frozenset({"MVP_SWITCH_INTERVAL", "MVP_LEASE_SILENCE_S"})
 
 class RunRejectedError(ValueError):
     """The request is invalid; the message names what is wrong."""
+
+
+# An image reference (registry/name:tag@digest), and docker.gpus: all | count | ids.
+_IMAGE_REF = re.compile(r"[a-z0-9][a-z0-9._/:@-]{0,254}", re.IGNORECASE)
+_GPUS = re.compile(r"all|[0-9]{1,3}|[A-Za-z0-9-]{1,64}(,[A-Za-z0-9-]{1,64}){0,15}")
 
 
 def describe_invalid(err: ValidationError) -> str:
@@ -96,13 +102,22 @@ def validate_request(request: RunRequest) -> None:
         request.tokenizer.path is None
     ):
         raise RunRejectedError("tokenizer source must set exactly one of bundled or path")
-    if request.provider is not ProviderKind.PROCESS:
-        if not request.worker_image:
-            raise RunRejectedError(
-                f"missing worker image: provider {request.provider.value!r} needs worker_image"
-            )
+    if request.provider is ProviderKind.VASTAI:
         raise RunRejectedError(
-            f"unsupported provider {request.provider.value!r} in this release; use process"
+            f"unsupported provider {request.provider.value!r} in this release; use process or docker"
+        )
+    if request.worker_image is not None and not _IMAGE_REF.fullmatch(request.worker_image):
+        raise RunRejectedError(
+            f"invalid worker_image {request.worker_image!r}: not an image reference"
+        )
+    gpus = request.docker.gpus
+    if gpus and not _GPUS.fullmatch(gpus):
+        raise RunRejectedError(
+            f"invalid docker.gpus {gpus!r}: use 'all', a count, or comma-separated device ids"
+        )
+    if gpus and request.provider is not ProviderKind.DOCKER:
+        raise RunRejectedError(
+            f"docker.gpus is a docker provider setting; provider is {request.provider.value!r}"
         )
     for key in request.node_env:
         if key.upper().startswith(("MVP_FAULT_", "MVP_TEST_")):

@@ -130,6 +130,7 @@ def start_dev_server(
     nice: int = CONTROL_PLANE_NICE,
     own_process_group: bool = False,
     stop_with_parent: bool = False,
+    ip: str = "127.0.0.1",
 ) -> DevServer:
     """Start ``temporal server start-dev`` and wait until its frontend accepts connections.
 
@@ -137,7 +138,9 @@ def start_dev_server(
     history writes should wait for a token, not the other way round.
     ``own_process_group`` keeps a terminal's Ctrl-C from reaching the server, so the
     caller can stop its run before the server; ``stop_with_parent`` sends the server
-    SIGTERM when the calling process dies (Linux), even when it is killed hard. When the
+    SIGTERM when the calling process dies (Linux), even when it is killed hard. ``ip`` is
+    where the frontend listens ("0.0.0.0" for Docker nodes, which reach it through their
+    network's gateway); clients on this host use 127.0.0.1 either way. When the
     server exits early, the :class:`DevServerError` names the cause from its output."""
     if port and _listening(port):
         # Checked first: the readiness probe below would connect to the other server.
@@ -152,7 +155,7 @@ def start_dev_server(
         "server",
         "start-dev",
         "--ip",
-        "127.0.0.1",
+        ip,
         "--port",
         str(port),
         "--ui-port",

@@ -19,7 +19,7 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities.membership import check_route
-from activities.planning import prepare_plan, provider_host, provider_queue
+from activities.planning import PlanningActivities, provider_host, provider_queue
 from activities.provisioning import ProviderActivities
 from activities.reaper import ReaperActivities, run_liveness
 from mvp_core import names
@@ -38,6 +38,7 @@ async def run_worker(stop: asyncio.Event) -> None:
     client = await connect(data_converter=default_data_converter(lenient=True))
     providers = ProviderActivities()
     reaper = ReaperActivities(providers)
+    planning = PlanningActivities(providers)
     host_queue = names.provider_task_queue(provider_host())
     # A worker lost mid-task costs its sticky queue's schedule-to-start (default 10 s)
     # before another worker takes the run: keep it short. MVP_MAX_CACHED_WORKFLOWS=0
@@ -56,7 +57,7 @@ async def run_worker(stop: asyncio.Event) -> None:
         client,
         task_queue=host_queue,
         activities=[
-            prepare_plan,
+            planning.prepare_plan,
             providers.start_node,
             providers.stop_node,
             providers.watch_nodes,

@@ -242,6 +242,8 @@ class RunWorkflow:
                         tokenizer=req.tokenizer,
                         pipeline_stages=req.pipeline_stages,
                         max_context=req.max_context,
+                        provider=req.provider,
+                        gpus=req.docker.gpus or None,
                     ),
                     result_type=RunPlan,
                     task_queue=state.provider_queue,
@@ -298,6 +300,9 @@ class RunWorkflow:
                 },
                 coordinator_endpoint="",
                 temporal_namespace=workflow.info().namespace,
+                provider=req.provider,
+                gpus=req.docker.gpus or None,
+                mounts=sorted({state.plan.model_path, state.plan.tokenizer_path}),
             )
             # Neither abandoned on shutdown nor cancelled with the workflow: a start in
             # flight may launch its node, which teardown must then know about to stop it.

@@ -13,7 +13,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
-from mvp_core.models import NodeExited, NodeHandle, NodeProvisionSpec, StopNodeResult
+from mvp_core.models import (
+    NodeExited,
+    NodeHandle,
+    NodeProvisionSpec,
+    ProviderResource,
+    StopNodeResult,
+)
 
 # Secrets a provider passes from its own environment into node environments. They never
 # travel in workflow or activity payloads (docs/architecture.md "Secrets").
@@ -33,7 +39,31 @@ TEST_FAULTS_ALLOWED_ENV = "MVP_TEST_FAULTS_ALLOWED"
 FAULT_PREFIX = "MVP_FAULT_"
 
 
+class ProviderUnavailable(RuntimeError):
+    """The provider cannot serve runs on this host (no daemon, no credentials); the
+    message names what is missing. A run asking for it is rejected before provisioning."""
+
+
+class NodeStartFailed(RuntimeError):
+    """A node could not be started, and retrying will not help (a GPU request on a host
+    without a GPU driver, an image that does not exist); nothing of it was left behind."""
+
+
 class Provider(Protocol):
+    def check(self, spec_gpus: str | None) -> None:
+        """Raise ProviderUnavailable unless this host can start nodes with these settings
+        (process spec 9.2: checked before any node starts)."""
+        ...
+
+    def list_resources(self) -> list[ProviderResource]:
+        """Every labelled resource of this provider on this host, live or not, as the
+        provider itself reports them (the reaper's sweep)."""
+        ...
+
+    def destroy(self, resource: ProviderResource) -> None:
+        """Remove one resource; idempotent, "not found" is success."""
+        ...
+
     def start(self, spec: NodeProvisionSpec) -> NodeHandle:
         """Start a node; idempotent per (run_id, node_id, nonce)."""
         ...

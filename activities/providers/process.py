@@ -24,6 +24,7 @@ import psutil
 
 from activities.providers.base import (
     TEST_FAULTS_FILE_ENV,
+    ProviderUnavailable,
     harness_faults,
     node_environment,
     state_dir,
@@ -141,6 +142,10 @@ class ProcessProvider:
     def __init__(self, *, python: str | None = None, host: str | None = None) -> None:
         self.python = python or sys.executable
         self.host = host or socket.gethostname()
+
+    def check(self, spec_gpus: str | None) -> None:
+        if not os.access(self.python, os.X_OK):
+            raise ProviderUnavailable(f"local process worker binary does not exist: {self.python}")
 
     def _node_dir(self, run_id: int, node_id: int, nonce: str) -> Path:
         return state_dir() / "nodes" / names.node_resource_name(run_id, node_id, nonce)

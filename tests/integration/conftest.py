@@ -24,6 +24,7 @@ from mvp_core import names
 from mvp_core.models import RunPhase, RunRequest
 from mvp_core.run_state import RunState
 from temporal.devserver import DevServer, start_dev_server
+from tests.helpers.dockerd import Dockerd, start_dockerd
 from tests.helpers.runs import log_sizes, start_run, task_failures
 from workers.connect import connect
 
@@ -116,8 +117,9 @@ def state_dir(session_dir: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def temporal_server(session_dir: Path) -> Iterator[DevServer]:
+    # On all addresses: Docker nodes reach it through their run network's gateway.
     srv = start_dev_server(
-        str(session_dir / "temporal.db"), log_file=str(session_dir / "temporal.log")
+        str(session_dir / "temporal.db"), log_file=str(session_dir / "temporal.log"), ip="0.0.0.0"
     )
     yield srv
     srv.stop()
@@ -132,9 +134,16 @@ def faults_file(session_dir: Path) -> Path:
     return path
 
 
+def docker_root(session_dir: Path) -> Path:
+    """Where the tests' private Docker daemon lives (it starts only for Docker tests)."""
+    return session_dir / "docker"
+
+
 def harness_env(faults_file: Path) -> dict[str, str]:
-    """What the test harness (never a run request) gives an orchestrator worker."""
+    """What the test harness (never a run request) gives an orchestrator worker. Its
+    Docker provider talks to the tests' private daemon, once a Docker test starts it."""
     return {
+        "DOCKER_HOST": f"unix://{docker_root(faults_file.parent) / 'docker.sock'}",
         "HF_TOKEN": SECRET,
         "MVP_EDGE_SECRET": EDGE_SECRET,
         "MVP_TEST_FAULTS_FILE": str(faults_file),
@@ -154,6 +163,13 @@ def orchestrator(
     proc.start()
     yield proc
     proc.stop()
+
+
+@pytest.fixture(scope="session")
+def dockerd(session_dir: Path) -> Iterator[Dockerd]:
+    daemon = start_dockerd(docker_root(session_dir))
+    yield daemon
+    daemon.stop()
 
 
 @pytest.fixture(scope="session")

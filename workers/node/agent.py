@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -33,6 +34,18 @@ DEADMAN_CHECK_S = 2.0
 HEARTBEAT_THROTTLE = timedelta(milliseconds=500)
 
 
+def advertised_host(bind_host: str) -> str:
+    """The address peers reach this node's listener at: ``MVP_ADVERTISE_HOST`` when the
+    provider sets it, else the bind address, or for a wildcard bind (a container on its
+    run's network) the address this host's name resolves to there."""
+    configured = os.environ.get("MVP_ADVERTISE_HOST")
+    if configured:
+        return configured
+    if bind_host in ("0.0.0.0", ""):
+        return socket.gethostbyname(socket.gethostname())
+    return bind_host
+
+
 async def report_ready(
     cfg: NodeConfig, client: Client, acts: NodeActivities, stop: asyncio.Event
 ) -> None:
@@ -41,7 +54,7 @@ async def report_ready(
         run_id=cfg.run_id,
         node_id=cfg.node_id,
         stage_index=cfg.stage_index,
-        endpoint=f"{acts.server.host}:{acts.server.port}",
+        endpoint=f"{advertised_host(acts.server.host)}:{acts.server.port}",
         node_actor=cfg.task_queue,
         worker_identity=FaultInjection.from_env().report_identity or cfg.identity,
         readiness_id=cfg.readiness_id,

@@ -1,0 +1,268 @@
+"""Docker nodes (issue 9): runs on a real, private Docker daemon, each node a container
+on its run's own network, with nothing left behind whatever happens to the run."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import docker
+import pytest
+from temporalio.client import Client
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
+
+from activities.planning import PlanningActivities
+from activities.providers.docker import CREATED_BY, LABEL_CREATED_BY, LABEL_RUN_ID
+from activities.provisioning import ProviderActivities
+from mvp_core import names
+from mvp_core.models import (
+    ModelSource,
+    PreparePlanInput,
+    ProviderKind,
+    RunOutcome,
+    RunPhase,
+    SubmitPrompt,
+)
+from temporal.devserver import start_dev_server
+from tests.helpers.dockerd import Dockerd
+from tests.integration.conftest import (
+    OrchestratorProcess,
+    Runs,
+    harness_env,
+    run_failure,
+    snapshot,
+    wait_phase,
+)
+from workers.client import submit_prompt
+from workers.connect import connect
+
+PROMPT = "The capital of France is"
+CREATED = {"label": [f"{LABEL_CREATED_BY}={CREATED_BY}"]}
+
+
+@pytest.fixture
+def dclient(dockerd: Dockerd) -> Iterator[docker.DockerClient]:
+    """The private daemon; after each test, nothing of ours may be left on it."""
+    client = docker.DockerClient(base_url=dockerd.host, timeout=60)
+    yield client
+    left = [c.name for c in client.containers.list(all=True, filters=CREATED)]
+    nets = [n.name for n in client.networks.list(filters=CREATED)]
+    for c in client.containers.list(all=True, filters=CREATED):
+        c.remove(force=True)
+    for n in client.networks.list(filters=CREATED):
+        n.remove()
+    client.close()
+    assert not left and not nets, f"left on the daemon: {left} {nets}"
+
+
+@pytest.fixture
+async def druns(runs: Runs, dclient: docker.DockerClient) -> AsyncIterator[Runs]:
+    yield runs
+
+
+def run_containers(dclient: docker.DockerClient, run_id: int) -> list[object]:
+    return list(
+        dclient.containers.list(
+            all=True,
+            filters={"label": [f"{LABEL_CREATED_BY}={CREATED_BY}", f"{LABEL_RUN_ID}={run_id}"]},
+        )
+    )
+
+
+def run_networks(dclient: docker.DockerClient, run_id: int) -> list[str]:
+    return [
+        str(n.name)
+        for n in dclient.networks.list(filters=CREATED)
+        if (n.attrs.get("Labels") or {}).get(LABEL_RUN_ID) == str(run_id)
+    ]
+
+
+def established(container: object) -> set[tuple[str, int, str, int]]:
+    """The container's established TCP connections, read inside it (/proc/net/tcp of its
+    network namespace): (local ip, local port, remote ip, remote port)."""
+    code, out = container.exec_run(["cat", "/proc/net/tcp"])  # type: ignore[attr-defined]
+    assert code == 0, out
+    conns = set()
+    for line in out.decode().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] != "01":  # TCP_ESTABLISHED
+            continue
+        (lip, lport), (rip, rport) = (f.split(":") for f in fields[1:3])
+        conns.add((_ip(lip), int(lport, 16), _ip(rip), int(rport, 16)))
+    return conns
+
+
+def _ip(hex_le: str) -> str:
+    return str(ipaddress.IPv4Address(bytes.fromhex(hex_le)[::-1]))
+
+
+async def greedy(client: Client, run_id: int, max_tokens: int = 12) -> str:
+    result = await submit_prompt(
+        client, run_id, SubmitPrompt(request_id=1, prompt_text=PROMPT, max_tokens=max_tokens)
+    )
+    assert result.type == "done", result
+    return result.final_text
+
+
+async def shutdown(handle: object) -> RunOutcome:
+    await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN)  # type: ignore[attr-defined]
+    return RunOutcome.model_validate(await handle.result())  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+async def test_docker_pipeline_gives_the_process_text_over_container_addresses(
+    druns: Runs, dclient: docker.DockerClient, stages: int
+):
+    base = 900 + 10 * stages
+    process = await druns.start(base, pipeline_stages=stages)
+    await wait_phase(process, RunPhase.PROMPT_READY)
+    expected = await greedy(druns.client, base)
+    await shutdown(process)
+
+    run_id = base + 1
+    handle = await druns.start(run_id, pipeline_stages=stages, provider="docker")
+    state = await wait_phase(handle, RunPhase.PROMPT_READY)
+    assert await greedy(druns.client, run_id) == expected
+
+    containers = {c.labels["mvp.node-id"]: c for c in run_containers(dclient, run_id)}  # type: ignore[attr-defined]
+    assert len(containers) == stages and len(run_networks(dclient, run_id)) == 1
+    net = run_networks(dclient, run_id)[0]
+    by_stage = sorted(state.nodes, key=lambda n: n.stage_index)
+    endpoints = []
+    for node in by_stage:
+        assert node.handle is not None and node.runtime_ready is not None
+        c = containers[str(node.node_id)]
+        c.reload()  # type: ignore[attr-defined]
+        ip = c.attrs["NetworkSettings"]["Networks"][net]["IPAddress"]  # type: ignore[attr-defined]
+        host, _, port = node.runtime_ready.endpoint.rpartition(":")
+        assert host == ip == node.handle.address and not ipaddress.ip_address(ip).is_loopback
+        endpoints.append((ip, int(port)))
+    assert len({ip for ip, _ in endpoints}) == stages  # each node on its own address
+    # Each stage's outbound edge, seen inside the sending container: a connection from its
+    # own address to the next stage's (the last one's to the head's driver).
+    for i, node in enumerate(by_stage):
+        conns = established(containers[str(node.node_id)])
+        src_ip = endpoints[i][0]
+        dst = endpoints[(i + 1) % stages]
+        assert any((lip, rip, rport) == (src_ip, dst[0], dst[1]) for lip, _, rip, rport in conns), (
+            i,
+            conns,
+        )
+
+    outcome = await shutdown(handle)
+    assert outcome.outcome.value == "operator_stopped"
+    assert run_containers(dclient, run_id) == [] and run_networks(dclient, run_id) == []
+
+
+async def test_a_killed_container_faults_the_prompt_and_run_and_leaves_nothing(
+    druns: Runs, dclient: docker.DockerClient
+):
+    run_id = 931
+    handle = await druns.start(
+        run_id, pipeline_stages=2, provider="docker", faults={"MVP_FAULT_TEXT_DELAY_MS": "10"}
+    )
+    state = await wait_phase(handle, RunPhase.PROMPT_READY)
+    prompt = asyncio.ensure_future(
+        submit_prompt(
+            druns.client,
+            run_id,
+            SubmitPrompt(request_id=1, prompt_text="Once upon a time", max_tokens=2000),
+        )
+    )
+    await asyncio.sleep(1.5)
+    tail = next(n for n in state.nodes if n.stage_index == 1)
+    victim = next(
+        c
+        for c in run_containers(dclient, run_id)
+        if c.labels["mvp.node-id"] == str(tail.node_id)  # type: ignore[attr-defined]
+    )
+    t0 = time.monotonic()
+    victim.kill()  # type: ignore[attr-defined]
+    result = await prompt
+    assert result.type == "fault", result
+    cause = await run_failure(handle)
+    assert time.monotonic() - t0 < 15, time.monotonic() - t0
+    assert cause.startswith("prompt serving"), cause
+    assert (await snapshot(handle)).torn_down
+    assert run_containers(dclient, run_id) == [] and run_networks(dclient, run_id) == []
+
+
+async def test_a_gpu_request_without_a_gpu_driver_is_a_clean_startup_failure(
+    druns: Runs, dclient: docker.DockerClient
+):
+    run_id = 941
+    handle = await druns.start(run_id, provider="docker", docker={"gpus": "all"})
+    cause = await run_failure(handle)
+    assert cause.startswith("startup ("), cause
+    assert "gpus='all'" in cause and "no GPU driver for Docker" in cause, cause
+    state = await snapshot(handle)
+    assert state.torn_down
+    assert run_containers(dclient, run_id) == [] and run_networks(dclient, run_id) == []
+
+
+async def test_a_docker_run_without_a_daemon_is_rejected_before_provisioning(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path / 'no-daemon.sock'}")
+    planning = PlanningActivities(ProviderActivities())
+    inp = PreparePlanInput(
+        run_id=1,
+        orchestrator_node_id=0,
+        node_id=1,
+        model=ModelSource(bundled="SmolLM2-135M-Instruct.Q4_1"),
+        tokenizer=None,
+        pipeline_stages=1,
+        max_context=None,
+        provider=ProviderKind.DOCKER,
+    )
+    with pytest.raises(ApplicationError) as err:
+        await ActivityEnvironment().run(planning.prepare_plan, inp)
+    assert err.value.type == "PlanningError" and err.value.non_retryable
+    assert "provider 'docker' unavailable: no Docker daemon reachable at unix://" in str(err.value)
+
+
+async def test_a_worker_killed_between_create_and_start_leaves_exactly_one_container(
+    tmp_path: Path, dockerd: Dockerd, dclient: docker.DockerClient
+):
+    faults = tmp_path / "faults.json"
+    faults.write_text(json.dumps({}))
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    server = start_dev_server(
+        str(tmp_path / "t.db"), log_file=str(tmp_path / "temporal.log"), ip="0.0.0.0"
+    )
+    env = {**harness_env(faults), "DOCKER_HOST": dockerd.host}
+    crashing = OrchestratorProcess(
+        server.address, state_dir, tmp_path, {**env, "MVP_TEST_CRASH_AFTER_LAUNCH": "created"}
+    )
+    healthy = OrchestratorProcess(server.address, state_dir, tmp_path, env)
+    run_id = 951
+    try:
+        crashing.start()
+        client = await connect(server.address)
+        handle = await Runs(client, crashing, faults).start(
+            run_id, pipeline_stages=2, provider="docker", default_max_tokens=8
+        )
+        assert crashing.proc is not None
+        crashing.proc.wait(60)  # it created node 2's container, then died before starting it
+        made = run_containers(dclient, run_id)
+        assert [c.status for c in made] == ["created"]  # type: ignore[attr-defined]
+        healthy.start()
+        state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=90)
+        now = run_containers(dclient, run_id)
+        assert len(now) == 2, now
+        assert made[0].id in {c.id for c in now}  # type: ignore[attr-defined]  # reused
+        assert all(n.route_owned for n in state.nodes)
+        assert (await greedy(client, run_id, 4)) != ""
+        outcome = await shutdown(handle)
+        assert outcome.outcome.value == "operator_stopped"
+        assert run_containers(dclient, run_id) == [] and run_networks(dclient, run_id) == []
+    finally:
+        crashing.stop()
+        healthy.stop()
+        server.stop()
