@@ -108,12 +108,12 @@ def validate_request(request: RunRequest) -> None:
         )
     if request.worker_image is not None and not _IMAGE_REF.fullmatch(request.worker_image):
         raise RunRejectedError(
-            f"invalid worker_image {request.worker_image!r}: not an image reference"
+            "invalid worker_image: not an image reference ([registry/]name[:tag][@digest])"
         )
     gpus = request.docker.gpus
     if gpus and not _GPUS.fullmatch(gpus):
         raise RunRejectedError(
-            f"invalid docker.gpus {gpus!r}: use 'all', a count, or comma-separated device ids"
+            "invalid docker.gpus: use 'all', a count, or comma-separated device ids"
         )
     if gpus and request.provider is not ProviderKind.DOCKER:
         raise RunRejectedError(

@@ -1,6 +1,6 @@
 import pytest
 
-from mvp_core.models import ModelSource, ProviderKind, RunRequest
+from mvp_core.models import DockerSettings, ModelSource, ProviderKind, RunRequest
 from mvp_core.validation import RunRejectedError, parse_request, resolve_run_id, validate_request
 
 OK = RunRequest(model=ModelSource(bundled="SmolLM2-135M-Instruct.Q4_1"))
@@ -28,7 +28,13 @@ def test_missing_run_id_is_rejected():
         ({"model": ModelSource()}, "missing model source"),
         ({"model": ModelSource(bundled="x", path="/y")}, "missing model source"),
         ({"prompt_queue_capacity": 9}, "between 1 and 8"),
-        ({"provider": ProviderKind.DOCKER}, "needs worker_image"),
+        ({"provider": ProviderKind.VASTAI}, "unsupported provider 'vastai'"),
+        ({"worker_image": "bad image!"}, "invalid worker_image"),
+        (
+            {"provider": ProviderKind.DOCKER, "docker": DockerSettings(gpus="0;rm")},
+            "invalid docker.gpus",
+        ),
+        ({"docker": DockerSettings(gpus="all")}, "docker.gpus is a docker provider setting"),
         ({"node_env": {"HF_TOKEN": "x"}}, "looks like a secret"),
         ({"node_env": {"MVP_FAULT_MUTE": "1"}}, "test-only fault injection"),
         ({"node_env": {"mvp_fault_text_delay_ms": "5"}}, "test-only fault injection"),

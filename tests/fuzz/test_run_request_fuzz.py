@@ -106,8 +106,9 @@ _valid_run = st.fixed_dictionaries(
         "run_id": st.none() | st.integers(0, 2**63),
         "orchestrator_node_id": st.integers(0, 99),
         "node_id": st.integers(0, 99),
-        "provider": st.just("process"),
-        "worker_image": st.none() | _marker,
+        "provider": st.sampled_from(["process", "docker"]),
+        "worker_image": st.none()
+        | st.integers(0, 0xFFFF_FFFF).map(lambda n: f"registry.local/zq{n:08x}xv:1"),
         "tokenizer": st.none() | _valid_source,
         "pipeline_stages": st.integers(1, 8),
         "default_max_tokens": st.none() | st.integers(0, 4096),
@@ -139,9 +140,12 @@ _RUN_MUTATIONS: dict[str, list[tuple[str, str, st.SearchStrategy[Any]]]] = {
     "node_id": [("parse", "node_id", _negative | _not_int | st.none())],
     "provider": [
         ("parse", "provider", _marker | st.integers() | st.none() | st.lists(_marker)),
-        ("validate", "provider", st.sampled_from(["docker", "vastai"])),
+        ("validate", "provider", st.just("vastai")),
     ],
-    "worker_image": [("parse", "worker_image", _not_str)],
+    "worker_image": [
+        ("parse", "worker_image", _not_str),
+        ("validate", "worker_image", _marker.map(lambda m: f"bad image {m}")),
+    ],
     "model": [
         ("parse", "model", _marker | st.integers() | st.lists(_marker, max_size=2)),
         ("parse", "model.bundled", _sub("bundled", _not_str)),
