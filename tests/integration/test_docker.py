@@ -16,7 +16,7 @@ from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from activities.planning import PlanningActivities
+from activities.planning import PlanningActivities, provider_host
 from activities.providers.docker import CREATED_BY, LABEL_CREATED_BY, LABEL_RUN_ID
 from activities.provisioning import ProviderActivities
 from mvp_core import names
@@ -36,8 +36,10 @@ from tests.integration.conftest import (
     harness_env,
     run_failure,
     snapshot,
+    wait_closed,
     wait_phase,
 )
+from tests.integration.test_reaper import sweep
 from workers.client import submit_prompt
 from workers.connect import connect
 
@@ -266,3 +268,44 @@ async def test_a_worker_killed_between_create_and_start_leaves_exactly_one_conta
         crashing.stop()
         healthy.stop()
         server.stop()
+
+
+async def test_the_reaper_removes_a_terminated_runs_containers_and_network_only(
+    druns: Runs, dclient: docker.DockerClient
+):
+    gone_id, live_id = 961, 962
+    gone = await druns.start(gone_id, pipeline_stages=2, provider="docker")
+    live = await druns.start(live_id, provider="docker")
+    gone_state = await wait_phase(gone, RunPhase.PROMPT_READY)
+    await wait_phase(live, RunPhase.PROMPT_READY)
+
+    # Two runs, two networks: a container of one cannot reach a node of the other, even
+    # at its advertised address (the daemon isolates bridge networks).
+    target = gone_state.nodes[0].runtime_ready
+    assert target is not None
+    ip, _, port = target.endpoint.rpartition(":")
+    outsider = run_containers(dclient, live_id)[0]
+    probe = f"import socket; socket.create_connection(({ip!r}, {port}), timeout=2)"
+    python = outsider.attrs["Config"]["Cmd"][0]  # type: ignore[attr-defined]
+    code, out = outsider.exec_run([python, "-c", probe])  # type: ignore[attr-defined]
+    assert code != 0 and any(w in out for w in (b"timed out", b"refused", b"unreachable")), out
+
+    await gone.terminate("test: leave the containers behind")
+    await wait_closed(gone)
+    assert len(run_containers(dclient, gone_id)) == 2  # nothing tore them down
+    report = await sweep(druns.client, names.reaper_schedule_id(provider_host()))
+    destroyed = {d.resource.name for d in report.destroyed}
+    assert {
+        f"mvp-orchestrator-{gone_id}-{n.node_id}-{gone_state.nonce[:8]}" for n in gone_state.nodes
+    } <= destroyed
+    assert run_containers(dclient, gone_id) == [] and run_networks(dclient, gone_id) == []
+    assert len(run_containers(dclient, live_id)) == 1 and len(run_networks(dclient, live_id)) == 1
+    assert sum(d.resource.kind == "container" for d in report.destroyed) >= 2
+    assert any(d.resource.kind == "network" for d in report.destroyed)
+    kept = {d.resource.run_workflow_id for d in report.kept}
+    assert names.run_workflow_id(live_id) in kept
+    assert names.run_workflow_id(gone_id) not in kept
+    again = await sweep(druns.client, names.reaper_schedule_id(provider_host()))
+    assert not [d for d in again.destroyed if d.resource.run_workflow_id.endswith(f"-{gone_id}")]
+
+    assert (await shutdown(live)).outcome.value == "operator_stopped"
