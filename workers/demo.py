@@ -45,6 +45,7 @@ from mvp_core.models import (
     Done,
     Fault,
     ModelSource,
+    ProviderKind,
     RequestShutdown,
     RunOutcome,
     RunPhase,
@@ -283,6 +284,8 @@ class Demo:
         try:
             self.server = start_dev_server(
                 str(root / "dev.db"),
+                # Docker nodes reach the server through their network's gateway.
+                ip="0.0.0.0" if args.provider == "docker" else "127.0.0.1",
                 headless=False,
                 log_file=str(root / "temporal.log"),
                 own_process_group=True,
@@ -302,7 +305,10 @@ class Demo:
         self.run_id = args.run_id or int(time.time()) % 1_000_000
         try:
             request = RunRequest(
-                model=self.source, pipeline_stages=args.stages, default_max_tokens=args.max_tokens
+                model=self.source,
+                pipeline_stages=args.stages,
+                default_max_tokens=args.max_tokens,
+                provider=ProviderKind(args.provider),
             )
         except ValidationError as err:
             raise DemoError(f"invalid run request: {describe_invalid(err)}") from None
@@ -605,6 +611,13 @@ def parser() -> argparse.ArgumentParser:
         default=DEFAULT_BUNDLED,
         help=f"a bundled model ({', '.join(sorted(BUNDLED))}) or the path of a GGUF file "
         "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--provider",
+        choices=["process", "docker"],
+        default="process",
+        help="local node processes, or containers on a Docker daemon (DOCKER_HOST; the "
+        "node image is built offline on first use) (default: %(default)s)",
     )
     p.add_argument(
         "--run-id", type=int, default=0, help="the run's id (default: derived from the clock)"

@@ -31,6 +31,7 @@ from mvp_core.models import (
 from temporal.devserver import start_dev_server
 from tests.helpers.dockerd import Dockerd
 from tests.integration.conftest import (
+    REPO,
     OrchestratorProcess,
     Runs,
     harness_env,
@@ -121,13 +122,15 @@ async def test_docker_pipeline_gives_the_process_text_over_container_addresses(
     druns: Runs, dclient: docker.DockerClient, stages: int
 ):
     base = 900 + 10 * stages
-    process = await druns.start(base, pipeline_stages=stages)
+    process = await druns.start(base, pipeline_stages=stages, max_context=512)
     await wait_phase(process, RunPhase.PROMPT_READY)
     expected = await greedy(druns.client, base)
     await shutdown(process)
 
     run_id = base + 1
-    handle = await druns.start(run_id, pipeline_stages=stages, provider="docker")
+    # The documented example (2 stages), with the stage count of this case.
+    example = json.loads((REPO / "docs" / "examples" / "run-docker.json").read_text())
+    handle = await druns.start(run_id, **{**example, "pipeline_stages": stages})
     state = await wait_phase(handle, RunPhase.PROMPT_READY)
     assert await greedy(druns.client, run_id) == expected
 
