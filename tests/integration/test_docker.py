@@ -119,7 +119,7 @@ async def shutdown(handle: object) -> RunOutcome:
 
 @pytest.mark.parametrize("stages", [2, 3])
 async def test_docker_pipeline_gives_the_process_text_over_container_addresses(
-    druns: Runs, dclient: docker.DockerClient, stages: int
+    druns: Runs, dclient: docker.DockerClient, stages: int, state_dir: Path
 ):
     base = 900 + 10 * stages
     process = await druns.start(base, pipeline_stages=stages, max_context=512)
@@ -162,6 +162,12 @@ async def test_docker_pipeline_gives_the_process_text_over_container_addresses(
     outcome = await shutdown(handle)
     assert outcome.outcome.value == "operator_stopped"
     assert run_containers(dclient, run_id) == [] and run_networks(dclient, run_id) == []
+    # Each container's output outlives it, in the node's log on the provider's host.
+    for node in by_stage:
+        assert node.handle is not None and node.handle.log_path is not None
+        log = Path(node.handle.log_path).read_text()
+        assert node.handle.log_path.startswith(str(state_dir))
+        assert f"node {node.node_id} stopped" in log
 
 
 async def test_a_killed_container_faults_the_prompt_and_run_and_leaves_nothing(
@@ -295,7 +301,13 @@ async def test_the_reaper_removes_a_terminated_runs_containers_and_network_only(
 
     await gone.terminate("test: leave the containers behind")
     await wait_closed(gone)
-    assert len(run_containers(dclient, gone_id)) == 2  # nothing tore them down
+    # Nothing tears them down; their nodes leave by their dead-man switch (the run is
+    # closed), which works inside containers too, but the containers stay.
+    deadline = time.monotonic() + 20
+    while {c.status for c in run_containers(dclient, gone_id)} != {"exited"}:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, [c.status for c in run_containers(dclient, gone_id)]  # type: ignore[attr-defined]
+        await asyncio.sleep(0.3)
+    assert len(run_containers(dclient, gone_id)) == 2
     report = await sweep(druns.client, names.reaper_schedule_id(provider_host()))
     destroyed = {d.resource.name for d in report.destroyed}
     assert {
