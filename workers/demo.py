@@ -35,7 +35,6 @@ from temporalio.client import (
     WorkflowQueryRejectedError,
     WorkflowUpdateFailedError,
 )
-from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
 from activities.models_store import BUNDLED, DEFAULT_BUNDLED, fetch_bundled, models_dir
@@ -59,6 +58,7 @@ from mvp_core.validation import describe_invalid
 from temporal.devserver import DevServer, DevServerError, start_dev_server
 from workers.client import PromptRejected, stream_prompt
 from workers.connect import connect
+from workers.embedded import failure_text, start_worker, stop_process
 
 DEFAULT_PROMPT = "The capital of France is"
 UPDATE_SHUTDOWN_AND_WAIT = "request_shutdown_and_wait"
@@ -71,17 +71,6 @@ LOCK_FILE = "demo.lock"
 QUERY_FAILED = (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError)
 
 log = logging.getLogger("mvp.demo")
-
-# Runs the orchestrator worker with PR_SET_PDEATHSIG armed, then execs it: a demo killed
-# hard (SIGKILL) takes its worker along instead of leaving it polling a dead server. An
-# exec wrapper rather than preexec_fn, because the demo's Temporal client runs threads.
-_EXEC_DYING_WITH_PARENT = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    sys.exit(1)\n"
-    "os.execv(sys.argv[2], sys.argv[2:])\n"
-)
 
 
 class DemoError(Exception):
@@ -340,27 +329,7 @@ class Demo:
     # ------------------------------------------------------------------ processes
 
     def _start_worker(self, address: str) -> subprocess.Popen[bytes]:
-        env = {
-            **os.environ,
-            "TEMPORAL_ADDRESS": address,
-            "PYTHONUNBUFFERED": "1",
-            # Node directories, the cwd of node processes, live in the data directory.
-            "MVP_STATE_DIR": str(self.state_dir),
-        }
-        cmd = [sys.executable, "-m", "workers.orchestrator"]
-        if sys.platform.startswith("linux"):
-            cmd = [sys.executable, "-c", _EXEC_DYING_WITH_PARENT, str(os.getpid()), *cmd]
-        with open(self.root / "orchestrator.log", "ab") as out:
-            # Its own process group: a terminal's Ctrl-C reaches the demo alone, which
-            # stops the run while the worker can still run the run's teardown.
-            return subprocess.Popen(
-                cmd,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                process_group=0,
-            )
+        return start_worker(address, self.state_dir, self.root / "orchestrator.log")
 
     async def _stop_everything(self) -> None:
         """Run, then orchestrator worker, then dev server: the run's teardown needs both."""
@@ -374,7 +343,7 @@ class Demo:
             task.cancel()
         await asyncio.gather(*rest, return_exceptions=True)
         if self.worker is not None:
-            await asyncio.to_thread(_stop_process, self.worker, PROCESS_STOP_S)
+            await asyncio.to_thread(stop_process, self.worker, PROCESS_STOP_S)
             self.stopped.append("the orchestrator worker")
             log.info("worker stopped after %.2f s", time.monotonic() - began)
         if self.handle is not None:
@@ -484,7 +453,7 @@ class Demo:
             self.stopped.append("the run")
         except WorkflowFailureError as err:
             self._end_line()
-            print(f"demo: {_failure_text(err)}", file=sys.stderr, flush=True)
+            print(f"demo: {failure_text(err)}", file=sys.stderr, flush=True)
         except (TimeoutError, RPCError) as err:
             await self._force_stop(handle, f"it did not close in {RUN_STOP_WAIT_S:.0f} s: {err!r}")
         return outcome
@@ -551,28 +520,10 @@ def stop_nodes(state_dir: Path, run_ids: list[int]) -> int:
     return len(found)
 
 
-def _stop_process(proc: subprocess.Popen[bytes], grace_s: float) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-
-
-def _failure_text(err: WorkflowFailureError) -> str:
-    cause = err.cause
-    if isinstance(cause, ApplicationError) and cause.type in ("RunRejected", "RunFaulted"):
-        word = "rejected" if cause.type == "RunRejected" else "faulted"
-        return f"run {word}: {cause.message}"
-    return f"run failed: {cause or err}"
-
-
 def _closed_reason(closed: asyncio.Future[Any]) -> str:
     err = closed.exception()
     if isinstance(err, WorkflowFailureError):
-        return _failure_text(err)
+        return failure_text(err)
     if err is not None:
         return f"run ended before it was prompt-ready: {err}"
     return "run was stopped before it was prompt-ready"
