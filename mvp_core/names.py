@@ -71,6 +71,10 @@ STICKY_SCHEDULE_TO_START_S = 2
 # Search attribute of a prompt workflow: done, cancelled or faulted.
 SEARCH_ATTRIBUTE_PROMPT = "MvpPromptStatus"
 
+# The model a run uses when it names none (activities/models_store.py fetches it; the
+# process host's configuration falls back to it with no [model] source set).
+DEFAULT_BUNDLED_MODEL = "SmolLM2-135M-Instruct.Q4_1"
+
 
 def run_workflow_id(run_id: int) -> str:
     """Workflow id of run ``run_id``: the run's durable address."""
