@@ -281,6 +281,7 @@ def test_a_secret_never_reaches_the_archive_or_a_subscriber(tmp_path: Path) -> N
     ds.stdio_line("Stderr", f"error: {SECRET}")
     ds.publish("mvp.worker.raw", SECRET.encode() + b"\xfe")
     ds.publish("mvp.worker.text", f"raw {HF}")
+    ds.publish(f"mvp.worker.{SECRET}", {}, source=SECRET, stream=SECRET)
     n = ds.published
     wait_until(lambda: len(reader.lines) >= n, what="subscriber lines")
     tailer.stop()

@@ -709,9 +709,11 @@ class Datastream:
     def _publish(
         self, channel: str, record: Any, *, source: str, stream: str | None, force: bool
     ) -> None:
+        redact = self.redactor.redact_text  # names too: providers may name channels
         payload = encode_record(self.redactor.redact(record))
         now_ms = time.time_ns() // 1_000_000
-        stream_id = stream or self.stream
+        stream_id = redact(stream) if stream else self.stream
+        channel, source = redact(channel), redact(source)
         with self._lock:
             if self._closed and not force:
                 self._after_close += 1
