@@ -1,0 +1,505 @@
+"""``mvp-orchestrator``: the process host (process spec; docs/host.md).
+
+One command that a person runs: it resolves its configuration (defaults, TOML,
+environment, five arguments), starts a run, waits until it is prompt-ready, serves
+prompts on the prompt RPC, stops on ``stop``/``shutdown``/``quit`` on stdin, SIGINT or
+SIGTERM, tears everything down and exits 0; any configuration, startup, serving or
+provider-stop failure exits 1 with one ``mvp-orchestrator: <error>`` line. Every
+observation goes to the datastream (the frame archive, live followers).
+
+It is a host adapter around the run (ARCHITECTURE "host adapters"): it translates into
+RunRequest, ``submit_prompt``, ``cancel_prompt`` and ``request_shutdown_and_wait``, and
+decides nothing the run decides. With no ``TEMPORAL_ADDRESS`` it starts and owns a local
+dev server and an orchestrator worker; with one, it connects and starts nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import IO, Any
+
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowFailureError,
+    WorkflowHandle,
+    WorkflowUpdateFailedError,
+)
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError
+
+from activities.providers.base import state_dir as provider_state_dir
+from mvp_core import names
+from mvp_core.datastream import BootstrapStatus, LogStream, Redactor
+from mvp_core.host_config import ConfigError, HostConfig, resolve_config, to_run_request
+from mvp_core.host_observe import observe
+from mvp_core.models import RequestShutdown, RunOutcome, RunPhase, ShutdownReason
+from mvp_core.run_state import RunState
+from temporal.devserver import DevServer, DevServerError, start_dev_server
+from workers.connect import connect
+from workers.embedded import failure_text, start_worker, stop_process
+from workers.host.datastream import Datastream, FrameArchive, LiveSubscribers, LogTailer, Sink
+from workers.host.rpc import PromptObservation, PromptRpcServer
+
+PROG = "mvp-orchestrator"
+STOP_WORDS = frozenset({"stop", "shutdown", "quit"})
+POLL_S = 0.25
+SHUTDOWN_WAIT_S = 120.0
+WORKER_READY_S = 60.0
+PROCESS_STOP_S = 3.0
+# Where a second process attaches to the live datastream (printed at start; ``--follow``
+# of workers/host/follow.py): a unix socket in the host's state directory, mode 0600.
+FOLLOW_SOCKET = "datastream.sock"
+
+
+class HostError(Exception):
+    """Why the host cannot go on, in one line; the host exits 1."""
+
+
+class PathFiles:
+    """The resolver's view of the filesystem (it is pure; this is where I/O happens)."""
+
+    def read_text(self, path: Path) -> str:
+        return path.read_text()
+
+    def is_file(self, path: Path) -> bool:
+        return path.is_file()
+
+
+def host_dir() -> Path:
+    """The host's own files: dev-server database, logs, lock, datastream socket."""
+    return provider_state_dir() / "host"
+
+
+class HostLock:
+    """One host per state directory: its dev server's SQLite database allows one server."""
+
+    def __init__(self, root: Path) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.path = root / "host.lock"
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            raise HostError(
+                f"another {PROG} uses {root} (lock {self.path}); stop it, or give this one "
+                "its own MVP_STATE_DIR"
+            ) from None
+        os.ftruncate(self._fd, 0)
+        os.write(self._fd, f"{os.getpid()}\n".encode())
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+
+class StdioCapture:
+    """The host's own stdout/stderr lines also go to the datastream (spec 7.14); the
+    terminal still sees them."""
+
+    def __init__(self, stream: Datastream) -> None:
+        self.stream = stream
+        self._orig = (sys.stdout, sys.stderr)
+
+    def install(self) -> None:
+        sys.stdout = _Tee(self._orig[0], self.stream, LogStream.STDOUT)
+        sys.stderr = _Tee(self._orig[1], self.stream, LogStream.STDERR)
+
+    def remove(self) -> None:
+        for tee in (sys.stdout, sys.stderr):
+            if isinstance(tee, _Tee):
+                tee.flush_partial()
+        sys.stdout, sys.stderr = self._orig
+
+
+class _Tee:
+    def __init__(self, inner: IO[str], stream: Datastream, which: LogStream) -> None:
+        self._inner, self._stream, self._which = inner, stream, which
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        self._inner.write(text)
+        lines = (self._partial + text).split("\n")
+        self._partial = lines.pop()
+        for line in lines:
+            self._stream.stdio_line(self._which, line)
+        return len(text)
+
+    def flush(self) -> None:
+        self._inner.flush()
+
+    def flush_partial(self) -> None:
+        if self._partial:
+            self._stream.stdio_line(self._which, self._partial)
+            self._partial = ""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def say(message: str) -> None:
+    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+
+
+class Host:
+    def __init__(self, cfg: HostConfig, stream: Datastream, follow_address: str) -> None:
+        self.cfg = cfg
+        self.stream = stream
+        self.follow_address = follow_address
+        self.run_id = cfg.run_id
+        self.stop = asyncio.Event()
+        self.stop_reason = ShutdownReason.OPERATOR_REQUESTED
+        self.server: DevServer | None = None
+        self.worker: subprocess.Popen[bytes] | None = None
+        self.rpc: PromptRpcServer | None = None
+        self.tailers: dict[int, LogTailer] = {}
+        self.state: RunState | None = None
+
+    # ------------------------------------------------------------------ the whole session
+    async def main(self) -> int:
+        self.stream.bootstrap("config", BootstrapStatus.READY, self._config_detail())
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        threading.Thread(target=self._stop_listener, args=(loop,), daemon=True).start()
+        code = 1
+        try:
+            code = await self._session()
+        except HostError as err:
+            self.stream.bootstrap("orch_exit", BootstrapStatus.FAILED, {"error": str(err)})
+            say(str(err))
+        finally:
+            await self._close()
+        if code == 0:
+            self.stream.bootstrap("orch_exit", BootstrapStatus.READY, {"status": 0})
+        return code
+
+    async def _session(self) -> int:
+        address = await self._temporal()
+        try:
+            client = await connect(address)
+        except RuntimeError as err:
+            raise HostError(f"cannot reach Temporal at {address}: {err}") from None
+        self.stream.bootstrap("local_runtime", BootstrapStatus.READY, {"temporal": address})
+        handle = await self._start_run(client)
+        closed = asyncio.ensure_future(handle.result())
+        watch = asyncio.ensure_future(self._watch(handle))
+        try:
+            ready = await self._until_prompt_ready(handle, closed)
+            if ready:
+                await self._serve(client, closed)
+            if closed.done():
+                return self._closed_code(closed)
+            return await self._shutdown(handle, closed)
+        finally:
+            if not closed.done():
+                closed.cancel()
+            await self._final_watch(handle, watch)
+
+    # ------------------------------------------------------------------ Temporal
+    async def _temporal(self) -> str:
+        configured = os.environ.get("TEMPORAL_ADDRESS")
+        if configured:
+            return configured
+        root = host_dir()
+        self.lock = HostLock(root)
+        self.stream.bootstrap("local_runtime", BootstrapStatus.STARTED, {"embedded": True})
+        try:
+            self.server = await asyncio.to_thread(
+                start_dev_server,
+                str(root / "temporal.db"),
+                # Docker nodes reach the server through their network's gateway.
+                ip="0.0.0.0" if self.cfg.provider.value == "docker" else "127.0.0.1",
+                log_file=str(root / "temporal.log"),
+                own_process_group=True,
+                stop_with_parent=True,
+            )
+        except DevServerError as err:
+            raise HostError(f"{err}; its log: {root / 'temporal.log'}") from None
+        log = root / "orchestrator.log"
+        offset = log.stat().st_size if log.exists() else 0
+        self.worker = start_worker(self.server.address, provider_state_dir(), log)
+        deadline = time.monotonic() + WORKER_READY_S
+        while True:
+            text = log.read_bytes()[offset:].decode(errors="replace")
+            if "worker ready" in text:
+                break
+            if self.worker.poll() is not None or time.monotonic() > deadline:
+                raise HostError(f"the orchestrator worker did not start; see {log}")
+            await asyncio.sleep(0.1)
+        return self.server.address
+
+    async def _start_run(self, client: Client) -> WorkflowHandle[Any, Any]:
+        wid = names.run_workflow_id(self.run_id)
+        try:
+            request = to_run_request(self.cfg)
+        except ConfigError as err:
+            raise HostError(str(err)) from None
+        existing = client.get_workflow_handle(wid)
+        with contextlib.suppress(RPCError):
+            desc = await existing.describe()
+            if desc.status == WorkflowExecutionStatus.RUNNING:
+                if self.server is None:
+                    raise HostError(
+                        f"run {wid} is already running on {os.environ.get('TEMPORAL_ADDRESS')}; "
+                        "stop it, or choose another [runtime].run_id"
+                    )
+                # Our own embedded server: a run a killed host left behind.
+                await existing.terminate(f"left behind by an earlier {PROG}; replaced")
+                say(f"terminated run {wid}, left behind by an earlier {PROG}")
+        try:
+            handle: WorkflowHandle[Any, Any] = await client.start_workflow(
+                names.RUN_WORKFLOW,
+                request,
+                id=wid,
+                task_queue=names.ORCHESTRATOR_TASK_QUEUE,
+                task_timeout=timedelta(seconds=names.WORKFLOW_TASK_TIMEOUT_S),
+            )
+        except RPCError as err:
+            raise HostError(f"cannot start run {wid}: {err.message}") from None
+        say(
+            f"run {wid} started ({request.pipeline_stages} stage(s), provider "
+            f"{request.provider.value}); datastream: python -m workers.host.follow "
+            f"{self.follow_address}"
+        )
+        return handle
+
+    # ------------------------------------------------------------------ watching the run
+    async def _watch(self, handle: WorkflowHandle[Any, Any]) -> None:
+        while True:
+            await self._poll(handle)
+            await asyncio.sleep(POLL_S)
+
+    async def _poll(self, handle: WorkflowHandle[Any, Any]) -> RunState | None:
+        try:
+            cur: RunState = await handle.query(
+                names.QUERY_SNAPSHOT, result_type=RunState, rpc_timeout=timedelta(seconds=5)
+            )
+        except (RPCError, Exception):  # not picked up yet, or the worker is restarting
+            return None
+        for channel, record in observe(self.state, cur, self.cfg.provider.value):
+            self.stream.publish(channel, record)
+        for node in cur.nodes:
+            if (
+                node.handle is not None
+                and node.handle.log_path
+                and node.node_id not in self.tailers
+            ):
+                self.tailers[node.node_id] = LogTailer(
+                    self.stream, node.handle.log_path, node_id=node.node_id
+                ).start()
+        self.state = cur
+        return cur
+
+    async def _final_watch(
+        self, handle: WorkflowHandle[Any, Any], watch: asyncio.Task[None]
+    ) -> None:
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await watch
+        await self._poll(handle)  # the lifecycle through RunTornDown
+        for tailer in self.tailers.values():
+            await asyncio.to_thread(tailer.stop)
+
+    async def _until_prompt_ready(
+        self, handle: WorkflowHandle[Any, Any], closed: asyncio.Future[Any]
+    ) -> bool:
+        """True once prompt-ready; False when a stop came first. A run that closes on
+        its way there is a startup failure."""
+        while not self.stop.is_set():
+            if closed.done():
+                return False
+            if self.worker is not None and self.worker.poll() is not None:
+                raise HostError(f"the orchestrator worker exited with {self.worker.returncode}")
+            state = self.state
+            if state is not None and state.phase is RunPhase.PROMPT_READY:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    # ------------------------------------------------------------------ serving
+    async def _serve(self, client: Client, closed: asyncio.Future[Any]) -> None:
+        addr = self.cfg.rpc_bind
+        self.rpc = PromptRpcServer(
+            client, self.run_id, on_shutdown=self._rpc_shutdown, observe=self._prompt_observed
+        )
+        try:
+            host, port = await self.rpc.start(addr.host, addr.port)
+        except OSError as err:
+            self.stream.bootstrap("prompt_rpc", BootstrapStatus.FAILED, {"error": str(err)})
+            self.rpc = None
+            self.stop_reason = ShutdownReason.HOST_REQUESTED
+            self.bind_error = f"prompt RPC cannot bind {addr}: {err.strerror or err}"
+            return
+        self.stream.bootstrap("prompt_rpc", BootstrapStatus.READY, {"addr": f"{host}:{port}"})
+        self.stream.bootstrap("prompt_loop", BootstrapStatus.READY)
+        say(f"run {names.run_workflow_id(self.run_id)} prompt-ready; prompt RPC on {host}:{port}")
+        stopping = asyncio.ensure_future(self.stop.wait())
+        await asyncio.wait([stopping, closed], return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+
+    def _prompt_observed(self, obs: PromptObservation) -> None:
+        self.stream.prompt_event(
+            obs.phase,
+            "observed",
+            obs.request_id,
+            {"client_request_id": obs.client_request_id, "connection": obs.connection}
+            | ({"detail": obs.detail} if obs.detail else {}),
+        )
+
+    def _rpc_shutdown(self) -> None:
+        self.stream.bootstrap("shutdown", BootstrapStatus.OBSERVED, {"from": "prompt_rpc"})
+        self.stop.set()
+
+    # ------------------------------------------------------------------ stopping
+    def _on_signal(self, sig: int) -> None:
+        self.stream.bootstrap(
+            "shutdown", BootstrapStatus.OBSERVED, {"signal": signal.Signals(sig).name}
+        )
+        self.stop.set()
+
+    def _stop_listener(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Stdin, line by line: ``stop``, ``shutdown`` or ``quit`` (any case) stops."""
+        try:
+            for line in sys.stdin:
+                if line.strip().lower() in STOP_WORDS:
+                    loop.call_soon_threadsafe(self._stdin_stop, line.strip().lower())
+                    return
+        except (OSError, ValueError, RuntimeError):
+            return
+
+    def _stdin_stop(self, word: str) -> None:
+        self.stream.bootstrap("shutdown", BootstrapStatus.OBSERVED, {"stdin": word})
+        self.stop.set()
+
+    async def _shutdown(self, handle: WorkflowHandle[Any, Any], closed: asyncio.Future[Any]) -> int:
+        """Controlled shutdown through ``request_shutdown_and_wait``: 0 when the run tore
+        everything down, 1 when a node may still run (or the RPC could not bind)."""
+        if self.rpc is not None:
+            await self.rpc.close()
+            self.rpc = None
+        self.stream.bootstrap("shutdown", BootstrapStatus.STARTED)
+        request = RequestShutdown(run_id=self.run_id, reason=self.stop_reason)
+        try:
+            outcome = await asyncio.wait_for(
+                handle.execute_update(
+                    names.UPDATE_SHUTDOWN_AND_WAIT, request, result_type=RunOutcome
+                ),
+                SHUTDOWN_WAIT_S,
+            )
+        except (WorkflowUpdateFailedError, RPCError, TimeoutError) as err:
+            if closed.done() or not isinstance(err, TimeoutError):
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await asyncio.wait_for(asyncio.shield(closed), 10)
+                if closed.done():
+                    return self._closed_code(closed)
+            raise HostError(f"the run did not shut down: {err}") from None
+        # The run is closing; its result says whether the provider stopped every node.
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.wait_for(asyncio.shield(closed), 30)
+        if closed.done():
+            return self._closed_code(closed)
+        self.stream.bootstrap("shutdown", BootstrapStatus.READY, {"outcome": outcome.outcome.value})
+        return self._bind_failed() or 0
+
+    def _bind_failed(self) -> int:
+        error = getattr(self, "bind_error", None)
+        if error:
+            raise HostError(error)
+        return 0
+
+    def _closed_code(self, closed: asyncio.Future[Any]) -> int:
+        err = closed.exception() if not closed.cancelled() else None
+        if isinstance(err, WorkflowFailureError):
+            cause = err.cause
+            if isinstance(cause, ApplicationError) and cause.type == "RunStopFailed":
+                raise HostError(f"provider stop failed: {cause.message}")
+            raise HostError(failure_text(err))
+        if err is not None:
+            raise HostError(f"run ended: {err}")
+        outcome = RunOutcome.model_validate(closed.result())
+        self.stream.bootstrap("shutdown", BootstrapStatus.READY, {"outcome": outcome.outcome.value})
+        if outcome.outcome.value != "operator_stopped":
+            raise HostError(f"run ended: {outcome.outcome.value}")
+        return self._bind_failed()
+
+    async def _close(self) -> None:
+        if self.rpc is not None:
+            await self.rpc.close()
+        if self.worker is not None:
+            await asyncio.to_thread(stop_process, self.worker, PROCESS_STOP_S)
+        if self.server is not None:
+            await asyncio.to_thread(self.server.stop, PROCESS_STOP_S)
+        lock = getattr(self, "lock", None)
+        if lock is not None:
+            lock.release()
+
+    def _config_detail(self) -> dict[str, Any]:
+        cfg = self.cfg
+        return {
+            "profile": cfg.config_profile.value,
+            "provider": cfg.provider.value,
+            "pipeline_stages": cfg.pipeline_stages,
+            "rpc_addr": str(cfg.rpc_bind),
+            "config_path": str(cfg.config_path) if cfg.config_path else None,
+            "frame_log": str(cfg.datastream_frame_log) if cfg.datastream_frame_log else None,
+        }
+
+
+def run(argv: list[str]) -> int:
+    try:
+        cfg = resolve_config(argv, os.environ, Path.cwd(), PathFiles())
+    except ConfigError as err:
+        say(str(err))
+        return 1
+    secrets = [s.get_secret_value() for s in (cfg.hf_token,) if s is not None]
+    if cfg.vastai is not None and getattr(cfg.vastai, "api_key", None) is not None:
+        secrets.append(cfg.vastai.api_key.get_secret_value())
+    root = host_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    sinks: list[Sink] = []
+    if cfg.datastream_frame_log is not None:
+        try:
+            sinks.append(FrameArchive(cfg.datastream_frame_log))
+        except OSError as err:
+            say(f"cannot open the frame archive {cfg.datastream_frame_log}: {err}")
+            return 1
+    live = LiveSubscribers(f"unix:{root / FOLLOW_SOCKET}")
+    sinks.append(live)
+    stream = Datastream(
+        run_id=cfg.run_id,
+        node_id=0,
+        sinks=sinks,
+        redactor=Redactor.from_env(os.environ, extra=secrets),
+    )
+    capture = StdioCapture(stream)
+    capture.install()
+    try:
+        host = Host(cfg, stream, live.address)
+        return asyncio.run(host.main())
+    finally:
+        capture.remove()
+        stream.close()
+
+
+def main() -> None:
+    code = run(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # As mvp-chat: no interpreter finalisation under the SDK's native threads.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""The prompt RPC of the process host (process spec 2.5, 7.8; CONTRACTS "Prompt RPC").
+
+Newline-delimited JSON over TCP. A client sends ``{"request_id", "prompt_text",
+"max_tokens"?}`` and reads ``text_delta`` events, then exactly one ``done`` or ``fault``.
+The server is a host adapter: each request becomes the run's ``submit_prompt`` Update
+(the run queues, orders and rejects), its text comes from the prompt's stream, a client
+that goes away mid-prompt becomes ``cancel_prompt``. It decides nothing the run decides.
+
+Per connection: one request in flight. A malformed line, a line over the size limit, or
+a second request while one is in flight is a protocol error for that connection only: it
+gets one ``fault`` naming the problem and is closed (its prompt, if any, cancelled);
+other connections carry on. ``{"control": "shutdown"}`` asks the host to shut the run
+down (answered ``{"type": "shutdown_accepted"}``).
+
+Request ids: clients choose theirs freely, so two connections may both send id 1. The
+run sees ids the server allots (unique for the host's lifetime), and each event goes
+back with the client's own id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from temporalio.client import Client
+from temporalio.service import RPCError
+
+from mvp_core import names
+from mvp_core.models import CancelPrompt, Done, Fault, SubmitPrompt, TextDelta
+from workers.client import PromptRejected, stream_prompt
+
+log = logging.getLogger("mvp.host.rpc")
+
+MAX_LINE_BYTES = 1 << 20  # a request line longer than this is a protocol error
+_U64 = 2**64 - 1
+_U32 = 2**32 - 1
+
+
+class RpcRequest(BaseModel):
+    """The wire request (untagged, CONTRACTS); ``max_tokens`` absent or 0: no cap of its
+    own (the run's ``default_max_tokens`` applies)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    request_id: int = Field(ge=0, le=_U64)
+    prompt_text: str
+    max_tokens: int | None = Field(default=None, ge=0, le=_U32)
+
+
+class ProtocolError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class PromptObservation:
+    """What the host's datastream records of a prompt (no prompt text, no reply text)."""
+
+    phase: str  # received | admitted | rejected | first_delta | done | fault | cancelled
+    request_id: int  # the run's id
+    client_request_id: int
+    connection: int
+    detail: str = ""
+
+
+def parse_line(line: bytes) -> RpcRequest | str:
+    """A request, or ``"shutdown"`` for the control request; ProtocolError otherwise.
+    The error names what is wrong, never the line's content."""
+    try:
+        value = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        raise ProtocolError("malformed request: not a JSON object") from None
+    if not isinstance(value, dict):
+        raise ProtocolError("malformed request: not a JSON object")
+    if "control" in value:
+        if value == {"control": "shutdown"}:
+            return "shutdown"
+        raise ProtocolError('malformed control request: use {"control": "shutdown"}')
+    try:
+        return RpcRequest.model_validate(value)
+    except ValidationError as err:
+        fields = sorted({".".join(str(p) for p in e["loc"]) or "request" for e in err.errors()})
+        raise ProtocolError(f"malformed request: invalid {', '.join(fields[:8])}") from None
+
+
+class PromptRpcServer:
+    def __init__(
+        self,
+        client: Client,
+        run_id: int,
+        *,
+        on_shutdown: Callable[[], None],
+        observe: Callable[[PromptObservation], None] = lambda _: None,
+    ) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.on_shutdown = on_shutdown
+        self.observe = observe
+        self._server: asyncio.Server | None = None
+        self._next_id = secrets.randbits(40) << 16  # the run's ids: unique per host
+        self._connections = 0
+        self._handlers: set[asyncio.Task[None]] = set()
+
+    async def start(self, host: str, port: int) -> tuple[str, int]:
+        """Bind and serve; returns the bound address (port 0 picks one)."""
+        self._server = await asyncio.start_server(
+            self._accept, host, port, limit=MAX_LINE_BYTES, reuse_address=True
+        )
+        sock = self._server.sockets[0].getsockname()
+        return str(sock[0]), int(sock[1])
+
+    async def close(self) -> None:
+        """Stop accepting, end every connection (cancelling their prompts)."""
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._handlers):
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2)
+
+    # ------------------------------------------------------------------ connections
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        self._connections += 1
+        conn = self._connections
+        try:
+            await self._connection(conn, reader, writer)
+        except asyncio.CancelledError:
+            pass
+        except Exception:  # one connection's failure never reaches the others
+            log.exception("prompt RPC connection %d failed", conn)
+        finally:
+            self._handlers.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _connection(
+        self, conn: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        active: asyncio.Task[None] | None = None
+        try:
+            while True:
+                try:
+                    line = await reader.readuntil(b"\n")
+                except asyncio.IncompleteReadError as eof:
+                    line = eof.partial
+                    if not line.strip():
+                        return  # the client went away (its prompt is cancelled below)
+                except asyncio.LimitOverrunError:
+                    await self._refuse(writer, None, f"request line over {MAX_LINE_BYTES} bytes")
+                    return
+                if not line.strip():
+                    continue
+                try:
+                    request = parse_line(line)
+                except ProtocolError as err:
+                    await self._refuse(writer, None, str(err))
+                    return
+                if request == "shutdown":
+                    self.on_shutdown()
+                    await self._write(writer, {"type": "shutdown_accepted"})
+                    continue
+                assert isinstance(request, RpcRequest)
+                if active is not None and not active.done():
+                    await self._refuse(
+                        writer,
+                        request.request_id,
+                        "a request is already in flight on this connection",
+                    )
+                    return
+                active = asyncio.ensure_future(self._serve(conn, request, writer))
+        finally:
+            if active is not None and not active.done():
+                active.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await active
+
+    async def _serve(self, conn: int, request: RpcRequest, writer: asyncio.StreamWriter) -> None:
+        self._next_id += 1
+        run_rid = self._next_id
+        cid = request.request_id
+
+        def note(phase: str, detail: str = "") -> None:
+            self.observe(PromptObservation(phase, run_rid, cid, conn, detail))
+
+        note("received")
+        prompt = SubmitPrompt(
+            request_id=run_rid,
+            prompt_text=request.prompt_text,
+            max_tokens=request.max_tokens or None,
+        )
+        first = True
+        admitted = False
+        try:
+            async for event in stream_prompt(self.client, self.run_id, prompt):
+                if not admitted:
+                    admitted = True
+                    note("admitted")
+                if isinstance(event, TextDelta):
+                    if first:
+                        first = False
+                        note("first_delta")
+                    await self._write(
+                        writer, {"type": "text_delta", "request_id": cid, "text": event.text}
+                    )
+                elif isinstance(event, Done):
+                    note("done", f"{event.tokens_generated} tokens, {event.stop_reason}")
+                    await self._write(
+                        writer,
+                        {
+                            "type": "done",
+                            "request_id": cid,
+                            "final_text": event.final_text,
+                            "tokens_generated": event.tokens_generated,
+                            "elapsed_ms": event.elapsed_ms,
+                        },
+                    )
+                elif isinstance(event, Fault):
+                    note("fault", event.error)
+                    await self._write(
+                        writer, {"type": "fault", "request_id": cid, "error": event.error}
+                    )
+        except PromptRejected as err:
+            note("rejected", err.kind)
+            await self._write(
+                writer, {"type": "fault", "request_id": cid, "error": f"{err.kind}: {err}"}
+            )
+        except RPCError as err:
+            note("fault", err.message)
+            await self._write(
+                writer,
+                {"type": "fault", "request_id": cid, "error": f"run unreachable: {err.message}"},
+            )
+        except asyncio.CancelledError:
+            # The client went away (or the host is closing): the run ends the prompt.
+            note("cancelled", "client disconnected")
+            await asyncio.shield(self._cancel(run_rid))
+            raise
+        except (ConnectionError, OSError):
+            note("cancelled", "client disconnected")
+            await self._cancel(run_rid)
+
+    async def _cancel(self, run_rid: int) -> None:
+        handle = self.client.get_workflow_handle(names.run_workflow_id(self.run_id))
+        with contextlib.suppress(RPCError, TimeoutError):
+            await asyncio.wait_for(
+                handle.signal(names.SIGNAL_CANCEL_PROMPT, CancelPrompt(request_id=run_rid)), 5
+            )
+
+    async def _refuse(self, writer: asyncio.StreamWriter, request_id: int | None, why: str) -> None:
+        with contextlib.suppress(ConnectionError, OSError):
+            await self._write(
+                writer,
+                {"type": "fault", "request_id": request_id, "error": f"protocol error: {why}"},
+            )
+
+    @staticmethod
+    async def _write(writer: asyncio.StreamWriter, event: dict[str, Any]) -> None:
+        writer.write(json.dumps(event, ensure_ascii=False).encode() + b"\n")
+        await writer.drain()
