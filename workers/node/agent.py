@@ -25,6 +25,7 @@ from mvp_core import names
 from mvp_core.models import NodeRuntimeReady
 from workers.connect import connect
 from workers.dataplane import DataPlaneServer
+from workers.dataplane.delay_proxy import front_listener
 from workers.node import layout
 from workers.node.activities import NodeActivities, preload_runtime
 from workers.node.config import FaultInjection, NodeConfig
@@ -47,14 +48,19 @@ def advertised_host(bind_host: str) -> str:
 
 
 async def report_ready(
-    cfg: NodeConfig, client: Client, acts: NodeActivities, stop: asyncio.Event
+    cfg: NodeConfig,
+    client: Client,
+    acts: NodeActivities,
+    stop: asyncio.Event,
+    port: int | None = None,
 ) -> None:
-    """Re-send NodeRuntimeReady with backoff until acknowledged (DECISIONS 3)."""
+    """Re-send NodeRuntimeReady with backoff until acknowledged (DECISIONS 3); ``port``:
+    the one peers connect to, when it is not the listener's own (a delay line's)."""
     report = NodeRuntimeReady(
         run_id=cfg.run_id,
         node_id=cfg.node_id,
         stage_index=cfg.stage_index,
-        endpoint=f"{advertised_host(acts.server.host)}:{acts.server.port}",
+        endpoint=f"{advertised_host(acts.server.host)}:{port or acts.server.port}",
         node_actor=cfg.task_queue,
         worker_identity=FaultInjection.from_env().report_identity or cfg.identity,
         readiness_id=cfg.readiness_id,
@@ -145,6 +151,15 @@ async def amain() -> None:
     client = await connect(cfg.address, cfg.namespace, identity=cfg.identity)
     # The data-plane listener is up from boot and advertised in NodeRuntimeReady.
     server = DataPlaneServer(os.environ.get("MVP_DATAPLANE_HOST", "127.0.0.1"))
+    # Test/bench harness only: peers reach the listener through a delay line (its port is
+    # the one advertised); the head's token-in, to the listener's own port, is not delayed.
+    delay = (
+        front_listener(server.host, server.port, faults.edge_delay_s)
+        if faults.edge_delay_s > 0
+        else None
+    )
+    if delay is not None:
+        log.warning("fault injection: edges from peers delayed %.1f ms", faults.edge_delay_s * 1e3)
     acts = NodeActivities(cfg, client, server)
     worker = Worker(
         client,
@@ -171,7 +186,9 @@ async def amain() -> None:
     tasks = [
         asyncio.ensure_future(worker.run()),
         asyncio.ensure_future(
-            mute_node(cfg) if faults.mute else report_ready(cfg, client, acts, stop)
+            mute_node(cfg)
+            if faults.mute
+            else report_ready(cfg, client, acts, stop, delay.port if delay else None)
         ),
         asyncio.ensure_future(dead_man(cfg, client, acts, stop)),
     ]
@@ -181,6 +198,15 @@ async def amain() -> None:
     await worker.shutdown()
     if acts.runtime is not None:
         acts.runtime.close()
+    if delay is not None:
+        writes, mean, worst = delay.lateness()
+        log.info(
+            "delay line: %d writes, started %.3f ms late on average, %.3f ms at most",
+            writes,
+            mean * 1e3,
+            worst * 1e3,
+        )
+        delay.close()
     server.close()
     print(f"node {cfg.node_id} stopped", flush=True)
 

@@ -65,6 +65,9 @@ class FaultInjection:
     report_identity: str | None = None
     skew_token_out_sequence: bool = False
     text_delay_s: float = 0.0  # a slow node: each piece of text is held this long
+    # A slow network (benchmarks): peers reach this node's data-plane listener through a
+    # delay line adding this much one way (workers/dataplane/delay_proxy.py).
+    edge_delay_s: float = 0.0
 
     @classmethod
     def from_env(cls) -> FaultInjection:
@@ -78,4 +81,5 @@ class FaultInjection:
             report_identity=env.get("MVP_FAULT_REPORT_IDENTITY") or None,
             skew_token_out_sequence=env.get("MVP_FAULT_SKEW_OUT_SEQUENCE") == "1",
             text_delay_s=float(env.get("MVP_FAULT_TEXT_DELAY_MS", "0")) / 1000.0,
+            edge_delay_s=float(env.get("MVP_FAULT_EDGE_DELAY_MS", "0")) / 1000.0,
         )
