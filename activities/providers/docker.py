@@ -243,6 +243,7 @@ class DockerProvider:
         left = client.containers.list(
             all=True,
             filters={"label": [f"{LABEL_RUN_ID}={run_id}", f"{LABEL_NONCE}={nonce8}"]},
+            ignore_removed=True,
         )
         if left:
             return
@@ -268,7 +269,9 @@ class DockerProvider:
 
     def _containers(self, *labels: str) -> list[Container]:
         filters: _Filters = {"label": [f"{LABEL_CREATED_BY}={CREATED_BY}", *labels]}
-        return list(self.client().containers.list(all=True, filters=filters))
+        # ignore_removed: one removed between the list and its inspect (a concurrent
+        # stop) is gone, not an error.
+        return list(self.client().containers.list(all=True, filters=filters, ignore_removed=True))
 
     # ------------------------------------------------------------------ start
     def start(self, spec: NodeProvisionSpec) -> NodeHandle:
@@ -406,6 +409,8 @@ class DockerProvider:
                 self._remove(c, grace_s)
             nonce8 = handle.resource_name.rsplit("-", 1)[-1]
             self._remove_network_if_unused(handle.run_id, nonce8)
+        except NotFound:
+            pass  # removed by a concurrent stop (or the reaper): stopped
         except DockerException as err:
             return StopNodeResult(
                 node_id=handle.node_id, stopped=False, error=f"docker: {_explain(err)}"
@@ -450,7 +455,7 @@ class DockerProvider:
         client = self.client()
         label: _Filters = {"label": [f"{LABEL_CREATED_BY}={CREATED_BY}"]}
         found: list[ProviderResource] = []
-        for c in client.containers.list(all=True, filters=label):
+        for c in client.containers.list(all=True, filters=label, ignore_removed=True):
             found.append(self._resource(c.labels, "container", str(c.name), c.status))
         for n in client.networks.list(filters=label):
             found.append(self._resource(n.attrs.get("Labels") or {}, "network", str(n.name), ""))
