@@ -1,9 +1,15 @@
-"""Chat with a running run from a terminal: ``mvp-chat --run-id N``.
+"""Chat with a run from a terminal.
 
-Every line read from standard input is one prompt, sent with the model's chat template
-(``--raw``: as a plain completion); the reply streams as it is generated, then its stop
-reason. The run keeps no conversation: each line stands on its own. End with EOF
-(Ctrl-D), ``/quit`` or Ctrl-C; Ctrl-C during a reply cancels that prompt first.
+``mvp-chat [--rpc HOST:PORT]`` talks to a running ``mvp-orchestrator`` over its prompt
+RPC (default 127.0.0.1:19777), as the original chat wrapper did: ``prompt:> ``, the
+reply's text as it arrives, a newline when it is done, ``error: <msg>`` on a fault.
+``mvp-chat --run-id N`` talks to run N through Temporal instead (the chat template
+unless ``--raw``, and the stop reason after each reply).
+
+Every line read from standard input is one prompt. The run keeps no conversation: each
+line stands on its own. End with EOF (Ctrl-D), ``/quit`` or Ctrl-C; Ctrl-C during a
+reply cancels that prompt first (over the RPC: the host cancels the prompt of a client
+that goes away).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -33,6 +40,7 @@ from workers.client import PromptRejected, stream_prompt
 from workers.connect import DEFAULT_ADDRESS, connect, temporal_address
 
 PROMPT = "prompt:> "
+DEFAULT_RPC = "127.0.0.1:19777"
 QUIT = "/quit"
 # A duplicate id belongs to a prompt another client has in the run's queue (at most 8).
 MAX_ID_TRIES = 9
@@ -122,7 +130,65 @@ class Chat:
         await handle.signal(names.SIGNAL_CANCEL_PROMPT, CancelPrompt(request_id=request_id))
 
 
-def run_turn(loop: asyncio.AbstractEventLoop, chat: Chat, text: str) -> bool:
+class RpcChat:
+    """The conversation loop over the prompt RPC (CONTRACTS "Prompt RPC")."""
+
+    def __init__(self, host: str, port: int, max_tokens: int | None) -> None:
+        self.host, self.port = host, port
+        self.max_tokens = max_tokens
+        self.next_id = 1
+        self.in_flight: int | None = None
+        self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def connect(self) -> None:
+        try:
+            self._conn = await asyncio.open_connection(self.host, self.port, limit=1 << 22)
+        except OSError as err:
+            raise ChatError(
+                f"cannot reach the prompt RPC at {self.host}:{self.port}: {err.strerror or err} "
+                "(is mvp-orchestrator running and prompt-ready?)"
+            ) from None
+
+    async def reply(self, text: str) -> None:
+        if self._conn is None:
+            await self.connect()
+        assert self._conn is not None
+        reader, writer = self._conn
+        request_id, self.next_id = self.next_id, self.next_id + 1
+        request: dict[str, Any] = {"request_id": request_id, "prompt_text": text}
+        if self.max_tokens is not None:
+            request["max_tokens"] = self.max_tokens
+        self.in_flight = request_id
+        writer.write(json.dumps(request).encode() + b"\n")
+        await writer.drain()
+        while True:
+            line = await reader.readline()
+            if not line:
+                self._conn = None
+                raise ChatError("the prompt RPC closed the connection (the run has stopped?)")
+            event = json.loads(line)
+            kind = event.get("type")
+            if kind == "text_delta":
+                sys.stdout.write(str(event.get("text", "")))
+                sys.stdout.flush()
+            elif kind == "done":
+                print(flush=True)
+                break
+            elif kind == "fault":
+                print(f"\nerror: {event.get('error')}", flush=True)
+                if event.get("request_id") is None:  # a protocol error closes the connection
+                    self._conn = None
+                break
+        self.in_flight = None
+
+    async def cancel(self, request_id: int) -> None:
+        """Going away mid-reply: the host cancels the prompt of a closed connection."""
+        if self._conn is not None:
+            self._conn[1].close()
+            self._conn = None
+
+
+def run_turn(loop: asyncio.AbstractEventLoop, chat: Chat | RpcChat, text: str) -> bool:
     """One prompt on the loop; Ctrl-C (or SIGTERM) cancels it. False when interrupted."""
     turn = loop.create_task(chat.reply(text))
     interrupted: list[int] = []
@@ -164,7 +230,7 @@ def read_line(tty: bool) -> str | None:
         return None
 
 
-def converse(loop: asyncio.AbstractEventLoop, chat: Chat) -> int:
+def converse(loop: asyncio.AbstractEventLoop, chat: Chat | RpcChat) -> int:
     tty = sys.stdin.isatty()
     if tty:
         with contextlib.suppress(ImportError):
@@ -188,7 +254,18 @@ def parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--run-id", type=int, required=True, help="the run to talk to (mvp-run-<id>)")
+    p.add_argument(
+        "--rpc",
+        default=DEFAULT_RPC,
+        metavar="HOST:PORT",
+        help="the prompt RPC of a running mvp-orchestrator (default: %(default)s)",
+    )
+    p.add_argument(
+        "--run-id",
+        type=int,
+        default=None,
+        help="talk to run mvp-run-<id> through Temporal instead of the prompt RPC",
+    )
     p.add_argument(
         "--address",
         default=None,
@@ -201,7 +278,10 @@ def parser() -> argparse.ArgumentParser:
         help="most tokens per reply (default: the run's default_max_tokens)",
     )
     p.add_argument(
-        "--raw", action="store_true", help="send lines as plain completions, no chat template"
+        "--raw",
+        action="store_true",
+        help="(with --run-id) send lines as plain completions, no chat template; the RPC "
+        "always does",
     )
     return p
 
@@ -213,9 +293,17 @@ def main() -> None:
     asyncio.set_event_loop(loop)
     code = 1
     try:
-        client = loop.run_until_complete(connect(address))
-        loop.run_until_complete(open_run(client, args.run_id, address))
-        code = converse(loop, Chat(client, args.run_id, args))
+        if args.run_id is None:
+            host, _, port = args.rpc.rpartition(":")
+            if not host or not port.isdigit():
+                raise ChatError(f"invalid --rpc {args.rpc!r}: use HOST:PORT")
+            rpc = RpcChat(host.strip("[]"), int(port), args.max_tokens)
+            loop.run_until_complete(rpc.connect())
+            code = converse(loop, rpc)
+        else:
+            client = loop.run_until_complete(connect(address))
+            loop.run_until_complete(open_run(client, args.run_id, address))
+            code = converse(loop, Chat(client, args.run_id, args))
     except ChatError as err:
         print(f"mvp-chat: {err}", file=sys.stderr)
     except RuntimeError as err:  # the SDK's connection failure

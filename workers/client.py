@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 from typing import Any
 
@@ -77,11 +77,20 @@ async def _admit(client: Client, run_id: int, prompt: SubmitPrompt, update_id: s
 
 
 async def stream_prompt(
-    client: Client, run_id: int, prompt: SubmitPrompt, *, poll_cooldown_ms: int = 20
+    client: Client,
+    run_id: int,
+    prompt: SubmitPrompt,
+    *,
+    poll_cooldown_ms: int = 20,
+    on_admitted: Callable[[], None] | None = None,
 ) -> AsyncIterator[TextDelta | Done | Fault]:
-    """Yield the prompt's TextDelta events as they arrive, then its one terminal event."""
+    """Yield the prompt's TextDelta events as they arrive, then its one terminal event.
+    ``on_admitted`` is called once the run has admitted the prompt (its place in the
+    run's FIFO is fixed from then on)."""
     update_id = uuid.uuid4().hex
     update = await _admit(client, run_id, prompt, update_id)
+    if on_admitted is not None:
+        on_admitted()
     child_id = names.prompt_workflow_id(run_id, prompt.request_id, update_id)
     stream = WorkflowStreamClient.create(client, child_id)
     result_task = asyncio.ensure_future(update.result())

@@ -200,12 +200,10 @@ class PromptRpcServer:
             max_tokens=request.max_tokens or None,
         )
         first = True
-        admitted = False
         try:
-            async for event in stream_prompt(self.client, self.run_id, prompt):
-                if not admitted:
-                    admitted = True
-                    note("admitted")
+            async for event in stream_prompt(
+                self.client, self.run_id, prompt, on_admitted=lambda: note("admitted")
+            ):
                 if isinstance(event, TextDelta):
                     if first:
                         first = False

@@ -1,0 +1,466 @@
+"""``mvp-orchestrator`` as a user runs it (issue 10): a real process on the embedded
+default (its own dev server and worker), real nodes on the bundled model, the prompt
+RPC through raw sockets, stop words and signals, the frame archive, mvp-chat in tmux."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SECRET = "hf_hostTestSecret_9c2e4a7b1d0f"
+READY_MARK = "prompt RPC on "
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class HostProcess:
+    """One ``mvp-orchestrator`` with its own state directory, config and archive."""
+
+    def __init__(
+        self, root: Path, stages: int = 1, extra_toml: str = "", env: dict[str, str] | None = None
+    ):
+        self.root = root
+        self.port = free_port()
+        self.archive = root / "archive" / "frames.jsonl"
+        self.config = root / "config.toml"
+        self.config.write_text(
+            f"[runtime]\npipeline_stages = {stages}\nrun_id = 1\n"
+            f'[prompt]\nrpc_addr = "127.0.0.1:{self.port}"\n'
+            f'[observability]\ndatastream_frame_log = "{self.archive}"\n' + extra_toml
+        )
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("MVP_")}
+        environ.pop("TEMPORAL_ADDRESS", None)
+        environ.update({"MVP_STATE_DIR": str(root / "state"), "HF_TOKEN": SECRET, **(env or {})})
+        self.stderr_path = root / "stderr.txt"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "workers.host.main", "--runtime-config", str(self.config)],
+            cwd=str(root),
+            env=environ,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.stderr_path, "wb"),
+        )
+        self.descendants: set[int] = set()
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while READY_MARK not in self.stderr:
+            assert self.proc.poll() is None, self.stderr
+            assert time.monotonic() < deadline, self.stderr
+            self._note_descendants()
+            time.sleep(0.1)
+        self._note_descendants()
+
+    def _note_descendants(self) -> None:
+        try:
+            self.descendants |= {
+                p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)
+            }
+        except psutil.NoSuchProcess:
+            pass
+
+    def node_processes(self) -> list[psutil.Process]:
+        found = []
+        for p in psutil.process_iter(["cmdline", "cwd", "status"]):
+            try:
+                if (
+                    "workers.node" in (p.info["cmdline"] or [])
+                    and str(p.info["cwd"] or "").startswith(str(self.root))
+                    and p.info["status"] != psutil.STATUS_ZOMBIE
+                ):
+                    found.append(p)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return found
+
+    def finish(self, timeout: float = 60.0) -> int:
+        code = self.proc.wait(timeout)
+        return code
+
+    def left_running(self) -> list[int]:
+        """What the host started and left behind (its worker, dev server, nodes)."""
+        alive = []
+        for pid in self.descendants | {p.pid for p in self.node_processes()}:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                continue
+        return alive
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        for pid in self.left_running():
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def records(self) -> list[dict[str, Any]]:
+        out = []
+        for line in self.archive.read_text().splitlines():
+            frame = json.loads(line)
+            payload = frame["payload"]
+            assert payload["encoding"] == "utf8"
+            out.append({"frame": frame, "record": json.loads(payload["value"]), "line": line})
+        return out
+
+
+@pytest.fixture
+def hosts(tmp_path: Path) -> Iterator[list[HostProcess]]:
+    started: list[HostProcess] = []
+    yield started
+    for host in started:
+        host.kill()
+
+
+class Client:
+    """A raw prompt-RPC connection."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+        self.file = self.sock.makefile("rb")
+
+    def send(self, obj: object | bytes) -> None:
+        data = obj if isinstance(obj, bytes) else json.dumps(obj).encode() + b"\n"
+        self.sock.sendall(data)
+
+    def event(self) -> dict[str, Any] | None:
+        line = self.file.readline()
+        return json.loads(line) if line else None
+
+    def answer(self) -> tuple[list[str], dict[str, Any]]:
+        deltas: list[str] = []
+        while True:
+            ev = self.event()
+            assert ev is not None, "connection closed before the terminal event"
+            if ev["type"] == "text_delta":
+                deltas.append(ev["text"])
+            else:
+                return deltas, ev
+
+    def close(self) -> None:
+        self.file.close()  # the socket's fd stays open while its file object is
+        self.sock.close()
+
+
+def prompt(
+    request_id: int, text: str = "The capital of France is", max_tokens: int = 8
+) -> dict[str, Any]:
+    return {"request_id": request_id, "prompt_text": text, "max_tokens": max_tokens}
+
+
+def assert_clean_exit(host: HostProcess, code: int) -> list[dict[str, Any]]:
+    assert code == 0, host.stderr
+    deadline = time.monotonic() + 10
+    while host.left_running() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert host.left_running() == [], host.left_running()
+    records = host.records()
+    kinds = [r["record"].get("kind") for r in records if r["record"].get("type") == "OrchLifecycle"]
+    assert kinds[0] == "RunAccepted" and kinds[-1] == "RunTornDown", kinds
+    assert SECRET not in host.archive.read_text()
+    return records
+
+
+def test_the_prompt_rpc_serves_each_connection_on_its_own_and_stdin_stop_ends_it(
+    tmp_path: Path, hosts: list[HostProcess]
+):
+    host = HostProcess(tmp_path, stages=1)
+    hosts.append(host)
+    t0 = time.monotonic()
+    host.wait_ready()
+    ready_s = time.monotonic() - t0
+
+    # Deltas, then exactly one done, whose text is the deltas'.
+    a = Client(host.port)
+    a.send(prompt(7))
+    deltas, done = a.answer()
+    assert done["type"] == "done" and done["request_id"] == 7, done
+    assert "".join(deltas) == done["final_text"] and done["tokens_generated"] == 8
+
+    # A malformed line: a protocol error for that connection only (it is closed).
+    b = Client(host.port)
+    a.send(prompt(8))
+    b.send(b"{not json\n")
+    fault = b.event()
+    assert (
+        fault is not None
+        and fault["type"] == "fault"
+        and fault["error"].startswith("protocol error")
+    )
+    assert b.event() is None  # closed
+    deltas, done = a.answer()
+    assert done["type"] == "done" and done["request_id"] == 8
+
+    # A second request while one is in flight: that connection's protocol error.
+    c = Client(host.port)
+    c.send(prompt(1, max_tokens=32))
+    c.send(prompt(2))
+    events = []
+    while (ev := c.event()) is not None:
+        events.append(ev)
+    assert any(
+        e["type"] == "fault" and e["request_id"] == 2 and "already in flight" in e["error"]
+        for e in events
+    ), events
+
+    # A client that goes away mid-prompt cancels it: the next prompt starts at once.
+    d = Client(host.port)
+    d.send(prompt(1, text="Once upon a time", max_tokens=400))
+    first = d.event()
+    assert first is not None and first["type"] == "text_delta"
+    d.close()
+    gone = time.monotonic()
+    e = Client(host.port)
+    e.send(prompt(1))  # the same id as d's, on another connection: no collision
+    _, done = e.answer()
+    assert done["type"] == "done", done
+    assert time.monotonic() - gone < 15  # not after d's 400 tokens
+
+    # Five connections at once: each gets its own complete answer, in admission order.
+    clients = [Client(host.port) for _ in range(5)]
+    answers: dict[int, tuple[list[str], dict[str, Any]]] = {}
+
+    def ask(i: int) -> None:
+        clients[i].send(prompt(1, text=f"Count to {i + 2}:", max_tokens=6))
+        answers[i] = clients[i].answer()
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(answers) == list(range(5))
+    for deltas, done in answers.values():
+        assert done["type"] == "done" and "".join(deltas) == done["final_text"]
+
+    assert host.proc.stdin is not None
+    host.proc.stdin.write(b"  STOP \n")
+    host.proc.stdin.flush()
+    records = assert_clean_exit(host, host.finish())
+    # The five: in the order the run admitted them (its lifecycle), they finished.
+    five = {
+        r["record"]["request_id"]
+        for r in records
+        if r["record"].get("type") == "OrchPromptEvent" and r["record"]["detail"]["connection"] > 5
+    }
+    life = [r["record"] for r in records if r["record"].get("type") == "OrchLifecycle"]
+    accepted = [
+        x["request_id"] for x in life if x["kind"] == "PromptAccepted" and x["request_id"] in five
+    ]
+    completed = [
+        x["request_id"] for x in life if x["kind"] == "PromptCompleted" and x["request_id"] in five
+    ]
+    assert len(accepted) == 5 and completed == accepted
+    cancelled = [
+        r["record"]
+        for r in records
+        if r["record"].get("type") == "OrchLifecycle" and r["record"]["kind"] == "PromptFaulted"
+    ]
+    assert cancelled and "cancelled" in cancelled[0]["detail"]
+    print(f"\n[figure] mvp-orchestrator start to RPC accepting, 1 stage: {ready_s:.1f} s")
+
+
+def test_a_two_stage_archive_holds_the_whole_session_in_order_and_sigint_ends_it(
+    tmp_path: Path, hosts: list[HostProcess]
+):
+    host = HostProcess(tmp_path, stages=2)
+    hosts.append(host)
+    t0 = time.monotonic()
+    host.wait_ready()
+    ready_s = time.monotonic() - t0
+    a = Client(host.port)
+    sent = time.monotonic()
+    a.send(prompt(1, max_tokens=12))
+    first = a.event()
+    first_s = time.monotonic() - sent
+    assert first is not None and first["type"] == "text_delta"
+    _, done = a.answer()
+    assert done["type"] == "done"
+    host.proc.send_signal(signal.SIGINT)
+    records = assert_clean_exit(host, host.finish())
+
+    frames = [r["frame"] for r in records]
+    assert [f["arrival_seq"] for f in frames] == list(range(len(frames)))
+    assert all(
+        set(f)
+        == {
+            "arrival_seq",
+            "arrival_unix_ms",
+            "source",
+            "stream",
+            "channel",
+            "channel_id",
+            "position",
+            "payload",
+        }
+        for f in frames
+    )
+    boot = [r["record"]["phase"] for r in records if r["record"].get("type") == "OrchBootstrap"]
+    assert boot[0] == "config" and "orch_exit" in boot
+    order = [
+        "config",
+        "local_runtime",
+        "run_plan",
+        "provider_start",
+        "node_runtime_ready",
+        "node_swim",
+        "node_route",
+        "runtime_ready_ack",
+        "stage_provision",
+        "weights_loaded",
+        "prompt_rpc",
+        "prompt_loop",
+        "shutdown",
+        "provider_stop",
+        "orch_exit",
+    ]
+    firsts = [boot.index(p) for p in order]
+    assert firsts == sorted(firsts), list(zip(order, firsts, strict=True))
+    life = [r["record"]["kind"] for r in records if r["record"].get("type") == "OrchLifecycle"]
+    assert life == [
+        "RunAccepted",
+        "RunPlanningStarted",
+        "RunPlanningReady",
+        "RunProvisioningStarted",
+        "RunReadinessStarted",
+        "RunReady",
+        "PromptAccepted",
+        "PromptCompleted",
+        "RunOperatorStopped",
+        "RunTearingDown",
+        "RunTornDown",
+    ], life
+    phases = [r["record"]["phase"] for r in records if r["record"].get("type") == "OrchPromptEvent"]
+    assert phases == ["received", "admitted", "first_delta", "done"], phases
+    lines = [r for r in records if "line" in r["record"]]
+    for node_id in (2, 3):
+        mine = [
+            r
+            for r in lines
+            if r["frame"]["channel"] == f"mvp.provisioning.logs.node.{node_id}.stdout"
+        ]
+        assert any(f"node {node_id} stage" in r["record"]["line"]["line"] for r in mine), node_id
+        assert any(f"node {node_id} stopped" in r["record"]["line"]["line"] for r in mine), node_id
+    events = [r["record"]["event"]["kind"] for r in records if "event" in r["record"]]
+    assert events.count("NodeLive") == 2 and events.count("NodeStopped") == 2
+    print(
+        f"\n[figure] mvp-orchestrator start to RPC accepting, 2 stages: {ready_s:.1f} s; "
+        f"first delta over the RPC: {first_s * 1000:.0f} ms"
+    )
+
+
+def test_a_provider_failure_at_start_exits_1_with_one_line_and_leaves_nothing(
+    tmp_path: Path, hosts: list[HostProcess]
+):
+    host = HostProcess(
+        tmp_path,
+        extra_toml='[provider]\nkind = "docker"\n',
+        env={"DOCKER_HOST": f"unix://{tmp_path / 'no-daemon.sock'}"},
+    )
+    hosts.append(host)
+    code = host.finish(90)
+    assert code == 1
+    lines = [line for line in host.stderr.splitlines() if line.startswith("mvp-orchestrator: ")]
+    assert lines[-1].startswith(
+        "mvp-orchestrator: run rejected: planning failed: provider 'docker' unavailable"
+    ), host.stderr
+    assert host.left_running() == []
+    boot = [r["record"] for r in host.records() if r["record"].get("type") == "OrchBootstrap"]
+    assert boot[-2]["phase"] == "orch_exit" and boot[-2]["status"] == "failed"
+
+
+def test_a_configuration_error_starts_nothing(tmp_path: Path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MVP_")}
+    env["MVP_STATE_DIR"] = str(tmp_path / "state")
+    for argv, message in [
+        (["--bogus"], 'mvp-orchestrator: unknown argument "--bogus"'),
+        (["--pipeline-stages", "0"], "mvp-orchestrator: --pipeline-stages must be greater than 0"),
+        (
+            ["--provider", "mock"],
+            'mvp-orchestrator: unsupported provider "mock"; use process, docker, or vastai',
+        ),
+    ]:
+        out = subprocess.run(
+            [sys.executable, "-m", "workers.host.main", *argv],
+            cwd=str(tmp_path),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 1 and out.stderr.strip() == message, out.stderr
+    assert not (tmp_path / "state").exists()  # no server, no node, not even a directory
+
+
+def test_mvp_chat_in_a_terminal_streams_two_prompts_and_ctrl_d_exits(
+    tmp_path: Path, hosts: list[HostProcess]
+):
+    host = HostProcess(tmp_path, stages=1)
+    hosts.append(host)
+    host.wait_ready()
+    session = f"mvpchat{os.getpid()}"
+    chat = f"{sys.executable} -m workers.chat --rpc 127.0.0.1:{host.port} --max-tokens 6; echo EXITED=$?; sleep 30"
+    tmux = ["tmux", "-L", session]
+    subprocess.run(
+        [*tmux, "new-session", "-d", "-s", session, "-x", "120", "-y", "30", "-c", str(REPO), chat],
+        check=True,
+    )
+    try:
+
+        def screen() -> str:
+            return subprocess.run(
+                [*tmux, "capture-pane", "-p", "-t", session], capture_output=True, text=True
+            ).stdout
+
+        def wait_for(pred: Any, timeout: float = 60.0) -> str:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                text = screen()
+                if pred(text):
+                    return text
+                time.sleep(0.2)
+            raise AssertionError(screen())
+
+        wait_for(lambda s: "prompt:>" in s)  # (the pane drops trailing spaces)
+        subprocess.run(
+            [*tmux, "send-keys", "-t", session, "The capital of France is", "Enter"], check=True
+        )
+        wait_for(lambda s: s.count("prompt:>") >= 2 and "Paris" in s)
+        subprocess.run([*tmux, "send-keys", "-t", session, "Once upon a time", "Enter"], check=True)
+        text = wait_for(lambda s: s.count("prompt:>") >= 3)
+        assert "error:" not in text, text
+        subprocess.run([*tmux, "send-keys", "-t", session, "C-d"], check=True)
+        text = wait_for(lambda s: "EXITED=" in s)
+        assert "EXITED=0" in text and "Traceback" not in text, text
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
+    host.proc.send_signal(signal.SIGTERM)
+    assert_clean_exit(host, host.finish())
