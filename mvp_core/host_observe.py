@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from mvp_core import datastream as ds
 from mvp_core.datastream import BootstrapStatus, MembershipState, ProvisionEventKind
-from mvp_core.models import LifecycleKind, RunPhase
+from mvp_core.models import LifecycleKind, LifecycleReport, RunPhase
 from mvp_core.run_state import NodeState, RunState
 
 Record = tuple[str, ds.JsonRecord]
@@ -35,22 +35,98 @@ def _node(prev: RunState | None, node_id: int) -> NodeState | None:
 
 def observe(prev: RunState | None, cur: RunState, provider: str) -> list[Record]:
     """The records that tell what changed from ``prev`` (None: nothing seen yet) to ``cur``."""
-    out: list[Record] = []
     run_id = cur.run_id
-    seen = len(prev.lifecycle) if prev is not None else 0
-    if len(cur.lifecycle) < seen:  # a trimmed lifecycle (rollover): never publish twice
-        seen = len(cur.lifecycle)
-    for i, report in enumerate(cur.lifecycle[seen:], start=seen):
-        out.append((ds.CHANNEL_LIFECYCLE, ds.lifecycle_record(report, i)))
+    nodes: list[Record] = []
+    for node in cur.nodes:
+        nodes += _observe_node(run_id, node, _node(prev, node.node_id), provider, cur.stopping)
+    runs: list[Record] = []
+    for index, report in _new_reports(prev, cur):
+        runs.append((ds.CHANNEL_LIFECYCLE, ds.lifecycle_record(report, index)))
         phase = _PHASE_OF_KIND.get(report.kind)
         if phase is not None:
             detail = {"detail": report.detail} if report.detail else None
-            out.append(
+            runs.append(
                 (ds.CHANNEL_BOOTSTRAP, ds.orch_bootstrap(phase[0], phase[1], run_id, 0, detail))
             )
-    for node in cur.nodes:
-        out += _observe_node(run_id, node, _node(prev, node.node_id), provider, cur.stopping)
-    return out
+    # One poll may see several steps at once: publish them in the order they happened,
+    # each kind's own order kept (the run's reports as recorded, nodes by their step).
+    nodes.sort(key=_rank)
+    out: list[Record] = []
+    i = 0
+    for record in runs:
+        while i < len(nodes) and _rank(nodes[i]) < _rank(record):
+            out.append(nodes[i])
+            i += 1
+        out.append(record)
+    return out + nodes[i:]
+
+
+# Where each record falls in a run's story, by the bootstrap phase it belongs to.
+_PHASES = (
+    "config",
+    "local_runtime",
+    "run_plan",
+    "provider_start",
+    "node_runtime_ready",
+    "node_swim",
+    "node_route",
+    "runtime_ready_ack",
+    "stage_provision",
+    "weights_loaded",
+    "prompt_rpc",
+    "prompt_loop",
+    "shutdown",
+    "provider_stop",
+    "orch_exit",
+)
+_KIND_RANK = {
+    "RunAccepted": 1.0,
+    "RunRejected": 2.0,
+    "RunPlanningStarted": 2.0,
+    "RunPlanningReady": 2.1,
+    "RunProvisioningStarted": 2.9,
+    "RunReadinessStarted": 3.5,
+    "RunReady": 9.5,
+    "PromptAccepted": 10.5,
+    "PromptCompleted": 10.5,
+    "PromptFaulted": 10.5,
+    "RunOperatorStopped": 12.0,
+    "RunFaulted": 12.0,
+    "RunTearingDown": 13.0,
+    "RunTornDown": 13.5,
+}
+_EVENT_RANK = {"ProvisionStart": 3.0, "NodeLive": 3.1, "ProvisionFailed": 12.0, "NodeStopped": 13.4}
+
+
+def _rank(record: Record) -> float:
+    channel, body = record
+    if channel == ds.CHANNEL_BOOTSTRAP:
+        phase = str(body.get("phase"))
+        base = float(_PHASES.index(phase)) if phase in _PHASES else 99.0
+        # A run-level phase report closes its phase (e.g. weights_loaded ready on RunReady).
+        return base + (0.5 if body.get("node_id") == 0 and phase == "weights_loaded" else 0.0)
+    if channel == ds.CHANNEL_LIFECYCLE:
+        return _KIND_RANK.get(str(body.get("kind")), 99.0)
+    if channel == ds.CHANNEL_PROVISIONING_EVENTS:
+        event = body.get("event")
+        return _EVENT_RANK.get(str(event.get("kind")) if isinstance(event, dict) else "", 99.0)
+    if channel == ds.CHANNEL_MEMBERSHIP:
+        return 5.0
+    if channel == ds.CHANNEL_STAGE_ROUTE:
+        return 6.0
+    return 99.0
+
+
+def _new_reports(prev: RunState | None, cur: RunState) -> list[tuple[int, LifecycleReport]]:
+    """The reports ``cur`` has that ``prev`` had not, each with its index among all the
+    reports the run ever recorded (the list keeps only the latest prompt reports, so
+    new ones are told by the count, and they are always the last ones)."""
+    total = cur.lifecycle_recorded or len(cur.lifecycle)  # 0: a run of an older release
+    before = 0 if prev is None else (prev.lifecycle_recorded or len(prev.lifecycle))
+    fresh = min(max(total - before, 0), len(cur.lifecycle))
+    first = total - fresh
+    tail = cur.lifecycle[len(cur.lifecycle) - fresh :] if fresh else []
+    return [(first + i, r) for i, r in enumerate(tail)]
 
 
 def prompt_ready(state: RunState) -> bool:

@@ -99,6 +99,9 @@ class RunState(BaseModel):
     active: PromptRecord | None = None
     pending: list[PromptRecord] = Field(default_factory=list)
     lifecycle: list[LifecycleReport] = Field(default_factory=list)
+    # Reports ever recorded (``lifecycle`` keeps only the latest prompt reports): an
+    # observer tells new reports by it, not by the list's length.
+    lifecycle_recorded: int = 0
     first_fault: str | None = None
     first_stop_error: str | None = None
     provider_stop_error: str | None = None
@@ -121,6 +124,7 @@ class RunState(BaseModel):
         self.lifecycle.append(
             LifecycleReport(kind=kind, run_id=self.run_id, detail=detail, request_id=request_id)
         )
+        self.lifecycle_recorded += 1
         if kind in _PROMPT_REPORTS:
             self._trim_prompt_reports()
         return True

@@ -79,8 +79,13 @@ class ReaperWorkflow:
             errors=listing.errors,
             unavailable=listing.unavailable,
         )
-        results = await asyncio.gather(*(self._destroy(queue, d, inp) for d in plan.destroy))
-        for decision, (destroyed, error) in zip(plan.destroy, results, strict=True):
+        # Nodes first, then the networks they were attached to (a network goes once its
+        # containers are gone).
+        first = [d for d in plan.destroy if d.resource.kind != "network"]
+        then = [d for d in plan.destroy if d.resource.kind == "network"]
+        results = await asyncio.gather(*(self._destroy(queue, d, inp) for d in first))
+        results += await asyncio.gather(*(self._destroy(queue, d, inp) for d in then))
+        for decision, (destroyed, error) in zip([*first, *then], results, strict=True):
             if destroyed:
                 report.destroyed.append(decision)
             else:

@@ -117,6 +117,26 @@ def edge_secret() -> bytes:
     return fresh
 
 
+def deployment_id() -> str:
+    """This state directory's deployment: a random id made on first use. Providers whose
+    resources live in a shared place (a Docker daemon) label theirs with it, so that two
+    deployments on one daemon never sweep or replace each other's."""
+    path = state_dir() / "deployment-id"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fresh = secrets.token_hex(8)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return path.read_text().strip()
+    with os.fdopen(fd, "w") as f:
+        f.write(fresh)
+    return fresh
+
+
 def edge_token(secret: bytes, run_workflow_id: str, nonce: str) -> str:
     """The token that authenticates one execution's data-plane edges: every node of the
     execution derives the same one, nothing outside the provider's hosts can."""

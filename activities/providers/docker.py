@@ -25,6 +25,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import socket
 import sys
 import tarfile
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import docker
+import requests
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.models.containers import Container
 from docker.models.networks import Network
@@ -42,6 +44,7 @@ from activities.providers.base import (
     TEST_FAULTS_FILE_ENV,
     NodeStartFailed,
     ProviderUnavailable,
+    deployment_id,
     node_environment,
     state_dir,
 )
@@ -64,6 +67,7 @@ LABEL_NONCE = "mvp.nonce"
 LABEL_RUN_WORKFLOW_ID = "mvp.run-workflow-id"
 LABEL_RESOURCE = "mvp.resource"
 LABEL_HOST = "mvp.provider-host"
+LABEL_DEPLOYMENT = "mvp.deployment"  # the state directory's deployment id (base.py)
 # Labels of the host image: the host paths it needs mounted, and its interpreter.
 LABEL_HOST_MOUNTS = "mvp.host-mounts"
 LABEL_PYTHON = "mvp.python"
@@ -75,6 +79,10 @@ TEMPORAL_ADDRESS_ENV = "MVP_DOCKER_TEMPORAL_ADDRESS"  # where containers reach T
 _PASS_ENV = ("LANG", "LC_ALL", "MVP_SWITCH_INTERVAL")
 _GONE = ("exited", "dead")
 _Filters = dict[str, str | list[str] | bool]
+# What a daemon that stopped answering raises: docker-py's errors, and requests' own
+# (a connection refused on a cached client).
+_DOCKER_ERRORS: tuple[type[Exception], ...] = (DockerException, requests.RequestException)
+_RESOURCE_NAME = re.compile(r"mvp-[0-9]{1,20}-[0-9]{1,20}-[0-9a-f]{8}")
 
 
 def container_name(run_id: int, node_id: int, nonce: str) -> str:
@@ -109,6 +117,7 @@ def _explain(err: Exception) -> str:
 class DockerProvider:
     def __init__(self, *, host: str | None = None) -> None:
         self.host = host or socket.gethostname()
+        self.deployment = deployment_id()
         self._client: docker.DockerClient | None = None
 
     # ------------------------------------------------------------------ daemon
@@ -117,9 +126,9 @@ class DockerProvider:
         if self._client is not None:
             return self._client
         try:
-            client = docker.from_env(timeout=120)
+            client = docker.from_env(timeout=60)
             client.ping()
-        except DockerException as err:
+        except _DOCKER_ERRORS as err:
             raise ProviderUnavailable(
                 f"no Docker daemon reachable at {_daemon_address()} ({_explain(err)}); "
                 "start dockerd or set DOCKER_HOST"
@@ -131,7 +140,7 @@ class DockerProvider:
         client = self.client()
         try:
             client.ping()
-        except DockerException as err:
+        except _DOCKER_ERRORS as err:
             self._client = None
             raise ProviderUnavailable(
                 f"the Docker daemon at {_daemon_address()} stopped answering: {_explain(err)}"
@@ -192,7 +201,7 @@ class DockerProvider:
         """The run's network, made on first use (idempotent)."""
         client = self.client()
         name = network_name(spec.run_id, spec.nonce)
-        found = client.networks.list(names=[name])
+        found = client.networks.list(names=[name], filters={"label": self._ours()})
         found = [n for n in found if n.name == name]
         if found:
             net = found[0]
@@ -240,14 +249,11 @@ class DockerProvider:
 
     def _remove_network_if_unused(self, run_id: int, nonce8: str) -> None:
         client = self.client()
-        left = client.containers.list(
-            all=True,
-            filters={"label": [f"{LABEL_RUN_ID}={run_id}", f"{LABEL_NONCE}={nonce8}"]},
-            ignore_removed=True,
-        )
-        if left:
+        if self._containers(f"{LABEL_RUN_ID}={run_id}", f"{LABEL_NONCE}={nonce8}"):
             return
-        for net in client.networks.list(names=[network_name(run_id, nonce8)]):
+        for net in client.networks.list(
+            names=[network_name(run_id, nonce8)], filters={"label": self._ours()}
+        ):
             with contextlib.suppress(NotFound, APIError):
                 net.remove()
 
@@ -257,6 +263,7 @@ class DockerProvider:
     ) -> dict[str, str]:
         labels = {
             LABEL_CREATED_BY: CREATED_BY,
+            LABEL_DEPLOYMENT: self.deployment,
             LABEL_RUN_ID: str(spec.run_id),
             LABEL_NONCE: spec.nonce[:8],
             LABEL_RUN_WORKFLOW_ID: spec.run_workflow_id,
@@ -267,8 +274,12 @@ class DockerProvider:
             labels[LABEL_NODE_ID] = str(spec.node_id)
         return labels
 
+    def _ours(self) -> list[str]:
+        """Label filters of this deployment's resources (never another's on the daemon)."""
+        return [f"{LABEL_CREATED_BY}={CREATED_BY}", f"{LABEL_DEPLOYMENT}={self.deployment}"]
+
     def _containers(self, *labels: str) -> list[Container]:
-        filters: _Filters = {"label": [f"{LABEL_CREATED_BY}={CREATED_BY}", *labels]}
+        filters: _Filters = {"label": [*self._ours(), *labels]}
         # ignore_removed: one removed between the list and its inspect (a concurrent
         # stop) is gone, not an error.
         return list(self.client().containers.list(all=True, filters=filters, ignore_removed=True))
@@ -377,12 +388,12 @@ class DockerProvider:
         return self._containers(f"{LABEL_RESOURCE}={handle.resource_name}")
 
     def _save_logs(self, container: Container) -> None:
-        resource = container.labels.get(LABEL_RESOURCE)
-        if not resource:
-            return
+        resource = container.labels.get(LABEL_RESOURCE, "")
+        if not _RESOURCE_NAME.fullmatch(resource):
+            return  # a label we did not write: never a path of its choosing
         try:
             logs = container.logs(stdout=True, stderr=True)
-        except DockerException:
+        except _DOCKER_ERRORS:
             return
         node_dir = self._node_dir(resource)
         node_dir.mkdir(parents=True, exist_ok=True)
@@ -411,7 +422,7 @@ class DockerProvider:
             self._remove_network_if_unused(handle.run_id, nonce8)
         except NotFound:
             pass  # removed by a concurrent stop (or the reaper): stopped
-        except DockerException as err:
+        except _DOCKER_ERRORS as err:
             return StopNodeResult(
                 node_id=handle.node_id, stopped=False, error=f"docker: {_explain(err)}"
             )
@@ -421,7 +432,7 @@ class DockerProvider:
         for handle in handles:
             try:
                 found = self._find(handle)
-            except DockerException:
+            except _DOCKER_ERRORS:
                 return None  # the daemon blinked: not evidence that a node is gone
             if not found:
                 return NodeExited(
@@ -445,7 +456,7 @@ class DockerProvider:
     def _tail(container: Container) -> str:
         try:
             lines = container.logs(tail=3).decode(errors="replace").strip().splitlines()
-        except DockerException:
+        except _DOCKER_ERRORS:
             return ""
         return f"; last log line: {lines[-1][:200]}" if lines else ""
 
@@ -453,7 +464,7 @@ class DockerProvider:
     def list_resources(self) -> list[ProviderResource]:
         """Containers first, then networks: a network goes once its containers are gone."""
         client = self.client()
-        label: _Filters = {"label": [f"{LABEL_CREATED_BY}={CREATED_BY}"]}
+        label: _Filters = {"label": self._ours()}
         found: list[ProviderResource] = []
         for c in client.containers.list(all=True, filters=label, ignore_removed=True):
             found.append(self._resource(c.labels, "container", str(c.name), c.status))
@@ -478,7 +489,9 @@ class DockerProvider:
         client = self.client()
         try:
             if resource.kind == "container":
-                self._remove(client.containers.get(resource.name), grace_s=5)
+                c = client.containers.get(resource.name)
+                if c.labels.get(LABEL_DEPLOYMENT) == self.deployment:
+                    self._remove(c, grace_s=5)
             elif resource.kind == "network":
                 net = client.networks.get(resource.name)
                 net.reload()

@@ -56,6 +56,17 @@ _PASS_ENV = (
 )
 
 
+RUN_FILE = "run.json"
+
+
+def _recorded_workflow_id(node_dir: Path) -> str | None:
+    try:
+        value = json.loads((node_dir / RUN_FILE).read_text()).get("run_workflow_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) and value else None
+
+
 def _alive(pid: int, create_time: float | None) -> bool:
     try:
         proc = psutil.Process(pid)
@@ -156,6 +167,9 @@ class ProcessProvider:
         node_dir.mkdir(parents=True, exist_ok=True)
         pid_file = node_dir / "pid.json"
         log_path = node_dir / "node.log"
+        run_file = node_dir / RUN_FILE
+        if not run_file.exists():  # before the launch: the reaper reads whose node it is
+            run_file.write_text(json.dumps({"run_workflow_id": spec.run_workflow_id}))
         if pid_file.exists():
             rec = json.loads(pid_file.read_text())
             return self._handle(spec, name, int(rec["pid"]), log_path)
@@ -297,7 +311,10 @@ class ProcessProvider:
             provider=ProviderKind.PROCESS,
             kind="process",
             name=name,
-            run_workflow_id=names.run_workflow_id(run_id),
+            # The id the run was started with (any workflow id may carry a run_id), as
+            # recorded at start; a node of an older release has none: its default id.
+            run_workflow_id=_recorded_workflow_id(_nodes_root() / name)
+            or names.run_workflow_id(run_id),
             nonce8=nonce8,
             host=self.host,
             detail=detail,

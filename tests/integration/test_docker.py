@@ -121,7 +121,7 @@ async def shutdown(handle: object) -> RunOutcome:
 async def test_docker_pipeline_gives_the_process_text_over_container_addresses(
     druns: Runs, dclient: docker.DockerClient, stages: int, state_dir: Path
 ):
-    base = 900 + 10 * stages
+    base = 2900 + 10 * stages
     process = await druns.start(base, pipeline_stages=stages, max_context=512)
     await wait_phase(process, RunPhase.PROMPT_READY)
     expected = await greedy(druns.client, base)
@@ -173,7 +173,7 @@ async def test_docker_pipeline_gives_the_process_text_over_container_addresses(
 async def test_a_killed_container_faults_the_prompt_and_run_and_leaves_nothing(
     druns: Runs, dclient: docker.DockerClient
 ):
-    run_id = 931
+    run_id = 2931
     handle = await druns.start(
         run_id, pipeline_stages=2, provider="docker", faults={"MVP_FAULT_TEXT_DELAY_MS": "10"}
     )
@@ -206,7 +206,7 @@ async def test_a_killed_container_faults_the_prompt_and_run_and_leaves_nothing(
 async def test_a_gpu_request_without_a_gpu_driver_is_a_clean_startup_failure(
     druns: Runs, dclient: docker.DockerClient
 ):
-    run_id = 941
+    run_id = 2941
     handle = await druns.start(run_id, provider="docker", docker={"gpus": "all"})
     cause = await run_failure(handle)
     assert cause.startswith("startup ("), cause
@@ -252,7 +252,7 @@ async def test_a_worker_killed_between_create_and_start_leaves_exactly_one_conta
         server.address, state_dir, tmp_path, {**env, "MVP_TEST_CRASH_AFTER_LAUNCH": "created"}
     )
     healthy = OrchestratorProcess(server.address, state_dir, tmp_path, env)
-    run_id = 951
+    run_id = 2951
     try:
         crashing.start()
         client = await connect(server.address)
@@ -282,7 +282,7 @@ async def test_a_worker_killed_between_create_and_start_leaves_exactly_one_conta
 async def test_the_reaper_removes_a_terminated_runs_containers_and_network_only(
     druns: Runs, dclient: docker.DockerClient
 ):
-    gone_id, live_id = 961, 962
+    gone_id, live_id = 2961, 2962
     gone = await druns.start(gone_id, pipeline_stages=2, provider="docker")
     live = await druns.start(live_id, provider="docker")
     gone_state = await wait_phase(gone, RunPhase.PROMPT_READY)

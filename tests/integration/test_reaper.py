@@ -139,8 +139,10 @@ def test_process_provider_lists_its_marked_nodes_and_dead_records_and_destroys_t
 async def sweep(client: Client, schedule_id: str, timeout: float = 90.0) -> ReapReport:
     """Trigger the schedule and return the report of the sweep it started."""
     handle = client.get_schedule_handle(schedule_id)
+    # By run id too: two sweeps in one second share a workflow id (the schedule's
+    # ids have second resolution).
     seen = {
-        a.action.workflow_id
+        (a.action.workflow_id, a.action.first_execution_run_id)
         for a in (await handle.describe()).info.recent_actions
         if isinstance(a.action, ScheduleActionExecutionStartWorkflow)
     }
@@ -150,7 +152,7 @@ async def sweep(client: Client, schedule_id: str, timeout: float = 90.0) -> Reap
         for a in (await handle.describe()).info.recent_actions:
             action = a.action
             if isinstance(action, ScheduleActionExecutionStartWorkflow) and (
-                action.workflow_id not in seen
+                (action.workflow_id, action.first_execution_run_id) not in seen
             ):
                 wf = client.get_workflow_handle(
                     action.workflow_id,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import logging
 import os
 import signal
 import subprocess
@@ -34,6 +35,7 @@ from temporalio.client import (
     WorkflowFailureError,
     WorkflowHandle,
     WorkflowUpdateFailedError,
+    WorkflowUpdateRPCTimeoutOrCancelledError,
 )
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
@@ -52,6 +54,7 @@ from workers.host.datastream import Datastream, FrameArchive, LiveSubscribers, L
 from workers.host.rpc import PromptObservation, PromptRpcServer
 
 PROG = "mvp-orchestrator"
+log = logging.getLogger("mvp.host")
 STOP_WORDS = frozenset({"stop", "shutdown", "quit"})
 POLL_S = 0.25
 SHUTDOWN_WAIT_S = 120.0
@@ -170,7 +173,7 @@ class Host:
     async def main(self) -> int:
         self.stream.bootstrap("config", BootstrapStatus.READY, self._config_detail())
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, self._on_signal, sig)
         threading.Thread(target=self._stop_listener, args=(loop,), daemon=True).start()
         code = 1
@@ -192,8 +195,10 @@ class Host:
         except RuntimeError as err:
             raise HostError(f"cannot reach Temporal at {address}: {err}") from None
         self.stream.bootstrap("local_runtime", BootstrapStatus.READY, {"temporal": address})
+        if self.stop.is_set():
+            return 0  # stopped before a run was started: nothing to tear down
         handle = await self._start_run(client)
-        closed = asyncio.ensure_future(handle.result())
+        closed = asyncio.ensure_future(self._closed(handle))
         watch = asyncio.ensure_future(self._watch(handle))
         try:
             ready = await self._until_prompt_ready(handle, closed)
@@ -213,7 +218,6 @@ class Host:
         if configured:
             return configured
         root = host_dir()
-        self.lock = HostLock(root)
         self.stream.bootstrap("local_runtime", BootstrapStatus.STARTED, {"embedded": True})
         try:
             self.server = await asyncio.to_thread(
@@ -237,6 +241,8 @@ class Host:
                 break
             if self.worker.poll() is not None or time.monotonic() > deadline:
                 raise HostError(f"the orchestrator worker did not start; see {log}")
+            if self.stop.is_set():
+                break  # _session sees the stop before it starts a run
             await asyncio.sleep(0.1)
         return self.server.address
 
@@ -274,6 +280,16 @@ class Host:
             f"{self.follow_address}"
         )
         return handle
+
+    async def _closed(self, handle: WorkflowHandle[Any, Any]) -> Any:
+        """The run's result; a Temporal outage on the way is waited out (the run goes on
+        without the host's connection), not taken for the run's end."""
+        while True:
+            try:
+                return await handle.result()
+            except RPCError as err:
+                log.warning("waiting for run %s: %s; retrying", handle.id, err.message)
+                await asyncio.sleep(1.0)
 
     # ------------------------------------------------------------------ watching the run
     async def _watch(self, handle: WorkflowHandle[Any, Any]) -> None:
@@ -346,8 +362,18 @@ class Host:
         self.stream.bootstrap("prompt_loop", BootstrapStatus.READY)
         say(f"run {names.run_workflow_id(self.run_id)} prompt-ready; prompt RPC on {host}:{port}")
         stopping = asyncio.ensure_future(self.stop.wait())
-        await asyncio.wait([stopping, closed], return_when=asyncio.FIRST_COMPLETED)
+        lost = asyncio.ensure_future(self._worker_lost())
+        await asyncio.wait([stopping, closed, lost], return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
+        lost.cancel()
+        if lost.done() and not lost.cancelled():
+            raise HostError(lost.result())
+
+    async def _worker_lost(self) -> str:
+        """Resolves (with why) if the embedded worker dies: nothing would serve the run."""
+        while self.worker is None or self.worker.poll() is None:
+            await asyncio.sleep(0.5)
+        return f"the orchestrator worker exited with {self.worker.returncode}"
 
     def _prompt_observed(self, obs: PromptObservation) -> None:
         self.stream.prompt_event(
@@ -364,6 +390,7 @@ class Host:
 
     # ------------------------------------------------------------------ stopping
     def _on_signal(self, sig: int) -> None:
+        # SIGHUP (the terminal went away) too: a controlled shutdown, nothing left behind.
         self.stream.bootstrap(
             "shutdown", BootstrapStatus.OBSERVED, {"signal": signal.Signals(sig).name}
         )
@@ -398,8 +425,15 @@ class Host:
                 ),
                 SHUTDOWN_WAIT_S,
             )
-        except (WorkflowUpdateFailedError, RPCError, TimeoutError) as err:
-            if closed.done() or not isinstance(err, TimeoutError):
+        except (
+            WorkflowUpdateFailedError,
+            WorkflowUpdateRPCTimeoutOrCancelledError,
+            RPCError,
+            TimeoutError,
+        ) as err:
+            if closed.done() or not isinstance(
+                err, TimeoutError | WorkflowUpdateRPCTimeoutOrCancelledError
+            ):
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await asyncio.wait_for(asyncio.shield(closed), 10)
                 if closed.done():
@@ -441,9 +475,6 @@ class Host:
             await asyncio.to_thread(stop_process, self.worker, PROCESS_STOP_S)
         if self.server is not None:
             await asyncio.to_thread(self.server.stop, PROCESS_STOP_S)
-        lock = getattr(self, "lock", None)
-        if lock is not None:
-            lock.release()
 
     def _config_detail(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -457,7 +488,20 @@ class Host:
         }
 
 
+USAGE = f"""usage: {PROG} [--runtime-config PATH] [--provider process|docker|vastai]
+                        [--worker-bin PATH] [--pipeline-stages N] [--vastai-ssh-identity PATH]
+
+Start a run of a GGUF model on worker nodes, serve prompts on the prompt RPC (default
+127.0.0.1:19777) once it is prompt-ready, and stop on stop/shutdown/quit on stdin,
+Ctrl-C or SIGTERM. Everything else is configured in TOML (--runtime-config, else
+.config/config.toml): see docs/host.md.
+"""
+
+
 def run(argv: list[str]) -> int:
+    if argv in (["--help"], ["-h"]):  # the one argument beyond the spec's five
+        print(USAGE, end="")
+        return 0
     try:
         cfg = resolve_config(argv, os.environ, Path.cwd(), PathFiles())
     except ConfigError as err:
@@ -467,15 +511,25 @@ def run(argv: list[str]) -> int:
     if cfg.vastai is not None and getattr(cfg.vastai, "api_key", None) is not None:
         secrets.append(cfg.vastai.api_key.get_secret_value())
     root = host_dir()
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        lock = HostLock(root)
+    except HostError as err:
+        say(str(err))
+        return 1
     sinks: list[Sink] = []
     if cfg.datastream_frame_log is not None:
         try:
             sinks.append(FrameArchive(cfg.datastream_frame_log))
         except OSError as err:
             say(f"cannot open the frame archive {cfg.datastream_frame_log}: {err}")
+            lock.release()
             return 1
-    live = LiveSubscribers(f"unix:{root / FOLLOW_SOCKET}")
+    try:
+        live = LiveSubscribers(f"unix:{root / FOLLOW_SOCKET}")
+    except OSError as err:
+        say(f"cannot open the datastream socket {root / FOLLOW_SOCKET}: {err}")
+        lock.release()
+        return 1
     sinks.append(live)
     stream = Datastream(
         run_id=cfg.run_id,
@@ -491,6 +545,7 @@ def run(argv: list[str]) -> int:
     finally:
         capture.remove()
         stream.close()
+        lock.release()
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ from temporalio.client import Client
 from temporalio.service import RPCError
 
 from mvp_core import names
-from mvp_core.models import CancelPrompt, Done, Fault, SubmitPrompt, TextDelta
+from mvp_core.models import CancelPrompt, Done, SubmitPrompt, TextDelta
 from workers.client import PromptRejected, stream_prompt
 
 log = logging.getLogger("mvp.host.rpc")
@@ -200,6 +200,7 @@ class PromptRpcServer:
             max_tokens=request.max_tokens or None,
         )
         first = True
+        ended = False  # a terminal event reached the client
         try:
             async for event in stream_prompt(
                 self.client, self.run_id, prompt, on_admitted=lambda: note("admitted")
@@ -211,46 +212,50 @@ class PromptRpcServer:
                     await self._write(
                         writer, {"type": "text_delta", "request_id": cid, "text": event.text}
                     )
-                elif isinstance(event, Done):
+                    continue
+                if isinstance(event, Done):
                     note("done", f"{event.tokens_generated} tokens, {event.stop_reason}")
-                    await self._write(
-                        writer,
-                        {
-                            "type": "done",
-                            "request_id": cid,
-                            "final_text": event.final_text,
-                            "tokens_generated": event.tokens_generated,
-                            "elapsed_ms": event.elapsed_ms,
-                        },
-                    )
-                elif isinstance(event, Fault):
+                    terminal: dict[str, Any] = {
+                        "type": "done",
+                        "request_id": cid,
+                        "final_text": event.final_text,
+                        "tokens_generated": event.tokens_generated,
+                        "elapsed_ms": event.elapsed_ms,
+                    }
+                else:
                     note("fault", event.error)
-                    await self._write(
-                        writer, {"type": "fault", "request_id": cid, "error": event.error}
-                    )
+                    terminal = {"type": "fault", "request_id": cid, "error": event.error}
+                ended = True
+                await self._write(writer, terminal)
         except PromptRejected as err:
+            ended = True
             note("rejected", err.kind)
             await self._write(
                 writer, {"type": "fault", "request_id": cid, "error": f"{err.kind}: {err}"}
             )
-        except RPCError as err:
-            note("fault", err.message)
-            await self._write(
-                writer,
-                {"type": "fault", "request_id": cid, "error": f"run unreachable: {err.message}"},
-            )
         except asyncio.CancelledError:
-            # The client went away (or the host is closing): the run ends the prompt.
             note("cancelled", "client disconnected")
-            await asyncio.shield(self._cancel(run_rid))
             raise
         except (ConnectionError, OSError):
             note("cancelled", "client disconnected")
-            await self._cancel(run_rid)
+        except Exception as err:  # the SDK's own (an RPC or update timeout, a lost run)
+            log.warning("prompt %d: %s: %s", run_rid, type(err).__name__, err)
+            note("fault", type(err).__name__)
+            ended = True
+            with contextlib.suppress(ConnectionError, OSError):
+                await self._write(
+                    writer,
+                    {"type": "fault", "request_id": cid, "error": f"run unreachable: {err}"},
+                )
+        finally:
+            # Whatever ended this handler before the prompt did (the client went away,
+            # the host is closing, an SDK error mid-stream): the run ends the prompt.
+            if not ended:
+                await asyncio.shield(self._cancel(run_rid))
 
     async def _cancel(self, run_rid: int) -> None:
         handle = self.client.get_workflow_handle(names.run_workflow_id(self.run_id))
-        with contextlib.suppress(RPCError, TimeoutError):
+        with contextlib.suppress(RPCError, TimeoutError, asyncio.CancelledError):
             await asyncio.wait_for(
                 handle.signal(names.SIGNAL_CANCEL_PROMPT, CancelPrompt(request_id=run_rid)), 5
             )

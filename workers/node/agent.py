@@ -7,6 +7,7 @@ DECISIONS 7) when the run is closed or no lease has run for a while.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
@@ -211,7 +212,19 @@ async def amain() -> None:
     print(f"node {cfg.node_id} stopped", flush=True)
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m workers.node",
+        description="The node agent. A provider starts it, with the node's identity in its "
+        "environment (MVP_RUN_ID, MVP_NODE_ID, MVP_TASK_QUEUE, ...: node_environment in "
+        "activities/providers/base.py); it is not meant to be started by hand.",
+    )
+    p.add_argument("--resource", help="the node's resource name (how its provider finds it)")
+    return p
+
+
 def main(layout_note: str | None = None) -> None:
+    parser().parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if layout_note is not None:
         log.warning("%s", layout_note)
