@@ -9,7 +9,7 @@ import hmac
 import json
 import os
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -101,38 +101,32 @@ def edge_secret() -> bytes:
         if len(raw) < 16:
             raise ValueError(f"{EDGE_SECRET_ENV} must hold at least 16 bytes")
         return raw
-    path = state_dir() / "edge-secret"
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        pass
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fresh = secrets.token_bytes(32)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return path.read_bytes()  # another worker of this host made it first
-    with os.fdopen(fd, "wb") as f:
-        f.write(fresh)
-    return fresh
+    return _made_once("edge-secret", lambda: secrets.token_bytes(32), 0o600)
 
 
 def deployment_id() -> str:
     """This state directory's deployment: a random id made on first use. Providers whose
     resources live in a shared place (a Docker daemon) label theirs with it, so that two
     deployments on one daemon never sweep or replace each other's."""
-    path = state_dir() / "deployment-id"
+    made = _made_once("deployment-id", lambda: secrets.token_hex(8).encode(), 0o644)
+    return made.decode().strip()
+
+
+def _made_once(name: str, make: Callable[[], bytes], mode: int) -> bytes:
+    """The content of ``name`` in the state directory, made by ``make`` on first use. Two
+    workers of one host that race to make it agree on the first one written."""
+    path = state_dir() / name
     try:
-        return path.read_text().strip()
+        return path.read_bytes()
     except FileNotFoundError:
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
-    fresh = secrets.token_hex(8)
+    fresh = make()
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     except FileExistsError:
-        return path.read_text().strip()
-    with os.fdopen(fd, "w") as f:
+        return path.read_bytes()  # another worker of this host made it first
+    with os.fdopen(fd, "wb") as f:
         f.write(fresh)
     return fresh
 
