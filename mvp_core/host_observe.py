@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from mvp_core import datastream as ds
 from mvp_core.datastream import BootstrapStatus, MembershipState, ProvisionEventKind
-from mvp_core.models import LifecycleKind, LifecycleReport, RunPhase
+from mvp_core.models import LifecycleKind, LifecycleReport
 from mvp_core.run_state import NodeState, RunState
 
 Record = tuple[str, ds.JsonRecord]
@@ -127,10 +127,6 @@ def _new_reports(prev: RunState | None, cur: RunState) -> list[tuple[int, Lifecy
     first = total - fresh
     tail = cur.lifecycle[len(cur.lifecycle) - fresh :] if fresh else []
     return [(first + i, r) for i, r in enumerate(tail)]
-
-
-def prompt_ready(state: RunState) -> bool:
-    return state.phase is RunPhase.PROMPT_READY
 
 
 def _observe_node(

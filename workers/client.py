@@ -21,6 +21,7 @@ from typing import Any
 from pydantic import TypeAdapter
 from temporalio.client import (
     Client,
+    WorkflowHandle,
     WorkflowUpdateFailedError,
     WorkflowUpdateHandle,
     WorkflowUpdateStage,
@@ -30,10 +31,31 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
 from mvp_core import names
-from mvp_core.models import Done, Fault, PromptEvent, PromptTerminal, SubmitPrompt, TextDelta
+from mvp_core.models import (
+    Done,
+    Fault,
+    PromptEvent,
+    PromptTerminal,
+    RunRequest,
+    SubmitPrompt,
+    TextDelta,
+)
 
 _EVENT: TypeAdapter[TextDelta | Done | Fault] = TypeAdapter(PromptEvent)
 _TERMINAL: Any = PromptTerminal
+
+
+async def start_run(client: Client, run_id: int, request: RunRequest) -> WorkflowHandle[Any, Any]:
+    """Start run ``run_id`` (workflow ``mvp-run-<run_id>``) as the docs say, with the short
+    workflow task timeout that lets another worker take over a lost task quickly."""
+    handle: WorkflowHandle[Any, Any] = await client.start_workflow(
+        names.RUN_WORKFLOW,
+        request,
+        id=names.run_workflow_id(run_id),
+        task_queue=names.ORCHESTRATOR_TASK_QUEUE,
+        task_timeout=timedelta(seconds=names.WORKFLOW_TASK_TIMEOUT_S),
+    )
+    return handle
 
 
 class PromptRejected(Exception):

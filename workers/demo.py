@@ -58,7 +58,7 @@ from mvp_core.validation import describe_invalid
 from temporal.devserver import DevServer, DevServerError, start_dev_server
 from workers.client import PromptRejected, stream_prompt
 from workers.connect import connect
-from workers.embedded import failure_text, start_worker, stop_process
+from workers.embedded import dev_server_ip, failure_text, start_worker, stop_process
 
 DEFAULT_PROMPT = "The capital of France is"
 UPDATE_SHUTDOWN_AND_WAIT = "request_shutdown_and_wait"
@@ -273,8 +273,7 @@ class Demo:
         try:
             self.server = start_dev_server(
                 str(root / "dev.db"),
-                # Docker nodes reach the server through their network's gateway.
-                ip="0.0.0.0" if args.provider == "docker" else "127.0.0.1",
+                ip=dev_server_ip(ProviderKind(args.provider)),
                 headless=False,
                 log_file=str(root / "temporal.log"),
                 own_process_group=True,

@@ -12,6 +12,8 @@ from pathlib import Path
 from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 
+from mvp_core.models import ProviderKind
+
 # Runs the orchestrator worker with PR_SET_PDEATHSIG armed, then execs it: a host killed
 # hard (SIGKILL) takes its worker along instead of leaving it polling a dead server. An
 # exec wrapper rather than preexec_fn, because the host's Temporal client runs threads.
@@ -22,6 +24,12 @@ _EXEC_DYING_WITH_PARENT = (
     "    sys.exit(1)\n"
     "os.execv(sys.argv[2], sys.argv[2:])\n"
 )
+
+
+def dev_server_ip(provider: ProviderKind) -> str:
+    """Where an embedded dev server listens: loopback, except for Docker nodes, which
+    reach it through their run network's gateway (docs/docker.md)."""
+    return "0.0.0.0" if provider is ProviderKind.DOCKER else "127.0.0.1"
 
 
 def start_worker(

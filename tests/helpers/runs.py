@@ -3,28 +3,13 @@ orchestrator worker's logs for workflow task failures."""
 
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
-from temporalio.client import Client, WorkflowHandle
+from workers.client import start_run
 
-from mvp_core import names
-from mvp_core.models import RunRequest
+__all__ = ["TASK_FAILURE_MARKS", "log_sizes", "start_run", "task_failures"]
 
 TASK_FAILURE_MARKS = ("Failed handling activation", "TMPRL1101")
-
-
-async def start_run(client: Client, run_id: int, request: RunRequest) -> WorkflowHandle[Any, Any]:
-    """Start run ``run_id`` with the 5 s workflow task timeout the harnesses use."""
-    handle: WorkflowHandle[Any, Any] = await client.start_workflow(
-        names.RUN_WORKFLOW,
-        request,
-        id=names.run_workflow_id(run_id),
-        task_queue=names.ORCHESTRATOR_TASK_QUEUE,
-        task_timeout=timedelta(seconds=names.WORKFLOW_TASK_TIMEOUT_S),
-    )
-    return handle
 
 
 def log_sizes(log_dir: Path) -> dict[Path, int]:

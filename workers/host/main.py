@@ -48,8 +48,9 @@ from mvp_core.host_observe import observe
 from mvp_core.models import RequestShutdown, RunOutcome, RunPhase, ShutdownReason
 from mvp_core.run_state import RunState
 from temporal.devserver import DevServer, DevServerError, start_dev_server
+from workers.client import start_run
 from workers.connect import connect
-from workers.embedded import failure_text, start_worker, stop_process
+from workers.embedded import dev_server_ip, failure_text, start_worker, stop_process
 from workers.host.datastream import Datastream, FrameArchive, LiveSubscribers, LogTailer, Sink
 from workers.host.rpc import PromptObservation, PromptRpcServer
 
@@ -168,6 +169,7 @@ class Host:
         self.rpc: PromptRpcServer | None = None
         self.tailers: dict[int, LogTailer] = {}
         self.state: RunState | None = None
+        self.bind_error: str | None = None  # the RPC could not bind: exit 1 after shutdown
 
     # ------------------------------------------------------------------ the whole session
     async def main(self) -> int:
@@ -223,8 +225,7 @@ class Host:
             self.server = await asyncio.to_thread(
                 start_dev_server,
                 str(root / "temporal.db"),
-                # Docker nodes reach the server through their network's gateway.
-                ip="0.0.0.0" if self.cfg.provider.value == "docker" else "127.0.0.1",
+                ip=dev_server_ip(self.cfg.provider),
                 log_file=str(root / "temporal.log"),
                 own_process_group=True,
                 stop_with_parent=True,
@@ -265,13 +266,7 @@ class Host:
                 await existing.terminate(f"left behind by an earlier {PROG}; replaced")
                 say(f"terminated run {wid}, left behind by an earlier {PROG}")
         try:
-            handle: WorkflowHandle[Any, Any] = await client.start_workflow(
-                names.RUN_WORKFLOW,
-                request,
-                id=wid,
-                task_queue=names.ORCHESTRATOR_TASK_QUEUE,
-                task_timeout=timedelta(seconds=names.WORKFLOW_TASK_TIMEOUT_S),
-            )
+            handle = await start_run(client, self.run_id, request)
         except RPCError as err:
             raise HostError(f"cannot start run {wid}: {err.message}") from None
         say(
@@ -302,7 +297,7 @@ class Host:
             cur: RunState = await handle.query(
                 names.QUERY_SNAPSHOT, result_type=RunState, rpc_timeout=timedelta(seconds=5)
             )
-        except (RPCError, Exception):  # not picked up yet, or the worker is restarting
+        except Exception:  # not picked up yet, or the worker is restarting: next poll
             return None
         for channel, record in observe(self.state, cur, self.cfg.provider.value):
             self.stream.publish(channel, record)
@@ -448,9 +443,8 @@ class Host:
         return self._bind_failed() or 0
 
     def _bind_failed(self) -> int:
-        error = getattr(self, "bind_error", None)
-        if error:
-            raise HostError(error)
+        if self.bind_error:
+            raise HostError(self.bind_error)
         return 0
 
     def _closed_code(self, closed: asyncio.Future[Any]) -> int:
