@@ -445,8 +445,15 @@ class Demo:
         except TimeoutError:
             await self._force_stop(handle, f"its teardown took over {RUN_STOP_WAIT_S:.0f} s")
             return None
-        except (RPCError, WorkflowUpdateFailedError):
-            pass  # it has closed already (a fault): its result says why
+        except (RPCError, WorkflowUpdateFailedError) as err:
+            # Closed already (a fault: its result says why), or the Update did not get
+            # through: the request_shutdown signal asks the same of a run still open.
+            log.info("%s: shutdown update failed (%s); signalling", handle.id, err)
+            with contextlib.suppress(RPCError):
+                await handle.signal(
+                    names.SIGNAL_REQUEST_SHUTDOWN,
+                    RequestShutdown(run_id=self.run_id, reason=reason),
+                )
         try:
             await asyncio.wait_for(handle.result(), max(deadline - time.monotonic(), 0.5))
             self.stopped.append("the run")
