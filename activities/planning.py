@@ -43,6 +43,10 @@ class PlanningActivities:
         try:
             provider = self.providers.provider(inp.provider)
             await in_thread(provider.check, inp.gpus)
+            prepare = getattr(provider, "prepare", None)
+            if inp.vastai is not None and prepare is not None:
+                # Vast.ai runtime preparation (process spec 7.3): identity, key, bootstrap.
+                await in_thread(prepare, inp.vastai)
         except ProviderUnavailable as err:
             raise ApplicationError(
                 f"provider {inp.provider.value!r} unavailable: {err}",

@@ -31,11 +31,18 @@ def _docker() -> Provider:
     return DockerProvider()
 
 
+def _vastai() -> Provider:
+    from activities.providers.vastai import VastAiProvider
+
+    return VastAiProvider()
+
+
 # How each provider of this host is made, on first use: a host without a Docker daemon
 # still serves process runs, and a docker run there is rejected naming what is missing.
 DEFAULT_FACTORIES: dict[ProviderKind, Callable[[], Provider]] = {
     ProviderKind.PROCESS: ProcessProvider,
     ProviderKind.DOCKER: _docker,
+    ProviderKind.VASTAI: _vastai,
 }
 
 

@@ -25,12 +25,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
 from mvp_core.models import DockerSettings, ModelSource, ProviderKind, RunRequest
+from mvp_core.models import VastAiSettings as VastAiRunSettings
 from mvp_core.names import DEFAULT_BUNDLED_MODEL, REAPER_INTERVAL_ENV
 from mvp_core.validation import (
     _GPUS,
@@ -790,6 +791,36 @@ def resolve_config(
 # --------------------------------------------------------------------------- run request
 
 
+def vast_run_settings(vast: VastAiSettings) -> VastAiRunSettings:
+    """The [vastai] table's non-secret part, as the run carries it (the API key and the
+    SSH identity stay in the orchestrator worker's environment: ``vast_worker_env``)."""
+    fields: dict[str, Any] = {
+        "image": vast.image,
+        "bootstrap_command": vast.bootstrap_command,
+        "onstart": vast.onstart,
+        "gpu_name": vast.gpu_name,
+        "min_gpu_ram_mb": vast.min_gpu_ram_mb,
+        "min_up_mbps": vast.min_up_mbps,
+        "disk_gb": vast.disk_gb,
+        "ssh_user": vast.ssh_user,
+        "min_down_mbps": vast.min_down_mbps,
+        "min_reliability": vast.min_reliability,
+        "require_verified": vast.require_verified,
+        "poll_interval_s": vast.poll_interval_secs,
+    }
+    return VastAiRunSettings(**{k: v for k, v in fields.items() if v is not None})
+
+
+def vast_worker_env(cfg: HostConfig) -> dict[str, str]:
+    """What the embedded orchestrator worker needs of a vastai configuration."""
+    if cfg.provider is not ProviderKind.VASTAI or cfg.vastai is None:
+        return {}
+    return {
+        "VASTAI_API_KEY": cfg.vastai.api_key.get_secret_value(),
+        "MVP_VASTAI_SSH_IDENTITY": str(cfg.vastai.ssh_identity),
+    }
+
+
 def to_run_request(cfg: HostConfig) -> RunRequest:
     """The run the host starts for ``cfg``, already passing ``validate_request`` (its
     refusal becomes a ConfigError with the same text, so nothing starts). Raises
@@ -814,12 +845,8 @@ def to_run_request(cfg: HostConfig) -> RunRequest:
     else:
         model = ModelSource(bundled=DEFAULT_BUNDLED_MODEL)
     tokenizer = ModelSource(path=str(cfg.tokenizer_path)) if cfg.tokenizer_path else None
-    if cfg.provider is ProviderKind.DOCKER:
-        worker_image = cfg.image
-    elif cfg.provider is ProviderKind.VASTAI and cfg.vastai is not None:
-        worker_image = cfg.vastai.image
-    else:
-        worker_image = None
+    worker_image = cfg.image if cfg.provider is ProviderKind.DOCKER else None
+    vast = cfg.vastai if cfg.provider is ProviderKind.VASTAI else None
     gpus = (cfg.docker_gpus or None) if cfg.provider is ProviderKind.DOCKER else None
     try:
         request = RunRequest(
@@ -828,6 +855,7 @@ def to_run_request(cfg: HostConfig) -> RunRequest:
             provider=cfg.provider,
             worker_image=worker_image,
             docker=DockerSettings(gpus=gpus),
+            vastai=VastAiRunSettings() if vast is None else vast_run_settings(vast),
             model=model,
             tokenizer=tokenizer,
             pipeline_stages=cfg.pipeline_stages,

@@ -103,6 +103,50 @@ class DockerSettings(_Model):
     )
 
 
+class VastAiSettings(_Model):
+    """Vast.ai settings of a run (process spec [vastai], less its secrets: the API key
+    and the SSH identity live only in the orchestrator worker's environment)."""
+
+    image: str | None = Field(
+        default=None,
+        max_length=300,
+        description="Image each instance runs; it must hold the node agent (deploy/node.Dockerfile)",
+    )
+    bootstrap_command: str | None = Field(
+        default=None,
+        max_length=2000,
+        description=(
+            "Shell command that starts the node agent on an instance, run over SSH with the "
+            "node's environment (e.g. 'python -m workers.node'); required"
+        ),
+    )
+    onstart: str | None = Field(
+        default=None, max_length=4000, description="Instance onstart script"
+    )
+    disk_gb: float = Field(default=16.0, gt=0, le=10_000)
+    ssh_user: str = Field(
+        default="root", min_length=1, max_length=32, pattern=r"^[a-z_][a-z0-9_-]*$"
+    )
+    gpu_name: str | None = Field(default=None, max_length=100)
+    min_gpu_ram_mb: int | None = Field(default=None, ge=0)
+    min_down_mbps: float = Field(default=100.0, ge=0)
+    min_up_mbps: float | None = Field(default=None, ge=0)
+    min_reliability: float = Field(default=0.95, ge=0, le=1)
+    require_verified: bool = True
+    max_dph: float | None = Field(default=None, gt=0, description="Price cap, $/hour per instance")
+    poll_interval_s: float = Field(default=2.0, gt=0, le=60)
+    loading_timeout_s: float = Field(
+        default=600.0, gt=0, le=3600, description="How long an instance may take to run"
+    )
+    ssh_timeout_s: float = Field(default=120.0, gt=0, le=3600)
+    max_offers: int = Field(
+        default=3, ge=1, le=20, description="Offers tried per node before its start fails"
+    )
+    dataplane_port: int = Field(
+        default=7000, ge=1024, le=65535, description="Container port of the node's data plane"
+    )
+
+
 class RunRequest(_Model):
     """The typed input of a run (actor spec 4.1)."""
 
@@ -119,6 +163,7 @@ class RunRequest(_Model):
         ),
     )
     docker: DockerSettings = Field(default_factory=DockerSettings)
+    vastai: VastAiSettings = Field(default_factory=VastAiSettings)
     model: ModelSource = Field(default_factory=ModelSource)
     tokenizer: ModelSource | None = None
     pipeline_stages: int = Field(default=1)
@@ -227,6 +272,7 @@ class NodeProvisionSpec(_Model):
     temporal_namespace: str = "default"
     provider: ProviderKind = ProviderKind.PROCESS
     gpus: str | None = None
+    vastai: VastAiSettings | None = None
 
 
 class NodeHandle(_Model):
@@ -241,6 +287,7 @@ class NodeHandle(_Model):
     resource_name: str
     container_id: str | None = None
     address: str | None = Field(default=None, description="The node's own network address")
+    instance_id: int | None = Field(default=None, description="Vast.ai instance (contract) id")
 
 
 class ProviderResource(_Model):
@@ -289,6 +336,7 @@ class PreparePlanInput(_Model):
     max_context: int | None
     provider: ProviderKind = ProviderKind.PROCESS
     gpus: str | None = None
+    vastai: VastAiSettings | None = None
 
 
 class CheckRouteInput(_Model):

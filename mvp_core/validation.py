@@ -103,9 +103,22 @@ def validate_request(request: RunRequest) -> None:
     ):
         raise RunRejectedError("tokenizer source must set exactly one of bundled or path")
     if request.provider is ProviderKind.VASTAI:
-        raise RunRejectedError(
-            f"unsupported provider {request.provider.value!r} in this release; use process or docker"
-        )
+        vast = request.vastai
+        if not (vast.bootstrap_command or "").strip():
+            raise RunRejectedError(
+                "vastai.bootstrap_command is required when the provider is vastai"
+            )
+        if not vast.image:
+            raise RunRejectedError("vastai.image is required when the provider is vastai")
+        if not _IMAGE_REF.fullmatch(vast.image):
+            raise RunRejectedError(
+                "invalid vastai.image: not an image reference ([registry/]name[:tag][@digest])"
+            )
+        if request.worker_image is not None:
+            raise RunRejectedError(
+                "worker_image is a docker provider setting; a vastai run names its image in "
+                "vastai.image"
+            )
     if request.worker_image is not None and not _IMAGE_REF.fullmatch(request.worker_image):
         raise RunRejectedError(
             "invalid worker_image: not an image reference ([registry/]name[:tag][@digest])"

@@ -41,6 +41,7 @@ with workflow.unsafe.imports_passed_through():
         PromptOutcome,
         PromptStatus,
         PromptTerminal,
+        ProviderKind,
         RequestShutdown,
         RouteCheck,
         RunOutcome,
@@ -244,6 +245,7 @@ class RunWorkflow:
                         max_context=req.max_context,
                         provider=req.provider,
                         gpus=req.docker.gpus or None,
+                        vastai=req.vastai if req.provider is ProviderKind.VASTAI else None,
                     ),
                     result_type=RunPlan,
                     task_queue=state.provider_queue,
@@ -279,7 +281,22 @@ class RunWorkflow:
             raise _Stopping()
         self._set_phase(RunPhase.PROVISIONING)
         state.record(LifecycleKind.RUN_PROVISIONING_STARTED)
-        for node in state.nodes:
+        remote = req.provider is ProviderKind.VASTAI
+        host_nodes = 1 if remote else len(state.nodes)
+        # A rented instance takes minutes to come up: every node's start runs at once,
+        # each with time for several offers; local nodes start one after another.
+        start_timeout = (
+            timedelta(
+                seconds=req.vastai.max_offers
+                * (req.vastai.loading_timeout_s + req.vastai.ssh_timeout_s)
+                + 600
+            )
+            if remote
+            else timedelta(seconds=60)
+        )
+
+        async def start_node(node: NodeState) -> None:
+            assert state.plan is not None and state.provider_queue is not None
             spec = NodeProvisionSpec(
                 run_id=state.run_id,
                 node_id=node.node_id,
@@ -290,12 +307,13 @@ class RunWorkflow:
                 authorized_orchestrator=state.authorized_orchestrator,
                 run_workflow_id=workflow.info().workflow_id,
                 image_or_artifact=req.worker_image,
-                # Local providers put every node on this host: nodes share its cores.
+                # Local providers put every node on this host: nodes share its cores. A
+                # rented instance is a host of its own.
                 environment={
                     **req.node_env,
-                    "MVP_HOST_NODES": str(len(state.nodes)),
+                    "MVP_HOST_NODES": str(host_nodes),
                     "MVP_ADDRESS_LAYOUT": "fixed"
-                    if fixed_address_layout(req.engine.address_layout, len(state.nodes))
+                    if fixed_address_layout(req.engine.address_layout, host_nodes)
                     else "randomized",
                 },
                 coordinator_endpoint="",
@@ -303,6 +321,7 @@ class RunWorkflow:
                 provider=req.provider,
                 gpus=req.docker.gpus or None,
                 mounts=sorted({state.plan.model_path, state.plan.tokenizer_path}),
+                vastai=req.vastai if remote else None,
             )
             # Neither abandoned on shutdown nor cancelled with the workflow: a start in
             # flight may launch its node, which teardown must then know about to stop it.
@@ -313,7 +332,7 @@ class RunWorkflow:
                     spec,
                     result_type=NodeHandle,
                     task_queue=state.provider_queue,
-                    start_to_close_timeout=timedelta(seconds=60),
+                    start_to_close_timeout=start_timeout,
                     heartbeat_timeout=ACTIVITY_HEARTBEAT,
                     retry_policy=RetryPolicy(maximum_attempts=3),
                 )
@@ -323,8 +342,23 @@ class RunWorkflow:
             except asyncio.CancelledError:
                 node.handle = await start
                 raise
+
+        if remote:
+            # Every start runs to its end before a failure propagates: teardown must
+            # know each instance that a start still in flight would have created.
+            results = await asyncio.gather(
+                *(start_node(n) for n in state.nodes), return_exceptions=True
+            )
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
             if state.stopping:
                 raise _Stopping()
+        else:
+            for node in state.nodes:
+                await start_node(node)
+                if state.stopping:
+                    raise _Stopping()
         self._start_watch()
         self._set_phase(RunPhase.READINESS)
         state.record(LifecycleKind.RUN_READINESS_STARTED)
@@ -932,7 +966,11 @@ class RunWorkflow:
                     StopNodeInput(handle=handle, grace_s=t.stop_grace_s),
                     result_type=StopNodeResult,
                     task_queue=state.provider_queue,
-                    start_to_close_timeout=timedelta(seconds=t.stop_grace_s + 30),
+                    # A rented instance's destroy is retried inside the activity (429s).
+                    start_to_close_timeout=timedelta(
+                        seconds=t.stop_grace_s
+                        + (150 if handle.provider is ProviderKind.VASTAI else 30)
+                    ),
                     heartbeat_timeout=ACTIVITY_HEARTBEAT,
                     retry_policy=RetryPolicy(maximum_attempts=3),
                 )

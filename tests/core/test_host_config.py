@@ -20,6 +20,7 @@ from mvp_core.host_config import (
     SocketAddress,
     resolve_config,
     to_run_request,
+    vast_worker_env,
 )
 from mvp_core.models import ModelSource, ProviderKind
 from mvp_core.names import DEFAULT_BUNDLED_MODEL
@@ -865,7 +866,15 @@ def test_run_request_refuses_what_a_run_cannot_honour(toml, message):
     assert str(info.value).startswith(message)
 
 
-def test_run_request_for_vastai_is_refused_in_this_release():
-    with pytest.raises(ConfigError) as info:
-        to_run_request(vast())
-    assert str(info.value) == "unsupported provider 'vastai' in this release; use process or docker"
+def test_run_request_for_vastai_carries_the_settings_and_no_secret():
+    cfg = vast()
+    request = to_run_request(cfg)
+    assert request.provider is ProviderKind.VASTAI and request.worker_image is None
+    assert cfg.vastai is not None
+    assert request.vastai.image == cfg.vastai.image
+    assert request.vastai.bootstrap_command == cfg.vastai.bootstrap_command
+    key = cfg.vastai.api_key.get_secret_value()
+    assert key not in request.model_dump_json()
+    env = vast_worker_env(cfg)
+    assert env == {"VASTAI_API_KEY": key, "MVP_VASTAI_SSH_IDENTITY": str(cfg.vastai.ssh_identity)}
+    assert vast_worker_env(resolve()) == {}

@@ -1,6 +1,6 @@
 import pytest
 
-from mvp_core.models import DockerSettings, ModelSource, ProviderKind, RunRequest
+from mvp_core.models import DockerSettings, ModelSource, ProviderKind, RunRequest, VastAiSettings
 from mvp_core.validation import RunRejectedError, parse_request, resolve_run_id, validate_request
 
 OK = RunRequest(model=ModelSource(bundled="SmolLM2-135M-Instruct.Q4_1"))
@@ -28,7 +28,29 @@ def test_missing_run_id_is_rejected():
         ({"model": ModelSource()}, "missing model source"),
         ({"model": ModelSource(bundled="x", path="/y")}, "missing model source"),
         ({"prompt_queue_capacity": 9}, "between 1 and 8"),
-        ({"provider": ProviderKind.VASTAI}, "unsupported provider 'vastai'"),
+        (
+            {"provider": ProviderKind.VASTAI, "vastai": VastAiSettings(image="x")},
+            "^vastai.bootstrap_command is required when the provider is vastai$",
+        ),
+        (
+            {"provider": ProviderKind.VASTAI, "vastai": VastAiSettings(bootstrap_command="go")},
+            "^vastai.image is required when the provider is vastai$",
+        ),
+        (
+            {
+                "provider": ProviderKind.VASTAI,
+                "vastai": VastAiSettings(image="a b", bootstrap_command="go"),
+            },
+            "invalid vastai.image",
+        ),
+        (
+            {
+                "provider": ProviderKind.VASTAI,
+                "worker_image": "img",
+                "vastai": VastAiSettings(image="img", bootstrap_command="go"),
+            },
+            "worker_image is a docker provider setting",
+        ),
         ({"worker_image": "bad image!"}, "invalid worker_image"),
         (
             {"provider": ProviderKind.DOCKER, "docker": DockerSettings(gpus="0;rm")},

@@ -43,7 +43,13 @@ from temporalio.service import RPCError
 from activities.providers.base import state_dir as provider_state_dir
 from mvp_core import names
 from mvp_core.datastream import BootstrapStatus, LogStream, Redactor
-from mvp_core.host_config import ConfigError, HostConfig, resolve_config, to_run_request
+from mvp_core.host_config import (
+    ConfigError,
+    HostConfig,
+    resolve_config,
+    to_run_request,
+    vast_worker_env,
+)
 from mvp_core.host_observe import observe
 from mvp_core.models import RequestShutdown, RunOutcome, RunPhase, ShutdownReason
 from mvp_core.run_state import RunState
@@ -234,7 +240,9 @@ class Host:
             raise HostError(f"{err}; its log: {root / 'temporal.log'}") from None
         log = root / "orchestrator.log"
         offset = log.stat().st_size if log.exists() else 0
-        self.worker = start_worker(self.server.address, provider_state_dir(), log)
+        self.worker = start_worker(
+            self.server.address, provider_state_dir(), log, vast_worker_env(self.cfg)
+        )
         deadline = time.monotonic() + WORKER_READY_S
         while True:
             text = log.read_bytes()[offset:].decode(errors="replace")

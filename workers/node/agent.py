@@ -30,6 +30,7 @@ from workers.dataplane.delay_proxy import front_listener
 from workers.node import layout
 from workers.node.activities import NodeActivities, preload_runtime
 from workers.node.config import FaultInjection, NodeConfig
+from workers.node.self_destroy import self_destroy
 
 log = logging.getLogger("mvp.node")
 DEADMAN_CHECK_S = 2.0
@@ -48,6 +49,13 @@ def advertised_host(bind_host: str) -> str:
     return bind_host
 
 
+def advertised_port(bound: int) -> int:
+    """The port peers reach the listener at: ``MVP_ADVERTISE_PORT`` when the provider maps
+    the listener's port (a rented instance's public port), else the bound one."""
+    configured = os.environ.get("MVP_ADVERTISE_PORT", "")
+    return int(configured) if configured.isdigit() else bound
+
+
 async def report_ready(
     cfg: NodeConfig,
     client: Client,
@@ -61,7 +69,7 @@ async def report_ready(
         run_id=cfg.run_id,
         node_id=cfg.node_id,
         stage_index=cfg.stage_index,
-        endpoint=f"{advertised_host(acts.server.host)}:{port or acts.server.port}",
+        endpoint=f"{advertised_host(acts.server.host)}:{port or advertised_port(acts.server.port)}",
         node_actor=cfg.task_queue,
         worker_identity=FaultInjection.from_env().report_identity or cfg.identity,
         readiness_id=cfg.readiness_id,
@@ -105,6 +113,7 @@ async def dead_man(
         await asyncio.sleep(DEADMAN_CHECK_S)
         if time.monotonic() - last_contact > cfg.lease_silence_s:
             log.warning("Temporal unreachable for %.0fs; shutting down", cfg.lease_silence_s)
+            await asyncio.to_thread(self_destroy, "Temporal unreachable")
             stop.set()
             return
         try:
@@ -114,17 +123,20 @@ async def dead_man(
                 != WorkflowExecutionStatus.WORKFLOW_EXECUTION_STATUS_RUNNING
             ):
                 log.warning("run %s is closed; shutting down", cfg.run_workflow_id)
+                await asyncio.to_thread(self_destroy, "its run is closed")
                 stop.set()
                 return
             last_contact = time.monotonic()
         except RPCError as err:
             if err.status == RPCStatusCode.NOT_FOUND:
                 log.warning("run %s not found; shutting down", cfg.run_workflow_id)
+                await asyncio.to_thread(self_destroy, "its run is not found")
                 stop.set()
                 return
         silent = time.monotonic() - acts.last_lease_beat
         if acts.leases_running == 0 and silent > cfg.lease_silence_s:
             log.warning("no lease for %.0fs; shutting down", silent)
+            await asyncio.to_thread(self_destroy, "its lease stopped")
             stop.set()
             return
         if acts.stopped.is_set():
@@ -151,7 +163,10 @@ async def amain() -> None:
         loop.add_signal_handler(sig, stop.set)
     client = await connect(cfg.address, cfg.namespace, identity=cfg.identity)
     # The data-plane listener is up from boot and advertised in NodeRuntimeReady.
-    server = DataPlaneServer(os.environ.get("MVP_DATAPLANE_HOST", "127.0.0.1"))
+    server = DataPlaneServer(
+        os.environ.get("MVP_DATAPLANE_HOST", "127.0.0.1"),
+        int(os.environ.get("MVP_DATAPLANE_PORT", "0") or 0),
+    )
     # Test/bench harness only: peers reach the listener through a delay line (its port is
     # the one advertised); the head's token-in, to the listener's own port, is not delayed.
     delay = (
