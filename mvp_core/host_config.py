@@ -76,6 +76,9 @@ HOST_OPERATIONAL_ENV = frozenset(
         "MVP_MODELS_DIR",  # model cache (activities/models_store.py)
         "MVP_PROVIDER_HOST",  # the provider host's name (activities/planning.py)
         "MVP_DOCKER_TEMPORAL_ADDRESS",  # where containers reach Temporal (docker provider)
+        "MVP_VASTAI_SERVER_URL",  # the Vast.ai API (a stand-in, a proxy)
+        "MVP_VASTAI_TEMPORAL_ADDRESS",  # a Temporal address rented hosts reach as it is
+        "MVP_VASTAI_DESTROY_DEADLINE_S",  # how long one provider stop keeps destroying
         REAPER_INTERVAL_ENV,  # the reaper schedule (workers/reaper_schedule.py)
         "MVP_MAX_CACHED_WORKFLOWS",  # the orchestrator worker's cache (workers/orchestrator.py)
         "MVP_SWITCH_INTERVAL",  # passed through to nodes by the providers

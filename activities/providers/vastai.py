@@ -69,6 +69,7 @@ API_KEY_ENV = "VASTAI_API_KEY"
 SERVER_URL_ENV = "MVP_VASTAI_SERVER_URL"  # else the SDK's VAST_URL, else Vast.ai itself
 IDENTITY_ENV = "MVP_VASTAI_SSH_IDENTITY"
 TEMPORAL_ADDRESS_ENV = "MVP_VASTAI_TEMPORAL_ADDRESS"  # an address instances reach as is
+DESTROY_DEADLINE_ENV = "MVP_VASTAI_DESTROY_DEADLINE_S"  # how long one stop keeps destroying
 DEFAULT_SERVER_URL = "https://console.vast.ai"
 DEFAULT_IDENTITY = "~/.ssh/id_ed25519"
 
@@ -271,9 +272,11 @@ class VastAiProvider:
         )
         return row if isinstance(row, dict) else None
 
-    def _destroy(self, instance_id: int, deadline_s: float = _DESTROY_DEADLINE_S) -> None:
+    def _destroy(self, instance_id: int, deadline_s: float | None = None) -> None:
         """DELETE until the API confirms the instance gone; 404 is success. Raises
         VastApiError when it is still there at the deadline."""
+        if deadline_s is None:
+            deadline_s = float(os.environ.get(DESTROY_DEADLINE_ENV) or _DESTROY_DEADLINE_S)
         sdk = self.sdk()
         deadline = time.monotonic() + deadline_s
         waits = _backoff()

@@ -1,7 +1,14 @@
 import pytest
+from pydantic import ValidationError
 
 from mvp_core.models import DockerSettings, ModelSource, ProviderKind, RunRequest, VastAiSettings
-from mvp_core.validation import RunRejectedError, parse_request, resolve_run_id, validate_request
+from mvp_core.validation import (
+    RunRejectedError,
+    describe_invalid,
+    parse_request,
+    resolve_run_id,
+    validate_request,
+)
 
 OK = RunRequest(model=ModelSource(bundled="SmolLM2-135M-Instruct.Q4_1"))
 
@@ -153,3 +160,26 @@ def test_a_huge_malformed_request_is_refused_in_a_bounded_message():
     with pytest.raises(RunRejectedError) as err:
         parse_request(raw)
     assert len(str(err.value)) < 1000 and "and 4992 more" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"max_offers": 0}, "vastai.max_offers: Input should be greater than or equal to 1"),
+        ({"loading_timeout_s": -1}, "vastai.loading_timeout_s: Input should be greater than 0"),
+        (
+            {"min_reliability": 1.5},
+            "vastai.min_reliability: Input should be less than or equal to 1",
+        ),
+        (
+            {"dataplane_port": 80},
+            "vastai.dataplane_port: Input should be greater than or equal to 1024",
+        ),
+        ({"ssh_user": "root;rm"}, "vastai.ssh_user: String should match pattern"),
+    ],
+)
+def test_bad_vastai_numbers_are_rejected_naming_the_field(bad, message):
+    raw = {"model": {"bundled": "x"}, "provider": "vastai", "vastai": bad}
+    with pytest.raises(ValidationError) as info:
+        RunRequest.model_validate(raw)
+    assert describe_invalid(info.value).startswith(message)

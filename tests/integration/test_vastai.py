@@ -1,0 +1,450 @@
+"""Vast.ai nodes (issue 11), against the stand-in API (tests/helpers/vast_standin.py):
+every instance it rents out is a real SSH host (sshd in a container of the tests'
+private Docker daemon) with its own public address and mapped ports, into which the
+provider really bootstraps the node agent. The stand-in's ledger is the oracle: after
+every test nothing is running, loading or stopped, and no label was rented twice.
+
+The module runs its own Temporal dev server on loopback only, so that instances can
+reach it only through the provider's reverse SSH tunnel, and its own orchestrator
+worker, the only one with the Vast.ai key in its environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import docker
+import psutil
+import pytest
+from temporalio.client import Client, WorkflowHandle
+
+from activities.planning import provider_host
+from mvp_core import names
+from mvp_core.models import RunOutcome, RunPhase, SubmitPrompt
+from temporal.devserver import DevServer, start_dev_server
+from tests.helpers.dockerd import Dockerd
+from tests.helpers.secret_scan import scan
+from tests.helpers.vast_standin import VastStandin, default_offers, start_standin
+from tests.integration.conftest import (
+    EDGE_SECRET,
+    REPO,
+    OrchestratorProcess,
+    Runs,
+    harness_env,
+    run_failure,
+    wait_closed,
+    wait_phase,
+)
+from tests.integration.test_reaper import sweep
+from workers.client import submit_prompt
+from workers.connect import connect
+
+PROMPT = "The capital of France is"
+API_KEY = "vast-test-key-6d1f0c9a2b7e4d35"
+READY_S = 240.0
+
+
+def vast_settings(**over: object) -> dict[str, object]:
+    """A run's vastai table for the stand-in: its instances run this host's Python and
+    package (the stand-in's "image"), so the bootstrap command starts the node from them."""
+    return {
+        "image": "mvp-orchestrator-node:test",
+        "bootstrap_command": f"cd {REPO} && exec {sys.executable} -m workers.node",
+        "poll_interval_s": 0.3,
+        "loading_timeout_s": 60,
+        "ssh_timeout_s": 60,
+        **over,
+    }
+
+
+@dataclass
+class Vast:
+    standin: VastStandin
+    server: DevServer
+    client: Client
+    orchestrator: OrchestratorProcess
+    runs: Runs
+    identity: Path
+    state_dir: Path
+    log_dir: Path
+    env: dict[str, str]
+
+    async def start(
+        self, run_id: int, *, faults: dict[str, str] | None = None, **request: object
+    ) -> WorkflowHandle[object, object]:
+        vast = request.pop("vastai", None) or vast_settings()
+        return await self.runs.start(
+            run_id,
+            faults=faults,
+            provider="vastai",
+            vastai=vast,
+            engine={"threads": 1},
+            **request,
+        )
+
+    def logs(self) -> list[Path]:
+        return [*self.log_dir.glob("*.log"), *self.state_dir.rglob("*.log")]
+
+
+def offers() -> list[dict[str, object]]:
+    """The stand-in's six offers (three fail the run's filters: two GPUs, unverified and
+    unreliable, no direct port) and ten more that pass, so that failing instances can be
+    replaced test after test."""
+    base = default_offers("")
+    extra = [
+        {
+            **base[0],
+            "id": 31_900_000 + i,
+            "ask_contract_id": 31_900_000 + i,
+            "dph_total": 0.5 + i / 100,
+        }
+        for i in range(10)
+    ]
+    return [{k: v for k, v in o.items() if k != "public_ipaddr"} for o in [*base, *extra]]
+
+
+UNFIT_OFFERS = {
+    o["id"]
+    for o in offers()
+    if o["num_gpus"] != 1 or not o["verified"] or not o["direct_port_count"]
+}
+
+
+@pytest.fixture(scope="module")
+def standin(dockerd: Dockerd) -> Iterator[VastStandin]:
+    dclient = docker.DockerClient(base_url=dockerd.host, timeout=60)
+    s = start_standin(dclient, api_key=API_KEY, offers=offers())
+    yield s
+    s.close()
+    dclient.close()
+
+
+@pytest.fixture(scope="module")
+async def vast_module(
+    standin: VastStandin, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Vast]:
+    root = tmp_path_factory.mktemp("vast")
+    identity = root / "id_ed25519"
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "mvp-test", "-f", str(identity)],
+        check=True,
+    )
+    state = root / "state"
+    state.mkdir()
+    faults = root / "faults.json"
+    faults.write_text("{}")
+    # Loopback only: a rented host can reach it only through the provider's tunnel.
+    server = start_dev_server(str(root / "t.db"), log_file=str(root / "temporal.log"))
+    env = {
+        **harness_env(faults),
+        "VASTAI_API_KEY": API_KEY,
+        "MVP_VASTAI_SERVER_URL": standin.url,
+        "MVP_VASTAI_SSH_IDENTITY": str(identity),
+        # A stop keeps destroying for 90 s by default; the reaper's test needs less.
+        "MVP_VASTAI_DESTROY_DEADLINE_S": "8",
+    }
+    orchestrator = OrchestratorProcess(server.address, state, root, env)
+    try:
+        orchestrator.start()
+        client = await connect(server.address)
+        yield Vast(
+            standin,
+            server,
+            client,
+            orchestrator,
+            Runs(client, orchestrator, faults),
+            identity,
+            state,
+            root,
+            env,
+        )
+    finally:
+        orchestrator.stop()
+        server.stop()
+
+
+@pytest.fixture
+async def vast(vast_module: Vast) -> AsyncIterator[Vast]:
+    """After each test: every run closed, nothing left in the ledger, no label rented
+    twice, no tunnel left running, and the provider never stopped an instance."""
+    v = vast_module
+    v.runs.handles = []
+    seen = len(v.standin.requests)
+    yield v
+    if v.orchestrator.proc is None or v.orchestrator.proc.poll() is not None:
+        v.orchestrator.start()
+    open_runs = []
+    for h in v.runs.handles:
+        desc = await h.describe()
+        if desc.status is not None and desc.status.name == "RUNNING":
+            open_runs.append(h.id)
+            await h.terminate("test clean-up")
+    left = v.standin.left_behind()
+    records = v.standin.ledger()
+    # Never two instances of one label at once (a label is rented again only after its
+    # unusable instance was destroyed), and never an offer that fails the filters.
+    twice = [
+        (a.id, b.id, a.label)
+        for a in records
+        for b in records
+        if a.id < b.id and a.label == b.label and (a.destroyed_at or 1e18) > b.created_at
+    ]
+    unfit = [r.id for r in records if r.offer_id in UNFIT_OFFERS]
+    tunnels = tunnel_processes(v.identity)
+    stops = [r for r in v.standin.requests[seen:] if r[0] == "PUT" and "/instances/" in r[1]]
+    for record in left:
+        v.standin.destroy(record.id)
+    for p in tunnels:
+        p.kill()
+    assert not open_runs, f"runs left open: {open_runs}"
+    assert not left, f"left in the ledger: {left}"
+    assert not twice, f"one label rented twice at once: {twice}"
+    assert not unfit, f"instances on offers that fail the filters: {unfit}"
+    assert not tunnels, f"tunnels left running: {[p.pid for p in tunnels]}"
+    assert not stops, f"the provider called stop (never allowed): {stops}"
+
+
+def tunnel_processes(identity: Path) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if cmd[:1] == ["ssh"] and "-N" in cmd and str(identity) in cmd:
+            found.append(p)
+    return found
+
+
+async def greedy(client: Client, run_id: int, max_tokens: int = 12) -> str:
+    result = await submit_prompt(
+        client, run_id, SubmitPrompt(request_id=1, prompt_text=PROMPT, max_tokens=max_tokens)
+    )
+    assert result.type == "done", result
+    return result.final_text
+
+
+async def shutdown(handle: WorkflowHandle[object, object]) -> RunOutcome:
+    await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN)
+    return RunOutcome.model_validate(await handle.result())
+
+
+def phases(v: Vast, label: str) -> dict[str, float]:
+    raw = json.loads((v.state_dir / "vastai" / label / "instance.json").read_text())
+    return dict(raw["phases"])
+
+
+async def wait_ledger_empty(standin: VastStandin, timeout: float) -> float:
+    t0 = time.monotonic()
+    while standin.left_behind():
+        assert time.monotonic() - t0 < timeout, standin.left_behind()
+        await asyncio.sleep(0.5)
+    return time.monotonic() - t0
+
+
+# ---------------------------------------------------------------------------- the path
+
+
+async def test_two_stage_run_on_two_rented_instances_serves_the_process_text(vast: Vast):
+    reference = await vast.runs.start(3101, pipeline_stages=2, max_context=512)
+    await wait_phase(reference, RunPhase.PROMPT_READY)
+    expected = await greedy(vast.client, 3101)
+    await shutdown(reference)
+
+    run_id = 3102
+    t0 = time.monotonic()
+    handle = await vast.start(run_id, pipeline_stages=2, max_context=512)
+    state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=READY_S)
+    ready_s = time.monotonic() - t0
+    # Preparation registered the identity's public key on the account.
+    public = vast.identity.with_suffix(".pub").read_text().split()[:2]
+    assert any(k["public_key"].split()[:2] == public for k in vast.standin.ssh_keys())
+    assert await greedy(vast.client, run_id) == expected
+
+    labels = {names.node_resource_name(run_id, n.node_id, state.nonce) for n in state.nodes}
+    live = vast.standin.left_behind()
+    assert {r.label for r in live} == labels and len(live) == 2
+    for node in state.nodes:
+        assert node.handle is not None and node.runtime_ready is not None
+        host, _, port = node.runtime_ready.endpoint.rpartition(":")
+        record = next(r for r in live if r.id == node.handle.instance_id)
+        # Each node advertises its instance's public address and the mapped port.
+        assert host == vast.standin.public_ip
+        assert int(port) == record.ports[7000]
+    # The nodes reach Temporal through the provider's tunnels, one per instance.
+    assert len(tunnel_processes(vast.identity)) == 2
+    figures = {label: phases(vast, label) for label in sorted(labels)}
+
+    outcome = await shutdown(handle)
+    assert outcome.outcome.value == "operator_stopped", outcome
+    assert vast.standin.left_behind() == []
+    billed = {
+        r.label: round(vast.standin.billed_seconds(r.id), 1)
+        for r in vast.standin.ledger()
+        if r.label in labels
+    }
+    print(f"\nvastai 2-stage: prompt-ready {ready_s:.1f} s; phases {figures}; billed {billed}")
+    # The deprecated v0 list was never relied on.
+    assert not [r for r in vast.standin.requests if r[:2] == ("GET", "/api/v0/instances/")]
+    # Nothing secret anywhere Temporal or the logs keep it.
+    secrets = [
+        API_KEY,
+        vast.identity.read_text(),
+        *(r.container_api_key for r in vast.standin.ledger()),
+    ]
+    report = await scan(
+        vast.client,
+        secrets=secrets,
+        edge_secret=__import__("base64").b64decode(EDGE_SECRET),
+        logs=vast.logs(),
+    )
+    assert report.workflows >= 2 and report.log_files >= 2
+    assert not report.findings, report.findings
+
+
+# ---------------------------------------------------------------------------- failures
+
+
+async def test_every_failure_of_the_api_still_ends_in_a_served_run_with_nothing_left(
+    vast: Vast,
+):
+    sw = vast.standin.switches
+    sw.rate_limit_burst = 4
+    sw.vanish_offers = 1
+    sw.create_error_with_contract = 1
+    sw.stuck_loading = 2  # the first goes with the create error, the second times out
+    sw.exit_on_start = 1
+    run_id = 3111
+    handle = await vast.start(run_id, vastai=vast_settings(loading_timeout_s=4, max_offers=5))
+    state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=READY_S)
+    assert await greedy(vast.client, run_id, 4) != ""
+    label = names.node_resource_name(run_id, state.nodes[0].node_id, state.nonce)
+    # Rented, one at a time: the one whose create answered an error, the one stuck in
+    # loading, the one that exited, and the one that serves.
+    ours = [r for r in vast.standin.ledger() if r.label == label]
+    assert [(r.mode, r.create_answered_error) for r in ours] == [
+        ("stuck_loading", True),
+        ("stuck_loading", False),
+        ("exit_on_start", False),
+        ("normal", False),
+    ]
+    assert [r.id for r in vast.standin.left_behind()] == [ours[-1].id]
+    sw.list_without_instances_key = 1  # the next list: an error, never "no instances"
+    sw.destroy_failures = 2  # retried within the stop
+    assert (await shutdown(handle)).outcome.value == "operator_stopped"
+    assert vast.standin.left_behind() == []
+
+
+async def test_offers_that_never_run_end_in_a_clean_run_fault(vast: Vast):
+    vast.standin.switches.exit_on_start = 2
+    handle = await vast.start(3121, vastai=vast_settings(max_offers=2))
+    cause = await run_failure(handle)
+    assert "no usable instance after 2 offer(s)" in cause, cause
+    assert vast.standin.left_behind() == []
+
+
+async def test_a_destroy_that_keeps_failing_is_a_stop_error_and_the_reaper_finishes_it(
+    vast: Vast,
+):
+    run_id = 3131
+    handle = await vast.start(run_id)
+    await wait_phase(handle, RunPhase.PROMPT_READY, timeout=READY_S)
+    vast.standin.switches.destroy_failures = 10_000
+    await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN)
+    cause = await run_failure(handle)  # an operator stop whose provider stop failed
+    assert "the reaper retries the destroy" in cause, cause
+    assert len(vast.standin.left_behind()) == 1
+    vast.standin.switches.destroy_failures = 0
+    report = await sweep(vast.client, names.reaper_schedule_id(provider_host()))
+    assert any(d.resource.kind == "instance" for d in report.destroyed), report
+    assert vast.standin.left_behind() == []
+
+
+# ---------------------------------------------------------------------------- crashes
+
+
+async def test_a_worker_killed_right_after_create_never_rents_twice(vast: Vast):
+    vast.orchestrator.stop()
+    crashing = OrchestratorProcess(
+        vast.server.address,
+        vast.state_dir,
+        vast.log_dir,
+        {**vast.env, "MVP_TEST_CRASH_AFTER_LAUNCH": "created"},
+    )
+    run_id = 3141
+    try:
+        crashing.start()
+        handle = await vast.start(run_id)
+        assert crashing.proc is not None
+        crashing.proc.wait(120)  # it created the instance, then died before the record
+        assert len(vast.standin.left_behind()) == 1
+        vast.orchestrator.start()
+        state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=READY_S)
+        label = names.node_resource_name(run_id, state.nodes[0].node_id, state.nonce)
+        assert vast.standin.creates_per_label()[label] == 1
+        assert await greedy(vast.client, run_id, 4) != ""
+        assert (await shutdown(handle)).outcome.value == "operator_stopped"
+    finally:
+        crashing.stop()
+
+
+async def test_a_terminated_run_s_instance_destroys_itself(vast: Vast):
+    handle = await vast.start(3151)
+    await wait_phase(handle, RunPhase.PROMPT_READY, timeout=READY_S)
+    await handle.terminate("test: nobody tears it down")
+    await wait_closed(handle)
+    took = await wait_ledger_empty(vast.standin, 120)
+    print(f"\nself-destroy after terminate: {took:.1f} s")
+
+
+async def test_the_reaper_destroys_a_terminated_run_s_instances_on_its_own(vast: Vast):
+    run_id = 3161
+    handle = await vast.start(run_id, faults={"MVP_FAULT_NO_SELF_DESTROY": "1"})
+    await wait_phase(handle, RunPhase.PROMPT_READY, timeout=READY_S)
+    await handle.terminate("test: nobody tears it down")
+    await wait_closed(handle)
+    await asyncio.sleep(4)  # the node has seen its run closed and left, not destroying
+    assert len(vast.standin.left_behind()) == 1
+    report = await sweep(vast.client, names.reaper_schedule_id(provider_host()))
+    assert [d.resource.kind for d in report.destroyed if d.resource.provider.value == "vastai"]
+    assert vast.standin.left_behind() == []
+    for p in tunnel_processes(vast.identity):  # its tunnel ends once the instance is gone
+        p.wait(30)
+
+
+# ---------------------------------------------------------------------------- rejections
+
+
+async def test_vastai_preparation_failures_start_nothing(vast: Vast, tmp_path: Path):
+    before = len(vast.standin.ledger())
+    missing = tmp_path / "nope"
+    vast.orchestrator.stop()
+    broken = OrchestratorProcess(
+        vast.server.address,
+        vast.state_dir,
+        vast.log_dir,
+        {**vast.env, "MVP_VASTAI_SSH_IDENTITY": str(missing)},
+    )
+    try:
+        broken.start()
+        cause = await run_failure(await vast.start(3171))
+        assert f"missing VastAI SSH identity {missing}" in cause, cause
+    finally:
+        broken.stop()
+    nokey = OrchestratorProcess(
+        vast.server.address, vast.state_dir, vast.log_dir, {**vast.env, "VASTAI_API_KEY": ""}
+    )
+    try:
+        nokey.start()
+        cause = await run_failure(await vast.start(3172))
+        assert "VASTAI_API_KEY is required when the provider is vastai" in cause, cause
+    finally:
+        nokey.stop()
+    vast.orchestrator.start()
+    cause = await run_failure(await vast.start(3173, vastai=vast_settings(bootstrap_command="")))
+    assert "vastai.bootstrap_command is required when the provider is vastai" in cause
+    assert len(vast.standin.ledger()) == before
