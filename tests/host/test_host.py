@@ -34,7 +34,12 @@ class HostProcess:
     """One ``mvp-orchestrator`` with its own state directory, config and archive."""
 
     def __init__(
-        self, root: Path, stages: int = 1, extra_toml: str = "", env: dict[str, str] | None = None
+        self,
+        root: Path,
+        stages: int = 1,
+        extra_toml: str = "",
+        env: dict[str, str] | None = None,
+        argv: list[str] | None = None,
     ):
         self.root = root
         self.port = free_port()
@@ -50,7 +55,14 @@ class HostProcess:
         environ.update({"MVP_STATE_DIR": str(root / "state"), "HF_TOKEN": SECRET, **(env or {})})
         self.stderr_path = root / "stderr.txt"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "workers.host.main", "--runtime-config", str(self.config)],
+            [
+                sys.executable,
+                "-m",
+                "workers.host.main",
+                "--runtime-config",
+                str(self.config),
+                *(argv or []),
+            ],
             cwd=str(root),
             env=environ,
             stdin=subprocess.PIPE,

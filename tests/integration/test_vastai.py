@@ -32,6 +32,9 @@ from temporal.devserver import DevServer, start_dev_server
 from tests.helpers.dockerd import Dockerd
 from tests.helpers.secret_scan import scan
 from tests.helpers.vast_standin import VastStandin, default_offers, start_standin
+from tests.host.test_host import Client as HostClient
+from tests.host.test_host import HostProcess
+from tests.host.test_host import prompt as host_prompt
 from tests.integration.conftest import (
     EDGE_SECRET,
     REPO,
@@ -448,3 +451,54 @@ async def test_vastai_preparation_failures_start_nothing(vast: Vast, tmp_path: P
     cause = await run_failure(await vast.start(3173, vastai=vast_settings(bootstrap_command="")))
     assert "vastai.bootstrap_command is required when the provider is vastai" in cause
     assert len(vast.standin.ledger()) == before
+
+
+# ---------------------------------------------------------------------------- the host
+
+
+async def test_mvp_orchestrator_serves_on_a_rented_instance_and_keeps_secrets_out(
+    vast: Vast, tmp_path: Path
+):
+    """The process host with ``--provider vastai``: its [vastai] table becomes the run's
+    settings, its key and identity reach only its embedded worker's environment, its
+    dev server listens on loopback (the node comes in through the tunnel)."""
+    toml = (
+        "[vastai]\n"
+        f'image = "registry.example/mvp/node:test"\n'
+        f"bootstrap_command = {json.dumps(str(vast_settings()['bootstrap_command']))}\n"
+        f'ssh_identity = "{vast.identity}"\n'
+        "poll_interval_secs = 1\n"
+    )
+    host = HostProcess(
+        tmp_path,
+        extra_toml=toml,
+        env={"VASTAI_API_KEY": API_KEY, "MVP_VASTAI_SERVER_URL": vast.standin.url},
+        argv=["--provider", "vastai"],
+    )
+    try:
+        await asyncio.to_thread(host.wait_ready, READY_S)
+        assert len(vast.standin.left_behind()) == 1
+        client = HostClient(host.port)
+        client.send(host_prompt(1))
+        deltas, terminal = await asyncio.to_thread(client.answer)
+        assert terminal["type"] == "done" and "".join(deltas), terminal
+        client.close()
+        assert host.proc.stdin is not None
+        host.proc.stdin.write(b"stop\n")
+        host.proc.stdin.flush()
+        assert await asyncio.to_thread(host.finish, 120) == 0, host.stderr
+    finally:
+        host.kill()
+    assert vast.standin.left_behind() == []
+    seen = [host.archive.read_text(), host.stderr]
+    seen += [p.read_text(errors="replace") for p in tmp_path.rglob("*.log")]
+    for secret in [API_KEY, vast.identity.read_text()] + [
+        r.container_api_key for r in vast.standin.ledger()
+    ]:
+        assert not [i for i, text in enumerate(seen) if secret in text]
+    kinds = [
+        r["record"].get("kind")
+        for r in host.records()
+        if r["record"].get("type") == "OrchLifecycle"
+    ]
+    assert kinds[0] == "RunAccepted" and kinds[-1] == "RunTornDown", kinds
