@@ -26,6 +26,7 @@ import pytest
 from temporalio.client import Client, WorkflowHandle
 
 from activities.planning import provider_host
+from activities.providers.vastai import VastAiProvider, VastApiError
 from mvp_core import names
 from mvp_core.models import RunOutcome, RunPhase, SubmitPrompt
 from temporal.devserver import DevServer, start_dev_server
@@ -502,3 +503,21 @@ async def test_mvp_orchestrator_serves_on_a_rented_instance_and_keeps_secrets_ou
         if r["record"].get("type") == "OrchLifecycle"
     ]
     assert kinds[0] == "RunAccepted" and kinds[-1] == "RunTornDown", kinds
+
+
+async def test_a_list_without_its_instances_key_is_an_error_never_an_empty_account(
+    vast: Vast, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("VASTAI_API_KEY", API_KEY)
+    monkeypatch.setenv("MVP_VASTAI_SERVER_URL", vast.standin.url)
+    provider = VastAiProvider()
+    sw = vast.standin.switches
+    sw.list_without_instances_key = 1
+    with pytest.raises(VastApiError, match="no 'instances' list"):
+        await asyncio.to_thread(provider.list_resources)
+    # What the SDK's own flat list makes of the same answer: an account with nothing.
+    sw.list_without_instances_key = 1
+    assert await asyncio.to_thread(provider.sdk().show_instances) == []
+    sw.rate_limit_burst = 3  # 429s without Retry-After: retried with backoff
+    assert await asyncio.to_thread(provider.list_resources) == []
+    assert sw.rate_limit_burst == 0
