@@ -242,6 +242,35 @@ def phases(v: Vast, label: str) -> dict[str, float]:
     return dict(raw["phases"])
 
 
+async def milestones(handle: WorkflowHandle[object, object]) -> dict[str, float]:
+    """Seconds from the run's start to its milestones, from its history: both nodes
+    started (provider), both reported ready (node boot), weights loaded, stages ready."""
+    events = (await handle.fetch_history()).events
+    t0 = events[0].event_time.ToDatetime()
+    out: dict[str, float] = {}
+    wanted = {
+        names.SIGNAL_NODE_RUNTIME_READY: "node ready",
+        names.SIGNAL_WEIGHTS_READY: "weights loaded",
+        names.SIGNAL_STAGE_READY: "stage ready",
+    }
+    for e in events:
+        at = (e.event_time.ToDatetime() - t0).total_seconds()
+        if e.HasField("activity_task_completed_event_attributes"):
+            sched = next(
+                x
+                for x in events
+                if x.event_id == e.activity_task_completed_event_attributes.scheduled_event_id
+            )
+            if sched.activity_task_scheduled_event_attributes.activity_type.name == (
+                names.ACT_START_NODE
+            ):
+                out["instances started"] = round(at, 2)  # the last one's
+        name = e.workflow_execution_signaled_event_attributes.signal_name
+        if name in wanted:
+            out[wanted[name]] = round(at, 2)  # the last stage's
+    return out
+
+
 async def wait_ledger_empty(standin: VastStandin, timeout: float) -> float:
     t0 = time.monotonic()
     while standin.left_behind():
@@ -282,6 +311,7 @@ async def test_two_stage_run_on_two_rented_instances_serves_the_process_text(vas
     # The nodes reach Temporal through the provider's tunnels, one per instance.
     assert len(tunnel_processes(vast.identity)) == 2
     figures = {label: phases(vast, label) for label in sorted(labels)}
+    timeline = await milestones(handle)
 
     outcome = await shutdown(handle)
     assert outcome.outcome.value == "operator_stopped", outcome
@@ -291,7 +321,11 @@ async def test_two_stage_run_on_two_rented_instances_serves_the_process_text(vas
         for r in vast.standin.ledger()
         if r.label in labels
     }
-    print(f"\nvastai 2-stage: prompt-ready {ready_s:.1f} s; phases {figures}; billed {billed}")
+    print(
+        f"\nvastai 2-stage: prompt-ready {ready_s:.1f} s; provider phases "
+        f"{ {k: {p: round(t, 2) for p, t in v.items()} for k, v in figures.items()} }; "
+        f"from run start (s): {timeline}; billed instance-seconds {billed}"
+    )
     # The deprecated v0 list was never relied on.
     assert not [r for r in vast.standin.requests if r[:2] == ("GET", "/api/v0/instances/")]
     # Nothing secret anywhere Temporal or the logs keep it.
