@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from workers.connect import CONFIG_FILE_ENV, without_connection_env
+
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Once upon a time"
 
@@ -44,8 +46,11 @@ class Host:
         if archive:
             toml += f'[observability]\ndatastream_frame_log = "{root / "frames.jsonl"}"\n'
         (root / "config.toml").write_text(toml)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MVP_")}
-        env.pop("TEMPORAL_ADDRESS", None)
+        # No Temporal settings at all: the host starts its embedded dev server.
+        env = {
+            k: v for k, v in without_connection_env(os.environ).items() if not k.startswith("MVP_")
+        }
+        env[CONFIG_FILE_ENV] = os.devnull
         env["MVP_STATE_DIR"] = str(root / "state")
         self.err = root / "stderr.txt"
         self.t0 = time.monotonic()

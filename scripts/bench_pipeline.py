@@ -64,7 +64,7 @@ from mvp_core.planner import stage_layer_ranges
 from mvp_core.run_state import RunState
 from temporal.devserver import start_dev_server
 from workers.client import stream_prompt
-from workers.connect import connect
+from workers.connect import TemporalSettings, connect, local_server_env
 from workers.engine import EngineOptions, SamplingParams, generate, load_stage
 from workers.node.affinity import Placement, compute_set
 from workers.node.runtime import default_threads
@@ -246,8 +246,7 @@ async def measure(
     docker = args.provider == "docker"
     server = start_dev_server(os.path.join(tmp, "t.db"), ip="0.0.0.0" if docker else "127.0.0.1")
     env = {
-        **os.environ,
-        "TEMPORAL_ADDRESS": server.address,
+        **local_server_env(server.address),
         "MVP_STATE_DIR": tmp,
         TEST_FAULTS_FILE_ENV: faults_file,
         # No reaper sweeps from the bench's worker: a Docker daemon may hold others' nodes.
@@ -262,7 +261,7 @@ async def measure(
     problems: list[str] = []
     request = 0
     try:
-        client = await connect(server.address)
+        client = await connect(settings=TemporalSettings.local(server.address))
         await asyncio.sleep(2)
         live.append(base)
         await start_run(client, base, args.provider)

@@ -21,13 +21,13 @@ from mvp_core.models import Done, RequestShutdown, RunPhase, RunRequest, SubmitP
 from mvp_core.run_state import RunState
 from temporal.devserver import start_dev_server
 from workers.client import stream_prompt
-from workers.connect import connect
+from workers.connect import TemporalSettings, connect, local_server_env
 
 
 async def main(args: argparse.Namespace) -> None:
     tmp = tempfile.mkdtemp(prefix="mvp-bench-")
     server = start_dev_server(os.path.join(tmp, "t.db"))
-    env = {**os.environ, "TEMPORAL_ADDRESS": server.address, "MVP_STATE_DIR": tmp}
+    env = {**local_server_env(server.address), "MVP_STATE_DIR": tmp}
     worker = subprocess.Popen(
         [sys.executable, "-m", "workers.orchestrator"],
         env=env,
@@ -35,7 +35,7 @@ async def main(args: argparse.Namespace) -> None:
         stderr=subprocess.DEVNULL,
     )
     try:
-        client = await connect(server.address)
+        client = await connect(settings=TemporalSettings.local(server.address))
         await asyncio.sleep(2)
         req = RunRequest.model_validate(
             {"model": {"bundled": "SmolLM2-135M-Instruct.Q4_1"}, "pipeline_stages": args.stages}

@@ -70,7 +70,7 @@ from tests.integration.conftest import (
     wait_phase,
 )
 from workers.client import PromptRejected, start_prompt, stream_prompt, submit_prompt
-from workers.connect import connect
+from workers.connect import TemporalSettings, connect
 
 OUT = REPO / "tests" / "histories"
 INDEX = "workflows.json"  # file name -> workflow id, per scenario
@@ -334,7 +334,8 @@ class Site:
 
     async def open(self) -> Ctx:
         self.worker.start()
-        self.ctx = Ctx(await connect(self.server.address), self.faults, self.state)
+        client = await connect(settings=TemporalSettings.local(self.server.address))
+        self.ctx = Ctx(client, self.faults, self.state)
         return self.ctx
 
     def task_failures(self) -> list[str]:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -131,6 +131,7 @@ def start_dev_server(
     own_process_group: bool = False,
     stop_with_parent: bool = False,
     ip: str = "127.0.0.1",
+    namespaces: Sequence[str] = (),
 ) -> DevServer:
     """Start ``temporal server start-dev`` and wait until its frontend accepts connections.
 
@@ -140,7 +141,8 @@ def start_dev_server(
     caller can stop its run before the server; ``stop_with_parent`` sends the server
     SIGTERM when the calling process dies (Linux), even when it is killed hard. ``ip`` is
     where the frontend listens ("0.0.0.0" for Docker nodes, which reach it through their
-    network's gateway); clients on this host use 127.0.0.1 either way. When the
+    network's gateway); clients on this host use 127.0.0.1 either way. ``namespaces``:
+    more namespaces to create at launch, next to ``default``. When the
     server exits early, the :class:`DevServerError` names the cause from its output."""
     if port and _listening(port):
         # Checked first: the readiness probe below would connect to the other server.
@@ -167,6 +169,8 @@ def start_dev_server(
         cmd.append("--headless")
     if db_file:
         cmd += ["--db-filename", db_file]
+    for namespace in namespaces:
+        cmd += ["--namespace", namespace]
     for key, kind in SEARCH_ATTRIBUTES.items():
         cmd += ["--search-attribute", f"{key}={kind}"]
     for key, value in (dynamic_config or {}).items():

@@ -37,7 +37,7 @@ from mvp_core import names
 from mvp_core.models import CancelPrompt, Done, RunPhase, SubmitPrompt, TextDelta
 from mvp_core.run_state import RunState
 from workers.client import PromptRejected, stream_prompt
-from workers.connect import DEFAULT_ADDRESS, connect, temporal_address
+from workers.connect import DEFAULT_ADDRESS, TemporalConnectError, TemporalSettings, connect
 
 PROMPT = "prompt:> "
 DEFAULT_RPC = "127.0.0.1:19777"
@@ -269,7 +269,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--address",
         default=None,
-        help=f"Temporal frontend HOST:PORT (default: $TEMPORAL_ADDRESS, else {DEFAULT_ADDRESS})",
+        help="Temporal frontend HOST:PORT (default: $TEMPORAL_ADDRESS or the envconfig "
+        f"profile's, else {DEFAULT_ADDRESS}; TLS, API key and namespace from the same "
+        "settings: docs/temporal-connection.md)",
     )
     p.add_argument(
         "--max-tokens",
@@ -288,7 +290,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = parser().parse_args()
-    address = args.address or temporal_address()
+    address = args.address or "the configured address"
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     code = 1
@@ -301,10 +303,12 @@ def main() -> None:
             loop.run_until_complete(rpc.connect())
             code = converse(loop, rpc)
         else:
-            client = loop.run_until_complete(connect(address))
+            settings = TemporalSettings.load().override(args.address)
+            address = settings.address
+            client = loop.run_until_complete(connect(settings=settings))
             loop.run_until_complete(open_run(client, args.run_id, address))
             code = converse(loop, Chat(client, args.run_id, args))
-    except ChatError as err:
+    except (ChatError, TemporalConnectError) as err:
         print(f"mvp-chat: {err}", file=sys.stderr)
     except RuntimeError as err:  # the SDK's connection failure
         print(f"mvp-chat: cannot reach Temporal at {address}: {err}", file=sys.stderr)

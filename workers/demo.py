@@ -57,7 +57,7 @@ from mvp_core.run_state import RunState
 from mvp_core.validation import describe_invalid
 from temporal.devserver import DevServer, DevServerError, start_dev_server
 from workers.client import PromptRejected, stream_prompt
-from workers.connect import connect
+from workers.connect import TemporalSettings, connect
 from workers.embedded import dev_server_ip, failure_text, start_worker, stop_process
 
 DEFAULT_PROMPT = "The capital of France is"
@@ -286,7 +286,7 @@ class Demo:
             f"  gRPC {self.server.address}, Web UI http://127.0.0.1:{self.server.ui_port}",
             flush=True,
         )
-        client = await connect(self.server.address)
+        client = await connect(settings=TemporalSettings.local(self.server.address))
         await self._terminate_leftovers(client)
         self.worker = self._start_worker(self.server.address)
         self.lock.record("orchestrator worker", self.worker.pid)

@@ -13,6 +13,7 @@ from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 
 from mvp_core.models import ProviderKind
+from workers.connect import local_server_env
 
 # Runs the orchestrator worker with PR_SET_PDEATHSIG armed, then execs it: a host killed
 # hard (SIGKILL) takes its worker along instead of leaving it polling a dead server. An
@@ -35,12 +36,13 @@ def dev_server_ip(provider: ProviderKind) -> str:
 def start_worker(
     address: str, state_dir: Path, log_path: Path, extra_env: Mapping[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
-    """``python -m workers.orchestrator`` on ``address``, dying with this process, its
-    output in ``log_path``. Its own process group: a terminal's Ctrl-C reaches the host
-    alone, which stops the run while the worker can still run the run's teardown."""
+    """``python -m workers.orchestrator`` on the local dev server at ``address``, dying
+    with this process, its output in ``log_path``. Its own process group: a terminal's
+    Ctrl-C reaches the host alone, which stops the run while the worker can still run
+    the run's teardown. It connects in plaintext to namespace default, whatever Temporal
+    settings (TLS, API key, profile) this process's environment holds."""
     env = {
-        **os.environ,
-        "TEMPORAL_ADDRESS": address,
+        **local_server_env(address),
         "PYTHONUNBUFFERED": "1",
         # Node directories, the cwd of node processes, live in the host's state directory.
         "MVP_STATE_DIR": str(state_dir),

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from datetime import timedelta
 
 from temporalio.client import Client
@@ -23,7 +24,13 @@ from activities.planning import PlanningActivities, provider_host, provider_queu
 from activities.provisioning import ProviderActivities
 from activities.reaper import ReaperActivities, run_liveness
 from mvp_core import names
-from workers.connect import connect, default_data_converter, temporal_address
+from workers.connect import (
+    TemporalConnectError,
+    TemporalSettings,
+    check_namespace,
+    connect,
+    default_data_converter,
+)
 from workers.reaper_schedule import ensure_reaper_schedule, reaper_interval_s
 from workflows.prompt import PromptWorkflow
 from workflows.reaper import ReaperWorkflow
@@ -34,8 +41,12 @@ SHUTDOWN_DEADLINE_S = 8.0
 
 
 async def run_worker(stop: asyncio.Event) -> None:
+    # Where and how to connect: envconfig (TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE,
+    # TEMPORAL_API_KEY, TEMPORAL_TLS_*, a profile: docs/temporal-connection.md).
+    settings = TemporalSettings.load()
     # A forged or wrong-key payload must not fail the run's workflow tasks.
-    client = await connect(data_converter=default_data_converter(lenient=True))
+    client = await connect(data_converter=default_data_converter(lenient=True), settings=settings)
+    await check_namespace(client, settings)
     providers = ProviderActivities()
     reaper = ReaperActivities(providers)
     planning = PlanningActivities(providers)
@@ -68,7 +79,7 @@ async def run_worker(stop: asyncio.Event) -> None:
     )
     log.info(
         "orchestrator worker on %s (queues %s, %s)",
-        temporal_address(),
+        settings.describe(),
         names.ORCHESTRATOR_TASK_QUEUE,
         host_queue,
     )
@@ -111,7 +122,13 @@ def main() -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    loop.run_until_complete(run_worker(stop))
+    try:
+        loop.run_until_complete(run_worker(stop))
+    except TemporalConnectError as err:
+        # One line naming the cause (never a credential), no traceback: a wrong API key,
+        # an untrusted certificate, a server that is not there.
+        print(f"mvp-orchestrator worker: {err}", file=sys.stderr, flush=True)
+        os._exit(1)
     # Threads of activities abandoned at the deadline (a provider call that hangs) must not
     # keep the process alive past it.
     os._exit(0)

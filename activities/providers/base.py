@@ -20,9 +20,12 @@ from mvp_core.models import (
     ProviderResource,
     StopNodeResult,
 )
+from workers.connect import TemporalSettings
 
 # Secrets a provider passes from its own environment into node environments. They never
-# travel in workflow or activity payloads (docs/architecture.md "Secrets").
+# travel in workflow or activity payloads (docs/architecture.md "Secrets"). The Temporal
+# API key (and TLS client key data, gRPC metadata) travels the same way, with the rest of
+# the connection settings: temporal_env below.
 SECRET_ENV_PASSTHROUGH = ("HF_TOKEN", "MVP_PAYLOAD_KEY")
 
 # The edge token (docs/decisions.md 32): derived on the provider's host from a secret that
@@ -152,19 +155,40 @@ def harness_faults(run_id: int) -> dict[str, str]:
     return {**faults, TEST_FAULTS_ALLOWED_ENV: "1"}
 
 
+def temporal_env(address: str | None = None, *, inline_files: bool = False) -> dict[str, str]:
+    """How a node connects to Temporal: the orchestrator worker's own connection settings
+    (envconfig: its environment and profile, docs/temporal-connection.md) as environment
+    variables, through ``address`` when the node reaches Temporal elsewhere (a Docker
+    network's gateway, a tunnel's end). ``inline_files``: certificate and key contents
+    instead of this host's paths, for nodes that do not see this host's files. The API
+    key goes here and nowhere else: never into a payload."""
+    return TemporalSettings.load().node_env(address, inline_files=inline_files)
+
+
 def node_environment(
-    spec: NodeProvisionSpec, node_dir: str, host_env: Mapping[str, str] | None = None
+    spec: NodeProvisionSpec,
+    node_dir: str,
+    host_env: Mapping[str, str] | None = None,
+    *,
+    temporal_address: str | None = None,
+    inline_files: bool = False,
 ) -> dict[str, str]:
     """A node's environment, in rising precedence: the run's ``node_env`` (reserved keys
     dropped again, whatever validation let through), the provider host's own environment
-    ``host_env`` (PATH, the venv, TEMPORAL_ADDRESS), secrets, test faults, and the
-    provider's facts about the node."""
+    ``host_env`` (PATH, the venv), the Temporal connection (:func:`temporal_env`),
+    secrets, test faults, and the provider's facts about the node."""
     env = {
         k: v
         for k, v in spec.environment.items()
-        if not (k.startswith(FAULT_PREFIX) or k.startswith("MVP_TEST_") or k == EDGE_TOKEN_ENV)
+        if not (
+            k.startswith(FAULT_PREFIX)
+            or k.startswith("MVP_TEST_")
+            or k.startswith("TEMPORAL_")
+            or k == EDGE_TOKEN_ENV
+        )
     }
-    env.update(host_env or {})
+    env.update({k: v for k, v in (host_env or {}).items() if not k.startswith("TEMPORAL_")})
+    env.update(temporal_env(temporal_address, inline_files=inline_files))
     env.update({k: os.environ[k] for k in SECRET_ENV_PASSTHROUGH if k in os.environ})
     env.update(harness_faults(spec.run_id))
     env.update(

@@ -58,6 +58,7 @@ from mvp_core.models import (
     ProviderResource,
     StopNodeResult,
 )
+from workers.connect import temporal_address
 
 CREATED_BY = "mvp-orchestrator"
 LABEL_CREATED_BY = "mvp.created-by"
@@ -222,12 +223,13 @@ class DockerProvider:
 
     def _temporal_address(self, net: Network) -> str:
         """Where nodes on ``net`` reach Temporal: ``MVP_DOCKER_TEMPORAL_ADDRESS``, else
-        ``TEMPORAL_ADDRESS``, with a loopback host replaced by the network's gateway (the
-        host itself, seen from the containers). Checked from this host first."""
+        the worker's own address (``TEMPORAL_ADDRESS`` or its profile's), with a loopback
+        host replaced by the network's gateway (the host itself, seen from the
+        containers). Checked from this host first."""
         configured = os.environ.get(TEMPORAL_ADDRESS_ENV)
         if configured:
             return configured
-        address = os.environ.get("TEMPORAL_ADDRESS", "localhost:7233")
+        address = temporal_address()
         host, _, port = address.rpartition(":")
         if host not in ("localhost", "127.0.0.1", "::1", "[::1]", "0.0.0.0"):
             return address
@@ -331,14 +333,20 @@ class DockerProvider:
         host_env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
         host_env.update(
             {
-                "TEMPORAL_ADDRESS": self._temporal_address(net),
                 "MVP_DATAPLANE_HOST": "0.0.0.0",
                 "PYTHONUNBUFFERED": "1",
                 "OMP_WAIT_POLICY": "PASSIVE",
                 "HOME": "/root",
             }
         )
-        env = node_environment(spec, NODE_DIR_IN_CONTAINER, host_env=host_env)
+        # Certificates travel inline: the container does not see this host's files.
+        env = node_environment(
+            spec,
+            NODE_DIR_IN_CONTAINER,
+            host_env=host_env,
+            temporal_address=self._temporal_address(net),
+            inline_files=True,
+        )
         try:
             container = self.client().containers.create(
                 image,

@@ -62,6 +62,7 @@ from mvp_core.models import (
     StopNodeResult,
     VastAiSettings,
 )
+from workers.connect import temporal_address
 
 log = logging.getLogger("mvp.provider.vastai")
 
@@ -674,7 +675,7 @@ class VastAiProvider:
         configured = os.environ.get(TEMPORAL_ADDRESS_ENV)
         if configured:
             return configured
-        address = os.environ.get("TEMPORAL_ADDRESS", "localhost:7233")
+        address = temporal_address()
         host, _, _port = address.rpartition(":")
         if host not in _LOCAL_TEMPORAL:
             return address
@@ -698,7 +699,7 @@ class VastAiProvider:
     def _ensure_tunnel(self, record: _Record) -> None:
         if self._tunnel_alive(record.label):
             return
-        address = os.environ.get("TEMPORAL_ADDRESS", "localhost:7233")
+        address = temporal_address()
         host, _, port = address.rpartition(":")
         host = "127.0.0.1" if host in ("localhost", "0.0.0.0") else host.strip("[]")
         base = self._ssh_base(record)
@@ -759,7 +760,6 @@ class VastAiProvider:
                 f"instance {record.instance_id} reports no mapping of port {s.dataplane_port}"
             )
         host_env = {
-            "TEMPORAL_ADDRESS": temporal,
             "MVP_DATAPLANE_HOST": "0.0.0.0",
             "MVP_DATAPLANE_PORT": str(s.dataplane_port),
             "MVP_ADVERTISE_HOST": str(record.public_ip),
@@ -771,7 +771,11 @@ class VastAiProvider:
             "MVP_BOOTSTRAP_COMMAND": s.bootstrap_command or "",
             "MVP_NODE_RESOURCE": record.label,
         }
-        env = node_environment(spec, REMOTE_NODE_DIR, host_env=host_env)
+        # Certificates travel inline (in the 0600 env file): the instance has none of
+        # this host's files.
+        env = node_environment(
+            spec, REMOTE_NODE_DIR, host_env=host_env, temporal_address=temporal, inline_files=True
+        )
         env_file = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(env.items()))
         d = shlex.quote(REMOTE_NODE_DIR)
         self._ssh_ok(

@@ -9,8 +9,9 @@ observation goes to the datastream (the frame archive, live followers).
 
 It is a host adapter around the run (ARCHITECTURE "host adapters"): it translates into
 RunRequest, ``submit_prompt``, ``cancel_prompt`` and ``request_shutdown_and_wait``, and
-decides nothing the run decides. With no ``TEMPORAL_ADDRESS`` it starts and owns a local
-dev server and an orchestrator worker; with one, it connects and starts nothing.
+decides nothing the run decides. With no Temporal address configured (``TEMPORAL_ADDRESS``
+or an envconfig profile's, docs/temporal-connection.md) it starts and owns a local dev
+server and an orchestrator worker; with one, it connects and starts nothing.
 """
 
 from __future__ import annotations
@@ -55,7 +56,12 @@ from mvp_core.models import RequestShutdown, RunOutcome, RunPhase, ShutdownReaso
 from mvp_core.run_state import RunState
 from temporal.devserver import DevServer, DevServerError, start_dev_server
 from workers.client import start_run
-from workers.connect import connect
+from workers.connect import (
+    TemporalConfigError,
+    TemporalConnectError,
+    TemporalSettings,
+    connect,
+)
 from workers.embedded import dev_server_ip, failure_text, start_worker, stop_process
 from workers.host.datastream import Datastream, FrameArchive, LiveSubscribers, LogTailer, Sink
 from workers.host.rpc import PromptObservation, PromptRpcServer
@@ -175,6 +181,7 @@ class Host:
         self.rpc: PromptRpcServer | None = None
         self.tailers: dict[int, LogTailer] = {}
         self.state: RunState | None = None
+        self.temporal_address = ""  # where the run's Temporal is, once known
         self.bind_error: str | None = None  # the RPC could not bind: exit 1 after shutdown
 
     # ------------------------------------------------------------------ the whole session
@@ -197,12 +204,16 @@ class Host:
         return code
 
     async def _session(self) -> int:
-        address = await self._temporal()
+        settings = await self._temporal()
         try:
-            client = await connect(address)
+            client = await connect(settings=settings)
+        except TemporalConnectError as err:
+            raise HostError(str(err)) from None
         except RuntimeError as err:
-            raise HostError(f"cannot reach Temporal at {address}: {err}") from None
-        self.stream.bootstrap("local_runtime", BootstrapStatus.READY, {"temporal": address})
+            raise HostError(f"cannot reach Temporal at {settings.address}: {err}") from None
+        self.stream.bootstrap(
+            "local_runtime", BootstrapStatus.READY, {"temporal": settings.address}
+        )
         if self.stop.is_set():
             return 0  # stopped before a run was started: nothing to tear down
         handle = await self._start_run(client)
@@ -221,9 +232,13 @@ class Host:
             await self._final_watch(handle, watch)
 
     # ------------------------------------------------------------------ Temporal
-    async def _temporal(self) -> str:
-        configured = os.environ.get("TEMPORAL_ADDRESS")
-        if configured:
+    async def _temporal(self) -> TemporalSettings:
+        try:
+            configured = TemporalSettings.load()
+        except TemporalConfigError as err:
+            raise HostError(str(err)) from None
+        if configured.address_configured:
+            self.temporal_address = configured.address
             return configured
         root = host_dir()
         self.stream.bootstrap("local_runtime", BootstrapStatus.STARTED, {"embedded": True})
@@ -253,7 +268,8 @@ class Host:
             if self.stop.is_set():
                 break  # _session sees the stop before it starts a run
             await asyncio.sleep(0.1)
-        return self.server.address
+        self.temporal_address = self.server.address
+        return TemporalSettings.local(self.server.address)
 
     async def _start_run(self, client: Client) -> WorkflowHandle[Any, Any]:
         wid = names.run_workflow_id(self.run_id)
@@ -267,7 +283,7 @@ class Host:
             if desc.status == WorkflowExecutionStatus.RUNNING:
                 if self.server is None:
                     raise HostError(
-                        f"run {wid} is already running on {os.environ.get('TEMPORAL_ADDRESS')}; "
+                        f"run {wid} is already running on {self.temporal_address}; "
                         "stop it, or choose another [runtime].run_id"
                     )
                 # Our own embedded server: a run a killed host left behind.
@@ -512,6 +528,9 @@ def run(argv: list[str]) -> int:
     secrets = [s.get_secret_value() for s in (cfg.hf_token,) if s is not None]
     if cfg.vastai is not None and getattr(cfg.vastai, "api_key", None) is not None:
         secrets.append(cfg.vastai.api_key.get_secret_value())
+    # The Temporal API key (and other connection secrets) of a profile file, too.
+    with contextlib.suppress(TemporalConfigError):
+        secrets += TemporalSettings.load().secrets()
     root = host_dir()
     try:
         lock = HostLock(root)

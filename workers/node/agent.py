@@ -24,7 +24,7 @@ from temporalio.worker import Worker
 
 from mvp_core import names
 from mvp_core.models import NodeRuntimeReady
-from workers.connect import connect
+from workers.connect import TemporalConnectError, TemporalSettings, connect
 from workers.dataplane import DataPlaneServer
 from workers.dataplane.delay_proxy import front_listener
 from workers.node import layout
@@ -161,7 +161,18 @@ async def amain() -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    client = await connect(cfg.address, cfg.namespace, identity=cfg.identity)
+    # The provider gave this node its orchestrator's connection settings (address,
+    # namespace, TLS, API key) in its environment; no configuration file is read here.
+    try:
+        client = await connect(
+            cfg.address,
+            cfg.namespace,
+            identity=cfg.identity,
+            settings=TemporalSettings.load(config_file=False),
+        )
+    except TemporalConnectError as err:
+        print(f"mvp-node: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     # The data-plane listener is up from boot and advertised in NodeRuntimeReady.
     server = DataPlaneServer(
         os.environ.get("MVP_DATAPLANE_HOST", "127.0.0.1"),
