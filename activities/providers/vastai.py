@@ -28,6 +28,7 @@ never on a command line.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -96,6 +97,24 @@ class VastApiError(RuntimeError):
         self.body = body or {}
         why = self.body.get("msg") or self.body.get("error") or ""
         super().__init__(f"{what}: HTTP {status}{f' ({why})' if why else ''}"[:400])
+
+
+def only_this_side(host: str) -> bool:
+    """Whether a rented host cannot reach ``host``: a loopback, private, link-local or
+    unspecified address, or a name that resolves only to such addresses (a laptop's dev
+    server, a cluster's internal name). A name that does not resolve here counts as
+    reachable: it is the operator's to say (``MVP_VASTAI_TEMPORAL_ADDRESS``)."""
+    name = host.strip("[]")
+    if name in _LOCAL_TEMPORAL:
+        return True
+    try:
+        found = {a[4][0] for a in socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)}
+    except (OSError, UnicodeError):
+        return False
+    try:
+        return bool(found) and all(not ipaddress.ip_address(a).is_global for a in found)
+    except ValueError:
+        return False
 
 
 def server_url() -> str:
@@ -677,7 +696,7 @@ class VastAiProvider:
             return configured
         address = temporal_address()
         host, _, _port = address.rpartition(":")
-        if host not in _LOCAL_TEMPORAL:
+        if not only_this_side(host):
             return address
         self._ensure_tunnel(record)
         return f"127.0.0.1:{REMOTE_TEMPORAL_PORT}"

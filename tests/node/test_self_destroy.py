@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from activities.providers.base import ProviderUnavailable
-from activities.providers.vastai import _key_body, public_key_of
+from activities.providers.vastai import _key_body, only_this_side, public_key_of
 from workers.node.self_destroy import container_environ, self_destroy
 
 
@@ -85,3 +85,22 @@ def test_the_public_key_is_derived_from_the_identity(tmp_path: Path) -> None:
     (tmp_path / "bad").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\nnot a key\n")
     with pytest.raises(ProviderUnavailable, match="is not an unencrypted OpenSSH private key"):
         public_key_of(tmp_path / "bad")
+
+
+@pytest.mark.parametrize(
+    ("host", "tunnel"),
+    [
+        ("localhost", True),
+        ("127.0.0.1", True),
+        ("[::1]", True),
+        ("0.0.0.0", True),
+        ("10.1.2.3", True),
+        ("192.168.1.20", True),
+        ("169.254.0.9", True),
+        ("8.8.8.8", False),
+        ("[2001:4860:4860::8888]", False),
+        ("temporal.does-not-resolve.invalid", False),
+    ],
+)
+def test_a_temporal_address_a_rented_host_cannot_reach_goes_through_the_tunnel(host, tunnel):
+    assert only_this_side(host) is tunnel
