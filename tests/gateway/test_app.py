@@ -1,0 +1,359 @@
+"""The gateway without a run: stop strings, request validation, and the HTTP mapping of
+each way a prompt can end (the run's API replaced by a script of events). The real run
+is in tests/integration/test_gateway.py."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import workers.gateway.app as gateway_app
+from mvp_core.models import Done, Fault, SubmitPrompt, TextDelta
+from workers.client import PromptRejected
+from workers.gateway.app import ServedModel, create_app
+from workers.gateway.stops import StopMatcher, cut_at_stop
+from workers.gateway.wire import ApiError, ChatRequest, CompletionRequest, parse_body
+
+MODEL = "m"
+
+# --------------------------------------------------------------------------- stop strings
+
+
+def _run(stops: list[str], pieces: list[str]) -> tuple[str, bool]:
+    m = StopMatcher(stops)
+    out = []
+    for p in pieces:
+        text, hit = m.push(p)
+        out.append(text)
+        if hit:
+            return "".join(out), True
+    return "".join(out) + m.flush(), False
+
+
+def test_stop_across_deltas_is_cut_and_partial_prefixes_are_held_back():
+    m = StopMatcher(["</s>", "\n\n"])
+    assert m.push("Hello <") == ("Hello ", False)  # "<" could start "</s>"
+    assert m.push("/") == ("", False)
+    assert m.push("x") == ("</x", False)  # not a stop after all: released
+    assert m.push(" bye\n") == (" bye", False)
+    assert m.push("\nmore") == ("", True)
+    assert m.matched == "\n\n" and m.push("later") == ("", True) and m.flush() == ""
+    assert _run(["ab"], ["xa", "a", "b", "c"]) == ("xa", True)
+    assert _run(["b", "ab"], ["xab"]) == ("x", True)  # both complete at once: the longer
+    assert _run(["a", "\naa"], ["\naa"]) == ("\n", True)  # "a" completes first
+    assert _run(["never"], ["a", "nev", "e"]) == ("anev" + "e", False)
+    assert cut_at_stop("héllo wörld", ["ö"]) == ("héllo w", True)
+    assert cut_at_stop("plain", []) == ("plain", False)
+
+
+@given(
+    st.text(alphabet="ab\n", max_size=30),
+    st.lists(st.text(alphabet="ab\n", min_size=1, max_size=3), min_size=1, max_size=3),
+    st.lists(st.integers(min_value=1, max_value=30), max_size=6),
+)
+def test_any_split_gives_the_text_before_the_first_stop(text, stops, cuts):
+    bounds = sorted({c for c in cuts if c < len(text)})
+    pieces = [text[i:j] for i, j in zip([0, *bounds], [*bounds, len(text)], strict=True)]
+    # The stop that completes first (as a token-by-token check sees it; a tie: the one
+    # that starts first), whatever the split.
+    ends = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
+    expected = (text[: min(ends)[1]], True) if ends else (text, False)
+    assert _run(stops, pieces) == expected
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("body", "model", "param", "code"),
+    [
+        (b"{", CompletionRequest, None, "invalid_json"),
+        (b"[]", CompletionRequest, None, "invalid_json"),
+        (b'{"model": "m"}', CompletionRequest, "prompt", "missing_required_parameter"),
+        (b'{"prompt": "x"}', CompletionRequest, "model", "missing_required_parameter"),
+        (b'{"model": "m", "prompt": 3}', CompletionRequest, "prompt", "invalid_value"),
+        (
+            b'{"model": "m", "prompt": "x", "max_tokens": 0}',
+            CompletionRequest,
+            "max_tokens",
+            "invalid_value",
+        ),
+        (
+            b'{"model": "m", "prompt": "x", "max_tokens": "9"}',
+            CompletionRequest,
+            "max_tokens",
+            "invalid_value",
+        ),
+        (
+            b'{"model": "m", "prompt": "x", "temperature": 3}',
+            CompletionRequest,
+            "temperature",
+            "invalid_value",
+        ),
+        (b'{"model": "m", "prompt": "x", "stop": ""}', CompletionRequest, "stop", "invalid_value"),
+        (
+            b'{"model": "m", "prompt": "x", "echo": true}',
+            CompletionRequest,
+            "echo",
+            "unsupported_parameter",
+        ),
+        (
+            b'{"model": "m", "prompt": "x", "logprobs": 2}',
+            CompletionRequest,
+            "logprobs",
+            "unsupported_parameter",
+        ),
+        (b'{"model": "m", "prompt": "x", "n": 3}', CompletionRequest, "n", "unsupported_parameter"),
+        (b'{"model": "m", "messages": []}', ChatRequest, "messages", "invalid_value"),
+        (
+            b'{"model": "m", "messages": [{"role": "robot", "content": "x"}]}',
+            ChatRequest,
+            "messages.0.role",
+            "invalid_value",
+        ),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
+            ChatRequest,
+            "tools",
+            "unsupported_parameter",
+        ),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}',
+            ChatRequest,
+            "response_format",
+            "unsupported_parameter",
+        ),
+    ],
+)
+def test_bad_requests_are_400_naming_the_parameter(body, model, param, code):
+    with pytest.raises(ApiError) as err:
+        parse_body(body, model)
+    assert err.value.status == 400
+    assert (err.value.param, err.value.code) == (param, code)
+    assert set(err.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_defaults_follow_openai_and_unknown_fields_are_ignored():
+    req = parse_body(
+        b'{"model": "m", "prompt": "x", "user": "u", "presence_penalty": 0.5}', CompletionRequest
+    )
+    assert req.token_limit() == 16
+    assert req.sampling() == {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None}
+    chat = parse_body(
+        b'{"model": "m", "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},'
+        b' {"type": "text", "text": "b"}]}], "max_tokens": 5, "max_completion_tokens": 7, "seed": -1,'
+        b' "top_p": 0}',
+        ChatRequest,
+    )
+    assert chat.token_limit() == 7 and chat.messages[0].text() == "ab"
+    assert chat.messages[0].template_role() == "system"
+    assert chat.sampling()["seed"] == 2**64 - 1 and chat.sampling()["top_p"] == 1e-6
+
+
+# --------------------------------------------------------------------------- HTTP mapping
+
+Script = Callable[[SubmitPrompt], list[Any]]
+
+
+class FakeRun:
+    """The run's API as the gateway calls it: each prompt gets the events of ``script``."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.prompts: list[SubmitPrompt] = []
+        self.cancelled: list[int] = []
+
+    async def stream_prompt(
+        self, client: Any, run_id: int, prompt: SubmitPrompt, **kw: Any
+    ) -> AsyncIterator[Any]:
+        self.prompts.append(prompt)
+        events = self.script(prompt)
+        if isinstance(events, Exception):
+            raise events
+        kw["on_admitted"]()
+        for event in events:
+            yield event
+
+    async def cancel(self, request_id: int) -> None:
+        self.cancelled.append(request_id)
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch):
+    run = FakeRun(lambda p: [])
+    monkeypatch.setattr(gateway_app, "stream_prompt", run.stream_prompt)
+    app = create_app(client=None, run_id=5)  # type: ignore[arg-type]
+    gw = app.state.gateway
+    served = ServedModel(MODEL, frozenset(), 1, "/nonexistent.gguf", 64)
+
+    async def served_model() -> ServedModel:
+        return served
+
+    async def no_tokenizer() -> None:
+        return None
+
+    monkeypatch.setattr(gw, "served", served_model)
+    monkeypatch.setattr(gw, "tokenizer", no_tokenizer)
+    monkeypatch.setattr(gw, "_cancel", run.cancel)
+    run.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")  # type: ignore[attr-defined]
+    return run
+
+
+def _text(prompt: SubmitPrompt, *pieces: str, reason: str = "max_tokens") -> list[Any]:
+    rid = prompt.request_id
+    deltas = [TextDelta(request_id=rid, text=p) for p in pieces]
+    done = Done(
+        request_id=rid,
+        final_text="".join(pieces),
+        tokens_generated=len(pieces),
+        elapsed_ms=1,
+        stop_reason=reason,
+    )
+    return [*deltas, done]
+
+
+def _events(resp: httpx.Response) -> list[Any]:
+    out = []
+    for block in resp.text.split("\n\n"):
+        if block:
+            assert block.startswith("data: "), block
+            data = block[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+async def test_completion_maps_done_and_usage(fake):
+    fake.script = lambda p: _text(p, "Hel", "lo", reason="eos")
+    r = await fake.http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "hi", "temperature": 0}
+    )
+    body = r.json()
+    assert r.status_code == 200 and body["object"] == "text_completion"
+    assert body["choices"][0]["text"] == "Hello" and body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"] == {"prompt_tokens": 0, "completion_tokens": 2, "total_tokens": 2}
+    prompt = fake.prompts[0]
+    assert body["id"] == f"cmpl-5-{prompt.request_id}"
+    assert (prompt.prompt_text, prompt.chat, prompt.max_tokens, prompt.temperature) == (
+        "hi",
+        False,
+        16,
+        0,
+    )
+    assert fake.cancelled == []
+
+
+async def test_one_user_message_takes_the_runs_chat_path(fake):
+    fake.script = lambda p: _text(p, "Hi")
+    r = await fake.http.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "Hey"}], "stream": True},
+    )
+    events = _events(r)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert events[1]["choices"][0]["delta"] == {"content": "Hi"}
+    assert events[2]["choices"][0] == {
+        "index": 0,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": "length",
+    }
+    assert events[-1] == "[DONE]" and len(events) == 4
+    assert (fake.prompts[0].prompt_text, fake.prompts[0].chat, fake.prompts[0].max_tokens) == (
+        "Hey",
+        True,
+        None,
+    )
+    # Without the model's template here, a longer conversation cannot be rendered.
+    r = await fake.http.post(
+        "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
+        },
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_conversation"
+
+
+async def test_a_stop_string_cuts_and_cancels_streamed_and_not(fake):
+    fake.script = lambda p: _text(p, "one two", " thr", "ee four", " five")
+    body = {"model": MODEL, "prompt": "x", "stop": ["three", "zzz"]}
+    r = await fake.http.post("/v1/completions", json=body)
+    assert (
+        r.json()["choices"][0]["text"] == "one two "
+        and r.json()["choices"][0]["finish_reason"] == "stop"
+    )
+    r = await fake.http.post(
+        "/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    events = _events(r)
+    assert "".join(e["choices"][0]["text"] for e in events[:-2]) == "one two "
+    assert events[-3]["choices"][0]["finish_reason"] == "stop"
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 0
+    assert fake.cancelled == [p.request_id for p in fake.prompts]
+
+
+async def test_rejections_and_faults_have_their_status(fake):
+    cases: list[tuple[Any, int, str]] = [
+        (PromptRejected("PromptQueueFull", "full"), 429, "prompt_queue_full"),
+        (PromptRejected("RunNotPromptReady", "no"), 503, "run_not_ready"),
+        (PromptRejected("InvalidPrompt", "bad"), 400, "invalid_prompt"),
+        (PromptRejected("SomethingNew", "?"), 500, "prompt_rejected"),
+        (RuntimeError("server gone"), 503, "run_unreachable"),
+    ]
+    for exc, status, code in cases:
+        fake.script = lambda p, exc=exc: exc
+        r = await fake.http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+
+    fake.script = lambda p: [Fault(request_id=p.request_id, error="stage 1 died")]
+    r = await fake.http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "prompt_fault"
+    too_long = "prompt has 900 tokens; the planned context holds 512 (prompt plus ...)"
+    fake.script = lambda p: [Fault(request_id=p.request_id, error=too_long)]
+    r = await fake.http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    # After the headers: the fault is the last event, and no [DONE].
+    fake.script = lambda p: [
+        TextDelta(request_id=p.request_id, text="a"),
+        Fault(request_id=p.request_id, error="boom"),
+    ]
+    r = await fake.http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True}
+    )
+    events = _events(r)
+    assert events[0]["choices"][0]["text"] == "a"
+    assert events[-1]["error"]["code"] == "prompt_fault" and "[DONE]" not in events
+
+
+async def test_a_duplicate_request_id_is_retried_with_another(fake):
+    seen: list[int] = []
+
+    def script(p: SubmitPrompt) -> Any:
+        seen.append(p.request_id)
+        return PromptRejected("DuplicateRequestId", "dup") if len(seen) == 1 else _text(p, "ok")
+
+    fake.script = script
+    r = await fake.http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
+    assert len(set(seen)) == 2
+
+
+async def test_models_and_unknown_names(fake):
+    r = await fake.http.get("/v1/models")
+    assert r.json() == {
+        "object": "list",
+        "data": [{"id": MODEL, "object": "model", "created": 1, "owned_by": "mvp-orchestrator"}],
+    }
+    r = await fake.http.post("/v1/completions", json={"model": "other", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = await fake.http.post("/v1/completions", content=b"x" * (1 << 21))
+    assert r.status_code == 413
+    r = await fake.http.delete("/v1/models")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"

@@ -1,0 +1,490 @@
+"""Issue 12, the OpenAI-compatible gateway (`mvp-gateway`, docs/gateway.md): the official
+``openai`` client and raw HTTP against the gateway app (uvicorn, in-process) in front of
+one real 2-stage run of the bundled model, compared with ``submit_prompt`` on the same
+run. One run serves the whole module (its fixture checks what ``runs`` checks)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from openai import AsyncOpenAI
+from temporalio.client import Client, WorkflowExecutionStatus
+
+from mvp_core import names
+from mvp_core.models import Done, RequestShutdown, RunPhase, SubmitPrompt
+from tests.helpers.runs import log_sizes, task_failures
+from tests.integration.conftest import (
+    REPO,
+    OrchestratorProcess,
+    Runs,
+    node_processes,
+    snapshot,
+    wait_closed,
+    wait_phase,
+)
+from workers.client import submit_prompt
+from workers.engine.tokenizer import Tokenizer
+from workers.gateway.app import create_app
+from workers.gateway.main import SignallessServer
+
+RUN = 3301
+GHOST = 3399  # never started
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+TEXT = "The capital of France is"
+QUESTION = "What is the capital of France?"
+# Greedy SmolLM2 counts on and on: a prompt that lasts until the context is full.
+ENDLESS = "1, 2, 3, 4, 5, 6, 7, 8,"
+N = 24  # max_tokens of the compared prompts
+
+
+class Site:
+    def __init__(self, client: Client, handle: Any, url: str, tok: Tokenizer) -> None:
+        self.client = client
+        self.handle = handle
+        self.url = url
+        self.tok = tok
+        self.oai = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        self.http = httpx.AsyncClient(base_url=url, timeout=60)
+        self._next = 1
+
+    def rid(self) -> int:
+        self._next += 1
+        return self._next
+
+    async def reference(self, text: str, *, chat: bool = False, max_tokens: int = N) -> Done:
+        done = await submit_prompt(
+            self.client,
+            RUN,
+            SubmitPrompt(request_id=self.rid(), prompt_text=text, chat=chat, max_tokens=max_tokens),
+        )
+        assert isinstance(done, Done), done
+        return done
+
+    async def prompt_status(self, response_id: str | None, timeout: float = 15.0) -> str:
+        """How the prompt behind a response ended (its workflow's MvpPromptStatus); None:
+        the prompt the run admitted last."""
+        request_id = None if response_id is None else int(response_id.rsplit("-", 1)[1])
+        state = await snapshot(self.handle)
+        wf = next(
+            r.detail
+            for r in reversed(state.lifecycle)
+            if r.kind.value == "PromptAccepted" and request_id in (None, r.request_id)
+        )
+        child = self.client.get_workflow_handle(wf)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            desc = await child.describe()
+            if desc.status is not WorkflowExecutionStatus.RUNNING:
+                return str(desc.search_attributes.get(names.SEARCH_ATTRIBUTE_PROMPT, ["?"])[0])
+            await asyncio.sleep(0.1)
+        return "running"
+
+
+@contextlib.asynccontextmanager
+async def serve(client: Client, run_id: int) -> AsyncIterator[str]:
+    """The gateway app of ``run_id`` on a free loopback port."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        create_app(client, run_id), log_level="warning", lifespan="on", timeout_graceful_shutdown=2
+    )
+    server = SignallessServer(config)
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    while not server.started:
+        assert not task.done(), task.exception()
+        await asyncio.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 20)
+
+
+@pytest.fixture(scope="module")
+async def site(
+    client: Client, orchestrator: OrchestratorProcess, state_dir: Path, faults_file: Path
+) -> AsyncIterator[Site]:
+    runs = Runs(client, orchestrator, faults_file)
+    seen = log_sizes(orchestrator.log_dir)
+    handle = await runs.start(
+        RUN, pipeline_stages=2, prompt_queue_capacity=2, max_context=1024, default_max_tokens=64
+    )
+    try:
+        async with serve(client, RUN) as url:
+            # While the run starts, the gateway answers 503 (the run is not prompt-ready).
+            async with httpx.AsyncClient(base_url=url) as http:
+                early = await http.post(
+                    "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}
+                )
+            assert early.status_code == 503, early.text
+            assert early.json()["error"]["code"] in ("run_not_ready", "run_not_found"), early.text
+            state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=120)
+            assert state.plan is not None
+            tok = Tokenizer.from_gguf(state.plan.tokenizer_path)
+            s = Site(client, handle, url, tok)
+            yield s
+            await s.http.aclose()
+            await s.oai.close()
+        await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=RUN))
+        assert await wait_closed(handle) is WorkflowExecutionStatus.COMPLETED
+        assert not task_failures(orchestrator.log_dir, since=seen)
+        assert not node_processes(state_dir)
+    finally:
+        with contextlib.suppress(Exception):
+            await handle.terminate("test clean-up")
+        for p in node_processes(state_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+async def _first_chunk(stream: Any) -> float:
+    t0 = time.perf_counter()
+    async for _ in stream:
+        return time.perf_counter() - t0
+    raise AssertionError("empty stream")
+
+
+# --------------------------------------------------------------------------- 1. texts
+
+
+async def test_models_lists_the_runs_model(site: Site):
+    models = await site.oai.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    m = models.data[0]
+    assert m.object == "model" and m.owned_by == "mvp-orchestrator" and m.created > 0
+    assert (await site.oai.models.retrieve(MODEL)).id == MODEL
+
+
+async def test_completion_equals_submit_prompt_streamed_and_not(site: Site):
+    ref = await site.reference(TEXT)
+    assert ref.stop_reason == "max_tokens" and ref.tokens_generated == N
+    prompt_tokens = len(site.tok.encode(TEXT))
+    whole = await site.oai.completions.create(model=MODEL, prompt=TEXT, max_tokens=N, temperature=0)
+    assert whole.object == "text_completion" and whole.model == MODEL
+    assert whole.choices[0].text == ref.final_text
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage is not None
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (prompt_tokens, N)
+    assert whole.usage.total_tokens == prompt_tokens + N
+
+    stream = await site.oai.completions.create(
+        model=MODEL,
+        prompt=TEXT,
+        max_tokens=N,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [c async for c in stream]
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == ref.final_text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == N
+    assert chunks[-1].usage.prompt_tokens == prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id != whole.id
+
+
+async def test_chat_equals_submit_prompt_of_the_chat_template(site: Site):
+    ref = await site.reference(QUESTION, chat=True)
+    rendered = site.tok.apply_chat_template([{"role": "user", "content": QUESTION}])
+    prompt_tokens = len(site.tok.encode(rendered, parse_special=True))
+    messages: Any = [{"role": "user", "content": QUESTION}]
+    whole = await site.oai.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=N, temperature=0
+    )
+    assert whole.object == "chat.completion"
+    choice = whole.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == ref.final_text
+    assert choice.finish_reason == ("stop" if ref.stop_reason == "eos" else "length")
+    assert whole.usage is not None and whole.usage.prompt_tokens == prompt_tokens
+    assert whole.usage.completion_tokens == ref.tokens_generated
+
+    stream = await site.oai.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_completion_tokens=N,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [c async for c in stream]
+    assert chunks[0].object == "chat.completion.chunk"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.final_text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == ref.tokens_generated
+
+    # A conversation the run's chat path cannot take is rendered here and sent as text.
+    convo = [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": QUESTION},
+    ]
+    ref2 = await site.reference(site.tok.apply_chat_template(convo))
+    two: Any = convo
+    got = await site.oai.chat.completions.create(
+        model=MODEL, messages=two, max_tokens=N, temperature=0
+    )
+    assert got.choices[0].message.content == ref2.final_text
+
+
+async def test_stop_string_cuts_the_text_and_cancels_the_prompt(site: Site):
+    # The counting prompt goes on for hundreds of tokens: the prompt surely outlives the
+    # stop string, and its workflow then says it was cancelled, not done.
+    ref = await site.reference(ENDLESS, max_tokens=N)
+    words = ref.final_text.split()
+    stop = f" {words[3]}"  # a word some way in: the text is cut before its first occurrence
+    cut = ref.final_text[: ref.final_text.index(stop)]
+    assert cut
+    whole = await site.oai.completions.create(
+        model=MODEL, prompt=ENDLESS, max_tokens=400, temperature=0, stop=[stop, "\u2603never"]
+    )
+    assert whole.choices[0].text == cut
+    assert whole.choices[0].finish_reason == "stop"
+    assert await site.prompt_status(whole.id) == "cancelled"  # not 400 tokens later
+
+    stream = await site.oai.completions.create(
+        model=MODEL, prompt=ENDLESS, max_tokens=400, temperature=0, stop=stop, stream=True
+    )
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].text for c in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert await site.prompt_status(chunks[0].id) == "cancelled"
+
+
+# --------------------------------------------------------------------------- 2. going away
+
+
+async def test_a_client_that_goes_away_cancels_its_prompt_at_once(site: Site):
+    async def ttft() -> float:
+        stream = await site.oai.completions.create(
+            model=MODEL, prompt=TEXT, max_tokens=4, temperature=0, stream=True
+        )
+        t = await _first_chunk(stream)
+        async for _ in stream:
+            pass
+        return t
+
+    idle = min([await ttft() for _ in range(2)])
+    body = {"model": MODEL, "prompt": ENDLESS, "max_tokens": 1000, "temperature": 0, "stream": True}
+    async with site.http.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        lines = resp.aiter_lines()
+        first = await anext(lines)
+        assert first.startswith("data: ")
+        abandoned = json.loads(first[6:])["id"]
+    t0 = time.perf_counter()
+    after = await ttft()
+    status = await site.prompt_status(abandoned)
+    took = time.perf_counter() - t0
+    print(f"\nGATEWAY idle TTFT {idle:.3f} s; right after a disconnect {after:.3f} s")
+    assert status == "cancelled"
+    # The abandoned prompt had ~1000 tokens to go (10 s or more here); the next one waits
+    # only for its cancellation.
+    assert after < idle + 5.0, (idle, after)
+    assert took < 10, took
+
+    # Not streamed: the same, when the client gives up waiting.
+    with pytest.raises(httpx.ReadTimeout):
+        await site.http.post("/v1/completions", json={**body, "stream": False}, timeout=1.0)
+    assert await site.prompt_status(None) == "cancelled"
+
+
+# --------------------------------------------------------------------------- 3. errors
+
+
+async def test_http_errors_in_openai_shape(site: Site, client: Client):
+    http = site.http
+
+    def error(resp: httpx.Response, status: int, code: str | None) -> dict[str, Any]:
+        assert resp.status_code == status, resp.text
+        err = resp.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == code, err
+        return dict(err)
+
+    bad = await http.post(
+        "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    error(bad, 400, "invalid_json")
+    missing = await http.post("/v1/chat/completions", json={"model": MODEL})
+    assert error(missing, 400, "missing_required_parameter")["param"] == "messages"
+    wrong = await http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": -1}
+    )
+    assert error(wrong, 400, "invalid_value")["param"] == "max_tokens"
+    two = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 2})
+    error(two, 400, "unsupported_parameter")
+    unknown = await http.post(
+        "/v1/chat/completions",
+        json={"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert error(unknown, 404, "model_not_found")["param"] == "model"
+    error(await http.get("/v1/models/gpt-4o"), 404, "model_not_found")
+    error(await http.get("/v1/nothing"), 404, "not_found")
+    with pytest.raises(openai.NotFoundError):
+        await site.oai.completions.create(model="gpt-4o", prompt="x")
+    with pytest.raises(openai.BadRequestError):
+        await site.oai.completions.create(model=MODEL, prompt="x", stop=["a", "b", "c", "d", "e"])
+
+    # A full queue (capacity 2: one active, one pending): 429, and the two go away.
+    body = {"model": MODEL, "prompt": ENDLESS, "max_tokens": 1000, "temperature": 0, "stream": True}
+    async with contextlib.AsyncExitStack() as held:
+        for _ in range(2):
+            resp = await held.enter_async_context(http.stream("POST", "/v1/completions", json=body))
+            assert resp.status_code == 200
+        full = await http.post("/v1/completions", json={**body, "stream": False})
+        error(full, 429, "prompt_queue_full")
+        assert full.headers["retry-after"] == "1"
+        with pytest.raises(openai.RateLimitError):
+            await site.oai.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    # The two are cancelled: the run serves again (once their cancellations land; the
+    # client's own retries, on Retry-After, cover that).
+    retrying = site.oai.with_options(max_retries=5)
+    ok = await retrying.completions.create(model=MODEL, prompt=TEXT, max_tokens=2, temperature=0)
+    assert ok.choices[0].finish_reason == "length"
+
+    # A run that does not exist: 503, and the models list says so too.
+    async with serve(client, GHOST) as url, httpx.AsyncClient(base_url=url) as ghost:
+        gone = await ghost.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert error(gone, 503, "run_not_found")["type"] == "server_error"
+        error(await ghost.get("/v1/models"), 503, "run_not_found")
+        assert (await ghost.get("/health")).status_code == 503
+    assert (await http.get("/health")).json()["phase"] == "prompt_ready"
+
+
+# --------------------------------------------------------------------------- the command
+
+
+async def test_the_command_serves_an_existing_run_and_leaves_it_running(
+    site: Site, temporal_server: Any
+):
+    env = {**os.environ, "TEMPORAL_ADDRESS": temporal_server.address}
+    bad = subprocess.run(
+        [sys.executable, "-m", "workers.gateway.main", "--workflow-id", "run-1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 1 and bad.stderr.strip().splitlines() == [
+        "mvp-gateway: invalid --workflow-id 'run-1': use mvp-run-N"
+    ], bad.stderr
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "workers.gateway.main",
+            "--workflow-id",
+            names.run_workflow_id(RUN),
+            "--listen",
+            "127.0.0.1:0",
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stderr.readline), 60)
+        url = line.split(" at ")[1].split()[0]
+        async with AsyncOpenAI(base_url=url, api_key="unused", max_retries=0) as oai:
+            got = await oai.completions.create(
+                model=MODEL, prompt=TEXT, max_tokens=3, temperature=0
+            )
+        assert got.choices[0].finish_reason == "length"
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert (await site.handle.describe()).status is WorkflowExecutionStatus.RUNNING
+
+
+async def test_the_command_starts_a_run_and_shuts_it_down_on_sigterm(
+    site: Site, client: Client, temporal_server: Any, tmp_path: Path
+):
+    request = tmp_path / "run.json"
+    request.write_text(json.dumps({"model": {"bundled": MODEL}, "default_max_tokens": 8}))
+    env = {**os.environ, "TEMPORAL_ADDRESS": temporal_server.address}
+    cmd = [sys.executable, "-m", "workers.gateway.main", "--run-request", str(request)]
+    proc = subprocess.Popen(
+        [*cmd, "--run-id", str(RUN + 1), "--listen", "127.0.0.1:0", "--log-level", "warning"],
+        env=env,
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    handle = client.get_workflow_handle(names.run_workflow_id(RUN + 1))
+    try:
+        assert proc.stderr is not None
+        lines: list[str] = []
+        while not lines or "is prompt-ready:" not in lines[-1]:
+            line = await asyncio.wait_for(asyncio.to_thread(proc.stderr.readline), 120)
+            assert line, lines
+            lines.append(line)
+        url = lines[-1].split(" at ")[1].split()[0]
+        async with AsyncOpenAI(base_url=url, api_key="unused", max_retries=0) as oai:
+            got = await oai.completions.create(
+                model=MODEL, prompt=TEXT, max_tokens=3, temperature=0
+            )
+        assert got.usage is not None and got.usage.completion_tokens == 3
+        pids = sorted(
+            n.handle.pid for n in (await snapshot(handle)).nodes if n.handle and n.handle.pid
+        )
+        proc.send_signal(signal.SIGTERM)
+        rest = await asyncio.to_thread(proc.communicate, timeout=60)
+        assert proc.returncode == 0, rest
+        assert "closed: operator_stopped" in rest[1], rest
+        assert (await handle.describe()).status is WorkflowExecutionStatus.COMPLETED
+        assert pids and not [p for p in pids if _alive(p)], pids
+        # It refuses a run that exists already.
+        again = subprocess.run(
+            [*cmd, "--run-id", str(RUN), "--listen", "127.0.0.1:0"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert again.returncode == 1, again.stderr
+        assert (
+            again.stderr.strip()
+            .splitlines()[-1]
+            .startswith(f"mvp-gateway: run mvp-run-{RUN} exists already")
+        ), again.stderr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        with contextlib.suppress(Exception):
+            await handle.terminate("test clean-up")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"

@@ -1,0 +1,842 @@
+"""The gateway's Starlette app: OpenAI's HTTP API over one run's prompt API.
+
+``create_app(client, run_id)`` serves run ``mvp-run-<run_id>``:
+
+- ``GET /v1/models`` (and ``/v1/models/{id}``): the run's model, named after its GGUF
+  file (``SmolLM2-135M-Instruct.Q4_1``), from the plan in the run's ``snapshot``.
+- ``POST /v1/completions`` and ``POST /v1/chat/completions``: each request is one
+  ``submit_prompt`` Update (``workers.client.stream_prompt``) with a request id the
+  gateway allots, its text the prompt's stream, streamed as server-sent events or
+  returned whole.
+- ``GET /health``: 200 while the run is prompt-ready, else 503.
+
+The run decides admission (a full queue is a 429, a run that is not prompt-ready a 503)
+and generation; the gateway adds what OpenAI has and the run has not: stop strings
+(held back, cut, the prompt cancelled at once), a client that goes away (its prompt
+cancelled at once), the chat template for conversations, token counts for ``usage``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import secrets
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+from temporalio.client import Client, WorkflowQueryFailedError, WorkflowQueryRejectedError
+from temporalio.service import RPCError, RPCStatusCode
+
+from mvp_core import names
+from mvp_core.models import CancelPrompt, Done, Fault, RunPhase, SubmitPrompt, TextDelta
+from mvp_core.run_state import RunState
+from workers.client import PromptRejected, stream_prompt
+from workers.gateway.stops import StopMatcher, cut_at_stop
+from workers.gateway.wire import (
+    SSE_DONE,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    invalid,
+    model_not_found,
+    model_object,
+    parse_body,
+    sse,
+    unavailable,
+    usage,
+)
+
+if TYPE_CHECKING:
+    from workers.engine.tokenizer import Tokenizer
+
+log = logging.getLogger("mvp.gateway")
+
+MAX_BODY_BYTES = 1 << 20  # a request body over this is a 413
+QUERY_TIMEOUT = timedelta(seconds=5)
+CANCEL_TIMEOUT_S = 5.0
+TOKENIZER_WAIT_S = 60.0
+ADMIT_TRIES = 4  # a duplicate id (another client's) or a rollover: try again
+ROLLOVER_RETRY_S = 0.5
+ADMIT_WAIT_S = 30.0  # a request gone while its admission is in flight: wait this long for it
+CONTEXT_FAULT = "the planned context holds"  # the node's PromptTooLong text
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------- the run
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the gateway serves, from the run's committed plan (it never changes)."""
+
+    id: str
+    aliases: frozenset[str]
+    created: int
+    tokenizer_path: str
+    max_seq_len: int
+
+    def check(self, name: str) -> None:
+        if name != self.id and name not in self.aliases:
+            raise model_not_found(name)
+
+
+def model_id_of(model_path: str) -> str:
+    base = os.path.basename(model_path)
+    return base[: -len(".gguf")] if base.lower().endswith(".gguf") else base
+
+
+def load_tokenizer(path: str) -> Tokenizer | None:
+    """The run's tokenizer and chat template, read from the GGUF the plan names (the
+    engine's tokenizer; importing it loads torch, once, off the event loop). None when
+    the file is not readable on this host (e.g. the nodes run elsewhere)."""
+    try:
+        from workers.engine.tokenizer import Tokenizer, TokenizerError
+
+        try:
+            return Tokenizer.from_gguf(path)
+        except TokenizerError as err:
+            log.warning("no tokenizer for %s: %s", path, err)
+            return None
+    except Exception as err:
+        log.warning("cannot load the tokenizer of %s: %s: %s", path, type(err).__name__, err)
+        return None
+
+
+class Gateway:
+    """One run's prompt API, as the HTTP handlers need it."""
+
+    def __init__(self, client: Client, run_id: int, *, poll_cooldown_ms: int = 20) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.workflow_id = names.run_workflow_id(run_id)
+        self.poll_cooldown_ms = poll_cooldown_ms
+        self._served: ServedModel | None = None
+        self._served_lock = asyncio.Lock()
+        self._tokenizer: asyncio.Future[Tokenizer | None] | None = None
+        # One thread for tokenizer work: it keeps caches, and a long prompt's encode
+        # stays off the event loop.
+        self._tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-tok")
+        # The run's request ids: unique for this gateway's lifetime, and (random high
+        # bits) all but surely distinct from another client's; a clash is retried.
+        self._ids = itertools.count(secrets.randbits(40) << 16)
+        self._background: set[asyncio.Task[Any]] = set()
+        self._warm: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ run facts
+    def handle(self) -> Any:
+        return self.client.get_workflow_handle(self.workflow_id)
+
+    async def snapshot(self) -> RunState:
+        try:
+            state: RunState = await self.handle().query(
+                names.QUERY_SNAPSHOT, result_type=RunState, rpc_timeout=QUERY_TIMEOUT
+            )
+        except RPCError as err:
+            if err.status is RPCStatusCode.NOT_FOUND:
+                raise unavailable(f"no run {self.workflow_id}", "run_not_found") from None
+            raise unavailable(
+                f"run {self.workflow_id} is not reachable: {err.message}", "run_unreachable"
+            ) from None
+        except (WorkflowQueryFailedError, WorkflowQueryRejectedError) as err:
+            raise unavailable(
+                f"run {self.workflow_id} did not answer: {err}", "run_unreachable"
+            ) from None
+        return state
+
+    async def served(self) -> ServedModel:
+        """The run's model; a 503 until the run has a plan."""
+        if self._served is not None:
+            return self._served
+        async with self._served_lock:
+            if self._served is not None:
+                return self._served
+            state = await self.snapshot()
+            plan = state.plan
+            if plan is None:
+                raise unavailable(
+                    f"run {self.workflow_id} is {state.phase.value}: not prompt-ready yet",
+                    "run_not_ready",
+                )
+            created = int(time.time())
+            with contextlib.suppress(RPCError):
+                desc = await self.handle().describe()
+                if desc.start_time is not None:
+                    created = int(desc.start_time.timestamp())
+            model_id = model_id_of(plan.model_path)
+            self._served = ServedModel(
+                id=model_id,
+                aliases=frozenset({plan.model_facts.name, os.path.basename(plan.model_path)}),
+                created=created,
+                tokenizer_path=plan.tokenizer_path,
+                max_seq_len=plan.max_seq_len,
+            )
+            loop = asyncio.get_running_loop()
+            self._tokenizer = loop.run_in_executor(
+                self._tok_pool, load_tokenizer, plan.tokenizer_path
+            )
+            return self._served
+
+    async def tokenizer(self) -> Tokenizer | None:
+        if self._tokenizer is None:
+            return None
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._tokenizer), TOKENIZER_WAIT_S)
+        except TimeoutError:
+            return None
+
+    async def in_tok_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tok_pool, lambda: fn(*args, **kwargs))
+
+    async def count_tokens(
+        self, tok: Tokenizer | None, text: str, *, special: bool, add_special: bool = True
+    ) -> int:
+        """Tokens of ``text`` as the head node encodes it; 0 without a tokenizer."""
+        if tok is None or not text:
+            return 0
+        ids = await self.in_tok_thread(
+            tok.encode, text, add_special=add_special, parse_special=special
+        )
+        return len(ids)
+
+    # ------------------------------------------------------------------ prompts
+    async def open(self, fields: Mapping[str, Any]) -> PromptSession:
+        """Submit a prompt with a fresh request id; returns once the run admitted it, or
+        raises the ApiError of its rejection."""
+        for attempt in range(ADMIT_TRIES):
+            prompt = SubmitPrompt(request_id=next(self._ids), **fields)
+            session = PromptSession(self, prompt)
+            try:
+                await session.open()
+                return session
+            except PromptRejected as err:
+                if err.kind == "DuplicateRequestId" and attempt + 1 < ADMIT_TRIES:
+                    continue
+                if err.kind == "RunRollingOver" and attempt + 1 < ADMIT_TRIES:
+                    await asyncio.sleep(ROLLOVER_RETRY_S)
+                    continue
+                raise self._rejection(err) from None
+            except RPCError as err:
+                if err.status is RPCStatusCode.NOT_FOUND:
+                    raise unavailable(
+                        f"run {self.workflow_id} is not running: {err.message}", "run_not_found"
+                    ) from None
+                raise unavailable(
+                    f"run {self.workflow_id} is not reachable: {err.message}", "run_unreachable"
+                ) from None
+            except Exception as err:  # the SDK's own (an update timeout, a lost server)
+                log.warning("submit to %s: %s: %s", self.workflow_id, type(err).__name__, err)
+                raise unavailable(
+                    f"run {self.workflow_id} is not reachable: {type(err).__name__}",
+                    "run_unreachable",
+                ) from None
+        raise AssertionError("unreachable")
+
+    def _rejection(self, err: PromptRejected) -> ApiError:
+        if err.kind == "PromptQueueFull":
+            return ApiError(
+                429,
+                f"the prompt queue of run {self.workflow_id} is full; retry later",
+                type="rate_limit_error",
+                code="prompt_queue_full",
+                retry_after_s=1,
+            )
+        if err.kind in ("RunNotPromptReady", "RunRollingOver"):
+            return unavailable(
+                f"run {self.workflow_id} is not prompt-ready ({err})", "run_not_ready"
+            )
+        if err.kind == "InvalidPrompt":
+            return invalid(str(err), code="invalid_prompt")
+        return ApiError(500, f"{err.kind}: {err}", type="server_error", code="prompt_rejected")
+
+    def cancel_soon(self, request_id: int) -> None:
+        """Ask the run to end a prompt (``cancel_prompt``) without waiting for it."""
+        self.spawn(self._cancel(request_id))
+
+    async def _cancel(self, request_id: int) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(
+                self.handle().signal(
+                    names.SIGNAL_CANCEL_PROMPT, CancelPrompt(request_id=request_id)
+                ),
+                CANCEL_TIMEOUT_S,
+            )
+
+    def spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Learn the run's model in the background (and load its tokenizer) so the
+        first request does not pay for it."""
+        self._warm = asyncio.ensure_future(self._warm_up())
+
+    async def _warm_up(self) -> None:
+        while True:
+            try:
+                await self.served()
+                await self.tokenizer()
+                return
+            except Exception:
+                await asyncio.sleep(1.0)
+
+    async def aclose(self) -> None:
+        if self._warm is not None:
+            self._warm.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._warm
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=CANCEL_TIMEOUT_S + 1)
+        self._tok_pool.shutdown(wait=False, cancel_futures=True)
+
+
+class PromptSession:
+    """One admitted prompt: its events in order, and its cancellation."""
+
+    def __init__(self, gateway: Gateway, prompt: SubmitPrompt) -> None:
+        self.gateway = gateway
+        self.prompt = prompt
+        self.request_id = prompt.request_id
+        self._events: asyncio.Queue[TextDelta | Done | Fault | BaseException] = asyncio.Queue()
+        self._admitted = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._error: BaseException | None = None
+        self.ended = False  # the terminal event arrived, or the prompt was cancelled
+
+    async def open(self) -> None:
+        self._task = asyncio.ensure_future(self._pump())
+        admitted = asyncio.ensure_future(self._admitted.wait())
+        try:
+            await asyncio.wait({self._task, admitted}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            await self.close()
+            raise
+        finally:
+            admitted.cancel()
+        if not self._admitted.is_set():
+            self.ended = True  # refused: nothing to cancel
+            assert self._error is not None
+            raise self._error
+
+    async def _pump(self) -> None:
+        try:
+            async for event in stream_prompt(
+                self.gateway.client,
+                self.gateway.run_id,
+                self.prompt,
+                poll_cooldown_ms=self.gateway.poll_cooldown_ms,
+                on_admitted=self._admitted.set,
+            ):
+                self._events.put_nowait(event)
+        except Exception as err:
+            self._error = err
+            self._events.put_nowait(err)
+
+    async def events(self) -> AsyncIterator[TextDelta | Done | Fault]:
+        while True:
+            item = await self._events.get()
+            if isinstance(item, BaseException):
+                self.ended = True  # lost: the run, if it is there, still has the prompt
+                log.warning("prompt %d lost: %s: %s", self.request_id, type(item).__name__, item)
+                self.gateway.cancel_soon(self.request_id)
+                raise unavailable(
+                    f"lost run {self.gateway.workflow_id} mid-prompt: {type(item).__name__}",
+                    "run_unreachable",
+                )
+            if not isinstance(item, TextDelta):
+                self.ended = True
+            yield item
+            if self.ended:
+                return
+
+    def cancel(self) -> None:
+        """End the prompt now (a stop string, a client gone): the run cancels it."""
+        if self.ended:
+            return
+        self.ended = True
+        task = self._task
+        if self._admitted.is_set() or task is None or task.done():
+            if self._admitted.is_set():
+                self.gateway.cancel_soon(self.request_id)
+        else:
+            # Its admission is in flight: a cancel that reached the run first would be
+            # ignored, so wait for the run's answer, then cancel what it admitted.
+            self.gateway.spawn(self._cancel_once_admitted(task))
+
+    async def _cancel_once_admitted(self, task: asyncio.Task[None]) -> None:
+        admitted = asyncio.ensure_future(self._admitted.wait())
+        await asyncio.wait(
+            {task, admitted}, timeout=ADMIT_WAIT_S, return_when=asyncio.FIRST_COMPLETED
+        )
+        admitted.cancel()
+        if not task.done():
+            task.cancel()
+        if self._admitted.is_set() or not task.done():
+            await self.gateway._cancel(self.request_id)
+
+    async def close(self) -> None:
+        """Whatever ended the request before the prompt did: the run ends the prompt."""
+        admitting = self._task is not None and not self._admitted.is_set()
+        self.cancel()
+        task = self._task
+        if task is not None and not task.done() and not admitting:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+# --------------------------------------------------------------------------- generation
+
+
+@dataclass
+class Prepared:
+    """A request turned into the run's prompt."""
+
+    fields: dict[str, Any]
+    prompt_tokens: int
+    stops: list[str]
+    include_usage: bool
+    stream: bool
+
+
+@dataclass
+class Finish:
+    reason: Literal["stop", "length"]
+    completion_tokens: int
+    final_text: str | None = None  # the run's whole text, when no stop string cut it
+
+
+@dataclass
+class Collected:
+    text: str = ""
+    finish: Finish | None = None
+    pieces: list[str] = field(default_factory=list)
+
+
+async def drive(
+    gateway: Gateway, session: PromptSession, prep: Prepared, tok: Tokenizer | None
+) -> AsyncIterator[str | Finish]:
+    """The prompt's text with stop strings applied, then one Finish. A Fault raises its
+    ApiError."""
+    matcher = StopMatcher(prep.stops)
+    released: list[str] = []
+    async for event in session.events():
+        if isinstance(event, TextDelta):
+            text, hit = matcher.push(event.text)
+            if text:
+                released.append(text)
+                yield text
+            if hit:
+                session.cancel()
+                tokens = await gateway.count_tokens(
+                    tok, "".join(released), special=False, add_special=False
+                )
+                yield Finish("stop", tokens)
+                return
+        elif isinstance(event, Done):
+            tail = matcher.flush()
+            if tail:
+                released.append(tail)
+                yield tail
+            reason: Literal["stop", "length"] = "stop" if event.stop_reason == "eos" else "length"
+            yield Finish(reason, event.tokens_generated, event.final_text)
+            return
+        else:
+            raise fault_error(event)
+
+
+def fault_error(fault: Fault) -> ApiError:
+    if CONTEXT_FAULT in fault.error:
+        return invalid(fault.error, None, "context_length_exceeded")
+    return ApiError(
+        500, f"the prompt faulted: {fault.error}", type="server_error", code="prompt_fault"
+    )
+
+
+async def collect(
+    gateway: Gateway, session: PromptSession, prep: Prepared, tok: Tokenizer | None
+) -> Collected:
+    out = Collected()
+    async for item in drive(gateway, session, prep, tok):
+        if isinstance(item, str):
+            out.pieces.append(item)
+        else:
+            out.finish = item
+    out.text = "".join(out.pieces)
+    finish = out.finish
+    assert finish is not None
+    if finish.final_text is not None and finish.final_text != out.text:
+        # The run's own text is the reference (the stream is its batched copy).
+        out.text, hit = cut_at_stop(finish.final_text, prep.stops)
+        if hit:
+            finish.reason = "stop"
+    return out
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+async def read_body(request: Request) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", code="body_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def until_disconnect(receive: Receive) -> None:
+    """Returns when the client has gone (the request body was read before)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """``work``, cancelled at once if the client goes away first (ClientGone)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(until_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        await _cancel_all(task, watch)
+        raise
+    if not task.done():
+        await _cancel_all(task, watch)
+        raise ClientGone()
+    await _cancel_all(watch)
+    return task.result()
+
+
+async def _cancel_all(*tasks: asyncio.Future[Any]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class EventStream(Response):
+    """Server-sent events from an async generator; a client that goes away cancels the
+    generator at once (its ``finally`` ends the prompt), without waiting for the next
+    write to fail."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self, chunks: AsyncGenerator[bytes, None], on_close: Callable[[], Awaitable[None]]
+    ) -> None:
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._chunks = chunks
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        pump = asyncio.ensure_future(self._pump(send))
+        watch = asyncio.ensure_future(until_disconnect(receive))
+        try:
+            await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if pump.done() and not pump.cancelled() and pump.exception() is not None:
+                exc = pump.exception()
+                if not isinstance(exc, OSError):
+                    log.warning("event stream failed: %s: %s", type(exc).__name__, exc)
+        finally:
+            await _cancel_all(pump, watch)
+            await self._chunks.aclose()
+            await self._on_close()  # a generator closed before it started has no finally
+
+    async def _pump(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        async for chunk in self._chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _gateway(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    return gateway
+
+
+async def list_models(request: Request) -> Response:
+    served = await _gateway(request).served()
+    return JSONResponse({"object": "list", "data": [model_object(served.id, served.created)]})
+
+
+async def get_model(request: Request) -> Response:
+    served = await _gateway(request).served()
+    served.check(request.path_params["model"])
+    return JSONResponse(model_object(served.id, served.created))
+
+
+async def health(request: Request) -> Response:
+    gateway = _gateway(request)
+    state = await gateway.snapshot()
+    ready = state.phase is RunPhase.PROMPT_READY and not state.stopping
+    body = {"status": "ok" if ready else "unavailable", "run": gateway.workflow_id}
+    return JSONResponse({**body, "phase": state.phase.value}, status_code=200 if ready else 503)
+
+
+async def completions(request: Request) -> Response:
+    gateway = _gateway(request)
+    req: CompletionRequest = parse_body(await read_body(request), CompletionRequest)
+    served = await gateway.served()
+    served.check(req.model)
+    text = req.prompt_text()
+    if not text:
+        raise invalid("the prompt must not be empty", "prompt", "invalid_value")
+    tok = await gateway.tokenizer()
+    n_prompt = await gateway.count_tokens(tok, text, special=False)
+    _check_context(served, n_prompt, "prompt")
+    prep = Prepared(
+        fields={
+            "prompt_text": text,
+            "chat": False,
+            "max_tokens": req.token_limit(),
+            **req.sampling(),
+        },
+        prompt_tokens=n_prompt,
+        stops=req.stops(),
+        include_usage=req.include_usage(),
+        stream=bool(req.stream),
+    )
+    return await _respond(request, gateway, served, prep, tok, chat=False)
+
+
+async def chat_completions(request: Request) -> Response:
+    gateway = _gateway(request)
+    req: ChatRequest = parse_body(await read_body(request), ChatRequest)
+    served = await gateway.served()
+    served.check(req.model)
+    messages = [{"role": m.template_role(), "content": m.text()} for m in req.messages]
+    tok = await gateway.tokenizer()
+    template = tok is not None and tok.has_chat_template
+    if len(messages) == 1 and messages[0]["role"] == "user":
+        # The run's own chat path renders exactly this conversation, and encodes the
+        # template's control tokens as such.
+        content = messages[0]["content"]
+        if not content:
+            raise invalid("the message must not be empty", "messages.0.content", "invalid_value")
+        fields: dict[str, Any] = {"prompt_text": content, "chat": True}
+        rendered = await _render(gateway, tok, messages) if template else ""
+        n_prompt = await gateway.count_tokens(tok, rendered, special=True)
+    else:
+        if tok is None or not template:
+            raise invalid(
+                "this gateway cannot read the model's chat template: only a conversation of "
+                "one user message is supported",
+                "messages",
+                "unsupported_conversation",
+            )
+        # Rendered here, sent as plain text (the run's chat path takes one user message):
+        # the head node encodes it without parsing control-token text (docs/gateway.md).
+        rendered = await _render(gateway, tok, messages)
+        fields = {"prompt_text": rendered, "chat": False}
+        n_prompt = await gateway.count_tokens(tok, rendered, special=False)
+    _check_context(served, n_prompt, "messages")
+    prep = Prepared(
+        fields={**fields, "max_tokens": req.token_limit(), **req.sampling()},
+        prompt_tokens=n_prompt,
+        stops=req.stops(),
+        include_usage=req.include_usage(),
+        stream=bool(req.stream),
+    )
+    return await _respond(request, gateway, served, prep, tok, chat=True)
+
+
+async def _render(gateway: Gateway, tok: Tokenizer | None, messages: list[dict[str, str]]) -> str:
+    assert tok is not None
+    from workers.engine.tokenizer import TokenizerError
+
+    try:
+        return await gateway.in_tok_thread(tok.apply_chat_template, messages)
+    except TokenizerError as err:
+        raise invalid(
+            f"the model's chat template refused the messages: {err}", "messages"
+        ) from None
+
+
+def _check_context(served: ServedModel, n_prompt: int, param: str) -> None:
+    if n_prompt >= served.max_seq_len:
+        raise invalid(
+            f"This model's maximum context length is {served.max_seq_len} tokens; your prompt "
+            f"has {n_prompt} (the prompt and at least one generated token must fit).",
+            param,
+            "context_length_exceeded",
+        )
+
+
+async def _respond(
+    request: Request,
+    gateway: Gateway,
+    served: ServedModel,
+    prep: Prepared,
+    tok: Tokenizer | None,
+    *,
+    chat: bool,
+) -> Response:
+    try:
+        session = await unless_disconnected(request, gateway.open(prep.fields))
+    except ClientGone:
+        return Response(status_code=499)
+    created = int(time.time())
+    ident = f"{'chatcmpl' if chat else 'cmpl'}-{gateway.run_id}-{session.request_id}"
+    if prep.stream:
+        chunks = _stream(gateway, session, prep, tok, served, ident, created, chat)
+        return EventStream(chunks, on_close=session.close)
+    try:
+        out = await unless_disconnected(request, collect(gateway, session, prep, tok))
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        await session.close()
+    assert out.finish is not None
+    body: dict[str, Any] = {"id": ident, "created": created, "model": served.id}
+    if chat:
+        body["object"] = "chat.completion"
+        body["choices"] = [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": out.text, "refusal": None},
+                "logprobs": None,
+                "finish_reason": out.finish.reason,
+            }
+        ]
+    else:
+        body["object"] = "text_completion"
+        body["choices"] = [
+            {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish.reason}
+        ]
+    body["usage"] = usage(prep.prompt_tokens, out.finish.completion_tokens)
+    return JSONResponse(body)
+
+
+async def _stream(
+    gateway: Gateway,
+    session: PromptSession,
+    prep: Prepared,
+    tok: Tokenizer | None,
+    served: ServedModel,
+    ident: str,
+    created: int,
+    chat: bool,
+) -> AsyncGenerator[bytes, None]:
+    head: dict[str, Any] = {
+        "id": ident,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": served.id,
+    }
+
+    def chunk(text: str | None, finish: str | None = None) -> bytes:
+        if chat:
+            delta: dict[str, Any] = {} if text is None else {"content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        body = {**head, "choices": [choice]}
+        if prep.include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    try:
+        if chat:
+            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+            first = {**head, "choices": [{**role, "finish_reason": None}]}
+            if prep.include_usage:
+                first["usage"] = None
+            yield sse(first)
+        finish: Finish | None = None
+        async for item in drive(gateway, session, prep, tok):
+            if isinstance(item, str):
+                yield chunk(item)
+            else:
+                finish = item
+        assert finish is not None
+        yield chunk(None, finish.reason)
+        if prep.include_usage:
+            yield sse(
+                {
+                    **head,
+                    "choices": [],
+                    "usage": usage(prep.prompt_tokens, finish.completion_tokens),
+                }
+            )
+        yield SSE_DONE
+    except ApiError as err:
+        # Headers are gone: the error travels as an event (the openai client raises it).
+        yield sse(err.body())
+    finally:
+        await session.close()
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    err = ApiError(exc.status_code, str(exc.detail), code=code)
+    return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.exception("request %s %s failed", request.method, request.url.path, exc_info=exc)
+    err = ApiError(500, f"internal error: {type(exc).__name__}", type="server_error")
+    return JSONResponse(err.body(), status_code=500)
+
+
+def create_app(client: Client, run_id: int, *, poll_cooldown_ms: int = 20) -> Starlette:
+    """The gateway of run ``mvp-run-<run_id>``, on an open Temporal client."""
+    gateway = Gateway(client, run_id, poll_cooldown_ms=poll_cooldown_ms)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.aclose()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/models", list_models, methods=["GET"]),
+            Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/health", health, methods=["GET"]),
+        ],
+        exception_handlers={
+            ApiError: _api_error,
+            HTTPException: _http_error,
+            Exception: _server_error,
+        },
+        lifespan=lifespan,
+    )
+    app.state.gateway = gateway
+    return app

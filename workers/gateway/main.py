@@ -1,0 +1,355 @@
+"""``mvp-gateway``: an OpenAI-compatible HTTP API over one run.
+
+    mvp-gateway --workflow-id mvp-run-7                       # serve a run that exists
+    mvp-gateway --run-request docs/examples/run-pipeline.json # start run 1 and serve it
+
+It connects to Temporal at ``$TEMPORAL_ADDRESS`` (default localhost:7233), where an
+orchestrator worker must be running. With ``--run-request`` it starts run ``--run-id``
+(default 1) and, on SIGINT or SIGTERM, asks it to shut down (``request_shutdown``) and
+waits for it to close; with ``--workflow-id`` it leaves the run as it is. The API is at
+``http://HOST:PORT/v1`` (docs/gateway.md); until the run is prompt-ready it answers 503.
+Exit status: 0 after a signal, 1 when the run ends on its own or the gateway cannot
+start (one line on stderr), 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Generator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, NoReturn
+
+import uvicorn
+from pydantic import ValidationError
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowFailureError,
+    WorkflowHandle,
+    WorkflowQueryFailedError,
+    WorkflowQueryRejectedError,
+)
+from temporalio.exceptions import WorkflowAlreadyStartedError
+from temporalio.service import RPCError, RPCStatusCode
+
+from mvp_core import names
+from mvp_core.models import RequestShutdown, RunOutcome, RunPhase, RunRequest, ShutdownReason
+from mvp_core.run_state import RunState
+from workers.client import start_run
+from workers.connect import connect, temporal_address
+from workers.gateway.app import create_app
+
+PROG = "mvp-gateway"
+DEFAULT_LISTEN = "127.0.0.1:8000"
+SHUTDOWN_WAIT_S = 60.0  # how long a run we started may take to close after our signal
+SERVER_STOP_S = 10.0
+GRACEFUL_S = 3  # open HTTP requests get this long; then their prompts are cancelled
+WATCH_EVERY_S = 1.0
+
+
+class GatewayError(Exception):
+    """Why the gateway cannot go on, in one line for stderr; it exits 1."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        print(f"{PROG}: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--listen",
+        default=DEFAULT_LISTEN,
+        metavar="HOST:PORT",
+        help="where the HTTP API listens (default: %(default)s; port 0 picks one)",
+    )
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--workflow-id", metavar="mvp-run-N", help="serve this existing run")
+    which.add_argument(
+        "--run-request",
+        metavar="FILE",
+        type=Path,
+        help="start a run from this RunRequest JSON (e.g. docs/examples/run-pipeline.json), "
+        "serve it, and shut it down on exit",
+    )
+    p.add_argument(
+        "--run-id",
+        type=int,
+        default=None,
+        help="(with --run-request) the run's id, workflow mvp-run-<id> (default: 1)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="uvicorn's log level; info includes one access line per request (default: info)",
+    )
+    return p
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise GatewayError(f"invalid --listen {value!r}: use HOST:PORT")
+    return host, int(port)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything starts, so a busy port fails first."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, addr = infos[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError as err:
+        raise GatewayError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    return sock
+
+
+def read_run_request(path: Path) -> RunRequest:
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise GatewayError(f"cannot read {path}: {err.strerror or err}") from None
+    try:
+        return RunRequest.model_validate(json.loads(text))
+    except ValueError as err:  # JSON or validation (ValidationError is a ValueError)
+        if isinstance(err, ValidationError):
+            fields = sorted({".".join(str(p) for p in e["loc"]) or "request" for e in err.errors()})
+            raise GatewayError(f"invalid run request {path}: {', '.join(fields[:8])}") from None
+        raise GatewayError(f"invalid run request {path}: not JSON ({err})") from None
+
+
+class SignallessServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the gateway stops it, then the run."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+class Gateway:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.stop = asyncio.Event()
+        self.signals = 0
+
+    def on_signal(self) -> None:
+        self.signals += 1
+        self.stop.set()
+
+    async def main(self) -> int:
+        args = self.args
+        if args.run_id is not None and args.run_request is None:
+            raise GatewayError("--run-id goes with --run-request")
+        host, port = parse_listen(args.listen)
+        request = read_run_request(args.run_request) if args.run_request else None
+        if request is None:
+            run_id = names.run_id_from_workflow_id(args.workflow_id)
+            if run_id is None:
+                raise GatewayError(f"invalid --workflow-id {args.workflow_id!r}: use mvp-run-N")
+        else:
+            run_id = 1 if args.run_id is None else args.run_id
+            if run_id < 0:
+                raise GatewayError("--run-id must be 0 or more")
+        sock = bind(host, port)
+        try:
+            address = temporal_address()
+            client = await connect()
+        except RuntimeError as err:  # the connection error says where and why
+            text = str(err)
+            if not text.startswith("cannot "):
+                text = f"cannot connect to Temporal: {text}"
+            raise GatewayError(text) from None
+        handle = client.get_workflow_handle(names.run_workflow_id(run_id))
+        if request is None:
+            await self._check_running(handle, address)
+        else:
+            handle = await self._start(client, run_id, request)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.on_signal)
+        bound = sock.getsockname()
+        url = f"http://{_url_host(str(bound[0]))}:{bound[1]}/v1"
+        config = uvicorn.Config(
+            create_app(client, run_id),
+            log_level=args.log_level,
+            timeout_graceful_shutdown=GRACEFUL_S,
+            lifespan="on",
+        )
+        server = SignallessServer(config)
+        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+        closed = asyncio.ensure_future(self._closed(handle))
+        ready = asyncio.ensure_future(self._announce(handle, url))
+        stopping = asyncio.ensure_future(self.stop.wait())
+        try:
+            await asyncio.wait({serving, closed, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
+            server.should_exit = True
+            if self.signals > 1:
+                server.force_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(serving, SERVER_STOP_S)
+            stopping.cancel()
+        if closed.done():
+            raise GatewayError(await self._ended(handle))
+        closed.cancel()
+        if serving.done() and not self.stop.is_set():
+            why = serving.exception() if not serving.cancelled() else None
+            raise GatewayError(f"the HTTP server stopped: {why or 'without a reason'}")
+        if request is not None:
+            await self._shutdown(handle, run_id)
+        return 0
+
+    async def _check_running(self, handle: WorkflowHandle[Any, Any], address: str) -> None:
+        try:
+            desc = await handle.describe()
+        except RPCError as err:
+            if err.status is RPCStatusCode.NOT_FOUND:
+                raise GatewayError(f"no run {handle.id} on {address}") from None
+            raise GatewayError(f"cannot describe run {handle.id} on {address}: {err}") from None
+        if desc.status is not WorkflowExecutionStatus.RUNNING:
+            status = desc.status.name.lower() if desc.status else "closed"
+            raise GatewayError(f"run {handle.id} has ended ({status})")
+
+    async def _start(
+        self, client: Client, run_id: int, request: RunRequest
+    ) -> WorkflowHandle[Any, Any]:
+        wid = names.run_workflow_id(run_id)
+        try:
+            handle = await start_run(client, run_id, request)
+        except WorkflowAlreadyStartedError:
+            raise GatewayError(
+                f"run {wid} exists already: serve it with --workflow-id {wid}, or choose "
+                "another --run-id"
+            ) from None
+        except RPCError as err:
+            raise GatewayError(f"cannot start run {wid}: {err.message}") from None
+        say(
+            f"started run {wid} ({request.pipeline_stages} stage(s), provider "
+            f"{request.provider.value})"
+        )
+        return handle
+
+    async def _announce(self, handle: WorkflowHandle[Any, Any], url: str) -> None:
+        say(f"serving run {handle.id} at {url} (503 until it is prompt-ready)")
+        while True:
+            with contextlib.suppress(
+                RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError
+            ):
+                state: RunState = await handle.query(
+                    names.QUERY_SNAPSHOT, result_type=RunState, rpc_timeout=timedelta(seconds=5)
+                )
+                if state.phase is RunPhase.PROMPT_READY and state.plan is not None:
+                    model = os.path.basename(state.plan.model_path).removesuffix(".gguf")
+                    say(f"run {handle.id} is prompt-ready: model {model!r} at {url}")
+                    return
+            await asyncio.sleep(WATCH_EVERY_S)
+
+    async def _closed(self, handle: WorkflowHandle[Any, Any]) -> None:
+        """Returns when the run has closed (a Temporal outage is waited out)."""
+        while True:
+            with contextlib.suppress(RPCError):
+                desc = await handle.describe()
+                if desc.status is not WorkflowExecutionStatus.RUNNING:
+                    return
+            await asyncio.sleep(WATCH_EVERY_S)
+
+    async def _ended(self, handle: WorkflowHandle[Any, Any]) -> str:
+        try:
+            result = await asyncio.wait_for(handle.result(), 10)
+        except WorkflowFailureError as err:
+            cause = getattr(err.cause, "message", None) or str(err.cause or err)
+            return f"run {handle.id} ended: {cause}"
+        except Exception as err:
+            return f"run {handle.id} ended ({type(err).__name__}: {err})"
+        with contextlib.suppress(ValidationError):
+            outcome = RunOutcome.model_validate(result)
+            return f"run {handle.id} ended: {outcome.outcome.value}"
+        return f"run {handle.id} ended"
+
+    async def _shutdown(self, handle: WorkflowHandle[Any, Any], run_id: int) -> None:
+        """The run we started: ask it to shut down, wait (bounded) for it to close."""
+        say(f"shutting down run {handle.id}")
+        try:
+            await handle.signal(
+                names.SIGNAL_REQUEST_SHUTDOWN,
+                RequestShutdown(run_id=run_id, reason=ShutdownReason.OPERATOR_REQUESTED),
+            )
+        except RPCError as err:
+            if err.status is not RPCStatusCode.NOT_FOUND:  # NOT_FOUND: closed already
+                raise GatewayError(
+                    f"cannot ask run {handle.id} to shut down: {err.message}"
+                ) from None
+        wait = asyncio.ensure_future(handle.result())
+        stop_waiting = asyncio.ensure_future(self._second_signal())
+        await asyncio.wait(
+            {wait, stop_waiting}, timeout=SHUTDOWN_WAIT_S, return_when=asyncio.FIRST_COMPLETED
+        )
+        stop_waiting.cancel()
+        if not wait.done():
+            wait.cancel()
+            raise GatewayError(
+                f"run {handle.id} did not close within {SHUTDOWN_WAIT_S:.0f} s of the shutdown "
+                "request (it goes on shutting down without the gateway)"
+            )
+        failure = wait.exception()
+        if isinstance(failure, WorkflowFailureError):
+            cause = getattr(failure.cause, "message", None) or str(failure.cause or failure)
+            raise GatewayError(f"run {handle.id} ended: {cause}")
+        if failure is not None:
+            raise GatewayError(f"run {handle.id}: {type(failure).__name__}: {failure}")
+        outcome = RunOutcome.model_validate(wait.result())
+        say(f"run {handle.id} closed: {outcome.outcome.value}")
+
+    async def _second_signal(self) -> None:
+        seen = self.signals
+        while self.signals <= seen:
+            await asyncio.sleep(0.1)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def say(message: str) -> None:
+    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+
+
+def main() -> None:
+    args = parser().parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    code = 1
+    try:
+        code = asyncio.run(Gateway(args).main())
+    except GatewayError as err:
+        print(f"{PROG}: {err}", file=sys.stderr)
+    except KeyboardInterrupt:
+        code = 130
+    # As mvp-chat: exit without interpreter finalisation, which an RPC cancelled at exit
+    # can turn into an abort of the SDK's native runtime.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()
