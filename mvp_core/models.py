@@ -464,6 +464,14 @@ class StopRun(_Model):
 # --------------------------------------------------------------------------- prompts
 
 
+class ChatMessage(_Model):
+    """One message of a conversation, rendered on the head node with the model's own
+    chat template (``SubmitPrompt.messages``)."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = Field(max_length=1_000_000)
+
+
 class SubmitPrompt(_Model):
     """A prompt (actor spec 4.5 plus DECISIONS 10). ``reply_to`` is the prompt stream.
 
@@ -475,6 +483,14 @@ class SubmitPrompt(_Model):
     prompt_text: str
     max_tokens: int | None = Field(default=None, ge=0, le=_U32)
     chat: bool = False
+    messages: list[ChatMessage] | None = Field(
+        default=None,
+        max_length=1024,
+        description=(
+            "A whole conversation (with chat): rendered with the model's chat template on "
+            "the head node, its control tokens encoded as such; prompt_text is then ignored"
+        ),
+    )
     temperature: float = Field(default=0.0, ge=0.0, le=1000.0)
     top_k: int = Field(default=0, ge=0, le=_U32)
     top_p: float = Field(default=1.0, ge=1e-6, le=1.0)

@@ -735,7 +735,14 @@ class RunWorkflow:
     @submit_prompt.validator
     def _validate_prompt(self, *args: Any) -> None:
         prompt = self._prompt_of(args)
-        if not prompt.prompt_text:
+        if prompt.messages is not None and not prompt.chat:
+            raise ApplicationError(
+                "InvalidPrompt: messages need chat=true (they are rendered with the model's "
+                "chat template)",
+                type="InvalidPrompt",
+                non_retryable=True,
+            )
+        if not prompt.prompt_text and not prompt.messages:
             raise ApplicationError(
                 "InvalidPrompt: prompt_text must not be empty",
                 type="InvalidPrompt",

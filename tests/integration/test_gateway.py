@@ -26,7 +26,7 @@ from openai import AsyncOpenAI
 from temporalio.client import Client, WorkflowExecutionStatus
 
 from mvp_core import names
-from mvp_core.models import Done, RequestShutdown, RunPhase, SubmitPrompt
+from mvp_core.models import ChatMessage, Done, RequestShutdown, RunPhase, SubmitPrompt
 from tests.helpers.runs import log_sizes, task_failures
 from tests.integration.conftest import (
     REPO,
@@ -236,17 +236,37 @@ async def test_chat_equals_submit_prompt_of_the_chat_template(site: Site):
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == ref.tokens_generated
 
-    # A conversation the run's chat path cannot take is rendered here and sent as text.
+    # A whole conversation goes to the run as messages: rendered on the head node with the
+    # model's template, its control tokens encoded as such (not as their characters).
     convo = [
         {"role": "system", "content": "You answer in one word."},
         {"role": "user", "content": QUESTION},
     ]
-    ref2 = await site.reference(site.tok.apply_chat_template(convo))
+    ref2 = await submit_prompt(
+        site.client,
+        RUN,
+        SubmitPrompt(
+            request_id=site.rid(),
+            prompt_text="",
+            chat=True,
+            messages=[ChatMessage(**m) for m in convo],
+            max_tokens=N,
+        ),
+    )
+    assert isinstance(ref2, Done), ref2
+    as_text = await site.reference(site.tok.apply_chat_template(convo))
     two: Any = convo
     got = await site.oai.chat.completions.create(
         model=MODEL, messages=two, max_tokens=N, temperature=0
     )
     assert got.choices[0].message.content == ref2.final_text
+    rendered2 = site.tok.apply_chat_template(convo)
+    assert got.usage is not None
+    assert got.usage.prompt_tokens == len(site.tok.encode(rendered2, parse_special=True))
+    assert len(site.tok.encode(rendered2, parse_special=True)) < len(
+        site.tok.encode(rendered2, parse_special=False)
+    )  # the control tokens are single tokens
+    print(f"\nconversation as messages: {ref2.final_text!r}; as plain text: {as_text.final_text!r}")
 
 
 async def test_stop_string_cuts_the_text_and_cancels_the_prompt(site: Site):

@@ -651,11 +651,12 @@ async def chat_completions(request: Request) -> Response:
                 "messages",
                 "unsupported_conversation",
             )
-        # Rendered here, sent as plain text (the run's chat path takes one user message):
-        # the head node encodes it without parsing control-token text (docs/gateway.md).
+        # The whole conversation goes to the run, which renders it with the same template
+        # on the head node and encodes its control tokens as such; rendered here only to
+        # count its tokens and check the context.
         rendered = await _render(gateway, tok, messages)
-        fields = {"prompt_text": rendered, "chat": False}
-        n_prompt = await gateway.count_tokens(tok, rendered, special=False)
+        fields = {"prompt_text": "", "messages": messages, "chat": True}
+        n_prompt = await gateway.count_tokens(tok, rendered, special=True)
     _check_context(served, n_prompt, "messages")
     prep = Prepared(
         fields={**fields, "max_tokens": req.token_limit(), **req.sampling()},

@@ -142,7 +142,12 @@ class StageRuntime:
         if prompt.chat:
             if not self.tokenizer.has_chat_template:
                 raise PromptTooLong("chat requested but the model has no chat template")
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+            conversation = (
+                [{"role": m.role, "content": m.content} for m in prompt.messages]
+                if prompt.messages
+                else [{"role": "user", "content": text}]
+            )
+            text = self.tokenizer.apply_chat_template(conversation)
             ids = self.tokenizer.encode(text, add_special=True, parse_special=True)
         else:
             ids = self.tokenizer.encode(text, add_special=True, parse_special=False)
