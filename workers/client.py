@@ -22,6 +22,7 @@ from pydantic import TypeAdapter
 from temporalio.client import (
     Client,
     WorkflowHandle,
+    WorkflowQueryFailedError,
     WorkflowUpdateFailedError,
     WorkflowUpdateHandle,
     WorkflowUpdateStage,
@@ -35,11 +36,13 @@ from mvp_core.models import (
     Done,
     Fault,
     PromptEvent,
+    PromptOutcome,
     PromptTerminal,
     RunRequest,
     SubmitPrompt,
     TextDelta,
 )
+from mvp_core.run_state import RunState
 
 _EVENT: TypeAdapter[TextDelta | Done | Fault] = TypeAdapter(PromptEvent)
 _TERMINAL: Any = PromptTerminal
@@ -164,3 +167,68 @@ async def submit_prompt(client: Client, run_id: int, prompt: SubmitPrompt) -> Do
     except WorkflowUpdateFailedError as err:
         raise _rejection(err) from None
     return result
+
+
+class PromptNotFound(LookupError):
+    """No prompt of that request id was ever admitted by the run."""
+
+
+async def find_prompt(client: Client, run_id: int, request_id: int) -> str | None:
+    """The workflow id of run ``run_id``'s prompt ``request_id``: one in flight from the
+    run's own snapshot, else the newest finished one from visibility (a request id can be
+    used again once its prompt ended)."""
+    try:
+        state: RunState = await client.get_workflow_handle(names.run_workflow_id(run_id)).query(
+            names.QUERY_SNAPSHOT, result_type=RunState
+        )
+        for record in [state.active, *state.pending]:
+            if record is not None and record.request_id == request_id:
+                return record.workflow_id
+    except (RPCError, WorkflowQueryFailedError):
+        pass  # a closed run: its prompts are in visibility
+    prefix = names.prompt_workflow_id(run_id, request_id, "")
+    query = f"WorkflowType = '{names.PROMPT_WORKFLOW}' AND WorkflowId STARTS_WITH '{prefix}'"
+    newest: tuple[Any, str] | None = None
+    async for wf in client.list_workflows(query):
+        if newest is None or wf.start_time > newest[0]:
+            newest = (wf.start_time, wf.id)
+    return newest[1] if newest else None
+
+
+async def attach_prompt(
+    client: Client, run_id: int, request_id: int, *, poll_cooldown_ms: int = 20
+) -> AsyncIterator[TextDelta | Done | Fault]:
+    """Re-attach to a prompt, running or finished, from any client: the whole text so far,
+    then the rest as it is generated, then its one terminal event. Raises PromptNotFound
+    when the run never admitted ``request_id``."""
+    wf_id = await find_prompt(client, run_id, request_id)
+    if wf_id is None:
+        raise PromptNotFound(f"run {run_id} has no prompt {request_id}")
+    stream = WorkflowStreamClient.create(client, wf_id)
+    seen: list[str] = []
+    terminal: Done | Fault | None = None
+    try:
+        async for item in stream.subscribe(
+            [names.PROMPT_STREAM_TOPIC],
+            from_offset=0,
+            result_type=None,
+            poll_cooldown=timedelta(milliseconds=poll_cooldown_ms),
+        ):
+            event = _EVENT.validate_python(item.data)
+            if isinstance(event, TextDelta):
+                seen.append(event.text)
+                yield event
+            else:
+                terminal = event
+                break
+    except RPCError:
+        pass  # a stream no longer retained: the prompt's result has its whole text
+    if terminal is None:
+        raw = await client.get_workflow_handle(wf_id).result()
+        terminal = PromptOutcome.model_validate(raw).terminal
+        so_far = "".join(seen)
+        if isinstance(terminal, Done) and terminal.final_text.startswith(so_far):
+            rest = terminal.final_text[len(so_far) :]
+            if rest:
+                yield TextDelta(request_id=request_id, text=rest)
+    yield terminal
