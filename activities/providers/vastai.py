@@ -303,8 +303,11 @@ class VastAiProvider:
         last: VastApiError | None = None
         while True:
             try:
+                # One try per round: this loop backs off itself, within the deadline.
                 self._call(
-                    f"destroy instance {instance_id}", lambda: sdk.destroy_instance(instance_id)
+                    f"destroy instance {instance_id}",
+                    lambda: sdk.destroy_instance(instance_id),
+                    retry=False,
                 )
             except VastApiError as err:
                 if err.status != 404:
