@@ -578,6 +578,7 @@ class PromptInput(_Model):
     prompt: SubmitPrompt
     max_new_tokens: int | None
     head_task_queue: str
+    head_node_id: int | None = None  # for the Web UI's activity summary only
     generate_heartbeat_s: float = 5.0
     stream_batch_ms: int = 100
 

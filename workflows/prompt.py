@@ -51,6 +51,8 @@ class PromptWorkflow:
         self._stream = WorkflowStream()
         self._activated = False
         self._cancel_reason: str | None = None
+        # Ids only (never the prompt's text): the Web UI's details line.
+        self._label = f"run {inp.run_id} · request {inp.prompt.request_id}"
 
     @workflow.signal(name=names.SIGNAL_PROMPT_ACTIVATE)
     def activate(self) -> None:
@@ -64,9 +66,14 @@ class PromptWorkflow:
     @workflow.run
     async def run(self, inp: PromptInput) -> PromptOutcome:
         request_id = inp.prompt.request_id
+        where = f"node {inp.head_node_id}" if inp.head_node_id is not None else "the head node"
+        workflow.set_current_details(f"{self._label}: queued, waiting for its turn")
         await workflow.wait_condition(lambda: self._activated or self._cancel_reason is not None)
         if self._cancel_reason is not None:
             return self._finish(self._cancelled(request_id))
+        workflow.set_current_details(
+            f"{self._label}: generating on {where} (at most {_limit(inp.max_new_tokens)} tokens)"
+        )
         handle = workflow.start_activity(
             names.ACT_NODE_GENERATE,
             GenerateInput(
@@ -79,6 +86,7 @@ class PromptWorkflow:
             ),
             result_type=PromptOutcome,
             task_queue=inp.head_task_queue,
+            summary=f"generate request {request_id} on {where} (run {inp.run_id})",
             schedule_to_start_timeout=timedelta(seconds=30),
             start_to_close_timeout=timedelta(hours=6),
             heartbeat_timeout=timedelta(seconds=inp.generate_heartbeat_s),
@@ -129,5 +137,9 @@ class PromptWorkflow:
             detail = f"done: {terminal.tokens_generated} tokens ({terminal.stop_reason})"
         else:
             detail = f"{outcome.status.value}: {terminal.error}"
-        workflow.set_current_details(detail[:400])
+        workflow.set_current_details(f"{self._label}: {detail}"[:400])
         return outcome
+
+
+def _limit(max_new_tokens: int | None) -> str:
+    return "the context's" if max_new_tokens is None else str(max_new_tokens)

@@ -230,6 +230,7 @@ class RunWorkflow:
                     result_type=str,
                     task_queue=names.ORCHESTRATOR_TASK_QUEUE,
                     start_to_close_timeout=timedelta(seconds=10),
+                    summary=f"provider queue of run {state.run_id} ({req.provider.value})",
                 )
             )
             plan = await self._guard(
@@ -249,6 +250,7 @@ class RunWorkflow:
                     ),
                     result_type=RunPlan,
                     task_queue=state.provider_queue,
+                    summary=f"plan {self._model_name()} in {req.pipeline_stages} stage(s)",
                     start_to_close_timeout=timedelta(minutes=10),
                     heartbeat_timeout=ACTIVITY_HEARTBEAT,
                     retry_policy=RetryPolicy(
@@ -259,6 +261,7 @@ class RunWorkflow:
         except ActivityError as err:
             raise _Rejected(f"planning failed: {failure_cause(err)}") from None
         state.plan = plan
+        self._show()
         for stage in plan.stages:
             state.nodes.append(
                 NodeState(
@@ -333,6 +336,7 @@ class RunWorkflow:
                     result_type=NodeHandle,
                     task_queue=state.provider_queue,
                     start_to_close_timeout=start_timeout,
+                    summary=f"start node {node.node_id} (stage {node.stage_index})",
                     heartbeat_timeout=ACTIVITY_HEARTBEAT,
                     retry_policy=RetryPolicy(maximum_attempts=3),
                 )
@@ -411,6 +415,7 @@ class RunWorkflow:
                 ),
                 result_type=RouteCheck,
                 task_queue=names.ORCHESTRATOR_TASK_QUEUE,
+                summary=f"check route of node {node.node_id} (stage {node.stage_index})",
                 start_to_close_timeout=timedelta(seconds=10),
                 schedule_to_close_timeout=timedelta(seconds=remaining),
                 retry_policy=RetryPolicy(
@@ -440,6 +445,7 @@ class RunWorkflow:
                 ),
                 result_type=NodeRuntimeReadyAck,
                 task_queue=node.task_queue,
+                summary=f"ack runtime-ready of node {node.node_id} (stage {node.stage_index})",
                 start_to_close_timeout=timedelta(seconds=max(t.ack_resend_s, 1.0)),
                 schedule_to_close_timeout=timedelta(seconds=t.ack_s),
                 retry_policy=RetryPolicy(
@@ -486,6 +492,10 @@ class RunWorkflow:
                 names.ACT_NODE_PROVISION_STAGE,
                 provision,
                 task_queue=node.task_queue,
+                summary=(
+                    f"provision stage {node.stage_index} of {state.plan.stage_count} "
+                    f"on node {node.node_id}"
+                ),
                 start_to_close_timeout=timedelta(seconds=req.timeouts.weight_load_s),
                 heartbeat_timeout=timedelta(seconds=30),
                 retry_policy=RetryPolicy(
@@ -542,6 +552,7 @@ class RunWorkflow:
                             run_workflow_id=workflow.info().workflow_id,
                         ),
                         task_queue=node.task_queue,
+                        summary=f"lease node {node.node_id} (stage {node.stage_index})",
                         schedule_to_start_timeout=start_within,
                         start_to_close_timeout=timedelta(days=30),
                         heartbeat_timeout=timedelta(seconds=t.lease_heartbeat_s),
@@ -586,6 +597,7 @@ class RunWorkflow:
                         WatchNodesInput(handles=handles),
                         result_type=NodeExited,
                         task_queue=queue,
+                        summary="watch node(s) " + ", ".join(str(h.node_id) for h in handles),
                         start_to_close_timeout=timedelta(days=30),
                         heartbeat_timeout=timedelta(seconds=10),
                         retry_policy=RetryPolicy(
@@ -678,6 +690,7 @@ class RunWorkflow:
                 self._set_phase(RunPhase.ROLLING_OVER)
                 continue
             state.activate_next()
+            self._show()
 
     @workflow.update(name=names.UPDATE_SUBMIT_PROMPT)
     async def submit_prompt(self, *args: Any) -> PromptTerminal:
@@ -697,6 +710,7 @@ class RunWorkflow:
                     prompt.max_tokens, self._request.default_max_tokens
                 ),
                 head_task_queue=head.task_queue,
+                head_node_id=head.node_id,
                 generate_heartbeat_s=self._request.timeouts.generate_heartbeat_s,
                 stream_batch_ms=self._request.stream_batch_ms,
             ),
@@ -705,8 +719,17 @@ class RunWorkflow:
             parent_close_policy=workflow.ParentClosePolicy.ABANDON,
             execution_timeout=timedelta(days=1),
             task_timeout=WORKFLOW_TASK_TIMEOUT,
+            # Ids and counts only: the prompt's text never goes into user metadata.
+            static_summary=f"prompt {prompt.request_id} of run {state.run_id}",
+            static_details=(
+                f"run {state.run_id} · request {prompt.request_id} · "
+                f"{'chat' if prompt.chat else 'completion'} · max tokens "
+                f"{effective_max_tokens(prompt.max_tokens, self._request.default_max_tokens)} · "
+                f"head node {head.node_id} (stage {head.stage_index})"
+            ),
         )
         self._children[wf_id] = child
+        self._show()
         await workflow.wait_condition(lambda: record.active or child.done() or state.stopping)
         if record.active and not child.done():
             await child.signal(names.SIGNAL_PROMPT_ACTIVATE)
@@ -727,6 +750,7 @@ class RunWorkflow:
         state.finish_prompt(
             wf_id, ok, "" if ok else getattr(outcome.terminal, "error", ""), prompt.request_id
         )
+        self._show()
         if outcome.run_fault is not None:
             # The head's driver saw its pipeline fail: maybe a peer died (the watch names it).
             self._suspect(outcome.run_fault)
@@ -933,6 +957,7 @@ class RunWorkflow:
                         reason=state.first_fault or "operator stop",
                     ),
                     task_queue=node.task_queue,
+                    summary=f"stop stage {node.stage_index} on node {node.node_id}",
                     schedule_to_close_timeout=timedelta(seconds=max(t.stage_stopped_wait_s, 1)),
                     start_to_close_timeout=timedelta(seconds=max(t.stage_stopped_wait_s, 1)),
                     retry_policy=RetryPolicy(maximum_attempts=2),
@@ -973,6 +998,7 @@ class RunWorkflow:
                     StopNodeInput(handle=handle, grace_s=t.stop_grace_s),
                     result_type=StopNodeResult,
                     task_queue=state.provider_queue,
+                    summary=f"provider stop node {node.node_id} (stage {node.stage_index})",
                     # A rented instance's destroy is retried inside the activity (429s).
                     start_to_close_timeout=timedelta(
                         seconds=t.stop_grace_s
@@ -1017,6 +1043,37 @@ class RunWorkflow:
     def _set_phase(self, phase: RunPhase) -> None:
         self._state.phase = phase
         workflow.upsert_search_attributes([PHASE_KEY.value_set(phase.value)])
+        self._show()
+
+    def _model_name(self) -> str:
+        """The model's name: the request's bundled name or file name, else the plan's."""
+        model = self._request.model
+        if model.bundled:
+            return model.bundled
+        if model.path:
+            return model.path.replace("\\", "/").rsplit("/", 1)[-1]
+        if self._state.plan is not None:
+            return self._state.plan.model_facts.name
+        return "the default model"
+
+    def _show(self) -> None:
+        """The run's current details in the Web UI: model, stages, provider, phase and
+        prompt counts. Names, ids and counts only (never prompt text or secrets); it lives
+        in the worker and is served by the metadata query, so history is unchanged."""
+        state, req = self._state, self._request
+        stages = state.plan.stage_count if state.plan is not None else req.pipeline_stages
+        active = f", request {state.active.request_id} active" if state.active else ""
+        lines = [
+            f"**run {state.run_id}**: {self._model_name()} in {stages} stage(s), "
+            f"provider {req.provider.value}",
+            f"phase: {state.phase.value}",
+            f"prompts: {state.prompts_completed} completed, {len(state.pending)} queued{active}",
+        ]
+        if state.continued:
+            lines.append(f"continued as new {state.continued} time(s)")
+        if state.first_fault is not None:
+            lines.append("faulted (see the run's outcome)")
+        workflow.set_current_details("\n\n".join(lines))
 
 
 _SIGNALS: dict[str, tuple[type[BaseModel], Any]] = {
