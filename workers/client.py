@@ -57,8 +57,19 @@ async def start_run(client: Client, run_id: int, request: RunRequest) -> Workflo
         id=names.run_workflow_id(run_id),
         task_queue=names.ORCHESTRATOR_TASK_QUEUE,
         task_timeout=timedelta(seconds=names.WORKFLOW_TASK_TIMEOUT_S),
+        # What the Web UI lists for the run (its live details come from the run itself).
+        static_summary=run_summary(run_id, request),
     )
     return handle
+
+
+def run_summary(run_id: int, request: RunRequest) -> str:
+    """``run 7: SmolLM2-135M-Instruct.Q4_1, 2 stage(s) on process``: ids and names only."""
+    model = request.model.bundled or (request.model.path or "?").rsplit("/", 1)[-1]
+    return (
+        f"run {run_id}: {model[:120]}, {request.pipeline_stages} stage(s) on "
+        f"{request.provider.value}"
+    )
 
 
 class PromptRejected(Exception):

@@ -61,6 +61,10 @@ async def test_web_ui_metadata_names_nodes_stages_and_ids(runs: Runs):
     assert any(s.startswith("plan ") and "in 2 stage(s)" in s for s in run_summaries), joined
     final = await _details(handle)
     assert "phase: torn_down" in final and "1 completed" in final, final
+    run_desc = await handle.describe()
+    assert await run_desc.static_summary() == (
+        f"run {RUN_ID}: SmolLM2-135M-Instruct.Q4_1, 2 stage(s) on process"
+    )
 
     prompt_id = None
     async for wf in runs.client.list_workflows(f"WorkflowId STARTS_WITH 'mvp-run-{RUN_ID}-'"):
