@@ -141,6 +141,16 @@ def edge_token(secret: bytes, run_workflow_id: str, nonce: str) -> str:
     return hmac.new(secret, msg, hashlib.sha256).hexdigest()[:32]
 
 
+def harness_crash(point: str) -> None:
+    """Test harness only: the worker dies here when its harness set
+    ``MVP_TEST_CRASH_AFTER_LAUNCH=<point>`` (the crash-between-launch-and-record tests)."""
+    if (
+        os.environ.get(TEST_FAULTS_FILE_ENV)
+        and os.environ.get("MVP_TEST_CRASH_AFTER_LAUNCH") == point
+    ):
+        os._exit(1)
+
+
 def harness_faults(run_id: int) -> dict[str, str]:
     """The test harness's fault knobs for ``run_id`` ({} outside a test harness)."""
     path = os.environ.get(TEST_FAULTS_FILE_ENV)

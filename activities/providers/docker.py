@@ -41,10 +41,10 @@ from docker.models.networks import Network
 from docker.types import DeviceRequest, LogConfig, Mount
 
 from activities.providers.base import (
-    TEST_FAULTS_FILE_ENV,
     NodeStartFailed,
     ProviderUnavailable,
     deployment_id,
+    harness_crash,
     node_environment,
     state_dir,
 )
@@ -369,11 +369,7 @@ class DockerProvider:
             if err.status_code == 409:  # a concurrent attempt made it: the same execution's
                 return self.client().containers.get(name)
             raise NodeStartFailed(f"docker could not create {name}: {_explain(err)}") from None
-        if (
-            os.environ.get(TEST_FAULTS_FILE_ENV)
-            and os.environ.get("MVP_TEST_CRASH_AFTER_LAUNCH") == "created"
-        ):
-            os._exit(1)  # test harness only: the worker dies between create and start
+        harness_crash("created")  # the worker dies between create and start
         return container
 
     @staticmethod

@@ -23,8 +23,8 @@ from pathlib import Path
 import psutil
 
 from activities.providers.base import (
-    TEST_FAULTS_FILE_ENV,
     ProviderUnavailable,
+    harness_crash,
     harness_faults,
     node_environment,
     state_dir,
@@ -191,11 +191,7 @@ class ProcessProvider:
                 start_new_session=True,
                 cwd=str(node_dir),
             )
-        if (
-            os.environ.get(TEST_FAULTS_FILE_ENV)
-            and os.environ.get("MVP_TEST_CRASH_AFTER_LAUNCH") == "1"
-        ):
-            os._exit(1)  # test harness only: the worker dies before recording the node
+        harness_crash("1")  # the worker dies before recording the node
         self._record(pid_file, proc.pid, psutil.Process(proc.pid).create_time())
         return self._handle(spec, name, proc.pid, log_path)
 

@@ -47,9 +47,9 @@ import psutil
 import requests
 
 from activities.providers.base import (
-    TEST_FAULTS_FILE_ENV,
     NodeStartFailed,
     ProviderUnavailable,
+    harness_crash,
     node_environment,
     state_dir,
 )
@@ -550,11 +550,7 @@ class VastAiProvider:
             if not isinstance(contract, int):
                 raise NodeStartFailed(f"vastai node {spec.node_id}: create answered {made!r}"[:300])
             record = _Record(instance_id=contract, label=label, offer_id=offer)
-            if (
-                os.environ.get(TEST_FAULTS_FILE_ENV)
-                and os.environ.get("MVP_TEST_CRASH_AFTER_LAUNCH") == "created"
-            ):
-                os._exit(1)  # test harness only: the worker dies before the record
+            harness_crash("created")  # the worker dies before the record
             self._save(record)
             phases["create"] = phases.get("create", 0.0) + time.monotonic() - t0
             log.info("%s: rented offer %s as instance %s", label, offer, contract)
