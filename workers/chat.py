@@ -26,17 +26,16 @@ from typing import Any
 
 from temporalio.client import (
     Client,
-    WorkflowExecutionStatus,
     WorkflowHandle,
     WorkflowQueryFailedError,
     WorkflowQueryRejectedError,
 )
-from temporalio.service import RPCError, RPCStatusCode
+from temporalio.service import RPCError
 
 from mvp_core import names
 from mvp_core.models import CancelPrompt, Done, RunPhase, SubmitPrompt, TextDelta
 from mvp_core.run_state import RunState
-from workers.client import PromptRejected, stream_prompt
+from workers.client import PromptRejected, RunNotOpen, check_run_open, stream_prompt
 from workers.connect import DEFAULT_ADDRESS, TemporalConnectError, TemporalSettings, connect
 
 PROMPT = "prompt:> "
@@ -54,14 +53,9 @@ async def open_run(client: Client, run_id: int, address: str) -> WorkflowHandle[
     """The run's handle, once it is known to exist and to be open."""
     handle = client.get_workflow_handle(names.run_workflow_id(run_id))
     try:
-        desc = await handle.describe()
-    except RPCError as err:
-        if err.status is RPCStatusCode.NOT_FOUND:
-            raise ChatError(f"no run {handle.id} on {address}") from None
-        raise ChatError(f"cannot describe run {handle.id} on {address}: {err}") from None
-    if desc.status is not WorkflowExecutionStatus.RUNNING:
-        status = desc.status.name.lower() if desc.status else "closed"
-        raise ChatError(f"run {handle.id} has ended ({status})")
+        await check_run_open(handle, address)
+    except RunNotOpen as err:
+        raise ChatError(str(err)) from None
     with contextlib.suppress(RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError):
         state = await handle.query(
             names.QUERY_SNAPSHOT, result_type=RunState, rpc_timeout=timedelta(seconds=5)

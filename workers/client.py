@@ -21,6 +21,7 @@ from typing import Any
 from pydantic import TypeAdapter
 from temporalio.client import (
     Client,
+    WorkflowExecutionStatus,
     WorkflowHandle,
     WorkflowQueryFailedError,
     WorkflowUpdateFailedError,
@@ -29,7 +30,7 @@ from temporalio.client import (
 )
 from temporalio.contrib.workflow_streams import WorkflowStreamClient
 from temporalio.exceptions import ApplicationError
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 
 from mvp_core import names
 from mvp_core.models import (
@@ -243,3 +244,20 @@ async def attach_prompt(
             if rest:
                 yield TextDelta(request_id=request_id, text=rest)
     yield terminal
+
+
+class RunNotOpen(Exception):
+    """The run does not exist, cannot be described, or has ended (the message says which)."""
+
+
+async def check_run_open(handle: WorkflowHandle[Any, Any], address: str) -> None:
+    """Raise RunNotOpen unless the run behind ``handle`` exists and is running."""
+    try:
+        desc = await handle.describe()
+    except RPCError as err:
+        if err.status is RPCStatusCode.NOT_FOUND:
+            raise RunNotOpen(f"no run {handle.id} on {address}") from None
+        raise RunNotOpen(f"cannot describe run {handle.id} on {address}: {err}") from None
+    if desc.status is not WorkflowExecutionStatus.RUNNING:
+        status = desc.status.name.lower() if desc.status else "closed"
+        raise RunNotOpen(f"run {handle.id} has ended ({status})")

@@ -44,7 +44,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from mvp_core import names
 from mvp_core.models import RequestShutdown, RunOutcome, RunPhase, RunRequest, ShutdownReason
 from mvp_core.run_state import RunState
-from workers.client import start_run
+from workers.client import RunNotOpen, check_run_open, start_run
 from workers.connect import connect, temporal_address
 from workers.gateway.app import create_app
 
@@ -221,14 +221,9 @@ class Gateway:
 
     async def _check_running(self, handle: WorkflowHandle[Any, Any], address: str) -> None:
         try:
-            desc = await handle.describe()
-        except RPCError as err:
-            if err.status is RPCStatusCode.NOT_FOUND:
-                raise GatewayError(f"no run {handle.id} on {address}") from None
-            raise GatewayError(f"cannot describe run {handle.id} on {address}: {err}") from None
-        if desc.status is not WorkflowExecutionStatus.RUNNING:
-            status = desc.status.name.lower() if desc.status else "closed"
-            raise GatewayError(f"run {handle.id} has ended ({status})")
+            await check_run_open(handle, address)
+        except RunNotOpen as err:
+            raise GatewayError(str(err)) from None
 
     async def _start(
         self, client: Client, run_id: int, request: RunRequest
