@@ -193,6 +193,38 @@ def _child(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(res))
 
 
+def bench(model: str, threads: int, tokens: int, only: list[str]) -> dict[str, Any]:
+    """Run each configuration of ``only`` (engine1, engine2, engine3, llama_cpp, hf) in its
+    own subprocess; returns the rows measured and why the others were skipped."""
+    Path(model).read_bytes()  # warm the page cache: load times are for a cached file
+    ids = _prompt_ids(model)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = (
+        str(Path(__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
+    )
+    rows: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
+    for kind in only:
+        cmd = [sys.executable, __file__, "--model", model, "--threads", str(threads),
+               "--tokens", str(tokens), "--one", kind, "--ids", json.dumps(ids)]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            err = (proc.stderr.strip().splitlines() or ["?"])[-1]
+            print(f"{kind}: skipped ({err})", file=sys.stderr)
+            skipped[kind] = err
+            continue
+        rows.append({"kind": kind, "threads": threads, **json.loads(lines[-1][7:])})
+    return {
+        "model": Path(model).name,
+        "threads": threads,
+        "tokens": tokens,
+        "prompt_tokens": len(ids),
+        "rows": rows,
+        "skipped": skipped,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -207,25 +239,10 @@ def main() -> None:
     if args.one:
         _child(args)
         return
-    Path(args.model).read_bytes()  # warm the page cache: load times are for a cached file
-    ids = _prompt_ids(args.model)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = (
-        str(Path(__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
-    )
-    rows: list[dict[str, Any]] = []
-    for kind in args.only.split(","):
-        cmd = [sys.executable, __file__, "--model", args.model, "--threads", str(args.threads),
-               "--tokens", str(args.tokens), "--one", kind, "--ids", json.dumps(ids)]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            err = (proc.stderr.strip().splitlines() or ["?"])[-1]
-            print(f"{kind}: skipped ({err})", file=sys.stderr)
-            continue
-        rows.append(json.loads(lines[-1][7:]))
-    print(f"\nmodel {Path(args.model).name}, threads {args.threads}, prompt {len(ids)} tokens, "
-          f"decode {args.tokens} tokens greedy")  # fmt: skip
+    result = bench(args.model, args.threads, args.tokens, args.only.split(","))
+    rows = result["rows"]
+    print(f"\nmodel {Path(args.model).name}, threads {args.threads}, prompt "
+          f"{result['prompt_tokens']} tokens, decode {args.tokens} tokens greedy")  # fmt: skip
     head = (
         f"{'runtime':34} {'load s':>7} {'RSS MB':>7} {'w MB':>6} {'RSS/w':>6} {'stage max':>9} "
         f"{'prefill t/s':>12} {'decode t/s':>11}"

@@ -22,6 +22,18 @@ taken per round and its median reported. Those runs are shut down before the nex
   of the same round, at d minus at 0, divided by N; a faithful delay line keeps it near d.
   A 1-stage run has no edges (direct mode): the delay is never applied to it.
 - RSS of each node process (process provider)
+- time to first token, in parts (``ttft_breakdown_ms``, medians over the rounds), from the
+  client's clock and the prompt workflow's history (one machine, one wall clock):
+  admission = the client sends submit_prompt -> the run accepted the Update (``on_admitted``);
+  dispatch = accepted -> the generate activity started on the head node (the history's
+  ActivityTaskStarted; dispatch_to_scheduled and dispatch_schedule_to_start split it at
+  ActivityTaskScheduled); prefill = that start -> the node's first text reached the prompt
+  workflow (its first stream-publish signal: encode, the prompt through every stage, the
+  first token, detokenize and the signal RPC); first delta = that signal -> the client has
+  the first TextDelta (the workflow task that takes the signal, the client's long poll).
+  Where the head node reports its own timing (PromptOutcome.timing: encode, prefill to the
+  first token sampled, that token to its text published), those medians come along as
+  node_encode_ms, node_prefill_ms and node_first_delta_ms.
 
     .venv/bin/python scripts/bench_pipeline.py [--provider process|docker] [--stages 1,2,3]
         [--delays-ms 0,1,5,20] [--tokens 64] [--rounds 3] [--json PATH]
@@ -47,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
+from temporalio.api.enums.v1 import EventType
 
 from activities.models_store import DEFAULT_BUNDLED, fetch_bundled
 from activities.providers.base import TEST_FAULTS_FILE_ENV
@@ -54,6 +67,7 @@ from mvp_core import names
 from mvp_core.models import (
     Done,
     Fault,
+    PromptOutcome,
     RequestShutdown,
     RunPhase,
     RunRequest,
@@ -63,7 +77,7 @@ from mvp_core.models import (
 from mvp_core.planner import stage_layer_ranges
 from mvp_core.run_state import RunState
 from temporal.devserver import start_dev_server
-from workers.client import stream_prompt
+from workers.client import find_prompt, stream_prompt
 from workers.connect import TemporalSettings, connect, local_server_env
 from workers.engine import EngineOptions, SamplingParams, generate, load_stage
 from workers.node.affinity import Placement, compute_set
@@ -73,6 +87,9 @@ PROMPT_IDS = [6403, 1980, 253, 655]  # "Once upon a time"
 ADDRESS_LAYOUT = "auto"  # engine.address_layout of every run (--address-layout)
 EDGE_DELAY_KNOB = "MVP_FAULT_EDGE_DELAY_MS"
 FIRST_RUN_ID = 950
+PUBLISH_SIGNAL = "__temporal_workflow_stream_publish"  # temporalio.contrib.workflow_streams
+BREAKDOWN_PARTS = ("admission", "dispatch", "prefill", "first_delta")
+NODE_PARTS = ("encode_ms", "prefill_ms", "first_delta_ms")  # PromptOutcome.timing, if any
 
 
 @dataclass
@@ -80,6 +97,11 @@ class Sample:
     engine: float  # tok/s of the engine loop
     client: float  # tok/s seen by the streaming client
     first_ms: float  # first text delta
+    request_id: int = -1
+    sent_at: float = 0.0  # wall clock (time.time()): submit_prompt sent
+    admitted_at: float = 0.0  # the run accepted the Update
+    first_at: float = 0.0  # the client has the first TextDelta
+    parts_ms: dict[str, float] | None = None  # from the prompt workflow's history
 
 
 @dataclass
@@ -104,8 +126,9 @@ class Config:
         return statistics.median(s.engine for s in self.samples)
 
 
-def in_process(path: str, stages: int, tokens: int, threads: int) -> float:
-    """The same stages one after another in one thread, placed like a node's token path."""
+def in_process(path: str, stages: int, tokens: int, threads: int) -> tuple[float, float]:
+    """The same stages one after another in one thread, placed like a node's token path:
+    decode tok/s and the time to the first token (prefill and the first sample, ms)."""
     layers = stage_layer_ranges(30, stages)
     loaded = [
         load_stage(path, r.start, r.end, EngineOptions(device="cpu", threads=threads))
@@ -113,23 +136,24 @@ def in_process(path: str, stages: int, tokens: int, threads: int) -> float:
     ]
     try:
         rates = []
+        firsts = []
         with Placement(compute_set("auto"), nice=-5).applied():
             for _ in range(3):
                 t0 = time.perf_counter()
-                n = len(
-                    list(
-                        generate(
-                            loaded,
-                            PROMPT_IDS,
-                            max_new_tokens=tokens,
-                            max_seq_len=512,
-                            sampling=SamplingParams(),
-                            stop_ids=set(),
-                        )
-                    )
-                )
+                n = 0
+                for _token in generate(
+                    loaded,
+                    PROMPT_IDS,
+                    max_new_tokens=tokens,
+                    max_seq_len=512,
+                    sampling=SamplingParams(),
+                    stop_ids=set(),
+                ):
+                    if n == 0:
+                        firsts.append((time.perf_counter() - t0) * 1000)
+                    n += 1
                 rates.append(n / (time.perf_counter() - t0))
-        return statistics.median(rates)
+        return statistics.median(rates), statistics.median(firsts)
     finally:
         for s in loaded:
             s.close()
@@ -172,12 +196,21 @@ async def start_run(client: Any, cfg: Config, provider: str) -> None:
 
 async def one_prompt(client: Any, run_id: int, request_id: int, tokens: int) -> Sample:
     start = time.perf_counter()
+    sent_at = time.time()
+    admitted_at = 0.0
     first = None
+    first_at = 0.0
     done = None
+
+    def admitted() -> None:
+        nonlocal admitted_at
+        admitted_at = time.time()
+
     prompt = SubmitPrompt(request_id=request_id, prompt_text="Once upon a time", max_tokens=tokens)
-    async for ev in stream_prompt(client, run_id, prompt):
+    async for ev in stream_prompt(client, run_id, prompt, on_admitted=admitted):
         if isinstance(ev, TextDelta) and first is None:
             first = time.perf_counter()
+            first_at = time.time()
         elif isinstance(ev, Done):
             done = ev
         elif isinstance(ev, Fault):
@@ -187,7 +220,76 @@ async def one_prompt(client: Any, run_id: int, request_id: int, tokens: int) -> 
         done.tokens_generated / (done.elapsed_ms / 1000),
         done.tokens_generated / (time.perf_counter() - start),
         (first - start) * 1000,
+        request_id,
+        sent_at,
+        admitted_at,
+        first_at,
     )
+
+
+async def ttft_parts(client: Any, run_id: int, sample: Sample) -> dict[str, float] | None:
+    """The sample's time to first token in parts (ms; see the module doc), or None when its
+    prompt workflow or one of the events is not found."""
+    workflow_id = None
+    for _ in range(50):  # a closed prompt reaches visibility a moment after it ends
+        workflow_id = await find_prompt(client, run_id, sample.request_id)
+        if workflow_id is not None:
+            break
+        await asyncio.sleep(0.1)
+    if workflow_id is None:
+        return None
+    handle = client.get_workflow_handle(workflow_id, result_type=PromptOutcome)
+    history = await handle.fetch_history()
+    started = published = scheduled = None
+    for event in history.events:
+        at = event.event_time.ToMicroseconds() / 1e6
+        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED and scheduled is None:
+            scheduled = at
+        elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED and started is None:
+            started = at
+        elif (
+            event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
+            and event.workflow_execution_signaled_event_attributes.signal_name == PUBLISH_SIGNAL
+            and published is None
+        ):
+            published = at
+    if started is None or published is None or not sample.admitted_at:
+        return None
+    parts = {
+        "admission": (sample.admitted_at - sample.sent_at) * 1000,
+        "dispatch": (started - sample.admitted_at) * 1000,
+        "prefill": (published - started) * 1000,
+        "first_delta": (sample.first_at - published) * 1000,
+    }
+    if scheduled is not None:  # dispatch's two halves: the run's and the prompt's workflow
+        # tasks up to scheduling the generate, then the head node's poll taking it
+        parts["dispatch_to_scheduled"] = (scheduled - sample.admitted_at) * 1000
+        parts["dispatch_schedule_to_start"] = (started - scheduled) * 1000
+    # The head node's own account, where its PromptOutcome carries one (``timing``).
+    outcome = await handle.result()
+    timing = getattr(outcome, "timing", None)
+    for key in NODE_PARTS:
+        value = getattr(timing, key, None)
+        if isinstance(value, int | float):
+            parts[f"node_{key}"] = float(value)
+    return parts
+
+
+def breakdown(samples: list[Sample]) -> dict[str, float] | None:
+    """Medians of each part over the samples that have them, and of their sum."""
+    parts = [s.parts_ms for s in samples if s.parts_ms is not None]
+    if not parts:
+        return None
+    out = {k: statistics.median(p[k] for p in parts) for k in BREAKDOWN_PARTS}
+    extra = ["dispatch_to_scheduled", "dispatch_schedule_to_start"]
+    for key in [*extra, *(f"node_{k}" for k in NODE_PARTS)]:
+        values = [p[key] for p in parts if key in p]
+        if values:
+            out[key] = statistics.median(values)
+    out["total"] = statistics.median(sum(p[k] for k in BREAKDOWN_PARTS) for p in parts)
+    out["client_ttft"] = statistics.median(s.first_ms for s in samples if s.parts_ms is not None)
+    out["samples"] = len(parts)
+    return out
 
 
 def node_rss(cfg: Config) -> list[float]:
@@ -291,8 +393,12 @@ async def measure(
                     cfg.paired.append(b)
             for cfg in group:
                 cfg.rss_mib = node_rss(cfg)
+                for sample in cfg.samples:
+                    sample.parts_ms = await ttft_parts(client, cfg.run_id, sample)
             problems += await shutdown(group)
             live = [c for c in live if c not in group]
+        for sample in base.samples:
+            sample.parts_ms = await ttft_parts(client, base.run_id, sample)
         problems += await shutdown([base, *idle])
         live = []
     finally:
@@ -312,9 +418,10 @@ def fmt(x: float | None, spec: str) -> str:
 def report(args: argparse.Namespace, base: Config, groups: list[list[Config]]) -> dict[str, Any]:
     path = str(fetch_bundled(DEFAULT_BUNDLED))
     counts = sorted({base.stages} | {c.stages for g in groups for c in g})
-    local = {
+    measured = {
         n: in_process(path, n, args.tokens, default_threads(os.cpu_count() or 1, n)) for n in counts
     }
+    local = {n: m[0] for n, m in measured.items()}
     base_eng = base.engine
     extra = {  # per-token time over the 1 stage of the same round, ms (median)
         id(c): statistics.median(
@@ -360,11 +467,13 @@ def report(args: argparse.Namespace, base: Config, groups: list[list[Config]]) -
                 "client_tok_s": statistics.median(s.client for s in cfg.samples),
                 "first_delta_ms": statistics.median(s.first_ms for s in cfg.samples),
                 "in_process_tok_s": local[n],
+                "in_process_first_token_ms": measured[n][1],
                 "bound_tok_s": bound,
                 "measured_over_bound": eng / bound,
                 "per_hop_overhead_ms": hop,
                 "added_per_crossing_ms": added,
                 "rss_mib": cfg.rss_mib,
+                "ttft_breakdown_ms": breakdown(cfg.samples),
             }
         )
     print(
@@ -411,7 +520,6 @@ def float_list(text: str) -> list[float]:
 
 
 def main() -> None:
-    global ADDRESS_LAYOUT
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--provider", choices=["process", "docker"], default="process")
     parser.add_argument(
@@ -439,12 +547,26 @@ def main() -> None:
         help="engine.address_layout of the runs (auto: fixed for 2+ nodes)",
     )
     args = parser.parse_args()
-    ADDRESS_LAYOUT = args.address_layout
     if any(d < 0 for d in args.delays_ms):
         parser.error("delays must be >= 0")
-    multi = sorted({n for n in args.stages if n >= 2})
     if any(n < 1 for n in args.stages):
         parser.error("stage counts must be >= 1")
+    result = bench(args)
+    for p in result["teardown_problems"]:
+        print(f"\nteardown problem (after the figures were taken): {p}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+        print(f"\nwrote {args.json}")
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure and return the figures (also printed as a table). ``args`` holds provider,
+    stages, delays_ms, tokens, rounds, idle_runs and address_layout, as main parses them."""
+    global ADDRESS_LAYOUT
+    ADDRESS_LAYOUT = args.address_layout
+    multi = sorted({n for n in args.stages if n >= 2})
     run_id = FIRST_RUN_ID
     base = Config(1, 0.0, run_id)  # always measured: the ratio and the bound need it
     groups: list[list[Config]] = []
@@ -459,13 +581,7 @@ def main() -> None:
     problems = asyncio.run(measure(args, base, groups, idle))
     result = report(args, base, groups)
     result["teardown_problems"] = problems
-    for p in problems:
-        print(f"\nteardown problem (after the figures were taken): {p}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
-        print(f"\nwrote {args.json}")
+    return result
 
 
 if __name__ == "__main__":
