@@ -30,7 +30,16 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
-from mvp_core.models import DockerSettings, ModelSource, ProviderKind, RunRequest
+from mvp_core.models import (
+    DockerSettings,
+    HubModel,
+    ModelSource,
+    ProviderKind,
+    RunRequest,
+    hub_file_problem,
+    hub_repo_problem,
+    hub_revision_problem,
+)
 from mvp_core.models import VastAiSettings as VastAiRunSettings
 from mvp_core.names import DEFAULT_BUNDLED_MODEL, REAPER_INTERVAL_ENV
 from mvp_core.validation import (
@@ -147,7 +156,8 @@ class LocalGguf(_Frozen):
 
 
 class HubGguf(_Frozen):
-    """[model].gguf_repo/gguf_file/gguf_revision: a Hugging Face GGUF."""
+    """[model].gguf_repo/gguf_file/gguf_revision: a Hugging Face GGUF (revision absent:
+    main), fetched into the model cache of the host that runs the nodes."""
 
     kind: Literal["hub"] = "hub"
     repo: str
@@ -563,6 +573,13 @@ def _gguf_source(v: _Values, cwd: Path) -> LocalGguf | HubGguf | None:
     if repo is not None:
         if file is None:
             raise ConfigError("model.gguf_repo needs model.gguf_file (the GGUF in the repo)")
+        for key, text, problem in (
+            ("model.gguf_repo", repo, hub_repo_problem(repo)),
+            ("model.gguf_file", file, hub_file_problem(file)),
+            ("model.gguf_revision", revision, revision and hub_revision_problem(revision)),
+        ):
+            if problem:
+                raise _invalid(key, text, problem)
         return HubGguf(repo=repo, file=file, revision=revision)
     if file is not None or revision is not None:
         raise ConfigError("model.gguf_file and model.gguf_revision need model.gguf_repo")
@@ -739,8 +756,8 @@ def resolve_config(
     tokenizer = _path(cwd, tokenizer_text) if tokenizer_text is not None else None
     frame_log_text = v.texts.get("observability.datastream_frame_log")
     relay = _relay(v)
-    # HF_TOKEN is kept for the paths that need it (none in this release: hub sources are
-    # refused by to_run_request; providers pass it on to nodes from their own environment).
+    # HF_TOKEN is kept as a secret (the host redacts it); a hub model is fetched with the
+    # HF_TOKEN of the process that fetches it (the host's embedded worker inherits it).
     hf_text = environ.get(HF_TOKEN_ENV, "").strip()
     hf_token = SecretStr(hf_text) if hf_text else None
 
@@ -828,11 +845,6 @@ def to_run_request(cfg: HostConfig) -> RunRequest:
     """The run the host starts for ``cfg``, already passing ``validate_request`` (its
     refusal becomes a ConfigError with the same text, so nothing starts). Raises
     ConfigError for configured values this release's runs cannot honour."""
-    if isinstance(cfg.gguf_source, HubGguf):
-        raise ConfigError(
-            "model.gguf_repo: Hugging Face model sources are not supported in this release; "
-            "download the GGUF and set model.gguf_local_path"
-        )
     if cfg.stage_index != 0:
         raise ConfigError(
             "runtime.stage_index: a run plans its stages itself (stage 0 first); leave it out "
@@ -845,6 +857,11 @@ def to_run_request(cfg: HostConfig) -> RunRequest:
         )
     if isinstance(cfg.gguf_source, LocalGguf):
         model = ModelSource(path=str(cfg.gguf_source.path))
+    elif isinstance(cfg.gguf_source, HubGguf):
+        hub = cfg.gguf_source
+        model = ModelSource(
+            hf=HubModel(repo=hub.repo, file=hub.file, revision=hub.revision or "main")
+        )
     else:
         model = ModelSource(bundled=DEFAULT_BUNDLED_MODEL)
     tokenizer = ModelSource(path=str(cfg.tokenizer_path)) if cfg.tokenizer_path else None

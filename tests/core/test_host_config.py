@@ -851,11 +851,6 @@ def test_run_request_image_and_gpus_only_when_configured(toml, image, gpus):
 @pytest.mark.parametrize(
     ("toml", "message"),
     [
-        (
-            '[model]\ngguf_repo = "org/r"\ngguf_file = "m.gguf"\n',
-            "model.gguf_repo: Hugging Face model sources are not supported in this release; "
-            "download the GGUF and set model.gguf_local_path",
-        ),
         ("[runtime]\nstage_index = 1\n", "runtime.stage_index: a run plans its stages itself"),
         ("[runtime]\nlayer_end_exclusive = 12\n", "runtime.layer_end_exclusive is not supported"),
     ],

