@@ -466,6 +466,7 @@ def _hub_error(
         GatedRepoError,
         HfHubHTTPError,
         LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
         RemoteEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
@@ -519,7 +520,7 @@ def _hub_error(
         return ModelSourceError(
             f"{what}: the download was cut short or incomplete ({reason}); nothing was kept"
         )
-    if isinstance(err, httpx2.TransportError | TimeoutError):
+    if isinstance(err, httpx2.TransportError | TimeoutError | OfflineModeIsEnabled):
         return HubUnreachableError(f"{what}: cannot reach the hub at {endpoint} ({reason})")
     return ModelSourceError(f"{what}: {reason}")
 

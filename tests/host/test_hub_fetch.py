@@ -62,6 +62,7 @@ def hub(standin: HubStandin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.delenv("HF_TOKEN", raising=False)
     # No user-agent extras: the library would look up a registry of "agents" on the hub.
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_TELEMETRY", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     return standin
 
 
@@ -255,6 +256,16 @@ def test_an_unreachable_hub_is_worth_a_retry_unless_the_cache_has_the_revision(
     caplog.set_level(logging.WARNING, logger="mvp.models")
     assert fetch_hub(SOURCE) == path
     assert "unreachable; using the cached acme/tiny-GGUF/tiny.gguf@main" in caplog.text
+
+
+def test_offline_mode_is_an_unreachable_hub(hub: HubStandin, monkeypatch: pytest.MonkeyPatch):
+    import huggingface_hub.constants
+
+    path = fetch_hub(SOURCE)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(HubUnreachableError, match="offline mode is enabled"):
+        fetch_hub(HubModel(repo=REPO, file="plain/tiny.gguf"))
+    assert fetch_hub(SOURCE) == path  # the revision's last commit, from the cache
 
 
 def test_a_cancelled_download_keeps_nothing(hub: HubStandin, tmp_path: Path):
