@@ -673,12 +673,31 @@ class PromptStatus(StrEnum):
     FAULTED = "faulted"
 
 
+class PromptTiming(_Model):
+    """Where a prompt's time went on its head node (milliseconds, the node's clock).
+
+    The time to first token is the prompt's wait in the run's queue (the prompt workflow
+    measures it) + ``encode_ms`` + ``prefill_ms`` + ``first_delta_ms``."""
+
+    encode_ms: float = Field(ge=0, description="Tokenize the prompt")
+    prefill_ms: float = Field(ge=0, description="Encode end to the first token sampled")
+    first_delta_ms: float = Field(
+        ge=0, description="First token to its text published on the prompt's stream"
+    )
+    decode_tokens_per_s: float | None = Field(
+        default=None, ge=0, description="Tokens after the first over the time they took"
+    )
+
+
 class PromptOutcome(_Model):
     """What a prompt workflow returns: the terminal event, and a run fault if any."""
 
     terminal: PromptTerminal
     run_fault: str | None = None
     status: PromptStatus = PromptStatus.DONE
+    timing: PromptTiming | None = None
+    # Set by the prompt workflow: admission (its start) to activation, workflow time.
+    queued_ms: float | None = Field(default=None, ge=0)
 
 
 class PromptInput(_Model):

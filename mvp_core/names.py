@@ -121,3 +121,15 @@ def reaper_schedule_id(host: str) -> str:
 def reaper_workflow_id(host: str) -> str:
     """Workflow id (prefix) of the reaper runs of ``host``'s schedule."""
     return f"{REAPER_ID_PREFIX}{host}"
+
+
+# --------------------------------------------------------------------------- metrics
+# Our own metrics (OpenTelemetry names; a Prometheus scrape shows them with dots as
+# underscores and the unit appended: mvp_prompt_time_to_first_token_milliseconds).
+METRIC_PROMPT_READY = "mvp.run.time_to_prompt_ready"  # histogram, ms: run start to ready
+METRIC_QUEUE_DEPTH = "mvp.run.prompt_queue_depth"  # gauge: prompts admitted, not ended
+METRIC_NODES = "mvp.run.nodes"  # gauge by state: the run's nodes in each state
+METRIC_TTFT = "mvp.prompt.time_to_first_token"  # histogram, ms: admitted to first text
+METRIC_TOKENS_PER_S = "mvp.prompt.decode_tokens_per_second"  # histogram: one prompt's rate
+METRIC_PROMPTS = "mvp.prompt.ended"  # counter by status
+METRIC_STAGE_FORWARD = "mvp.stage.forward_time"  # histogram, ms, by stage and phase

@@ -81,6 +81,27 @@ class NodeState(BaseModel):
     start_attempted: bool = False
     provider_stopped: bool = False
 
+    def condition(self) -> str:
+        """One word for where the node is (metrics, dashboards): one of NODE_CONDITIONS."""
+        if self.exited or self.provider_stopped:
+            return "gone"
+        if self.lease_lost:
+            return "lost"
+        if self.stage_stopped:
+            return "stopped"
+        if self.stage_ready:
+            return "ready"
+        if self.weights_ready or self.stage_provisioned:
+            return "loading"
+        if self.runtime_ready is not None:
+            return "booted"
+        if self.start_attempted:
+            return "starting"
+        return "planned"
+
+
+NODE_CONDITIONS = ("planned", "starting", "booted", "loading", "ready", "stopped", "lost", "gone")
+
 
 class PromptRecord(BaseModel):
     request_id: int

@@ -35,6 +35,7 @@ from temporalio.service import RPCError
 from mvp_core import names
 from mvp_core.models import CancelPrompt, Done, RunPhase, SubmitPrompt, TextDelta
 from mvp_core.run_state import RunState
+from workers import telemetry
 from workers.client import PromptRejected, RunNotOpen, check_run_open, stream_prompt
 from workers.connect import DEFAULT_ADDRESS, TemporalConnectError, TemporalSettings, connect
 
@@ -105,6 +106,13 @@ class Chat:
         print(f"rejected: request ids up to {self.next_id - 1} are all in use", flush=True)
 
     async def _stream(self, prompt: SubmitPrompt) -> None:
+        # One trace per prompt (when tracing is on): the Temporal spans nest under it.
+        with telemetry.current().span(
+            "mvp-chat prompt", run_id=self.run_id, request_id=prompt.request_id
+        ):
+            await self._print(prompt)
+
+    async def _print(self, prompt: SubmitPrompt) -> None:
         async for event in stream_prompt(self.client, self.run_id, prompt):
             if isinstance(event, TextDelta):
                 sys.stdout.write(event.text)
@@ -297,18 +305,20 @@ def main() -> None:
             loop.run_until_complete(rpc.connect())
             code = converse(loop, rpc)
         else:
+            telemetry.setup("mvp-chat")
             settings = TemporalSettings.load().override(args.address)
             address = settings.address
             client = loop.run_until_complete(connect(settings=settings))
             loop.run_until_complete(open_run(client, args.run_id, address))
             code = converse(loop, Chat(client, args.run_id, args))
-    except (ChatError, TemporalConnectError) as err:
+    except (ChatError, TemporalConnectError, telemetry.TelemetryConfigError) as err:
         print(f"mvp-chat: {err}", file=sys.stderr)
     except RuntimeError as err:  # the SDK's connection failure
         print(f"mvp-chat: cannot reach Temporal at {address}: {err}", file=sys.stderr)
     except KeyboardInterrupt:  # while connecting
         code = 130
     finally:
+        telemetry.current().close()
         loop.run_until_complete(_cancel_rest())
         loop.close()
     # Exit without interpreter finalisation: an RPC cancelled by Ctrl-C can leave a

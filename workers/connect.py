@@ -21,6 +21,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 from temporalio.client import Client
@@ -29,6 +30,7 @@ from temporalio.converter import DataConverter, DefaultFailureConverterWithEncod
 from temporalio.envconfig import ClientConfigProfile, ClientConfigTLS, DataSource
 from temporalio.service import RPCError, RPCStatusCode, TLSConfig
 
+from workers import telemetry
 from workers.codec import EncryptionCodec, codec_from_env
 
 DEFAULT_ADDRESS = "localhost:7233"
@@ -386,7 +388,13 @@ async def connect(
     STARTUP_GRACE_S; any other failure raises :class:`TemporalConnectError` at once."""
     chosen = (settings or TemporalSettings.load()).override(address, namespace)
     tls = chosen.tls_config()
-    kwargs = {"identity": identity} if identity else {}
+    kwargs: dict[str, Any] = {"identity": identity} if identity else {}
+    tel = telemetry.current()  # off: no interceptor, the default runtime
+    if tel.tracing:
+        kwargs["plugins"] = tel.client_plugins()
+    if tel.runtime is not None:
+        kwargs["runtime"] = tel.runtime
+        await tel.start_exporter()
     converter = data_converter or default_data_converter()
     deadline = time.monotonic() + STARTUP_GRACE_S
     while True:
@@ -398,7 +406,7 @@ async def connect(
                 tls=tls,
                 rpc_metadata=dict(chosen.rpc_metadata),
                 data_converter=converter,
-                **kwargs,  # type: ignore[arg-type]
+                **kwargs,
             )
         except RuntimeError as err:
             # A server that has just started accepts connections before it is healthy.

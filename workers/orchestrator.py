@@ -24,6 +24,7 @@ from activities.planning import PlanningActivities, provider_host, provider_queu
 from activities.provisioning import ProviderActivities
 from activities.reaper import ReaperActivities, run_liveness
 from mvp_core import names
+from workers import telemetry
 from workers.connect import (
     TemporalConnectError,
     TemporalSettings,
@@ -123,7 +124,13 @@ def main() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
+        tel = telemetry.setup("mvp-orchestrator")
+    except telemetry.TelemetryConfigError as err:
+        print(f"mvp-orchestrator worker: {err}", file=sys.stderr, flush=True)
+        os._exit(1)
+    try:
         loop.run_until_complete(run_worker(stop))
+        loop.run_until_complete(tel.aclose())  # the last spans and metrics go out
     except TemporalConnectError as err:
         # One line naming the cause (never a credential), no traceback: a wrong API key,
         # an untrusted certificate, a server that is not there.

@@ -7,7 +7,7 @@ activity on the head node's queue and returns the terminal event.
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeKey
@@ -24,6 +24,7 @@ with workflow.unsafe.imports_passed_through():
         PromptOutcome,
         PromptStatus,
     )
+    from workers import telemetry
 
 STATUS_KEY = SearchAttributeKey.for_keyword(names.SEARCH_ATTRIBUTE_PROMPT)
 
@@ -50,12 +51,15 @@ class PromptWorkflow:
     def __init__(self, inp: PromptInput) -> None:
         self._stream = WorkflowStream()
         self._activated = False
+        self._activated_at: datetime | None = None  # workflow time: the prompt's turn came
         self._cancel_reason: str | None = None
         # Ids only (never the prompt's text): the Web UI's details line.
         self._label = f"run {inp.run_id} · request {inp.prompt.request_id}"
 
     @workflow.signal(name=names.SIGNAL_PROMPT_ACTIVATE)
     def activate(self) -> None:
+        if not self._activated:
+            self._activated_at = workflow.now()
         self._activated = True
 
     @workflow.signal(name=names.SIGNAL_PROMPT_CANCEL)
@@ -129,7 +133,11 @@ class PromptWorkflow:
 
     def _finish(self, outcome: PromptOutcome) -> PromptOutcome:
         """Publish the one terminal event, and show how the prompt ended: its result, its
-        search attribute (MvpPromptStatus) and its details line in the Web UI."""
+        search attribute (MvpPromptStatus), its details line in the Web UI, and its metrics."""
+        if self._activated_at is not None:
+            queued = self._activated_at - workflow.info().start_time
+            outcome.queued_ms = max(0.0, queued.total_seconds() * 1000)
+        self._record(outcome)
         self._stream.topic(names.PROMPT_STREAM_TOPIC).publish(outcome.terminal)
         workflow.upsert_search_attributes([STATUS_KEY.value_set(outcome.status.value)])
         terminal = outcome.terminal
@@ -139,6 +147,21 @@ class PromptWorkflow:
             detail = f"{outcome.status.value}: {terminal.error}"
         workflow.set_current_details(f"{self._label}: {detail}"[:400])
         return outcome
+
+    def _record(self, outcome: PromptOutcome) -> None:
+        """The prompt's metrics (nothing while the workflow replays, nothing at all with
+        metrics off: workers.telemetry): how it ended, and for a finished one its time to first token (queue wait
+        + the head node's encode, prefill and first delta) and decode rate."""
+        timing = outcome.timing
+        if timing is None or outcome.terminal.type != "done":
+            telemetry.record_prompt(outcome.status.value)
+            return
+        queued = outcome.queued_ms or 0.0
+        telemetry.record_prompt(
+            outcome.status.value,
+            ttft_ms=queued + timing.encode_ms + timing.prefill_ms + timing.first_delta_ms,
+            tokens_per_s=timing.decode_tokens_per_s,
+        )
 
 
 def _limit(max_new_tokens: int | None) -> str:

@@ -61,7 +61,7 @@ with workflow.unsafe.imports_passed_through():
         WatchNodesInput,
         WeightsReady,
     )
-    from mvp_core.run_state import NodeState, PromptRejection, RunState
+    from mvp_core.run_state import NODE_CONDITIONS, NodeState, PromptRejection, RunState
     from mvp_core.validation import (
         RunRejectedError,
         describe_invalid,
@@ -69,6 +69,7 @@ with workflow.unsafe.imports_passed_through():
         resolve_run_id,
         validate_request,
     )
+    from workers import telemetry
     from workflows.prompt import PromptWorkflow, failure_cause, heartbeat_lost
 
 PHASE_KEY = SearchAttributeKey.for_keyword(names.SEARCH_ATTRIBUTE_PHASE)
@@ -137,6 +138,7 @@ class RunWorkflow:
         self._leases: dict[int, asyncio.Task[None]] = {}
         self._watch: asyncio.Task[None] | None = None
         self._rolling_over = False
+        self._ready_seen = False  # time to prompt-ready recorded
         self._background_cancelled = False
         self._watch_cancelled = False
         self._grace: asyncio.Task[None] | None = None
@@ -872,6 +874,7 @@ class RunWorkflow:
         result = handler(self, message)
         if inspect.isawaitable(result):
             await result
+        self._observe()  # a node report moves a node to another state
         if self._state.suspected_fault is not None:
             self._start_grace()
 
@@ -1043,7 +1046,23 @@ class RunWorkflow:
     def _set_phase(self, phase: RunPhase) -> None:
         self._state.phase = phase
         workflow.upsert_search_attributes([PHASE_KEY.value_set(phase.value)])
+        if phase is RunPhase.PROMPT_READY and not self._state.continued and not self._ready_seen:
+            # Time to prompt-ready, in workflow time from the run's start (its first
+            # execution; a continued run was ready before).
+            self._ready_seen = True
+            elapsed = workflow.now() - workflow.info().start_time
+            telemetry.record_prompt_ready(self._state.run_id, elapsed.total_seconds() * 1000)
         self._show()
+
+    def _observe(self) -> None:
+        """The run's gauges: its prompt queue and its nodes by state (nothing while the
+        workflow replays, nothing at all with metrics off: workers.telemetry)."""
+        state = self._state
+        counts = dict.fromkeys(NODE_CONDITIONS, 0)
+        for node in state.nodes:
+            counts[node.condition()] += 1
+        queued = len(state.pending) + (1 if state.active is not None else 0)
+        telemetry.record_run_gauges(state.run_id, queued, counts)
 
     def _model_name(self) -> str:
         """The model's name: the request's bundled name or file name, else the plan's."""
@@ -1074,6 +1093,7 @@ class RunWorkflow:
         if state.first_fault is not None:
             lines.append("faulted (see the run's outcome)")
         workflow.set_current_details("\n\n".join(lines))
+        self._observe()
 
 
 _SIGNALS: dict[str, tuple[type[BaseModel], Any]] = {

@@ -20,6 +20,7 @@ from mvp_core.models import (
     ProviderResource,
     StopNodeResult,
 )
+from workers import telemetry
 from workers.connect import TemporalSettings
 
 # Secrets a provider passes from its own environment into node environments. They never
@@ -182,10 +183,13 @@ def node_environment(
     *,
     temporal_address: str | None = None,
     inline_files: bool = False,
+    shared_address: bool = False,
 ) -> dict[str, str]:
     """A node's environment, in rising precedence: the run's ``node_env`` (reserved keys
     dropped again, whatever validation let through), the provider host's own environment
-    ``host_env`` (PATH, the venv), the Temporal connection (:func:`temporal_env`),
+    ``host_env`` (PATH, the venv) and telemetry settings (``OTEL_*``; nodes that share the
+    host's address, ``shared_address``, take a free Prometheus port each), the Temporal
+    connection (:func:`temporal_env`),
     secrets, test faults, and the provider's facts about the node."""
     env = {
         k: v
@@ -198,6 +202,7 @@ def node_environment(
         )
     }
     env.update({k: v for k, v in (host_env or {}).items() if not k.startswith("TEMPORAL_")})
+    env.update(telemetry.node_env(os.environ, own_port=shared_address))
     env.update(temporal_env(temporal_address, inline_files=inline_files))
     env.update({k: os.environ[k] for k in SECRET_ENV_PASSTHROUGH if k in os.environ})
     env.update(harness_faults(spec.run_id))

@@ -178,7 +178,10 @@ class ProcessProvider:
             self._record(pid_file, running.pid, running.create_time())
             return self._handle(spec, name, running.pid, log_path)
         env = node_environment(
-            spec, str(node_dir), host_env={k: os.environ[k] for k in _PASS_ENV if k in os.environ}
+            spec,
+            str(node_dir),
+            host_env={k: os.environ[k] for k in _PASS_ENV if k in os.environ},
+            shared_address=True,
         )
         env.update({"PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE"})
         with open(log_path, "ab") as log:

@@ -43,6 +43,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from mvp_core import names
 from mvp_core.models import CancelPrompt, Done, Fault, RunPhase, SubmitPrompt, TextDelta
 from mvp_core.run_state import RunState
+from workers import telemetry
 from workers.client import PromptRejected, stream_prompt
 from workers.gateway.stops import StopMatcher, cut_at_stop
 from workers.gateway.wire import (
@@ -840,4 +841,6 @@ def create_app(client: Client, run_id: int, *, poll_cooldown_ms: int = 20) -> St
         lifespan=lifespan,
     )
     app.state.gateway = gateway
+    if telemetry.current().tracing:  # off: no middleware at all
+        app.add_middleware(telemetry.TracingMiddleware)
     return app

@@ -44,6 +44,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from mvp_core import names
 from mvp_core.models import RequestShutdown, RunOutcome, RunPhase, RunRequest, ShutdownReason
 from mvp_core.run_state import RunState
+from workers import telemetry
 from workers.client import RunNotOpen, check_run_open, start_run
 from workers.connect import connect, temporal_address
 from workers.gateway.app import create_app
@@ -334,7 +335,13 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     code = 1
     try:
+        tel = telemetry.setup(PROG)
+    except telemetry.TelemetryConfigError as err:
+        print(f"{PROG}: {err}", file=sys.stderr)
+        os._exit(2)
+    try:
         code = asyncio.run(Gateway(args).main())
+        tel.close()  # the last spans and metrics go out
     except GatewayError as err:
         print(f"{PROG}: {err}", file=sys.stderr)
     except KeyboardInterrupt:

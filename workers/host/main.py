@@ -67,6 +67,7 @@ from mvp_core.host_observe import observe
 from mvp_core.models import ModelSource, RequestShutdown, RunOutcome, RunPhase, ShutdownReason
 from mvp_core.run_state import RunState
 from temporal.devserver import DevServer, DevServerError, start_dev_server
+from workers import telemetry
 from workers.client import start_run
 from workers.connect import (
     TemporalConfigError,
@@ -687,6 +688,11 @@ def run(argv: list[str]) -> int:
     # The Temporal API key (and other connection secrets) of a profile file, too.
     with contextlib.suppress(TemporalConfigError):
         secrets += TemporalSettings.load().secrets()
+    try:
+        tel = telemetry.setup("mvp-orchestrator-host")
+    except telemetry.TelemetryConfigError as err:
+        say(str(err))
+        return 1
     root = host_dir()
     try:
         lock = HostLock(root)
@@ -720,6 +726,7 @@ def run(argv: list[str]) -> int:
         host = Host(cfg, stream, live.address)
         return asyncio.run(host.main())
     finally:
+        tel.close()
         capture.remove()
         stream.close()
         lock.release()

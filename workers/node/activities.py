@@ -24,6 +24,7 @@ from mvp_core.models import (
     LeaseStarted,
     NodeRuntimeReadyAck,
     PromptOutcome,
+    PromptTiming,
     StageFault,
     StageProvision,
     StageReady,
@@ -40,7 +41,7 @@ from workers.node.config import FaultInjection, NodeConfig
 if TYPE_CHECKING:
     # The runtime brings the engine and torch (~0.8 s to import): the agent imports it in
     # the background at boot (``preload_runtime``) while it connects and reports ready.
-    from workers.node.runtime import StageRuntime
+    from workers.node.runtime import GenerationResult, StageRuntime
 
 HEARTBEAT_EVERY_S = 0.5  # how soon a generate learns it was cancelled
 TEXT_GATHER_S = 0.025  # the finest stream granularity: stream_batch_ms is at least this
@@ -289,6 +290,7 @@ class NodeActivities:
         gather_s = min(1.0, max(TEXT_GATHER_S, inp.stream_batch_ms / 4000))
         task = asyncio.ensure_future(asyncio.to_thread(work))
         first = True
+        first_published: float | None = None  # perf_counter: the first delta went out
         last_beat = 0.0
         async with stream:
             try:
@@ -298,6 +300,8 @@ class NodeActivities:
                         topic.publish(
                             TextDelta(request_id=request_id, text=text), force_flush=first
                         )
+                        if first:
+                            first_published = time.perf_counter()
                         first = False
                     if time.monotonic() - last_beat > HEARTBEAT_EVERY_S:
                         activity.heartbeat()
@@ -334,7 +338,8 @@ class NodeActivities:
                 tokens_generated=result.tokens,
                 elapsed_ms=result.elapsed_ms,
                 stop_reason=result.stop_reason,
-            )
+            ),
+            timing=prompt_timing(result, first_published),
         )
 
     @activity.defn(name=names.ACT_NODE_STOP_STAGE)
@@ -351,6 +356,25 @@ class NodeActivities:
             ),
         )
         self.stopped.set()
+
+
+def prompt_timing(result: GenerationResult, first_published: float | None) -> PromptTiming | None:
+    """The head node's side of a prompt's time (None when it made no token)."""
+    first = result.first_token_at
+    if first is None:
+        return None
+    end = result.started_at + result.elapsed_ms / 1000
+    decode_s = end - first
+    return PromptTiming(
+        encode_ms=max(0.0, (result.encoded_at - result.started_at) * 1000),
+        prefill_ms=max(0.0, (first - result.encoded_at) * 1000),
+        first_delta_ms=0.0
+        if first_published is None
+        else max(0.0, (first_published - first) * 1000),
+        decode_tokens_per_s=(result.tokens - 1) / decode_s
+        if result.tokens > 1 and decode_s > 0
+        else None,
+    )
 
 
 def _load_runtime(prov: StageProvision) -> StageRuntime:

@@ -16,6 +16,7 @@ import socket
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 from temporalio.api.enums.v1 import WorkflowExecutionStatus
 from temporalio.client import Client
@@ -24,6 +25,7 @@ from temporalio.worker import Worker
 
 from mvp_core import names
 from mvp_core.models import NodeRuntimeReady
+from workers import telemetry
 from workers.connect import TemporalConnectError, TemporalSettings, connect
 from workers.dataplane import DataPlaneServer
 from workers.dataplane.delay_proxy import front_listener
@@ -161,6 +163,16 @@ async def amain() -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    # OTEL_* from the provider host (workers.telemetry.node_env); off when unset.
+    node_dir = os.environ.get("MVP_NODE_DIR")
+    try:
+        tel = telemetry.setup(
+            f"mvp-node-{cfg.node_id}",
+            port_file=Path(node_dir) / "metrics.port" if node_dir else None,
+        )
+    except telemetry.TelemetryConfigError as err:
+        print(f"mvp-node: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     # The provider gave this node its orchestrator's connection settings (address,
     # namespace, TLS, API key) in its environment; no configuration file is read here.
     try:
@@ -235,6 +247,7 @@ async def amain() -> None:
         )
         delay.close()
     server.close()
+    await tel.aclose()  # the last spans and samples go out before the node exits
     print(f"node {cfg.node_id} stopped", flush=True)
 
 

@@ -19,6 +19,7 @@ import logging
 import threading
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from time import perf_counter
 
 import torch
 
@@ -49,6 +50,7 @@ from workers.dataplane import (
 from workers.dataplane import SamplingParams as WireSampling
 from workers.engine import Sampler, SamplingParams, Stage
 from workers.node.affinity import Placement
+from workers.telemetry import ForwardTimer
 
 log = logging.getLogger("mvp.pipeline")
 IDLE_POLL_S = 1.0
@@ -80,8 +82,10 @@ class StageLink:
         on_fault: Callable[[str], None],
         sequence_skew: int = 0,
         placement: Placement | None = None,
+        forward_timer: ForwardTimer | None = None,
     ) -> None:
         self.stage = stage
+        self.forward_timer = forward_timer  # None: telemetry off, nothing per token
         self.placement = placement or Placement()  # token-path cores and priority
         self.sequence_skew = sequence_skew  # fault injection: break the token-out order
         self.group = group
@@ -137,6 +141,7 @@ class StageLink:
         session = stage.new_session(self.max_seq_len)
         sampler: Sampler | None = None
         header = b""
+        timer = self.forward_timer
         try:
             while not self._stop.is_set():
                 try:
@@ -152,6 +157,7 @@ class StageLink:
                     continue
                 if hdr.begin:
                     session.reset()
+                t0 = perf_counter() if timer is not None and timer.wants(hdr.begin) else None
                 if stage.is_first:
                     if hdr.begin:
                         wire, ids = decode_begin_payload(payload)
@@ -167,6 +173,9 @@ class StageLink:
                         body = body[SAMPLING_HEADER_LEN:]
                     rows = decode_activation(body, self.hidden)
                     result = session.forward_hidden(torch.from_numpy(rows))
+                if t0 is not None:
+                    assert timer is not None
+                    timer.record(perf_counter() - t0, hdr.begin)
                 if stage.is_last:
                     if hdr.begin:
                         sampler = Sampler(_engine_sampling(decode_sampling_header(header)))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from mvp_core.generation import PromptTooLong, StopRule
 from mvp_core.models import EdgeKind, StageProvision, SubmitPrompt
+from workers import telemetry
 from workers.dataplane import DataPlaneServer, EdgeGroup, EdgeSpec
 from workers.engine import (
     ContextOverflow,
@@ -38,6 +39,10 @@ class GenerationResult:
     tokens: int
     elapsed_ms: int
     stop_reason: str
+    # perf_counter() instants: the prompt tokenized, its first token sampled (None: none)
+    encoded_at: float = 0.0
+    first_token_at: float | None = None
+    started_at: float = 0.0
 
 
 class StageRuntime:
@@ -118,6 +123,7 @@ class StageRuntime:
             on_fault=on_fault,
             sequence_skew=1 if FaultInjection.from_env().skew_token_out_sequence else 0,
             placement=self.placement,
+            forward_timer=telemetry.current().forward_timer(prov.stage_index),
         )
         if prov.driver_edges:
             token_in = next(e for e in prov.driver_edges if e.kind is EdgeKind.TOKEN_IN)
@@ -172,6 +178,7 @@ class StageRuntime:
         head of one); ``on_text`` gets each complete piece of text."""
         started = time.perf_counter()
         ids = self.encode(prompt)
+        encoded = time.perf_counter()
         text = _TextOut(self.tokenizer, on_text)
         with self.placement.applied():
             if self.driver is not None:
@@ -183,6 +190,9 @@ class StageRuntime:
             tokens=text.tokens,
             elapsed_ms=int((time.perf_counter() - started) * 1000),
             stop_reason=reason,
+            encoded_at=encoded,
+            first_token_at=text.first_at,
+            started_at=started,
         )
 
     def _run_direct(
@@ -198,6 +208,10 @@ class StageRuntime:
         rule = StopRule(
             max_new_tokens=max_new_tokens, stop_ids=stop_ids, max_seq_len=self.provision.max_seq_len
         )
+        # Direct mode samples the time from one token to the next (the whole model's
+        # forward and the sampling; the first: the prefill).
+        timer = telemetry.current().forward_timer(self.provision.stage_index)
+        last = time.perf_counter()
         with self.lock:
             try:
                 for n, token in enumerate(
@@ -211,6 +225,11 @@ class StageRuntime:
                         should_stop=should_stop,
                     )
                 ):
+                    if timer is not None:
+                        now = time.perf_counter()
+                        if timer.wants(n == 0):
+                            timer.record(now - last, n == 0)
+                        last = now
                     rule.accept(token, len(ids) + n + 1)
                     text.push(token)
             except ContextOverflow as err:
@@ -260,6 +279,7 @@ class _TextOut:
         self._on_text = on_text
         self._pieces: list[str] = []
         self.tokens = 0
+        self.first_at: float | None = None  # perf_counter of the first token
 
     def _emit(self, piece: str) -> None:
         if piece:
@@ -267,6 +287,8 @@ class _TextOut:
             self._on_text(piece)
 
     def push(self, token: int) -> None:
+        if self.tokens == 0:
+            self.first_at = time.perf_counter()
         self.tokens += 1
         self._emit(self._decoder.push(token))
 
