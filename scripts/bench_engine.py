@@ -5,7 +5,8 @@
 Each configuration runs in a fresh subprocess so RSS is measured above that process's own
 baseline (after imports, before loading weights; DECISIONS 24). Configurations: the engine
 as 1, 2 and 3 stages in one process (float16 between stages), plus llama-cpp-python and HF
-transformers (float32) when importable, on the same prompt token ids.
+transformers (float32) when importable, on the same prompt token ids. Each runs with
+OMP_WAIT_POLICY=PASSIVE unless set, as the nodes do.
 """
 
 from __future__ import annotations
@@ -202,6 +203,9 @@ def bench(model: str, threads: int, tokens: int, only: list[str]) -> dict[str, A
     env["PYTHONPATH"] = (
         str(Path(__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
     )
+    # As the process provider starts nodes: OpenMP threads that spin while they wait stall
+    # behind every other process of a busy machine (torch's and llama.cpp's alike).
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     for kind in only:

@@ -12,6 +12,7 @@ machine's drift hits every path alike (round i uses PROMPTS[i], so llama.cpp's p
 cache never holds the next prompt); the table gives medians (and the range). Both OpenAI
 servers get the same requests from the same client code: temperature 0, max_tokens,
 ``repeat_penalty`` 1.0 (llama.cpp's default is 1.1; the gateway ignores the field).
+llama.cpp's server runs with OMP_WAIT_POLICY=PASSIVE unless set, as the nodes do.
 
 - TTFT: request sent -> first text received (ms)
 - decode tok/s: (tokens - 1) / (last text - first text), as the client sees the text
@@ -217,6 +218,10 @@ async def start_llama_server(
                 "--port",
                 str(port),
             ],
+            # As the process provider starts nodes: OpenMP threads that spin while they wait
+            # stall behind every other process of a loaded machine (llama.cpp's 2-thread
+            # prefill fell from ~65 to ~4 tok/s on 2 busy cores without it).
+            env={**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")},
             stdout=out,
             stderr=subprocess.STDOUT,
         )

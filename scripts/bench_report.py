@@ -199,7 +199,13 @@ def collect(quick: bool) -> dict[str, Any]:
     return {
         "machine": facts,
         "load": meter.result(),
-        "settings": {**s, "quick": quick, "node_threads": node_threads, "model": model},
+        "settings": {
+            **s,
+            "quick": quick,
+            "node_threads": node_threads,
+            "model": model,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+        },
         "pipeline": pipeline,
         "engine": engine,
         "gateway": gateway,
@@ -274,6 +280,8 @@ def markdown(figures: dict[str, Any]) -> str:
         f"| llama-cpp-python | {m['llama_cpp_python']} |",
         f"| model | {Path(str(st.get('model', pipe.get('model', '')))).name} |",
         f"| node engine threads | {st.get('node_threads', '-')} |",
+        f"| OMP_WAIT_POLICY (every engine: nodes, torch, llama.cpp) | "
+        f"{st.get('omp_wait_policy', '-')} |",
     ]
     if load:
         out += [
@@ -640,6 +648,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer tokens and rounds")
     ap.add_argument("--from-json", type=Path, help="write the report from these figures")
     args = ap.parse_args()
+    # Every OpenMP runtime here (torch in this process and the benches' children, llama.cpp)
+    # waits passively, as the nodes do: spinning threads stall behind other processes.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if args.from_json:
         figures = json.loads(args.from_json.read_text())
     else:
