@@ -331,6 +331,69 @@ async def test_a_client_that_goes_away_cancels_its_prompt_at_once(site: Site):
     assert await site.prompt_status(None) == "cancelled"
 
 
+async def test_a_viewer_reattaches_by_the_completion_id_mid_stream_and_after(site: Site):
+    """GET /v1/chat/completions/{id}: a second client attaches to a streaming completion
+    mid-generation and gets its whole text and one finish; after the end, the whole."""
+    ref = await site.reference(TEXT, chat=True, max_tokens=48)
+    stream = await site.oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": TEXT}],
+        max_tokens=48,
+        temperature=0,
+        stream=True,
+    )
+    original: list[str] = []
+    ident = ""
+    async for chunk in stream:
+        ident = chunk.id
+        if chunk.choices and chunk.choices[0].delta.content:
+            original.append(chunk.choices[0].delta.content)
+            if len(original) >= 2:
+                break  # mid-generation: the viewer comes now, the original reads on
+    viewed: list[str] = []
+    finishes: list[str | None] = []
+    async with site.http.stream("GET", f"/v1/chat/completions/{ident}?stream=true") as resp:
+        assert resp.status_code == 200, await resp.aread()
+        reading = asyncio.ensure_future(_drain(stream, original))
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert event["id"] == ident
+            (choice,) = event["choices"]
+            viewed.append(choice["delta"].get("content") or "")
+            if choice["finish_reason"] is not None or "mvp_status" in event:
+                finishes.append(choice["finish_reason"])
+        await reading
+    assert "".join(viewed) == "".join(original) == ref.final_text
+    expected = "stop" if ref.stop_reason == "eos" else "length"
+    assert finishes == [expected]
+    # After the end, not streamed: the stored completion, as OpenAI's retrieve gives it.
+    got = (await site.http.get(f"/v1/chat/completions/{ident}")).json()
+    assert got["object"] == "chat.completion" and got["id"] == ident
+    assert got["choices"][0]["message"]["content"] == ref.final_text
+    assert got["choices"][0]["finish_reason"] == expected
+    assert got["usage"]["completion_tokens"] == ref.tokens_generated
+    # The same through the completions route, and the refusals.
+    done = await site.oai.completions.create(model=MODEL, prompt=TEXT, max_tokens=8)
+    again = (await site.http.get(f"/v1/completions/{done.id}")).json()
+    assert again["choices"][0]["text"] == done.choices[0].text
+    for bad, word in [
+        (f"/v1/chat/completions/{done.id}", "expected chatcmpl"),
+        (f"/v1/completions/cmpl-{RUN + 1}-1", f"belongs to run {RUN + 1}"),
+        (f"/v1/completions/cmpl-{RUN}-987654", "No completion found"),
+    ]:
+        resp = await site.http.get(bad)
+        assert resp.status_code == 404, (bad, resp.text)
+        assert word in resp.json()["error"]["message"], resp.text
+
+
+async def _drain(stream: Any, into: list[str]) -> None:
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            into.append(chunk.choices[0].delta.content)
+
+
 # --------------------------------------------------------------------------- 3. errors
 
 

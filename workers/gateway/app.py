@@ -9,6 +9,8 @@
   gateway allots, its text the prompt's stream, streamed as server-sent events or
   returned whole.
 - ``GET /health``: 200 while the run is prompt-ready, else 503.
+- ``GET /v1/chat/completions/{id}`` and ``GET /v1/completions/{id}`` (``?stream=true``):
+  re-attach to a completion of this run, running or finished (``attach.py``).
 
 The run decides admission (a full queue is a 429, a run that is not prompt-ready a 503)
 and generation; the gateway adds what OpenAI has and the run has not: stop strings
@@ -45,6 +47,7 @@ from mvp_core.models import CancelPrompt, Done, Fault, RunPhase, SubmitPrompt, T
 from mvp_core.run_state import RunState
 from workers import telemetry
 from workers.client import PromptRejected, stream_prompt
+from workers.gateway.attach import attach_routes
 from workers.gateway.stops import StopMatcher, cut_at_stop
 from workers.gateway.wire import (
     SSE_DONE,
@@ -832,6 +835,7 @@ def create_app(client: Client, run_id: int, *, poll_cooldown_ms: int = 20) -> St
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
+            *attach_routes(gateway),
         ],
         exception_handlers={
             ApiError: _api_error,
