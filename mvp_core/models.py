@@ -143,6 +143,17 @@ class ModelSource(_Model):
         ),
     )
 
+    def display_name(self) -> str | None:
+        """How summaries name the model before a plan exists: the bundled name, or the
+        file name of the path or of the hub file; None when no source is given."""
+        if self.bundled:
+            return self.bundled
+        if self.path:
+            return self.path.replace("\\", "/").rsplit("/", 1)[-1]
+        if self.hf is not None:
+            return self.hf.file.rsplit("/", 1)[-1]
+        return None
+
 
 _DAY_S = 86_400.0
 _U32 = 2**32 - 1

@@ -66,7 +66,7 @@ async def start_run(client: Client, run_id: int, request: RunRequest) -> Workflo
 
 def run_summary(run_id: int, request: RunRequest) -> str:
     """``run 7: SmolLM2-135M-Instruct.Q4_1, 2 stage(s) on process``: ids and names only."""
-    model = request.model.bundled or (request.model.path or "?").rsplit("/", 1)[-1]
+    model = request.model.display_name() or "the default model"
     return (
         f"run {run_id}: {model[:120]}, {request.pipeline_stages} stage(s) on "
         f"{request.provider.value}"

@@ -1066,11 +1066,9 @@ class RunWorkflow:
 
     def _model_name(self) -> str:
         """The model's name: the request's bundled name or file name, else the plan's."""
-        model = self._request.model
-        if model.bundled:
-            return model.bundled
-        if model.path:
-            return model.path.replace("\\", "/").rsplit("/", 1)[-1]
+        name = self._request.model.display_name()
+        if name is not None:
+            return name
         if self._state.plan is not None:
             return self._state.plan.model_facts.name
         return "the default model"

@@ -152,3 +152,17 @@ def test_the_host_refuses_a_hub_source_of_bad_shape_before_it_starts(keys, messa
     with pytest.raises(ConfigError) as info:
         host(f"[model]\n{keys}\n")
     assert str(info.value).startswith(message)
+
+
+def test_display_name_names_every_source_by_its_file():
+    from mvp_core.models import ModelSource
+
+    assert ModelSource(bundled="SmolLM2-135M-Instruct.Q4_1").display_name() == (
+        "SmolLM2-135M-Instruct.Q4_1"
+    )
+    assert ModelSource(path="/models/x/y.Q8_0.gguf").display_name() == "y.Q8_0.gguf"
+    hub = ModelSource.model_validate(
+        {"hf": {"repo": "owner/name", "file": "sub/z.gguf", "revision": "v1"}}
+    )
+    assert hub.display_name() == "z.gguf"
+    assert ModelSource().display_name() is None
