@@ -209,3 +209,21 @@ def test_prometheus_endpoint_serves_and_a_taken_port_is_a_clear_error(tmp_path):
     assert f"127.0.0.1:{busy}" in str(err.value) and "OTEL_EXPORTER_PROMETHEUS_PORT" in str(
         err.value
     )
+
+
+def test_stream_polls_and_queries_are_not_traced():
+    memory = InMemorySpanExporter()
+    tel = telemetry.setup("t", env={}, span_exporter=memory)
+    tracer = tel.tracer_provider.get_tracer("x")
+    with tracer.start_as_current_span("POST /v1/completions"):
+        for name in (
+            "StartWorkflowUpdate:__temporal_workflow_stream_poll",
+            "QueryWorkflow:snapshot",
+            "StartWorkflowUpdate:submit_prompt",
+        ):
+            with tracer.start_as_current_span(name):
+                pass
+    assert sorted(s.name for s in memory.get_finished_spans()) == [
+        "POST /v1/completions",
+        "StartWorkflowUpdate:submit_prompt",
+    ]

@@ -397,6 +397,47 @@ def setup(
 
 _global_provider: Any = None  # the process's one replay-safe tracer provider
 
+# Spans nobody reads, made many times a second: a stream's polls and publishes (one per
+# batch of text), and queries (the gateway and the dashboard poll ``snapshot``).
+QUIET_SPANS = ("__temporal_workflow_stream_", "QueryWorkflow:", "HandleQuery:")
+
+
+def _quiet_sampler() -> Any:
+    """Everything, under its parent's decision, but the QUIET_SPANS (dropped at start, so
+    they cost a non-recording span)."""
+    from opentelemetry.sdk.trace.sampling import (
+        ALWAYS_ON,
+        Decision,
+        ParentBased,
+        Sampler,
+        SamplingResult,
+    )
+
+    class Quiet(Sampler):
+        def __init__(self) -> None:
+            self._inner = ParentBased(ALWAYS_ON)
+
+        def should_sample(
+            self,
+            parent_context: Any,
+            trace_id: int,
+            name: str,
+            kind: Any = None,
+            attributes: Any = None,
+            links: Any = None,
+            trace_state: Any = None,
+        ) -> SamplingResult:
+            if name.startswith(QUIET_SPANS[1:]) or QUIET_SPANS[0] in name:
+                return SamplingResult(Decision.DROP)
+            return self._inner.should_sample(
+                parent_context, trace_id, name, kind, attributes, links, trace_state
+            )
+
+        def get_description(self) -> str:
+            return "mvp-quiet"
+
+    return Quiet()
+
 
 def _tracer_provider(resource: Any, choice: TelemetryChoice, extra: Any) -> Any:
     """The process-wide tracer provider (the SDK's workflow interceptor takes the global
@@ -408,7 +449,7 @@ def _tracer_provider(resource: Any, choice: TelemetryChoice, extra: Any) -> Any:
     from temporalio.contrib.opentelemetry import create_tracer_provider
 
     if _global_provider is None:
-        _global_provider = create_tracer_provider(resource=resource)
+        _global_provider = create_tracer_provider(resource=resource, sampler=_quiet_sampler())
         trace.set_tracer_provider(_global_provider)
     provider = _global_provider
     if extra is not None:
