@@ -48,6 +48,7 @@ from mvp_core.run_state import RunState
 from workers import telemetry
 from workers.client import PromptRejected, stream_prompt
 from workers.gateway.attach import attach_routes
+from workers.gateway.dashboard import dashboard_routes
 from workers.gateway.stops import StopMatcher, cut_at_stop
 from workers.gateway.wire import (
     SSE_DONE,
@@ -836,6 +837,7 @@ def create_app(client: Client, run_id: int, *, poll_cooldown_ms: int = 20) -> St
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
             *attach_routes(gateway),
+            *dashboard_routes(gateway),
         ],
         exception_handlers={
             ApiError: _api_error,

@@ -1,0 +1,572 @@
+"""The dashboard without Temporal: a run's observations shaped into what the page shows,
+the event stream's framing and bounds, and that the page only ever reads. The real run
+in a real browser is tests/integration/test_dashboard.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from google.protobuf.timestamp_pb2 import Timestamp
+from temporalio.api.enums.v1 import EventType
+from temporalio.api.history.v1 import HistoryEvent
+
+import workers.gateway.dashboard as dashboard
+from mvp_core.datastream import Redactor
+from mvp_core.models import (
+    Done,
+    Fault,
+    LifecycleKind,
+    ModelFacts,
+    NodeHandle,
+    NodeRuntimeReady,
+    PromptOutcome,
+    PromptStatus,
+    ProviderKind,
+    RunPhase,
+    ShutdownReason,
+)
+from mvp_core.planner import build_plan
+from mvp_core.run_state import NodeState, RunState
+from workers.gateway.app import create_app
+from workers.gateway.dashboard import (
+    STREAM_PUBLISH_SIGNAL,
+    Hub,
+    LocalLogs,
+    Observer,
+    SourceError,
+    frames,
+    history_times,
+    sse_frame,
+)
+from workers.gateway.dashboard_view import (
+    LogTail,
+    Observation,
+    PromptFigures,
+    RunView,
+    StageState,
+    figures,
+    finished_prompts,
+    run_view,
+    stage_state,
+)
+from workers.gateway.wire import ApiError
+
+HOST = "gw-host"
+BIG_ID = 2**56 + 1  # past what a JavaScript number holds exactly
+SECRET = "hf_dashboardTestSecret0123456789abcdef"
+
+FACTS = ModelFacts(
+    architecture="llama",
+    name="SmolLM2 135M",
+    block_count=30,
+    embedding_length=576,
+    context_length=8192,
+    eos_token_id=2,
+)
+
+
+def handle(node_id: int, log_path: str | None = None, host: str = HOST) -> NodeHandle:
+    return NodeHandle(
+        run_id=7,
+        node_id=node_id,
+        provider=ProviderKind.PROCESS,
+        host=host,
+        pid=1000 + node_id,
+        log_path=log_path,
+        resource_name=f"mvp-7-{node_id}-abcdef12",
+    )
+
+
+def node(node_id: int, stage: int, **flags: Any) -> NodeState:
+    return NodeState(
+        node_id=node_id,
+        stage_index=stage,
+        task_queue=f"mvp-node-7-{node_id}-abcdef12",
+        readiness_id=f"r-{node_id}",
+        **flags,
+    )
+
+
+def serving_state() -> RunState:
+    """Run 7: 2 stages prompt-ready, one prompt generating, two queued, three finished."""
+    plan = build_plan(
+        run_id=7,
+        orchestrator_node_id=0,
+        base_node_id=1,
+        stage_count=2,
+        max_context=512,
+        facts=FACTS,
+        model_path="/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+        tokenizer_path="/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+    )
+    ready = {
+        "start_attempted": True,
+        "lease_started": True,
+        "route_owned": True,
+        "acked": True,
+        "stage_provisioned": True,
+        "weights_ready": True,
+        "stage_ready": True,
+    }
+    state = RunState(
+        run_id=7,
+        nonce="0123456789abcdef-secret-nonce",
+        authorized_orchestrator="orch-identity",
+        phase=RunPhase.PROMPT_READY,
+        plan=plan,
+        nodes=[
+            node(s.node_id, s.stage_index, handle=handle(s.node_id), **ready) for s in plan.stages
+        ],
+    )
+    state.admit(11, "mvp-run-7-prompt-11-a")
+    state.finish_prompt("mvp-run-7-prompt-11-a", True, "", 11)
+    state.admit(12, "mvp-run-7-prompt-12-b")
+    state.finish_prompt("mvp-run-7-prompt-12-b", False, "cancelled", 12)
+    state.admit(11, "mvp-run-7-prompt-11-c")  # a request id used again after it ended
+    state.finish_prompt("mvp-run-7-prompt-11-c", True, "", 11)
+    state.admit(BIG_ID, "mvp-run-7-prompt-big")
+    state.admit(21, "mvp-run-7-prompt-21-d")
+    state.admit(22, "mvp-run-7-prompt-22-e")
+    state.activate_next()
+    return state
+
+
+# --------------------------------------------------------------------------- shaping
+
+
+def test_a_stage_state_follows_the_nodes_facts_and_a_loss_wins():
+    progression: list[tuple[dict[str, Any], StageState]] = [
+        ({}, StageState.PLANNED),
+        ({"start_attempted": True}, StageState.STARTING),
+        ({"handle": handle(2)}, StageState.LAUNCHED),
+        (
+            {
+                "runtime_ready": NodeRuntimeReady(
+                    run_id=7,
+                    node_id=2,
+                    stage_index=0,
+                    endpoint="127.0.0.1:1",
+                    node_actor="q",
+                    worker_identity="w",
+                    readiness_id="r-2",
+                )
+            },
+            StageState.RUNTIME_READY,
+        ),
+        ({"acked": True}, StageState.JOINED),
+        ({"stage_provisioned": True}, StageState.LOADING),
+        ({"weights_ready": True}, StageState.LOADING),  # the stage is not ready yet
+        ({"stage_ready": True}, StageState.READY),
+        ({"stage_stopped": True}, StageState.STAGE_STOPPED),
+        ({"provider_stopped": True}, StageState.STOPPED),
+    ]
+    flags: dict[str, Any] = {}
+    for more, expected in progression:
+        flags.update(more)
+        assert stage_state(node(2, 0, **flags)) is expected, flags
+    assert stage_state(node(2, 0, stage_ready=True, weights_ready=True, exited=True)) is (
+        StageState.EXITED
+    )
+    assert stage_state(node(2, 0, stage_ready=True, lease_lost=True)) is StageState.LOST
+    # A node that ends on its own once its stage stopped (a normal stop) is stopped.
+    assert stage_state(node(2, 0, stage_stopped=True, exited=True)) is StageState.STOPPED
+    assert stage_state(node(2, 0, stage_stopped=True, lease_lost=True)) is (
+        StageState.STAGE_STOPPED
+    )
+    assert stage_state(None) is StageState.PLANNED
+
+
+def test_a_serving_run_shows_stages_queue_and_recent_prompts():
+    state = serving_state()
+    figs = {
+        "mvp-run-7-prompt-11-a": PromptFigures(
+            status=PromptStatus.DONE, tokens=32, elapsed_ms=800, ttft_ms=150, queued_ms=3
+        ),
+        "mvp-run-7-prompt-12-b": PromptFigures(status=PromptStatus.CANCELLED, ttft_ms=90),
+    }
+    logs = {2: LogTail(lines=["stage 0 loaded layers [0,15)"])}
+    view = run_view("mvp-run-7", 7, "running", state, served=True, figures_of=figs, logs=logs)
+
+    assert (view.phase, view.model, view.stage_count, view.max_seq_len) == (
+        "prompt_ready",
+        "SmolLM2-135M-Instruct.Q4_1",
+        2,
+        512,
+    )
+    rows = [
+        (s.stage_index, s.node_id, s.layer_start, s.layer_end, s.host, s.state) for s in view.stages
+    ]
+    assert rows == [
+        (0, 2, 0, 15, HOST, StageState.READY),
+        (1, 3, 15, 30, HOST, StageState.READY),
+    ]
+    assert view.stages[0].pid == 1002 and view.stages[0].log == logs[2]
+    assert view.stages[1].log is None
+    # FIFO: the first admitted is active, the rest wait in order; ids exact as text.
+    assert view.queue.active == str(BIG_ID) and view.queue.pending == ["21", "22"]
+    recent = [(p.request_id, p.status, p.tokens, p.tokens_per_s, p.ttft_ms) for p in view.recent]
+    assert recent == [
+        ("11", "done", 32, 40.0, 150),
+        ("12", "cancelled", None, None, 90),
+        ("11", "done", None, None, None),  # its figures are not known (yet)
+    ]
+    assert view.recent[1].error == "cancelled"
+    text = view.model_dump_json()
+    assert str(BIG_ID) in text and "secret-nonce" not in text and "orch-identity" not in text
+
+
+def test_recent_prompts_pair_each_end_with_its_admission_and_keep_the_latest():
+    state = serving_state()
+    done = finished_prompts(state)
+    assert [(p.request_id, p.workflow_id, p.ok) for p in done] == [
+        (11, "mvp-run-7-prompt-11-a", True),
+        (12, "mvp-run-7-prompt-12-b", False),
+        (11, "mvp-run-7-prompt-11-c", True),
+    ]
+    assert [p.workflow_id for p in finished_prompts(state, limit=2)] == [
+        "mvp-run-7-prompt-12-b",
+        "mvp-run-7-prompt-11-c",
+    ]
+    # An end whose admission report was trimmed away still shows, without figures.
+    state.lifecycle = [r for r in state.lifecycle if r.kind is not LifecycleKind.PROMPT_ACCEPTED]
+    assert {p.workflow_id for p in finished_prompts(state)} == {None}
+
+
+def test_a_stopping_run_and_a_run_without_a_plan():
+    state = serving_state()
+    state.request_shutdown(ShutdownReason.OPERATOR_REQUESTED)
+    state.fault("ignored after the stop")  # kept as a later fact, not the run's fault
+    state.phase = RunPhase.TEARING_DOWN
+    view = run_view("mvp-run-7", 7, "running", state, served=True, figures_of={}, logs={})
+    assert view.stopping and view.shutdown == "operator_requested" and view.fault is None
+
+    early = RunState(run_id=8, nonce="n", authorized_orchestrator="o")
+    view = run_view("mvp-run-8", 8, "running", early, served=False, figures_of={}, logs={})
+    assert (view.phase, view.stages, view.model, view.queue.active) == ("accepted", [], None, None)
+    gone = run_view("mvp-run-9", 9, "not_found", None, served=True, figures_of={}, logs={})
+    assert (gone.status, gone.phase) == ("not_found", None)
+
+
+def test_figures_come_from_the_outcome_and_the_histories_times():
+    done = PromptOutcome(
+        terminal=Done(
+            request_id=1, final_text="x", tokens_generated=10, elapsed_ms=500, stop_reason="eos"
+        )
+    )
+    f = figures(done, started_ms=1000, scheduled_ms=1040, first_text_ms=1210)
+    assert (f.status, f.tokens, f.elapsed_ms, f.ttft_ms, f.queued_ms, f.stop_reason) == (
+        PromptStatus.DONE,
+        10,
+        500,
+        210,
+        40,
+        "eos",
+    )
+    fault = PromptOutcome(
+        terminal=Fault(request_id=1, error="cancelled"), status=PromptStatus.CANCELLED
+    )
+    f = figures(fault, started_ms=1000, scheduled_ms=None, first_text_ms=None)
+    assert (f.status, f.tokens, f.ttft_ms, f.queued_ms) == (
+        PromptStatus.CANCELLED,
+        None,
+        None,
+        None,
+    )
+
+
+def _event(kind: EventType.ValueType, ms: int, signal: str | None = None) -> HistoryEvent:
+    stamp = Timestamp(seconds=ms // 1000, nanos=(ms % 1000) * 10**6)
+    ev = HistoryEvent(event_type=kind, event_time=stamp)
+    if signal is not None:
+        ev.workflow_execution_signaled_event_attributes.signal_name = signal
+    return ev
+
+
+def test_history_times_take_the_first_publish_signal_and_the_result():
+    events = [
+        _event(EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED, 5_000),
+        _event(EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED, 5_010, "activate"),
+        _event(EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED, 5_020),
+        _event(EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED, 5_180, STREAM_PUBLISH_SIGNAL),
+        _event(EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED, 5_300, STREAM_PUBLISH_SIGNAL),
+        _event(EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED, 5_400),
+    ]
+    times = history_times(events)
+    assert (times.started_ms, times.scheduled_ms, times.first_text_ms) == (5_000, 5_020, 5_180)
+    assert times.result == []
+    assert history_times(events[:3]).result is None  # still running
+
+
+def test_the_publish_signal_is_the_one_workflow_streams_sends():
+    from temporalio.contrib.workflow_streams import _stream
+
+    assert getattr(_stream, "_PUBLISH_SIGNAL", STREAM_PUBLISH_SIGNAL) == STREAM_PUBLISH_SIGNAL
+
+
+# --------------------------------------------------------------------------- node logs
+
+
+def test_a_log_tail_is_the_last_lines_redacted_and_other_hosts_are_named(tmp_path: Path):
+    log = tmp_path / "node.log"
+    log.write_text("".join(f"line {i}\n" for i in range(40)) + f"token in use: {SECRET}\n\n")
+    logs = LocalLogs(hostname=HOST, redactor=Redactor([SECRET]))
+    tail = logs.tail(handle(2, str(log)))
+    assert tail.lines[-1] == "token in use: [redacted]" and len(tail.lines) == dashboard.LOG_LINES
+    assert tail.lines[0] == f"line {40 - dashboard.LOG_LINES + 1}"
+    assert SECRET not in json.dumps(tail.model_dump())
+    assert "not readable" in (logs.tail(handle(2, str(log), host="elsewhere")).note or "")
+    assert logs.tail(handle(2, str(tmp_path / "none.log"))).note == "no log written yet"
+    assert logs.tail(handle(2, None)).note
+    # A long log: only its end is read, and the cut first line is dropped.
+    log.write_text("x" * (dashboard.LOG_READ_BYTES * 2) + "\nlast\n")
+    assert logs.tail(handle(2, str(log))).lines == ["last"]
+
+
+# --------------------------------------------------------------------------- observer
+
+
+class FakeSource:
+    """Temporal's answers as a script: each run's status and snapshot, counted."""
+
+    def __init__(self) -> None:
+        self.status: dict[str, tuple[str, str | None]] = {}
+        self.states: dict[str, RunState | Exception] = {}
+        self.running: list[str] = []
+        self.figs: dict[str, PromptFigures] = {}
+        self.calls: list[tuple[str, str]] = []
+
+    async def describe(self, workflow_id: str) -> tuple[str, str | None]:
+        self.calls.append(("describe", workflow_id))
+        return self.status.get(workflow_id, ("not_found", None))
+
+    async def snapshot(self, workflow_id: str) -> RunState:
+        self.calls.append(("snapshot", workflow_id))
+        got = self.states[workflow_id]
+        if isinstance(got, Exception):
+            raise got
+        return got.model_copy(deep=True)
+
+    async def running_runs(self, limit: int) -> list[str]:
+        return self.running[:limit]
+
+    async def prompt_figures(self, workflow_id: str) -> PromptFigures:
+        self.calls.append(("figures", workflow_id))
+        if workflow_id not in self.figs:
+            raise SourceError("no history")
+        return self.figs[workflow_id]
+
+    def count(self, what: str, workflow_id: str | None = None) -> int:
+        return sum(1 for c in self.calls if c[0] == what and workflow_id in (None, c[1]))
+
+
+def observer(source: FakeSource, **kw: Any) -> Observer:
+    return Observer(source, 7, logs=LocalLogs(hostname=HOST), **kw)  # type: ignore[arg-type]
+
+
+async def test_the_observer_follows_a_run_from_absent_to_closed():
+    src = FakeSource()
+    obs = observer(src, others=False)
+    first = await obs.observe()
+    assert [(r.workflow_id, r.status, r.phase) for r in first.runs] == [
+        ("mvp-run-7", "not_found", None)
+    ]
+    src.status["mvp-run-7"] = ("running", "exec-1")
+    src.states["mvp-run-7"] = serving_state()
+    src.figs["mvp-run-7-prompt-11-a"] = PromptFigures(
+        status=PromptStatus.DONE, tokens=8, elapsed_ms=100
+    )
+    serving = (await obs.observe()).runs[0]
+    assert (serving.status, serving.phase, len(serving.stages)) == ("running", "prompt_ready", 2)
+    assert serving.recent[0].tokens_per_s == 80.0
+    await obs.observe()
+    # A prompt's figures are read once; one without a readable history is tried a few
+    # times, then shown without.
+    assert src.count("figures", "mvp-run-7-prompt-11-a") == 1
+    for _ in range(5):
+        await obs.observe()
+    assert src.count("figures", "mvp-run-7-prompt-12-b") == dashboard.FIGURE_TRIES
+
+    # The snapshot query stops answering: the last state stays, with a note.
+    src.states["mvp-run-7"] = SourceError("snapshot query failed: no worker")
+    stale = (await obs.observe()).runs[0]
+    assert stale.phase == "prompt_ready" and stale.note == "snapshot query failed: no worker"
+
+    closed = serving_state()
+    closed.phase = RunPhase.TORN_DOWN
+    src.status["mvp-run-7"] = ("completed", "exec-1")
+    src.states["mvp-run-7"] = closed
+    before = src.count("snapshot")
+    for _ in range(3):
+        view = (await obs.observe()).runs[0]
+        assert (view.status, view.phase) == ("completed", "torn_down")
+    assert src.count("snapshot") == before + 1  # a closed execution is read once
+    # The same workflow id started again: a new execution is read again.
+    src.status["mvp-run-7"] = ("running", "exec-2")
+    src.states["mvp-run-7"] = RunState(run_id=7, nonce="n", authorized_orchestrator="o")
+    assert (await obs.observe()).runs[0].phase == "accepted"
+
+
+async def test_other_open_runs_come_from_visibility_without_the_served_one():
+    src = FakeSource()
+    src.running = ["mvp-run-9", "mvp-run-7", "mvp-run-8"]
+    for wid, n in (("mvp-run-7", 7), ("mvp-run-8", 8), ("mvp-run-9", 9)):
+        src.status[wid] = ("running", "e")
+        src.states[wid] = RunState(run_id=n, nonce="n", authorized_orchestrator="o")
+    got = await observer(src).observe()
+    assert [(r.workflow_id, r.served) for r in got.runs] == [
+        ("mvp-run-7", True),
+        ("mvp-run-9", False),
+        ("mvp-run-8", False),
+    ]
+
+
+# --------------------------------------------------------------------------- stream
+
+
+def test_sse_frames_put_each_line_of_data_on_its_own_line():
+    assert sse_frame('{"a": 1}', 4) == b'id: 4\ndata: {"a": 1}\n\n'
+    assert sse_frame("x\ny") == b"data: x\ndata: y\n\n"
+
+
+class ScriptedObserver:
+    def __init__(self) -> None:
+        self.phase = "accepted"
+        self.calls = 0
+
+    async def observe(self) -> Observation:
+        self.calls += 1
+        run = RunView(workflow_id="mvp-run-7", run_id=7, served=True, status="running")
+        run.phase = self.phase
+        return Observation(served="mvp-run-7", runs=[run])
+
+
+async def _next_data(gen: Any) -> dict[str, Any]:
+    while True:
+        chunk = await asyncio.wait_for(gen.__anext__(), 5)
+        if b"data: " in chunk:
+            data = chunk.decode().split("data: ", 1)[1]
+            parsed: dict[str, Any] = json.loads(data)
+            return parsed
+
+
+async def test_a_stream_sends_a_frame_only_when_the_observation_changed():
+    scripted = ScriptedObserver()
+    hub = Hub(scripted, interval_s=0.01)  # type: ignore[arg-type]
+    sub = hub.subscribe()
+    gen = frames(hub, sub, keepalive_s=0.05, lifetime_s=30)
+    assert await gen.__anext__() == f"retry: {dashboard.RETRY_MS}\n\n".encode()
+    assert (await _next_data(gen))["runs"][0]["phase"] == "accepted"
+    calls = scripted.calls
+    # Unchanged observations: only keepalive comments, though the poller goes on.
+    for _ in range(3):
+        assert await asyncio.wait_for(gen.__anext__(), 5) == b": keepalive\n\n"
+    assert scripted.calls > calls and hub.version == 1
+    scripted.phase = "planning"
+    assert (await _next_data(gen))["runs"][0]["phase"] == "planning"
+    assert hub.version == 2
+    await gen.aclose()
+    assert hub.streams == 0 and not hub.polling and hub.latest is None
+
+
+async def test_a_stream_ends_after_its_lifetime_and_streams_are_bounded():
+    hub = Hub(ScriptedObserver(), interval_s=0.01, max_streams=2)  # type: ignore[arg-type]
+    sub = hub.subscribe()
+    chunks = [c async for c in frames(hub, sub, lifetime_s=0.3, keepalive_s=0.1)]
+    assert chunks[0].startswith(b"retry: ") and any(b"data: " in c for c in chunks)
+    assert hub.streams == 0 and not hub.polling
+    a, b = hub.subscribe(), hub.subscribe()
+    with pytest.raises(ApiError) as err:
+        hub.subscribe()
+    assert err.value.status == 503
+    a.close()
+    a.close()  # closing twice releases once
+    assert hub.streams == 1
+    b.close()
+    assert not hub.polling
+
+
+# --------------------------------------------------------------------------- the app
+
+
+@pytest.fixture
+def app(monkeypatch: pytest.MonkeyPatch) -> Any:
+    src = FakeSource()
+    src.status["mvp-run-7"] = ("running", "e")
+    src.states["mvp-run-7"] = serving_state()
+    monkeypatch.setattr(dashboard, "TemporalSource", lambda client: src)
+    return create_app(client=None, run_id=7)  # type: ignore[arg-type]
+
+
+async def test_the_page_is_self_contained_and_only_reads(app: Any):
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as h:
+        page = await h.get("/dashboard")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        html = page.text
+        # No other origin (no CDN), and the only request the script makes is its stream.
+        assert not re.search(r"(src|href)\s*=\s*[\"']?(https?:)?//", html)
+        assert 'new EventSource("dashboard/events")' in html
+        for call in ("fetch(", "XMLHttpRequest", "sendBeacon", "WebSocket", "<form", "POST"):
+            assert call not in html, call
+        assert (await h.post("/dashboard/events")).status_code == 405
+        assert (await h.post("/dashboard")).status_code == 405
+    routes = [r for r in app.routes if getattr(r, "path", "").startswith("/dashboard")]
+    assert {r.path for r in routes} == {"/dashboard", "/dashboard/events"}
+    assert all(r.methods <= {"GET", "HEAD"} for r in routes)
+
+
+async def test_a_stream_ends_cleanly_when_the_client_goes_away(app: Any):
+    gone = asyncio.Event()
+    sent: list[dict[str, Any]] = []
+    first_frame = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if b"data: " in message.get("body", b""):
+            first_frame.set()
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": "/dashboard/events",
+        "raw_path": b"/dashboard/events",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"gw")],
+        "client": ("127.0.0.1", 1),
+        "server": ("gw", 80),
+        "state": {},
+    }
+    call = asyncio.ensure_future(app(scope, receive, send))
+    await asyncio.wait_for(first_frame.wait(), 10)
+    start = sent[0]
+    assert start["status"] == 200
+    assert (b"content-type", b"text/event-stream; charset=utf-8") in start["headers"]
+    body = b"".join(m.get("body", b"") for m in sent)
+    frame = json.loads(body.split(b"data: ", 1)[1].split(b"\n", 1)[0])
+    assert frame["served"] == "mvp-run-7" and frame["runs"][0]["phase"] == "prompt_ready"
+    gone.set()
+    await asyncio.wait_for(call, 5)
+    hub = _hub(app)
+    assert hub.streams == 0 and not hub.polling
+
+
+def _hub(app: Any) -> Hub:
+    for route in app.routes:
+        if getattr(route, "path", "") == "/dashboard/events":
+            owner = route.endpoint.__self__
+            assert isinstance(owner, dashboard.Dashboard)
+            return owner.hub
+    raise AssertionError("no dashboard route")

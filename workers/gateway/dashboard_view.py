@@ -1,0 +1,298 @@
+"""What the dashboard shows of a run, shaped from the run's own observations.
+
+Pure functions over the run's ``snapshot`` (``RunState``), its status in Temporal, the
+figures of its finished prompts and the tails of its node logs; ``workers.gateway.dashboard``
+gathers those and streams the result. Ids, names, counts, timings and log lines only:
+never a prompt's text, the execution nonce or anything else the page does not show.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from mvp_core.models import LifecycleKind, PromptOutcome, PromptStatus
+from mvp_core.run_state import NodeState, RunState
+
+RECENT_PROMPTS = 8  # finished prompts shown per run, newest last
+MAX_TEXT = 300  # a fault or error text as shown
+
+RunStatus = Literal[
+    "running",
+    "completed",
+    "failed",
+    "canceled",
+    "terminated",
+    "timed_out",
+    "continued_as_new",
+    "not_found",
+    "unreachable",
+]
+
+
+class StageState(StrEnum):
+    """Where a stage's node is, from the run's own facts about it (latest first wins)."""
+
+    PLANNED = "planned"  # in the plan, no start asked for yet
+    STARTING = "starting"  # the provider was asked to start it
+    LAUNCHED = "launched"  # the provider started it (a handle), no runtime report yet
+    RUNTIME_READY = "runtime_ready"  # NodeRuntimeReady accepted
+    JOINED = "joined"  # the run acknowledged its runtime readiness
+    LOADING = "loading"  # its stage was provisioned; weights or the stage not ready yet
+    READY = "ready"  # weights loaded and stage ready
+    STAGE_STOPPED = "stage_stopped"  # StopRun answered
+    STOPPED = "stopped"  # the provider stopped the node, or it ended after its stage
+    EXITED = "exited"  # the node's process went away on its own, its stage not stopped
+    LOST = "lost"  # its membership lease was lost
+
+
+def stage_state(node: NodeState | None) -> StageState:
+    if node is None:
+        return StageState.PLANNED
+    if node.provider_stopped or (node.exited and node.stage_stopped):
+        return StageState.STOPPED  # a node may end on its own once its stage stopped
+    if node.exited:
+        return StageState.EXITED
+    if node.stage_stopped:
+        return StageState.STAGE_STOPPED
+    if node.lease_lost:
+        return StageState.LOST
+    if node.weights_ready and node.stage_ready:
+        return StageState.READY
+    if node.stage_provisioned:
+        return StageState.LOADING
+    if node.acked:
+        return StageState.JOINED
+    if node.runtime_ready is not None:
+        return StageState.RUNTIME_READY
+    if node.handle is not None:
+        return StageState.LAUNCHED
+    if node.start_attempted:
+        return StageState.STARTING
+    return StageState.PLANNED
+
+
+class LogTail(BaseModel):
+    """The last lines of a node's log, or why there are none."""
+
+    lines: list[str] = Field(default_factory=list)
+    note: str | None = None
+
+
+class StageView(BaseModel):
+    stage_index: int
+    node_id: int
+    layer_start: int | None = None
+    layer_end: int | None = None  # exclusive
+    host: str | None = None
+    provider: str | None = None
+    pid: int | None = None
+    state: StageState
+    log: LogTail | None = None
+
+
+class PromptFigures(BaseModel):
+    """A finished prompt's figures, from its workflow's history and result."""
+
+    status: PromptStatus
+    tokens: int | None = None
+    elapsed_ms: int | None = None  # the head node's own generation time (Done.elapsed_ms)
+    stop_reason: str | None = None
+    ttft_ms: int | None = None  # admission to its first text reaching Temporal
+    queued_ms: int | None = None  # admission to its generation being scheduled
+
+
+def figures(
+    outcome: PromptOutcome | None,
+    *,
+    started_ms: int | None,
+    scheduled_ms: int | None,
+    first_text_ms: int | None,
+) -> PromptFigures:
+    """A prompt's figures from its outcome and the times (epoch ms) of its workflow's
+    start, its generate activity's scheduling and its first published text."""
+    status = outcome.status if outcome is not None else PromptStatus.FAULTED
+    out = PromptFigures(status=status)
+    if outcome is not None and outcome.terminal.type == "done":
+        out.tokens = outcome.terminal.tokens_generated
+        out.elapsed_ms = outcome.terminal.elapsed_ms
+        out.stop_reason = outcome.terminal.stop_reason
+    if started_ms is not None:
+        if first_text_ms is not None:
+            out.ttft_ms = max(0, first_text_ms - started_ms)
+        if scheduled_ms is not None:
+            out.queued_ms = max(0, scheduled_ms - started_ms)
+    return out
+
+
+class PromptView(BaseModel):
+    request_id: str  # as text: request ids pass 2**53, past what a JavaScript number holds
+    status: str  # done, cancelled or faulted
+    tokens: int | None = None
+    tokens_per_s: float | None = None
+    ttft_ms: int | None = None
+    queued_ms: int | None = None
+    stop_reason: str | None = None
+    error: str | None = None
+
+
+class QueueView(BaseModel):
+    active: str | None = None  # request id (as text, as in PromptView)
+    pending: list[str] = Field(default_factory=list)  # request ids, FIFO order
+
+
+class RunView(BaseModel):
+    workflow_id: str
+    run_id: int | None
+    served: bool  # the run this gateway serves
+    status: RunStatus
+    phase: str | None = None
+    stopping: bool = False
+    shutdown: str | None = None
+    fault: str | None = None
+    model: str | None = None
+    stage_count: int | None = None
+    max_seq_len: int | None = None
+    prompts_completed: int = 0
+    prompts_faulted: int = 0
+    continued: int = 0
+    queue: QueueView = Field(default_factory=QueueView)
+    stages: list[StageView] = Field(default_factory=list)
+    recent: list[PromptView] = Field(default_factory=list)
+    note: str | None = None  # why what is shown may be stale or missing
+
+
+class Observation(BaseModel):
+    """One frame of the dashboard's stream."""
+
+    served: str  # the workflow id of the run this gateway serves
+    runs: list[RunView]
+
+
+class FinishedPrompt(BaseModel):
+    request_id: int
+    workflow_id: str | None  # None when its PromptAccepted report was trimmed away
+    ok: bool
+    detail: str
+
+
+def finished_prompts(state: RunState, limit: int = RECENT_PROMPTS) -> list[FinishedPrompt]:
+    """The run's latest finished prompts, oldest first, from its lifecycle reports (a
+    request id can come back once its prompt ended: each end pairs with the admission
+    before it)."""
+    admitted: dict[int, str] = {}
+    done: list[FinishedPrompt] = []
+    for report in state.lifecycle:
+        rid = report.request_id
+        if rid is None:
+            continue
+        if report.kind is LifecycleKind.PROMPT_ACCEPTED:
+            admitted[rid] = report.detail
+        elif report.kind in (LifecycleKind.PROMPT_COMPLETED, LifecycleKind.PROMPT_FAULTED):
+            done.append(
+                FinishedPrompt(
+                    request_id=rid,
+                    workflow_id=admitted.pop(rid, None),
+                    ok=report.kind is LifecycleKind.PROMPT_COMPLETED,
+                    detail=report.detail,
+                )
+            )
+    return done[-limit:] if limit > 0 else []
+
+
+def prompt_view(prompt: FinishedPrompt, figs: PromptFigures | None) -> PromptView:
+    if figs is None:
+        status = PromptStatus.DONE.value if prompt.ok else PromptStatus.FAULTED.value
+        return PromptView(
+            request_id=str(prompt.request_id), status=status, error=clip(prompt.detail) or None
+        )
+    rate = None
+    if figs.tokens and figs.elapsed_ms:
+        rate = round(figs.tokens * 1000 / figs.elapsed_ms, 1)
+    return PromptView(
+        request_id=str(prompt.request_id),
+        status=figs.status.value,
+        tokens=figs.tokens,
+        tokens_per_s=rate,
+        ttft_ms=figs.ttft_ms,
+        queued_ms=figs.queued_ms,
+        stop_reason=figs.stop_reason,
+        error=None if prompt.ok else clip(prompt.detail) or None,
+    )
+
+
+def stage_views(state: RunState, logs: Mapping[int, LogTail]) -> list[StageView]:
+    """One row per planned stage (before the plan: per node the run knows)."""
+    by_stage = {n.stage_index: n for n in state.nodes}
+    rows: list[StageView] = []
+    planned = state.plan.stages if state.plan is not None else []
+    indices = [s.stage_index for s in planned] or sorted(by_stage)
+    layers = {s.stage_index: s.layers for s in planned}
+    node_ids = {s.stage_index: s.node_id for s in planned}
+    for index in indices:
+        node = by_stage.get(index)
+        handle = node.handle if node is not None else None
+        node_id = node.node_id if node is not None else node_ids[index]
+        span = layers.get(index)
+        rows.append(
+            StageView(
+                stage_index=index,
+                node_id=node_id,
+                layer_start=span.start if span is not None else None,
+                layer_end=span.end if span is not None else None,
+                host=handle.host if handle is not None else None,
+                provider=handle.provider.value if handle is not None else None,
+                pid=handle.pid if handle is not None else None,
+                state=stage_state(node),
+                log=logs.get(node_id),
+            )
+        )
+    return rows
+
+
+def run_view(
+    workflow_id: str,
+    run_id: int | None,
+    status: RunStatus,
+    state: RunState | None,
+    *,
+    served: bool,
+    figures_of: Mapping[str, PromptFigures],
+    logs: Mapping[int, LogTail],
+    note: str | None = None,
+) -> RunView:
+    view = RunView(workflow_id=workflow_id, run_id=run_id, served=served, status=status, note=note)
+    if state is None:
+        return view
+    plan = state.plan
+    view.run_id = state.run_id
+    view.phase = state.phase.value
+    view.stopping = state.stopping
+    view.shutdown = state.shutdown.value if state.shutdown is not None else None
+    view.fault = clip(state.first_fault) if state.first_fault else None
+    if plan is not None:
+        view.model = plan.model_path.replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".gguf")
+        view.stage_count = plan.stage_count
+        view.max_seq_len = plan.max_seq_len
+    view.prompts_completed = state.prompts_completed
+    view.prompts_faulted = state.prompts_faulted
+    view.continued = state.continued
+    view.queue = QueueView(
+        active=str(state.active.request_id) if state.active is not None else None,
+        pending=[str(p.request_id) for p in state.pending],
+    )
+    view.stages = stage_views(state, logs)
+    view.recent = [
+        prompt_view(p, figures_of.get(p.workflow_id) if p.workflow_id else None)
+        for p in finished_prompts(state)
+    ]
+    return view
+
+
+def clip(text: str | None, limit: int = MAX_TEXT) -> str:
+    if not text:
+        return ""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
