@@ -570,3 +570,23 @@ def _hub(app: Any) -> Hub:
             assert isinstance(owner, dashboard.Dashboard)
             return owner.hub
     raise AssertionError("no dashboard route")
+
+
+def test_the_decode_rate_is_the_head_nodes_own_when_it_reports_its_timing():
+    from mvp_core.models import PromptTiming
+    from workers.gateway.dashboard_view import FinishedPrompt, prompt_view
+
+    done = Done(
+        request_id=5, final_text="x", tokens_generated=33, elapsed_ms=1000, stop_reason="eos"
+    )
+    timed = PromptOutcome(
+        terminal=done,
+        timing=PromptTiming(encode_ms=1, prefill_ms=200, first_delta_ms=2, decode_tokens_per_s=40),
+    )
+    finished = FinishedPrompt(request_id=5, workflow_id="w", ok=True, detail="")
+    view = prompt_view(finished, figures(timed, started_ms=0, scheduled_ms=10, first_text_ms=250))
+    assert view.tokens_per_s == 40.0  # decode alone, not 33 tokens / 1 s with the prefill
+    untimed = figures(
+        PromptOutcome(terminal=done), started_ms=0, scheduled_ms=10, first_text_ms=250
+    )
+    assert prompt_view(finished, untimed).tokens_per_s == 33.0

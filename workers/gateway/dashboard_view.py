@@ -103,6 +103,7 @@ class PromptFigures(BaseModel):
     stop_reason: str | None = None
     ttft_ms: int | None = None  # admission to its first text reaching Temporal
     queued_ms: int | None = None  # admission to its generation being scheduled
+    decode_tokens_per_s: float | None = None  # the head node's decode rate (its timing)
 
 
 def figures(
@@ -120,6 +121,8 @@ def figures(
         out.tokens = outcome.terminal.tokens_generated
         out.elapsed_ms = outcome.terminal.elapsed_ms
         out.stop_reason = outcome.terminal.stop_reason
+        if outcome.timing is not None:
+            out.decode_tokens_per_s = outcome.timing.decode_tokens_per_s
     if started_ms is not None:
         if first_text_ms is not None:
             out.ttft_ms = max(0, first_text_ms - started_ms)
@@ -210,7 +213,9 @@ def prompt_view(prompt: FinishedPrompt, figs: PromptFigures | None) -> PromptVie
             request_id=str(prompt.request_id), status=status, error=clip(prompt.detail) or None
         )
     rate = None
-    if figs.tokens and figs.elapsed_ms:
+    if figs.decode_tokens_per_s is not None:  # decode alone, as the node measured it
+        rate = round(figs.decode_tokens_per_s, 1)
+    elif figs.tokens and figs.elapsed_ms:  # a node that reports no timing
         rate = round(figs.tokens * 1000 / figs.elapsed_ms, 1)
     return PromptView(
         request_id=str(prompt.request_id),
