@@ -590,3 +590,25 @@ def test_the_decode_rate_is_the_head_nodes_own_when_it_reports_its_timing():
         PromptOutcome(terminal=done), started_ms=0, scheduled_ms=10, first_text_ms=250
     )
     assert prompt_view(finished, untimed).tokens_per_s == 33.0
+
+
+async def test_closing_the_viewers_ends_open_streams_at_once_and_refuses_new_ones():
+    hub = Hub(ScriptedObserver(), interval_s=0.01)  # type: ignore[arg-type]
+    sub = hub.subscribe()
+    gen = frames(hub, sub, keepalive_s=30, lifetime_s=300)
+    assert (await gen.__anext__()).startswith(b"retry: ")
+    await _next_data(gen)
+    rest = asyncio.ensure_future(_drain_frames(gen))
+    await asyncio.sleep(0.05)
+    assert not rest.done()  # waiting for a change (keepalive in 30 s)
+    hub.close()
+    await asyncio.wait_for(rest, 2)  # ended now, not after its keepalive or lifetime
+    assert hub.streams == 0 and not hub.polling
+    with pytest.raises(ApiError) as err:
+        hub.subscribe()
+    assert err.value.status == 503
+
+
+async def _drain_frames(gen: Any) -> None:
+    async for _ in gen:
+        pass

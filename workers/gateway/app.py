@@ -139,6 +139,13 @@ class Gateway:
         self._ids = itertools.count(secrets.randbits(40) << 16)
         self._background: set[asyncio.Task[Any]] = set()
         self._warm: asyncio.Task[None] | None = None
+        self.viewers: list[Callable[[], None]] = []  # end the read-only streams (dashboard)
+
+    def close_viewers(self) -> None:
+        """End the streams that only watch (they would hold the server's shutdown for its
+        whole grace); prompts in flight finish."""
+        for close in self.viewers:
+            close()
 
     # ------------------------------------------------------------------ run facts
     def handle(self) -> Any:

@@ -408,8 +408,19 @@ class Hub:
         self.latest: str | None = None  # the last frame's JSON
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.closed = False  # the gateway is stopping: streams end, new ones are refused
+
+    def close(self) -> None:
+        """End every open stream now (the server then stops without waiting for them)."""
+        self.closed = True
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
 
     def subscribe(self) -> Subscription:
+        if self.closed:
+            raise ApiError(
+                503, "the gateway is stopping", type="server_error", code="dashboard_closed"
+            )
         if self.streams >= self.max_streams:
             raise ApiError(
                 503,
@@ -510,8 +521,10 @@ async def frames(
         yield f"retry: {RETRY_MS}\n\n".encode()
         seen = 0
         deadline = time.monotonic() + lifetime_s
-        while (left := deadline - time.monotonic()) > 0:
+        while (left := deadline - time.monotonic()) > 0 and not hub.closed:
             if await hub.wait(seen, min(keepalive_s, left)):
+                if hub.closed:
+                    break
                 seen = hub.version
                 assert hub.latest is not None
                 yield sse_frame(hub.latest, seen)
@@ -552,5 +565,8 @@ class Dashboard:
 
 
 def dashboard_routes(gateway: Gateway) -> list[Route]:
-    """The dashboard of the gateway's run, read from Temporal with the gateway's client."""
-    return Dashboard(Hub(Observer(TemporalSource(gateway.client), gateway.run_id))).routes()
+    """The dashboard of the gateway's run, read from Temporal with the gateway's client;
+    ``gateway.close_viewers()`` ends its streams."""
+    hub = Hub(Observer(TemporalSource(gateway.client), gateway.run_id))
+    gateway.viewers.append(hub.close)
+    return Dashboard(hub).routes()

@@ -189,8 +189,9 @@ class Gateway:
             loop.add_signal_handler(sig, self.on_signal)
         bound = sock.getsockname()
         url = f"http://{_url_host(str(bound[0]))}:{bound[1]}/v1"
+        app = create_app(client, run_id)
         config = uvicorn.Config(
-            create_app(client, run_id),
+            app,
             log_level=args.log_level,
             timeout_graceful_shutdown=GRACEFUL_S,
             lifespan="on",
@@ -204,6 +205,7 @@ class Gateway:
             await asyncio.wait({serving, closed, stopping}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             ready.cancel()
+            app.state.gateway.close_viewers()  # an open dashboard holds no shutdown up
             server.should_exit = True
             if self.signals > 1:
                 server.force_exit = True
