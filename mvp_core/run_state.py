@@ -62,6 +62,22 @@ class PromptRejection(StrEnum):
     ROLLING_OVER = "RunRollingOver"
 
 
+class NodeCondition(StrEnum):
+    """Where a node is (NodeState.condition)."""
+
+    PLANNED = "planned"  # in the plan, no start asked for yet
+    STARTING = "starting"  # the provider was asked to start it
+    LAUNCHED = "launched"  # the provider started it (a handle), no runtime report yet
+    RUNTIME_READY = "runtime_ready"  # NodeRuntimeReady accepted
+    JOINED = "joined"  # the run acknowledged its runtime readiness
+    LOADING = "loading"  # its stage was provisioned; weights or the stage not ready yet
+    READY = "ready"  # weights loaded and stage ready
+    STAGE_STOPPED = "stage_stopped"  # StopRun answered
+    STOPPED = "stopped"  # the provider stopped the node, or it ended after its stage
+    EXITED = "exited"  # the node's process went away on its own, its stage not stopped
+    LOST = "lost"  # its membership lease was lost
+
+
 class NodeState(BaseModel):
     node_id: int
     stage_index: int
@@ -81,26 +97,33 @@ class NodeState(BaseModel):
     start_attempted: bool = False
     provider_stopped: bool = False
 
-    def condition(self) -> str:
-        """One word for where the node is (metrics, dashboards): one of NODE_CONDITIONS."""
-        if self.exited or self.provider_stopped:
-            return "gone"
-        if self.lease_lost:
-            return "lost"
+    def condition(self) -> NodeCondition:
+        """Where the node is, from the run's own facts about it (latest first wins): the
+        dashboard's stage state and the ``mvp.run.nodes`` metric's ``state``."""
+        if self.provider_stopped or (self.exited and self.stage_stopped):
+            return NodeCondition.STOPPED  # a node may end on its own once its stage stopped
+        if self.exited:
+            return NodeCondition.EXITED
         if self.stage_stopped:
-            return "stopped"
-        if self.stage_ready:
-            return "ready"
-        if self.weights_ready or self.stage_provisioned:
-            return "loading"
+            return NodeCondition.STAGE_STOPPED
+        if self.lease_lost:
+            return NodeCondition.LOST
+        if self.weights_ready and self.stage_ready:
+            return NodeCondition.READY
+        if self.stage_provisioned:
+            return NodeCondition.LOADING
+        if self.acked:
+            return NodeCondition.JOINED
         if self.runtime_ready is not None:
-            return "booted"
+            return NodeCondition.RUNTIME_READY
+        if self.handle is not None:
+            return NodeCondition.LAUNCHED
         if self.start_attempted:
-            return "starting"
-        return "planned"
+            return NodeCondition.STARTING
+        return NodeCondition.PLANNED
 
 
-NODE_CONDITIONS = ("planned", "starting", "booted", "loading", "ready", "stopped", "lost", "gone")
+NODE_CONDITIONS = tuple(c.value for c in NodeCondition)
 
 
 class PromptRecord(BaseModel):

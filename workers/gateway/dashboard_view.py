@@ -9,13 +9,12 @@ never a prompt's text, the execution nonce or anything else the page does not sh
 from __future__ import annotations
 
 from collections.abc import Mapping
-from enum import StrEnum
 from typing import Literal
 
 from pydantic import BaseModel, Field
 
 from mvp_core.models import LifecycleKind, PromptOutcome, PromptStatus
-from mvp_core.run_state import NodeState, RunState
+from mvp_core.run_state import NodeCondition, NodeState, RunState
 
 RECENT_PROMPTS = 8  # finished prompts shown per run, newest last
 MAX_TEXT = 300  # a fault or error text as shown
@@ -33,46 +32,12 @@ RunStatus = Literal[
 ]
 
 
-class StageState(StrEnum):
-    """Where a stage's node is, from the run's own facts about it (latest first wins)."""
-
-    PLANNED = "planned"  # in the plan, no start asked for yet
-    STARTING = "starting"  # the provider was asked to start it
-    LAUNCHED = "launched"  # the provider started it (a handle), no runtime report yet
-    RUNTIME_READY = "runtime_ready"  # NodeRuntimeReady accepted
-    JOINED = "joined"  # the run acknowledged its runtime readiness
-    LOADING = "loading"  # its stage was provisioned; weights or the stage not ready yet
-    READY = "ready"  # weights loaded and stage ready
-    STAGE_STOPPED = "stage_stopped"  # StopRun answered
-    STOPPED = "stopped"  # the provider stopped the node, or it ended after its stage
-    EXITED = "exited"  # the node's process went away on its own, its stage not stopped
-    LOST = "lost"  # its membership lease was lost
+# A stage's state is its node's condition (mvp_core.run_state), as the metrics say it.
+StageState = NodeCondition
 
 
 def stage_state(node: NodeState | None) -> StageState:
-    if node is None:
-        return StageState.PLANNED
-    if node.provider_stopped or (node.exited and node.stage_stopped):
-        return StageState.STOPPED  # a node may end on its own once its stage stopped
-    if node.exited:
-        return StageState.EXITED
-    if node.stage_stopped:
-        return StageState.STAGE_STOPPED
-    if node.lease_lost:
-        return StageState.LOST
-    if node.weights_ready and node.stage_ready:
-        return StageState.READY
-    if node.stage_provisioned:
-        return StageState.LOADING
-    if node.acked:
-        return StageState.JOINED
-    if node.runtime_ready is not None:
-        return StageState.RUNTIME_READY
-    if node.handle is not None:
-        return StageState.LAUNCHED
-    if node.start_attempted:
-        return StageState.STARTING
-    return StageState.PLANNED
+    return StageState.PLANNED if node is None else node.condition()
 
 
 class LogTail(BaseModel):
