@@ -370,10 +370,17 @@ def _stats(values: list[float]) -> dict[str, float] | None:
 
 
 def figures(result: Result, args: argparse.Namespace) -> dict[str, Any]:
-    """The result as plain data (ms, tok/s; median, min, max over the rounds)."""
+    """The result as plain data (ms, tok/s; median, min, max over the rounds). Each path's
+    ``ttft_vs_direct_ms``: its TTFT less the direct path's in the same round (paired)."""
     rows = []
+    direct = result.paths[0].samples
     for path in result.paths:
         engine = [s.engine_tok_s for s in path.samples if s.engine_tok_s is not None]
+        paired = [
+            s.ttft_ms - d.ttft_ms
+            for s, d in zip(path.samples, direct, strict=True)
+            if s.ttft_ms is not None and d.ttft_ms is not None
+        ]
         rows.append(
             {
                 "key": path.key,
@@ -383,6 +390,16 @@ def figures(result: Result, args: argparse.Namespace) -> dict[str, Any]:
                 "total_ms": _stats([s.total_ms for s in path.samples]),
                 "tokens": statistics.median(s.tokens for s in path.samples),
                 "engine_tok_s": _stats(engine),
+                "ttft_vs_direct_ms": _stats(paired) if path is not result.paths[0] else None,
+                "samples": [
+                    {
+                        "ttft_ms": s.ttft_ms,
+                        "tok_s": s.tok_s,
+                        "total_ms": s.total_ms,
+                        "tokens": s.tokens,
+                    }
+                    for s in path.samples
+                ],
             }
         )
     return {

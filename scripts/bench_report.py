@@ -65,7 +65,7 @@ SETTINGS = {
     "quick": {"pipeline_tokens": 32, "pipeline_rounds": 1, "engine_tokens": 32,
               "gateway_tokens": 32, "gateway_rounds": 2},
     "full": {"pipeline_tokens": 64, "pipeline_rounds": 5, "engine_tokens": 64,
-             "gateway_tokens": 128, "gateway_rounds": 5},
+             "gateway_tokens": 128, "gateway_rounds": 8},
 }  # fmt: skip
 
 
@@ -222,7 +222,8 @@ def _f(x: Any, spec: str = ".1f") -> str:
 def _range(stats: dict[str, float] | None, spec: str) -> str:
     if not stats:
         return "-"
-    return f"{stats['median']:{spec}} ({stats['min']:{spec}}-{stats['max']:{spec}})"
+    sep = " to " if "+" in spec else "-"  # signed figures: "-5 to +41", not "-5-+41"
+    return f"{stats['median']:{spec}} ({stats['min']:{spec}}{sep}{stats['max']:{spec}})"
 
 
 def _stage_rows(figures: dict[str, Any]) -> list[dict[str, Any]]:
@@ -435,17 +436,18 @@ def markdown(figures: dict[str, Any]) -> str:
             else "."
         ),
         "",
-        "| path | TTFT ms | decode tok/s | total ms | tokens |",
-        "|---|---|---|---|---|",
+        "| path | TTFT ms | TTFT vs direct, paired ms | decode tok/s | total ms | tokens |",
+        "|---|---|---|---|---|---|",
     ]
     for p in gw["paths"]:
         out.append(
-            f"| {p['name']} | {_range(p['ttft_ms'], '.0f')} | {_range(p['decode_tok_s'], '.1f')} "
+            f"| {p['name']} | {_range(p['ttft_ms'], '.0f')} | "
+            f"{_range(p.get('ttft_vs_direct_ms'), '+.0f')} | {_range(p['decode_tok_s'], '.1f')} "
             f"| {_range(p['total_ms'], '.0f')} | {p['tokens']:.0f} |"
         )
     by_key = {p["key"]: p for p in gw["paths"]}
     if "llama_server_stream" not in by_key:
-        out.append(f"| llama-cpp-python server | {NOT_INSTALLED} | - | - | - |")
+        out.append(f"| llama-cpp-python server | {NOT_INSTALLED} | - | - | - | - |")
     direct, stream = by_key.get("direct"), by_key.get("gateway_stream")
     out += [
         "",
@@ -453,8 +455,16 @@ def markdown(figures: dict[str, Any]) -> str:
         "- first text) as the client sees text arrive (the run flushes its stream every 100 ms, "
         "so the run's paths are coarse; llama.cpp streams one chunk per token); not streamed: "
         "tokens / whole request.",
+        "- TTFT vs direct, paired: the median (min-max) over rounds of the path's TTFT less "
+        "the direct path's TTFT in the same round (one prompt text per round), robust to the "
+        "machine's drift between rounds.",
     ]
-    if direct and stream and direct["ttft_ms"] and stream["ttft_ms"]:
+    if stream and stream.get("ttft_vs_direct_ms"):
+        out.append(
+            f"- The gateway adds {stream['ttft_vs_direct_ms']['median']:.0f} ms (paired median) "
+            "to the time to first token of `stream_prompt`."
+        )
+    elif direct and stream and direct["ttft_ms"] and stream["ttft_ms"]:
         added = stream["ttft_ms"]["median"] - direct["ttft_ms"]["median"]
         out.append(f"- The gateway adds {added:.0f} ms to the median time to first token.")
     if direct and direct.get("engine_tok_s"):

@@ -161,6 +161,7 @@ def figures() -> dict[str, Any]:
                     "total_ms": _stats(5200.0, 5100.0, 5350.0),
                     "tokens": 128,
                     "engine_tok_s": None,
+                    "ttft_vs_direct_ms": _stats(24.0, -5.0, 41.0),
                 },
                 {
                     "key": "gateway_whole",
@@ -179,6 +180,7 @@ def figures() -> dict[str, Any]:
                     "total_ms": _stats(1900.0, 1850.0, 2000.0),
                     "tokens": 128,
                     "engine_tok_s": None,
+                    "ttft_vs_direct_ms": _stats(-385.0, -420.0, -350.0),
                 },
             ],
         },
@@ -237,10 +239,19 @@ def test_report_tables_carry_every_figure(figures: dict[str, Any], written: Path
 
     gateway = _table(report, "| path | TTFT ms")
     assert [row[0] for row in gateway[1:]] == [p["name"] for p in figures["gateway"]["paths"]]
-    assert gateway[2][1:3] == ["437 (400-470)", "26.0 (24.5-27.5)"]
-    assert gateway[3][1] == "-"  # not streamed: no first token of its own
-    assert gateway[4][1:] == ["23 (20-30)", "70.5 (66.0-72.0)", "1900 (1850-2000)", "128"]
-    assert "The gateway adds 27 ms to the median time to first token." in report
+    assert gateway[0][1:4] == ["TTFT ms", "TTFT vs direct, paired ms", "decode tok/s"]
+    assert gateway[1][2] == "-"  # the direct path is the reference
+    assert gateway[2][1:4] == ["437 (400-470)", "+24 (-5 to +41)", "26.0 (24.5-27.5)"]
+    assert gateway[3][1:3] == ["-", "-"]  # not streamed: no first token of its own
+    assert gateway[4][1:] == [
+        "23 (20-30)",
+        "-385 (-420 to -350)",
+        "70.5 (66.0-72.0)",
+        "1900 (1850-2000)",
+        "128",
+    ]
+    # The paired figure, not the difference of the medians (27 ms).
+    assert "The gateway adds 24 ms (paired median)" in report
 
     engine = _table(report, "| runtime | threads")
     assert ["engine3", "-", "skipped: out of memory", "-", "-", "-"] in engine
