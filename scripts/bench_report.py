@@ -411,7 +411,9 @@ def markdown(figures: dict[str, Any]) -> str:
         "",
         "Run workflow started -> its snapshot query first shows `prompt_ready` (planning, "
         "node processes started, weights loaded, data-plane edges connected), process "
-        "provider, one run at a time starting while the 1-stage run stays up.",
+        "provider. The 1-stage run starts first, alone, and pays the session's cold start "
+        "(the first node process's imports and page cache); each multi-stage run starts "
+        "later while the 1-stage run stays up. The gateway section's run is another sample.",
         "",
         "| stages | prompt-ready s | RSS per node MiB |",
         "|---|---|---|",
