@@ -155,10 +155,14 @@ _RUN_MUTATIONS: dict[str, list[tuple[str, str, st.SearchStrategy[Any]]]] = {
             "model.surplus",
             st.tuples(_marker, _marker).map(lambda t: {"bundled": t[0], "surplus": t[1]}),
         ),
-        ("validate", "model.bundled or model.path", st.sampled_from([{}, {"path": None}])),
         (
             "validate",
-            "model.bundled or model.path",
+            "exactly one of model.bundled, model.path or model.hf",
+            st.sampled_from([{}, {"path": None}]),
+        ),
+        (
+            "validate",
+            "exactly one of model.bundled, model.path or model.hf",
             st.tuples(_marker, _marker).map(lambda t: {"bundled": t[0], "path": t[1]}),
         ),
     ],
