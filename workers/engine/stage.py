@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from .config import ArchConfig, ModelFacts, arch_config, facts_of
+from .gemma3 import ARCHITECTURE as GEMMA3
+from .gemma3 import Gemma3StageModel, build_gemma3_stage_model
 from .gguf_reader import GGUFError, GGUFFile
 from .loader import Part, WeightBuilder, rope_permutation, trim_heap
 from .model import LayerWeights, RopeTables, StageModel
@@ -68,7 +70,7 @@ class Stage:
         facts: ModelFacts,
         layer_start: int,
         layer_end: int,
-        model: StageModel,
+        model: StageModel | Gemma3StageModel,
         embedding: Embedding | None,
         device: torch.device,
         options: EngineOptions,
@@ -100,6 +102,8 @@ class Stage:
         self.closed = True
         self.model.layers = []
         self.model.head = None
+        if isinstance(self.model, Gemma3StageModel):
+            self.model.head_rows = None
         self.embedding = None
         self.file.close()
 
@@ -154,21 +158,41 @@ def load_stage(
                 f"{cfg.n_layers} layers"
             )
         b = WeightBuilder(f, options.precision, device)
-        with torch.inference_mode():
-            layers = [_layer(b, cfg, i) for i in range(layer_start, layer_end)]
-            rope = RopeTables(cfg, b.optional_vector("rope_freqs.weight"), device)
-            output_norm, head = None, None
-            if layer_end == cfg.n_layers:
-                output_norm = b.vector("output_norm.weight")
-                head_name = "output.weight" if "output.weight" in f.tensors else "token_embd.weight"
-                head = b.linear([Part(head_name)])
-            embedding = Embedding(f, device) if layer_start == 0 else None
-        model = StageModel(
-            cfg, layer_start, layers, rope, output_norm, head, options.fp16_split_points
-        )
+        model: StageModel | Gemma3StageModel
+        if cfg.architecture == GEMMA3:
+            with torch.inference_mode():
+                model = build_gemma3_stage_model(
+                    f, cfg, b, layer_start, layer_end, options.fp16_split_points
+                )
+                embedding = Embedding(f, device) if layer_start == 0 else None
+        else:
+            model, embedding = _llama_stage_model(f, cfg, b, layer_start, layer_end, options)
     except BaseException:
         f.close()
         raise
     f.release_pages()
     trim_heap()
     return Stage(f, cfg, facts, layer_start, layer_end, model, embedding, device, options)
+
+
+def _llama_stage_model(
+    f: GGUFFile,
+    cfg: ArchConfig,
+    b: WeightBuilder,
+    layer_start: int,
+    layer_end: int,
+    options: EngineOptions,
+) -> tuple[StageModel, Embedding | None]:
+    """The llama-family stage (llama, mistral, qwen2, qwen3)."""
+    device = b.device
+    with torch.inference_mode():
+        layers = [_layer(b, cfg, i) for i in range(layer_start, layer_end)]
+        rope = RopeTables(cfg, b.optional_vector("rope_freqs.weight"), device)
+        output_norm, head = None, None
+        if layer_end == cfg.n_layers:
+            output_norm = b.vector("output_norm.weight")
+            head_name = "output.weight" if "output.weight" in f.tensors else "token_embd.weight"
+            head = b.linear([Part(head_name)])
+        embedding = Embedding(f, device) if layer_start == 0 else None
+    model = StageModel(cfg, layer_start, layers, rope, output_norm, head, options.fp16_split_points)
+    return model, embedding

@@ -1,0 +1,286 @@
+"""The Gemma 3 forward pass over a stage's layers (GGUF architecture ``gemma3``).
+
+What Gemma 3 adds to the llama-style layer (as llama.cpp's ``gemma3`` graph computes it):
+
+* the token embedding is multiplied by ``sqrt(hidden)`` before the first layer;
+* every sub-block has a norm before *and* after it: ``h += norm(attn(norm(h)))`` and
+  ``h += norm(ffn(norm(h)))`` (the GGUF converter already added Gemma's ``1 +`` to
+  every norm weight);
+* q and k are RMS-normed per head (``attn_q_norm`` / ``attn_k_norm``) before the rope;
+  the attention scale is ``1 / sqrt(head_dim)`` (``1 / sqrt(hidden / n_head)`` for 27B);
+* the feed-forward is GeGLU: ``down(gelu_tanh(gate) * up)``;
+* layers alternate sliding-window and global attention: with
+  ``gemma3.attention.sliding_window`` set, layer ``i`` is local unless ``i % 6 == 5``; a
+  local layer sees the last ``sliding_window`` positions only and rotates with rope base
+  10000 (no scaling), a global one sees everything with ``rope.freq_base`` and the file's
+  rope scaling;
+* the head is tied to the embedding; an optional ``final_logit_softcapping`` caps logits.
+
+Tensor shapes follow model.py: h [T, hidden] float32, the k/v cache of a layer
+[n_kv, max_seq, head_dim], grouped-query attention without repeating k/v.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .config import ArchConfig
+from .gguf_reader import GGUFError, GGUFFile
+from .kernels import Linear
+from .loader import Part, WeightBuilder
+from .model import RopeTables
+from .quants import as_torch_bytes, dequantize_rows
+
+ARCHITECTURE = "gemma3"
+SWA_PATTERN = 6  # llama.cpp: every 6th layer (i % 6 == 5) is global
+LOCAL_ROPE_BASE = 10000.0
+# The compact head's logits come out of a bfloat16 kernel (steps of 1/16 around 10, so
+# near-ties become exact ties); the best REFINE_TOP of them are recomputed in float32 from
+# the file's rows, so greedy and top-k choices see float32 logits.
+REFINE_TOP = 64
+# Gemma's residual stream outgrows float16 at its first position (the BOS token: ~1e5 by
+# the middle layers of 270M), and stage boundaries carry float16. So a stage hands on
+# hidden * BOUNDARY_SCALE and the next one multiplies it back: a power of two, so the
+# scaling itself is exact and only the float16 rounding remains (the same rounding the
+# fp16_split_points emulation applies).
+BOUNDARY_SCALE = 2.0**-6
+
+
+@dataclass(frozen=True)
+class Gemma3Params:
+    """Gemma-specific hyperparameters (the rest is the ArchConfig)."""
+
+    sliding_window: int  # 0: every layer is global
+    attention_scale: float
+    embedding_scale: float
+    final_logit_softcap: float  # 0: none
+
+    def is_local(self, layer: int) -> bool:
+        return self.sliding_window > 0 and layer % SWA_PATTERN < SWA_PATTERN - 1
+
+
+def gemma3_params(f: GGUFFile, cfg: ArchConfig) -> Gemma3Params:
+    window = int(f.arch_key("attention.sliding_window", 0) or 0)
+    if window < 0:
+        raise GGUFError(f"{f.path}: negative {ARCHITECTURE}.attention.sliding_window")
+    # llama.cpp scales 27B (62 layers) by hidden / n_head, every other size by head_dim.
+    scale_dim = cfg.hidden // cfg.n_head if cfg.n_layers == 62 else cfg.head_dim
+    return Gemma3Params(
+        sliding_window=window,
+        attention_scale=1.0 / math.sqrt(scale_dim),
+        embedding_scale=math.sqrt(cfg.hidden),
+        final_logit_softcap=float(f.arch_key("final_logit_softcapping", 0.0) or 0.0),
+    )
+
+
+@dataclass
+class Gemma3Layer:
+    local: bool
+    attn_norm: torch.Tensor
+    qkv: Linear
+    q_norm: torch.Tensor  # carries the attention scale
+    k_norm: torch.Tensor
+    wo: Linear
+    post_attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+    post_ffn_norm: torch.Tensor
+
+
+class Gemma3Ropes:
+    """The global and the local rope tables, grown together."""
+
+    def __init__(self, cfg: ArchConfig, device: torch.device) -> None:
+        self.device = device
+        self.global_ = RopeTables(cfg, None, device)
+        local_cfg = dataclasses.replace(cfg, rope_base=LOCAL_ROPE_BASE, rope_linear_scale=1.0)
+        self.local = RopeTables(local_cfg, None, device)
+
+    def ensure(self, n: int) -> None:
+        self.global_.ensure(n)
+        self.local.ensure(n)
+
+
+def load_gemma3_layer(
+    b: WeightBuilder, cfg: ArchConfig, params: Gemma3Params, i: int
+) -> Gemma3Layer:
+    p = f"blk.{i}."
+    return Gemma3Layer(
+        local=params.is_local(i),
+        attn_norm=b.vector(p + "attn_norm.weight"),
+        qkv=b.linear(
+            [Part(p + "attn_q.weight"), Part(p + "attn_k.weight"), Part(p + "attn_v.weight")]
+        ),
+        q_norm=b.vector(p + "attn_q_norm.weight") * params.attention_scale,
+        k_norm=b.vector(p + "attn_k_norm.weight"),
+        wo=b.linear([Part(p + "attn_output.weight")]),
+        post_attn_norm=b.vector(p + "post_attention_norm.weight"),
+        ffn_norm=b.vector(p + "ffn_norm.weight"),
+        gate_up=b.linear([Part(p + "ffn_gate.weight"), Part(p + "ffn_up.weight")]),
+        down=b.linear([Part(p + "ffn_down.weight")]),
+        post_ffn_norm=b.vector(p + "post_ffw_norm.weight"),
+    )
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split (NEOX) rotation of whole heads; tables from RopeTables."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin
+
+
+def _gelu(x: torch.Tensor) -> torch.Tensor:
+    """ggml's CPU gelu: the tanh form looked up in a float16 table (input and output
+    rounded to float16) for |x| < 10, x itself above, 0 below."""
+    y = F.gelu(x.half().float(), approximate="tanh").half().float()
+    return torch.where(x >= 10.0, x, torch.where(x <= -10.0, torch.zeros_like(x), y))
+
+
+class Gemma3StageModel:
+    """Layers ``[layer_start, layer_end)`` plus, where held, the output norm and head."""
+
+    def __init__(
+        self,
+        cfg: ArchConfig,
+        params: Gemma3Params,
+        layer_start: int,
+        layers: list[Gemma3Layer],
+        rope: Gemma3Ropes,
+        output_norm: torch.Tensor | None,
+        head: Linear | None,
+        fp16_split_points: tuple[int, ...],
+        head_rows: tuple[torch.Tensor, int, tuple[int, ...]] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.head_rows = head_rows  # (raw bytes, ggml type, shape) for refining the top
+        self.params = params
+        self.layer_start = layer_start
+        self.layers = layers
+        self.rope = rope
+        self.output_norm = output_norm
+        self.head = head
+        end = layer_start + len(layers)
+        self.round_before = frozenset(
+            k - layer_start for k in fp16_split_points if layer_start < k < end
+        )
+
+    def _mask(self, pos: int, t: int, window: int, device: torch.device) -> torch.Tensor:
+        """[T, S] True where hidden: the future, and for a window what lies beyond it."""
+        end = pos + t
+        q_pos = torch.arange(pos, end, device=device).view(-1, 1)
+        k_pos = torch.arange(end, device=device).view(1, -1)
+        hidden = k_pos > q_pos
+        if window > 0:
+            hidden |= q_pos - k_pos >= window
+        return hidden
+
+    def forward(
+        self, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int
+    ) -> torch.Tensor:
+        """Run the stage's layers on ``h`` [T, hidden] at positions ``pos..pos+T-1``: the
+        first stage gets the raw embedding rows and scales them; between stages the hidden
+        state travels multiplied by BOUNDARY_SCALE."""
+        cfg, params = self.cfg, self.params
+        t = h.shape[0]
+        end = pos + t
+        if self.layer_start == 0:
+            h = h * params.embedding_scale
+        else:
+            h = h * (1.0 / BOUNDARY_SCALE)
+        self.rope.ensure(end)
+        tables = {
+            True: (self.rope.local.cos[pos:end], self.rope.local.sin[pos:end]),
+            False: (self.rope.global_.cos[pos:end], self.rope.global_.sin[pos:end]),
+        }
+        window = params.sliding_window
+        masks: dict[bool, torch.Tensor | None] = {True: None, False: None}
+        if t > 1:
+            masks[False] = self._mask(pos, t, 0, h.device)
+            masks[True] = self._mask(pos, t, window, h.device) if window else masks[False]
+        nh, nkv, hd, eps = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.eps
+        group = nh // nkv
+        qd, qkd = cfg.q_dim, cfg.q_dim + cfg.kv_dim
+        for i, lw in enumerate(self.layers):
+            if i in self.round_before:
+                h = (h * BOUNDARY_SCALE).half().float() * (1.0 / BOUNDARY_SCALE)
+            qkv = lw.qkv(_rms_norm(h, lw.attn_norm, eps))
+            qk = qkv[:, :qkd].view(t, nh + nkv, hd)
+            qk = torch.cat(
+                [_rms_norm(qk[:, :nh], lw.q_norm, eps), _rms_norm(qk[:, nh:], lw.k_norm, eps)],
+                dim=1,
+            )
+            cos, sin = tables[lw.local]
+            qk = _rope(qk, cos, sin)
+            kc, vc = k_cache[i], v_cache[i]
+            kc[:, pos:end] = qk[:, nh:].transpose(0, 1)
+            vc[:, pos:end] = qkv[:, qkd:].view(t, nkv, hd).transpose(0, 1)
+            # A local layer at decode reads only its window; at prefill the mask hides the rest.
+            start = max(0, end - window) if lw.local and t == 1 else 0
+            if t == 1:
+                qg = qk[:, :nh].reshape(nkv, group, hd)
+            else:
+                qg = qk[:, :nh].reshape(t, nkv, group, hd).permute(1, 2, 0, 3).reshape(nkv, -1, hd)
+            scores = torch.bmm(qg, kc[:, start:end].transpose(1, 2))
+            mask = masks[lw.local]
+            if mask is not None:
+                scores.view(nkv, group, t, end).masked_fill_(mask, float("-inf"))
+            attn = torch.bmm(torch.softmax(scores, dim=-1), vc[:, start:end])
+            if t > 1:
+                attn = attn.view(nkv, group, t, hd).permute(2, 0, 1, 3)
+            h = h + _rms_norm(lw.wo(attn.reshape(t, qd)), lw.post_attn_norm, eps)
+            gu = lw.gate_up(_rms_norm(h, lw.ffn_norm, eps))
+            ffn = lw.down(_gelu(gu[:, : cfg.ffn]) * gu[:, cfg.ffn :])
+            h = h + _rms_norm(ffn, lw.post_ffn_norm, eps)
+        if self.layer_start + len(self.layers) < cfg.n_layers:
+            return h * BOUNDARY_SCALE  # for the next stage (see BOUNDARY_SCALE)
+        return h
+
+    def logits(self, h_last: torch.Tensor) -> torch.Tensor:
+        """Logits [vocab] float32 of one hidden state [hidden]."""
+        if self.output_norm is None or self.head is None:
+            raise RuntimeError("this stage does not hold the output head")
+        x = _rms_norm(h_last.view(1, -1), self.output_norm, self.cfg.eps)
+        out = self.head(x).view(-1).float()
+        if self.head_rows is not None:
+            raw, ggml_type, shape = self.head_rows
+            idx = out.topk(REFINE_TOP).indices
+            rows = dequantize_rows(raw, ggml_type, shape, idx.cpu()).to(x.device)
+            out[idx] = rows @ x.view(-1)
+        cap = self.params.final_logit_softcap
+        if cap > 0:
+            out = torch.tanh(out / cap) * cap
+        return out
+
+
+def build_gemma3_stage_model(
+    f: GGUFFile,
+    cfg: ArchConfig,
+    b: WeightBuilder,
+    layer_start: int,
+    layer_end: int,
+    fp16_split_points: tuple[int, ...],
+) -> Gemma3StageModel:
+    """Weights of layers ``[layer_start, layer_end)`` (the head too for the last stage)."""
+    params = gemma3_params(f, cfg)
+    layers = [load_gemma3_layer(b, cfg, params, i) for i in range(layer_start, layer_end)]
+    output_norm, head = None, None
+    head_rows: tuple[torch.Tensor, int, tuple[int, ...]] | None = None
+    if layer_end == cfg.n_layers:
+        output_norm = b.vector("output_norm.weight")
+        head_name = "output.weight" if "output.weight" in f.tensors else "token_embd.weight"
+        head = b.linear([Part(head_name)])
+        if b.precision != "float32":
+            info = f.tensors[head_name]
+            head_rows = (as_torch_bytes(f.raw(head_name)), info.ggml_type, info.shape)
+    rope = Gemma3Ropes(cfg, b.device)
+    return Gemma3StageModel(
+        cfg, params, layer_start, layers, rope, output_norm, head, fp16_split_points, head_rows
+    )
