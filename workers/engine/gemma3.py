@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from gguf.constants import Keys
 
 from .config import ArchConfig
 from .gguf_reader import GGUFError, GGUFFile
@@ -65,16 +66,18 @@ class Gemma3Params:
 
 
 def gemma3_params(f: GGUFFile, cfg: ArchConfig) -> Gemma3Params:
-    window = int(f.arch_key("attention.sliding_window", 0) or 0)
+    window_key = Keys.Attention.SLIDING_WINDOW.format(arch=ARCHITECTURE)
+    softcap_key = Keys.LLM.FINAL_LOGIT_SOFTCAPPING.format(arch=ARCHITECTURE)
+    window = int(f.get(window_key, 0) or 0)
     if window < 0:
-        raise GGUFError(f"{f.path}: negative {ARCHITECTURE}.attention.sliding_window")
+        raise GGUFError(f"{f.path}: negative {window_key}")
     # llama.cpp scales 27B (62 layers) by hidden / n_head, every other size by head_dim.
     scale_dim = cfg.hidden // cfg.n_head if cfg.n_layers == 62 else cfg.head_dim
     return Gemma3Params(
         sliding_window=window,
         attention_scale=1.0 / math.sqrt(scale_dim),
         embedding_scale=math.sqrt(cfg.hidden),
-        final_logit_softcap=float(f.arch_key("final_logit_softcapping", 0.0) or 0.0),
+        final_logit_softcap=float(f.get(softcap_key, 0.0) or 0.0),
     )
 
 
