@@ -720,6 +720,8 @@ class PromptInput(_Model):
     head_node_id: int | None = None  # for the Web UI's activity summary only
     generate_heartbeat_s: float = 5.0
     stream_batch_ms: int = 100
+    # Next in line at admission: generate at once, without waiting for activation.
+    start_active: bool = False
 
 
 # --------------------------------------------------------------------------- lifecycle

@@ -123,6 +123,10 @@ def reaper_workflow_id(host: str) -> str:
     return f"{REAPER_ID_PREFIX}{host}"
 
 
+# --------------------------------------------------------------------------- patches
+# workflow.patched() ids: executions recorded before a change replay the old way.
+PATCH_PROMPT_STARTS_ACTIVE = "prompt-starts-active"  # DECISIONS 40
+
 # --------------------------------------------------------------------------- metrics
 # Our own metrics (OpenTelemetry names; a Prometheus scrape shows them with dots as
 # underscores and the unit appended: mvp_prompt_time_to_first_token_milliseconds).

@@ -71,6 +71,8 @@ class PromptWorkflow:
     async def run(self, inp: PromptInput) -> PromptOutcome:
         request_id = inp.prompt.request_id
         where = f"node {inp.head_node_id}" if inp.head_node_id is not None else "the head node"
+        if inp.start_active:
+            self.activate()  # next in line at admission: no activation signal comes
         workflow.set_current_details(f"{self._label}: queued, waiting for its turn")
         await workflow.wait_condition(lambda: self._activated or self._cancel_reason is not None)
         if self._cancel_reason is not None:
