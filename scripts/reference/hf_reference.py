@@ -6,6 +6,11 @@
 For each prompt: HF's greedy continuation (16 tokens) and, per step, HF's top-1 id and the
 float32 logits of its top-k ids plus a fixed set of probe ids. The test replays the same
 tokens through the engine's float32 path and compares (DECISIONS 23).
+
+"llamacpp_prompts": for each prompt of tests/engine/data/llamacpp_reference.json (run
+scripts/reference/llamacpp_reference.py first), HF's own greedy continuation of the same
+prompt ids, as long as llama.cpp's, with its top logits per step. The fidelity test holds
+the engine's default path to at least HF float32's agreement with llama.cpp.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,12 +35,40 @@ PROMPTS = [
 STEPS = 16
 TOP_K = 12
 PROBE_IDS = [0, 1, 2, 28, 30, 253, 260, 282, 314, 2240, 10000, 30000, 49151]
+LLAMA_TOP = 5
+
+
+def llamacpp_prompts(model: Any, path: Path) -> list[dict[str, Any]]:
+    """HF's greedy continuation of each llama.cpp reference prompt (same ids, same length)."""
+    out = []
+    for gen in json.loads(path.read_text())["generations"]:
+        seq = list(gen["prompt_ids"])
+        top_logits = []
+        for _ in range(len(gen["ids"])):
+            logits = model(torch.tensor([seq])).logits[0, -1].float()
+            top = torch.topk(logits, LLAMA_TOP)
+            top_logits.append(
+                [[int(i), round(float(v), 5)] for i, v in zip(top.indices, top.values, strict=True)]
+            )
+            seq.append(int(top.indices[0]))
+        greedy = seq[len(gen["prompt_ids"]) :]
+        agree = next(
+            (i for i, (a, b) in enumerate(zip(greedy, gen["ids"], strict=False)) if a != b),
+            len(greedy),
+        )
+        print(f"{gen['prompt']!r}: HF keeps {agree}/{len(greedy)} of llama.cpp's tokens")
+        out.append(
+            {"prompt": gen["prompt"], "prompt_ids": gen["prompt_ids"], "greedy": greedy,
+             "top_logits": top_logits}
+        )  # fmt: skip
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     ap.add_argument("-o", "--output", default="tests/engine/data/hf_reference.json")
+    ap.add_argument("--llamacpp", default="tests/engine/data/llamacpp_reference.json")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -71,6 +105,7 @@ def main() -> None:
                 }
             )
             print(f"{prompt!r} -> {cases[-1]['text']!r}")
+        llama_cases = llamacpp_prompts(model, Path(args.llamacpp))
     import transformers
 
     out = {
@@ -78,6 +113,7 @@ def main() -> None:
         "producer": f"transformers {transformers.__version__}, torch {torch.__version__}, float32",
         "steps": STEPS,
         "cases": cases,
+        "llamacpp_prompts": llama_cases,
     }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(out, separators=(",", ":")) + "\n")

@@ -10,7 +10,8 @@ Writes
   tests/engine/data/tokenizer_reference.json  token ids, pieces, decode and EOG facts
   tests/engine/data/llamacpp_reference.json   greedy generations + decode tokens/s
 
-Usage: .venv/bin/python -m scripts.reference.llamacpp_reference [--model PATH] [--skip-generation]
+Usage: .venv/bin/python -m scripts.reference.llamacpp_reference [--model PATH] [--threads N]
+       [--skip-generation | --only-generation]
 """
 
 from __future__ import annotations
@@ -123,13 +124,29 @@ CASES: list[str] = [
     "The capital of France is",
 ]
 
+# Greedy raw completions (32 tokens each): prose, facts, code, letters, lists. The engine's
+# fidelity test compares its default path with these, next to HF float32's own agreement
+# (scripts/reference/hf_reference.py replays the same prompt ids).
 GENERATION_PROMPTS = [
     "Once upon a time",
     "The capital of France is",
     "def fibonacci(n):",
     "The three primary colors are",
     "Water boils at",
+    "In 1969, the first astronauts",
+    "The largest planet in our solar system is",
+    "Photosynthesis is the process by which",
+    "import numpy as np\n\ndef",
+    "SELECT name, email FROM users WHERE",
+    "#include <stdio.h>\n\nint main(void) {",
+    "Dear Sir or Madam,\n\nI am writing to",
+    "The best way to learn a new language is",
+    "Here is a list of fruits:\n1. Apple\n2.",
+    "The French Revolution began in",
+    "To make a cup of tea, first",
 ]
+GENERATION_TOKENS = 32
+TOP_LOGITS = 5  # per step: llama.cpp's best ids and logits (margins at divergence points)
 
 FUZZ_ALPHABET = (
     list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
@@ -477,6 +494,27 @@ def tokenizer_reference(model_path: Path) -> dict[str, Any]:
     }
 
 
+def step_logits(llm: Any, prompt_ids: list[int], ids: list[int]) -> list[list[list[float]]]:
+    """llama.cpp's top ids and logits before each generated token (the prompt, then the
+    generated tokens fed back one at a time, as in generation)."""
+    import numpy as np
+
+    llm.reset()
+    llm.eval(prompt_ids)
+    n_vocab = llm.n_vocab()
+    steps: list[list[list[float]]] = []
+    for token in ids:
+        # the last position's logits (Llama.scores stays empty without logits_all)
+        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        logits = np.ctypeslib.as_array(ptr, shape=(n_vocab,)).copy()
+        best = np.argsort(-logits, kind="stable")[:TOP_LOGITS]
+        if int(best[0]) != token:
+            raise RuntimeError(f"eval's argmax {int(best[0])} differs from generate's {token}")
+        steps.append([[int(i), round(float(logits[i]), 5)] for i in best])
+        llm.eval([token])
+    return steps
+
+
 def generation_reference(model_path: Path, n_threads: int) -> dict[str, Any]:
     llm = Llama(
         model_path=str(model_path),
@@ -498,12 +536,14 @@ def generation_reference(model_path: Path, n_threads: int) -> dict[str, Any]:
             if llama_cpp.llama_vocab_is_eog(vocab, t):
                 break
             ids.append(int(t))
-            if len(ids) == 32:
+            if len(ids) == GENERATION_TOKENS:
                 break
+        top = step_logits(llm, prompt_ids, ids)
         llm.reset()
         completion = llm.create_completion(
-            prompt, max_tokens=32, temperature=0, top_k=1, repeat_penalty=1.0, seed=0
-        )
+            prompt, max_tokens=GENERATION_TOKENS, temperature=0, top_k=1, repeat_penalty=1.0,
+            seed=0,
+        )  # fmt: skip
         text = completion["choices"][0]["text"]  # type: ignore[index]
         runs.append(
             {
@@ -513,6 +553,7 @@ def generation_reference(model_path: Path, n_threads: int) -> dict[str, Any]:
                 "text": b"".join(piece(vocab, i, False) for i in ids).decode("utf-8", "replace"),
                 "create_completion_text": text,
                 "finish_reason": completion["choices"][0]["finish_reason"],  # type: ignore[index]
+                "top_logits": top,
             }
         )
 
@@ -536,12 +577,14 @@ def generation_reference(model_path: Path, n_threads: int) -> dict[str, Any]:
     return {
         "model": model_path.name,
         "llama_cpp_python_version": llama_cpp.__version__,
+        "system_info": llama_cpp.llama_print_system_info().decode(),
         "settings": {
+            "n_threads": n_threads,
             "n_ctx": 512,
             "seed": 0,
             "temperature": 0,
             "top_k": 1,
-            "max_tokens": 32,
+            "max_tokens": GENERATION_TOKENS,
             "repeat_penalty": 1.0,
         },
         "generations": runs,
@@ -576,6 +619,9 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-generation", action="store_true")
+    parser.add_argument(
+        "--only-generation", action="store_true", help="leave tokenizer_reference.json as it is"
+    )
     args = parser.parse_args()
     if llama_cpp is None:
         raise SystemExit(
@@ -583,12 +629,13 @@ def main() -> None:
         )
     DATA.mkdir(parents=True, exist_ok=True)
 
-    ref = tokenizer_reference(args.model)
-    with tempfile.TemporaryDirectory() as tmp:
-        ref["pre_variants"] = variant_reference(args.model, Path(tmp))
-        ref["spm"] = spm_reference(args.model, Path(tmp))
-    (DATA / "tokenizer_reference.json").write_text(dumps(ref) + "\n")
-    print(f"wrote {DATA / 'tokenizer_reference.json'}")
+    if not args.only_generation:
+        ref = tokenizer_reference(args.model)
+        with tempfile.TemporaryDirectory() as tmp:
+            ref["pre_variants"] = variant_reference(args.model, Path(tmp))
+            ref["spm"] = spm_reference(args.model, Path(tmp))
+        (DATA / "tokenizer_reference.json").write_text(dumps(ref) + "\n")
+        print(f"wrote {DATA / 'tokenizer_reference.json'}")
     if not args.skip_generation:
         gen = generation_reference(args.model, args.threads)
         (DATA / "llamacpp_reference.json").write_text(dumps(gen) + "\n")
