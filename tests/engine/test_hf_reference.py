@@ -1,4 +1,5 @@
-"""The float32 path against HF transformers float32 (facts from scripts/reference/hf_reference.py)."""
+"""The float32 path against HF transformers float32, the default path against llama.cpp next to
+HF float32 (facts from scripts/reference/hf_reference.py and llamacpp_reference.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import torch
 from workers.engine import SamplingParams, Stage, generate
 
 DATA = Path(__file__).parent / "data" / "hf_reference.json"
+LLAMA = Path(__file__).parent / "data" / "llamacpp_reference.json"
+SLACK = 3  # "a few tokens" a prompt may lose against HF float32
 
 
 def _cases() -> list[dict[str, Any]]:
@@ -52,21 +55,50 @@ def test_float32_greedy_generation_equals_hf(smollm_f32: Stage) -> None:
         assert out == case["greedy"]
 
 
-def test_default_path_deviation_from_hf_is_bounded(smollm_default: Stage) -> None:
-    """The compact path is not held to 0.1 (DECISIONS 23: reduced precision reports its
-    deviation); measured: top-1 94/96 steps, max |diff| 0.33, mean 0.16. Guard against drift."""
-    agree = total = 0
-    worst = 0.0
-    for case in _cases():
-        session = smollm_default.new_session(64)
-        logits = session.forward_tokens(case["prompt_ids"])
-        for step, token in zip(case["steps"], case["greedy"], strict=True):
-            ours = logits[step["ids"]]
-            worst = max(worst, float((ours - torch.tensor(step["logits"])).abs().max()))
-            agree += int(torch.argmax(logits)) == step["top1"]
-            total += 1
-            logits = session.forward_tokens([token])
-        session.close()
-    print(f"default path vs HF float32: top-1 {agree}/{total}, max |logit diff| {worst:.3f}")
-    assert agree >= 0.95 * total
-    assert worst <= 0.6
+def _prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def test_default_path_keeps_llamacpp_text_as_well_as_hf_float32(smollm_default: Stage) -> None:
+    """Issue 13's bar: on llama.cpp's greedy reference continuations (16 prompts x 32
+    tokens of prose, facts, code and lists), the default (compact) path keeps at least as
+    many leading tokens as HF transformers float32 in total, and on no prompt more than
+    SLACK fewer. Before its decode products were made exact (kernels.Int4Linear) and its top
+    logits refined (model.REFINE_TOP) it kept 316 against HF's 341, 27, 28 and 13 fewer on
+    three prompts; measured now: 372 (scripts/reference/fidelity.py, per prompt)."""
+    llama = json.loads(LLAMA.read_text())["generations"]
+    hf = {c["prompt"]: c["greedy"] for c in json.loads(DATA.read_text())["llamacpp_prompts"]}
+    assert len(llama) >= 12 and all(len(g["ids"]) == 32 for g in llama)
+    rows = []
+    for g in llama:
+        n = len(g["ids"])
+        ours = generate(
+            [smollm_default], g["prompt_ids"], max_new_tokens=n,
+            max_seq_len=len(g["prompt_ids"]) + n, sampling=SamplingParams(), stop_ids=[],
+        )  # fmt: skip
+        rows.append(
+            (g["prompt"], _prefix(list(ours), g["ids"]), _prefix(hf[g["prompt"]], g["ids"]))
+        )
+    for prompt, o, h in rows:
+        print(f"{prompt!r:48} default {o:2}  HF float32 {h:2}")
+    assert sum(o for _, o, _ in rows) >= sum(h for _, _, h in rows)
+    assert [r for r in rows if r[1] < r[2] - SLACK] == []
+
+
+def test_single_row_products_are_float32_exact(smollm_default: Stage, smollm_f32: Stage) -> None:
+    """A decode step's int4 products equal float32 ones of the same (bfloat16) inputs: the
+    kernel's rounding of its output and of the weights' scales is undone."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for name in ("qkv", "wo", "gate_up", "down"):
+            ours = getattr(smollm_default.model.layers[3], name)
+            ref = getattr(smollm_f32.model.layers[3], name)
+            x = torch.randn(1, ref.in_features, generator=gen).bfloat16().float()
+            want = ref(x)
+            rel = float((ours(x) - want).norm() / want.norm())
+            assert rel < 1e-4, (name, rel)  # measured ~5e-6; one bfloat16 rounding: ~2e-3

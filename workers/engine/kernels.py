@@ -5,12 +5,17 @@
   per-group scale and zero are rounded to bfloat16). Wider codes (Q8_0, Q5_K) are split
   into a high and a low nibble, stored side by side along K, and the input is duplicated,
   so one kernel call still computes the exact product. The kernel only has a vectorised
-  path for bfloat16 activations; its output is bfloat16.
+  path for bfloat16 activations; its output is bfloat16 (it accumulates in float32). For
+  single rows (decode) two more calls on the same codes undo that output rounding and the
+  scales' (``Int4Linear``: ``exact_output``, ``scale_residuals``).
 * ``DenseLinear`` holds a plain matrix (float32 for the reference path, bfloat16 or
   float16 where no compact kernel applies, e.g. Q6_K's 16-wide groups, or on CUDA).
 """
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +81,9 @@ class Linear:
 
     out_features: int
     in_features: int
+    # Float32 rows of the matrix by index, where its product is not float32 throughout
+    # (set by the loader for plain single-tensor matrices; the head refines its top logits).
+    exact_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __call__(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
@@ -116,6 +124,19 @@ class Int4Linear(Linear):
 
     ``extra_groups`` > 0: the weight carries zero-correction columns after its K inputs
     (see ``int4_rows``); the input is extended by its 32-wide group sums to match.
+
+    ``exact_output``: the weight ends with one more group (see ``with_residual_group``)
+    through which a single-row product is made exact in its output. The kernel accumulates
+    in float32 but rounds its result to bfloat16 (2^-9 relative), the largest error of this
+    path. So a second call, with that group's scales set to the rounded result ``y1`` and
+    its first input to 1, returns ``round(x @ W.T - y1)``: the residual, whose own rounding
+    is ~2^-18 of ``y``; ``y1 + residual`` is the float32 product of the kernel's inputs.
+    Batched rows (prefill) keep the single call: one group holds one row's ``y1``.
+
+    ``scale_residuals`` (with ``exact_output``): the weights' own bfloat16 rounding, undone
+    for single rows by a third call (see ``__init__``). Measured on SmolLM2 (16 prompts x 32
+    tokens, scripts/reference/fidelity.py): output rounding alone fixed keeps 345 of
+    llama.cpp's 512 tokens, with the scales too 372 (the float32 path: 341).
     """
 
     def __init__(
@@ -127,6 +148,8 @@ class Int4Linear(Linear):
         duplicate_input: bool,
         extra_groups: int,
         bias: torch.Tensor | None,
+        exact_output: bool = False,
+        scale_residuals: torch.Tensor | None = None,
     ) -> None:
         self.packed = packed
         self.scales_zeros = scales_zeros
@@ -135,24 +158,64 @@ class Int4Linear(Linear):
         self.duplicate_input = duplicate_input
         self.extra_groups = extra_groups
         self.bias = bias
+        self.exact_output = exact_output
         self._groups = in_features * (2 if duplicate_input else 1) // GROUP
         pad = extra_groups * GROUP - self._groups
         self._pad = torch.zeros(1, max(pad, 0), device=packed.device)
+        width = (self._groups + extra_groups) * GROUP  # inputs before the residual group
+        self._width = width
+        if exact_output:
+            # One row of kernel input: [x | residual group], the group's inputs 0 or e_1.
+            self._row = torch.zeros(1, width + GROUP, dtype=INT4_ACT_DTYPE, device=packed.device)
+            self._residual_scale = scales_zeros[-1, :, 0]  # the residual group's scales
+            self._lock = threading.Lock()  # the row and the scales are per call state
+            self._pad_rows = torch.zeros(1, GROUP, device=packed.device)
+        # Per group, (scale, zero) minus their bfloat16 values (the kernel's rounding of the
+        # weights, the second largest error): a third call on the same codes adds their part.
+        self.scale_residuals = scale_residuals
 
-    def __call__(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
+    def _inputs(self, x: torch.Tensor) -> torch.Tensor:
         if self.duplicate_input:
             x = torch.cat([x, x], dim=-1)
         if self.extra_groups:
             t = x.shape[0]
             sums = x.view(t, self._groups, GROUP).sum(-1)
             x = torch.cat([x, sums, self._pad.expand(t, -1)], dim=-1)
-        y = torch._weight_int4pack_mm_for_cpu(
-            x.to(self.scales_zeros.dtype), self.packed, GROUP, self.scales_zeros
-        )
+        return x
+
+    def __call__(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
+        x = self._inputs(x)
+        if self.exact_output and x.shape[0] == 1:
+            y = self._exact_row(x)
+        else:
+            if self.exact_output:  # batched rows: the residual group's inputs are 0
+                x = torch.cat([x, self._pad_rows.expand(x.shape[0], -1)], dim=-1)
+            y = torch._weight_int4pack_mm_for_cpu(
+                x.to(self.scales_zeros.dtype), self.packed, GROUP, self.scales_zeros
+            )
         base = add_to
         if self.bias is not None:
             base = self.bias if base is None else base + self.bias
         return y.float() if base is None else base + y
+
+    def _exact_row(self, x: torch.Tensor) -> torch.Tensor:
+        mm, sz, row, w = (
+            torch._weight_int4pack_mm_for_cpu,
+            self.scales_zeros,
+            self._row,
+            self._width,
+        )
+        with self._lock:
+            row[:, :w].copy_(x)
+            y1 = mm(row, self.packed, GROUP, sz)  # residual group inputs 0
+            self._residual_scale.copy_(y1.view(-1))  # its weights: -y1 (codes 7, zeros 0)
+            row[0, w] = 1.0
+            residual = mm(row, self.packed, GROUP, sz)
+            row[0, w] = 0.0
+            y = y1.float().add_(residual)
+            if self.scale_residuals is not None:  # its residual group has scales 0
+                y.add_(mm(row, self.packed, GROUP, self.scale_residuals))
+        return y
 
     @property
     def nbytes(self) -> int:
@@ -189,6 +252,17 @@ def int4_rows(
         zero_b = torch.cat([zero_b, torch.zeros(n, extra, dtype=dt)], dim=1)
     sz = torch.stack([scale.t().to(dt), zero_b.t()], dim=-1)
     return codes, sz, extra
+
+
+def with_residual_group(
+    codes: torch.Tensor, scales_zeros: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append the residual group of ``Int4Linear(exact_output=True)``: codes 7 and zero 0,
+    so its weights are ``-scale``, the scale written per call."""
+    n = codes.shape[0]
+    codes = torch.cat([codes, torch.full((n, GROUP), 7, dtype=codes.dtype)], dim=1)
+    tail = torch.zeros(1, n, 2, dtype=scales_zeros.dtype)
+    return codes, torch.cat([scales_zeros, tail])
 
 
 def int4_codes(

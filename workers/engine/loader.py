@@ -27,6 +27,7 @@ from .kernels import (
     int4_rows,
     pack_int4,
     row_blocks_pack_independently,
+    with_residual_group,
 )
 from .quants import (
     AFFINE_BITS,
@@ -37,6 +38,7 @@ from .quants import (
     affine_groups,
     as_torch_bytes,
     dequantize,
+    dequantize_rows,
 )
 
 # Rows converted per step: bounds the temporary memory of large matrices (the head).
@@ -47,6 +49,15 @@ _WITH_MINS = frozenset({Q4_1, Q4_K, Q5_K})
 # did not change the logit error measurably (mean max|diff| vs float32 0.280 -> 0.276) and
 # costs ~9% decode speed; it lowers a single matmul's error by ~15-25% for Q4_K/Q5_K.
 CORRECT_ZEROS = False
+# Single-row products (decode) of the layers' int4 matrices come out exact in float32
+# instead of rounded to bfloat16 (kernels.Int4Linear: exact_output, scale_residuals). The
+# kernel's output and scale rounding were the compact path's losses against llama.cpp's
+# greedy text (tests/engine/test_hf_reference.py). Cost: three kernel calls per decode
+# product instead of one, ~0.5x decode tok/s (1 thread, paired runs: 52 -> 25); prefill is
+# unchanged. Off (False, False): the single bfloat16 call.
+EXACT_OUTPUT = True
+CORRECT_SCALES = True
+_HEAD_TENSORS = frozenset({"output.weight", "token_embd.weight"})
 
 
 @dataclass(frozen=True)
@@ -110,8 +121,16 @@ class WeightBuilder:
             and int4_compatible(list(types), list(shapes))
         )
         if use_int4:
-            return self._int4(parts, list(shapes), max(_bits(t) for t in types), bias)
-        return self._dense(parts, list(shapes), bias)
+            lin: Linear = self._int4(parts, list(shapes), max(_bits(t) for t in types), bias)
+        else:
+            lin = self._dense(parts, list(shapes), bias)
+        plain = (
+            len(parts) == 1 and parts[0].perm is None and parts[0].row_scale == 1.0 and not biases
+        )
+        if plain and not (isinstance(lin, DenseLinear) and lin.weight.dtype == torch.float32):
+            raw, shape, device = self.raw(parts[0].name), shapes[0], self.device
+            lin.exact_rows = lambda ids: dequantize_rows(raw, types[0], shape, ids.cpu()).to(device)
+        return lin
 
     def _chunks(self, part: Part, shape: tuple[int, ...]) -> Iterator[tuple[int, torch.Tensor]]:
         """(row offset, raw bytes) of row chunks; a permuted part comes whole."""
@@ -129,6 +148,8 @@ class WeightBuilder:
         n_total = sum(s[0] for s in shapes)
         k = shapes[0][1]
         split = bits > 4
+        # The head refines its best logits from exact rows instead (model.REFINE_TOP).
+        exact = EXACT_OUTPUT and not (len(parts) == 1 and parts[0].name in _HEAD_TENSORS)
         correct = CORRECT_ZEROS and any(
             self.f.tensors[p.name].ggml_type in _WITH_MINS for p in parts
         )
@@ -136,6 +157,7 @@ class WeightBuilder:
         by_chunk = all(row_blocks_pack_independently(s[0]) for s in shapes)
         packed_rows: list[torch.Tensor] = []
         sz_rows: list[torch.Tensor] = []
+        res_rows: list[torch.Tensor] = []
         extra = 0
         for part, shape in zip(parts, shapes, strict=True):
             t = self.f.tensors[part.name].ggml_type
@@ -147,14 +169,23 @@ class WeightBuilder:
                 q, scale, offset = g.q, g.scale * part.row_scale, g.offset * part.row_scale
                 if part.perm is not None:
                     q, scale, offset = q[part.perm], scale[part.perm], offset[part.perm]
-                codes, sz, extra = int4_rows(*int4_codes(q, scale, offset, bits, split), correct)
+                kc, ks, kz = int4_codes(q, scale, offset, bits, split)
+                codes, sz, extra = int4_rows(kc, ks, kz, correct)
+                if exact:
+                    codes, sz = with_residual_group(codes, sz)
+                    if CORRECT_SCALES and extra == 0:
+                        dt = sz.dtype
+                        res = torch.stack([ks - ks.to(dt).float(), kz - kz.to(dt).float()], -1)
+                        res = torch.cat([res.transpose(0, 1).to(dt), torch.zeros_like(sz[:1])])
+                        res_rows.append(res)
                 packed_rows.append(pack_int4(codes) if by_chunk else codes)
                 sz_rows.append(sz)
         packed = packed_rows[0] if len(packed_rows) == 1 else torch.cat(packed_rows)
         if not by_chunk:
             packed = pack_int4(packed)
         sz = sz_rows[0] if len(sz_rows) == 1 else torch.cat(sz_rows, dim=1)
-        return Int4Linear(packed, sz.contiguous(), n_total, k, split, extra, bias)
+        res_sz = torch.cat(res_rows, dim=1).contiguous() if res_rows else None
+        return Int4Linear(packed, sz.contiguous(), n_total, k, split, extra, bias, exact, res_sz)
 
     def _dense(
         self, parts: list[Part], shapes: list[tuple[int, ...]], bias: torch.Tensor | None

@@ -20,6 +20,11 @@ import torch.nn.functional as F
 from .config import ArchConfig
 from .kernels import Linear
 
+# The compact head's logits carry its bfloat16 output rounding (2^-9 of a logit: 0.06 at 16,
+# more than many greedy margins): the best REFINE_TOP are recomputed in float32 from their
+# rows, so the greedy choice and the likely candidates are those of the float32 path.
+REFINE_TOP = 64
+
 
 @dataclass
 class LayerWeights:
@@ -180,4 +185,8 @@ class StageModel:
         if self.output_norm is None or self.head is None:
             raise RuntimeError("this stage does not hold the output head")
         x = _rms_norm(h_last.view(1, -1), self.output_norm, self.c_hidden)
-        return self.head(x).view(-1).float()
+        out = self.head(x).view(-1).float()
+        if self.head.exact_rows is not None:
+            top = torch.topk(out, min(REFINE_TOP, out.shape[0]), sorted=False).indices
+            out[top] = torch.mv(self.head.exact_rows(top), x.view(-1))
+        return out
