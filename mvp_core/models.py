@@ -175,7 +175,14 @@ class RunTimeouts(_Model):
 
 
 class EngineSettings(_Model):
-    precision: Literal["default", "float32"] = "default"
+    precision: Literal["default", "exact", "float32"] = Field(
+        default="default",
+        description=(
+            "default: compact int4 weights, fastest; exact: the same weights with decode "
+            "products exact in float32 (closest to llama.cpp's text, ~0.45x decode speed); "
+            "float32: everything dequantized (the reference path)"
+        ),
+    )
     threads: int | None = Field(default=None, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     fp16_split_points: list[int] = Field(

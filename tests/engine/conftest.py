@@ -42,6 +42,15 @@ def smollm_default(smollm_path: str) -> Iterator[Stage]:
 
 
 @pytest.fixture(scope="session")
+def smollm_exact(smollm_path: str) -> Iterator[Stage]:
+    stage = load_stage(
+        smollm_path, 0, 30, EngineOptions(device="cpu", precision="exact", threads=THREADS)
+    )
+    yield stage
+    stage.close()
+
+
+@pytest.fixture(scope="session")
 def smollm_f32(smollm_path: str) -> Iterator[Stage]:
     stage = load_stage(
         smollm_path, 0, 30, EngineOptions(device="cpu", precision="float32", threads=THREADS)

@@ -64,13 +64,8 @@ def _prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def test_default_path_keeps_llamacpp_text_as_well_as_hf_float32(smollm_default: Stage) -> None:
-    """Issue 13's bar: on llama.cpp's greedy reference continuations (16 prompts x 32
-    tokens of prose, facts, code and lists), the default (compact) path keeps at least as
-    many leading tokens as HF transformers float32 in total, and on no prompt more than
-    SLACK fewer. Before its decode products were made exact (kernels.Int4Linear) and its top
-    logits refined (model.REFINE_TOP) it kept 316 against HF's 341, 27, 28 and 13 fewer on
-    three prompts; measured now: 372 (scripts/reference/fidelity.py, per prompt)."""
+def _agreement(stage: Stage) -> list[tuple[str, int, int]]:
+    """(prompt, leading tokens of llama.cpp's continuation ``stage`` keeps, HF float32's)."""
     llama = json.loads(LLAMA.read_text())["generations"]
     hf = {c["prompt"]: c["greedy"] for c in json.loads(DATA.read_text())["llamacpp_prompts"]}
     assert len(llama) >= 12 and all(len(g["ids"]) == 32 for g in llama)
@@ -78,25 +73,46 @@ def test_default_path_keeps_llamacpp_text_as_well_as_hf_float32(smollm_default: 
     for g in llama:
         n = len(g["ids"])
         ours = generate(
-            [smollm_default], g["prompt_ids"], max_new_tokens=n,
+            [stage], g["prompt_ids"], max_new_tokens=n,
             max_seq_len=len(g["prompt_ids"]) + n, sampling=SamplingParams(), stop_ids=[],
         )  # fmt: skip
         rows.append(
             (g["prompt"], _prefix(list(ours), g["ids"]), _prefix(hf[g["prompt"]], g["ids"]))
         )
     for prompt, o, h in rows:
-        print(f"{prompt!r:48} default {o:2}  HF float32 {h:2}")
+        print(f"{prompt!r:48} ours {o:2}  HF float32 {h:2}")
+    return rows
+
+
+def test_exact_path_keeps_llamacpp_text_as_well_as_hf_float32(smollm_exact: Stage) -> None:
+    """Issue 13's bar, on the "exact" precision: on llama.cpp's greedy reference
+    continuations (16 prompts x 32 tokens of prose, facts, code and lists) it keeps at
+    least as many leading tokens as HF transformers float32 in total, and on no prompt
+    more than SLACK fewer. Measured: 372 against HF's 341 (scripts/reference/fidelity.py,
+    per prompt); the compact path without its exact decode products kept 316."""
+    rows = _agreement(smollm_exact)
     assert sum(o for _, o, _ in rows) >= sum(h for _, _, h in rows)
     assert [r for r in rows if r[1] < r[2] - SLACK] == []
 
 
-def test_single_row_products_are_float32_exact(smollm_default: Stage, smollm_f32: Stage) -> None:
+def test_default_path_deviation_from_hf_is_bounded(smollm_default: Stage) -> None:
+    """The default (fastest) path rounds each decode product to bfloat16 (DECISIONS 42):
+    it keeps fewer of llama.cpp's tokens than HF float32 where greedy margins are small,
+    but never loses the text at once. Measured: 334 against HF's 341 (the head's best
+    logits refined in float32, model.REFINE_TOP; the compact path before: 316); "Water
+    boils at" still leaves llama.cpp's text after 4 tokens, as the exact path does not."""
+    rows = _agreement(smollm_default)
+    total, hf_total = sum(o for _, o, _ in rows), sum(h for _, _, h in rows)
+    assert total >= 0.85 * hf_total, (total, hf_total)
+
+
+def test_single_row_products_are_float32_exact(smollm_exact: Stage, smollm_f32: Stage) -> None:
     """A decode step's int4 products equal float32 ones of the same (bfloat16) inputs: the
     kernel's rounding of its output and of the weights' scales is undone."""
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for name in ("qkv", "wo", "gate_up", "down"):
-            ours = getattr(smollm_default.model.layers[3], name)
+            ours = getattr(smollm_exact.model.layers[3], name)
             ref = getattr(smollm_f32.model.layers[3], name)
             x = torch.randn(1, ref.in_features, generator=gen).bfloat16().float()
             want = ref(x)

@@ -49,14 +49,16 @@ _WITH_MINS = frozenset({Q4_1, Q4_K, Q5_K})
 # did not change the logit error measurably (mean max|diff| vs float32 0.280 -> 0.276) and
 # costs ~9% decode speed; it lowers a single matmul's error by ~15-25% for Q4_K/Q5_K.
 CORRECT_ZEROS = False
-# Single-row products (decode) of the layers' int4 matrices come out exact in float32
-# instead of rounded to bfloat16 (kernels.Int4Linear: exact_output, scale_residuals). The
-# kernel's output and scale rounding were the compact path's losses against llama.cpp's
-# greedy text (tests/engine/test_hf_reference.py). Cost: three kernel calls per decode
-# product instead of one, ~0.5x decode tok/s (1 thread, paired runs: 52 -> 25); prefill is
-# unchanged. Off (False, False): the single bfloat16 call.
-EXACT_OUTPUT = True
+# precision "exact": single-row products (decode) of the layers' int4 matrices come out
+# exact in float32 instead of rounded to bfloat16 (kernels.Int4Linear: exact_output,
+# scale_residuals). The kernel's output and scale rounding were the compact path's losses
+# against llama.cpp's greedy text (tests/engine/test_hf_reference.py: 372 of llama.cpp's
+# 512 reference tokens kept, HF float32 341). Cost: three kernel calls per decode product
+# instead of one, ~0.45x decode tok/s (paired runs, 1 thread 52 -> 25, 2 threads 83 -> 33);
+# prefill unchanged. Hence opt-in (DECISIONS 42): "default" keeps the single bfloat16 call
+# and the head's float32 refinement of its best logits (model.REFINE_TOP) only.
 CORRECT_SCALES = True
+PRECISIONS = ("default", "exact", "float32")
 _HEAD_TENSORS = frozenset({"output.weight", "token_embd.weight"})
 
 
@@ -74,8 +76,8 @@ class WeightBuilder:
     """Builds linears and vectors for one precision mode and device."""
 
     def __init__(self, f: GGUFFile, precision: str, device: torch.device) -> None:
-        if precision not in ("default", "float32"):
-            raise ValueError(f"unknown precision {precision!r}; use 'default' or 'float32'")
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}; use {', '.join(PRECISIONS)}")
         self.f = f
         self.precision = precision
         self.device = device
@@ -116,7 +118,7 @@ class WeightBuilder:
                 ]
             )
         use_int4 = (
-            self.precision == "default"
+            self.precision in ("default", "exact")
             and self.device.type == "cpu"
             and int4_compatible(list(types), list(shapes))
         )
@@ -149,7 +151,9 @@ class WeightBuilder:
         k = shapes[0][1]
         split = bits > 4
         # The head refines its best logits from exact rows instead (model.REFINE_TOP).
-        exact = EXACT_OUTPUT and not (len(parts) == 1 and parts[0].name in _HEAD_TENSORS)
+        exact = self.precision == "exact" and not (
+            len(parts) == 1 and parts[0].name in _HEAD_TENSORS
+        )
         correct = CORRECT_ZEROS and any(
             self.f.tensors[p.name].ggml_type in _WITH_MINS for p in parts
         )

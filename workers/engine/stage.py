@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class EngineOptions:
     """How a stage is loaded: device ("auto" | "cpu" | "cuda"), precision ("default" =
-    compact weights, "float32" = everything dequantized, the reference path), CPU threads
+    compact weights; "exact" = compact weights, decode products exact in float32, loader.py;
+    "float32" = everything dequantized, the reference path), CPU threads
     (None = all cores), and layer boundaries after which a single stage rounds the hidden
     state to float16 (to reproduce a pipeline split in one process)."""
 
