@@ -14,8 +14,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import random
+import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file, too
 
 from scripts.reference.llamacpp_reference import (
     CASES,
