@@ -25,6 +25,7 @@ from scripts.reference.llamacpp_reference import (
     DATA,
     detokenize,
     dumps,
+    greedy_continuation,
     long_prompt,
     make_fuzz,
     piece,
@@ -179,17 +180,7 @@ def generations(llm: Any) -> list[dict[str, Any]]:
     n_vocab = llm.n_vocab()
     runs = []
     for prompt in GENERATION_PROMPTS:
-        prompt_ids = list(llm.tokenize(prompt.encode(), add_bos=True, special=False))
-        llm.reset()
-        ids: list[int] = []
-        for t in llm.generate(
-            prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True
-        ):
-            if llama_cpp.llama_vocab_is_eog(vocab, t):
-                break
-            ids.append(int(t))
-            if len(ids) == GENERATION_TOKENS:
-                break
+        prompt_ids, ids = greedy_continuation(llm, vocab, prompt, GENERATION_TOKENS)
         # llama.cpp's top logits before each generated token, fed back one at a time
         llm.reset()
         llm.eval(prompt_ids)

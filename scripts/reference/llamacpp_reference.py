@@ -494,6 +494,23 @@ def tokenizer_reference(model_path: Path) -> dict[str, Any]:
     }
 
 
+def greedy_continuation(llm: Any, vocab: Any, prompt: str, n: int) -> tuple[list[int], list[int]]:
+    """The prompt's ids (with BOS) and llama.cpp's greedy continuation of it: at most
+    ``n`` tokens, ending before an end-of-generation token."""
+    prompt_ids = list(llm.tokenize(prompt.encode(), add_bos=True, special=False))
+    llm.reset()
+    ids: list[int] = []
+    for t in llm.generate(
+        prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True
+    ):
+        if llama_cpp.llama_vocab_is_eog(vocab, t):
+            break
+        ids.append(int(t))
+        if len(ids) == n:
+            break
+    return prompt_ids, ids
+
+
 def step_logits(llm: Any, prompt_ids: list[int], ids: list[int]) -> list[list[list[float]]]:
     """llama.cpp's top ids and logits before each generated token (the prompt, then the
     generated tokens fed back one at a time, as in generation)."""
@@ -527,17 +544,7 @@ def generation_reference(model_path: Path, n_threads: int) -> dict[str, Any]:
     vocab = llama_cpp.llama_model_get_vocab(llm.model)
     runs = []
     for prompt in GENERATION_PROMPTS:
-        prompt_ids = list(llm.tokenize(prompt.encode(), add_bos=True, special=False))
-        llm.reset()
-        ids: list[int] = []
-        for t in llm.generate(
-            prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True
-        ):
-            if llama_cpp.llama_vocab_is_eog(vocab, t):
-                break
-            ids.append(int(t))
-            if len(ids) == GENERATION_TOKENS:
-                break
+        prompt_ids, ids = greedy_continuation(llm, vocab, prompt, GENERATION_TOKENS)
         top = step_logits(llm, prompt_ids, ids)
         llm.reset()
         completion = llm.create_completion(

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from scripts.reference.fidelity import common_prefix
 from workers.engine import SamplingParams, Stage, generate
 
 DATA = Path(__file__).parent / "data" / "hf_reference.json"
@@ -55,15 +56,6 @@ def test_float32_greedy_generation_equals_hf(smollm_f32: Stage) -> None:
         assert out == case["greedy"]
 
 
-def _prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _agreement(stage: Stage) -> list[tuple[str, int, int]]:
     """(prompt, leading tokens of llama.cpp's continuation ``stage`` keeps, HF float32's)."""
     llama = json.loads(LLAMA.read_text())["generations"]
@@ -77,7 +69,11 @@ def _agreement(stage: Stage) -> list[tuple[str, int, int]]:
             max_seq_len=len(g["prompt_ids"]) + n, sampling=SamplingParams(), stop_ids=[],
         )  # fmt: skip
         rows.append(
-            (g["prompt"], _prefix(list(ours), g["ids"]), _prefix(hf[g["prompt"]], g["ids"]))
+            (
+                g["prompt"],
+                common_prefix(list(ours), g["ids"]),
+                common_prefix(hf[g["prompt"]], g["ids"]),
+            )
         )
     for prompt, o, h in rows:
         print(f"{prompt!r:48} ours {o:2}  HF float32 {h:2}")
