@@ -261,8 +261,9 @@ def test_pipeline_equals_one_stage_with_the_same_fp16_rounding(
 def test_q5_0_dequantizes_like_gguf_and_runs_compact(gemma_path: str) -> None:
     import gguf.quants
 
+    from workers.engine import native
     from workers.engine.gguf_reader import GGUFFile
-    from workers.engine.kernels import Int4Linear
+    from workers.engine.kernels import Int4Linear, NativeLinear
     from workers.engine.loader import Part, WeightBuilder
     from workers.engine.quants import Q5_0, affine_groups, as_torch_bytes, dequantize
 
@@ -282,7 +283,7 @@ def test_q5_0_dequantizes_like_gguf_and_runs_compact(gemma_path: str) -> None:
         )
         assert torch.equal(rebuilt.view(info.shape), want)
         lin = WeightBuilder(f, "default", torch.device("cpu")).linear([Part(name)])
-        assert isinstance(lin, Int4Linear)
+        assert isinstance(lin, NativeLinear if native.library() else Int4Linear)
         x = torch.randn(3, info.shape[1], generator=torch.Generator().manual_seed(0))
         ref = x @ want.t()
         assert float((lin(x) - ref).abs().max()) < 0.02 * float(ref.abs().max())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -10,13 +11,14 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from tests.engine.tiny_models import TinyModel, TinySpec
-from workers.engine import EngineOptions, load_stage, read_model_facts
+from workers.engine import EngineOptions, load_stage, native, read_model_facts
 from workers.engine.gguf_reader import GGUFError
-from workers.engine.kernels import DenseLinear, Int4Linear
+from workers.engine.kernels import DenseLinear, Int4Linear, NativeLinear
 
 IDS = [5, 17, 3, 99, 250, 7, 1, 42]
 QTYPES = [QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
-COMPACT = {QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K, QT.Q5_K}
+COMPACT = {QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K, QT.Q5_K}  # torch's int4 kernel
+NATIVE = COMPACT | {QT.Q6_K}  # the engine's own kernel (native.py)
 OPTS32 = EngineOptions(device="cpu", precision="float32", threads=1)
 OPTS = EngineOptions(device="cpu", threads=1)
 
@@ -37,19 +39,39 @@ def _logits(path: str, opts: EngineOptions, ids: list[int] = IDS) -> np.ndarray:
     return out
 
 
+@pytest.fixture(params=["native", "torch"])
+def kernel_choice(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The default path on the engine's own kernel, and on torch's (its fallback)."""
+    monkeypatch.setenv(native.ENV_CHOICE, request.param)
+    native.forget()
+    yield request.param
+    monkeypatch.undo()
+    native.forget()
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
-def test_forward_matches_reference(tmp_path: Path, arch: str, qtype: QT) -> None:
+def test_forward_matches_reference(
+    tmp_path: Path, arch: str, qtype: QT, kernel_choice: str
+) -> None:
     model = TinyModel(_spec(arch, qtype), tmp_path / "m.gguf")
     ref = model.logits(IDS)
     np.testing.assert_allclose(_logits(model.path, OPTS32), ref, rtol=0, atol=2e-4)
     stage = load_stage(model.path, 0, 3, OPTS)
-    kernel = Int4Linear if qtype in COMPACT else DenseLinear
+    if kernel_choice == "native":
+        assert native.library() is not None, native.why_not()
+        kernel: type = NativeLinear if qtype in NATIVE else DenseLinear
+    else:
+        kernel = Int4Linear if qtype in COMPACT else DenseLinear
     assert isinstance(stage.model.layers[0].gate_up, kernel)
     out = stage.new_session(64).forward_tokens(IDS).numpy()
-    # The fast path rounds activations to bfloat16 inside its kernels (~0.3% per matmul;
-    # random weights amplify it through the layers).
-    assert np.linalg.norm(out - ref) <= 0.05 * np.linalg.norm(ref)
+    # The compact paths round activations inside their kernels (int8 blocks natively,
+    # bfloat16 in torch's: ~0.3-0.5% per matmul; random weights amplify it through the
+    # layers), and the native path rounds attention to float16 as llama.cpp does. For the
+    # K formats it quantises activations in llama.cpp's 256-wide blocks (Q8_K), about twice
+    # the error of 32-wide ones: measured up to 11% here, where the random weights amplify.
+    coarse = kernel_choice == "native" and qtype in {QT.Q4_K, QT.Q5_K, QT.Q6_K}
+    assert np.linalg.norm(out - ref) <= (0.15 if coarse else 0.05) * np.linalg.norm(ref)
 
 
 @pytest.mark.parametrize("tied", [True, False])

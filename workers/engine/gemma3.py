@@ -150,6 +150,8 @@ def _gelu(x: torch.Tensor) -> torch.Tensor:
 class Gemma3StageModel:
     """Layers ``[layer_start, layer_end)`` plus, where held, the output norm and head."""
 
+    attention_f16 = False  # as StageModel.attention_f16
+
     def __init__(
         self,
         cfg: ArchConfig,
@@ -211,6 +213,7 @@ class Gemma3StageModel:
         nh, nkv, hd, eps = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.eps
         group = nh // nkv
         qd, qkd = cfg.q_dim, cfg.q_dim + cfg.kv_dim
+        f16 = self.attention_f16
         for i, lw in enumerate(self.layers):
             if i in self.round_before:
                 h = (h * BOUNDARY_SCALE).half().float() * (1.0 / BOUNDARY_SCALE)
@@ -223,19 +226,27 @@ class Gemma3StageModel:
             cos, sin = tables[lw.local]
             qk = _rope(qk, cos, sin)
             kc, vc = k_cache[i], v_cache[i]
-            kc[:, pos:end] = qk[:, nh:].transpose(0, 1)
-            vc[:, pos:end] = qkv[:, qkd:].view(t, nkv, hd).transpose(0, 1)
+            k_new, v_new = qk[:, nh:].transpose(0, 1), qkv[:, qkd:].view(t, nkv, hd).transpose(0, 1)
+            if f16:  # the cache holds float16 values (see attention_f16)
+                k_new, v_new = k_new.half(), v_new.half()
+            kc[:, pos:end] = k_new
+            vc[:, pos:end] = v_new
             # A local layer at decode reads only its window; at prefill the mask hides the rest.
             start = max(0, end - window) if lw.local and t == 1 else 0
             if t == 1:
                 qg = qk[:, :nh].reshape(nkv, group, hd)
             else:
                 qg = qk[:, :nh].reshape(t, nkv, group, hd).permute(1, 2, 0, 3).reshape(nkv, -1, hd)
+            if f16:
+                qg = qg.half().float()
             scores = torch.bmm(qg, kc[:, start:end].transpose(1, 2))
             mask = masks[lw.local]
             if mask is not None:
                 scores.view(nkv, group, t, end).masked_fill_(mask, float("-inf"))
-            attn = torch.bmm(torch.softmax(scores, dim=-1), vc[:, start:end])
+            probs = torch.softmax(scores, dim=-1)
+            if f16:
+                probs = probs.half().float()
+            attn = torch.bmm(probs, vc[:, start:end])
             if t > 1:
                 attn = attn.view(nkv, group, t, hd).permute(2, 0, 1, 3)
             h = h + _rms_norm(lw.wo(attn.reshape(t, qd)), lw.post_attn_norm, eps)

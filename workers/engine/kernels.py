@@ -14,8 +14,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -293,3 +296,156 @@ def int4_compatible(types: list[int], shapes: list[tuple[int, ...]]) -> bool:
     if any(t not in AFFINE_BITS for t in types):
         return False
     return all(len(s) == 2 and s[1] % GROUP == 0 for s in shapes)
+
+
+class NativeLinear(Linear):
+    """Affine integer codes through the engine's own kernel (native.py, csrc/qmm.c).
+
+    ``codes`` [N, kp] or nibble-packed [N, kp / 2] (uint8); ``scale`` and ``offset``
+    float16 [N, kp / sub] with ``w = code * scale + offset`` (``offset`` None:
+    ``-zero * scale``), K padded to ``kp`` with zero codes and scales. Activations are
+    quantised to int8 blocks of 32, products summed in int32 per group and in float32
+    across groups (llama.cpp's scheme): no bfloat16 rounding of inputs or outputs.
+    """
+
+    def __init__(
+        self,
+        lib: object,
+        layout: NativeLayout,
+        out_features: int,
+        in_features: int,
+        bias: torch.Tensor | None,
+    ) -> None:
+        self.lib = lib
+        self.layout = layout
+        self.out_features = out_features
+        self.in_features = in_features
+        self.kp = layout.scale.shape[1] * layout.sub
+        self.bias = bias
+        from .native import Weights
+
+        self._weights = Weights(
+            layout.codes.data_ptr(),
+            layout.scale.data_ptr(),
+            None if layout.offset is None else layout.offset.data_ptr(),
+            out_features,
+            self.kp,
+            int(layout.nibble),
+            layout.sub,
+            layout.zero,
+            layout.mode,
+            int(layout.scale.dtype == torch.float32),
+            0,
+        )
+        self._ref = ctypes.byref(self._weights)
+        self._call = cast(Any, lib).mvk_linear
+
+    def __call__(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.stride(-1) != 1:
+            x = x.float().contiguous()
+        t = x.shape[0]
+        base = add_to
+        if self.bias is not None:
+            base = self.bias.view(1, -1) if base is None else base + self.bias
+        ld_base = 0
+        if base is not None:
+            if base.dtype != torch.float32 or base.stride(-1) != 1:
+                base = base.float().contiguous()
+            ld_base = 0 if base.shape[0] == 1 else base.stride(0)
+        y = torch.empty(t, self.out_features)
+        rc = self._call(
+            self._ref,
+            x.data_ptr(),
+            t,
+            self.in_features,
+            x.stride(0),
+            y.data_ptr(),
+            None if base is None else base.data_ptr(),
+            ld_base,
+        )
+        if rc != 0:
+            raise MemoryError("native kernel: no memory for the activation buffer")
+        return y
+
+    @property
+    def nbytes(self) -> int:
+        lay = self.layout
+        n = lay.codes.nbytes + lay.scale.nbytes
+        n += 0 if lay.offset is None else lay.offset.nbytes
+        return n + (0 if self.bias is None else self.bias.nbytes)
+
+
+@dataclass(frozen=True)
+class NativePart:
+    """One matrix as affine groups: ``w = q * scale + offset`` per ``width`` columns;
+    ``zero`` is the format's fixed zero code (offset = -zero * scale) or None."""
+
+    q: torch.Tensor  # uint8 [n, K]
+    scale: torch.Tensor  # float32 [n, K / width]
+    offset: torch.Tensor
+    width: int
+    zero: int | None
+    mode: int  # how activations are quantised for it (native.Q8_*_ACT)
+    f16_exact: bool  # its scales and offsets are float16 values (not K-format products)
+
+
+@dataclass(frozen=True)
+class NativeLayout:
+    codes: torch.Tensor
+    scale: torch.Tensor  # float16, or float32 where a part's scales are not float16 values
+    offset: torch.Tensor | None  # as scale; None when every part has the same zero code
+    nibble: bool
+    sub: int
+    zero: int
+    mode: int
+
+
+# A scale this large would not survive float16 (the kernel's compact scale type).
+_F16_MAX = 65504.0
+
+
+def native_layout(parts: list[NativePart], bits: int) -> NativeLayout | None:
+    """Stack parts into the native kernel's layout, or None where it cannot hold them
+    exactly enough (scales outside float16's range). Groups are 16 wide if any part's
+    are (Q6_K), else 32; codes go two per byte if the widest (``bits``) fits in 4 bits."""
+    sub = min(p.width for p in parts)
+    nibble = bits <= 4
+    zeros = {p.zero for p in parts}
+    zero = next(iter(zeros)) if len(zeros) == 1 else None
+    dtype = torch.float16 if all(p.f16_exact for p in parts) else torch.float32
+    k = parts[0].q.shape[1]
+    # One activation quantisation per product: a fusion of formats with different ones
+    # takes the first part's (Q8_K's 256-blocks only where K allows).
+    mode = parts[0].mode
+    if mode == 2 and k % 256:
+        mode = 0
+    align = 128 if nibble else 64
+    kp = (k + align - 1) // align * align
+    codes, scales, offsets = [], [], []
+    for p in parts:
+        q, s, o = p.q, p.scale, p.offset
+        big = max(float(s.abs().max()), float(o.abs().max())) if s.numel() else 0.0
+        if dtype == torch.float16 and big > _F16_MAX:
+            return None
+        if p.width != sub:
+            rep = p.width // sub
+            s, o = s.repeat_interleave(rep, dim=1), o.repeat_interleave(rep, dim=1)
+        if kp != k:
+            q = F.pad(q, (0, kp - k))
+            s = F.pad(s, (0, (kp - k) // sub))
+            o = F.pad(o, (0, (kp - k) // sub))
+        if nibble:
+            c = q.reshape(q.shape[0], kp // 128, 2, 64)
+            q = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(q.shape[0], kp // 2)
+        codes.append(q.contiguous())
+        scales.append(s.to(dtype))
+        offsets.append(o.to(dtype))
+    return NativeLayout(
+        codes=torch.cat(codes),
+        scale=torch.cat(scales).contiguous(),
+        offset=None if zero is not None else torch.cat(offsets).contiguous(),
+        nibble=nibble,
+        sub=sub,
+        zero=zero or 0,
+        mode=mode,
+    )

@@ -11,34 +11,44 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+from . import native
 from .config import ArchConfig
 from .gguf_reader import GGUFError, GGUFFile
 from .kernels import (
     DenseLinear,
     Int4Linear,
     Linear,
+    NativeLinear,
+    NativePart,
     int4_codes,
     int4_compatible,
     int4_rows,
+    native_layout,
     pack_int4,
     row_blocks_pack_independently,
     with_residual_group,
 )
 from .quants import (
     AFFINE_BITS,
+    Q4_0,
     Q4_1,
     Q4_K,
+    Q5_0,
     Q5_K,
+    Q6_K,
+    Q8_0,
     SUPPORTED_TYPES,
     affine_groups,
     as_torch_bytes,
     dequantize,
     dequantize_rows,
+    q6_k_groups,
 )
 
 # Rows converted per step: bounds the temporary memory of large matrices (the head).
@@ -59,6 +69,16 @@ CORRECT_ZEROS = False
 # and the head's float32 refinement of its best logits (model.REFINE_TOP) only.
 CORRECT_SCALES = True
 PRECISIONS = ("default", "exact", "float32")
+# Formats the native kernel runs, with their fixed zero code (None: a min per group).
+_NATIVE_ZERO: dict[int, int | None] = {
+    Q4_0: 8,
+    Q5_0: 16,
+    Q8_0: 128,
+    Q6_K: 32,
+    Q4_1: None,
+    Q4_K: None,
+    Q5_K: None,
+}
 _HEAD_TENSORS = frozenset({"output.weight", "token_embd.weight"})
 
 
@@ -117,6 +137,9 @@ class WeightBuilder:
                     for v, p in zip(vecs, parts, strict=True)
                 ]
             )
+        native_lin = self._native(parts, list(types), list(shapes), bias)
+        if native_lin is not None:
+            return native_lin
         use_int4 = (
             self.precision in ("default", "exact")
             and self.device.type == "cpu"
@@ -133,6 +156,44 @@ class WeightBuilder:
             raw, shape, device = self.raw(parts[0].name), shapes[0], self.device
             lin.exact_rows = lambda ids: dequantize_rows(raw, types[0], shape, ids.cpu()).to(device)
         return lin
+
+    def _native(
+        self,
+        parts: list[Part],
+        types: list[int],
+        shapes: list[tuple[int, ...]],
+        bias: torch.Tensor | None,
+    ) -> NativeLinear | None:
+        """The default path on CPU: the engine's own kernel (native.py), where it is built
+        and holds these formats; None otherwise (torch's kernels then)."""
+        if self.precision != "default" or self.device.type != "cpu":
+            return None
+        if any(t not in _NATIVE_ZERO for t in types) or any(len(s) != 2 for s in shapes):
+            return None
+        lib = native.library()
+        if lib is None:
+            return None
+        k = shapes[0][1]
+        bits = max(6 if t == Q6_K else _bits(t) for t in types)
+        pieces: list[NativePart] = []
+        for part, shape, t in zip(parts, shapes, types, strict=True):
+            row_bytes = self.f.tensors[part.name].n_bytes // shape[0]
+            for _, raw in self._chunks(part, shape):
+                n = raw.numel() // row_bytes
+                g = q6_k_groups(raw, (n, k)) if t == Q6_K else affine_groups(raw, t, (n, k))
+                width = 16 if t == Q6_K else 32
+                q, scale, offset = g.q, g.scale * part.row_scale, g.offset * part.row_scale
+                if part.perm is not None:
+                    q, scale, offset = q[part.perm], scale[part.perm], offset[part.perm]
+                mode = native.Q8_1_ACT if t == Q4_1 else native.Q8_0_ACT
+                if t in (Q4_K, Q5_K, Q6_K):
+                    mode = native.Q8_K_ACT
+                exact16 = t not in (Q4_K, Q5_K, Q6_K) and math.frexp(part.row_scale)[0] == 0.5
+                pieces.append(NativePart(q, scale, offset, width, _NATIVE_ZERO[t], mode, exact16))
+        layout = native_layout(pieces, bits)
+        if layout is None:
+            return None
+        return NativeLinear(lib, layout, sum(s[0] for s in shapes), k, bias)
 
     def _chunks(self, part: Part, shape: tuple[int, ...]) -> Iterator[tuple[int, torch.Tensor]]:
         """(row offset, raw bytes) of row chunks; a permuted part comes whole."""

@@ -139,6 +139,23 @@ def _dequant_q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d * sc * q.float().view(nb, 2, 4, 2, 16)).reshape(nb, 256)
 
 
+def q6_k_groups(raw: torch.Tensor, shape: tuple[int, ...]) -> AffineGroups:
+    """Q6_K as 16-wide affine groups: ``w = q * scale + offset``, q in 0..63, with
+    ``scale = d * sc`` (float32, as ggml computes it) and ``offset = -32 * scale``."""
+    rows, cols = shape[0], int(np.prod(shape[1:]))
+    b = _blocks(raw, Q6_K)
+    nb = b.shape[0]
+    ql = b[:, 0:128].reshape(nb, 2, 2, 32)
+    qh = b[:, 128:192].reshape(nb, 2, 1, 32)
+    sc = b[:, 192:208].view(torch.int8).float()
+    d = _f16(b, 208)
+    nib = torch.cat([ql & 15, ql >> 4], dim=2)  # [nb, half, quarter, 32]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    q = nib | (((qh >> shifts) & 3) << 4)
+    scale = (d * sc).reshape(rows, cols // 16)
+    return AffineGroups(q=q.reshape(rows, cols), scale=scale, offset=-32.0 * scale, bits=6)
+
+
 def dequantize(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor:
     """Float32 tensor of ``shape`` from raw ggml bytes."""
     if ggml_type == F32:

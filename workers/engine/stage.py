@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import native
 from .config import ArchConfig, ModelFacts, arch_config, facts_of
 from .gemma3 import ARCHITECTURE as GEMMA3
 from .gemma3 import Gemma3StageModel, build_gemma3_stage_model
@@ -148,7 +149,9 @@ def load_stage(
     """Map the GGUF and build layers ``[layer_start, layer_end)`` (end exclusive)."""
     device = resolve_device(options.device)
     if device.type == "cpu":
-        torch.set_num_threads(options.threads or os.cpu_count() or 1)
+        threads = options.threads or os.cpu_count() or 1
+        torch.set_num_threads(threads)
+        native.set_threads(threads)
     f = GGUFFile(path)
     try:
         cfg = arch_config(f)
@@ -171,6 +174,7 @@ def load_stage(
     except BaseException:
         f.close()
         raise
+    model.attention_f16 = options.precision == "default"
     f.release_pages()
     trim_heap()
     return Stage(f, cfg, facts, layer_start, layer_end, model, embedding, device, options)

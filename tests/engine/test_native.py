@@ -1,0 +1,175 @@
+"""The engine's own quantised kernel (workers/engine/native.py, csrc/qmm.c).
+
+Its products are held to an emulation of the arithmetic it claims (llama.cpp's: int8
+activation blocks, the file's codes and scales, float32 sums) computed here in float64
+from the same quantised activations, for every layout it has: nibble and byte codes,
+16- and 32-wide groups, float16 and float32 scales, per-group mins or a fixed zero code,
+all three activation quantisations, 1 to 9 rows, one thread and several. The plain C
+build (no AVX-512) must agree with the vectorised one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from workers.engine import native
+from workers.engine.kernels import NativeLinear, NativePart, native_layout
+
+CASES = [
+    # rows, K, code bits, group width, zero code (None: mins), activation mode, f16 scales
+    (96, 576, 4, 32, None, native.Q8_1_ACT, True),  # Q4_1 (SmolLM2), K off the 128 grid
+    (64, 576, 4, 32, 8, native.Q8_0_ACT, True),  # Q4_0
+    (80, 640, 5, 32, 16, native.Q8_0_ACT, True),  # Q5_0 (Gemma)
+    (128, 576, 8, 32, 128, native.Q8_0_ACT, True),  # Q8_0 (the heads)
+    (48, 512, 4, 32, None, native.Q8_K_ACT, False),  # Q4_K
+    (80, 512, 6, 16, 32, native.Q8_K_ACT, False),  # Q6_K
+    (33, 96, 4, 32, None, native.Q8_0_ACT, True),  # rows off every chunk size
+]
+
+
+@pytest.fixture(scope="module")
+def lib() -> ctypes.CDLL:
+    got = native.library()
+    assert got is not None, f"the native kernel did not build here: {native.why_not()}"
+    return got
+
+
+@pytest.fixture(scope="module")
+def generic(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    out = tmp_path_factory.mktemp("generic")
+    lib = native.load(native.build(out, ("-DMVK_GENERIC",)))
+    assert lib.mvk_simd() == 0
+    return lib
+
+
+def _case(case: tuple[int, int, int, int, int | None, int, bool], seed: int) -> tuple:
+    n, k, bits, width, zero, mode, f16 = case
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=gen)
+    scale = torch.rand(n, k // width, generator=gen) * 0.01 + 1e-4
+    if f16:
+        scale = scale.half().float()
+    if zero is None:
+        offset = -torch.rand(n, k // width, generator=gen) * 0.05
+        offset = offset.half().float() if f16 else offset
+    else:
+        offset = -zero * scale
+    return q, scale, offset, NativePart(q, scale, offset, width, zero, mode, f16)
+
+
+def _emulated(lib: ctypes.CDLL, lin: NativeLinear, x: torch.Tensor, q, scale, offset, width):
+    """float64 products of the kernel's own quantised activations (codes times d, and the
+    block sums, float16 ones for Q8_1) with the exact codes, scales and mins."""
+    k = x.shape[1]
+    act = native.Activations(lib, x, lin.kp, lin.layout.mode)
+    xq = (act.qx.double() * act.dxe.double().repeat_interleave(4, 1))[:, :k]
+    sums = (act.s16 if width == 16 else act.s32).double()[:, : k // width]
+    w = q.double() * scale.double().repeat_interleave(width, 1)
+    return xq @ w.T + sums @ offset.double().T
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-b{c[2]}-g{c[3]}-m{c[5]}")
+def test_products_are_the_emulated_arithmetic(lib: ctypes.CDLL, generic: ctypes.CDLL, case) -> None:
+    q, scale, offset, part = _case(case, seed=case[1])
+    layout = native_layout([part], case[2])
+    assert layout is not None
+    assert layout.nibble == (case[2] <= 4) and layout.sub == case[3]
+    assert (layout.offset is None) == (case[4] is not None)
+    assert layout.scale.dtype == (torch.float16 if case[6] else torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(rows, case[1], generator=gen) * 3
+        add = torch.randn(rows, case[0], generator=gen)
+        for build in (lib, generic):
+            lin = NativeLinear(build, layout, case[0], case[1], None)
+            want = _emulated(build, lin, x, q, scale, offset, case[3])
+            got = lin(x, add).double() - add.double()
+            err = float((got - want).abs().max() / want.abs().max())
+            assert err < 2e-6, (rows, build is lib, err)
+
+
+def test_activation_blocks_follow_llamacpp(lib: ctypes.CDLL) -> None:
+    """Q8_0 blocks: d = max|x| / 127 kept as float16, codes rounded to even; Q8_K: 256-wide
+    blocks with the signed extreme at -127 (d negative when it is positive)."""
+    x = torch.zeros(1, 512)
+    x[0, :32] = torch.linspace(-1.0, 2.0, 32)
+    x[0, 32:64] = 0.0  # an all-zero block
+    x[0, 64:] = torch.randn(448, generator=torch.Generator().manual_seed(3))
+    a = native.Activations(lib, x, 512, native.Q8_0_ACT)
+    d = np.float32(2.0) / np.float32(127.0)
+    assert float(a.dxe[0, 0]) == float(np.float16(d))
+    assert int(a.qx[0, 31]) == 127 and int(a.qx[0, 0]) == round(-1.0 * 127 / 2.0)
+    assert torch.all(a.qx[0, 32:64] == 0) and float(a.dxe[0, 8]) == 0.0
+    k = native.Activations(lib, x, 512, native.Q8_K_ACT)
+    assert torch.all(k.dxe[0, :64] == k.dxe[0, 0])  # one d per 256 elements
+    assert int(k.qx[0, :256].abs().max()) == 127
+    top = int(x[0, :256].abs().argmax())
+    assert int(k.qx[0, top]) == -127
+    assert (float(k.dxe[0, 0]) < 0) == (float(x[0, top]) > 0)
+
+
+def test_threads_do_not_change_a_single_bit(lib: ctypes.CDLL) -> None:
+    part = _case((4096, 576, 4, 32, None, native.Q8_1_ACT, True), seed=5)[3]
+    layout = native_layout([part], 4)
+    assert layout is not None
+    lin = NativeLinear(lib, layout, 4096, 576, None)
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(6))
+    lib.mvk_set_threads(1)
+    one = [lin(x[:1]), lin(x)]
+    assert lib.mvk_set_threads(3) >= 3
+    for _ in range(20):  # many products, so the chunks land on different threads
+        assert torch.equal(lin(x[:1]), one[0]) and torch.equal(lin(x), one[1])
+
+
+def test_fused_parts_with_different_zero_codes_keep_mins(lib: ctypes.CDLL) -> None:
+    """Gemma's q|k|v fuses Q5_0 (zero 16) with Q8_0 (zero 128): one layout with mins."""
+    a = _case((64, 640, 5, 32, 16, native.Q8_0_ACT, True), seed=7)
+    b = _case((64, 640, 8, 32, 128, native.Q8_0_ACT, True), seed=8)
+    layout = native_layout([a[3], b[3]], 8)
+    assert layout is not None and layout.offset is not None and not layout.nibble
+    lin = NativeLinear(lib, layout, 128, 640, None)
+    x = torch.randn(2, 640, generator=torch.Generator().manual_seed(9))
+    q = torch.cat([a[0], b[0]])
+    want = _emulated(lib, lin, x, q, torch.cat([a[1], b[1]]), torch.cat([a[2], b[2]]), 32)
+    assert float((lin(x).double() - want).abs().max() / want.abs().max()) < 2e-6
+
+
+def test_scales_beyond_float16_are_refused() -> None:
+    q, scale, offset, _ = _case((16, 64, 4, 32, 8, native.Q8_0_ACT, True), seed=10)
+    big = NativePart(q, scale * 1e6, offset * 1e6, 32, 8, native.Q8_0_ACT, True)
+    assert native_layout([big], 4) is None
+
+
+def test_build_is_cached_and_failures_say_why(tmp_path: Path) -> None:
+    first = native.build(tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert native.build(tmp_path) == first and first.stat().st_mtime_ns == mtime
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # nothing half-written
+    with pytest.raises(RuntimeError, match="failed"):
+        native.build(tmp_path / "bad", ("-DMVK_NO_SUCH_FLAG", "-Wl,--no-such-option"))
+    assert not any((tmp_path / "bad").iterdir())
+    with pytest.raises(RuntimeError, match=r"no C compiler|failed|No such file"):
+        try:
+            native.build(tmp_path / "none", compiler="/nonexistent/cc")
+        except FileNotFoundError as e:
+            raise RuntimeError(str(e)) from e
+
+
+def test_the_choice_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        monkeypatch.setenv(native.ENV_CHOICE, "torch")
+        native.forget()
+        assert native.library() is None and native.why_not() == f"{native.ENV_CHOICE}=torch"
+        monkeypatch.setenv(native.ENV_CHOICE, "fastest")
+        native.forget()
+        with pytest.raises(ValueError, match="MVP_ENGINE_KERNEL must be"):
+            native.library()
+    finally:
+        monkeypatch.undo()
+        native.forget()
+    assert native.library() is not None

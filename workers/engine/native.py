@@ -1,0 +1,225 @@
+"""The engine's own quantised matrix kernel (csrc/qmm.c), built for the host it runs on.
+
+torch's CPU int4 kernel only vectorises bfloat16 activations and rounds its output to
+bfloat16: on SmolLM2 that rounding cost most of the greedy agreement with llama.cpp, and
+undoing it took three kernel calls per product (precision "exact", ~0.45x decode). This
+kernel computes what llama.cpp computes (int8 activation blocks times the file's integer
+codes, float32 scales, float32 sums) with AVX-512 VNNI, so the default path is both exact
+in that sense and faster (figures in docs/benchmarks and docs/models.md).
+
+It is compiled once per host and source (C compiler ``cc``/``gcc``, ``-O3 -march=native``)
+into the model cache's ``kernels/`` folder, with an atomic rename; where no compiler
+works the engine falls back to torch's kernels and says why in the log.
+``MVP_ENGINE_KERNEL=torch`` chooses that fallback on purpose (benchmarks, comparisons).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "qmm.c"
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-pthread")
+ENV_CHOICE = "MVP_ENGINE_KERNEL"
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_why_not = ""
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_C = ctypes.c_int
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("MVP_MODEL_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "mvp-orchestrator"
+    )
+    return Path(base) / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def build(
+    out_dir: Path | None = None, extra_flags: tuple[str, ...] = (), compiler: str | None = None
+) -> Path:
+    """Compile the kernel (or find it already built); raises RuntimeError saying why not."""
+    cc = compiler or _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(
+        src + " ".join((cc, *FLAGS, *extra_flags, platform.machine())).encode()
+    ).hexdigest()[:16]
+    out_dir = out_dir or _cache_dir()
+    target = out_dir / f"qmm-{key}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".qmm-", suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [cc, *FLAGS, *extra_flags, "-o", tmp, str(SOURCE), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.mvk_quantize.argtypes = [_P, _I, _I, _I, _I, _C, _P, _P, _P, _P]
+    lib.mvk_quantize.restype = None
+    lib.mvk_matmul.argtypes = [
+        _P,
+        _P,
+        _P,
+        _P,
+        _I,
+        _I,
+        _P,
+        _P,
+        _P,
+        _I,
+        _C,
+        _C,
+        _C,
+        _C,
+        _P,
+        _I,
+        _P,
+        _I,
+        _C,
+    ]
+    lib.mvk_matmul.restype = None
+    lib.mvk_linear.argtypes = [_P, _P, _I, _I, _I, _P, _P, _I]
+    lib.mvk_linear.restype = _C
+    lib.mvk_set_threads.argtypes = [_C]
+    lib.mvk_set_threads.restype = _C
+    lib.mvk_simd.argtypes = []
+    lib.mvk_simd.restype = _C
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The built kernel, or None (torch's kernels are used; ``why_not()`` says why)."""
+    global _lib, _tried, _why_not
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        choice = os.environ.get(ENV_CHOICE, "native")
+        if choice == "torch":
+            _why_not = f"{ENV_CHOICE}=torch"
+            return None
+        if choice != "native":
+            raise ValueError(f"{ENV_CHOICE} must be 'native' or 'torch', not {choice!r}")
+        if platform.machine() not in ("x86_64", "AMD64"):
+            _why_not = f"no native kernel for {platform.machine()}"
+            return None
+        try:
+            lib = load(build())
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            _why_not = str(e)
+            log.warning("engine: native kernel unavailable, using torch's: %s", e)
+            return None
+        if not lib.mvk_simd():
+            # The plain C path is exact but slower than torch's bfloat16 kernel.
+            _why_not = "this CPU has no AVX-512 VNNI"
+            log.info("engine: native kernel without AVX-512 VNNI; using torch's kernels")
+            return None
+        _lib = lib
+        return _lib
+
+
+def forget() -> None:
+    """Drop the cached choice, so the next ``library()`` reads MVP_ENGINE_KERNEL again."""
+    global _lib, _tried, _why_not
+    with _lock:
+        _lib, _tried, _why_not = None, False, ""
+
+
+def why_not() -> str:
+    return _why_not
+
+
+def set_threads(n: int) -> None:
+    lib = library()
+    if lib is not None:
+        lib.mvk_set_threads(max(1, n))
+
+
+# How activations are quantised (qmm.c): llama.cpp's vec_dot_type of each weight format.
+Q8_0_ACT, Q8_1_ACT, Q8_K_ACT = 0, 1, 2
+
+
+class Weights(ctypes.Structure):
+    """qmm.c's ``mvk_weights``: one matrix, described once."""
+
+    _fields_ = [
+        ("codes", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p),
+        ("min", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("kp", ctypes.c_int64),
+        ("nibble", ctypes.c_int32),
+        ("sub", ctypes.c_int32),
+        ("zero", ctypes.c_int32),
+        ("mode", ctypes.c_int32),
+        ("f32", ctypes.c_int32),
+        ("pad", ctypes.c_int32),
+    ]
+
+
+class Activations:
+    """int8 blocks of ``x`` [T, K] float32, padded to ``kp`` columns (see qmm.c)."""
+
+    __slots__ = ("dxe", "kp", "qx", "rows", "s16", "s32")
+
+    def __init__(self, lib: ctypes.CDLL, x: torch.Tensor, kp: int, mode: int = 0) -> None:
+        t, k = x.shape
+        if x.stride(1) != 1 or x.dtype != torch.float32:
+            x = x.contiguous().float()
+        self.rows, self.kp = t, kp
+        self.qx = torch.empty(t, kp, dtype=torch.int8)
+        self.dxe = torch.empty(t, kp // 4)
+        self.s16 = torch.empty(t, kp // 16)
+        self.s32 = torch.empty(t, kp // 32)
+        lib.mvk_quantize(
+            x.data_ptr(),
+            t,
+            k,
+            x.stride(0),
+            kp,
+            mode,
+            self.qx.data_ptr(),
+            self.dxe.data_ptr(),
+            self.s16.data_ptr(),
+            self.s32.data_ptr(),
+        )
