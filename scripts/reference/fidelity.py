@@ -1,23 +1,67 @@
 """Greedy agreement with llama.cpp, per reference prompt (not a test; prints a table).
 
-    .venv/bin/python -m scripts.reference.fidelity [--model M.gguf] [--threads N] [--json OUT]
+    .venv/bin/python -m scripts.reference.fidelity [--model smollm2|gemma|M.gguf] [--threads N]
+        [--json OUT]
 
-For each prompt of tests/engine/data/llamacpp_reference.json: how many leading tokens of
-llama.cpp's greedy continuation the engine's default path and its float32 path reproduce,
-next to HF transformers float32's (recorded by hf_reference.py in hf_reference.json). The
-engine runs here; llama.cpp and HF only as recorded facts.
+For each prompt of the model's llama.cpp reference: how many leading tokens of llama.cpp's
+greedy continuation the engine's default path and its float32 path reproduce, next to HF
+transformers float32's (recorded by hf_reference.py). The engine runs here; llama.cpp and HF
+only as recorded facts:
+
+    smollm2  llamacpp_reference.json (llamacpp_reference.py), hf_reference.json
+    gemma    gemma3_reference.json (gemma3_reference.py), gemma3_hf_reference.json
+
+A GGUF path picks the facts of its architecture (llama: smollm2's, gemma3: gemma's).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "tests" / "engine" / "data"
-DEFAULT_MODEL = Path.home() / ".cache/mvp-orchestrator/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+MODELS = Path.home() / ".cache/mvp-orchestrator/models"
+
+
+@dataclass(frozen=True)
+class Reference:
+    """One model's recorded facts: llama.cpp's "generations", HF's "llamacpp_prompts"."""
+
+    model: Path
+    llamacpp: Path
+    hf: Path
+
+
+REFERENCES = {
+    "smollm2": Reference(
+        MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf",
+        DATA / "llamacpp_reference.json",
+        DATA / "hf_reference.json",
+    ),
+    "gemma": Reference(
+        MODELS / "gemma-3-270m-q4_k_m.gguf",
+        DATA / "gemma3_reference.json",
+        DATA / "gemma3_hf_reference.json",
+    ),
+}
+ARCHITECTURES = {"llama": "smollm2", "gemma3": "gemma"}
+
+
+def reference(model: str) -> tuple[Path, Reference]:
+    """--model: a name of REFERENCES, or a GGUF path (its architecture's reference facts)."""
+    if model in REFERENCES:
+        return REFERENCES[model].model, REFERENCES[model]
+    from workers.engine import read_model_facts
+
+    arch = read_model_facts(model).architecture
+    if arch not in ARCHITECTURES:
+        raise SystemExit(f"{model}: no reference facts for architecture {arch!r}")
+    return Path(model), REFERENCES[ARCHITECTURES[arch]]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -42,23 +86,26 @@ def greedy(stage: Any, prompt_ids: list[int], n: int) -> list[int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--model", default="smollm2", help=f"{' | '.join(REFERENCES)} | a GGUF path")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args()
+    sys.path.insert(0, str(REPO))  # run as a file, too
 
     from workers.engine import EngineOptions, load_stage, read_model_facts
 
-    llama = json.loads((DATA / "llamacpp_reference.json").read_text())["generations"]
-    hf_path = DATA / "hf_reference.json"
+    model, ref_facts = reference(args.model)
+    llama = json.loads(ref_facts.llamacpp.read_text())["generations"]
     hf = {}
-    if hf_path.exists():
-        hf = {c["prompt"]: c for c in json.loads(hf_path.read_text()).get("llamacpp_prompts", [])}
-    n_layers = read_model_facts(str(args.model)).block_count
+    if ref_facts.hf.exists():
+        hf = {
+            c["prompt"]: c for c in json.loads(ref_facts.hf.read_text()).get("llamacpp_prompts", [])
+        }
+    n_layers = read_model_facts(str(model)).block_count
     paths = {}
     for precision in ("default", "float32"):
         opts = EngineOptions(device="cpu", precision=precision, threads=args.threads)
-        paths[precision] = load_stage(str(args.model), 0, n_layers, opts)
+        paths[precision] = load_stage(str(model), 0, n_layers, opts)
     rows = []
     for gen in llama:
         ref = gen["ids"]
@@ -68,6 +115,7 @@ def main() -> None:
         if gen["prompt"] in hf:
             row["hf_float32"] = common_prefix(hf[gen["prompt"]]["greedy"], ref)
         rows.append(row)
+    print(model.name)
     print(f"{'prompt':44} {'default':>8} {'float32':>8} {'HF f32':>7}")
     for r in rows:
         h = r.get("hf_float32", "")

@@ -91,15 +91,25 @@ GEMMA_CASES = [
     "<html><body><p>Hi &amp; bye</p></body></html>",
 ]
 
+# The prompts of llamacpp_reference.py's GENERATION_PROMPTS (SmolLM2's), so that the fidelity
+# table (fidelity.py --model gemma) and hf_reference.py --model gemma cover the same texts.
 GENERATION_PROMPTS = [
     "Once upon a time",
     "The capital of France is",
     "def fibonacci(n):",
     "The three primary colors are",
     "Water boils at",
+    "In 1969, the first astronauts",
     "The largest planet in our solar system is",
+    "Photosynthesis is the process by which",
     "import numpy as np\n\ndef",
+    "SELECT name, email FROM users WHERE",
+    "#include <stdio.h>\n\nint main(void) {",
+    "Dear Sir or Madam,\n\nI am writing to",
+    "The best way to learn a new language is",
     "Here is a list of fruits:\n1. Apple\n2.",
+    "The French Revolution began in",
+    "To make a cup of tea, first",
 ]
 GENERATION_TOKENS = 32
 TOP_LOGITS = 5
