@@ -34,16 +34,11 @@ from .config import ArchConfig
 from .gguf_reader import GGUFError, GGUFFile
 from .kernels import Linear
 from .loader import Part, WeightBuilder
-from .model import RopeTables
-from .quants import as_torch_bytes, dequantize_rows
+from .model import RopeTables, head_logits
 
 ARCHITECTURE = "gemma3"
 SWA_PATTERN = 6  # llama.cpp: every 6th layer (i % 6 == 5) is global
 LOCAL_ROPE_BASE = 10000.0
-# The compact head's logits come out of a bfloat16 kernel (steps of 1/16 around 10, so
-# near-ties become exact ties); the best REFINE_TOP of them are recomputed in float32 from
-# the file's rows, so greedy and top-k choices see float32 logits.
-REFINE_TOP = 64
 # Gemma's residual stream outgrows float16 at its first position (the BOS token: ~1e5 by
 # the middle layers of 270M), and stage boundaries carry float16. So a stage hands on
 # hidden * BOUNDARY_SCALE and the next one multiplies it back: a power of two, so the
@@ -94,6 +89,8 @@ class Gemma3Layer:
     gate_up: Linear
     down: Linear
     post_ffn_norm: torch.Tensor
+    attn_fused: bool = False  # qkv applies attn_norm itself (Linear.fuse_norm)
+    ffn_fused: bool = False  # gate_up applies ffn_norm itself
 
 
 class Gemma3Ropes:
@@ -162,16 +159,24 @@ class Gemma3StageModel:
         output_norm: torch.Tensor | None,
         head: Linear | None,
         fp16_split_points: tuple[int, ...],
-        head_rows: tuple[torch.Tensor, int, tuple[int, ...]] | None = None,
     ) -> None:
         self.cfg = cfg
-        self.head_rows = head_rows  # (raw bytes, ggml type, shape) for refining the top
         self.params = params
         self.layer_start = layer_start
         self.layers = layers
         self.rope = rope
         self.output_norm = output_norm
         self.head = head
+        # Where the kernel applies a norm itself, its input is the residual stream.
+        for lw in layers:
+            lw.attn_fused = lw.qkv.fuse_norm(lw.attn_norm, cfg.eps)
+            lw.ffn_fused = lw.gate_up.fuse_norm(lw.ffn_norm, cfg.eps)
+        self.head_fused = (
+            head is not None
+            and output_norm is not None
+            and head.exact_rows is None
+            and head.fuse_norm(output_norm, cfg.eps)
+        )
         end = layer_start + len(layers)
         self.round_before = frozenset(
             k - layer_start for k in fp16_split_points if layer_start < k < end
@@ -217,7 +222,7 @@ class Gemma3StageModel:
         for i, lw in enumerate(self.layers):
             if i in self.round_before:
                 h = (h * BOUNDARY_SCALE).half().float() * (1.0 / BOUNDARY_SCALE)
-            qkv = lw.qkv(_rms_norm(h, lw.attn_norm, eps))
+            qkv = lw.qkv(h if lw.attn_fused else _rms_norm(h, lw.attn_norm, eps))
             qk = qkv[:, :qkd].view(t, nh + nkv, hd)
             qk = torch.cat(
                 [_rms_norm(qk[:, :nh], lw.q_norm, eps), _rms_norm(qk[:, nh:], lw.k_norm, eps)],
@@ -250,7 +255,7 @@ class Gemma3StageModel:
             if t > 1:
                 attn = attn.view(nkv, group, t, hd).permute(2, 0, 1, 3)
             h = h + _rms_norm(lw.wo(attn.reshape(t, qd)), lw.post_attn_norm, eps)
-            gu = lw.gate_up(_rms_norm(h, lw.ffn_norm, eps))
+            gu = lw.gate_up(h if lw.ffn_fused else _rms_norm(h, lw.ffn_norm, eps))
             ffn = lw.down(_gelu(gu[:, : cfg.ffn]) * gu[:, cfg.ffn :])
             h = h + _rms_norm(ffn, lw.post_ffn_norm, eps)
         if self.layer_start + len(self.layers) < cfg.n_layers:
@@ -261,13 +266,11 @@ class Gemma3StageModel:
         """Logits [vocab] float32 of one hidden state [hidden]."""
         if self.output_norm is None or self.head is None:
             raise RuntimeError("this stage does not hold the output head")
-        x = _rms_norm(h_last.view(1, -1), self.output_norm, self.cfg.eps)
-        out = self.head(x).view(-1).float()
-        if self.head_rows is not None:
-            raw, ggml_type, shape = self.head_rows
-            idx = out.topk(REFINE_TOP).indices
-            rows = dequantize_rows(raw, ggml_type, shape, idx.cpu()).to(x.device)
-            out[idx] = rows @ x.view(-1)
+        if self.head_fused:
+            out = self.head(h_last.view(1, -1)).view(-1)
+        else:
+            x = _rms_norm(h_last.view(1, -1), self.output_norm, self.cfg.eps)
+            out = head_logits(self.head, x)
         cap = self.params.final_logit_softcap
         if cap > 0:
             out = torch.tanh(out / cap) * cap
@@ -286,15 +289,11 @@ def build_gemma3_stage_model(
     params = gemma3_params(f, cfg)
     layers = [load_gemma3_layer(b, cfg, params, i) for i in range(layer_start, layer_end)]
     output_norm, head = None, None
-    head_rows: tuple[torch.Tensor, int, tuple[int, ...]] | None = None
     if layer_end == cfg.n_layers:
         output_norm = b.vector("output_norm.weight")
         head_name = "output.weight" if "output.weight" in f.tensors else "token_embd.weight"
         head = b.linear([Part(head_name)])
-        if b.precision != "float32":
-            info = f.tensors[head_name]
-            head_rows = (as_torch_bytes(f.raw(head_name)), info.ggml_type, info.shape)
     rope = Gemma3Ropes(cfg, b.device)
     return Gemma3StageModel(
-        cfg, params, layer_start, layers, rope, output_norm, head, fp16_split_points, head_rows
+        cfg, params, layer_start, layers, rope, output_norm, head, fp16_split_points
     )

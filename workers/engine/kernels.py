@@ -91,6 +91,11 @@ class Linear:
     def __call__(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
+    def fuse_norm(self, weight: torch.Tensor, eps: float) -> bool:
+        """Apply RMS norm (``weight``, ``eps``) to every input first, if this kernel can do
+        it itself; returns whether it will."""
+        return False
+
     @property
     def nbytes(self) -> int:
         raise NotImplementedError
@@ -339,6 +344,15 @@ class NativeLinear(Linear):
         )
         self._ref = ctypes.byref(self._weights)
         self._call = cast(Any, lib).mvk_linear
+        self._norm: torch.Tensor | None = None
+
+    def fuse_norm(self, weight: torch.Tensor, eps: float) -> bool:
+        # In C, as ggml computes it (mean of squares in double); one foreign call instead
+        # of four torch ops per norm, the decode loop being dispatch-bound.
+        self._norm = weight.float().contiguous()
+        self._weights.norm = self._norm.data_ptr()
+        self._weights.eps = eps
+        return True
 
     def __call__(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype != torch.float32 or x.stride(-1) != 1:

@@ -20,9 +20,10 @@ import torch.nn.functional as F
 from .config import ArchConfig
 from .kernels import Linear
 
-# The compact head's logits carry its bfloat16 output rounding (2^-9 of a logit: 0.06 at 16,
-# more than many greedy margins): the best REFINE_TOP are recomputed in float32 from their
-# rows, so the greedy choice and the likely candidates are those of the float32 path.
+# The torch-kernel head's logits carry its bfloat16 output rounding (2^-9 of a logit: 0.06
+# at 16, more than many greedy margins): the best REFINE_TOP are recomputed in float32 from
+# their rows, so the greedy choice and the likely candidates are those of the float32 path.
+# (The native kernel's products are float32 sums already: no refinement, as llama.cpp.)
 REFINE_TOP = 64
 
 
@@ -36,6 +37,8 @@ class LayerWeights:
     ffn_norm: torch.Tensor
     gate_up: Linear
     down: Linear
+    attn_fused: bool = False  # qkv applies attn_norm itself (Linear.fuse_norm)
+    ffn_fused: bool = False  # gate_up applies ffn_norm itself
 
 
 class RopeTables:
@@ -117,10 +120,21 @@ class StageModel:
         # Norm weights are stored pre-scaled for _rms_norm.
         root_h, root_d = math.sqrt(cfg.hidden), math.sqrt(cfg.head_dim)
         for lw in layers:
+            # Where the kernel applies the norm itself, its input is the residual stream.
+            lw.attn_fused = lw.qkv.fuse_norm(lw.attn_norm, cfg.eps)
+            lw.ffn_fused = lw.gate_up.fuse_norm(lw.ffn_norm, cfg.eps)
             lw.attn_norm = lw.attn_norm * root_h
             lw.ffn_norm = lw.ffn_norm * root_h
             if lw.q_norm is not None and lw.k_norm is not None:
                 lw.q_norm, lw.k_norm = lw.q_norm * root_d, lw.k_norm * root_d
+        # The native head applies the output norm itself, as ggml computes it (which keeps
+        # llama.cpp's int8 activation codes: a 1-ulp change of an input can move one).
+        self.head_fused = (
+            head is not None
+            and output_norm is not None
+            and head.exact_rows is None
+            and head.fuse_norm(output_norm, cfg.eps)
+        )
         self.output_norm = None if output_norm is None else output_norm * root_h
         device = rope.device
         self.c_hidden = torch.tensor(math.sqrt(cfg.hidden * cfg.eps), device=device)
@@ -157,7 +171,7 @@ class StageModel:
         for i, lw in enumerate(self.layers):
             if i in self.round_before:
                 h = h.half().float()
-            qkv = lw.qkv(_rms_norm(h, lw.attn_norm, ch))
+            qkv = lw.qkv(h if lw.attn_fused else _rms_norm(h, lw.attn_norm, ch))
             qk = qkv[:, :qkd].view(t, nh + nkv, hd)
             if lw.q_norm is not None and lw.k_norm is not None:
                 qk = torch.cat(
@@ -191,7 +205,7 @@ class StageModel:
             if t > 1:
                 attn = attn.view(nkv, group, t, hd).permute(2, 0, 1, 3)
             h = lw.wo(attn.reshape(t, qd), h)
-            gu = lw.gate_up(_rms_norm(h, lw.ffn_norm, ch))
+            gu = lw.gate_up(h if lw.ffn_fused else _rms_norm(h, lw.ffn_norm, ch))
             h = lw.down(F.silu(gu[:, : cfg.ffn]) * gu[:, cfg.ffn :], h)
         return h
 
@@ -199,9 +213,19 @@ class StageModel:
         """Logits [vocab] float32 of one hidden state [hidden]."""
         if self.output_norm is None or self.head is None:
             raise RuntimeError("this stage does not hold the output head")
-        x = _rms_norm(h_last.view(1, -1), self.output_norm, self.c_hidden)
-        out = self.head(x).view(-1).float()
-        if self.head.exact_rows is not None:
-            top = torch.topk(out, min(REFINE_TOP, out.shape[0]), sorted=False).indices
-            out[top] = torch.mv(self.head.exact_rows(top), x.view(-1))
-        return out
+        if self.head_fused:
+            return self.head(h_last.view(1, -1)).view(-1)
+        return head_logits(
+            self.head, _rms_norm(h_last.view(1, -1), self.output_norm, self.c_hidden)
+        )
+
+
+def head_logits(head: Linear, x: torch.Tensor) -> torch.Tensor:
+    """Logits [vocab] of one normed row ``x`` [1, hidden]; where the head's product is not
+    float32 throughout (torch's bfloat16 kernels), its best REFINE_TOP are recomputed from
+    the file's rows in float32."""
+    out = head(x).view(-1).float()
+    if head.exact_rows is not None:
+        top = torch.topk(out, min(REFINE_TOP, out.shape[0]), sorted=False).indices
+        out[top] = torch.mv(head.exact_rows(top), x.view(-1))
+    return out

@@ -7,9 +7,10 @@ kernel computes what llama.cpp computes (int8 activation blocks times the file's
 codes, float32 scales, float32 sums) with AVX-512 VNNI, so the default path is both exact
 in that sense and faster (figures in docs/benchmarks and docs/models.md).
 
-It is compiled once per host and source (C compiler ``cc``/``gcc``, ``-O3 -march=native``)
-into the model cache's ``kernels/`` folder, with an atomic rename; where no compiler
-works the engine falls back to torch's kernels and says why in the log.
+It is compiled once per host and source (C compiler ``cc``/``gcc``, ``-O3 -march=native``,
+about a second) into ``~/.cache/mvp-orchestrator/kernels/`` (or ``MVP_KERNELS_DIR``), with
+an atomic rename; where no compiler works the engine falls back to torch's kernels and
+says why in the log.
 ``MVP_ENGINE_KERNEL=torch`` chooses that fallback on purpose (benchmarks, comparisons).
 """
 
@@ -44,11 +45,13 @@ _I = ctypes.c_int64
 _C = ctypes.c_int
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("MVP_MODEL_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "mvp-orchestrator"
-    )
-    return Path(base) / "kernels"
+def _cache_dirs() -> list[Path]:
+    """Where a build may go: ``MVP_KERNELS_DIR``, else the user's cache, else the
+    temporary directory (a container whose home is read-only)."""
+    if os.environ.get("MVP_KERNELS_DIR"):
+        return [Path(os.environ["MVP_KERNELS_DIR"])]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return [cache / "mvp-orchestrator" / "kernels", Path(tempfile.gettempdir()) / "mvp-kernels"]
 
 
 def _compiler() -> str | None:
@@ -69,7 +72,19 @@ def build(
     key = hashlib.sha256(
         src + " ".join((cc, *FLAGS, *extra_flags, platform.machine())).encode()
     ).hexdigest()[:16]
-    out_dir = out_dir or _cache_dir()
+    if out_dir is None:
+        for candidate in _cache_dirs():
+            if (candidate / f"qmm-{key}.so").exists():
+                return candidate / f"qmm-{key}.so"
+            try:
+                candidate.mkdir(parents=True, exist_ok=True)
+            except OSError:
+                continue
+            if os.access(candidate, os.W_OK):
+                out_dir = candidate
+                break
+        else:
+            raise RuntimeError("no writable folder for the kernel build (MVP_KERNELS_DIR)")
     target = out_dir / f"qmm-{key}.so"
     if target.exists():
         return target
@@ -194,6 +209,9 @@ class Weights(ctypes.Structure):
         ("mode", ctypes.c_int32),
         ("f32", ctypes.c_int32),
         ("pad", ctypes.c_int32),
+        ("norm", ctypes.c_void_p),
+        ("eps", ctypes.c_float),
+        ("pad2", ctypes.c_float),
     ]
 
 

@@ -104,8 +104,6 @@ class Stage:
         self.closed = True
         self.model.layers = []
         self.model.head = None
-        if isinstance(self.model, Gemma3StageModel):
-            self.model.head_rows = None
         self.embedding = None
         self.file.close()
 

@@ -449,7 +449,24 @@ typedef struct {
     const void *scale, *min;
     int64_t n, kp;
     int32_t nibble, sub, zero, mode, f32, pad;
+    const float *norm; /* RMS norm weights applied to x first (NULL: none) */
+    float eps;
+    float pad2;
 } mvk_weights;
+
+/* RMS norm as ggml computes it: the mean of squares summed in double, x * (1/sqrt(mean +
+ * eps)) in float, then times the weight. */
+static void rms_norm(const float *x, int64_t t_rows, int64_t k, int64_t ldx, const float *w,
+                     float eps, float *out) {
+    for (int64_t t = 0; t < t_rows; t++) {
+        const float *xr = x + t * ldx;
+        double sum = 0.0;
+        for (int64_t i = 0; i < k; i++) sum += (double)(xr[i] * xr[i]);
+        const float scale = 1.0f / sqrtf((float)(sum / (double)k) + eps);
+        float *o = out + t * k;
+        for (int64_t i = 0; i < k; i++) o[i] = (xr[i] * scale) * w[i];
+    }
+}
 
 static __thread int8_t *t_buf;
 static __thread size_t t_cap;
@@ -458,6 +475,7 @@ int mvk_linear(const mvk_weights *w, const float *x, int64_t t_rows, int64_t k_i
                int64_t ldx, float *y, const float *add, int64_t ldadd) {
     const int64_t kp = w->kp;
     size_t need = (size_t)t_rows * (size_t)(kp + (kp / 4 + kp / 16 + kp / 32) * 4) + 64;
+    if (w->norm) need += (size_t)t_rows * (size_t)k_in * 4 + 64;
     if (need > t_cap) {
         free(t_buf);
         t_buf = aligned_alloc(64, (need + 63) / 64 * 64);
@@ -468,6 +486,12 @@ int mvk_linear(const mvk_weights *w, const float *x, int64_t t_rows, int64_t k_i
     float *s16 = dxe + t_rows * kp / 4;
     float *s32 = s16 + t_rows * kp / 16;
     int8_t *qx = (int8_t *)(s32 + t_rows * kp / 32);
+    if (w->norm) {
+        float *xn = (float *)(((uintptr_t)(qx + t_rows * kp) + 63) & ~(uintptr_t)63);
+        rms_norm(x, t_rows, k_in, ldx, w->norm, w->eps, xn);
+        x = xn;
+        ldx = k_in;
+    }
     mvk_quantize(x, t_rows, k_in, ldx, kp, w->mode, qx, dxe, s16, s32);
     mvk_matmul(qx, dxe, s16, s32, t_rows, kp, w->codes, w->scale, w->min, w->n, w->nibble,
                w->sub, w->zero, w->f32, y, w->n, add, ldadd, MAX_THREADS);
