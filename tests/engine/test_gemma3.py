@@ -36,12 +36,13 @@ from workers.engine.tokenizer import Tokenizer
 REF = json.loads((Path(__file__).parent / "data" / "gemma3_reference.json").read_text())
 GEN = {g["prompt"]: g for g in REF["generations"]}
 N_LAYERS = 18
-# Prompts whose 32 greedy tokens the engine reproduces exactly, compact and float32 alike.
-EXACT = ["def fibonacci(n):", "Water boils at", "The largest planet in our solar system is"]
+# Prompts whose 32 greedy tokens the engine reproduces exactly, default and float32 alike.
+EXACT = ["def fibonacci(n):", "Water boils at", "The three primary colors are"]
 # Where llama.cpp's best token leads its second by at least this much, the engine must
-# choose it too (measured: every disagreement on the recorded prompts had a lead <= 0.27,
-# the logits' own error vs llama.cpp is up to ~1.3 on the top 5).
-CLEAR_LEAD = 0.5
+# choose it too. Measured on the 16 recorded prompts, fed llama.cpp's tokens: the default
+# path chooses otherwise at 17 of 512 steps, every one with a lead <= 0.14 (the float32
+# path: 11, leads <= 0.28).
+CLEAR_LEAD = 0.25
 
 
 @pytest.fixture(scope="module")
