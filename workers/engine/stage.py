@@ -148,8 +148,13 @@ def load_stage(
     device = resolve_device(options.device)
     if device.type == "cpu":
         threads = options.threads or os.cpu_count() or 1
-        torch.set_num_threads(threads)
-        native.set_threads(threads)
+        if options.precision == "default" and native.library() is not None:
+            # The native kernel's pool does the matrix products; torch's own threads would
+            # only spin beside it (its remaining ops are small), so torch gets one.
+            torch.set_num_threads(1)
+            native.set_threads(threads)
+        else:
+            torch.set_num_threads(threads)
     f = GGUFFile(path)
     try:
         cfg = arch_config(f)

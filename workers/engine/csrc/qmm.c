@@ -16,12 +16,14 @@
  * The AVX-512 VNNI path (vpdpbusd: 64 u8 x s8 products per instruction) is built where the
  * compiler targets it (-march=native); a plain C path elsewhere computes the same sums.
  */
+#define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
     !defined(MVK_GENERIC)
@@ -368,14 +370,26 @@ static int64_t work(unsigned long long gen) {
     return ran;
 }
 
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* How long an idle worker spins before it sleeps: longer than the gap between a decode
+ * step's products (the torch ops between them), short enough to give a busy machine its
+ * core back as soon as decoding pauses. */
+#define SPIN_NS 300000
+
 static void *worker(void *arg) {
     (void)arg;
     unsigned long long seen = atomic_load(&g_ticket) >> GEN_SHIFT;
     for (;;) {
         unsigned long long gen;
+        int64_t since = now_ns();
         int spins = 0;
         while ((gen = atomic_load(&g_ticket) >> GEN_SHIFT) == seen) {
-            if (++spins < 2000) {
+            if ((++spins & 63) != 0 || now_ns() - since < SPIN_NS) {
                 relax();
                 continue;
             }
