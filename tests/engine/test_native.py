@@ -173,3 +173,43 @@ def test_the_choice_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) 
         monkeypatch.undo()
         native.forget()
     assert native.library() is not None
+
+
+@pytest.mark.parametrize("f16", [True, False])
+@pytest.mark.parametrize("rot", [64, 32])
+def test_one_position_attention_equals_the_torch_path(
+    lib: ctypes.CDLL, f16: bool, rot: int
+) -> None:
+    """mvk_attend_one against StageModel's torch attention: rope, cache writes, grouped
+    heads, float16 roundings; the same caches after 20 positions."""
+    from workers.engine.model import RopeTables, StageModel
+
+    nh, nkv, hd = 6, 2, 64
+    cfg = type("Cfg", (), {})()
+    for k, v in dict(
+        n_head=nh, n_kv_head=nkv, head_dim=hd, rope_dim=rot, q_dim=nh * hd, kv_dim=nkv * hd,
+        rope_base=10000.0, rope_linear_scale=1.0,
+    ).items():  # fmt: skip
+        setattr(cfg, k, v)
+    model = StageModel.__new__(StageModel)
+    model.cfg = cfg
+    model.attention_f16 = f16
+    rope = RopeTables(cfg, None, torch.device("cpu"))  # type: ignore[arg-type]
+    rope.ensure(32)
+    gen = torch.Generator().manual_seed(11)
+    caches = [torch.zeros(nkv, 32, hd) for _ in range(4)]
+    for pos in range(20):
+        qkv = torch.randn(1, (nh + 2 * nkv) * hd, generator=gen)
+        qk = qkv[:, : (nh + nkv) * hd].view(1, nh + nkv, hd)
+        cos, sin = rope.cos[pos : pos + 1], rope.sin[pos : pos + 1]
+        want = model._attention(qk, qkv, caches[0], caches[1], pos, cos, sin, None, None)
+        got = torch.empty(1, nh * hd)
+        rc = lib.mvk_attend_one(
+            qk.data_ptr(), qkv[:, (nh + nkv) * hd :].data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            nh, nkv, hd, rot, caches[2].data_ptr(), caches[3].data_ptr(), 32, pos, 0, int(f16),
+            got.data_ptr(),
+        )  # fmt: skip
+        assert rc == 0
+        assert torch.allclose(got, want.reshape(1, -1), rtol=1e-4, atol=1e-5), pos
+    assert torch.equal(caches[3], caches[1])  # values: copied (and rounded) alike
+    assert torch.allclose(caches[2], caches[0], rtol=1e-6, atol=1e-6)

@@ -511,3 +511,88 @@ int mvk_linear(const mvk_weights *w, const float *x, int64_t t_rows, int64_t k_i
                w->sub, w->zero, w->f32, y, w->n, add, ldadd, MAX_THREADS);
     return 0;
 }
+
+/* ---- attention for one new position ------------------------------------------------------
+ * Decode's attention in one call (instead of a dozen small torch ops): rotate q and k (the
+ * half-split form, as model.py's _rope: x * cos + roll(x, rot/2) * sin), store k and v in
+ * the caches, then per query head softmax(q . K) . V over positions [start, pos] of its kv
+ * head. With f16, keys, values, queries and the softmax weights are rounded to float16 as
+ * llama.cpp's default cache has them (model.py: attention_f16). The attention scale is in
+ * q already. Caches are [n_kv][max_seq][head_dim] float32. */
+static inline float round_f16(float x, int f16) { return f16 ? f16r(x) : x; }
+
+static void rope_head(const float *x, const float *cs, const float *sn, int hd, int rot,
+                      float *y, int f16) {
+    const int half = rot / 2;
+    for (int i = 0; i < half; i++) {
+        float a = x[i] * cs[i], b = x[i + half] * sn[i];
+        y[i] = round_f16(a + b, f16);
+        float c = x[i + half] * cs[i + half], d = x[i] * sn[i + half];
+        y[i + half] = round_f16(c + d, f16);
+    }
+    for (int i = rot; i < hd; i++) y[i] = round_f16(x[i], f16);
+}
+
+static inline float dot(const float *a, const float *b, int n) {
+#ifdef MVK_AVX512
+    __m512 acc = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    float r = _mm512_reduce_add_ps(acc);
+    for (; i < n; i++) r += a[i] * b[i];
+    return r;
+#else
+    float r = 0.0f;
+    for (int i = 0; i < n; i++) r += a[i] * b[i];
+    return r;
+#endif
+}
+
+static __thread float *t_att;
+static __thread size_t t_att_cap;
+
+int mvk_attend_one(const float *qk, const float *v, const float *cs, const float *sn, int nh,
+                   int nkv, int hd, int rot, float *kc, float *vc, int64_t max_seq, int64_t pos,
+                   int64_t start, int f16, float *out) {
+    const int64_t span = pos + 1 - start;
+    size_t need = (size_t)(span + (int64_t)hd) * sizeof(float);
+    if (need > t_att_cap) {
+        free(t_att);
+        t_att = malloc(need);
+        t_att_cap = t_att ? need : 0;
+        if (!t_att) return -1;
+    }
+    float *p = t_att, *q = t_att + span;
+    for (int g = 0; g < nkv; g++) {
+        float *krow = kc + ((int64_t)g * max_seq + pos) * hd;
+        float *vrow = vc + ((int64_t)g * max_seq + pos) * hd;
+        rope_head(qk + (int64_t)(nh + g) * hd, cs, sn, hd, rot, krow, f16);
+        for (int d = 0; d < hd; d++) vrow[d] = round_f16(v[(int64_t)g * hd + d], f16);
+    }
+    const int group = nh / nkv;
+    for (int h = 0; h < nh; h++) {
+        const int g = h / group;
+        const float *kb = kc + (int64_t)g * max_seq * hd, *vb = vc + (int64_t)g * max_seq * hd;
+        rope_head(qk + (int64_t)h * hd, cs, sn, hd, rot, q, f16);
+        float m = -INFINITY;
+        for (int64_t s = 0; s < span; s++) {
+            p[s] = dot(q, kb + (start + s) * hd, hd);
+            m = p[s] > m ? p[s] : m;
+        }
+        float sum = 0.0f;
+        for (int64_t s = 0; s < span; s++) {
+            p[s] = expf(p[s] - m);
+            sum += p[s];
+        }
+        const float inv = 1.0f / sum;
+        float *o = out + (int64_t)h * hd;
+        for (int d = 0; d < hd; d++) o[d] = 0.0f;
+        for (int64_t s = 0; s < span; s++) {
+            const float w = round_f16(p[s] * inv, f16);
+            const float *vr = vb + (start + s) * hd;
+            for (int d = 0; d < hd; d++) o[d] += w * vr[d];
+        }
+    }
+    return 0;
+}
