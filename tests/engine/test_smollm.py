@@ -72,8 +72,16 @@ def test_each_stage_loads_only_its_tensors(smollm_path: str) -> None:
     assert not any(n.startswith(("token_embd", "output")) for n in stages[1].tensor_names_loaded)
     # SmolLM2 ties the head to the embedding: the last stage holds token_embd too.
     assert {"output_norm.weight", "token_embd.weight"} <= stages[2].tensor_names_loaded
-    assert _gen(stages) == ONCE_CONTINUATION
-    for stage in stages:
+    # Three stages give one stage's text with the same float16 rounding at the two splits;
+    # the rounding itself moves an int8 activation code here and there, and the greedy
+    # text leaves the unsplit one's after 4 tokens.
+    emulated = load_stage(
+        smollm_path, 0, 30, EngineOptions(device="cpu", threads=THREADS, fp16_split_points=(10, 20))
+    )
+    got = _gen(stages)
+    assert got == _gen([emulated])
+    assert got[:4] == ONCE_CONTINUATION[:4]
+    for stage in [*stages, emulated]:
         stage.close()
 
 

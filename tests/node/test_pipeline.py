@@ -171,7 +171,9 @@ def test_smollm_pipeline_equals_one_stage_with_the_same_fp16_rounding(
 
 
 def test_tiny_random_model_pipeline_equals_fp16_split_and_is_not_degenerate(tmp_path: Path) -> None:
-    model = TinyModel(TinySpec(n_layers=4, vocab=320, seed=3), tmp_path / "tiny.gguf")
+    # seed 4: greedy text that varies on all three prompts (seed 3's repeats a token on the
+    # engine's native kernel, which would make the comparison say little)
+    model = TinyModel(TinySpec(n_layers=4, vocab=320, seed=4), tmp_path / "tiny.gguf")
     splits = (2,)
     with pipeline(model.path, 2, 64, 256) as p:
         for rid, ids in enumerate([[1, 2, 3], [40, 41], [300, 7, 9, 11]]):
