@@ -137,10 +137,9 @@ static inline __m512 scales16(const void *p, int64_t i, __mmask16 m, int f32) {
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i));
 }
 
-/* Lanes whose sum is sum_g min[g] * sums[g] (or -zero * sum_g scale[g] * sums[g]) over ns
- * groups: added to a row's accumulator before its one horizontal sum. */
-static inline __m512 min_term(const mvk_job *j, const void *sc, const void *mn, int64_t off,
-                              const float *sm, int64_t ns) {
+/* sum_g min[g] * sums[g] (or -zero * sum_g scale[g] * sums[g]) over ns groups */
+static inline float min_term(const mvk_job *j, const void *sc, const void *mn,
+                             int64_t off, const float *sm, int64_t ns) {
     const void *v = mn ? mn : sc;
     __m512 macc = _mm512_setzero_ps();
     int64_t g = 0;
@@ -152,7 +151,8 @@ static inline __m512 min_term(const mvk_job *j, const void *sc, const void *mn, 
         macc = _mm512_fmadd_ps(scales16(v, off + g, m, j->f32), _mm512_maskz_loadu_ps(m, sm + g),
                                macc);
     }
-    return mn ? macc : _mm512_mul_ps(macc, _mm512_set1_ps(-(float)j->zero));
+    float r = _mm512_reduce_add_ps(macc);
+    return mn ? r : -(float)j->zero * r;
 }
 
 /* Rows [n0, n1) of the job for activation rows [t0, t0 + TT). */
@@ -238,8 +238,7 @@ static inline __attribute__((always_inline)) void rows_simd(const mvk_job *j, in
         for (int t = 0; t < TT; t++) acc[t] = _mm512_add_ps(acc[t], acc2[t]);
         for (int t = 0; t < TT; t++) {
             int64_t tr = t0 + t;
-            float r = _mm512_reduce_add_ps(
-                _mm512_add_ps(acc[t], min_term(j, sc, mn, off, sums + tr * ns, ns)));
+            float r = _mm512_reduce_add_ps(acc[t]) + min_term(j, sc, mn, off, sums + tr * ns, ns);
             if (j->add) r += j->add[tr * j->ldadd + n];
             j->y[tr * j->ldy + n] = r;
         }
