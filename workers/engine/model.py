@@ -12,7 +12,6 @@ Rope is applied in the half-split (NEOX) form; llama-family q/k rows were permut
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -102,9 +101,6 @@ class StageModel:
     # On SmolLM2 a float32 cache moves llama.cpp's own first logits by 0.13 on average
     # (0.35 at most), more than many greedy margins; the default path matches it.
     attention_f16 = False
-    # A new position's attention in one native call (native.py: mvk_attend_one), where the
-    # engine's kernel is built (stage.py sets it for the default path on CPU).
-    attend_one: Callable[..., int] | None = None
 
     def __init__(
         self,
@@ -162,13 +158,13 @@ class StageModel:
         end = pos + t
         self.rope.ensure(end)
         cos, sin = self.rope.cos[pos:end], self.rope.sin[pos:end]
-        one = self.attend_one if t == 1 else None
-        rot_matrix = self.rope.matrix(pos, cfg.head_dim) if t == 1 and one is None else None
+        rot_matrix = self.rope.matrix(pos, cfg.head_dim) if t == 1 else None
         mask = None
         if t > 1:
             q_pos = torch.arange(pos, end, device=h.device).view(-1, 1)
             mask = torch.arange(end, device=h.device).view(1, -1) > q_pos  # [T, S] True = hidden
         nh, nkv, hd, rot = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.rope_dim
+        group = nh // nkv
         qd, qkd = cfg.q_dim, cfg.q_dim + cfg.kv_dim
         ch, cd = self.c_hidden, self.c_head
         f16 = self.attention_f16
@@ -182,64 +178,36 @@ class StageModel:
                     [_rms_norm(qk[:, :nh], lw.q_norm, cd), _rms_norm(qk[:, nh:], lw.k_norm, cd)],
                     dim=1,
                 )  # fmt: skip
-            kc, vc = k_cache[i], v_cache[i]
-            if one is not None:
-                attn = torch.empty(1, qd)
-                one(
-                    qk.data_ptr(), qkv[:, qkd:].data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                    nh, nkv, hd, rot, kc.data_ptr(), vc.data_ptr(), kc.shape[1], pos, 0,
-                    int(f16), attn.data_ptr(),
-                )  # fmt: skip
+            if rot_matrix is not None:
+                qk = torch.mm(qk.view(nh + nkv, hd), rot_matrix).view(1, nh + nkv, hd)
             else:
-                attn = self._attention(qk, qkv, kc, vc, pos, cos, sin, rot_matrix, mask)
+                qk = _rope(qk, cos, sin, rot)
+            kc, vc = k_cache[i], v_cache[i]
+            k_new, v_new = qk[:, nh:].transpose(0, 1), qkv[:, qkd:].view(t, nkv, hd).transpose(0, 1)
+            if f16:  # the cache holds float16 values (see attention_f16)
+                k_new, v_new = k_new.half(), v_new.half()
+            kc[:, pos:end] = k_new
+            vc[:, pos:end] = v_new
+            # [T, nh, hd] -> [nkv, group * T, hd]; head h uses kv head h // group.
+            if t == 1:
+                qg = qk[:, :nh].reshape(nkv, group, hd)
+            else:
+                qg = qk[:, :nh].reshape(t, nkv, group, hd).permute(1, 2, 0, 3).reshape(nkv, -1, hd)
+            if f16:
+                qg = qg.half().float()
+            scores = torch.bmm(qg, kc[:, :end].transpose(1, 2))
+            if mask is not None:
+                scores.view(nkv, group, t, end).masked_fill_(mask, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            if f16:
+                probs = probs.half().float()
+            attn = torch.bmm(probs, vc[:, :end])
+            if t > 1:
+                attn = attn.view(nkv, group, t, hd).permute(2, 0, 1, 3)
             h = lw.wo(attn.reshape(t, qd), h)
             gu = lw.gate_up(h if lw.ffn_fused else _rms_norm(h, lw.ffn_norm, ch))
             h = lw.down(F.silu(gu[:, : cfg.ffn]) * gu[:, cfg.ffn :], h)
         return h
-
-    def _attention(
-        self,
-        qk: torch.Tensor,
-        qkv: torch.Tensor,
-        kc: torch.Tensor,
-        vc: torch.Tensor,
-        pos: int,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        rot_matrix: torch.Tensor | None,
-        mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Rope, cache writes and grouped-query attention of T new positions, in torch."""
-        cfg = self.cfg
-        t, end = qk.shape[0], pos + qk.shape[0]
-        nh, nkv, hd, rot = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.rope_dim
-        group, qkd, f16 = nh // nkv, cfg.q_dim + cfg.kv_dim, self.attention_f16
-        if rot_matrix is not None:
-            qk = torch.mm(qk.view(nh + nkv, hd), rot_matrix).view(1, nh + nkv, hd)
-        else:
-            qk = _rope(qk, cos, sin, rot)
-        k_new, v_new = qk[:, nh:].transpose(0, 1), qkv[:, qkd:].view(t, nkv, hd).transpose(0, 1)
-        if f16:  # the cache holds float16 values (see attention_f16)
-            k_new, v_new = k_new.half(), v_new.half()
-        kc[:, pos:end] = k_new
-        vc[:, pos:end] = v_new
-        # [T, nh, hd] -> [nkv, group * T, hd]; head h uses kv head h // group.
-        if t == 1:
-            qg = qk[:, :nh].reshape(nkv, group, hd)
-        else:
-            qg = qk[:, :nh].reshape(t, nkv, group, hd).permute(1, 2, 0, 3).reshape(nkv, -1, hd)
-        if f16:
-            qg = qg.half().float()
-        scores = torch.bmm(qg, kc[:, :end].transpose(1, 2))
-        if mask is not None:
-            scores.view(nkv, group, t, end).masked_fill_(mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        if f16:
-            probs = probs.half().float()
-        attn = torch.bmm(probs, vc[:, :end])
-        if t > 1:
-            attn = attn.view(nkv, group, t, hd).permute(2, 0, 1, 3)
-        return attn
 
     def logits(self, h_last: torch.Tensor) -> torch.Tensor:
         """Logits [vocab] float32 of one hidden state [hidden]."""

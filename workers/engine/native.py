@@ -135,8 +135,6 @@ def load(path: Path) -> ctypes.CDLL:
     lib.mvk_matmul.restype = None
     lib.mvk_linear.argtypes = [_P, _P, _I, _I, _I, _P, _P, _I]
     lib.mvk_linear.restype = _C
-    lib.mvk_attend_one.argtypes = [_P, _P, _P, _P, _C, _C, _C, _C, _P, _P, _I, _I, _I, _C, _P]
-    lib.mvk_attend_one.restype = _C
     lib.mvk_set_threads.argtypes = [_C]
     lib.mvk_set_threads.restype = _C
     lib.mvk_simd.argtypes = []

@@ -178,9 +178,6 @@ def load_stage(
         f.close()
         raise
     model.attention_f16 = options.precision == "default"
-    lib = native.library() if options.precision == "default" and device.type == "cpu" else None
-    if lib is not None and isinstance(model, StageModel):
-        model.attend_one = lib.mvk_attend_one
     f.release_pages()
     trim_heap()
     return Stage(f, cfg, facts, layer_start, layer_end, model, embedding, device, options)
