@@ -1,5 +1,9 @@
 """Matrix kernels: how a (possibly fused) weight matrix is stored and multiplied.
 
+* ``NativeLinear`` (the default CPU path where the engine's own kernel is built,
+  native.py, DECISIONS 43): the file's integer codes and scales times int8 activation
+  blocks quantised as llama.cpp quantises them, float32 sums. The rest of this module is
+  its fallback (torch's kernels) and the other precisions.
 * ``Int4Linear`` keeps 32-wide affine groups as torch's CPU int4 weight-only format
   (``_weight_int4pack_mm_for_cpu``). Q4_0/Q4_1/Q4_K map onto it exactly (only the
   per-group scale and zero are rounded to bfloat16). Wider codes (Q8_0, Q5_K) are split

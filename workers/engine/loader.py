@@ -65,8 +65,9 @@ CORRECT_ZEROS = False
 # against llama.cpp's greedy text (tests/engine/test_hf_reference.py: 372 of llama.cpp's
 # 512 reference tokens kept, HF float32 341). Cost: three kernel calls per decode product
 # instead of one, ~0.45x decode tok/s (paired runs, 1 thread 52 -> 25, 2 threads 83 -> 33);
-# prefill unchanged. Hence opt-in (DECISIONS 42): "default" keeps the single bfloat16 call
-# and the head's float32 refinement of its best logits (model.REFINE_TOP) only.
+# prefill unchanged. Hence opt-in (DECISIONS 42). "default" runs the native kernel where it
+# is built (_native, DECISIONS 43: 400 of the 512 tokens), else the single bfloat16 call
+# and the head's float32 refinement of its best logits (model.REFINE_TOP) only (334).
 CORRECT_SCALES = True
 PRECISIONS = ("default", "exact", "float32")
 # Formats the native kernel runs, with their fixed zero code (None: a min per group).
