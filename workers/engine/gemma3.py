@@ -34,7 +34,7 @@ from .config import ArchConfig
 from .gguf_reader import GGUFError, GGUFFile
 from .kernels import Linear
 from .loader import Part, WeightBuilder
-from .model import RopeTables, head_logits
+from .model import RopeTables, attend, head_logits
 
 ARCHITECTURE = "gemma3"
 SWA_PATTERN = 6  # llama.cpp: every 6th layer (i % 6 == 5) is global
@@ -216,8 +216,7 @@ class Gemma3StageModel:
             masks[False] = self._mask(pos, t, 0, h.device)
             masks[True] = self._mask(pos, t, window, h.device) if window else masks[False]
         nh, nkv, hd, eps = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.eps
-        group = nh // nkv
-        qd, qkd = cfg.q_dim, cfg.q_dim + cfg.kv_dim
+        qkd = cfg.q_dim + cfg.kv_dim
         f16 = self.attention_f16
         for i, lw in enumerate(self.layers):
             if i in self.round_before:
@@ -230,31 +229,12 @@ class Gemma3StageModel:
             )
             cos, sin = tables[lw.local]
             qk = _rope(qk, cos, sin)
-            kc, vc = k_cache[i], v_cache[i]
-            k_new, v_new = qk[:, nh:].transpose(0, 1), qkv[:, qkd:].view(t, nkv, hd).transpose(0, 1)
-            if f16:  # the cache holds float16 values (see attention_f16)
-                k_new, v_new = k_new.half(), v_new.half()
-            kc[:, pos:end] = k_new
-            vc[:, pos:end] = v_new
             # A local layer at decode reads only its window; at prefill the mask hides the rest.
             start = max(0, end - window) if lw.local and t == 1 else 0
-            if t == 1:
-                qg = qk[:, :nh].reshape(nkv, group, hd)
-            else:
-                qg = qk[:, :nh].reshape(t, nkv, group, hd).permute(1, 2, 0, 3).reshape(nkv, -1, hd)
-            if f16:
-                qg = qg.half().float()
-            scores = torch.bmm(qg, kc[:, start:end].transpose(1, 2))
-            mask = masks[lw.local]
-            if mask is not None:
-                scores.view(nkv, group, t, end).masked_fill_(mask, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            if f16:
-                probs = probs.half().float()
-            attn = torch.bmm(probs, vc[:, start:end])
-            if t > 1:
-                attn = attn.view(nkv, group, t, hd).permute(2, 0, 1, 3)
-            h = h + _rms_norm(lw.wo(attn.reshape(t, qd)), lw.post_attn_norm, eps)
+            attn = attend(
+                qk, qkv[:, qkd:], k_cache[i], v_cache[i], pos, start, masks[lw.local], f16
+            )
+            h = h + _rms_norm(lw.wo(attn), lw.post_attn_norm, eps)
             gu = lw.gate_up(h if lw.ffn_fused else _rms_norm(h, lw.ffn_norm, eps))
             ffn = lw.down(_gelu(gu[:, : cfg.ffn]) * gu[:, cfg.ffn :])
             h = h + _rms_norm(ffn, lw.post_ffn_norm, eps)

@@ -27,6 +27,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
+from .native import Weights
 from .quants import AFFINE_BITS
 
 GROUP = 32
@@ -331,8 +332,6 @@ class NativeLinear(Linear):
         self.in_features = in_features
         self.kp = layout.scale.shape[1] * layout.sub
         self.bias = bias
-        from .native import Weights
-
         self._weights = Weights(
             layout.codes.data_ptr(),
             layout.scale.data_ptr(),

@@ -70,15 +70,16 @@ CORRECT_ZEROS = False
 # and the head's float32 refinement of its best logits (model.REFINE_TOP) only (334).
 CORRECT_SCALES = True
 PRECISIONS = ("default", "exact", "float32")
-# Formats the native kernel runs, with their fixed zero code (None: a min per group).
-_NATIVE_ZERO: dict[int, int | None] = {
-    Q4_0: 8,
-    Q5_0: 16,
-    Q8_0: 128,
-    Q6_K: 32,
-    Q4_1: None,
-    Q4_K: None,
-    Q5_K: None,
+# Formats the native kernel runs: (code bits, fixed zero code or None for a min per group,
+# llama.cpp's activation quantisation for it, whether its scales are float16 values).
+_NATIVE: dict[int, tuple[int, int | None, int, bool]] = {
+    Q4_0: (4, 8, native.Q8_0_ACT, True),
+    Q5_0: (5, 16, native.Q8_0_ACT, True),
+    Q8_0: (8, 128, native.Q8_0_ACT, True),
+    Q4_1: (4, None, native.Q8_1_ACT, True),
+    Q4_K: (4, None, native.Q8_K_ACT, False),
+    Q5_K: (5, None, native.Q8_K_ACT, False),
+    Q6_K: (6, 32, native.Q8_K_ACT, False),
 }
 _HEAD_TENSORS = frozenset({"output.weight", "token_embd.weight"})
 
@@ -169,13 +170,13 @@ class WeightBuilder:
         and holds these formats; None otherwise (torch's kernels then)."""
         if self.precision != "default" or self.device.type != "cpu":
             return None
-        if any(t not in _NATIVE_ZERO for t in types) or any(len(s) != 2 for s in shapes):
+        if any(t not in _NATIVE for t in types) or any(len(s) != 2 for s in shapes):
             return None
         lib = native.library()
         if lib is None:
             return None
         k = shapes[0][1]
-        bits = max(6 if t == Q6_K else _bits(t) for t in types)
+        bits = max(_NATIVE[t][0] for t in types)
         pieces: list[NativePart] = []
         for part, shape, t in zip(parts, shapes, types, strict=True):
             row_bytes = self.f.tensors[part.name].n_bytes // shape[0]
@@ -186,11 +187,10 @@ class WeightBuilder:
                 q, scale, offset = g.q, g.scale * part.row_scale, g.offset * part.row_scale
                 if part.perm is not None:
                     q, scale, offset = q[part.perm], scale[part.perm], offset[part.perm]
-                mode = native.Q8_1_ACT if t == Q4_1 else native.Q8_0_ACT
-                if t in (Q4_K, Q5_K, Q6_K):
-                    mode = native.Q8_K_ACT
-                exact16 = t not in (Q4_K, Q5_K, Q6_K) and math.frexp(part.row_scale)[0] == 0.5
-                pieces.append(NativePart(q, scale, offset, width, _NATIVE_ZERO[t], mode, exact16))
+                _, zero, mode, f16_scales = _NATIVE[t]
+                # a power-of-two row scale keeps float16 scales float16 values
+                exact16 = f16_scales and math.frexp(part.row_scale)[0] == 0.5
+                pieces.append(NativePart(q, scale, offset, width, zero, mode, exact16))
         layout = native_layout(pieces, bits)
         if layout is None:
             return None

@@ -164,8 +164,7 @@ class StageModel:
             q_pos = torch.arange(pos, end, device=h.device).view(-1, 1)
             mask = torch.arange(end, device=h.device).view(1, -1) > q_pos  # [T, S] True = hidden
         nh, nkv, hd, rot = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.rope_dim
-        group = nh // nkv
-        qd, qkd = cfg.q_dim, cfg.q_dim + cfg.kv_dim
+        qkd = cfg.q_dim + cfg.kv_dim
         ch, cd = self.c_hidden, self.c_head
         f16 = self.attention_f16
         for i, lw in enumerate(self.layers):
@@ -182,29 +181,8 @@ class StageModel:
                 qk = torch.mm(qk.view(nh + nkv, hd), rot_matrix).view(1, nh + nkv, hd)
             else:
                 qk = _rope(qk, cos, sin, rot)
-            kc, vc = k_cache[i], v_cache[i]
-            k_new, v_new = qk[:, nh:].transpose(0, 1), qkv[:, qkd:].view(t, nkv, hd).transpose(0, 1)
-            if f16:  # the cache holds float16 values (see attention_f16)
-                k_new, v_new = k_new.half(), v_new.half()
-            kc[:, pos:end] = k_new
-            vc[:, pos:end] = v_new
-            # [T, nh, hd] -> [nkv, group * T, hd]; head h uses kv head h // group.
-            if t == 1:
-                qg = qk[:, :nh].reshape(nkv, group, hd)
-            else:
-                qg = qk[:, :nh].reshape(t, nkv, group, hd).permute(1, 2, 0, 3).reshape(nkv, -1, hd)
-            if f16:
-                qg = qg.half().float()
-            scores = torch.bmm(qg, kc[:, :end].transpose(1, 2))
-            if mask is not None:
-                scores.view(nkv, group, t, end).masked_fill_(mask, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            if f16:
-                probs = probs.half().float()
-            attn = torch.bmm(probs, vc[:, :end])
-            if t > 1:
-                attn = attn.view(nkv, group, t, hd).permute(2, 0, 1, 3)
-            h = lw.wo(attn.reshape(t, qd), h)
+            attn = attend(qk, qkv[:, qkd:], k_cache[i], v_cache[i], pos, 0, mask, f16)
+            h = lw.wo(attn, h)
             gu = lw.gate_up(h if lw.ffn_fused else _rms_norm(h, lw.ffn_norm, ch))
             h = lw.down(F.silu(gu[:, : cfg.ffn]) * gu[:, cfg.ffn :], h)
         return h
@@ -218,6 +196,50 @@ class StageModel:
         return head_logits(
             self.head, _rms_norm(h_last.view(1, -1), self.output_norm, self.c_hidden)
         )
+
+
+def attend(
+    qk: torch.Tensor,
+    v: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    pos: int,
+    start: int,
+    mask: torch.Tensor | None,
+    f16: bool,
+) -> torch.Tensor:
+    """Grouped-query attention of T new positions: their rotated ``qk`` [T, nh + nkv, hd]
+    and ``v`` [T, nkv * hd] go into the layer's caches ``kc``/``vc`` [nkv, max_seq, hd]
+    at ``pos``; each query head h attends with kv head h // group over cached positions
+    ``start..pos+T-1`` (``mask`` [T, S] hides the future at prefill). With ``f16`` keys,
+    values, queries and softmax weights are float16 values (StageModel.attention_f16).
+    Returns [T, nh * hd]."""
+    t, heads, hd = qk.shape
+    nkv = kc.shape[0]
+    nh = heads - nkv
+    group, end = nh // nkv, pos + t
+    k_new, v_new = qk[:, nh:].transpose(0, 1), v.view(t, nkv, hd).transpose(0, 1)
+    if f16:  # the cache holds float16 values
+        k_new, v_new = k_new.half(), v_new.half()
+    kc[:, pos:end] = k_new
+    vc[:, pos:end] = v_new
+    # [T, nh, hd] -> [nkv, group * T, hd]; head h uses kv head h // group.
+    if t == 1:
+        qg = qk[:, :nh].reshape(nkv, group, hd)
+    else:
+        qg = qk[:, :nh].reshape(t, nkv, group, hd).permute(1, 2, 0, 3).reshape(nkv, -1, hd)
+    if f16:
+        qg = qg.half().float()
+    scores = torch.bmm(qg, kc[:, start:end].transpose(1, 2))
+    if mask is not None:
+        scores.view(nkv, group, t, end).masked_fill_(mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if f16:
+        probs = probs.half().float()
+    attn = torch.bmm(probs, vc[:, start:end])
+    if t > 1:
+        attn = attn.view(nkv, group, t, hd).permute(2, 0, 1, 3)
+    return attn.reshape(t, nh * hd)
 
 
 def head_logits(head: Linear, x: torch.Tensor) -> torch.Tensor:

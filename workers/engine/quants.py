@@ -127,23 +127,9 @@ def affine_groups(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> 
     )
 
 
-def _dequant_q6_k(b: torch.Tensor) -> torch.Tensor:
-    nb = b.shape[0]
-    ql = b[:, 0:128].reshape(nb, 2, 2, 32)
-    qh = b[:, 128:192].reshape(nb, 2, 1, 32)
-    sc = b[:, 192:208].view(torch.int8).float().reshape(nb, 2, 4, 2, 1)
-    d = _f16(b, 208).view(nb, 1, 1, 1, 1)
-    nib = torch.cat([ql & 15, ql >> 4], dim=2)  # [nb, half, quarter, 32]
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
-    q = (nib | (((qh >> shifts) & 3) << 4)).to(torch.int16) - 32
-    return (d * sc * q.float().view(nb, 2, 4, 2, 16)).reshape(nb, 256)
-
-
-def q6_k_groups(raw: torch.Tensor, shape: tuple[int, ...]) -> AffineGroups:
-    """Q6_K as 16-wide affine groups: ``w = q * scale + offset``, q in 0..63, with
-    ``scale = d * sc`` (float32, as ggml computes it) and ``offset = -32 * scale``."""
-    rows, cols = shape[0], int(np.prod(shape[1:]))
-    b = _blocks(raw, Q6_K)
+def _q6_k_blocks(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K blocks: codes [nb, 256] (uint8, 0..63) and the scale ``d * sc`` of each
+    16-wide group [nb, 16] (float32, as ggml computes it); ``w = scale * (q - 32)``."""
     nb = b.shape[0]
     ql = b[:, 0:128].reshape(nb, 2, 2, 32)
     qh = b[:, 128:192].reshape(nb, 2, 1, 32)
@@ -152,7 +138,23 @@ def q6_k_groups(raw: torch.Tensor, shape: tuple[int, ...]) -> AffineGroups:
     nib = torch.cat([ql & 15, ql >> 4], dim=2)  # [nb, half, quarter, 32]
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
     q = nib | (((qh >> shifts) & 3) << 4)
-    scale = (d * sc).reshape(rows, cols // 16)
+    return q.reshape(nb, 256), d * sc
+
+
+def _dequant_q6_k(b: torch.Tensor) -> torch.Tensor:
+    q, scale = _q6_k_blocks(b)
+    nb = b.shape[0]
+    return (scale.view(nb, 16, 1) * (q.to(torch.int16) - 32).float().view(nb, 16, 16)).reshape(
+        nb, 256
+    )
+
+
+def q6_k_groups(raw: torch.Tensor, shape: tuple[int, ...]) -> AffineGroups:
+    """Q6_K as 16-wide affine groups: ``w = q * scale + offset``, q in 0..63, with
+    ``offset = -32 * scale``."""
+    rows, cols = shape[0], int(np.prod(shape[1:]))
+    q, scale = _q6_k_blocks(_blocks(raw, Q6_K))
+    scale = scale.reshape(rows, cols // 16)
     return AffineGroups(q=q.reshape(rows, cols), scale=scale, offset=-32.0 * scale, bits=6)
 
 
