@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from gguf.constants import Keys
 
+from . import native
 from .config import ArchConfig
 from .gguf_reader import GGUFError, GGUFFile
 from .kernels import Linear
@@ -101,6 +102,15 @@ class Gemma3Ropes:
         self.global_ = RopeTables(cfg, None, device)
         local_cfg = dataclasses.replace(cfg, rope_base=LOCAL_ROPE_BASE, rope_linear_scale=1.0)
         self.local = RopeTables(local_cfg, None, device)
+        # ggml's own rope arithmetic, where the native kernel is built and the stage is on
+        # the CPU (see Gemma3StageModel.attention_f16)
+        self.native: dict[bool, native.Rope] | None = None
+        lib = native.library() if device.type == "cpu" else None
+        if lib is not None and cfg.rope_dim == cfg.head_dim:
+            self.native = {
+                False: native.Rope(lib, cfg.rope_base, cfg.rope_linear_scale, cfg.head_dim),
+                True: native.Rope(lib, LOCAL_ROPE_BASE, 1.0, cfg.head_dim),
+            }
 
     def ensure(self, n: int) -> None:
         self.global_.ensure(n)
@@ -130,6 +140,13 @@ def load_gemma3_layer(
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+def _ggml_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """ggml's CPU RMS norm: float32 squares summed in double, ``x * (1 / sqrtf(mean +
+    eps)) * w`` in float32."""
+    mean = ((x * x).double().sum(-1, keepdim=True) / x.shape[-1]).float()
+    return x * (1.0 / torch.sqrt(mean + eps)) * w
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -218,26 +235,31 @@ class Gemma3StageModel:
         nh, nkv, hd, eps = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.eps
         qkd = cfg.q_dim + cfg.kv_dim
         f16 = self.attention_f16
+        norm = _ggml_rms_norm if f16 else _rms_norm
         for i, lw in enumerate(self.layers):
             if i in self.round_before:
                 h = (h * BOUNDARY_SCALE).half().float() * (1.0 / BOUNDARY_SCALE)
             qkv = lw.qkv(h if lw.attn_fused else _rms_norm(h, lw.attn_norm, eps))
             qk = qkv[:, :qkd].view(t, nh + nkv, hd)
             qk = torch.cat(
-                [_rms_norm(qk[:, :nh], lw.q_norm, eps), _rms_norm(qk[:, nh:], lw.k_norm, eps)],
+                [norm(qk[:, :nh], lw.q_norm, eps), norm(qk[:, nh:], lw.k_norm, eps)],
                 dim=1,
             )
-            cos, sin = tables[lw.local]
-            qk = _rope(qk, cos, sin)
+            if f16 and self.rope.native is not None:
+                qk = self.rope.native[lw.local].apply_(qk, pos)
+            else:
+                cos, sin = tables[lw.local]
+                qk = _rope(qk, cos, sin)
             # A local layer at decode reads only its window; at prefill the mask hides the rest.
             start = max(0, end - window) if lw.local and t == 1 else 0
             attn = attend(
-                qk, qkv[:, qkd:], k_cache[i], v_cache[i], pos, start, masks[lw.local], f16
-            )
-            h = h + _rms_norm(lw.wo(attn), lw.post_attn_norm, eps)
+                qk, qkv[:, qkd:], k_cache[i], v_cache[i], pos, start, masks[lw.local], f16,
+                window if lw.local else 0, f16,
+            )  # fmt: skip
+            h = h + norm(lw.wo(attn), lw.post_attn_norm, eps)
             gu = lw.gate_up(h if lw.ffn_fused else _rms_norm(h, lw.ffn_norm, eps))
             ffn = lw.down(_gelu(gu[:, : cfg.ffn]) * gu[:, cfg.ffn :])
-            h = h + _rms_norm(ffn, lw.post_ffn_norm, eps)
+            h = h + norm(ffn, lw.post_ffn_norm, eps)
         if self.layer_start + len(self.layers) < cfg.n_layers:
             return h * BOUNDARY_SCALE  # for the next stage (see BOUNDARY_SCALE)
         return h

@@ -27,8 +27,9 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .native import Weights
-from .quants import AFFINE_BITS
+from .quants import AFFINE_BITS, KScales
 
 GROUP = 32
 _BLOCK_N = 64
@@ -345,6 +346,11 @@ class NativeLinear(Linear):
             int(layout.scale.dtype == torch.float32),
             0,
         )
+        self._weights.arith = layout.arith
+        for name in ("zrow", "ksc", "kmin", "kd", "kdmin"):
+            t = getattr(layout, name)
+            if t is not None:
+                setattr(self._weights, name, t.data_ptr())
         self._ref = ctypes.byref(self._weights)
         self._call = cast(Any, lib).mvk_linear
         self._norm: torch.Tensor | None = None
@@ -404,6 +410,7 @@ class NativePart:
     zero: int | None
     mode: int  # how activations are quantised for it (native.Q8_*_ACT)
     f16_exact: bool  # its scales and offsets are float16 values (not K-format products)
+    kscales: KScales | None = None  # Q4_K / Q6_K: the format's own scales
 
 
 @dataclass(frozen=True)
@@ -415,13 +422,24 @@ class NativeLayout:
     sub: int
     zero: int
     mode: int
+    # native.ARITH_Q0: llama.cpp's own float order for Q4_0/Q4_1/Q5_0/Q8_0 (qmm.c), with
+    # each row's zero code (None: Q4_1's mins); else native.ARITH_GROUPS.
+    arith: int = 0
+    zrow: torch.Tensor | None = None
+    # native.ARITH_Q4K / ARITH_Q6K: the parts' KScales stacked (sc, mins, d, dmin)
+    ksc: torch.Tensor | None = None
+    kmin: torch.Tensor | None = None
+    kd: torch.Tensor | None = None
+    kdmin: torch.Tensor | None = None
 
 
 # A scale this large would not survive float16 (the kernel's compact scale type).
 _F16_MAX = 65504.0
 
 
-def native_layout(parts: list[NativePart], bits: int) -> NativeLayout | None:
+def native_layout(
+    parts: list[NativePart], bits: int, llamacpp_order: bool = False
+) -> NativeLayout | None:
     """Stack parts into the native kernel's layout, or None where it cannot hold them
     exactly enough (scales outside float16's range). Groups are 16 wide if any part's
     are (Q6_K), else 32; codes go two per byte if the widest (``bits``) fits in 4 bits."""
@@ -457,7 +475,38 @@ def native_layout(parts: list[NativePart], bits: int) -> NativeLayout | None:
         codes.append(q.contiguous())
         scales.append(s.to(dtype))
         offsets.append(o.to(dtype))
+    # llamacpp_order: sum in llama.cpp's own float order where the formats allow it
+    # (native.ARITH_*; see qmm.c), else group by group.
+    arith, zrow = native.ARITH_GROUPS, None
+    q0_modes = {native.Q8_0_ACT, native.Q8_1_ACT}
+    if (
+        llamacpp_order
+        and {p.mode for p in parts} <= q0_modes
+        and len({p.mode for p in parts}) == 1
+        and all(p.width == 32 and p.f16_exact for p in parts)
+        and len({p.zero is None for p in parts}) == 1
+    ):
+        arith = native.ARITH_Q0
+        if parts[0].zero is not None:
+            zrow = torch.cat(
+                [torch.full((p.q.shape[0],), int(p.zero or 0), dtype=torch.uint8) for p in parts]
+            )
+    ks = [p.kscales for p in parts]
+    kfields: dict[str, torch.Tensor | None] = {}
+    if llamacpp_order and k % 256 == 0 and all(x is not None for x in ks):
+        kss = [x for x in ks if x is not None]
+        with_mins = {x.mins is not None for x in kss}
+        if with_mins == {True} and nibble and sub == 32:
+            arith = native.ARITH_Q4K
+            kfields["kmin"] = torch.cat([x.mins for x in kss if x.mins is not None]).contiguous()
+            kfields["kdmin"] = torch.cat([x.dmin for x in kss if x.dmin is not None]).contiguous()
+        elif with_mins == {False} and not nibble and sub == 16:
+            arith = native.ARITH_Q6K
+        if arith != native.ARITH_GROUPS:
+            kfields["ksc"] = torch.cat([x.sc for x in kss]).contiguous()
+            kfields["kd"] = torch.cat([x.d for x in kss]).float().contiguous()
     return NativeLayout(
+        **kfields,
         codes=torch.cat(codes),
         scale=torch.cat(scales).contiguous(),
         offset=None if zero is not None else torch.cat(offsets).contiguous(),
@@ -465,4 +514,6 @@ def native_layout(parts: list[NativePart], bits: int) -> NativeLayout | None:
         sub=sub,
         zero=zero or 0,
         mode=mode,
+        arith=arith,
+        zrow=zrow,
     )

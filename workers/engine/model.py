@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .config import ArchConfig
 from .kernels import Linear
 
@@ -207,13 +208,17 @@ def attend(
     start: int,
     mask: torch.Tensor | None,
     f16: bool,
+    window: int = 0,
+    ggml: bool = False,
 ) -> torch.Tensor:
     """Grouped-query attention of T new positions: their rotated ``qk`` [T, nh + nkv, hd]
     and ``v`` [T, nkv * hd] go into the layer's caches ``kc``/``vc`` [nkv, max_seq, hd]
     at ``pos``; each query head h attends with kv head h // group over cached positions
     ``start..pos+T-1`` (``mask`` [T, S] hides the future at prefill). With ``f16`` keys,
     values, queries and softmax weights are float16 values (StageModel.attention_f16).
-    Returns [T, nh * hd]."""
+    With ``ggml``, where the native kernel is built, it computes the rest as ggml does
+    (native.attention; ``window`` > 0: a query sees only the last ``window`` positions,
+    which ``start`` and ``mask`` express for the torch path). Returns [T, nh * hd]."""
     t, heads, hd = qk.shape
     nkv = kc.shape[0]
     nh = heads - nkv
@@ -223,6 +228,10 @@ def attend(
         k_new, v_new = k_new.half(), v_new.half()
     kc[:, pos:end] = k_new
     vc[:, pos:end] = v_new
+    if ggml:
+        out = native.attention(qk[:, :nh], kc, vc, pos, window)
+        if out is not None:
+            return out
     # [T, nh, hd] -> [nkv, group * T, hd]; head h uses kv head h // group.
     if t == 1:
         qg = qk[:, :nh].reshape(nkv, group, hd)

@@ -139,6 +139,14 @@ def load(path: Path) -> ctypes.CDLL:
     lib.mvk_set_threads.restype = _C
     lib.mvk_simd.argtypes = []
     lib.mvk_simd.restype = _C
+    lib.mvk_rope_cache.argtypes = [ctypes.c_float, ctypes.c_float, _I, _I, _I, _P, _P]
+    lib.mvk_rope_cache.restype = None
+    lib.mvk_rope_neox.argtypes = [_P, _I, _I, _I, _P, _P]
+    lib.mvk_rope_neox.restype = None
+    lib.mvk_attention.argtypes = [_P, _I, _I, _I, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P]
+    lib.mvk_attention.restype = _C
+    lib.mvk_swiglu.argtypes = [_P, _I, _I, _I, _P]
+    lib.mvk_swiglu.restype = _C
     return lib
 
 
@@ -192,6 +200,8 @@ def set_threads(n: int) -> None:
 
 # How activations are quantised (qmm.c): llama.cpp's vec_dot_type of each weight format.
 Q8_0_ACT, Q8_1_ACT, Q8_K_ACT = 0, 1, 2
+# qmm.c MVK_ARITH_*: how a row's float sum is formed (see there)
+ARITH_GROUPS, ARITH_Q0, ARITH_Q4K, ARITH_Q6K = 0, 1, 2, 3
 
 
 class Weights(ctypes.Structure):
@@ -211,7 +221,12 @@ class Weights(ctypes.Structure):
         ("pad", ctypes.c_int32),
         ("norm", ctypes.c_void_p),
         ("eps", ctypes.c_float),
-        ("pad2", ctypes.c_float),
+        ("arith", ctypes.c_int32),
+        ("zrow", ctypes.c_void_p),
+        ("ksc", ctypes.c_void_p),
+        ("kmin", ctypes.c_void_p),
+        ("kd", ctypes.c_void_p),
+        ("kdmin", ctypes.c_void_p),
     ]
 
 
@@ -241,3 +256,72 @@ class Activations:
             self.s16.data_ptr(),
             self.s32.data_ptr(),
         )
+
+
+class Rope:
+    """Rope as ggml's CPU backend computes it (qmm.c mvk_rope_cache / mvk_rope_neox):
+    float32 angles by repeated multiplication, libm cosf/sinf, fused multiply-adds.
+    Half-split pairs over whole heads; tables [positions, head_dim / 2], grown on demand."""
+
+    def __init__(self, lib: ctypes.CDLL, base: float, freq_scale: float, head_dim: int) -> None:
+        self.lib, self.base, self.freq_scale, self.head_dim = lib, base, freq_scale, head_dim
+        self.cos = torch.empty(0, head_dim // 2)
+        self.sin = torch.empty(0, head_dim // 2)
+
+    def ensure(self, n: int) -> None:
+        have = self.cos.shape[0]
+        if have >= n:
+            return
+        n = max(n, 2 * have, 64)
+        cos, sin = torch.empty(n, self.head_dim // 2), torch.empty(n, self.head_dim // 2)
+        self.lib.mvk_rope_cache(
+            self.base, self.freq_scale, self.head_dim, 0, n, cos.data_ptr(), sin.data_ptr()
+        )
+        self.cos, self.sin = cos, sin
+
+    def apply_(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        """Rotate x [T, heads, head_dim] (float32, contiguous) in place at pos..pos+T-1."""
+        t, heads, hd = x.shape
+        if hd != self.head_dim or x.dtype != torch.float32 or not x.is_contiguous():
+            raise ValueError("native rope: x must be contiguous float32 [T, heads, head_dim]")
+        self.ensure(pos + t)
+        self.lib.mvk_rope_neox(
+            x.data_ptr(), t, heads, hd, self.cos[pos].data_ptr(), self.sin[pos].data_ptr()
+        )
+        return x
+
+
+def attention(
+    q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: int, window: int
+) -> torch.Tensor | None:
+    """Attention of T queries ``q`` [T, nh, hd] at pos..pos+T-1 over the layer's caches
+    ``kc``/``vc`` [nkv, max_seq, hd] (float32 holding float16 values, positions up to
+    pos+T-1 written), as ggml computes it (qmm.c mvk_attention): [T, nh * hd], or None
+    where the native kernel is not built for this CPU or the tensors do not fit it."""
+    lib = library()
+    if lib is None or kc.dtype != torch.float32 or not (kc.is_contiguous() and vc.is_contiguous()):
+        return None
+    t, nh, hd = q.shape
+    if hd % 16:
+        return None
+    q = q.contiguous().float()
+    npad = (pos + t + 63) // 64 * 64
+    scratch = torch.empty(3 * npad + hd * npad + hd)
+    out = torch.empty(t, nh * hd)
+    rc = lib.mvk_attention(
+        q.data_ptr(), t, nh, hd, kc.data_ptr(), vc.data_ptr(), kc.shape[0], kc.shape[1],
+        pos, window, 1.0, out.data_ptr(), scratch.data_ptr(),
+    )  # fmt: skip
+    return out if rc == 0 else None
+
+
+def swiglu(gu: torch.Tensor, n: int) -> torch.Tensor | None:
+    """silu(gate) * up of ``gu`` [T, 2n] (gate | up) as ggml computes it (qmm.c
+    mvk_swiglu), or None where the native kernel is not built or n is not a multiple of 16."""
+    lib = library()
+    if lib is None or gu.dtype != torch.float32 or gu.stride(-1) != 1 or n % 16:
+        return None
+    out = torch.empty(gu.shape[0], n)
+    if lib.mvk_swiglu(gu.data_ptr(), gu.shape[0], n, gu.stride(0), out.data_ptr()) != 0:
+        return None
+    return out

@@ -141,6 +141,40 @@ def _q6_k_blocks(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(nb, 256), d * sc
 
 
+@dataclass(frozen=True)
+class KScales:
+    """A K-format matrix's own scales, for arithmetic that keeps them integer (qmm.c):
+    ``sc`` per group (Q4_K: 8 x uint8 per 256, Q6_K: 16 x int8), ``mins`` (Q4_K: uint8
+    per group; Q6_K: None), ``d`` and ``dmin`` float32 per 256-block (rows x blocks)."""
+
+    sc: torch.Tensor
+    mins: torch.Tensor | None
+    d: torch.Tensor
+    dmin: torch.Tensor | None
+
+
+def k_scales(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> KScales:
+    """Q4_K or Q6_K scales of a 2-D matrix [rows, cols], row by row."""
+    rows = shape[0]
+    b = _blocks(raw, ggml_type)
+    if ggml_type == Q4_K:
+        sc, mn = _k_scales(b[:, 4:16])
+        return KScales(
+            sc=sc.to(torch.uint8).reshape(rows, -1),
+            mins=mn.to(torch.uint8).reshape(rows, -1),
+            d=_f16(b, 0).reshape(rows, -1),
+            dmin=_f16(b, 2).reshape(rows, -1),
+        )
+    if ggml_type == Q6_K:
+        return KScales(
+            sc=b[:, 192:208].view(torch.int8).reshape(rows, -1),
+            mins=None,
+            d=_f16(b, 208).reshape(rows, -1),
+            dmin=None,
+        )
+    raise GGUFError(f"ggml type {ggml_type} has no K-format scales")
+
+
 def _dequant_q6_k(b: torch.Tensor) -> torch.Tensor:
     q, scale = _q6_k_blocks(b)
     nb = b.shape[0]

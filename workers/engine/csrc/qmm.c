@@ -121,9 +121,39 @@ typedef struct {
     int64_t ldy;
     const float *add;
     int64_t ldadd;
+    /* MVK_ARITH_Q0: -q (int8, as qx) and each row's zero code (NULL: Q4_1's mins) */
+    const int8_t *nq;
+    const uint8_t *zrow;
+    int arith;
+    /* MVK_ARITH_Q4K / Q6K: the format's own integer sub-scales (and Q4_K's mins) per
+     * group, d (and dmin) per 256-block as float32, the activations' sums per 16 */
+    const void *ksc;
+    const uint8_t *kmin;
+    const float *kd, *kdmin;
+    const int32_t *qs16;
 } mvk_job;
 
+/* How a row's float sum is formed from its integer products:
+ *   MVK_ARITH_GROUPS  every group's scale times its dot product, mins apart (any format);
+ *   MVK_ARITH_Q0      llama.cpp's x86 vec_dot for Q4_0/Q4_1/Q5_0/Q8_0 x Q8_0/Q8_1, to
+ *                     the bit: 8 lanes of 4-element integer sums, one fused multiply-add
+ *                     per block and lane (block by block), lanes summed as hsum_float_8
+ *                     does, then Q4_1's min terms summed block by block;
+ *   MVK_ARITH_Q4K     llama.cpp's repacked Q4_K x Q8_K (q4_K_8x8 gemv and gemm, which it
+ *                     uses for every Q4_K matrix whose rows come in eights): per 256-block
+ *                     the whole integer sum with the 6-bit sub-scales, one fused
+ *                     multiply-add by d * dx, the mins' the same way by dmin * dx, then
+ *                     their difference;
+ *   MVK_ARITH_Q6K     llama.cpp's x86 vec_dot for Q6_K x Q8_K: per 256-block 8 lanes of
+ *                     integer sums (lane l: elements 4l..4l+3 of each 32, times their
+ *                     int8 sub-scales, less 32 x the sub-scaled sums of sub-blocks 2l,
+ *                     2l+1), one fused multiply-add each, then hsum_float_8. */
+enum { MVK_ARITH_GROUPS = 0, MVK_ARITH_Q0 = 1, MVK_ARITH_Q4K = 2, MVK_ARITH_Q6K = 3 };
+
 #define TILE 4
+#ifndef MVK_SUMMS
+#define MVK_SUMMS(acc, a, b) fmaf((a), (b), (acc))
+#endif
 
 #ifdef MVK_AVX512
 /* Four scales from element i of a float16 (or float32) array. */
@@ -245,7 +275,213 @@ static inline __attribute__((always_inline)) void rows_simd(const mvk_job *j, in
     }
 }
 
+
+static inline float hsum8(__m256 x) { /* ggml's hsum_float_8, in its order */
+    __m128 r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
+}
+
+/* Two blocks' lanes (i: 16 int32 lane sums, d: their scales) into the 8-lane chain. */
+static inline __m256 chain2(__m256 acc, __m512i i, __m512 d) {
+    __m512 f = _mm512_cvtepi32_ps(i);
+    acc = _mm256_fmadd_ps(_mm512_castps512_ps256(f), _mm512_castps512_ps256(d), acc);
+    return _mm256_fmadd_ps(_mm512_extractf32x8_ps(f, 1), _mm512_extractf32x8_ps(d, 1), acc);
+}
+
+static inline __attribute__((always_inline)) void rows_q0(const mvk_job *j, int64_t n0,
+                                                          int64_t n1, int64_t t0,
+                                                          const int TT) {
+    const int64_t kp = j->kp, ns = kp / 32;
+    const int64_t row_bytes = j->nibble ? kp / 2 : kp;
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const __m512i idx_a = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i idx_b = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *w = j->codes + n * row_bytes;
+        const void *sc = j->scale;
+        const int64_t off = n * ns;
+        const int f32 = j->f32;
+        const int zeroed = j->zrow != NULL;
+        const __m512i zb = _mm512_set1_epi8((char)(zeroed ? j->zrow[n] : 0));
+        __m256 acc[TILE];
+        for (int t = 0; t < TT; t++) acc[t] = _mm256_setzero_ps();
+        if (j->nibble) { /* 128 elements (4 blocks) per 64-byte chunk */
+            for (int64_t c = 0; c < kp / 128; c++) {
+                __m512i v = _mm512_loadu_si512(w + 64 * c);
+                __m512i lo = _mm512_and_si512(v, low4);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                __m512 s4 = _mm512_castps128_ps512(scales4(sc, off + 4 * c, f32));
+                __m512 sa = _mm512_permutexvar_ps(idx_a, s4);
+                __m512 sb = _mm512_permutexvar_ps(idx_b, s4);
+                for (int t = 0; t < TT; t++) {
+                    const int64_t e = (t0 + t) * kp + 128 * c;
+                    const float *de = j->dxe + (t0 + t) * kp / 4 + 32 * c;
+                    __m512i ia = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
+                                                     _mm512_loadu_si512(j->qx + e));
+                    __m512i ib = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi,
+                                                     _mm512_loadu_si512(j->qx + e + 64));
+                    if (zeroed) {
+                        ia = _mm512_dpbusd_epi32(ia, zb, _mm512_loadu_si512(j->nq + e));
+                        ib = _mm512_dpbusd_epi32(ib, zb, _mm512_loadu_si512(j->nq + e + 64));
+                    }
+                    acc[t] = chain2(acc[t], ia, _mm512_mul_ps(sa, _mm512_loadu_ps(de)));
+                    acc[t] = chain2(acc[t], ib, _mm512_mul_ps(sb, _mm512_loadu_ps(de + 16)));
+                }
+            }
+        } else { /* 64 elements (2 blocks) per chunk */
+            for (int64_t c = 0; c < kp / 64; c++) {
+                __m512i v = _mm512_loadu_si512(w + 64 * c);
+                __m512 s = _mm512_permutexvar_ps(
+                    idx_a, _mm512_castps128_ps512(scales4(sc, off + 2 * c, f32)));
+                for (int t = 0; t < TT; t++) {
+                    const int64_t e = (t0 + t) * kp + 64 * c;
+                    const float *de = j->dxe + (t0 + t) * kp / 4 + 16 * c;
+                    __m512i ia = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v,
+                                                     _mm512_loadu_si512(j->qx + e));
+                    if (zeroed)
+                        ia = _mm512_dpbusd_epi32(ia, zb, _mm512_loadu_si512(j->nq + e));
+                    acc[t] = chain2(acc[t], ia, _mm512_mul_ps(s, _mm512_loadu_ps(de)));
+                }
+            }
+        }
+        for (int t = 0; t < TT; t++) {
+            int64_t tr = t0 + t;
+            float r = hsum8(acc[t]);
+            if (!zeroed) { /* Q4_1: summs += m * s, block by block */
+                const float *sm = j->s32 + tr * ns;
+                float summs = 0.0f;
+                for (int64_t g = 0; g < ns; g++) {
+                    float m = f32 ? ((const float *)j->min)[off + g]
+                                  : _cvtsh_ss(((const uint16_t *)j->min)[off + g]);
+                    summs = MVK_SUMMS(summs, m, sm[g]);
+                }
+                r += summs;
+            }
+            if (j->add) r += j->add[tr * j->ldadd + n];
+            j->y[tr * j->ldy + n] = r;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void rows_q4k(const mvk_job *j, int64_t n0,
+                                                           int64_t n1, int64_t t0,
+                                                           const int TT) {
+    const int64_t kp = j->kp, ns = kp / 32, nsb = kp / 256;
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const __m512i half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const uint8_t *ksc = (const uint8_t *)j->ksc;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *w = j->codes + n * (kp / 2);
+        float acc[TILE], accm[TILE];
+        for (int t = 0; t < TT; t++) acc[t] = accm[t] = 0.0f;
+        for (int64_t b = 0; b < nsb; b++) {
+            __m512i iacc[TILE];
+            for (int t = 0; t < TT; t++) iacc[t] = _mm512_setzero_si512();
+            for (int64_t c = 2 * b; c < 2 * b + 2; c++) {
+                __m512i v = _mm512_loadu_si512(w + 64 * c);
+                __m512i lo = _mm512_and_si512(v, low4);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                const uint8_t *s = ksc + n * ns + 4 * c;
+                __m512i sa = _mm512_permutexvar_epi32(half, _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, s[1], s[0]));
+                __m512i sb = _mm512_permutexvar_epi32(half, _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, s[3], s[2]));
+                for (int t = 0; t < TT; t++) {
+                    const int8_t *q = j->qx + (t0 + t) * kp + 128 * c;
+                    __m512i ia = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
+                    __m512i ib = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512(q + 64));
+                    iacc[t] = _mm512_add_epi32(iacc[t], _mm512_add_epi32(_mm512_mullo_epi32(ia, sa),
+                                                                         _mm512_mullo_epi32(ib, sb)));
+                }
+            }
+            const float d = j->kd[n * nsb + b], dmin = j->kdmin[n * nsb + b];
+            const uint8_t *m = j->kmin + n * ns + 8 * b;
+            for (int t = 0; t < TT; t++) {
+                const int64_t tr = t0 + t;
+                const int32_t *qs = j->qs16 + tr * (kp / 16) + 16 * b;
+                int32_t imin = 0;
+                for (int g = 0; g < 8; g++) imin += (int32_t)m[g] * (qs[2 * g] + qs[2 * g + 1]);
+                const float dx = j->dxe[tr * kp / 4 + 64 * b];
+                acc[t] = fmaf((float)_mm512_reduce_add_epi32(iacc[t]), d * dx, acc[t]);
+                accm[t] = fmaf((float)imin, dmin * dx, accm[t]);
+            }
+        }
+        for (int t = 0; t < TT; t++) {
+            const int64_t tr = t0 + t;
+            float r = acc[t] - accm[t];
+            if (j->add) r += j->add[tr * j->ldadd + n];
+            j->y[tr * j->ldy + n] = r;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void rows_q6k(const mvk_job *j, int64_t n0,
+                                                           int64_t n1, int64_t t0,
+                                                           const int TT) {
+    const int64_t kp = j->kp, ns = kp / 16, nsb = kp / 256;
+    const __m512i quarter = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const int8_t *ksc = (const int8_t *)j->ksc;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *w = j->codes + n * kp;
+        __m256 acc[TILE];
+        for (int t = 0; t < TT; t++) acc[t] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nsb; b++) {
+            __m512i iacc[TILE];
+            for (int t = 0; t < TT; t++) iacc[t] = _mm512_setzero_si512();
+            const int8_t *sc = ksc + n * ns + 16 * b;
+            for (int64_t c = 4 * b; c < 4 * b + 4; c++) {
+                __m512i v = _mm512_loadu_si512(w + 64 * c);
+                const int8_t *s = sc + 4 * (c - 4 * b);
+                __m512i s4 = _mm512_permutexvar_epi32(
+                    quarter, _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, s[3], s[2], s[1], s[0]));
+                for (int t = 0; t < TT; t++) {
+                    const int8_t *q = j->qx + (t0 + t) * kp + 64 * c;
+                    __m512i i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(q));
+                    iacc[t] = _mm512_add_epi32(iacc[t], _mm512_mullo_epi32(i, s4));
+                }
+            }
+            const float d = j->kd[n * nsb + b];
+            for (int t = 0; t < TT; t++) {
+                const int64_t tr = t0 + t;
+                const int32_t *qs = j->qs16 + tr * ns + 16 * b;
+                int32_t sub[8];
+                for (int l = 0; l < 8; l++)
+                    sub[l] = 32 * (qs[2 * l] * sc[2 * l] + qs[2 * l + 1] * sc[2 * l + 1]);
+                __m256i lane = _mm256_add_epi32(_mm512_castsi512_si256(iacc[t]),
+                                                _mm512_extracti32x8_epi32(iacc[t], 1));
+                lane = _mm256_sub_epi32(lane, _mm256_loadu_si256((const __m256i *)sub));
+                const float dd = d * j->dxe[tr * kp / 4 + 64 * b];
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dd), _mm256_cvtepi32_ps(lane), acc[t]);
+            }
+        }
+        for (int t = 0; t < TT; t++) {
+            const int64_t tr = t0 + t;
+            float r = hsum8(acc[t]);
+            if (j->add) r += j->add[tr * j->ldadd + n];
+            j->y[tr * j->ldy + n] = r;
+        }
+    }
+}
+
+#define MVK_BY_TILE(fn)                          \
+    switch (tt) {                                \
+    case 1: fn(j, n0, n1, t0, 1); return;        \
+    case 2: fn(j, n0, n1, t0, 2); return;        \
+    case 3: fn(j, n0, n1, t0, 3); return;        \
+    default: fn(j, n0, n1, t0, 4); return;       \
+    }
+
 static void rows_simd_n(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, int tt) {
+    if (j->arith == MVK_ARITH_Q4K) MVK_BY_TILE(rows_q4k)
+    if (j->arith == MVK_ARITH_Q6K) MVK_BY_TILE(rows_q6k)
+    if (j->arith == MVK_ARITH_Q0) {
+        switch (tt) {
+        case 1: rows_q0(j, n0, n1, t0, 1); return;
+        case 2: rows_q0(j, n0, n1, t0, 2); return;
+        case 3: rows_q0(j, n0, n1, t0, 3); return;
+        default: rows_q0(j, n0, n1, t0, 4); return;
+        }
+    }
     switch (tt) {
     case 1: rows_simd(j, n0, n1, t0, 1); break;
     case 2: rows_simd(j, n0, n1, t0, 2); break;
@@ -274,7 +510,115 @@ static inline float h2f(uint16_t h) {
     return f;
 }
 
+static inline int32_t code_at(const mvk_job *j, const uint8_t *w, int64_t k) {
+    if (!j->nibble) return w[k];
+    int64_t c = k / 128, r = k % 128;
+    uint8_t b = w[64 * c + (r % 64)];
+    return r < 64 ? (b & 15) : (b >> 4);
+}
+
+/* MVK_ARITH_Q0 in plain C: the same lanes, chain and sums as rows_q0. */
+static void rows_generic_q0(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, int tt) {
+    const int64_t kp = j->kp, ns = kp / 32;
+    const int64_t row_bytes = j->nibble ? kp / 2 : kp;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *w = j->codes + n * row_bytes;
+        const int32_t zero = j->zrow ? j->zrow[n] : 0;
+        for (int t = 0; t < tt; t++) {
+            int64_t tr = t0 + t;
+            const int8_t *q = j->qx + tr * kp;
+            const float *de = j->dxe + tr * kp / 4;
+            float acc[8] = {0};
+            for (int64_t g = 0; g < ns; g++) {
+                int64_t i = n * ns + g;
+                float scale = j->f32 ? ((const float *)j->scale)[i]
+                                     : h2f(((const uint16_t *)j->scale)[i]);
+                float d = scale * de[g * 8];
+                for (int l = 0; l < 8; l++) {
+                    int32_t isum = 0;
+                    for (int64_t k = g * 32 + 4 * l; k < g * 32 + 4 * l + 4; k++)
+                        isum += (code_at(j, w, k) - zero) * (int32_t)q[k];
+                    acc[l] = fmaf((float)isum, d, acc[l]);
+                }
+            }
+            float r = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+            if (!j->zrow) {
+                float summs = 0.0f;
+                for (int64_t g = 0; g < ns; g++) {
+                    int64_t i = n * ns + g;
+                    float m = j->f32 ? ((const float *)j->min)[i]
+                                     : h2f(((const uint16_t *)j->min)[i]);
+                    summs = MVK_SUMMS(summs, m, j->s32[tr * ns + g]);
+                }
+                r += summs;
+            }
+            if (j->add) r += j->add[tr * j->ldadd + n];
+            j->y[tr * j->ldy + n] = r;
+        }
+    }
+}
+
+/* MVK_ARITH_Q4K and Q6K in plain C: the same integer sums, chains and lanes. */
+static void rows_generic_k(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, int tt) {
+    const int64_t kp = j->kp, nsb = kp / 256;
+    const int q4 = j->arith == MVK_ARITH_Q4K;
+    const int64_t row_bytes = q4 ? kp / 2 : kp;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *w = j->codes + n * row_bytes;
+        for (int t = 0; t < tt; t++) {
+            const int64_t tr = t0 + t;
+            const int8_t *q = j->qx + tr * kp;
+            const int32_t *qs = j->qs16 + tr * (kp / 16);
+            float acc = 0.0f, accm = 0.0f, lacc[8] = {0};
+            for (int64_t b = 0; b < nsb; b++) {
+                const float dx = j->dxe[tr * kp / 4 + 64 * b];
+                if (q4) {
+                    const uint8_t *sc = (const uint8_t *)j->ksc + n * (kp / 32) + 8 * b;
+                    const uint8_t *m = j->kmin + n * (kp / 32) + 8 * b;
+                    int32_t isum = 0, imin = 0;
+                    for (int g = 0; g < 8; g++) {
+                        int32_t gs = 0;
+                        for (int64_t k = 256 * b + 32 * g; k < 256 * b + 32 * g + 32; k++)
+                            gs += code_at(j, w, k) * (int32_t)q[k];
+                        isum += sc[g] * gs;
+                        imin += (int32_t)m[g] * (qs[16 * b + 2 * g] + qs[16 * b + 2 * g + 1]);
+                    }
+                    acc = fmaf((float)isum, j->kd[n * nsb + b] * dx, acc);
+                    accm = fmaf((float)imin, j->kdmin[n * nsb + b] * dx, accm);
+                } else {
+                    const int8_t *sc = (const int8_t *)j->ksc + n * (kp / 16) + 16 * b;
+                    const float dd = j->kd[n * nsb + b] * dx;
+                    for (int l = 0; l < 8; l++) {
+                        int32_t lane = 0;
+                        for (int g = 0; g < 8; g++) {
+                            int32_t ls = 0;
+                            for (int64_t k = 256 * b + 32 * g + 4 * l; k < 256 * b + 32 * g + 4 * l + 4; k++)
+                                ls += w[k] * (int32_t)q[k];
+                            lane += sc[2 * g + (l >= 4)] * ls;
+                        }
+                        lane -= 32 * (qs[16 * b + 2 * l] * sc[2 * l] + qs[16 * b + 2 * l + 1] * sc[2 * l + 1]);
+                        lacc[l] = fmaf(dd, (float)lane, lacc[l]);
+                    }
+                }
+            }
+            float r = q4 ? acc - accm
+                         : ((lacc[0] + lacc[4]) + (lacc[2] + lacc[6])) +
+                               ((lacc[1] + lacc[5]) + (lacc[3] + lacc[7]));
+            if (j->add) r += j->add[tr * j->ldadd + n];
+            j->y[tr * j->ldy + n] = r;
+        }
+    }
+}
+
 static void rows_generic(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, int tt) {
+    if (j->arith == MVK_ARITH_Q0) {
+        rows_generic_q0(j, n0, n1, t0, tt);
+        return;
+    }
+    if (j->arith == MVK_ARITH_Q4K || j->arith == MVK_ARITH_Q6K) {
+        rows_generic_k(j, n0, n1, t0, tt);
+        return;
+    }
     const int64_t kp = j->kp, sub = j->sub, ns = kp / sub;
     const int64_t row_bytes = j->nibble ? kp / 2 : kp;
     const float *sums = sub == 16 ? j->s16 : j->s32;
@@ -423,12 +767,19 @@ int mvk_set_threads(int n) {
     return r;
 }
 
+static void dispatch(mvk_job j, int threads);
+
 void mvk_matmul(const int8_t *qx, const float *dxe, const float *s16, const float *s32,
                 int64_t t_rows, int64_t kp, const uint8_t *codes, const void *scale,
                 const void *min, int64_t n, int nibble, int sub, int zero, int f32, float *y,
                 int64_t ldy, const float *add, int64_t ldadd, int threads) {
     mvk_job j = {qx, dxe, s16, s32, t_rows, kp, codes, scale, min, n, nibble, sub, zero, f32,
-                 y, ldy, add, ldadd};
+                 y, ldy, add, ldadd, NULL, NULL, MVK_ARITH_GROUPS, NULL, NULL, NULL, NULL, NULL};
+    dispatch(j, threads);
+}
+
+static void dispatch(mvk_job j, int threads) {
+    const int64_t n = j.n;
     pthread_mutex_lock(&g_call);
     int parts = threads < g_threads ? threads : g_threads;
     if (parts <= 1 || n < 64) {
@@ -465,7 +816,11 @@ typedef struct {
     int32_t nibble, sub, zero, mode, f32, pad;
     const float *norm; /* RMS norm weights applied to x first (NULL: none) */
     float eps;
-    float pad2;
+    int32_t arith;     /* MVK_ARITH_* */
+    const uint8_t *zrow; /* MVK_ARITH_Q0: each row's zero code (NULL: mins) */
+    const void *ksc;     /* MVK_ARITH_Q4K / Q6K: see mvk_job */
+    const uint8_t *kmin;
+    const float *kd, *kdmin;
 } mvk_weights;
 
 /* RMS norm as ggml computes it: the mean of squares summed in double, x * (1/sqrt(mean +
@@ -488,7 +843,11 @@ static __thread size_t t_cap;
 int mvk_linear(const mvk_weights *w, const float *x, int64_t t_rows, int64_t k_in,
                int64_t ldx, float *y, const float *add, int64_t ldadd) {
     const int64_t kp = w->kp;
+    const int q0 = w->arith == MVK_ARITH_Q0 && w->zrow != NULL;
     size_t need = (size_t)t_rows * (size_t)(kp + (kp / 4 + kp / 16 + kp / 32) * 4) + 64;
+    if (q0) need += (size_t)t_rows * (size_t)kp + 64;
+    const int kq = w->arith == MVK_ARITH_Q4K || w->arith == MVK_ARITH_Q6K;
+    if (kq) need += (size_t)t_rows * (size_t)(kp / 16) * 4 + 64;
     if (w->norm) need += (size_t)t_rows * (size_t)k_in * 4 + 64;
     if (need > t_cap) {
         free(t_buf);
@@ -507,7 +866,192 @@ int mvk_linear(const mvk_weights *w, const float *x, int64_t t_rows, int64_t k_i
         ldx = k_in;
     }
     mvk_quantize(x, t_rows, k_in, ldx, kp, w->mode, qx, dxe, s16, s32);
-    mvk_matmul(qx, dxe, s16, s32, t_rows, kp, w->codes, w->scale, w->min, w->n, w->nibble,
-               w->sub, w->zero, w->f32, y, w->n, add, ldadd, MAX_THREADS);
+    int8_t *nq = NULL;
+    if (q0) { /* -q, for the zero code's term as one more u8 x s8 product */
+        nq = (int8_t *)(((uintptr_t)(qx + t_rows * kp) + (w->norm ? t_rows * k_in * 4 + 64 : 0) +
+                         63) & ~(uintptr_t)63);
+        for (int64_t i = 0; i < t_rows * kp; i++) nq[i] = (int8_t)-qx[i];
+    }
+    int32_t *qs16 = NULL;
+    if (kq) { /* the activations' integer sums per 16 */
+        qs16 = (int32_t *)(((uintptr_t)(qx + t_rows * kp) + (w->norm ? t_rows * k_in * 4 + 64 : 0) +
+                            63) & ~(uintptr_t)63);
+        for (int64_t i = 0; i < t_rows * kp / 16; i++) {
+            int32_t sum = 0;
+            for (int k = 0; k < 16; k++) sum += qx[16 * i + k];
+            qs16[i] = sum;
+        }
+    }
+    mvk_job j = {qx, dxe, s16, s32, t_rows, kp, w->codes, w->scale, w->min, w->n, w->nibble,
+                 w->sub, w->zero, w->f32, y, w->n, add, ldadd, nq, w->zrow, w->arith,
+                 w->ksc, w->kmin, w->kd, w->kdmin, qs16};
+    dispatch(j, MAX_THREADS);
     return 0;
 }
+
+/* ---- rope, as ggml's CPU backend computes it -------------------------------------------
+ * Angles: theta_i = pos * base^(-2i/n_dims), formed in float32 by repeated multiplication
+ * (theta *= powf(base, -2/n_dims)), then cosf/sinf of freq_scale * theta; the rotation of
+ * a pair (x0, x1) is fma(x0, c, -(x1 * s)), fma(x0, s, x1 * c), the contraction ggml's
+ * compiled x0*c - x1*s and x0*s + x1*c come to (checked against its outputs). */
+void mvk_rope_cache(float base, float freq_scale, int64_t n_dims, int64_t pos0, int64_t npos,
+                    float *cs, float *sn) {
+    const float theta_scale = powf(base, -2.0f / (float)n_dims);
+    const int64_t h = n_dims / 2;
+    for (int64_t p = 0; p < npos; p++) {
+        float theta = (float)(pos0 + p);
+        for (int64_t i = 0; i < h; i++) {
+            const float t = freq_scale * theta;
+            cs[p * h + i] = cosf(t);
+            sn[p * h + i] = sinf(t);
+            theta *= theta_scale;
+        }
+    }
+}
+
+/* In place on x [t][heads][hd], half-split pairs (i, i + hd/2); cs, sn [t][hd/2]. */
+void mvk_rope_neox(float *x, int64_t t, int64_t heads, int64_t hd, const float *cs,
+                   const float *sn) {
+    const int64_t h = hd / 2;
+    for (int64_t r = 0; r < t; r++) {
+        const float *c = cs + r * h, *s = sn + r * h;
+        for (int64_t k = 0; k < heads; k++) {
+            float *v = x + (r * heads + k) * hd;
+            for (int64_t i = 0; i < h; i++) {
+                const float x0 = v[i], x1 = v[i + h];
+                const float s1 = x1 * s[i], c1 = x1 * c[i];
+                v[i] = fmaf(x0, c[i], -s1);
+                v[i + h] = fmaf(x0, s[i], c1);
+            }
+        }
+    }
+}
+
+#ifdef MVK_AVX512
+/* ---- attention, as ggml's CPU backend computes it without flash attention -------------
+ * kq = k . q with q rounded to float16 (the cache holds float16 values), softmax over the
+ * row with masked entries at -inf, the weights rounded to float16, kqv = v . weights.
+ * A decode step's dots are ggml_vec_dot_f16's (4 x 16 lanes, stride 64, then its
+ * reduction); a prompt's (several query rows) are llamafile's tinyBLAS f16 GEMM's (one
+ * 16-lane accumulator per output). exp is the same polynomial as ggml_v_expf (AVX-512),
+ * written out here; the softmax sums 16-element partial sums in double as ggml does. */
+static inline float dot64(const float *x, const float *y, int64_t n) {
+    __m512 s[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                   _mm512_setzero_ps()};
+    for (int64_t i = 0; i < n; i += 64)
+        for (int j = 0; j < 4; j++)
+            s[j] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16 * j), _mm512_loadu_ps(y + i + 16 * j),
+                                   s[j]);
+    s[0] = _mm512_add_ps(s[0], s[2]);
+    s[1] = _mm512_add_ps(s[1], s[3]);
+    s[0] = _mm512_add_ps(s[0], s[1]);
+    return _mm512_reduce_add_ps(s[0]);
+}
+
+static inline float dot16(const float *x, const float *y, int64_t n) {
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16)
+        s = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i), s);
+    return _mm512_reduce_add_ps(s);
+}
+
+/* exp(x): x = n ln2 + b (n rounded, ln2 in two parts), 2^n * p(b), p of degree 5. */
+static inline __m512 exp16(__m512 x) {
+    const __m512 shift = _mm512_set1_ps(0x1.8p23f);
+    const __m512 z = _mm512_fmadd_ps(x, _mm512_set1_ps(0x1.715476p+0f), shift);
+    const __m512 n = _mm512_sub_ps(z, shift);
+    const __m512 b = _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.7f7d1cp-20f),
+                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.62e4p-1f), x));
+    const __m512 b2 = _mm512_mul_ps(b, b);
+    const __m512 hi = _mm512_fmadd_ps(_mm512_set1_ps(0x1.0e4020p-7f), b, _mm512_set1_ps(0x1.573e2ep-5f));
+    const __m512 mid = _mm512_fmadd_ps(_mm512_set1_ps(0x1.555e66p-3f), b, _mm512_set1_ps(0x1.fffdb6p-2f));
+    const __m512 lo = _mm512_fmadd_ps(_mm512_set1_ps(0x1.ffffecp-1f), b, _mm512_set1_ps(1.0f));
+    const __m512 p = _mm512_fmadd_ps(_mm512_fmadd_ps(hi, b2, mid), b2, lo);
+    __m512 r = _mm512_scalef_ps(p, n);
+    const __mmask16 big = _mm512_cmp_ps_mask(_mm512_abs_ps(n), _mm512_set1_ps(192), _CMP_GT_OQ);
+    if (big) {
+        const __mmask16 neg = _mm512_cmp_ps_mask(n, _mm512_setzero_ps(), _CMP_LE_OQ);
+        const __m512 alt = _mm512_mask_blend_ps(neg, _mm512_set1_ps(INFINITY), _mm512_setzero_ps());
+        r = _mm512_mask_blend_ps(big, r, alt);
+    }
+    return r;
+}
+
+/* q [t][nh][hd] (rounded to float16 here), k/v caches [kv_heads][max_seq][hd] holding
+ * float16 values, positions pos..pos+t-1 (each query sees keys 0..its position, and with
+ * window > 0 only the last `window` of them); scale multiplies kq (ggml's kq_scale).
+ * out [t][nh * hd]. scratch: (3 * npad + hd * npad + hd) floats, npad = (pos+t) rounded
+ * up to 64. Returns -1 without a scratch buffer. */
+int mvk_attention(const float *q, int64_t t, int64_t nh, int64_t hd, const float *kc,
+                  const float *vc, int64_t kv_heads, int64_t max_seq, int64_t pos,
+                  int64_t window, float scale, float *out, float *scratch) {
+    const int64_t n = pos + t, npad = (n + 63) / 64 * 64, group = nh / kv_heads;
+    float *row = scratch, *w = row + npad, *vt = w + npad, *qh = vt + hd * npad;
+    for (int64_t g = 0; g < kv_heads; g++) {
+        const float *kg = kc + g * max_seq * hd, *vg = vc + g * max_seq * hd;
+        for (int64_t d = 0; d < hd; d++) { /* v transposed, zero past n (as ggml's cache) */
+            float *o = vt + d * npad;
+            for (int64_t s = 0; s < n; s++) o[s] = vg[s * hd + d];
+            for (int64_t s = n; s < npad; s++) o[s] = 0.0f;
+        }
+        for (int64_t r = 0; r < t; r++) {
+            const int64_t qp = pos + r;
+            for (int64_t h = g * group; h < (g + 1) * group; h++) {
+                const float *qr = q + (r * nh + h) * hd;
+                for (int64_t i = 0; i < hd; i++) qh[i] = (float)(_Float16)qr[i];
+                for (int64_t s = 0; s < npad; s++) {
+                    int hidden = s > qp || (window > 0 && qp - s >= window);
+                    if (hidden) {
+                        row[s] = -INFINITY;
+                        continue;
+                    }
+                    float v = t == 1 ? dot64(kg + s * hd, qh, hd) : dot16(kg + s * hd, qh, hd);
+                    row[s] = v * scale;
+                }
+                float mx = -INFINITY;
+                for (int64_t s = 0; s < npad; s++) mx = row[s] > mx ? row[s] : mx;
+                double sum = 0.0;
+                for (int64_t s = 0; s < npad; s += 16) {
+                    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + s), _mm512_set1_ps(mx)));
+                    _mm512_storeu_ps(w + s, e);
+                    sum += (double)_mm512_reduce_add_ps(e);
+                }
+                const float inv = (float)(1.0 / sum);
+                for (int64_t s = 0; s < npad; s++) w[s] = (float)(_Float16)(w[s] * inv);
+                float *o = out + (r * nh + h) * hd;
+                for (int64_t d = 0; d < hd; d++)
+                    o[d] = t == 1 ? dot64(vt + d * npad, w, npad) : dot16(vt + d * npad, w, npad);
+            }
+        }
+    }
+    return 0;
+}
+/* SwiGLU as ggml computes it: silu(x) = x / (1 + exp(-x)) with exp16, times g, 16 at a
+ * time (n a multiple of 16; rows of gate | up, each `ld` wide, the halves n wide). */
+int mvk_swiglu(const float *gu, int64_t t, int64_t n, int64_t ld, float *out) {
+    if (n % 16) return -1;
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t r = 0; r < t; r++) {
+        const float *x = gu + r * ld, *g = x + n;
+        for (int64_t i = 0; i < n; i += 16) {
+            __m512 v = _mm512_loadu_ps(x + i);
+            __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), v));
+            __m512 silu = _mm512_div_ps(v, _mm512_add_ps(one, e));
+            _mm512_storeu_ps(out + r * n + i, _mm512_mul_ps(silu, _mm512_loadu_ps(g + i)));
+        }
+    }
+    return 0;
+}
+#else
+int mvk_swiglu(const float *gu, int64_t t, int64_t n, int64_t ld, float *out) {
+    (void)gu; (void)t; (void)n; (void)ld; (void)out;
+    return -2;
+}
+int mvk_attention(const float *q, int64_t t, int64_t nh, int64_t hd, const float *kc,
+                  const float *vc, int64_t kv_heads, int64_t max_seq, int64_t pos,
+                  int64_t window, float scale, float *out, float *scratch) {
+    (void)q; (void)t; (void)nh; (void)hd; (void)kc; (void)vc; (void)kv_heads; (void)max_seq;
+    (void)pos; (void)window; (void)scale; (void)out; (void)scratch;
+    return -2; /* only the AVX-512 build has it */
+}
+#endif
