@@ -1,8 +1,11 @@
-"""Model facts and architecture hyperparameters, read only from GGUF metadata."""
+"""Model facts and architecture hyperparameters, read only from GGUF metadata (the keys are
+gguf.constants.Keys, the names llama.cpp's converter writes)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from gguf.constants import Keys
 
 from .gguf_reader import GGUFError, GGUFFile, LazyArray
 
@@ -54,12 +57,12 @@ class ArchConfig:
 
 
 def _vocab_size(f: GGUFFile) -> int:
-    v = f.arch_key("vocab_size")
+    v = f.arch_key(Keys.LLM.VOCAB_SIZE)
     if v is not None:
         return int(v)
     if "token_embd.weight" in f.tensors:
         return f.tensors["token_embd.weight"].shape[0]
-    tokens = f.get("tokenizer.ggml.tokens")
+    tokens = f.get(Keys.Tokenizer.LIST)
     if isinstance(tokens, LazyArray):
         return tokens.count
     if isinstance(tokens, list):
@@ -71,13 +74,13 @@ def facts_of(f: GGUFFile) -> ModelFacts:
     arch = f.architecture
     if not arch:
         raise GGUFError(f"{f.path}: missing general.architecture")
-    eos = f.get("tokenizer.ggml.eos_token_id")
+    eos = f.get(Keys.Tokenizer.EOS_ID)
     return ModelFacts(
         architecture=arch,
-        name=str(f.get("general.name", "")),
-        block_count=int(f.arch_key("block_count", 0)),
-        embedding_length=int(f.arch_key("embedding_length", 0)),
-        context_length=int(f.arch_key("context_length", 0)),
+        name=str(f.get(Keys.General.NAME, "")),
+        block_count=int(f.arch_key(Keys.LLM.BLOCK_COUNT, 0)),
+        embedding_length=int(f.arch_key(Keys.LLM.EMBEDDING_LENGTH, 0)),
+        context_length=int(f.arch_key(Keys.LLM.CONTEXT_LENGTH, 0)),
         vocab_size=_vocab_size(f),
         eos_token_id=None if eos is None else int(eos),
     )
@@ -99,35 +102,35 @@ def arch_config(f: GGUFFile) -> ArchConfig:
     def need(key: str) -> int:
         v = f.arch_key(key)
         if v is None:
-            raise GGUFError(f"{f.path}: missing metadata {arch}.{key}")
+            raise GGUFError(f"{f.path}: missing metadata {key.format(arch=arch)}")
         return int(v)
 
-    hidden = need("embedding_length")
-    n_head = need("attention.head_count")
-    n_kv = int(f.arch_key("attention.head_count_kv", n_head))
-    head_dim = int(f.arch_key("attention.key_length", hidden // n_head))
-    value_dim = int(f.arch_key("attention.value_length", head_dim))
+    hidden = need(Keys.LLM.EMBEDDING_LENGTH)
+    n_head = need(Keys.Attention.HEAD_COUNT)
+    n_kv = int(f.arch_key(Keys.Attention.HEAD_COUNT_KV, n_head))
+    head_dim = int(f.arch_key(Keys.Attention.KEY_LENGTH, hidden // n_head))
+    value_dim = int(f.arch_key(Keys.Attention.VALUE_LENGTH, head_dim))
     if value_dim != head_dim:
         raise GGUFError(f"{f.path}: key_length {head_dim} != value_length {value_dim}")
     scale = 1.0
-    scaling_type = str(f.arch_key("rope.scaling.type", "none"))
+    scaling_type = str(f.arch_key(Keys.Rope.SCALING_TYPE, "none"))
     if scaling_type == "linear":
-        scale = 1.0 / float(f.arch_key("rope.scaling.factor", 1.0))
+        scale = 1.0 / float(f.arch_key(Keys.Rope.SCALING_FACTOR, 1.0))
     elif scaling_type not in ("none", ""):
         raise GGUFError(f"{f.path}: rope scaling {scaling_type!r} is not supported")
     return ArchConfig(
         architecture=arch,
-        n_layers=need("block_count"),
+        n_layers=need(Keys.LLM.BLOCK_COUNT),
         hidden=hidden,
         n_head=n_head,
         n_kv_head=n_kv,
         head_dim=head_dim,
-        ffn=need("feed_forward_length"),
-        eps=float(f.arch_key("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_base=float(f.arch_key("rope.freq_base", 10000.0)),
-        rope_dim=int(f.arch_key("rope.dimension_count", head_dim)),
+        ffn=need(Keys.LLM.FEED_FORWARD_LENGTH),
+        eps=float(f.arch_key(Keys.Attention.LAYERNORM_RMS_EPS, 1e-5)),
+        rope_base=float(f.arch_key(Keys.Rope.FREQ_BASE, 10000.0)),
+        rope_dim=int(f.arch_key(Keys.Rope.DIMENSION_COUNT, head_dim)),
         rope_neox=arch in _NEOX_ARCHITECTURES,
         rope_linear_scale=scale,
         vocab_size=_vocab_size(f),
-        context_length=int(f.arch_key("context_length", 0)),
+        context_length=int(f.arch_key(Keys.LLM.CONTEXT_LENGTH, 0)),
     )

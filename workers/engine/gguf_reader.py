@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 import numpy as np
+from gguf.constants import Keys
 
 from mvp_core.gguf_header import (
     DEFAULT_ALIGNMENT,
@@ -67,14 +68,15 @@ class GGUFFile:
 
     @property
     def architecture(self) -> str:
-        return str(self.metadata.get("general.architecture", ""))
+        return str(self.metadata.get(Keys.General.ARCHITECTURE, ""))
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
 
-    def arch_key(self, suffix: str, default: Any = None) -> Any:
-        """``{arch}.{suffix}`` from the metadata."""
-        return self.metadata.get(f"{self.architecture}.{suffix}", default)
+    def arch_key(self, key: str, default: Any = None) -> Any:
+        """An architecture's key from the metadata: ``key`` is a gguf.constants.Keys
+        template such as ``Keys.LLM.BLOCK_COUNT`` ("{arch}.block_count")."""
+        return self.metadata.get(key.format(arch=self.architecture), default)
 
     def raw(self, name: str) -> np.ndarray[Any, np.dtype[np.uint8]]:
         """The tensor's bytes as a read-only uint8 view of the mapping (no copy)."""

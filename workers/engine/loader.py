@@ -110,7 +110,7 @@ class WeightBuilder:
         # 512 reference tokens against 286 group by group, docs/models.md). SmolLM2's
         # keeps the group order, which measured better for it (400 against 314-369): its
         # remaining differences from ggml (silu, rope) are not all matched yet.
-        self._llamacpp_order = f.get("general.architecture") in _LLAMACPP_ORDER
+        self._llamacpp_order = f.architecture in _LLAMACPP_ORDER
         self.device = device
 
     def _info(self, name: str) -> tuple[int, tuple[int, ...]]:

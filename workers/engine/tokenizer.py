@@ -19,6 +19,8 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from gguf.constants import Keys
+
 from workers.engine.chat_template import ChatTemplateError, render_chat_template
 from workers.engine.pretokenize import PRE_TOKENIZERS, PreTokenizer, PreTokenizerSpec
 
@@ -238,18 +240,18 @@ class Tokenizer:
             value = metadata.get(key, default)
             return default if value is None else value
 
-        model = get("tokenizer.ggml.model")
+        model = get(Keys.Tokenizer.MODEL)
         if model is None:
             raise TokenizerError("GGUF metadata has no tokenizer.ggml.model")
         self.model = str(model)
-        tokens = get("tokenizer.ggml.tokens")
+        tokens = get(Keys.Tokenizer.LIST)
         if not tokens:
             raise TokenizerError("GGUF metadata has no tokenizer.ggml.tokens")
 
         self._spec: PreTokenizerSpec | None = None
         if self.model == "gpt2":
             self._is_bpe = True
-            self.pre = str(get("tokenizer.ggml.pre", "default")) or "default"
+            self.pre = str(get(Keys.Tokenizer.PRE, "default")) or "default"
             spec = PRE_TOKENIZERS.get(self.pre)
             if spec is None:
                 supported = ", ".join(sorted(PRE_TOKENIZERS))
@@ -278,7 +280,7 @@ class Tokenizer:
                 f"unsupported tokenizer model tokenizer.ggml.model={self.model!r} "
                 "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)"
             )
-        self.add_space_prefix = bool(get("tokenizer.ggml.add_space_prefix", self.add_space_prefix))
+        self.add_space_prefix = bool(get(Keys.Tokenizer.ADD_PREFIX, self.add_space_prefix))
 
         # -- vocabulary
         self._tokens: list[str] = [
@@ -292,11 +294,11 @@ class Tokenizer:
                 raise TokenizerError(
                     f"duplicate token in vocabulary: {t!r} has ids {self._token_to_id[t]} and {i}"
                 )
-        scores = get("tokenizer.ggml.scores")
+        scores = get(Keys.Tokenizer.SCORES)
         self._scores: list[float] = [float(s) for s in scores] if scores is not None else [0.0] * n
         if len(self._scores) < n:
             raise TokenizerError(f"tokenizer.ggml.scores has {len(self._scores)} < {n} entries")
-        types = get("tokenizer.ggml.token_type")
+        types = get(Keys.Tokenizer.TOKEN_TYPE)
         if types is not None and len(types) < n:
             raise TokenizerError(f"tokenizer.ggml.token_type has {len(types)} < {n} entries")
         self._attrs: list[int] = (
@@ -308,7 +310,7 @@ class Tokenizer:
         # -- BPE merges: "left right" -> rank (first occurrence wins, as in llama.cpp)
         self._ranks: dict[str, int] = {}
         if self._is_bpe:
-            merges = get("tokenizer.ggml.merges")
+            merges = get(Keys.Tokenizer.MERGES)
             if merges is None:
                 raise TokenizerError("BPE tokenizer without tokenizer.ggml.merges")
             for rank, merge in enumerate(merges):
@@ -332,8 +334,8 @@ class Tokenizer:
         fim = {k: special(f"fim_{k}_token_id", None) for k in _FIM_TEXTS}
         for k, legacy in (("pre", "prefix"), ("suf", "suffix"), ("mid", "middle")):
             fim[k] = special(f"{legacy}_token_id", fim[k])
-        self.add_bos = bool(get("tokenizer.ggml.add_bos_token", self.add_bos))
-        self.add_eos = bool(get("tokenizer.ggml.add_eos_token", self.add_eos))
+        self.add_bos = bool(get(Keys.Tokenizer.ADD_BOS, self.add_bos))
+        self.add_eos = bool(get(Keys.Tokenizer.ADD_EOS, self.add_eos))
         if self.add_bos and self.bos_token_id is None:
             raise TokenizerError("tokenizer.ggml.add_bos_token is true but there is no BOS token")
         if self.add_eos and self.eos_token_id is None:
@@ -385,7 +387,7 @@ class Tokenizer:
         self._ignore_merges = self._spec.ignore_merges if self._spec is not None else False
         self._word_cache: dict[str, tuple[int, ...]] = {}
 
-        template = get("tokenizer.chat_template")
+        template = get(Keys.Tokenizer.CHAT_TEMPLATE)
         self.chat_template = str(template) if template else None
         self.has_chat_template = self.chat_template is not None
 
