@@ -144,9 +144,16 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _ggml_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """ggml's CPU RMS norm: float32 squares summed in double, ``x * (1 / sqrtf(mean +
-    eps)) * w`` in float32."""
+    eps)) * w`` in float32 (in C where the native kernel is built; torch's float32 sqrt
+    and division are not always correctly rounded, so here they go through float64,
+    which rounds them exactly as float32 would)."""
+    out = native.rms_norm(x, w, eps)
+    if out is not None:
+        return out
     mean = ((x * x).double().sum(-1, keepdim=True) / x.shape[-1]).float()
-    return x * (1.0 / torch.sqrt(mean + eps)) * w
+    m = (mean + torch.tensor(eps, dtype=torch.float32)).double()
+    scale = (1.0 / torch.sqrt(m).float().double()).float()
+    return x * scale * w
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -156,7 +163,8 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 def _gelu(x: torch.Tensor) -> torch.Tensor:
     """ggml's CPU gelu: the tanh form looked up in a float16 table (input and output
-    rounded to float16) for |x| < 10, x itself above, 0 below."""
+    rounded to float16) for |x| < 10, x itself above, 0 below. (torch's tanh-gelu rounds
+    26 of the 65536 table entries differently; native.geglu has ggml's table.)"""
     y = F.gelu(x.half().float(), approximate="tanh").half().float()
     return torch.where(x >= 10.0, x, torch.where(x <= -10.0, torch.zeros_like(x), y))
 
@@ -258,7 +266,10 @@ class Gemma3StageModel:
             )  # fmt: skip
             h = h + norm(lw.wo(attn), lw.post_attn_norm, eps)
             gu = lw.gate_up(h if lw.ffn_fused else _rms_norm(h, lw.ffn_norm, eps))
-            ffn = lw.down(_gelu(gu[:, : cfg.ffn]) * gu[:, cfg.ffn :])
+            act = native.geglu(gu, cfg.ffn) if f16 else None
+            if act is None:
+                act = _gelu(gu[:, : cfg.ffn]) * gu[:, cfg.ffn :]
+            ffn = lw.down(act)
             h = h + norm(ffn, lw.post_ffn_norm, eps)
         if self.layer_start + len(self.layers) < cfg.n_layers:
             return h * BOUNDARY_SCALE  # for the next stage (see BOUNDARY_SCALE)

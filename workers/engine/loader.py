@@ -84,7 +84,7 @@ _NATIVE: dict[int, tuple[int, int | None, int, bool]] = {
     Q6_K: (6, 32, native.Q8_K_ACT, False),
 }
 _HEAD_TENSORS = frozenset({"output.weight", "token_embd.weight"})
-_LLAMACPP_ORDER = frozenset({"gemma3"})
+_LLAMACPP_ORDER = frozenset({"gemma3", "llama"})
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ class WeightBuilder:
         # 512 reference tokens against 286 group by group, docs/models.md). SmolLM2's
         # keeps the group order, which measured better for it (400 against 314-369): its
         # remaining differences from ggml (silu, rope) are not all matched yet.
-        self._llamacpp_order = f.architecture in _LLAMACPP_ORDER
+        self.llamacpp_order = precision == "default" and f.architecture in _LLAMACPP_ORDER
         self.device = device
 
     def _info(self, name: str) -> tuple[int, tuple[int, ...]]:
@@ -214,7 +214,7 @@ class WeightBuilder:
                             None if ks.dmin is None else ks.dmin[p],
                         )
                 pieces.append(NativePart(q, scale, offset, width, zero, mode, exact16, ks))
-        layout = native_layout(pieces, bits, self._llamacpp_order)
+        layout = native_layout(pieces, bits, self.llamacpp_order)
         if layout is None:
             return None
         return NativeLinear(lib, layout, sum(s[0] for s in shapes), k, bias)

@@ -112,6 +112,7 @@ class StageModel:
         output_norm: torch.Tensor | None,
         head: Linear | None,
         fp16_split_points: tuple[int, ...],
+        ggml_order: bool = False,
     ) -> None:
         self.cfg = cfg
         self.layer_start = layer_start
@@ -144,6 +145,15 @@ class StageModel:
         self.round_before = frozenset(
             k - layer_start for k in fp16_split_points if layer_start < k < end
         )
+        # ggml_order (stage.py: q carries neither the attention scale nor the rope
+        # permutation): rope, attention and SwiGLU as ggml computes them.
+        lib = native.library() if device.type == "cpu" else None
+        self.native_rope: native.Rope | None = None
+        self.kq_scale = 1.0 / math.sqrt(cfg.head_dim) if ggml_order else 1.0
+        if ggml_order and lib is not None:
+            self.native_rope = native.Rope(
+                lib, cfg.rope_base, cfg.rope_linear_scale, cfg.head_dim, cfg.rope_neox
+            )
 
     def forward(
         self, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int
@@ -178,14 +188,22 @@ class StageModel:
                     [_rms_norm(qk[:, :nh], lw.q_norm, cd), _rms_norm(qk[:, nh:], lw.k_norm, cd)],
                     dim=1,
                 )  # fmt: skip
-            if rot_matrix is not None:
+            ggml = self.native_rope is not None
+            if self.native_rope is not None:
+                qk = self.native_rope.apply_(qk.contiguous(), pos)
+            elif rot_matrix is not None:
                 qk = torch.mm(qk.view(nh + nkv, hd), rot_matrix).view(1, nh + nkv, hd)
             else:
                 qk = _rope(qk, cos, sin, rot)
-            attn = attend(qk, qkv[:, qkd:], k_cache[i], v_cache[i], pos, 0, mask, f16)
+            attn = attend(
+                qk, qkv[:, qkd:], k_cache[i], v_cache[i], pos, 0, mask, f16, 0, ggml, self.kq_scale
+            )  # fmt: skip
             h = lw.wo(attn, h)
             gu = lw.gate_up(h if lw.ffn_fused else _rms_norm(h, lw.ffn_norm, ch))
-            h = lw.down(F.silu(gu[:, : cfg.ffn]) * gu[:, cfg.ffn :], h)
+            act = native.swiglu(gu, cfg.ffn) if ggml else None
+            if act is None:
+                act = F.silu(gu[:, : cfg.ffn]) * gu[:, cfg.ffn :]
+            h = lw.down(act, h)
         return h
 
     def logits(self, h_last: torch.Tensor) -> torch.Tensor:
@@ -210,6 +228,7 @@ def attend(
     f16: bool,
     window: int = 0,
     ggml: bool = False,
+    kq_scale: float = 1.0,
 ) -> torch.Tensor:
     """Grouped-query attention of T new positions: their rotated ``qk`` [T, nh + nkv, hd]
     and ``v`` [T, nkv * hd] go into the layer's caches ``kc``/``vc`` [nkv, max_seq, hd]
@@ -218,7 +237,8 @@ def attend(
     values, queries and softmax weights are float16 values (StageModel.attention_f16).
     With ``ggml``, where the native kernel is built, it computes the rest as ggml does
     (native.attention; ``window`` > 0: a query sees only the last ``window`` positions,
-    which ``start`` and ``mask`` express for the torch path). Returns [T, nh * hd]."""
+    which ``start`` and ``mask`` express for the torch path; ``kq_scale`` multiplies the
+    scores there, where q does not carry the scale already). Returns [T, nh * hd]."""
     t, heads, hd = qk.shape
     nkv = kc.shape[0]
     nh = heads - nkv
@@ -229,7 +249,7 @@ def attend(
     kc[:, pos:end] = k_new
     vc[:, pos:end] = v_new
     if ggml:
-        out = native.attention(qk[:, :nh], kc, vc, pos, window)
+        out = native.attention(qk[:, :nh], kc, vc, pos, window, kq_scale)
         if out is not None:
             return out
     # [T, nh, hd] -> [nkv, group * T, hd]; head h uses kv head h // group.
@@ -240,6 +260,8 @@ def attend(
     if f16:
         qg = qg.half().float()
     scores = torch.bmm(qg, kc[:, start:end].transpose(1, 2))
+    if kq_scale != 1.0:
+        scores = scores * kq_scale
     if mask is not None:
         scores.view(nkv, group, t, end).masked_fill_(mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)

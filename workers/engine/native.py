@@ -143,10 +143,16 @@ def load(path: Path) -> ctypes.CDLL:
     lib.mvk_rope_cache.restype = None
     lib.mvk_rope_neox.argtypes = [_P, _I, _I, _I, _P, _P]
     lib.mvk_rope_neox.restype = None
+    lib.mvk_rope_norm.argtypes = [_P, _I, _I, _I, _P, _P]
+    lib.mvk_rope_norm.restype = None
     lib.mvk_attention.argtypes = [_P, _I, _I, _I, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P]
     lib.mvk_attention.restype = _C
     lib.mvk_swiglu.argtypes = [_P, _I, _I, _I, _P]
     lib.mvk_swiglu.restype = _C
+    lib.mvk_rms_norm.argtypes = [_P, _I, _I, _I, _P, ctypes.c_float, _P]
+    lib.mvk_rms_norm.restype = None
+    lib.mvk_geglu.argtypes = [_P, _I, _I, _I, _P]
+    lib.mvk_geglu.restype = None
     return lib
 
 
@@ -259,12 +265,16 @@ class Activations:
 
 
 class Rope:
-    """Rope as ggml's CPU backend computes it (qmm.c mvk_rope_cache / mvk_rope_neox):
-    float32 angles by repeated multiplication, libm cosf/sinf, fused multiply-adds.
-    Half-split pairs over whole heads; tables [positions, head_dim / 2], grown on demand."""
+    """Rope as ggml's CPU backend computes it (qmm.c mvk_rope_cache / mvk_rope_neox /
+    mvk_rope_norm): float32 angles by repeated multiplication, libm cosf/sinf, fused
+    multiply-adds. Whole heads, half-split pairs (``neox``) or adjacent ones (llama's
+    unpermuted q/k); tables [positions, head_dim / 2], grown on demand."""
 
-    def __init__(self, lib: ctypes.CDLL, base: float, freq_scale: float, head_dim: int) -> None:
+    def __init__(
+        self, lib: ctypes.CDLL, base: float, freq_scale: float, head_dim: int, neox: bool = True
+    ) -> None:
         self.lib, self.base, self.freq_scale, self.head_dim = lib, base, freq_scale, head_dim
+        self._rotate = lib.mvk_rope_neox if neox else lib.mvk_rope_norm
         self.cos = torch.empty(0, head_dim // 2)
         self.sin = torch.empty(0, head_dim // 2)
 
@@ -285,19 +295,23 @@ class Rope:
         if hd != self.head_dim or x.dtype != torch.float32 or not x.is_contiguous():
             raise ValueError("native rope: x must be contiguous float32 [T, heads, head_dim]")
         self.ensure(pos + t)
-        self.lib.mvk_rope_neox(
-            x.data_ptr(), t, heads, hd, self.cos[pos].data_ptr(), self.sin[pos].data_ptr()
-        )
+        self._rotate(x.data_ptr(), t, heads, hd, self.cos[pos].data_ptr(), self.sin[pos].data_ptr())
         return x
 
 
 def attention(
-    q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: int, window: int
+    q: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    pos: int,
+    window: int,
+    scale: float = 1.0,
 ) -> torch.Tensor | None:
     """Attention of T queries ``q`` [T, nh, hd] at pos..pos+T-1 over the layer's caches
     ``kc``/``vc`` [nkv, max_seq, hd] (float32 holding float16 values, positions up to
-    pos+T-1 written), as ggml computes it (qmm.c mvk_attention): [T, nh * hd], or None
-    where the native kernel is not built for this CPU or the tensors do not fit it."""
+    pos+T-1 written), as ggml computes it (qmm.c mvk_attention; ``scale`` multiplies q.k
+    as ggml's kq_scale): [T, nh * hd], or None where the native kernel is not built for
+    this CPU or the tensors do not fit it."""
     lib = library()
     if lib is None or kc.dtype != torch.float32 or not (kc.is_contiguous() and vc.is_contiguous()):
         return None
@@ -310,7 +324,7 @@ def attention(
     out = torch.empty(t, nh * hd)
     rc = lib.mvk_attention(
         q.data_ptr(), t, nh, hd, kc.data_ptr(), vc.data_ptr(), kc.shape[0], kc.shape[1],
-        pos, window, 1.0, out.data_ptr(), scratch.data_ptr(),
+        pos, window, scale, out.data_ptr(), scratch.data_ptr(),
     )  # fmt: skip
     return out if rc == 0 else None
 
@@ -324,4 +338,33 @@ def swiglu(gu: torch.Tensor, n: int) -> torch.Tensor | None:
     out = torch.empty(gu.shape[0], n)
     if lib.mvk_swiglu(gu.data_ptr(), gu.shape[0], n, gu.stride(0), out.data_ptr()) != 0:
         return None
+    return out
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMS norm over the last dim as ggml computes it (qmm.c rms_norm: squares summed in
+    double, 1 / sqrtf(mean + eps) in float32, then x * scale * w), or None where the
+    native kernel is not built."""
+    lib = library()
+    if lib is None or x.dtype != torch.float32 or w.dtype != torch.float32:
+        return None
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], k)
+    lib.mvk_rms_norm(
+        x2.data_ptr(), x2.shape[0], k, x2.stride(0), w.contiguous().data_ptr(), eps, out.data_ptr()
+    )
+    return out.view(x.shape)
+
+
+def geglu(gu: torch.Tensor, n: int) -> torch.Tensor | None:
+    """gelu(gate) * up of ``gu`` [T, 2n] (gate | up) as ggml computes it (qmm.c
+    mvk_geglu: its float16 gelu table), or None where the native kernel is not built."""
+    lib = library()
+    if lib is None or gu.dtype != torch.float32 or gu.stride(-1) != 1:
+        return None
+    out = torch.empty(gu.shape[0], n)
+    lib.mvk_geglu(gu.data_ptr(), gu.shape[0], n, gu.stride(0), out.data_ptr())
     return out

@@ -108,11 +108,30 @@ class Stage:
         self.file.close()
 
 
-def _layer(b: WeightBuilder, cfg: ArchConfig, i: int) -> LayerWeights:
+def _ggml_order(b: WeightBuilder, cfg: ArchConfig) -> bool:
+    """Whether the llama-family stage computes attention as ggml does (StageModel's
+    ggml_order): products in llama.cpp's order, the native kernel built, whole-head rope
+    from the base alone, no q/k norms."""
+    names = b.f.tensors
+    return (
+        b.llamacpp_order
+        and native.library() is not None
+        and cfg.rope_dim == cfg.head_dim
+        and cfg.head_dim % 16 == 0  # native.attention's vectors
+        and "rope_freqs.weight" not in names
+        and "blk.0.attn_q_norm.weight" not in names
+    )
+
+
+def _layer(b: WeightBuilder, cfg: ArchConfig, i: int, ggml: bool) -> LayerWeights:
     p = f"blk.{i}."
     names = b.f.tensors
-    # The attention scale 1/sqrt(head_dim) is folded into q (or into q_norm, which follows it).
-    scale = 1.0 / math.sqrt(cfg.head_dim)
+    # The attention scale 1/sqrt(head_dim) is folded into q (or into q_norm, which follows
+    # it), and q/k rows are permuted for a half-split rope; except where attention is
+    # computed as ggml does it (``ggml``): there the scale multiplies the scores and the
+    # rope rotates adjacent pairs, because both change float16 roundings and the order of
+    # q.k's sums.
+    scale = 1.0 if ggml else 1.0 / math.sqrt(cfg.head_dim)
     has_q_norm = p + "attn_q_norm.weight" in names
     q_norm = b.vector(p + "attn_q_norm.weight") * scale if has_q_norm else None
     qkv_bias = None
@@ -124,10 +143,10 @@ def _layer(b: WeightBuilder, cfg: ArchConfig, i: int) -> LayerWeights:
             [
                 Part(
                     p + "attn_q.weight",
-                    rope_permutation(cfg, cfg.n_head),
+                    None if ggml else rope_permutation(cfg, cfg.n_head),
                     1.0 if has_q_norm else scale,
                 ),
-                Part(p + "attn_k.weight", rope_permutation(cfg, cfg.n_kv_head)),
+                Part(p + "attn_k.weight", None if ggml else rope_permutation(cfg, cfg.n_kv_head)),
                 Part(p + "attn_v.weight"),
             ],
             qkv_bias,
@@ -194,7 +213,8 @@ def _llama_stage_model(
     """The llama-family stage (llama, mistral, qwen2, qwen3)."""
     device = b.device
     with torch.inference_mode():
-        layers = [_layer(b, cfg, i) for i in range(layer_start, layer_end)]
+        ggml = _ggml_order(b, cfg)
+        layers = [_layer(b, cfg, i, ggml) for i in range(layer_start, layer_end)]
         rope = RopeTables(cfg, b.optional_vector("rope_freqs.weight"), device)
         output_norm, head = None, None
         if layer_end == cfg.n_layers:
@@ -202,5 +222,7 @@ def _llama_stage_model(
             head_name = "output.weight" if "output.weight" in f.tensors else "token_embd.weight"
             head = b.linear([Part(head_name)])
         embedding = Embedding(f, device) if layer_start == 0 else None
-    model = StageModel(cfg, layer_start, layers, rope, output_norm, head, options.fp16_split_points)
+    model = StageModel(
+        cfg, layer_start, layers, rope, output_norm, head, options.fp16_split_points, ggml
+    )  # fmt: skip
     return model, embedding

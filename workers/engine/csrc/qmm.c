@@ -144,10 +144,14 @@ typedef struct {
  *                     the whole integer sum with the 6-bit sub-scales, one fused
  *                     multiply-add by d * dx, the mins' the same way by dmin * dx, then
  *                     their difference;
+ *                     Rows in whole fours of a product of 4 or more rows: its gemm,
+ *                     which adds per 64 elements (two sub-blocks) instead;
  *   MVK_ARITH_Q6K     llama.cpp's x86 vec_dot for Q6_K x Q8_K: per 256-block 8 lanes of
  *                     integer sums (lane l: elements 4l..4l+3 of each 32, times their
  *                     int8 sub-scales, less 32 x the sub-scaled sums of sub-blocks 2l,
- *                     2l+1), one fused multiply-add each, then hsum_float_8. */
+ *                     2l+1), one fused multiply-add each, then hsum_float_8. A product of
+ *                     8 rows or more: its tiled K-quant GEMM instead, which adds
+ *                     fma(d * isum, dx, acc) per 256-block (ggml-cpu/tiled). */
 enum { MVK_ARITH_GROUPS = 0, MVK_ARITH_Q0 = 1, MVK_ARITH_Q4K = 2, MVK_ARITH_Q6K = 3 };
 
 #define TILE 4
@@ -372,6 +376,8 @@ static inline __attribute__((always_inline)) void rows_q4k(const mvk_job *j, int
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     const __m512i half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     const uint8_t *ksc = (const uint8_t *)j->ksc;
+    /* llama.cpp's gemm (rows in fours) adds per 64 elements what its gemv adds per 256 */
+    const int per64 = TT == 4 && t0 + 4 <= j->t_rows / 4 * 4;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *w = j->codes + n * (kp / 2);
         float acc[TILE], accm[TILE];
@@ -379,6 +385,36 @@ static inline __attribute__((always_inline)) void rows_q4k(const mvk_job *j, int
         for (int64_t b = 0; b < nsb; b++) {
             __m512i iacc[TILE];
             for (int t = 0; t < TT; t++) iacc[t] = _mm512_setzero_si512();
+            if (per64) {
+                const uint8_t *m = j->kmin + n * ns + 8 * b;
+                const float d = j->kd[n * nsb + b], dmin = j->kdmin[n * nsb + b];
+                for (int64_t c = 2 * b; c < 2 * b + 2; c++) {
+                    __m512i v = _mm512_loadu_si512(w + 64 * c);
+                    __m512i lo = _mm512_and_si512(v, low4);
+                    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                    const uint8_t *s = ksc + n * ns + 4 * c;
+                    __m512i sa = _mm512_permutexvar_epi32(half, _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, s[1], s[0]));
+                    __m512i sb = _mm512_permutexvar_epi32(half, _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, s[3], s[2]));
+                    const int g0 = (int)(4 * c - 8 * b); /* first group of the chunk in the block */
+                    for (int t = 0; t < TT; t++) {
+                        const int64_t tr = t0 + t;
+                        const int8_t *q = j->qx + tr * kp + 128 * c;
+                        const int32_t *qs = j->qs16 + tr * (kp / 16) + 16 * b;
+                        const float dx = j->dxe[tr * kp / 4 + 64 * b];
+                        __m512i ia = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
+                        __m512i ib = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512(q + 64));
+                        for (int h = 0; h < 2; h++) {
+                            const int g = g0 + 2 * h;
+                            int32_t isum = _mm512_reduce_add_epi32(_mm512_mullo_epi32(h ? ib : ia, h ? sb : sa));
+                            int32_t imin = (int32_t)m[g] * (qs[2 * g] + qs[2 * g + 1]) +
+                                           (int32_t)m[g + 1] * (qs[2 * g + 2] + qs[2 * g + 3]);
+                            acc[t] = fmaf((float)isum, d * dx, acc[t]);
+                            accm[t] = fmaf((float)imin, dmin * dx, accm[t]);
+                        }
+                    }
+                }
+                continue;
+            }
             for (int64_t c = 2 * b; c < 2 * b + 2; c++) {
                 __m512i v = _mm512_loadu_si512(w + 64 * c);
                 __m512i lo = _mm512_and_si512(v, low4);
@@ -421,10 +457,12 @@ static inline __attribute__((always_inline)) void rows_q6k(const mvk_job *j, int
     const int64_t kp = j->kp, ns = kp / 16, nsb = kp / 256;
     const __m512i quarter = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     const int8_t *ksc = (const int8_t *)j->ksc;
+    const int tiled = j->t_rows >= 8;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *w = j->codes + n * kp;
         __m256 acc[TILE];
-        for (int t = 0; t < TT; t++) acc[t] = _mm256_setzero_ps();
+        float tacc[TILE];
+        for (int t = 0; t < TT; t++) acc[t] = _mm256_setzero_ps(), tacc[t] = 0.0f;
         for (int64_t b = 0; b < nsb; b++) {
             __m512i iacc[TILE];
             for (int t = 0; t < TT; t++) iacc[t] = _mm512_setzero_si512();
@@ -450,13 +488,19 @@ static inline __attribute__((always_inline)) void rows_q6k(const mvk_job *j, int
                 __m256i lane = _mm256_add_epi32(_mm512_castsi512_si256(iacc[t]),
                                                 _mm512_extracti32x8_epi32(iacc[t], 1));
                 lane = _mm256_sub_epi32(lane, _mm256_loadu_si256((const __m256i *)sub));
-                const float dd = d * j->dxe[tr * kp / 4 + 64 * b];
+                const float dx = j->dxe[tr * kp / 4 + 64 * b];
+                if (tiled) { /* llama.cpp's tiled K-quant GEMM (8 rows or more) */
+                    const int32_t isum = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(lane));
+                    tacc[t] = fmaf(d * (float)isum, dx, tacc[t]);
+                    continue;
+                }
+                const float dd = d * dx;
                 acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dd), _mm256_cvtepi32_ps(lane), acc[t]);
             }
         }
         for (int t = 0; t < TT; t++) {
             const int64_t tr = t0 + t;
-            float r = hsum8(acc[t]);
+            float r = tiled ? tacc[t] : hsum8(acc[t]);
             if (j->add) r += j->add[tr * j->ldadd + n];
             j->y[tr * j->ldy + n] = r;
         }
@@ -575,6 +619,7 @@ static void rows_generic_k(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0,
                 if (q4) {
                     const uint8_t *sc = (const uint8_t *)j->ksc + n * (kp / 32) + 8 * b;
                     const uint8_t *m = j->kmin + n * (kp / 32) + 8 * b;
+                    const int per64 = tr < j->t_rows / 4 * 4; /* see rows_q4k */
                     int32_t isum = 0, imin = 0;
                     for (int g = 0; g < 8; g++) {
                         int32_t gs = 0;
@@ -582,12 +627,20 @@ static void rows_generic_k(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0,
                             gs += code_at(j, w, k) * (int32_t)q[k];
                         isum += sc[g] * gs;
                         imin += (int32_t)m[g] * (qs[16 * b + 2 * g] + qs[16 * b + 2 * g + 1]);
+                        if (per64 && (g & 1)) {
+                            acc = fmaf((float)isum, j->kd[n * nsb + b] * dx, acc);
+                            accm = fmaf((float)imin, j->kdmin[n * nsb + b] * dx, accm);
+                            isum = imin = 0;
+                        }
                     }
-                    acc = fmaf((float)isum, j->kd[n * nsb + b] * dx, acc);
-                    accm = fmaf((float)imin, j->kdmin[n * nsb + b] * dx, accm);
+                    if (!per64) {
+                        acc = fmaf((float)isum, j->kd[n * nsb + b] * dx, acc);
+                        accm = fmaf((float)imin, j->kdmin[n * nsb + b] * dx, accm);
+                    }
                 } else {
                     const int8_t *sc = (const int8_t *)j->ksc + n * (kp / 16) + 16 * b;
                     const float dd = j->kd[n * nsb + b] * dx;
+                    int32_t total = 0;
                     for (int l = 0; l < 8; l++) {
                         int32_t lane = 0;
                         for (int g = 0; g < 8; g++) {
@@ -598,12 +651,16 @@ static void rows_generic_k(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0,
                         }
                         lane -= 32 * (qs[16 * b + 2 * l] * sc[2 * l] + qs[16 * b + 2 * l + 1] * sc[2 * l + 1]);
                         lacc[l] = fmaf(dd, (float)lane, lacc[l]);
+                        total += lane;
                     }
+                    /* 8 rows or more: llama.cpp's tiled K-quant GEMM (see rows_q6k) */
+                    acc = fmaf(j->kd[n * nsb + b] * (float)total, dx, acc);
                 }
             }
-            float r = q4 ? acc - accm
-                         : ((lacc[0] + lacc[4]) + (lacc[2] + lacc[6])) +
-                               ((lacc[1] + lacc[5]) + (lacc[3] + lacc[7]));
+            float r = q4               ? acc - accm
+                      : j->t_rows >= 8 ? acc
+                                       : ((lacc[0] + lacc[4]) + (lacc[2] + lacc[6])) +
+                                             ((lacc[1] + lacc[5]) + (lacc[3] + lacc[7]));
             if (j->add) r += j->add[tr * j->ldadd + n];
             j->y[tr * j->ldy + n] = r;
         }
@@ -1055,3 +1112,69 @@ int mvk_attention(const float *q, int64_t t, int64_t nh, int64_t hd, const float
     return -2; /* only the AVX-512 build has it */
 }
 #endif
+
+/* As mvk_rope_neox, for adjacent pairs (2i, 2i + 1): ggml's "normal" rope (llama). */
+void mvk_rope_norm(float *x, int64_t t, int64_t heads, int64_t hd, const float *cs,
+                   const float *sn) {
+    const int64_t h = hd / 2;
+    for (int64_t r = 0; r < t; r++) {
+        const float *c = cs + r * h, *s = sn + r * h;
+        for (int64_t k = 0; k < heads; k++) {
+            float *v = x + (r * heads + k) * hd;
+            for (int64_t i = 0; i < h; i++) {
+                const float x0 = v[2 * i], x1 = v[2 * i + 1];
+                const float s1 = x1 * s[i], c1 = x1 * c[i];
+                v[2 * i] = fmaf(x0, c[i], -s1);
+                v[2 * i + 1] = fmaf(x0, s[i], c1);
+            }
+        }
+    }
+}
+
+/* rms_norm (above) for callers outside a product: Gemma's q/k and post norms. */
+void mvk_rms_norm(const float *x, int64_t t_rows, int64_t k, int64_t ldx, const float *w,
+                  float eps, float *out) {
+    rms_norm(x, t_rows, k, ldx, w, eps, out);
+}
+
+/* GeGLU as ggml's CPU backend computes it: gelu (tanh form) looked up in a table of every
+ * float16 input, its values float16, built with the float arithmetic ggml compiles it to
+ * (0.5x (1 + tanhf(sqrt(2/pi) x fma(0.044715x, x, 1))), checked against ggml's table:
+ * torch's tanh-gelu differs on 26 of the 65536 entries); 0 below -10, x above 10. */
+static uint16_t g_gelu[1 << 16];
+static pthread_once_t g_gelu_once = PTHREAD_ONCE_INIT;
+
+static void gelu_table(void) {
+    for (uint32_t i = 0; i < (1u << 16); i++) {
+        uint16_t h = (uint16_t)i;
+        _Float16 hf;
+        memcpy(&hf, &h, 2);
+        const float x = (float)hf;
+        const float inner = fmaf(0.044715f * x, x, 1.0f);
+        const float y = (0.5f * x) * (1.0f + tanhf((0.79788456080286535587989211986876f * x) * inner));
+        _Float16 r = (_Float16)y;
+        memcpy(&g_gelu[i], &r, 2);
+    }
+}
+
+/* gu: rows of gate | up (each `ld` wide, halves n wide); out [t][n]. */
+void mvk_geglu(const float *gu, int64_t t, int64_t n, int64_t ld, float *out) {
+    pthread_once(&g_gelu_once, gelu_table);
+    for (int64_t r = 0; r < t; r++) {
+        const float *x = gu + r * ld, *g = x + n;
+        float *o = out + r * n;
+        for (int64_t i = 0; i < n; i++) {
+            if (x[i] <= -10.0f) {
+                o[i] = 0.0f;
+            } else if (x[i] >= 10.0f) {
+                o[i] = x[i] * g[i];
+            } else {
+                _Float16 hx = (_Float16)x[i], hy;
+                uint16_t k;
+                memcpy(&k, &hx, 2);
+                memcpy(&hy, &g_gelu[k], 2);
+                o[i] = (float)hy * g[i];
+            }
+        }
+    }
+}
