@@ -131,6 +131,7 @@ typedef struct {
     const uint8_t *kmin;
     const float *kd, *kdmin;
     const int32_t *qs16;
+    const float *s32t; /* MVK_ARITH_Q0 with mins, 4 rows or more: s32 transposed */
 } mvk_job;
 
 /* How a row's float sum is formed from its integer products:
@@ -350,23 +351,117 @@ static inline __attribute__((always_inline)) void rows_q0(const mvk_job *j, int6
                 }
             }
         }
-        for (int t = 0; t < TT; t++) {
-            int64_t tr = t0 + t;
-            float r = hsum8(acc[t]);
-            if (!zeroed) { /* Q4_1: summs += m * s, block by block */
-                const float *sm = j->s32 + tr * ns;
-                float summs = 0.0f;
+        /* Q4_1: summs += m * s, block by block; the TT rows' chains side by side (their
+         * block sums transposed, s32t [group][row]) */
+        float summs[TILE] = {0};
+        if (!zeroed) {
+            if (TT == 4 && j->s32t) {
+                __m128 sv = _mm_setzero_ps();
                 for (int64_t g = 0; g < ns; g++) {
                     float m = f32 ? ((const float *)j->min)[off + g]
                                   : _cvtsh_ss(((const uint16_t *)j->min)[off + g]);
-                    summs = MVK_SUMMS(summs, m, sm[g]);
+                    sv = _mm_fmadd_ps(_mm_set1_ps(m), _mm_loadu_ps(j->s32t + g * j->t_rows + t0), sv);
                 }
-                r += summs;
+                _mm_storeu_ps(summs, sv);
+            } else {
+                for (int t = 0; t < TT; t++) {
+                    const float *sm = j->s32 + (t0 + t) * ns;
+                    for (int64_t g = 0; g < ns; g++) {
+                        float m = f32 ? ((const float *)j->min)[off + g]
+                                      : _cvtsh_ss(((const uint16_t *)j->min)[off + g]);
+                        summs[t] = MVK_SUMMS(summs[t], m, sm[g]);
+                    }
+                }
             }
+        }
+        for (int t = 0; t < TT; t++) {
+            int64_t tr = t0 + t;
+            float r = hsum8(acc[t]);
+            if (!zeroed) r += summs[t];
             if (j->add) r += j->add[tr * j->ldadd + n];
             j->y[tr * j->ldy + n] = r;
         }
     }
+}
+
+/* rows_q0 for one activation row, four weight rows at a time: the same sums per row, four
+ * independent fused multiply-add chains in flight (one chain is latency-bound). */
+#define R4 4
+static void rows_q0_dec(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0) {
+    const int64_t kp = j->kp, ns = kp / 32;
+    const int64_t row_bytes = j->nibble ? kp / 2 : kp;
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const __m512i idx_a = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i idx_b = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+    const int f32 = j->f32, zeroed = j->zrow != NULL;
+    const int8_t *q = j->qx + t0 * kp, *nq = zeroed ? j->nq + t0 * kp : NULL;
+    const float *de = j->dxe + t0 * kp / 4;
+    int64_t n = n0;
+    for (; n + R4 <= n1; n += R4) {
+        __m256 acc[R4];
+        __m512i zb[R4];
+        for (int r = 0; r < R4; r++) {
+            acc[r] = _mm256_setzero_ps();
+            zb[r] = _mm512_set1_epi8((char)(zeroed ? j->zrow[n + r] : 0));
+        }
+        if (j->nibble) {
+            for (int64_t c = 0; c < kp / 128; c++) {
+                const __m512i qa = _mm512_loadu_si512(q + 128 * c), qb = _mm512_loadu_si512(q + 128 * c + 64);
+                const __m512 da = _mm512_loadu_ps(de + 32 * c), db = _mm512_loadu_ps(de + 32 * c + 16);
+                __m512i na = _mm512_setzero_si512(), nb = _mm512_setzero_si512();
+                if (zeroed) {
+                    na = _mm512_loadu_si512(nq + 128 * c);
+                    nb = _mm512_loadu_si512(nq + 128 * c + 64);
+                }
+                for (int r = 0; r < R4; r++) {
+                    __m512i v = _mm512_loadu_si512(j->codes + (n + r) * row_bytes + 64 * c);
+                    __m512i lo = _mm512_and_si512(v, low4);
+                    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                    __m512 s4 = _mm512_castps128_ps512(scales4(j->scale, (n + r) * ns + 4 * c, f32));
+                    __m512i ia = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, qa);
+                    __m512i ib = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, qb);
+                    if (zeroed) {
+                        ia = _mm512_dpbusd_epi32(ia, zb[r], na);
+                        ib = _mm512_dpbusd_epi32(ib, zb[r], nb);
+                    }
+                    acc[r] = chain2(acc[r], ia, _mm512_mul_ps(_mm512_permutexvar_ps(idx_a, s4), da));
+                    acc[r] = chain2(acc[r], ib, _mm512_mul_ps(_mm512_permutexvar_ps(idx_b, s4), db));
+                }
+            }
+        } else {
+            for (int64_t c = 0; c < kp / 64; c++) {
+                const __m512i qa = _mm512_loadu_si512(q + 64 * c);
+                const __m512 da = _mm512_loadu_ps(de + 16 * c);
+                const __m512i na = zeroed ? _mm512_loadu_si512(nq + 64 * c) : _mm512_setzero_si512();
+                for (int r = 0; r < R4; r++) {
+                    __m512i v = _mm512_loadu_si512(j->codes + (n + r) * row_bytes + 64 * c);
+                    __m512 s = _mm512_permutexvar_ps(
+                        idx_a, _mm512_castps128_ps512(scales4(j->scale, (n + r) * ns + 2 * c, f32)));
+                    __m512i ia = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, qa);
+                    if (zeroed) ia = _mm512_dpbusd_epi32(ia, zb[r], na);
+                    acc[r] = chain2(acc[r], ia, _mm512_mul_ps(s, da));
+                }
+            }
+        }
+        float summs[R4] = {0};
+        if (!zeroed) { /* Q4_1's min terms, block by block: four chains side by side */
+            const float *sm = j->s32 + t0 * ns;
+            for (int64_t g = 0; g < ns; g++)
+                for (int r = 0; r < R4; r++) {
+                    const int64_t i = (n + r) * ns + g;
+                    float m = f32 ? ((const float *)j->min)[i]
+                                  : _cvtsh_ss(((const uint16_t *)j->min)[i]);
+                    summs[r] = MVK_SUMMS(summs[r], m, sm[g]);
+                }
+        }
+        for (int r = 0; r < R4; r++) {
+            float y = hsum8(acc[r]);
+            if (!zeroed) y += summs[r];
+            if (j->add) y += j->add[t0 * j->ldadd + n + r];
+            j->y[t0 * j->ldy + n + r] = y;
+        }
+    }
+    if (n < n1) rows_q0(j, n, n1, t0, 1);
 }
 
 static inline __attribute__((always_inline)) void rows_q4k(const mvk_job *j, int64_t n0,
@@ -520,7 +615,7 @@ static void rows_simd_n(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, in
     if (j->arith == MVK_ARITH_Q6K) MVK_BY_TILE(rows_q6k)
     if (j->arith == MVK_ARITH_Q0) {
         switch (tt) {
-        case 1: rows_q0(j, n0, n1, t0, 1); return;
+        case 1: rows_q0_dec(j, n0, n1, t0); return;
         case 2: rows_q0(j, n0, n1, t0, 2); return;
         case 3: rows_q0(j, n0, n1, t0, 3); return;
         default: rows_q0(j, n0, n1, t0, 4); return;
@@ -831,7 +926,8 @@ void mvk_matmul(const int8_t *qx, const float *dxe, const float *s16, const floa
                 const void *min, int64_t n, int nibble, int sub, int zero, int f32, float *y,
                 int64_t ldy, const float *add, int64_t ldadd, int threads) {
     mvk_job j = {qx, dxe, s16, s32, t_rows, kp, codes, scale, min, n, nibble, sub, zero, f32,
-                 y, ldy, add, ldadd, NULL, NULL, MVK_ARITH_GROUPS, NULL, NULL, NULL, NULL, NULL};
+                 y, ldy, add, ldadd, NULL, NULL, MVK_ARITH_GROUPS, NULL, NULL, NULL, NULL, NULL,
+                 NULL};
     dispatch(j, threads);
 }
 
@@ -905,6 +1001,8 @@ int mvk_linear(const mvk_weights *w, const float *x, int64_t t_rows, int64_t k_i
     if (q0) need += (size_t)t_rows * (size_t)kp + 64;
     const int kq = w->arith == MVK_ARITH_Q4K || w->arith == MVK_ARITH_Q6K;
     if (kq) need += (size_t)t_rows * (size_t)(kp / 16) * 4 + 64;
+    const int sT = w->arith == MVK_ARITH_Q0 && w->zrow == NULL && t_rows >= 4;
+    if (sT) need += (size_t)t_rows * (size_t)(kp / 32) * 4 + 64;
     if (w->norm) need += (size_t)t_rows * (size_t)k_in * 4 + 64;
     if (need > t_cap) {
         free(t_buf);
@@ -939,9 +1037,16 @@ int mvk_linear(const mvk_weights *w, const float *x, int64_t t_rows, int64_t k_i
             qs16[i] = sum;
         }
     }
+    float *s32t = NULL;
+    if (sT) { /* after everything above in the scratch buffer */
+        uintptr_t base = (uintptr_t)(qx + t_rows * kp) + (w->norm ? t_rows * k_in * 4 + 64 : 0);
+        s32t = (float *)((base + 63) & ~(uintptr_t)63);
+        for (int64_t t = 0; t < t_rows; t++)
+            for (int64_t g = 0; g < kp / 32; g++) s32t[g * t_rows + t] = s32[t * (kp / 32) + g];
+    }
     mvk_job j = {qx, dxe, s16, s32, t_rows, kp, w->codes, w->scale, w->min, w->n, w->nibble,
                  w->sub, w->zero, w->f32, y, w->n, add, ldadd, nq, w->zrow, w->arith,
-                 w->ksc, w->kmin, w->kd, w->kdmin, qs16};
+                 w->ksc, w->kmin, w->kd, w->kdmin, qs16, s32t};
     dispatch(j, MAX_THREADS);
     return 0;
 }
@@ -1012,6 +1117,35 @@ static inline float dot16(const float *x, const float *y, int64_t n) {
     return _mm512_reduce_add_ps(s);
 }
 
+/* o[d] = dot64(v[.][d], w) for every d at once: v rows [n][hd] as the cache holds them,
+ * the 64 partial sums per d (position s into slot s % 64, in order) kept as vectors over
+ * d, then reduced in dot64's tree (its 4 accumulators, then _mm512_reduce_add_ps's
+ * pairing of 16 lanes). part: 64 * hd floats. hd a multiple of 16. */
+static void kqv_dot64(const float *v, const float *w, int64_t n, int64_t hd, float *part,
+                      float *o) {
+    const int64_t used = n < 64 ? n : 64; /* slots past n stay zero: not stored */
+    memset(part, 0, sizeof(float) * (size_t)(used * hd));
+    for (int64_t s = 0; s < n; s++) {
+        const __m512 ws = _mm512_set1_ps(w[s]);
+        float *p = part + (s % 64) * hd;
+        const float *vr = v + s * hd;
+        for (int64_t d = 0; d < hd; d += 16)
+            _mm512_storeu_ps(p + d, _mm512_fmadd_ps(_mm512_loadu_ps(vr + d), ws, _mm512_loadu_ps(p + d)));
+    }
+#define P(slot) ((slot) < used ? _mm512_loadu_ps(part + (slot) * hd + d) : _mm512_setzero_ps())
+    for (int64_t d = 0; d < hd; d += 16) {
+        __m512 x[16];
+        for (int l = 0; l < 16; l++) /* accumulators j = 0..3 hold slots 16j + l */
+            x[l] = _mm512_add_ps(_mm512_add_ps(P(l), P(32 + l)), _mm512_add_ps(P(16 + l), P(48 + l)));
+        __m512 t3[8], t6[4];
+        for (int i = 0; i < 8; i++) t3[i] = _mm512_add_ps(x[8 + i], x[i]);
+        for (int i = 0; i < 4; i++) t6[i] = _mm512_add_ps(t3[4 + i], t3[i]);
+        __m512 r = _mm512_add_ps(_mm512_add_ps(t6[0], t6[2]), _mm512_add_ps(t6[1], t6[3]));
+        _mm512_storeu_ps(o + d, r);
+    }
+#undef P
+}
+
 /* exp(x): x = n ln2 + b (n rounded, ln2 in two parts), 2^n * p(b), p of degree 5. */
 static inline __m512 exp16(__m512 x) {
     const __m512 shift = _mm512_set1_ps(0x1.8p23f);
@@ -1044,9 +1178,10 @@ int mvk_attention(const float *q, int64_t t, int64_t nh, int64_t hd, const float
                   int64_t window, float scale, float *out, float *scratch) {
     const int64_t n = pos + t, npad = (n + 63) / 64 * 64, group = nh / kv_heads;
     float *row = scratch, *w = row + npad, *vt = w + npad, *qh = vt + hd * npad;
+    float *part = t == 1 ? vt : NULL; /* a decode step needs no transposed v: 64 * hd here */
     for (int64_t g = 0; g < kv_heads; g++) {
         const float *kg = kc + g * max_seq * hd, *vg = vc + g * max_seq * hd;
-        for (int64_t d = 0; d < hd; d++) { /* v transposed, zero past n (as ggml's cache) */
+        for (int64_t d = 0; t > 1 && d < hd; d++) { /* v transposed, zero past n (as ggml's cache) */
             float *o = vt + d * npad;
             for (int64_t s = 0; s < n; s++) o[s] = vg[s * hd + d];
             for (int64_t s = n; s < npad; s++) o[s] = 0.0f;
@@ -1076,8 +1211,11 @@ int mvk_attention(const float *q, int64_t t, int64_t nh, int64_t hd, const float
                 const float inv = (float)(1.0 / sum);
                 for (int64_t s = 0; s < npad; s++) w[s] = (float)(_Float16)(w[s] * inv);
                 float *o = out + (r * nh + h) * hd;
-                for (int64_t d = 0; d < hd; d++)
-                    o[d] = t == 1 ? dot64(vt + d * npad, w, npad) : dot16(vt + d * npad, w, npad);
+                if (t == 1) {
+                    kqv_dot64(vg, w, n, hd, part, o);
+                    continue;
+                }
+                for (int64_t d = 0; d < hd; d++) o[d] = dot16(vt + d * npad, w, npad);
             }
         }
     }
