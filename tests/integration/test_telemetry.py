@@ -309,11 +309,15 @@ async def test_a_run_started_from_the_cli_has_its_own_workflow_span(site: Site):
     name = f"RunWorkflow:{names.RUN_WORKFLOW}"
     spans = site.collector.wait_for(lambda spans: any(s.name == name for s in spans))
     found = [s for s in spans if s.name == name]
-    assert len(found) == 1, found
-    (run,) = found
-    # No client started it: the workflow span is the root of its own trace.
-    assert run.parent_id == "" and run.service == "mvp-orchestrator", run
-    assert run.attributes.get("temporalWorkflowID") == names.run_workflow_id(RUN)
+    assert found, spans
+    # No client started it: the workflow span is the root of its own trace. (A first
+    # workflow task that timed out on a loaded machine runs the workflow code again,
+    # outside replay, and the SDK's interceptor then emits a second such span: each is a
+    # root of this run's workflow, and the one whose trace holds the run's work is checked.)
+    for run in found:
+        assert run.parent_id == "" and run.service == "mvp-orchestrator", run
+        assert run.attributes.get("temporalWorkflowID") == names.run_workflow_id(RUN)
+    run = max(found, key=lambda r: sum(s.trace_id == r.trace_id for s in spans))
     # Its activities, and the reports nodes send from them, hang under it.
     under = {s.name for s in spans if s.trace_id == run.trace_id}
     assert f"HandleSignal:{names.SIGNAL_WEIGHTS_READY}" in under, sorted(under)
