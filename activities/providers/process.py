@@ -10,6 +10,7 @@ A pid file keeps the record; the recorded process start time guards against pid 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -161,9 +162,18 @@ class ProcessProvider:
         return state_dir() / "nodes" / names.node_resource_name(run_id, node_id, nonce)
 
     def start(self, spec: NodeProvisionSpec) -> NodeHandle:
-        name = names.node_resource_name(spec.run_id, spec.node_id, spec.nonce)
         node_dir = self._node_dir(spec.run_id, spec.node_id, spec.nonce)
         node_dir.mkdir(parents=True, exist_ok=True)
+        # One attempt at a time per node: an attempt whose heartbeat timed out on a loaded
+        # machine may still be launching when the retry begins, before its pid file exists
+        # and while the child's command line is not yet the node's (seen in the chaos
+        # matrix as one node started twice). The retry waits, then adopts its node.
+        with open(node_dir / "start.lock", "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return self._start_locked(spec, node_dir)
+
+    def _start_locked(self, spec: NodeProvisionSpec, node_dir: Path) -> NodeHandle:
+        name = names.node_resource_name(spec.run_id, spec.node_id, spec.nonce)
         pid_file = node_dir / "pid.json"
         log_path = node_dir / "node.log"
         run_file = node_dir / RUN_FILE
