@@ -93,6 +93,32 @@ def test_products_are_the_emulated_arithmetic(lib: ctypes.CDLL, generic: ctypes.
             assert err < 2e-6, (rows, build is lib, err)
 
 
+Q0_CASES = [c for c in CASES if c[3] == 32 and c[5] != native.Q8_K_ACT and c[6]]
+
+
+@pytest.mark.parametrize("case", Q0_CASES, ids=lambda c: f"{c[0]}x{c[1]}-b{c[2]}")
+def test_llamacpp_order_is_the_same_in_plain_c(
+    lib: ctypes.CDLL, generic: ctypes.CDLL, case
+) -> None:
+    """llama.cpp's order for Q4_0/Q4_1/Q5_0/Q8_0 (qmm.c rows_q0, 16 rows interleaved, rows
+    off the 16-grid masked): the plain C build gives the same bits, for 1 to 9 activation
+    rows, and both are the emulated arithmetic."""
+    q, scale, offset, part = _case(case, seed=case[1] + 1)
+    layout = native_layout([part], case[2], llamacpp_order=True)
+    assert layout is not None and layout.arith == native.ARITH_Q0 and layout.kp == case[1]
+    gen = torch.Generator().manual_seed(2)
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(rows, case[1], generator=gen) * 3
+        add = torch.randn(rows, case[0], generator=gen)
+        got = NativeLinear(lib, layout, case[0], case[1], None)(x, add)
+        plain = NativeLinear(generic, layout, case[0], case[1], None)(x, add)
+        assert torch.equal(got, plain), rows
+        lin = NativeLinear(lib, layout, case[0], case[1], None)
+        want = _emulated(lib, lin, x, q, scale, offset, 32)
+        err = float(((got.double() - add.double()) - want).abs().max() / want.abs().max())
+        assert err < 2e-6, (rows, err)
+
+
 def test_activation_blocks_follow_llamacpp(lib: ctypes.CDLL) -> None:
     """Q8_0 blocks: d = max|x| / 127 kept as float16, codes rounded to even; Q8_K: 256-wide
     blocks with the signed extreme at -127 (d negative when it is positive)."""
@@ -111,6 +137,29 @@ def test_activation_blocks_follow_llamacpp(lib: ctypes.CDLL) -> None:
     top = int(x[0, :256].abs().argmax())
     assert int(k.qx[0, top]) == -127
     assert (float(k.dxe[0, 0]) < 0) == (float(x[0, top]) > 0)
+
+
+def test_activation_quantisation_is_the_same_in_plain_c(
+    lib: ctypes.CDLL, generic: ctypes.CDLL
+) -> None:
+    """The vectorised quantisation (AVX-512) and the plain C one give the same codes, scales
+    and sums in every mode: ties rounded to even, K off the 16-grid (zero padding), a
+    block's largest magnitude repeated with either sign (Q8_K takes the first)."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 700, generator=gen) * 4
+    x[0, :32] = torch.arange(32) - 15.5  # max 16.5 ... every x * id a half-way case or near
+    x[0, 32:64] = torch.tensor([127.0, 2.5, -2.5, 3.5, 0.5, -0.5] + [1.0] * 26)
+    x[1, :256] = x[1, :256].clamp(-8.0, 8.0)
+    x[1, 10], x[1, 200] = -9.0, 9.0  # Q8_K: equal magnitudes, the first (negative) wins
+    x[2, 256:512] = 0.0  # an all-zero 256-block
+    for mode, kp in ((native.Q8_0_ACT, 704), (native.Q8_1_ACT, 704), (native.Q8_K_ACT, 768)):
+        a = native.Activations(lib, x, kp, mode)
+        b = native.Activations(generic, x, kp, mode)
+        for name in ("qx", "dxe", "s16", "s32"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), (mode, name)
+    assert int(native.Activations(lib, x, 704, native.Q8_0_ACT).qx[0, 34]) == -int(
+        native.Activations(lib, x, 704, native.Q8_0_ACT).qx[0, 33]
+    )
 
 
 def test_threads_do_not_change_a_single_bit(lib: ctypes.CDLL) -> None:

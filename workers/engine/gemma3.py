@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,7 @@ from gguf.constants import Keys
 from . import native
 from .config import ArchConfig
 from .gguf_reader import GGUFError, GGUFFile
-from .kernels import Linear
+from .kernels import Linear, NativeLinear
 from .loader import Part, WeightBuilder
 from .model import RopeTables, attend, head_logits
 
@@ -206,6 +207,8 @@ class Gemma3StageModel:
         self.round_before = frozenset(
             k - layer_start for k in fp16_split_points if layer_start < k < end
         )
+        self._layers: native.Layers | None = None
+        self._layers_tried = False
 
     def _mask(self, pos: int, t: int, window: int, device: torch.device) -> torch.Tensor:
         """[T, S] True where hidden: the future, and for a window what lies beyond it."""
@@ -240,6 +243,13 @@ class Gemma3StageModel:
         if t > 1:
             masks[False] = self._mask(pos, t, 0, h.device)
             masks[True] = self._mask(pos, t, window, h.device) if window else masks[False]
+        layers = self._native_layers()
+        if layers is not None:
+            h = h.contiguous()  # a fresh tensor (scaled above), updated in place
+            if layers.forward_(h, k_cache, v_cache, pos):
+                if self.layer_start + len(self.layers) < cfg.n_layers:
+                    return h * BOUNDARY_SCALE
+                return h
         nh, nkv, hd, eps = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.eps
         qkd = cfg.q_dim + cfg.kv_dim
         f16 = self.attention_f16
@@ -274,6 +284,39 @@ class Gemma3StageModel:
         if self.layer_start + len(self.layers) < cfg.n_layers:
             return h * BOUNDARY_SCALE  # for the next stage (see BOUNDARY_SCALE)
         return h
+
+    def _native_layers(self) -> native.Layers | None:
+        """The layers as one foreign call (native.Layers, the same ops as forward()'s
+        loop) where every op has its native kernel; built on first use."""
+        if self._layers_tried:
+            return self._layers
+        self._layers_tried = True
+        cfg, lib, ropes = self.cfg, native.library(), self.rope.native
+        if lib is None or ropes is None or not self.attention_f16 or cfg.ffn % 16:
+            return None
+        if cfg.head_dim % 16:
+            return None
+        plans = []
+        for i, lw in enumerate(self.layers):
+            lins = (lw.qkv, lw.wo, lw.gate_up, lw.down)
+            if not all(isinstance(x, NativeLinear) and x.bias is None for x in lins):
+                return None
+            if not (lw.attn_fused and lw.ffn_fused):
+                return None
+            qkv, wo, gate_up, down = cast(tuple[NativeLinear, ...], lins)
+            plans.append(
+                native.LayerPlan(
+                    qkv._weights, wo._weights, gate_up._weights, down._weights,
+                    ropes[lw.local], lw.q_norm, lw.k_norm, lw.post_attn_norm,
+                    lw.post_ffn_norm, geglu=True,
+                    window=self.params.sliding_window if lw.local else 0,
+                    round_scale=BOUNDARY_SCALE if i in self.round_before else 0.0,
+                )
+            )  # fmt: skip
+        self._layers = native.Layers(
+            lib, cfg.hidden, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.ffn, cfg.eps, plans
+        )
+        return self._layers
 
     def logits(self, h_last: torch.Tensor) -> torch.Tensor:
         """Logits [vocab] float32 of one hidden state [hidden]."""

@@ -331,7 +331,7 @@ class NativeLinear(Linear):
         self.layout = layout
         self.out_features = out_features
         self.in_features = in_features
-        self.kp = layout.scale.shape[1] * layout.sub
+        self.kp = layout.kp
         self.bias = bias
         self._weights = Weights(
             layout.codes.data_ptr(),
@@ -422,6 +422,7 @@ class NativeLayout:
     sub: int
     zero: int
     mode: int
+    kp: int  # K padded (the kernel's row length)
     # native.ARITH_Q0: llama.cpp's own float order for Q4_0/Q4_1/Q5_0/Q8_0 (qmm.c), with
     # each row's zero code (None: Q4_1's mins); else native.ARITH_GROUPS.
     arith: int = 0
@@ -435,6 +436,27 @@ class NativeLayout:
 
 # A scale this large would not survive float16 (the kernel's compact scale type).
 _F16_MAX = 65504.0
+
+
+def _interleave16_rows(x: torch.Tensor) -> torch.Tensor:
+    """[n, g] per-row values (scales, mins) as qmm.c rows_q0 reads them: [n / 16][g][16],
+    n padded with zeros to a multiple of 16."""
+    n, g = x.shape
+    x = F.pad(x, (0, 0, 0, -n % 16))
+    return x.view(-1, 16, g).transpose(1, 2).contiguous()
+
+
+def _interleave16_codes(q: torch.Tensor, nibble: bool) -> torch.Tensor:
+    """Codes [n, kp] (uint8, kp a multiple of 32) in qmm.c rows_q0's layout: per group of
+    16 rows and block of 32, lane l (4 codes) of the 16 rows as 64 bytes (row r at 4r),
+    nibble codes two lanes per 64 bytes (2c low, 2c + 1 high)."""
+    n, kp = q.shape
+    q = F.pad(q, (0, 0, 0, -n % 16))
+    lanes = q.view(-1, 16, kp // 32, 8, 4).permute(0, 2, 3, 1, 4)  # [G, b, l, r, e]
+    if not nibble:
+        return lanes.contiguous().view(-1)
+    pairs = lanes.reshape(lanes.shape[0], kp // 32, 4, 2, 16, 4)
+    return (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).contiguous().view(-1)
 
 
 def native_layout(
@@ -454,7 +476,18 @@ def native_layout(
     mode = parts[0].mode
     if mode == 2 and k % 256:
         mode = 0
-    align = 128 if nibble else 64
+    # llamacpp_order: sum in llama.cpp's own float order where the formats allow it
+    # (native.ARITH_*; see qmm.c), else group by group. Q4_0/Q4_1/Q5_0/Q8_0 then go into
+    # qmm.c rows_q0's 16-row interleaved layout, K padded only to whole blocks.
+    q0_modes = {native.Q8_0_ACT, native.Q8_1_ACT}
+    q0 = (
+        llamacpp_order
+        and {p.mode for p in parts} <= q0_modes
+        and len({p.mode for p in parts}) == 1
+        and all(p.width == 32 and p.f16_exact for p in parts)
+        and len({p.zero is None for p in parts}) == 1
+    )
+    align = 32 if q0 else 128 if nibble else 64
     kp = (k + align - 1) // align * align
     codes, scales, offsets = [], [], []
     for p in parts:
@@ -469,28 +502,25 @@ def native_layout(
             q = F.pad(q, (0, kp - k))
             s = F.pad(s, (0, (kp - k) // sub))
             o = F.pad(o, (0, (kp - k) // sub))
-        if nibble:
+        if nibble and not q0:
             c = q.reshape(q.shape[0], kp // 128, 2, 64)
             q = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(q.shape[0], kp // 2)
         codes.append(q.contiguous())
         scales.append(s.to(dtype))
         offsets.append(o.to(dtype))
-    # llamacpp_order: sum in llama.cpp's own float order where the formats allow it
-    # (native.ARITH_*; see qmm.c), else group by group.
     arith, zrow = native.ARITH_GROUPS, None
-    q0_modes = {native.Q8_0_ACT, native.Q8_1_ACT}
-    if (
-        llamacpp_order
-        and {p.mode for p in parts} <= q0_modes
-        and len({p.mode for p in parts}) == 1
-        and all(p.width == 32 and p.f16_exact for p in parts)
-        and len({p.zero is None for p in parts}) == 1
-    ):
+    if q0:
         arith = native.ARITH_Q0
         if parts[0].zero is not None:
             zrow = torch.cat(
                 [torch.full((p.q.shape[0],), int(p.zero or 0), dtype=torch.uint8) for p in parts]
             )
+            zrow = F.pad(zrow, (0, -zrow.shape[0] % 16))
+        q_all = torch.cat(codes)
+        codes = [_interleave16_codes(q_all, nibble)]
+        del q_all
+        scales = [_interleave16_rows(torch.cat(scales))]
+        offsets = [_interleave16_rows(torch.cat(offsets))]
     ks = [p.kscales for p in parts]
     kfields: dict[str, torch.Tensor | None] = {}
     if llamacpp_order and k % 256 == 0 and all(x is not None for x in ks):
@@ -514,6 +544,7 @@ def native_layout(
         sub=sub,
         zero=zero or 0,
         mode=mode,
+        kp=kp,
         arith=arith,
         zrow=zrow,
     )

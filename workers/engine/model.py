@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 
 from . import native
 from .config import ArchConfig
-from .kernels import Linear
+from .kernels import Linear, NativeLinear
 
 # The torch-kernel head's logits carry its bfloat16 output rounding (2^-9 of a logit: 0.06
 # at 16, more than many greedy margins): the best REFINE_TOP are recomputed in float32 from
@@ -154,6 +155,8 @@ class StageModel:
             self.native_rope = native.Rope(
                 lib, cfg.rope_base, cfg.rope_linear_scale, cfg.head_dim, cfg.rope_neox
             )
+        self._layers: native.Layers | None = None
+        self._layers_tried = False
 
     def forward(
         self, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int
@@ -167,6 +170,11 @@ class StageModel:
         cfg = self.cfg
         t = h.shape[0]
         end = pos + t
+        layers = self._native_layers()
+        if layers is not None:
+            h = h.to(torch.float32, copy=True).contiguous()
+            if layers.forward_(h, k_cache, v_cache, pos):
+                return h
         self.rope.ensure(end)
         cos, sin = self.rope.cos[pos:end], self.rope.sin[pos:end]
         rot_matrix = self.rope.matrix(pos, cfg.head_dim) if t == 1 else None
@@ -205,6 +213,36 @@ class StageModel:
                 act = F.silu(gu[:, : cfg.ffn]) * gu[:, cfg.ffn :]
             h = lw.down(act, h)
         return h
+
+    def _native_layers(self) -> native.Layers | None:
+        """The layers as one foreign call (native.Layers) where everything they compute
+        has a native kernel: ggml's order, float16 caches, every product native without
+        biases, norms fused; built on first use (attention_f16 is set after __init__)."""
+        if self._layers_tried:
+            return self._layers
+        self._layers_tried = True
+        cfg, lib = self.cfg, native.library()
+        rope = self.native_rope
+        if lib is None or rope is None or not self.attention_f16 or cfg.ffn % 16:
+            return None
+        plans = []
+        for i, lw in enumerate(self.layers):
+            lins = (lw.qkv, lw.wo, lw.gate_up, lw.down)
+            if not all(isinstance(x, NativeLinear) and x.bias is None for x in lins):
+                return None
+            if not (lw.attn_fused and lw.ffn_fused) or lw.q_norm is not None:
+                return None
+            qkv, wo, gate_up, down = cast(tuple[NativeLinear, ...], lins)
+            plans.append(
+                native.LayerPlan(
+                    qkv._weights, wo._weights, gate_up._weights, down._weights, rope,
+                    kq_scale=self.kq_scale, round_scale=1.0 if i in self.round_before else 0.0,
+                )
+            )  # fmt: skip
+        self._layers = native.Layers(
+            lib, cfg.hidden, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.ffn, cfg.eps, plans
+        )
+        return self._layers
 
     def logits(self, h_last: torch.Tensor) -> torch.Tensor:
         """Logits [vocab] float32 of one hidden state [hidden]."""

@@ -25,7 +25,9 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -153,6 +155,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.mvk_rms_norm.restype = None
     lib.mvk_geglu.argtypes = [_P, _I, _I, _I, _P]
     lib.mvk_geglu.restype = None
+    lib.mvk_layers.argtypes = [_P, _P, _I, _P, _I, _I, _P, _P, _I]
+    lib.mvk_layers.restype = _C
     return lib
 
 
@@ -368,3 +372,106 @@ def geglu(gu: torch.Tensor, n: int) -> torch.Tensor | None:
     out = torch.empty(gu.shape[0], n)
     lib.mvk_geglu(gu.data_ptr(), gu.shape[0], n, gu.stride(0), out.data_ptr())
     return out
+
+
+class LayerSpec(ctypes.Structure):
+    """qmm.c's ``mvk_layer``: one decoder layer for ``mvk_layers``."""
+
+    _fields_ = [
+        ("qkv", ctypes.c_void_p),
+        ("wo", ctypes.c_void_p),
+        ("gate_up", ctypes.c_void_p),
+        ("down", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+        ("post_attn", ctypes.c_void_p),
+        ("post_ffn", ctypes.c_void_p),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+        ("neox", ctypes.c_int32),
+        ("geglu", ctypes.c_int32),
+        ("window", ctypes.c_int64),
+        ("kq_scale", ctypes.c_float),
+        ("round_scale", ctypes.c_float),
+    ]
+
+
+class Dims(ctypes.Structure):
+    _fields_ = [
+        ("hidden", ctypes.c_int64),
+        ("nh", ctypes.c_int64),
+        ("nkv", ctypes.c_int64),
+        ("hd", ctypes.c_int64),
+        ("ffn", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+    ]
+
+
+@dataclass
+class LayerPlan:
+    """One layer for ``Layers``: its four products (NativeLinear ``_weights``, norms fused
+    into qkv and gate_up), optional per-head q/k norms and post norms (float32 vectors,
+    kept alive here), its rope, window, kq_scale and the float16 hand-over scale before
+    it (0: none)."""
+
+    qkv: Any
+    wo: Any
+    gate_up: Any
+    down: Any
+    rope: Rope
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    post_attn: torch.Tensor | None = None
+    post_ffn: torch.Tensor | None = None
+    geglu: bool = False
+    window: int = 0
+    kq_scale: float = 1.0
+    round_scale: float = 0.0
+
+
+class Layers:
+    """A stage's decoder layers as one foreign call per forward (qmm.c mvk_layers): the
+    same kernels and float order as the per-op forward in model.py / gemma3.py, without a
+    torch op or Python call between them."""
+
+    def __init__(
+        self, lib: ctypes.CDLL, hidden: int, nh: int, nkv: int, hd: int, ffn: int, eps: float,
+        plans: list[LayerPlan],
+    ) -> None:  # fmt: skip
+        self.lib, self.plans = lib, plans
+        self.dims = Dims(hidden, nh, nkv, hd, ffn, eps)
+        self.specs = (LayerSpec * len(plans))()
+        for spec, p in zip(self.specs, plans, strict=True):
+            spec.qkv, spec.wo = ctypes.addressof(p.qkv), ctypes.addressof(p.wo)
+            spec.gate_up, spec.down = ctypes.addressof(p.gate_up), ctypes.addressof(p.down)
+            spec.q_norm = spec.k_norm = spec.post_attn = spec.post_ffn = None
+            for name in ("q_norm", "k_norm", "post_attn", "post_ffn"):
+                v = getattr(p, name)
+                if v is not None:
+                    v = v.float().contiguous()
+                    setattr(p, name, v)
+                    setattr(spec, name, v.data_ptr())
+            spec.neox = int(p.rope._rotate is lib.mvk_rope_neox)
+            spec.geglu, spec.window = int(p.geglu), p.window
+            spec.kq_scale, spec.round_scale = p.kq_scale, p.round_scale
+        self._tables: list[tuple[int, int]] = []
+
+    def forward_(self, h: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: int) -> bool:
+        """Run the layers on ``h`` [T, hidden] (float32, contiguous; updated in place) at
+        pos..pos+T-1 with the session's caches [layers, nkv, max_seq, hd]; False where the
+        kernel is not built for this CPU (nothing was changed then)."""
+        t = h.shape[0]
+        for p in self.plans:
+            p.rope.ensure(pos + t)
+        tables = [(p.rope.cos.data_ptr(), p.rope.sin.data_ptr()) for p in self.plans]
+        if tables != self._tables:  # a table grew (moved)
+            for spec, (c, s) in zip(self.specs, tables, strict=True):
+                spec.cos, spec.sin = c, s
+            self._tables = tables
+        rc = self.lib.mvk_layers(
+            ctypes.byref(self.dims), self.specs, len(self.plans), h.data_ptr(), t, pos,
+            kc.data_ptr(), vc.data_ptr(), kc.shape[2],
+        )  # fmt: skip
+        if rc == -1:
+            raise MemoryError("native kernel: no memory for the layers' buffers")
+        return bool(rc == 0)

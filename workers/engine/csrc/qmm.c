@@ -59,12 +59,71 @@ enum { MVK_Q8_0 = 0, MVK_Q8_1 = 1, MVK_Q8_K = 2 };
 
 static inline float f16r(float x) { return (float)(_Float16)x; }
 
+#ifdef MVK_AVX512
+/* mvk_quantize, 16 elements at a time: the same products x * id, rounded to nearest even
+ * (vcvtps2dq under the default rounding mode is nearbyintf), the same clamps and sums. */
+static void quantize_row_simd(const float *xr, int64_t k_in, int64_t kp, int mode, int8_t *q,
+                              float *dxe, float *s16, float *s32) {
+    const int64_t bs = mode == MVK_Q8_K ? 256 : 32;
+    const __m512i lo = _mm512_set1_epi32(-128), hi = _mm512_set1_epi32(127);
+    for (int64_t b = 0; b < kp; b += bs) {
+        __m512 vmax = _mm512_setzero_ps();
+        for (int64_t k = b; k < b + bs; k += 16) {
+            const int64_t left = k_in - k;
+            const __mmask16 m = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1u);
+            vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, xr + k)));
+        }
+        const float amax = _mm512_reduce_max_ps(vmax);
+        float xmax = 0.0f;
+        if (mode == MVK_Q8_K && amax > 0.0f) { /* the first element of largest magnitude */
+            for (int64_t k = b; k < b + bs && k < k_in; k++)
+                if (fabsf(xr[k]) == amax) {
+                    xmax = xr[k];
+                    break;
+                }
+        }
+        float id, d, dq;
+        if (mode == MVK_Q8_K) {
+            id = amax > 0.0f ? -127.0f / xmax : 0.0f;
+            d = amax > 0.0f ? 1.0f / id : 0.0f;
+            dq = d;
+        } else {
+            d = amax / 127.0f;
+            id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            dq = f16r(d);
+        }
+        const __m512 vid = _mm512_set1_ps(id);
+        int32_t sum32 = 0;
+        for (int64_t k = b; k < b + bs; k += 16) {
+            const int64_t left = k_in - k;
+            const __mmask16 m = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1u);
+            __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, xr + k), vid));
+            v = _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
+            _mm_storeu_si128((__m128i *)(q + k), _mm512_cvtepi32_epi8(v));
+            const int32_t sum = _mm512_reduce_add_epi32(v);
+            s16[k / 16] = dq * (float)sum;
+            sum32 += sum;
+            if ((k - b) % 32 == 16) {
+                s32[k / 32] = mode == MVK_Q8_1 ? f16r(d * (float)sum32) : dq * (float)sum32;
+                sum32 = 0;
+            }
+        }
+        for (int64_t i = b / 4; i < (b + bs) / 4; i++) dxe[i] = dq;
+    }
+}
+#endif
+
 void mvk_quantize(const float *x, int64_t t_rows, int64_t k_in, int64_t ldx, int64_t kp,
                   int mode, int8_t *qx, float *dxe, float *s16, float *s32) {
     const int64_t bs = mode == MVK_Q8_K ? 256 : 32;
     for (int64_t t = 0; t < t_rows; t++) {
         const float *xr = x + t * ldx;
         int8_t *q = qx + t * kp;
+#ifdef MVK_AVX512
+        quantize_row_simd(xr, k_in, kp, mode, q, dxe + t * kp / 4, s16 + t * kp / 16,
+                          s32 + t * kp / 32);
+        continue;
+#endif
         for (int64_t b = 0; b < kp; b += bs) {
             float amax = 0.0f, xmax = 0.0f;
             for (int64_t k = b; k < b + bs && k < k_in; k++) {
@@ -131,7 +190,6 @@ typedef struct {
     const uint8_t *kmin;
     const float *kd, *kdmin;
     const int32_t *qs16;
-    const float *s32t; /* MVK_ARITH_Q0 with mins, 4 rows or more: s32 transposed */
 } mvk_job;
 
 /* How a row's float sum is formed from its integer products:
@@ -288,180 +346,96 @@ static inline float hsum8(__m256 x) { /* ggml's hsum_float_8, in its order */
     return _mm_cvtss_f32(r);
 }
 
-/* Two blocks' lanes (i: 16 int32 lane sums, d: their scales) into the 8-lane chain. */
-static inline __m256 chain2(__m256 acc, __m512i i, __m512 d) {
-    __m512 f = _mm512_cvtepi32_ps(i);
-    acc = _mm256_fmadd_ps(_mm512_castps512_ps256(f), _mm512_castps512_ps256(d), acc);
-    return _mm256_fmadd_ps(_mm512_extractf32x8_ps(f, 1), _mm512_extractf32x8_ps(d, 1), acc);
+/* MVK_ARITH_Q0 on the 16-row interleaved layout (kernels.native_layout): one vpdpbusd
+ * gives a 4-element lane sum for 16 rows at once (the activation's 4 codes broadcast), so
+ * a row's 8 lanes are 8 vectors over rows, and each block's fused multiply-adds, the lanes'
+ * reduction (hsum_float_8's tree) and Q4_1's min terms run 16 rows wide: the float order
+ * of every row is llama.cpp's, with no horizontal sums and no per-row scalar work.
+ * Codes of group G (rows 16G..16G+15), block b: nibble, 4 x 64 bytes, vector c holding
+ * lanes 2c (low nibbles) and 2c+1 (high), byte 4r+e = element 4l+e of row r; byte,
+ * 8 x 64 bytes, one per lane. Scales (and mins) [G][block][16]; zrow padded to 16. */
+static inline __m512i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
 }
 
-static inline __attribute__((always_inline)) void rows_q0(const mvk_job *j, int64_t n0,
-                                                          int64_t n1, int64_t t0,
-                                                          const int TT) {
+#define Q0_MAXT 4
+static inline __attribute__((always_inline)) void q0_tile(const mvk_job *j, int64_t G,
+                                                          int64_t t0, const int T) {
     const int64_t kp = j->kp, ns = kp / 32;
-    const int64_t row_bytes = j->nibble ? kp / 2 : kp;
+    const int nib = j->nibble, f32 = j->f32, zeroed = j->zrow != NULL;
+    const uint8_t *wg = j->codes + G * ns * (nib ? 256 : 512);
+    const int64_t sbase = G * ns * 16;
     const __m512i low4 = _mm512_set1_epi8(0x0f);
-    const __m512i idx_a = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i idx_b = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *w = j->codes + n * row_bytes;
-        const void *sc = j->scale;
-        const int64_t off = n * ns;
-        const int f32 = j->f32;
-        const int zeroed = j->zrow != NULL;
-        const __m512i zb = _mm512_set1_epi8((char)(zeroed ? j->zrow[n] : 0));
-        __m256 acc[TILE];
-        for (int t = 0; t < TT; t++) acc[t] = _mm256_setzero_ps();
-        if (j->nibble) { /* 128 elements (4 blocks) per 64-byte chunk */
-            for (int64_t c = 0; c < kp / 128; c++) {
-                __m512i v = _mm512_loadu_si512(w + 64 * c);
-                __m512i lo = _mm512_and_si512(v, low4);
-                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-                __m512 s4 = _mm512_castps128_ps512(scales4(sc, off + 4 * c, f32));
-                __m512 sa = _mm512_permutexvar_ps(idx_a, s4);
-                __m512 sb = _mm512_permutexvar_ps(idx_b, s4);
-                for (int t = 0; t < TT; t++) {
-                    const int64_t e = (t0 + t) * kp + 128 * c;
-                    const float *de = j->dxe + (t0 + t) * kp / 4 + 32 * c;
-                    __m512i ia = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
-                                                     _mm512_loadu_si512(j->qx + e));
-                    __m512i ib = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi,
-                                                     _mm512_loadu_si512(j->qx + e + 64));
-                    if (zeroed) {
-                        ia = _mm512_dpbusd_epi32(ia, zb, _mm512_loadu_si512(j->nq + e));
-                        ib = _mm512_dpbusd_epi32(ib, zb, _mm512_loadu_si512(j->nq + e + 64));
-                    }
-                    acc[t] = chain2(acc[t], ia, _mm512_mul_ps(sa, _mm512_loadu_ps(de)));
-                    acc[t] = chain2(acc[t], ib, _mm512_mul_ps(sb, _mm512_loadu_ps(de + 16)));
+    __m512i zb = _mm512_setzero_si512();
+    if (zeroed)
+        zb = _mm512_mullo_epi32(
+            _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(j->zrow + 16 * G))),
+            _mm512_set1_epi32(0x01010101));
+    const int LP = T <= 2 ? 8 : 4; /* lanes per pass: T * LP accumulators in registers */
+    __m512 lanes[Q0_MAXT][8], summs[Q0_MAXT];
+    for (int t = 0; t < T; t++) summs[t] = _mm512_setzero_ps();
+    for (int p = 0; p < 8; p += LP) {
+        __m512 acc[Q0_MAXT][8];
+        for (int t = 0; t < T; t++)
+            for (int l = 0; l < LP; l++) acc[t][l] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < ns; b++) {
+            const __m512 sc = scales16(j->scale, sbase + 16 * b, 0xffff, f32);
+            __m512 dd[Q0_MAXT];
+            for (int t = 0; t < T; t++)
+                dd[t] = _mm512_mul_ps(sc, _mm512_set1_ps(j->dxe[(t0 + t) * kp / 4 + 8 * b]));
+            __m512i w[8];
+            if (nib) {
+                for (int c = p / 2; c < (p + LP) / 2; c++) {
+                    const __m512i v = _mm512_loadu_si512(wg + b * 256 + 64 * c);
+                    w[2 * c - p] = _mm512_and_si512(v, low4);
+                    w[2 * c + 1 - p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
                 }
-            }
-        } else { /* 64 elements (2 blocks) per chunk */
-            for (int64_t c = 0; c < kp / 64; c++) {
-                __m512i v = _mm512_loadu_si512(w + 64 * c);
-                __m512 s = _mm512_permutexvar_ps(
-                    idx_a, _mm512_castps128_ps512(scales4(sc, off + 2 * c, f32)));
-                for (int t = 0; t < TT; t++) {
-                    const int64_t e = (t0 + t) * kp + 64 * c;
-                    const float *de = j->dxe + (t0 + t) * kp / 4 + 16 * c;
-                    __m512i ia = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v,
-                                                     _mm512_loadu_si512(j->qx + e));
-                    if (zeroed)
-                        ia = _mm512_dpbusd_epi32(ia, zb, _mm512_loadu_si512(j->nq + e));
-                    acc[t] = chain2(acc[t], ia, _mm512_mul_ps(s, _mm512_loadu_ps(de)));
-                }
-            }
-        }
-        /* Q4_1: summs += m * s, block by block; the TT rows' chains side by side (their
-         * block sums transposed, s32t [group][row]) */
-        float summs[TILE] = {0};
-        if (!zeroed) {
-            if (TT == 4 && j->s32t) {
-                __m128 sv = _mm_setzero_ps();
-                for (int64_t g = 0; g < ns; g++) {
-                    float m = f32 ? ((const float *)j->min)[off + g]
-                                  : _cvtsh_ss(((const uint16_t *)j->min)[off + g]);
-                    sv = _mm_fmadd_ps(_mm_set1_ps(m), _mm_loadu_ps(j->s32t + g * j->t_rows + t0), sv);
-                }
-                _mm_storeu_ps(summs, sv);
             } else {
-                for (int t = 0; t < TT; t++) {
-                    const float *sm = j->s32 + (t0 + t) * ns;
-                    for (int64_t g = 0; g < ns; g++) {
-                        float m = f32 ? ((const float *)j->min)[off + g]
-                                      : _cvtsh_ss(((const uint16_t *)j->min)[off + g]);
-                        summs[t] = MVK_SUMMS(summs[t], m, sm[g]);
-                    }
+                for (int l = 0; l < LP; l++) w[l] = _mm512_loadu_si512(wg + b * 512 + 64 * (p + l));
+            }
+            for (int l = 0; l < LP; l++)
+                for (int t = 0; t < T; t++) {
+                    const int64_t e = (t0 + t) * kp + 32 * b + 4 * (p + l);
+                    __m512i i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[l], bcast4(j->qx + e));
+                    if (zeroed) i = _mm512_dpbusd_epi32(i, zb, bcast4(j->nq + e));
+                    acc[t][l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), dd[t], acc[t][l]);
                 }
+            if (p == 0 && !zeroed) { /* Q4_1: summs += m * s, block by block */
+                const __m512 mn = scales16(j->min, sbase + 16 * b, 0xffff, f32);
+                for (int t = 0; t < T; t++)
+                    summs[t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(j->s32[(t0 + t) * ns + b]), summs[t]);
             }
         }
-        for (int t = 0; t < TT; t++) {
-            int64_t tr = t0 + t;
-            float r = hsum8(acc[t]);
-            if (!zeroed) r += summs[t];
-            if (j->add) r += j->add[tr * j->ldadd + n];
-            j->y[tr * j->ldy + n] = r;
-        }
+        for (int t = 0; t < T; t++)
+            for (int l = 0; l < LP; l++) lanes[t][p + l] = acc[t][l];
+    }
+    const int64_t r0 = 16 * G, left = j->n - r0;
+    const __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+    for (int t = 0; t < T; t++) {
+        const __m512 *L = lanes[t];
+        __m512 r = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(L[0], L[4]), _mm512_add_ps(L[2], L[6])),
+                                 _mm512_add_ps(_mm512_add_ps(L[1], L[5]), _mm512_add_ps(L[3], L[7])));
+        if (!zeroed) r = _mm512_add_ps(r, summs[t]);
+        const int64_t tr = t0 + t;
+        if (j->add) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, j->add + tr * j->ldadd + r0));
+        _mm512_mask_storeu_ps(j->y + tr * j->ldy + r0, m, r);
     }
 }
 
-/* rows_q0 for one activation row, four weight rows at a time: the same sums per row, four
- * independent fused multiply-add chains in flight (one chain is latency-bound). */
-#define R4 4
-static void rows_q0_dec(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0) {
-    const int64_t kp = j->kp, ns = kp / 32;
-    const int64_t row_bytes = j->nibble ? kp / 2 : kp;
-    const __m512i low4 = _mm512_set1_epi8(0x0f);
-    const __m512i idx_a = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i idx_b = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
-    const int f32 = j->f32, zeroed = j->zrow != NULL;
-    const int8_t *q = j->qx + t0 * kp, *nq = zeroed ? j->nq + t0 * kp : NULL;
-    const float *de = j->dxe + t0 * kp / 4;
-    int64_t n = n0;
-    for (; n + R4 <= n1; n += R4) {
-        __m256 acc[R4];
-        __m512i zb[R4];
-        for (int r = 0; r < R4; r++) {
-            acc[r] = _mm256_setzero_ps();
-            zb[r] = _mm512_set1_epi8((char)(zeroed ? j->zrow[n + r] : 0));
-        }
-        if (j->nibble) {
-            for (int64_t c = 0; c < kp / 128; c++) {
-                const __m512i qa = _mm512_loadu_si512(q + 128 * c), qb = _mm512_loadu_si512(q + 128 * c + 64);
-                const __m512 da = _mm512_loadu_ps(de + 32 * c), db = _mm512_loadu_ps(de + 32 * c + 16);
-                __m512i na = _mm512_setzero_si512(), nb = _mm512_setzero_si512();
-                if (zeroed) {
-                    na = _mm512_loadu_si512(nq + 128 * c);
-                    nb = _mm512_loadu_si512(nq + 128 * c + 64);
-                }
-                for (int r = 0; r < R4; r++) {
-                    __m512i v = _mm512_loadu_si512(j->codes + (n + r) * row_bytes + 64 * c);
-                    __m512i lo = _mm512_and_si512(v, low4);
-                    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-                    __m512 s4 = _mm512_castps128_ps512(scales4(j->scale, (n + r) * ns + 4 * c, f32));
-                    __m512i ia = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, qa);
-                    __m512i ib = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, qb);
-                    if (zeroed) {
-                        ia = _mm512_dpbusd_epi32(ia, zb[r], na);
-                        ib = _mm512_dpbusd_epi32(ib, zb[r], nb);
-                    }
-                    acc[r] = chain2(acc[r], ia, _mm512_mul_ps(_mm512_permutexvar_ps(idx_a, s4), da));
-                    acc[r] = chain2(acc[r], ib, _mm512_mul_ps(_mm512_permutexvar_ps(idx_b, s4), db));
-                }
-            }
-        } else {
-            for (int64_t c = 0; c < kp / 64; c++) {
-                const __m512i qa = _mm512_loadu_si512(q + 64 * c);
-                const __m512 da = _mm512_loadu_ps(de + 16 * c);
-                const __m512i na = zeroed ? _mm512_loadu_si512(nq + 64 * c) : _mm512_setzero_si512();
-                for (int r = 0; r < R4; r++) {
-                    __m512i v = _mm512_loadu_si512(j->codes + (n + r) * row_bytes + 64 * c);
-                    __m512 s = _mm512_permutexvar_ps(
-                        idx_a, _mm512_castps128_ps512(scales4(j->scale, (n + r) * ns + 2 * c, f32)));
-                    __m512i ia = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, qa);
-                    if (zeroed) ia = _mm512_dpbusd_epi32(ia, zb[r], na);
-                    acc[r] = chain2(acc[r], ia, _mm512_mul_ps(s, da));
-                }
+/* Rows [n0, n1) (n0 a multiple of 16): group by group, every activation row against the
+ * group while its codes are in L1. */
+static void rows_q0(const mvk_job *j, int64_t n0, int64_t n1) {
+    for (int64_t G = n0 / 16; 16 * G < n1; G++)
+        for (int64_t t0 = 0; t0 < j->t_rows; t0 += Q0_MAXT) {
+            switch (j->t_rows - t0 < Q0_MAXT ? j->t_rows - t0 : Q0_MAXT) {
+            case 1: q0_tile(j, G, t0, 1); break;
+            case 2: q0_tile(j, G, t0, 2); break;
+            case 3: q0_tile(j, G, t0, 3); break;
+            default: q0_tile(j, G, t0, 4); break;
             }
         }
-        float summs[R4] = {0};
-        if (!zeroed) { /* Q4_1's min terms, block by block: four chains side by side */
-            const float *sm = j->s32 + t0 * ns;
-            for (int64_t g = 0; g < ns; g++)
-                for (int r = 0; r < R4; r++) {
-                    const int64_t i = (n + r) * ns + g;
-                    float m = f32 ? ((const float *)j->min)[i]
-                                  : _cvtsh_ss(((const uint16_t *)j->min)[i]);
-                    summs[r] = MVK_SUMMS(summs[r], m, sm[g]);
-                }
-        }
-        for (int r = 0; r < R4; r++) {
-            float y = hsum8(acc[r]);
-            if (!zeroed) y += summs[r];
-            if (j->add) y += j->add[t0 * j->ldadd + n + r];
-            j->y[t0 * j->ldy + n + r] = y;
-        }
-    }
-    if (n < n1) rows_q0(j, n, n1, t0, 1);
 }
 
 static inline __attribute__((always_inline)) void rows_q4k(const mvk_job *j, int64_t n0,
@@ -613,14 +587,6 @@ static inline __attribute__((always_inline)) void rows_q6k(const mvk_job *j, int
 static void rows_simd_n(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, int tt) {
     if (j->arith == MVK_ARITH_Q4K) MVK_BY_TILE(rows_q4k)
     if (j->arith == MVK_ARITH_Q6K) MVK_BY_TILE(rows_q6k)
-    if (j->arith == MVK_ARITH_Q0) {
-        switch (tt) {
-        case 1: rows_q0_dec(j, n0, n1, t0); return;
-        case 2: rows_q0(j, n0, n1, t0, 2); return;
-        case 3: rows_q0(j, n0, n1, t0, 3); return;
-        default: rows_q0(j, n0, n1, t0, 4); return;
-        }
-    }
     switch (tt) {
     case 1: rows_simd(j, n0, n1, t0, 1); break;
     case 2: rows_simd(j, n0, n1, t0, 2); break;
@@ -656,12 +622,25 @@ static inline int32_t code_at(const mvk_job *j, const uint8_t *w, int64_t k) {
     return r < 64 ? (b & 15) : (b >> 4);
 }
 
+/* MVK_ARITH_Q0's interleaved layout (see rows_q0): code k of row n, a scale or min of
+ * row n's block g. */
+static inline int32_t code_q0(const mvk_job *j, int64_t n, int64_t k) {
+    const int64_t ns = j->kp / 32, at = (n / 16) * ns + k / 32, l = (k % 32) / 4;
+    const int64_t byte = 4 * (n % 16) + k % 4;
+    if (!j->nibble) return j->codes[at * 512 + 64 * l + byte];
+    const uint8_t v = j->codes[at * 256 + 64 * (l / 2) + byte];
+    return (l & 1) ? v >> 4 : v & 15;
+}
+
+static inline float param_q0(const mvk_job *j, const void *p, int64_t n, int64_t g) {
+    const int64_t i = ((n / 16) * (j->kp / 32) + g) * 16 + n % 16;
+    return j->f32 ? ((const float *)p)[i] : h2f(((const uint16_t *)p)[i]);
+}
+
 /* MVK_ARITH_Q0 in plain C: the same lanes, chain and sums as rows_q0. */
 static void rows_generic_q0(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, int tt) {
     const int64_t kp = j->kp, ns = kp / 32;
-    const int64_t row_bytes = j->nibble ? kp / 2 : kp;
     for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *w = j->codes + n * row_bytes;
         const int32_t zero = j->zrow ? j->zrow[n] : 0;
         for (int t = 0; t < tt; t++) {
             int64_t tr = t0 + t;
@@ -669,26 +648,19 @@ static void rows_generic_q0(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0
             const float *de = j->dxe + tr * kp / 4;
             float acc[8] = {0};
             for (int64_t g = 0; g < ns; g++) {
-                int64_t i = n * ns + g;
-                float scale = j->f32 ? ((const float *)j->scale)[i]
-                                     : h2f(((const uint16_t *)j->scale)[i]);
-                float d = scale * de[g * 8];
+                float d = param_q0(j, j->scale, n, g) * de[g * 8];
                 for (int l = 0; l < 8; l++) {
                     int32_t isum = 0;
                     for (int64_t k = g * 32 + 4 * l; k < g * 32 + 4 * l + 4; k++)
-                        isum += (code_at(j, w, k) - zero) * (int32_t)q[k];
+                        isum += (code_q0(j, n, k) - zero) * (int32_t)q[k];
                     acc[l] = fmaf((float)isum, d, acc[l]);
                 }
             }
             float r = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
             if (!j->zrow) {
                 float summs = 0.0f;
-                for (int64_t g = 0; g < ns; g++) {
-                    int64_t i = n * ns + g;
-                    float m = j->f32 ? ((const float *)j->min)[i]
-                                     : h2f(((const uint16_t *)j->min)[i]);
-                    summs = MVK_SUMMS(summs, m, j->s32[tr * ns + g]);
-                }
+                for (int64_t g = 0; g < ns; g++)
+                    summs = MVK_SUMMS(summs, param_q0(j, j->min, n, g), j->s32[tr * ns + g]);
                 r += summs;
             }
             if (j->add) r += j->add[tr * j->ldadd + n];
@@ -811,6 +783,12 @@ static void rows_generic(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, i
 }
 
 static void run_rows(const mvk_job *j, int64_t n0, int64_t n1) {
+#ifdef MVK_AVX512
+    if (j->arith == MVK_ARITH_Q0) {
+        rows_q0(j, n0, n1);
+        return;
+    }
+#endif
     for (int64_t t0 = 0; t0 < j->t_rows; t0 += TILE) {
         int tt = (int)(j->t_rows - t0 < TILE ? j->t_rows - t0 : TILE);
 #ifdef MVK_AVX512
@@ -926,8 +904,7 @@ void mvk_matmul(const int8_t *qx, const float *dxe, const float *s16, const floa
                 const void *min, int64_t n, int nibble, int sub, int zero, int f32, float *y,
                 int64_t ldy, const float *add, int64_t ldadd, int threads) {
     mvk_job j = {qx, dxe, s16, s32, t_rows, kp, codes, scale, min, n, nibble, sub, zero, f32,
-                 y, ldy, add, ldadd, NULL, NULL, MVK_ARITH_GROUPS, NULL, NULL, NULL, NULL, NULL,
-                 NULL};
+                 y, ldy, add, ldadd, NULL, NULL, MVK_ARITH_GROUPS, NULL, NULL, NULL, NULL, NULL};
     dispatch(j, threads);
 }
 
@@ -1001,8 +978,6 @@ int mvk_linear(const mvk_weights *w, const float *x, int64_t t_rows, int64_t k_i
     if (q0) need += (size_t)t_rows * (size_t)kp + 64;
     const int kq = w->arith == MVK_ARITH_Q4K || w->arith == MVK_ARITH_Q6K;
     if (kq) need += (size_t)t_rows * (size_t)(kp / 16) * 4 + 64;
-    const int sT = w->arith == MVK_ARITH_Q0 && w->zrow == NULL && t_rows >= 4;
-    if (sT) need += (size_t)t_rows * (size_t)(kp / 32) * 4 + 64;
     if (w->norm) need += (size_t)t_rows * (size_t)k_in * 4 + 64;
     if (need > t_cap) {
         free(t_buf);
@@ -1037,16 +1012,9 @@ int mvk_linear(const mvk_weights *w, const float *x, int64_t t_rows, int64_t k_i
             qs16[i] = sum;
         }
     }
-    float *s32t = NULL;
-    if (sT) { /* after everything above in the scratch buffer */
-        uintptr_t base = (uintptr_t)(qx + t_rows * kp) + (w->norm ? t_rows * k_in * 4 + 64 : 0);
-        s32t = (float *)((base + 63) & ~(uintptr_t)63);
-        for (int64_t t = 0; t < t_rows; t++)
-            for (int64_t g = 0; g < kp / 32; g++) s32t[g * t_rows + t] = s32[t * (kp / 32) + g];
-    }
     mvk_job j = {qx, dxe, s16, s32, t_rows, kp, w->codes, w->scale, w->min, w->n, w->nibble,
                  w->sub, w->zero, w->f32, y, w->n, add, ldadd, nq, w->zrow, w->arith,
-                 w->ksc, w->kmin, w->kd, w->kdmin, qs16, s32t};
+                 w->ksc, w->kmin, w->kd, w->kdmin, qs16};
     dispatch(j, MAX_THREADS);
     return 0;
 }
@@ -1315,4 +1283,108 @@ void mvk_geglu(const float *gu, int64_t t, int64_t n, int64_t ld, float *out) {
             }
         }
     }
+}
+
+/* ---- whole layers -------------------------------------------------------------------
+ * A stage's decoder layers in one foreign call (model.py / gemma3.py forward() compute
+ * the same ops, one torch or foreign call each): a decode step is otherwise dispatch-
+ * bound. Per layer, as ggml computes it:
+ *   qkv = W_qkv(rms_norm(h))                     (the norm fused in the product)
+ *   q, k = rms_norm per head (q_norm, k_norm; Gemma), then rope (the layer's tables)
+ *   the cache gets k and v rounded to float16; attn = mvk_attention(q, window, kq_scale)
+ *   h += W_o(attn)           or, with post_attn: h += rms_norm(W_o(attn), post_attn)
+ *   gu = W_gate_up(rms_norm(h)); act = swiglu(gu) or geglu(gu)
+ *   h += W_down(act)         or, with post_ffn:  h += rms_norm(W_down(act), post_ffn)
+ * round_scale > 0: h = f16(h * round_scale) / round_scale first (a pipeline split's
+ * float16 hand-over, emulated in one stage). */
+typedef struct {
+    const mvk_weights *qkv, *wo, *gate_up, *down;
+    const float *q_norm, *k_norm, *post_attn, *post_ffn; /* NULL: none */
+    const float *cos, *sin;                             /* [positions][hd / 2] */
+    int32_t neox, geglu;
+    int64_t window;
+    float kq_scale, round_scale;
+} mvk_layer;
+
+typedef struct {
+    int64_t hidden, nh, nkv, hd, ffn;
+    float eps;
+} mvk_dims;
+
+static __thread float *t_lbuf;
+static __thread size_t t_lcap;
+
+/* Returns 0, -1 (no memory) or -2 (not built for this CPU). */
+int mvk_layers(const mvk_dims *d, const mvk_layer *layers, int64_t n_layers, float *h,
+               int64_t t, int64_t pos, float *kc, float *vc, int64_t max_seq) {
+#ifdef MVK_AVX512
+    const int64_t hd = d->hd, nh = d->nh, nkv = d->nkv, hid = d->hidden, ffn = d->ffn;
+    const int64_t qd = nh * hd, kvd = nkv * hd, ld = qd + 2 * kvd, n = pos + t;
+    const int64_t npad = (n + 63) / 64 * 64;
+    const size_t f = (size_t)t * (size_t)(ld + (qd + kvd) + 2 * qd + hid + 3 * ffn) +
+                     (size_t)(3 * npad + hd * npad + hd) + 16 * 8;
+    if (f > t_lcap) {
+        free(t_lbuf);
+        t_lbuf = aligned_alloc(64, (f * 4 + 63) / 64 * 64);
+        t_lcap = t_lbuf ? f : 0;
+        if (!t_lbuf) return -1;
+    }
+    float *qkv = t_lbuf, *qk = qkv + t * ld, *q = qk + t * (qd + kvd), *att = q + t * qd;
+    float *y = att + t * qd, *gu = y + t * hid, *act = gu + t * 2 * ffn, *scr = act + t * ffn;
+    for (int64_t i = 0; i < n_layers; i++) {
+        const mvk_layer *L = layers + i;
+        float *kci = kc + i * nkv * max_seq * hd, *vci = vc + i * nkv * max_seq * hd;
+        if (L->round_scale > 0.0f) {
+            const float inv = 1.0f / L->round_scale;
+            for (int64_t e = 0; e < t * hid; e++) h[e] = f16r(h[e] * L->round_scale) * inv;
+        }
+        if (mvk_linear(L->qkv, h, t, hid, hid, qkv, NULL, 0) != 0) return -1;
+        for (int64_t r = 0; r < t; r++) {
+            const float *src = qkv + r * ld;
+            float *dst = qk + r * (qd + kvd);
+            if (L->q_norm) {
+                rms_norm(src, nh, hd, hd, L->q_norm, d->eps, dst);
+                rms_norm(src + qd, nkv, hd, hd, L->k_norm, d->eps, dst + qd);
+            } else {
+                memcpy(dst, src, sizeof(float) * (size_t)(qd + kvd));
+            }
+        }
+        (L->neox ? mvk_rope_neox : mvk_rope_norm)(qk, t, nh + nkv, hd, L->cos + pos * (hd / 2),
+                                                   L->sin + pos * (hd / 2));
+        for (int64_t r = 0; r < t; r++) {
+            const float *kr = qk + r * (qd + kvd) + qd, *vr = qkv + r * ld + qd + kvd;
+            for (int64_t g = 0; g < nkv; g++)
+                for (int64_t e = 0; e < hd; e++) {
+                    kci[(g * max_seq + pos + r) * hd + e] = f16r(kr[g * hd + e]);
+                    vci[(g * max_seq + pos + r) * hd + e] = f16r(vr[g * hd + e]);
+                }
+            memcpy(q + r * qd, qk + r * (qd + kvd), sizeof(float) * (size_t)qd);
+        }
+        mvk_attention(q, t, nh, hd, kci, vci, nkv, max_seq, pos, L->window, L->kq_scale, att, scr);
+        if (L->post_attn) {
+            if (mvk_linear(L->wo, att, t, qd, qd, y, NULL, 0) != 0) return -1;
+            rms_norm(y, t, hid, hid, L->post_attn, d->eps, y);
+            for (int64_t e = 0; e < t * hid; e++) h[e] = h[e] + y[e];
+        } else if (mvk_linear(L->wo, att, t, qd, qd, h, h, hid) != 0) {
+            return -1;
+        }
+        if (mvk_linear(L->gate_up, h, t, hid, hid, gu, NULL, 0) != 0) return -1;
+        if (L->geglu)
+            mvk_geglu(gu, t, ffn, 2 * ffn, act);
+        else if (mvk_swiglu(gu, t, ffn, 2 * ffn, act) != 0)
+            return -2;
+        if (L->post_ffn) {
+            if (mvk_linear(L->down, act, t, ffn, ffn, y, NULL, 0) != 0) return -1;
+            rms_norm(y, t, hid, hid, L->post_ffn, d->eps, y);
+            for (int64_t e = 0; e < t * hid; e++) h[e] = h[e] + y[e];
+        } else if (mvk_linear(L->down, act, t, ffn, ffn, h, h, hid) != 0) {
+            return -1;
+        }
+    }
+    return 0;
+#else
+    (void)d; (void)layers; (void)n_layers; (void)h; (void)t; (void)pos; (void)kc; (void)vc;
+    (void)max_seq;
+    return -2;
+#endif
 }
