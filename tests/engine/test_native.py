@@ -19,6 +19,7 @@ import torch
 
 from workers.engine import native
 from workers.engine.kernels import NativeLinear, NativePart, native_layout
+from workers.engine.quants import KScales
 
 CASES = [
     # rows, K, code bits, group width, zero code (None: mins), activation mode, f16 scales
@@ -137,6 +138,36 @@ def test_activation_blocks_follow_llamacpp(lib: ctypes.CDLL) -> None:
     top = int(x[0, :256].abs().argmax())
     assert int(k.qx[0, top]) == -127
     assert (float(k.dxe[0, 0]) < 0) == (float(x[0, top]) > 0)
+
+
+def test_q4k_order_is_the_same_in_plain_c(lib: ctypes.CDLL, generic: ctypes.CDLL) -> None:
+    """Q4_K in llama.cpp's order (qmm.c q4k_tile: its 6-bit scales and mins, 16 rows
+    interleaved, rows off the 16-grid masked; per 256 for 1 to 3 activation rows, per 64
+    for rows in whole fours): the plain C build gives the same bits, and both are the
+    emulated arithmetic."""
+    n, k = 40, 512
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    sc = torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=gen)
+    mins = torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=gen)
+    d = torch.rand(n, k // 256, generator=gen) * 1e-3
+    dmin = torch.rand(n, k // 256, generator=gen) * 1e-3
+    scale = d.repeat_interleave(8, 1) * sc.float()
+    offset = -dmin.repeat_interleave(8, 1) * mins.float()
+    part = NativePart(
+        q, scale, offset, 32, None, native.Q8_K_ACT, False, KScales(sc, mins, d, dmin)
+    )
+    layout = native_layout([part], 4, llamacpp_order=True)
+    assert layout is not None and layout.arith == native.ARITH_Q4K
+    for rows in (1, 2, 3, 4, 5, 8, 9):
+        x = torch.randn(rows, k, generator=gen) * 3
+        add = torch.randn(rows, n, generator=gen)
+        got = NativeLinear(lib, layout, n, k, None)(x, add)
+        assert torch.equal(got, NativeLinear(generic, layout, n, k, None)(x, add)), rows
+        lin = NativeLinear(lib, layout, n, k, None)
+        want = _emulated(lib, lin, x, q, scale, offset, 32)
+        err = float(((got.double() - add.double()) - want).abs().max() / want.abs().max())
+        assert err < 2e-6, (rows, err)
 
 
 def test_activation_quantisation_is_the_same_in_plain_c(

@@ -487,6 +487,16 @@ def native_layout(
         and all(p.width == 32 and p.f16_exact for p in parts)
         and len({p.zero is None for p in parts}) == 1
     )
+    # Q4_K likewise (qmm.c q4k_tile): its codes and own scales interleaved by 16 rows.
+    ks = [p.kscales for p in parts]
+    q4k = (
+        llamacpp_order
+        and k % 256 == 0
+        and nibble
+        and sub == 32
+        and all(x is not None and x.mins is not None for x in ks)
+    )
+    interleaved = q0 or q4k
     align = 32 if q0 else 128 if nibble else 64
     kp = (k + align - 1) // align * align
     codes, scales, offsets = [], [], []
@@ -502,7 +512,7 @@ def native_layout(
             q = F.pad(q, (0, kp - k))
             s = F.pad(s, (0, (kp - k) // sub))
             o = F.pad(o, (0, (kp - k) // sub))
-        if nibble and not q0:
+        if nibble and not interleaved:
             c = q.reshape(q.shape[0], kp // 128, 2, 64)
             q = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(q.shape[0], kp // 2)
         codes.append(q.contiguous())
@@ -516,25 +526,33 @@ def native_layout(
                 [torch.full((p.q.shape[0],), int(p.zero or 0), dtype=torch.uint8) for p in parts]
             )
             zrow = F.pad(zrow, (0, -zrow.shape[0] % 16))
+        scales = [_interleave16_rows(torch.cat(scales))]
+        offsets = [_interleave16_rows(torch.cat(offsets))]
+    if interleaved:
         q_all = torch.cat(codes)
         codes = [_interleave16_codes(q_all, nibble)]
         del q_all
-        scales = [_interleave16_rows(torch.cat(scales))]
-        offsets = [_interleave16_rows(torch.cat(offsets))]
-    ks = [p.kscales for p in parts]
     kfields: dict[str, torch.Tensor | None] = {}
-    if llamacpp_order and k % 256 == 0 and all(x is not None for x in ks):
-        kss = [x for x in ks if x is not None]
-        with_mins = {x.mins is not None for x in kss}
-        if with_mins == {True} and nibble and sub == 32:
-            arith = native.ARITH_Q4K
-            kfields["kmin"] = torch.cat([x.mins for x in kss if x.mins is not None]).contiguous()
-            kfields["kdmin"] = torch.cat([x.dmin for x in kss if x.dmin is not None]).contiguous()
-        elif with_mins == {False} and not nibble and sub == 16:
-            arith = native.ARITH_Q6K
-        if arith != native.ARITH_GROUPS:
-            kfields["ksc"] = torch.cat([x.sc for x in kss]).contiguous()
-            kfields["kd"] = torch.cat([x.d for x in kss]).float().contiguous()
+    kss = [x for x in ks if x is not None]
+    if q4k:
+        arith = native.ARITH_Q4K
+        kfields["ksc"] = _interleave16_rows(torch.cat([x.sc for x in kss]))
+        kfields["kmin"] = _interleave16_rows(torch.cat([x.mins for x in kss if x.mins is not None]))
+        kfields["kd"] = _interleave16_rows(torch.cat([x.d for x in kss]).float())
+        kfields["kdmin"] = _interleave16_rows(
+            torch.cat([x.dmin for x in kss if x.dmin is not None]).float()
+        )
+    elif (
+        llamacpp_order
+        and k % 256 == 0
+        and len(kss) == len(ks)
+        and all(x.mins is None for x in kss)
+        and not nibble
+        and sub == 16
+    ):
+        arith = native.ARITH_Q6K
+        kfields["ksc"] = torch.cat([x.sc for x in kss]).contiguous()
+        kfields["kd"] = torch.cat([x.d for x in kss]).float().contiguous()
     return NativeLayout(
         **kfields,
         codes=torch.cat(codes),

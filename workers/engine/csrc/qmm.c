@@ -424,100 +424,94 @@ static inline __attribute__((always_inline)) void q0_tile(const mvk_job *j, int6
     }
 }
 
+/* MVK_ARITH_Q4K on the interleaved layout (rows_q0's, codes per sub-block of 32; ksc and
+ * kmin [G][sub-block][16] uint8, kd and kdmin [G][256-block][16] float32): per sub-block
+ * the 16 rows' integer dot products, times their 6-bit scales; the mins' terms from the
+ * activations' sums per 32; then llama.cpp's repacked gemv (one fused multiply-add per
+ * 256-block) or, for activation rows in whole fours, its gemm (one per 64 elements). */
+static inline __attribute__((always_inline)) void q4k_tile(const mvk_job *j, int64_t G,
+                                                           int64_t t0, const int T) {
+    const int64_t kp = j->kp, ns = kp / 32, nsb = kp / 256;
+    const uint8_t *wg = j->codes + G * ns * 256;
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const int per64 = T == 4; /* tiles start at multiples of 4: whole fours */
+    __m512 acc[Q0_MAXT], accm[Q0_MAXT];
+    for (int t = 0; t < T; t++) acc[t] = accm[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++) {
+        const __m512 d = _mm512_loadu_ps(j->kd + (G * nsb + b) * 16);
+        const __m512 dmin = _mm512_loadu_ps(j->kdmin + (G * nsb + b) * 16);
+        __m512 dd[Q0_MAXT], ddm[Q0_MAXT];
+        for (int t = 0; t < T; t++) {
+            const __m512 dx = _mm512_set1_ps(j->dxe[(t0 + t) * kp / 4 + 64 * b]);
+            dd[t] = _mm512_mul_ps(d, dx);
+            ddm[t] = _mm512_mul_ps(dmin, dx);
+        }
+        __m512i isum[Q0_MAXT], imin[Q0_MAXT];
+        for (int t = 0; t < T; t++) isum[t] = imin[t] = _mm512_setzero_si512();
+        for (int g = 0; g < 8; g++) {
+            const int64_t sb = 8 * b + g;
+            const __m512i sc = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)((const uint8_t *)j->ksc + (G * ns + sb) * 16)));
+            const __m512i mn = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(j->kmin + (G * ns + sb) * 16)));
+            __m512i w[8];
+            for (int c = 0; c < 4; c++) {
+                const __m512i v = _mm512_loadu_si512(wg + sb * 256 + 64 * c);
+                w[2 * c] = _mm512_and_si512(v, low4);
+                w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            }
+            for (int t = 0; t < T; t++) {
+                const int8_t *q = j->qx + (t0 + t) * kp + 32 * sb;
+                __m512i e0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], bcast4(q));
+                __m512i e1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], bcast4(q + 4));
+                for (int l = 2; l < 8; l += 2) {
+                    e0 = _mm512_dpbusd_epi32(e0, w[l], bcast4(q + 4 * l));
+                    e1 = _mm512_dpbusd_epi32(e1, w[l + 1], bcast4(q + 4 * l + 4));
+                }
+                isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(_mm512_add_epi32(e0, e1), sc));
+                const int32_t *qs = j->qs16 + (t0 + t) * (kp / 16) + 2 * sb;
+                imin[t] = _mm512_add_epi32(imin[t], _mm512_mullo_epi32(mn, _mm512_set1_epi32(qs[0] + qs[1])));
+            }
+            if (per64 ? (g & 1) : g == 7)
+                for (int t = 0; t < T; t++) {
+                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), dd[t], acc[t]);
+                    accm[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin[t]), ddm[t], accm[t]);
+                    isum[t] = imin[t] = _mm512_setzero_si512();
+                }
+        }
+    }
+    const int64_t r0 = 16 * G, left = j->n - r0;
+    const __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+    for (int t = 0; t < T; t++) {
+        const int64_t tr = t0 + t;
+        __m512 r = _mm512_sub_ps(acc[t], accm[t]);
+        if (j->add) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, j->add + tr * j->ldadd + r0));
+        _mm512_mask_storeu_ps(j->y + tr * j->ldy + r0, m, r);
+    }
+}
+
 /* Rows [n0, n1) (n0 a multiple of 16): group by group, every activation row against the
  * group while its codes are in L1. */
 static void rows_q0(const mvk_job *j, int64_t n0, int64_t n1) {
     for (int64_t G = n0 / 16; 16 * G < n1; G++)
         for (int64_t t0 = 0; t0 < j->t_rows; t0 += Q0_MAXT) {
-            switch (j->t_rows - t0 < Q0_MAXT ? j->t_rows - t0 : Q0_MAXT) {
+            const int64_t tt = j->t_rows - t0 < Q0_MAXT ? j->t_rows - t0 : Q0_MAXT;
+            if (j->arith == MVK_ARITH_Q4K) {
+                switch (tt) {
+                case 1: q4k_tile(j, G, t0, 1); break;
+                case 2: q4k_tile(j, G, t0, 2); break;
+                case 3: q4k_tile(j, G, t0, 3); break;
+                default: q4k_tile(j, G, t0, 4); break;
+                }
+                continue;
+            }
+            switch (tt) {
             case 1: q0_tile(j, G, t0, 1); break;
             case 2: q0_tile(j, G, t0, 2); break;
             case 3: q0_tile(j, G, t0, 3); break;
             default: q0_tile(j, G, t0, 4); break;
             }
         }
-}
-
-static inline __attribute__((always_inline)) void rows_q4k(const mvk_job *j, int64_t n0,
-                                                           int64_t n1, int64_t t0,
-                                                           const int TT) {
-    const int64_t kp = j->kp, ns = kp / 32, nsb = kp / 256;
-    const __m512i low4 = _mm512_set1_epi8(0x0f);
-    const __m512i half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    const uint8_t *ksc = (const uint8_t *)j->ksc;
-    /* llama.cpp's gemm (rows in fours) adds per 64 elements what its gemv adds per 256 */
-    const int per64 = TT == 4 && t0 + 4 <= j->t_rows / 4 * 4;
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *w = j->codes + n * (kp / 2);
-        float acc[TILE], accm[TILE];
-        for (int t = 0; t < TT; t++) acc[t] = accm[t] = 0.0f;
-        for (int64_t b = 0; b < nsb; b++) {
-            __m512i iacc[TILE];
-            for (int t = 0; t < TT; t++) iacc[t] = _mm512_setzero_si512();
-            if (per64) {
-                const uint8_t *m = j->kmin + n * ns + 8 * b;
-                const float d = j->kd[n * nsb + b], dmin = j->kdmin[n * nsb + b];
-                for (int64_t c = 2 * b; c < 2 * b + 2; c++) {
-                    __m512i v = _mm512_loadu_si512(w + 64 * c);
-                    __m512i lo = _mm512_and_si512(v, low4);
-                    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-                    const uint8_t *s = ksc + n * ns + 4 * c;
-                    __m512i sa = _mm512_permutexvar_epi32(half, _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, s[1], s[0]));
-                    __m512i sb = _mm512_permutexvar_epi32(half, _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, s[3], s[2]));
-                    const int g0 = (int)(4 * c - 8 * b); /* first group of the chunk in the block */
-                    for (int t = 0; t < TT; t++) {
-                        const int64_t tr = t0 + t;
-                        const int8_t *q = j->qx + tr * kp + 128 * c;
-                        const int32_t *qs = j->qs16 + tr * (kp / 16) + 16 * b;
-                        const float dx = j->dxe[tr * kp / 4 + 64 * b];
-                        __m512i ia = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
-                        __m512i ib = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512(q + 64));
-                        for (int h = 0; h < 2; h++) {
-                            const int g = g0 + 2 * h;
-                            int32_t isum = _mm512_reduce_add_epi32(_mm512_mullo_epi32(h ? ib : ia, h ? sb : sa));
-                            int32_t imin = (int32_t)m[g] * (qs[2 * g] + qs[2 * g + 1]) +
-                                           (int32_t)m[g + 1] * (qs[2 * g + 2] + qs[2 * g + 3]);
-                            acc[t] = fmaf((float)isum, d * dx, acc[t]);
-                            accm[t] = fmaf((float)imin, dmin * dx, accm[t]);
-                        }
-                    }
-                }
-                continue;
-            }
-            for (int64_t c = 2 * b; c < 2 * b + 2; c++) {
-                __m512i v = _mm512_loadu_si512(w + 64 * c);
-                __m512i lo = _mm512_and_si512(v, low4);
-                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-                const uint8_t *s = ksc + n * ns + 4 * c;
-                __m512i sa = _mm512_permutexvar_epi32(half, _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, s[1], s[0]));
-                __m512i sb = _mm512_permutexvar_epi32(half, _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, s[3], s[2]));
-                for (int t = 0; t < TT; t++) {
-                    const int8_t *q = j->qx + (t0 + t) * kp + 128 * c;
-                    __m512i ia = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
-                    __m512i ib = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512(q + 64));
-                    iacc[t] = _mm512_add_epi32(iacc[t], _mm512_add_epi32(_mm512_mullo_epi32(ia, sa),
-                                                                         _mm512_mullo_epi32(ib, sb)));
-                }
-            }
-            const float d = j->kd[n * nsb + b], dmin = j->kdmin[n * nsb + b];
-            const uint8_t *m = j->kmin + n * ns + 8 * b;
-            for (int t = 0; t < TT; t++) {
-                const int64_t tr = t0 + t;
-                const int32_t *qs = j->qs16 + tr * (kp / 16) + 16 * b;
-                int32_t imin = 0;
-                for (int g = 0; g < 8; g++) imin += (int32_t)m[g] * (qs[2 * g] + qs[2 * g + 1]);
-                const float dx = j->dxe[tr * kp / 4 + 64 * b];
-                acc[t] = fmaf((float)_mm512_reduce_add_epi32(iacc[t]), d * dx, acc[t]);
-                accm[t] = fmaf((float)imin, dmin * dx, accm[t]);
-            }
-        }
-        for (int t = 0; t < TT; t++) {
-            const int64_t tr = t0 + t;
-            float r = acc[t] - accm[t];
-            if (j->add) r += j->add[tr * j->ldadd + n];
-            j->y[tr * j->ldy + n] = r;
-        }
-    }
 }
 
 static inline __attribute__((always_inline)) void rows_q6k(const mvk_job *j, int64_t n0,
@@ -585,7 +579,6 @@ static inline __attribute__((always_inline)) void rows_q6k(const mvk_job *j, int
     }
 
 static void rows_simd_n(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, int tt) {
-    if (j->arith == MVK_ARITH_Q4K) MVK_BY_TILE(rows_q4k)
     if (j->arith == MVK_ARITH_Q6K) MVK_BY_TILE(rows_q6k)
     switch (tt) {
     case 1: rows_simd(j, n0, n1, t0, 1); break;
@@ -683,26 +676,29 @@ static void rows_generic_k(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0,
             float acc = 0.0f, accm = 0.0f, lacc[8] = {0};
             for (int64_t b = 0; b < nsb; b++) {
                 const float dx = j->dxe[tr * kp / 4 + 64 * b];
-                if (q4) {
-                    const uint8_t *sc = (const uint8_t *)j->ksc + n * (kp / 32) + 8 * b;
-                    const uint8_t *m = j->kmin + n * (kp / 32) + 8 * b;
-                    const int per64 = tr < j->t_rows / 4 * 4; /* see rows_q4k */
+                if (q4) { /* the interleaved layout (q4k_tile) */
+                    const int64_t G = n / 16, r = n % 16, ns = kp / 32;
+                    const uint8_t *sc = (const uint8_t *)j->ksc, *m = j->kmin;
+                    const float kd = j->kd[(G * nsb + b) * 16 + r];
+                    const float kdmin = j->kdmin[(G * nsb + b) * 16 + r];
+                    const int per64 = tr < j->t_rows / 4 * 4; /* see q4k_tile */
                     int32_t isum = 0, imin = 0;
                     for (int g = 0; g < 8; g++) {
+                        const int64_t at = (G * ns + 8 * b + g) * 16 + r;
                         int32_t gs = 0;
                         for (int64_t k = 256 * b + 32 * g; k < 256 * b + 32 * g + 32; k++)
-                            gs += code_at(j, w, k) * (int32_t)q[k];
-                        isum += sc[g] * gs;
-                        imin += (int32_t)m[g] * (qs[16 * b + 2 * g] + qs[16 * b + 2 * g + 1]);
+                            gs += code_q0(j, n, k) * (int32_t)q[k];
+                        isum += sc[at] * gs;
+                        imin += (int32_t)m[at] * (qs[16 * b + 2 * g] + qs[16 * b + 2 * g + 1]);
                         if (per64 && (g & 1)) {
-                            acc = fmaf((float)isum, j->kd[n * nsb + b] * dx, acc);
-                            accm = fmaf((float)imin, j->kdmin[n * nsb + b] * dx, accm);
+                            acc = fmaf((float)isum, kd * dx, acc);
+                            accm = fmaf((float)imin, kdmin * dx, accm);
                             isum = imin = 0;
                         }
                     }
                     if (!per64) {
-                        acc = fmaf((float)isum, j->kd[n * nsb + b] * dx, acc);
-                        accm = fmaf((float)imin, j->kdmin[n * nsb + b] * dx, accm);
+                        acc = fmaf((float)isum, kd * dx, acc);
+                        accm = fmaf((float)imin, kdmin * dx, accm);
                     }
                 } else {
                     const int8_t *sc = (const int8_t *)j->ksc + n * (kp / 16) + 16 * b;
@@ -784,7 +780,7 @@ static void rows_generic(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, i
 
 static void run_rows(const mvk_job *j, int64_t n0, int64_t n1) {
 #ifdef MVK_AVX512
-    if (j->arith == MVK_ARITH_Q0) {
+    if (j->arith == MVK_ARITH_Q0 || j->arith == MVK_ARITH_Q4K) {
         rows_q0(j, n0, n1);
         return;
     }
@@ -1311,8 +1307,10 @@ typedef struct {
     float eps;
 } mvk_dims;
 
+#ifdef MVK_AVX512
 static __thread float *t_lbuf;
 static __thread size_t t_lcap;
+#endif
 
 /* Returns 0, -1 (no memory) or -2 (not built for this CPU). */
 int mvk_layers(const mvk_dims *d, const mvk_layer *layers, int64_t n_layers, float *h,
