@@ -140,6 +140,26 @@ def test_activation_blocks_follow_llamacpp(lib: ctypes.CDLL) -> None:
     assert (float(k.dxe[0, 0]) < 0) == (float(x[0, top]) > 0)
 
 
+def test_llamacpp_order_with_mixed_zero_codes(lib: ctypes.CDLL, generic: ctypes.CDLL) -> None:
+    """Q5_0 (zero 16) fused with Q8_0 (zero 128), 24 rows each: one group of each zero code
+    (qmm.c starts its products from the zero's term) and one mixed (the -q product)."""
+    a = _case((24, 640, 5, 32, 16, native.Q8_0_ACT, True), seed=13)
+    b = _case((24, 640, 8, 32, 128, native.Q8_0_ACT, True), seed=14)
+    layout = native_layout([a[3], b[3]], 8, llamacpp_order=True)
+    assert layout is not None and layout.arith == native.ARITH_Q0
+    assert layout.zlist == (16, 128) and layout.zg is not None
+    assert layout.zg.tolist() == [0, -1, 1]
+    q = torch.cat([a[0], b[0]])
+    gen = torch.Generator().manual_seed(15)
+    for rows in (1, 2, 4, 5):
+        x = torch.randn(rows, 640, generator=gen)
+        got = NativeLinear(lib, layout, 48, 640, None)(x)
+        assert torch.equal(got, NativeLinear(generic, layout, 48, 640, None)(x)), rows
+        lin = NativeLinear(lib, layout, 48, 640, None)
+        want = _emulated(lib, lin, x, q, torch.cat([a[1], b[1]]), torch.cat([a[2], b[2]]), 32)
+        assert float((got.double() - want).abs().max() / want.abs().max()) < 2e-6
+
+
 def test_q4k_order_is_the_same_in_plain_c(lib: ctypes.CDLL, generic: ctypes.CDLL) -> None:
     """Q4_K in llama.cpp's order (qmm.c q4k_tile: its 6-bit scales and mins, 16 rows
     interleaved, rows off the 16-grid masked; per 256 for 1 to 3 activation rows, per 64

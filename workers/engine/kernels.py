@@ -347,10 +347,13 @@ class NativeLinear(Linear):
             0,
         )
         self._weights.arith = layout.arith
-        for name in ("zrow", "ksc", "kmin", "kd", "kdmin"):
+        for name in ("zrow", "ksc", "kmin", "kd", "kdmin", "zg"):
             t = getattr(layout, name)
             if t is not None:
                 setattr(self._weights, name, t.data_ptr())
+        for i, z in enumerate(layout.zlist):
+            self._weights.zlist[i] = z
+        self._weights.nz = len(layout.zlist)
         self._ref = ctypes.byref(self._weights)
         self._call = cast(Any, lib).mvk_linear
         self._norm: torch.Tensor | None = None
@@ -432,6 +435,10 @@ class NativeLayout:
     kmin: torch.Tensor | None = None
     kd: torch.Tensor | None = None
     kdmin: torch.Tensor | None = None
+    # native.ARITH_Q0 with zero codes: each group of 16 rows' index into zlist (its one
+    # zero code), or -1 where its rows' zero codes differ
+    zg: torch.Tensor | None = None
+    zlist: tuple[int, ...] = ()
 
 
 # A scale this large would not survive float16 (the kernel's compact scale type).
@@ -518,7 +525,7 @@ def native_layout(
         codes.append(q.contiguous())
         scales.append(s.to(dtype))
         offsets.append(o.to(dtype))
-    arith, zrow = native.ARITH_GROUPS, None
+    arith, zrow, zg, zlist = native.ARITH_GROUPS, None, None, []
     if q0:
         arith = native.ARITH_Q0
         if parts[0].zero is not None:
@@ -526,6 +533,13 @@ def native_layout(
                 [torch.full((p.q.shape[0],), int(p.zero or 0), dtype=torch.uint8) for p in parts]
             )
             zrow = F.pad(zrow, (0, -zrow.shape[0] % 16))
+            # groups of one zero code start from its term (qmm.c mvk_job.corr)
+            groups = zrow.view(-1, 16).to(torch.int16)
+            uniform = (groups == groups[:, :1]).all(dim=1)
+            zlist = sorted({int(z) for z in groups[uniform, 0].tolist()})[:4]
+            zg = torch.full((groups.shape[0],), -1, dtype=torch.int8)
+            for i, z in enumerate(zlist):
+                zg[uniform & (groups[:, 0] == z)] = i
         scales = [_interleave16_rows(torch.cat(scales))]
         offsets = [_interleave16_rows(torch.cat(offsets))]
     if interleaved:
@@ -565,4 +579,6 @@ def native_layout(
         kp=kp,
         arith=arith,
         zrow=zrow,
+        zg=zg,
+        zlist=tuple(zlist),
     )

@@ -237,6 +237,9 @@ class Weights(ctypes.Structure):
         ("kmin", ctypes.c_void_p),
         ("kd", ctypes.c_void_p),
         ("kdmin", ctypes.c_void_p),
+        ("zg", ctypes.c_void_p),
+        ("zlist", ctypes.c_int32 * 4),
+        ("nz", ctypes.c_int32),
     ]
 
 

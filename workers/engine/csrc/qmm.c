@@ -190,6 +190,11 @@ typedef struct {
     const uint8_t *kmin;
     const float *kd, *kdmin;
     const int32_t *qs16;
+    /* MVK_ARITH_Q0 with zero codes: per group of 16 rows the index of its (uniform) zero
+     * code in corr, or -1 (mixed: the -q product); corr [zero][t][kp / 4] = -zero times
+     * each 4 activation codes' sum, the zero code's term as the product's start value */
+    const int8_t *zg;
+    const int32_t *corr;
 } mvk_job;
 
 /* How a row's float sum is formed from its integer products:
@@ -373,6 +378,8 @@ static inline __attribute__((always_inline)) void q0_tile(const mvk_job *j, int6
         zb = _mm512_mullo_epi32(
             _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(j->zrow + 16 * G))),
             _mm512_set1_epi32(0x01010101));
+    const int zi = zeroed && j->zg ? j->zg[G] : -1;
+    const int32_t *corr = zi >= 0 ? j->corr + (zi * j->t_rows + t0) * (kp / 4) : NULL;
     const int LP = T <= 2 ? 8 : 4; /* lanes per pass: T * LP accumulators in registers */
     __m512 lanes[Q0_MAXT][8], summs[Q0_MAXT];
     for (int t = 0; t < T; t++) summs[t] = _mm512_setzero_ps();
@@ -398,8 +405,14 @@ static inline __attribute__((always_inline)) void q0_tile(const mvk_job *j, int6
             for (int l = 0; l < LP; l++)
                 for (int t = 0; t < T; t++) {
                     const int64_t e = (t0 + t) * kp + 32 * b + 4 * (p + l);
-                    __m512i i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[l], bcast4(j->qx + e));
-                    if (zeroed) i = _mm512_dpbusd_epi32(i, zb, bcast4(j->nq + e));
+                    __m512i i;
+                    if (corr) {
+                        i = _mm512_set1_epi32(corr[t * (kp / 4) + 8 * b + p + l]);
+                        i = _mm512_dpbusd_epi32(i, w[l], bcast4(j->qx + e));
+                    } else {
+                        i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[l], bcast4(j->qx + e));
+                        if (zeroed) i = _mm512_dpbusd_epi32(i, zb, bcast4(j->nq + e));
+                    }
                     acc[t][l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), dd[t], acc[t][l]);
                 }
             if (p == 0 && !zeroed) { /* Q4_1: summs += m * s, block by block */
@@ -947,6 +960,9 @@ typedef struct {
     const void *ksc;     /* MVK_ARITH_Q4K / Q6K: see mvk_job */
     const uint8_t *kmin;
     const float *kd, *kdmin;
+    const int8_t *zg;    /* MVK_ARITH_Q0: see mvk_job (NULL: every group the -q product) */
+    int32_t zlist[4];    /* the zero codes zg indexes */
+    int32_t nz;
 } mvk_weights;
 
 /* RMS norm as ggml computes it: the mean of squares summed in double, x * (1/sqrt(mean +
@@ -972,6 +988,8 @@ int mvk_linear(const mvk_weights *w, const float *x, int64_t t_rows, int64_t k_i
     const int q0 = w->arith == MVK_ARITH_Q0 && w->zrow != NULL;
     size_t need = (size_t)t_rows * (size_t)(kp + (kp / 4 + kp / 16 + kp / 32) * 4) + 64;
     if (q0) need += (size_t)t_rows * (size_t)kp + 64;
+    const int nz = q0 && w->zg ? w->nz : 0;
+    if (nz) need += (size_t)nz * (size_t)t_rows * (size_t)kp + 64;
     const int kq = w->arith == MVK_ARITH_Q4K || w->arith == MVK_ARITH_Q6K;
     if (kq) need += (size_t)t_rows * (size_t)(kp / 16) * 4 + 64;
     if (w->norm) need += (size_t)t_rows * (size_t)k_in * 4 + 64;
@@ -998,6 +1016,14 @@ int mvk_linear(const mvk_weights *w, const float *x, int64_t t_rows, int64_t k_i
                          63) & ~(uintptr_t)63);
         for (int64_t i = 0; i < t_rows * kp; i++) nq[i] = (int8_t)-qx[i];
     }
+    int32_t *corr = NULL;
+    if (nz) { /* after nq */
+        corr = (int32_t *)(((uintptr_t)(nq + t_rows * kp) + 63) & ~(uintptr_t)63);
+        for (int64_t i = 0; i < t_rows * kp / 4; i++) {
+            const int32_t sum = qx[4 * i] + qx[4 * i + 1] + qx[4 * i + 2] + qx[4 * i + 3];
+            for (int z = 0; z < nz; z++) corr[z * t_rows * kp / 4 + i] = -w->zlist[z] * sum;
+        }
+    }
     int32_t *qs16 = NULL;
     if (kq) { /* the activations' integer sums per 16 */
         qs16 = (int32_t *)(((uintptr_t)(qx + t_rows * kp) + (w->norm ? t_rows * k_in * 4 + 64 : 0) +
@@ -1010,7 +1036,7 @@ int mvk_linear(const mvk_weights *w, const float *x, int64_t t_rows, int64_t k_i
     }
     mvk_job j = {qx, dxe, s16, s32, t_rows, kp, w->codes, w->scale, w->min, w->n, w->nibble,
                  w->sub, w->zero, w->f32, y, w->n, add, ldadd, nq, w->zrow, w->arith,
-                 w->ksc, w->kmin, w->kd, w->kdmin, qs16};
+                 w->ksc, w->kmin, w->kd, w->kdmin, qs16, nz ? w->zg : NULL, corr};
     dispatch(j, MAX_THREADS);
     return 0;
 }
