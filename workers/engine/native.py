@@ -327,7 +327,7 @@ def attention(
         return None
     q = q.contiguous().float()
     npad = (pos + t + 63) // 64 * 64
-    scratch = torch.empty(3 * npad + hd * npad + hd)
+    scratch = torch.empty(2 * npad + hd + 64 * hd + kc.shape[0] * hd * npad)  # qmm.c
     out = torch.empty(t, nh * hd)
     rc = lib.mvk_attention(
         q.data_ptr(), t, nh, hd, kc.data_ptr(), vc.data_ptr(), kc.shape[0], kc.shape[1],

@@ -59,6 +59,10 @@ enum { MVK_Q8_0 = 0, MVK_Q8_1 = 1, MVK_Q8_K = 2 };
 
 static inline float f16r(float x) { return (float)(_Float16)x; }
 
+/* mvk_attention's scratch, in floats: a decode step's buffers or a prompt's transposed v */
+#define MVK_ATTN_SCRATCH(npad, hd, kv_heads) \
+    (2 * (npad) + (hd) + 64 * (hd) + (kv_heads) * (hd) * (npad))
+
 #ifdef MVK_AVX512
 /* mvk_quantize, 16 elements at a time: the same products x * id, rounded to nearest even
  * (vcvtps2dq under the default rounding mode is nearbyintf), the same clamps and sums. */
@@ -821,6 +825,9 @@ static void run_rows(const mvk_job *j, int64_t n0, int64_t n1) {
 #define FIELD ((1ull << COUNT_SHIFT) - 1)
 static int g_threads = 1;
 static mvk_job g_job;            /* written by the caller only while no chunk is out */
+/* or, where set, chunk i of a generation is g_task(g_ctx, i) (dispatch_task) */
+static void (*g_task)(const void *ctx, int64_t i);
+static const void *g_ctx;
 static int64_t g_chunk_rows = 16;
 static atomic_ullong g_ticket;   /* gen << 40 | chunks << 20 | next */
 static atomic_llong g_done;
@@ -844,9 +851,13 @@ static int64_t work(unsigned long long gen) {
         unsigned long long chunks = (t >> COUNT_SHIFT) & FIELD, next = t & FIELD;
         if (next >= chunks) break;
         if (!atomic_compare_exchange_weak(&g_ticket, &t, t + 1)) continue;
-        int64_t n0 = (int64_t)next * g_chunk_rows;
-        int64_t n1 = n0 + g_chunk_rows < g_job.n ? n0 + g_chunk_rows : g_job.n;
-        run_rows(&g_job, n0, n1);
+        if (g_task) {
+            g_task(g_ctx, (int64_t)next);
+        } else {
+            int64_t n0 = (int64_t)next * g_chunk_rows;
+            int64_t n1 = n0 + g_chunk_rows < g_job.n ? n0 + g_chunk_rows : g_job.n;
+            run_rows(&g_job, n0, n1);
+        }
         atomic_fetch_add(&g_done, 1);
         ran++;
     }
@@ -931,6 +942,7 @@ static void dispatch(mvk_job j, int threads) {
     if (rows < 16) rows = 16;
     int64_t chunks = (n + rows - 1) / rows;
     g_job = j;
+    g_task = NULL;
     g_chunk_rows = rows;
     atomic_store(&g_done, 0);
     unsigned long long gen = (atomic_load(&g_ticket) >> GEN_SHIFT) + 1;
@@ -942,6 +954,30 @@ static void dispatch(mvk_job j, int threads) {
     }
     work(gen);
     while (atomic_load(&g_done) < chunks) relax();
+    pthread_mutex_unlock(&g_call);
+}
+
+/* Tasks 0..count-1 of fn over the pool, the caller taking part (as dispatch). */
+static void dispatch_task(void (*fn)(const void *, int64_t), const void *ctx, int64_t count) {
+    pthread_mutex_lock(&g_call);
+    if (g_threads <= 1 || count <= 1) {
+        for (int64_t i = 0; i < count; i++) fn(ctx, i);
+        pthread_mutex_unlock(&g_call);
+        return;
+    }
+    g_task = fn;
+    g_ctx = ctx;
+    atomic_store(&g_done, 0);
+    unsigned long long gen = (atomic_load(&g_ticket) >> GEN_SHIFT) + 1;
+    atomic_store(&g_ticket, (gen << GEN_SHIFT) | ((unsigned long long)count << COUNT_SHIFT));
+    if (atomic_load(&g_sleepers) > 0) {
+        pthread_mutex_lock(&g_mu);
+        pthread_cond_broadcast(&g_cv);
+        pthread_mutex_unlock(&g_mu);
+    }
+    work(gen);
+    while (atomic_load(&g_done) < count) relax();
+    g_task = NULL;
     pthread_mutex_unlock(&g_call);
 }
 
@@ -969,13 +1005,21 @@ typedef struct {
  * eps)) in float, then times the weight. */
 static void rms_norm(const float *x, int64_t t_rows, int64_t k, int64_t ldx, const float *w,
                      float eps, float *out) {
-    for (int64_t t = 0; t < t_rows; t++) {
-        const float *xr = x + t * ldx;
-        double sum = 0.0;
-        for (int64_t i = 0; i < k; i++) sum += (double)(xr[i] * xr[i]);
-        const float scale = 1.0f / sqrtf((float)(sum / (double)k) + eps);
-        float *o = out + t * k;
-        for (int64_t i = 0; i < k; i++) o[i] = (xr[i] * scale) * w[i];
+    /* Each row's sum in order, eight rows' chains side by side (one is latency-bound). */
+    for (int64_t t0 = 0; t0 < t_rows; t0 += 8) {
+        const int nr = t_rows - t0 < 8 ? (int)(t_rows - t0) : 8;
+        double sum[8] = {0};
+        for (int64_t i = 0; i < k; i++)
+            for (int r = 0; r < nr; r++) {
+                const float v = x[(t0 + r) * ldx + i];
+                sum[r] += (double)(v * v);
+            }
+        for (int r = 0; r < nr; r++) {
+            const float *xr = x + (t0 + r) * ldx;
+            const float scale = 1.0f / sqrtf((float)(sum[r] / (double)k) + eps);
+            float *o = out + (t0 + r) * k;
+            for (int64_t i = 0; i < k; i++) o[i] = (xr[i] * scale) * w[i];
+        }
     }
 }
 
@@ -1163,52 +1207,96 @@ static inline __m512 exp16(__m512 x) {
  * window > 0 only the last `window` of them); scale multiplies kq (ggml's kq_scale).
  * out [t][nh * hd]. scratch: (3 * npad + hd * npad + hd) floats, npad = (pos+t) rounded
  * up to 64. Returns -1 without a scratch buffer. */
+typedef struct {
+    const float *q, *kc, *vc, *vt;
+    int64_t t, nh, hd, kv_heads, max_seq, pos, window, npad, group;
+    float scale;
+    float *out;
+} attn_ctx;
+
+/* Query row r's heads of kv head g. row, w: npad floats; qh: hd; part: 64 * hd (a decode
+ * step) or vt, the group's v transposed [hd][npad] (a prompt). */
+static void attn_rows(const attn_ctx *c, int64_t g, int64_t r, float *row, float *w, float *qh,
+                      float *part) {
+    const int64_t t = c->t, hd = c->hd, npad = c->npad, n = c->pos + t, qp = c->pos + r;
+    const float *kg = c->kc + g * c->max_seq * hd, *vg = c->vc + g * c->max_seq * hd;
+    for (int64_t h = g * c->group; h < (g + 1) * c->group; h++) {
+        const float *qr = c->q + (r * c->nh + h) * hd;
+        for (int64_t i = 0; i < hd; i++) qh[i] = (float)(_Float16)qr[i];
+        for (int64_t s = 0; s < npad; s++) {
+            int hidden = s > qp || (c->window > 0 && qp - s >= c->window);
+            if (hidden) {
+                row[s] = -INFINITY;
+                continue;
+            }
+            float v = t == 1 ? dot64(kg + s * hd, qh, hd) : dot16(kg + s * hd, qh, hd);
+            row[s] = v * c->scale;
+        }
+        float mx = -INFINITY;
+        for (int64_t s = 0; s < npad; s++) mx = row[s] > mx ? row[s] : mx;
+        double sum = 0.0;
+        for (int64_t s = 0; s < npad; s += 16) {
+            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + s), _mm512_set1_ps(mx)));
+            _mm512_storeu_ps(w + s, e);
+            sum += (double)_mm512_reduce_add_ps(e);
+        }
+        const float inv = (float)(1.0 / sum);
+        for (int64_t s = 0; s < npad; s++) w[s] = (float)(_Float16)(w[s] * inv);
+        float *o = c->out + (r * c->nh + h) * hd;
+        if (t == 1) {
+            kqv_dot64(vg, w, n, hd, part, o);
+            continue;
+        }
+        for (int64_t d = 0; d < hd; d++) o[d] = dot16(part + d * npad, w, npad);
+    }
+}
+
+static __thread float *t_abuf;
+static __thread size_t t_acap;
+
+/* Task i of a prompt's attention: query row i % t of kv head i / t, on the thread's own
+ * buffers (the order of every sum is the one-thread order). */
+static void attn_task(const void *ctx, int64_t i) {
+    const attn_ctx *c = ctx;
+    const size_t need = (size_t)(2 * c->npad + c->hd);
+    if (need > t_acap) {
+        free(t_abuf);
+        t_abuf = aligned_alloc(64, (need * 4 + 63) / 64 * 64);
+        t_acap = t_abuf ? need : 0;
+        if (!t_abuf) abort(); /* 8 KB per thousand positions; nothing to return it to */
+    }
+    const int64_t g = i / c->t, r = i % c->t;
+    attn_rows(c, g, r, t_abuf, t_abuf + c->npad, t_abuf + 2 * c->npad,
+              (float *)c->vt + g * c->hd * c->npad);
+}
+
+/* q [t][nh][hd] (rounded to float16 here), k/v caches [kv_heads][max_seq][hd] holding
+ * float16 values, positions pos..pos+t-1 (each query sees keys 0..its position, and with
+ * window > 0 only the last `window` of them); scale multiplies kq (ggml's kq_scale).
+ * out [t][nh * hd]. scratch: MVK_ATTN_SCRATCH floats. A prompt's rows are shared out
+ * over the pool. */
 int mvk_attention(const float *q, int64_t t, int64_t nh, int64_t hd, const float *kc,
                   const float *vc, int64_t kv_heads, int64_t max_seq, int64_t pos,
                   int64_t window, float scale, float *out, float *scratch) {
-    const int64_t n = pos + t, npad = (n + 63) / 64 * 64, group = nh / kv_heads;
-    float *row = scratch, *w = row + npad, *vt = w + npad, *qh = vt + hd * npad;
-    float *part = t == 1 ? vt : NULL; /* a decode step needs no transposed v: 64 * hd here */
+    const int64_t n = pos + t, npad = (n + 63) / 64 * 64;
+    attn_ctx c = {q, kc, vc, NULL, t, nh, hd, kv_heads, max_seq, pos, window, npad,
+                  nh / kv_heads, scale, out};
+    if (t == 1) {
+        float *row = scratch, *w = row + npad, *qh = w + npad, *part = qh + hd;
+        for (int64_t g = 0; g < kv_heads; g++) attn_rows(&c, g, 0, row, w, qh, part);
+        return 0;
+    }
+    float *vt = scratch; /* v transposed, zero past n (as ggml's cache) */
     for (int64_t g = 0; g < kv_heads; g++) {
-        const float *kg = kc + g * max_seq * hd, *vg = vc + g * max_seq * hd;
-        for (int64_t d = 0; t > 1 && d < hd; d++) { /* v transposed, zero past n (as ggml's cache) */
-            float *o = vt + d * npad;
+        const float *vg = vc + g * max_seq * hd;
+        for (int64_t d = 0; d < hd; d++) {
+            float *o = vt + (g * hd + d) * npad;
             for (int64_t s = 0; s < n; s++) o[s] = vg[s * hd + d];
             for (int64_t s = n; s < npad; s++) o[s] = 0.0f;
         }
-        for (int64_t r = 0; r < t; r++) {
-            const int64_t qp = pos + r;
-            for (int64_t h = g * group; h < (g + 1) * group; h++) {
-                const float *qr = q + (r * nh + h) * hd;
-                for (int64_t i = 0; i < hd; i++) qh[i] = (float)(_Float16)qr[i];
-                for (int64_t s = 0; s < npad; s++) {
-                    int hidden = s > qp || (window > 0 && qp - s >= window);
-                    if (hidden) {
-                        row[s] = -INFINITY;
-                        continue;
-                    }
-                    float v = t == 1 ? dot64(kg + s * hd, qh, hd) : dot16(kg + s * hd, qh, hd);
-                    row[s] = v * scale;
-                }
-                float mx = -INFINITY;
-                for (int64_t s = 0; s < npad; s++) mx = row[s] > mx ? row[s] : mx;
-                double sum = 0.0;
-                for (int64_t s = 0; s < npad; s += 16) {
-                    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + s), _mm512_set1_ps(mx)));
-                    _mm512_storeu_ps(w + s, e);
-                    sum += (double)_mm512_reduce_add_ps(e);
-                }
-                const float inv = (float)(1.0 / sum);
-                for (int64_t s = 0; s < npad; s++) w[s] = (float)(_Float16)(w[s] * inv);
-                float *o = out + (r * nh + h) * hd;
-                if (t == 1) {
-                    kqv_dot64(vg, w, n, hd, part, o);
-                    continue;
-                }
-                for (int64_t d = 0; d < hd; d++) o[d] = dot16(vt + d * npad, w, npad);
-            }
-        }
     }
+    c.vt = vt;
+    dispatch_task(attn_task, &c, kv_heads * t);
     return 0;
 }
 /* SwiGLU as ggml computes it: silu(x) = x / (1 + exp(-x)) with exp16, times g, 16 at a
@@ -1269,7 +1357,7 @@ void mvk_rms_norm(const float *x, int64_t t_rows, int64_t k, int64_t ldx, const 
  * float16 input, its values float16, built with the float arithmetic ggml compiles it to
  * (0.5x (1 + tanhf(sqrt(2/pi) x fma(0.044715x, x, 1))), checked against ggml's table:
  * torch's tanh-gelu differs on 26 of the 65536 entries); 0 below -10, x above 10. */
-static uint16_t g_gelu[1 << 16];
+static uint16_t g_gelu[(1 << 16) + 2]; /* +2: a 32-bit gather of the last entry */
 static pthread_once_t g_gelu_once = PTHREAD_ONCE_INIT;
 
 static void gelu_table(void) {
@@ -1291,7 +1379,24 @@ void mvk_geglu(const float *gu, int64_t t, int64_t n, int64_t ld, float *out) {
     for (int64_t r = 0; r < t; r++) {
         const float *x = gu + r * ld, *g = x + n;
         float *o = out + r * n;
-        for (int64_t i = 0; i < n; i++) {
+        int64_t i = 0;
+#ifdef MVK_AVX512
+        /* 16 at a time: the same float16 rounding of x, table entry and products */
+        for (; i + 16 <= n; i += 16) {
+            const __m512 xv = _mm512_loadu_ps(x + i), gv = _mm512_loadu_ps(g + i);
+            const __m512i idx = _mm512_cvtepu16_epi32(
+                _mm512_cvtps_ph(xv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            const __m512i raw = _mm512_i32gather_epi32(idx, (const void *)g_gelu, 2);
+            const __m512 y = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(raw));
+            __m512 res = _mm512_mul_ps(y, gv);
+            res = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(xv, _mm512_set1_ps(10.0f), _CMP_GE_OQ),
+                                       res, _mm512_mul_ps(xv, gv));
+            res = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(xv, _mm512_set1_ps(-10.0f), _CMP_NLE_UQ),
+                                      res);
+            _mm512_storeu_ps(o + i, res);
+        }
+#endif
+        for (; i < n; i++) {
             if (x[i] <= -10.0f) {
                 o[i] = 0.0f;
             } else if (x[i] >= 10.0f) {
@@ -1346,7 +1451,7 @@ int mvk_layers(const mvk_dims *d, const mvk_layer *layers, int64_t n_layers, flo
     const int64_t qd = nh * hd, kvd = nkv * hd, ld = qd + 2 * kvd, n = pos + t;
     const int64_t npad = (n + 63) / 64 * 64;
     const size_t f = (size_t)t * (size_t)(ld + (qd + kvd) + 2 * qd + hid + 3 * ffn) +
-                     (size_t)(3 * npad + hd * npad + hd) + 16 * 8;
+                     (size_t)(MVK_ATTN_SCRATCH(npad, hd, nkv)) + 16 * 8;
     if (f > t_lcap) {
         free(t_lbuf);
         t_lbuf = aligned_alloc(64, (f * 4 + 63) / 64 * 64);
