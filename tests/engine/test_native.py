@@ -190,6 +190,32 @@ def test_q4k_order_is_the_same_in_plain_c(lib: ctypes.CDLL, generic: ctypes.CDLL
         assert err < 2e-6, (rows, err)
 
 
+def test_q6k_order_is_the_same_in_plain_c(lib: ctypes.CDLL, generic: ctypes.CDLL) -> None:
+    """Q6_K in llama.cpp's order (qmm.c q6k_tile: vec_dot's 8 lanes below 8 activation
+    rows, the tiled GEMM's per-block total from 8 on): plain C gives the same bits, and
+    both are the emulated arithmetic."""
+    n, k = 40, 512
+    gen = torch.Generator().manual_seed(16)
+    q = torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=gen)
+    sc = torch.randint(-128, 128, (n, k // 16), dtype=torch.int8, generator=gen)
+    d = torch.rand(n, k // 256, generator=gen) * 1e-3
+    scale = d.repeat_interleave(16, 1) * sc.float()
+    part = NativePart(
+        q, scale, -32 * scale, 16, 32, native.Q8_K_ACT, False, KScales(sc, None, d, None)
+    )
+    layout = native_layout([part], 6, llamacpp_order=True)
+    assert layout is not None and layout.arith == native.ARITH_Q6K
+    for rows in (1, 2, 7, 8, 9):
+        x = torch.randn(rows, k, generator=gen) * 3
+        add = torch.randn(rows, n, generator=gen)
+        got = NativeLinear(lib, layout, n, k, None)(x, add)
+        assert torch.equal(got, NativeLinear(generic, layout, n, k, None)(x, add)), rows
+        lin = NativeLinear(lib, layout, n, k, None)
+        want = _emulated(lib, lin, x, q, scale, -32 * scale, 16)
+        err = float(((got.double() - add.double()) - want).abs().max() / want.abs().max())
+        assert err < 2e-6, (rows, err)
+
+
 def test_activation_quantisation_is_the_same_in_plain_c(
     lib: ctypes.CDLL, generic: ctypes.CDLL
 ) -> None:

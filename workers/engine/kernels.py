@@ -503,8 +503,15 @@ def native_layout(
         and sub == 32
         and all(x is not None and x.mins is not None for x in ks)
     )
-    interleaved = q0 or q4k
-    align = 32 if q0 else 128 if nibble else 64
+    q6k = (
+        llamacpp_order
+        and k % 256 == 0
+        and not nibble
+        and sub == 16
+        and all(x is not None and x.mins is None for x in ks)
+    )
+    interleaved = q0 or q4k or q6k
+    align = 32 if interleaved else 128 if nibble else 64
     kp = (k + align - 1) // align * align
     codes, scales, offsets = [], [], []
     for p in parts:
@@ -556,17 +563,10 @@ def native_layout(
         kfields["kdmin"] = _interleave16_rows(
             torch.cat([x.dmin for x in kss if x.dmin is not None]).float()
         )
-    elif (
-        llamacpp_order
-        and k % 256 == 0
-        and len(kss) == len(ks)
-        and all(x.mins is None for x in kss)
-        and not nibble
-        and sub == 16
-    ):
+    elif q6k:
         arith = native.ARITH_Q6K
-        kfields["ksc"] = torch.cat([x.sc for x in kss]).contiguous()
-        kfields["kd"] = torch.cat([x.d for x in kss]).float().contiguous()
+        kfields["ksc"] = _interleave16_rows(torch.cat([x.sc for x in kss]))
+        kfields["kd"] = _interleave16_rows(torch.cat([x.d for x in kss]).float())
     return NativeLayout(
         **kfields,
         codes=torch.cat(codes),

@@ -507,12 +507,112 @@ static inline __attribute__((always_inline)) void q4k_tile(const mvk_job *j, int
     }
 }
 
+/* MVK_ARITH_Q6K on the interleaved layout (rows_q0's byte layout, 32-element pieces; ksc
+ * [G][sub-block of 16][16] int8, kd [G][256-block][16]): lane l of a 256-block is, per
+ * row, the sum over its 8 pieces p of sc[2p + l/4] times lane l's 4-code dot product, less
+ * 32 (qs[2l] sc[2l] + qs[2l+1] sc[2l+1]) (qs: the activations' sums per 16), the integer
+ * lanes of rows_q6k. A prompt of 8 rows or more needs only their total (the tiled GEMM),
+ * per sub-block sc times its dot product started from -32 qs. */
+static inline __attribute__((always_inline)) void q6k_tile(const mvk_job *j, int64_t G,
+                                                           int64_t t0, const int T) {
+    const int64_t kp = j->kp, ns16 = kp / 16, nsb = kp / 256;
+    const uint8_t *wg = j->codes + G * (kp / 32) * 512;
+    const int8_t *ksc = (const int8_t *)j->ksc;
+    const int tiled = j->t_rows >= 8;
+    __m512 acc8[8], tacc[Q0_MAXT];
+    for (int l = 0; l < 8; l++) acc8[l] = _mm512_setzero_ps();
+    for (int t = 0; t < T; t++) tacc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++) {
+        const __m512 d = _mm512_loadu_ps(j->kd + (G * nsb + b) * 16);
+        const int8_t *scb = ksc + (G * ns16 + 16 * b) * 16; /* [16 sub-blocks][16 rows] */
+        if (tiled) {
+            __m512i isum[Q0_MAXT];
+            for (int t = 0; t < T; t++) isum[t] = _mm512_setzero_si512();
+            for (int p = 0; p < 8; p++) {
+                __m512i w[8];
+                for (int l = 0; l < 8; l++) w[l] = _mm512_loadu_si512(wg + (8 * b + p) * 512 + 64 * l);
+                for (int h = 0; h < 2; h++) {
+                    const __m512i sc = _mm512_cvtepi8_epi32(
+                        _mm_loadu_si128((const __m128i *)(scb + (2 * p + h) * 16)));
+                    for (int t = 0; t < T; t++) {
+                        const int64_t tr = t0 + t;
+                        const int8_t *q = j->qx + tr * kp + 256 * b + 32 * p + 16 * h;
+                        __m512i e = _mm512_set1_epi32(-32 * j->qs16[tr * ns16 + 16 * b + 2 * p + h]);
+                        for (int l = 0; l < 4; l++) e = _mm512_dpbusd_epi32(e, w[4 * h + l], bcast4(q + 4 * l));
+                        isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(e, sc));
+                    }
+                }
+            }
+            for (int t = 0; t < T; t++) {
+                const __m512 dx = _mm512_set1_ps(j->dxe[(t0 + t) * kp / 4 + 64 * b]);
+                tacc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(isum[t])), dx, tacc[t]);
+            }
+            continue;
+        }
+        /* T == 1: lanes by maddubs (codes <= 63, |q| <= 127: no saturation) and vpdpwssd
+         * with the sub-scale in both 16-bit halves */
+        __m512i lane[8];
+        for (int l = 0; l < 8; l++) lane[l] = _mm512_setzero_si512();
+        const int8_t *q = j->qx + t0 * kp + 256 * b;
+        for (int p = 0; p < 8; p++) {
+            __m512i s2[2];
+            for (int h = 0; h < 2; h++) {
+                const __m512i s = _mm512_cvtepi8_epi32(
+                    _mm_loadu_si128((const __m128i *)(scb + (2 * p + h) * 16)));
+                s2[h] = _mm512_or_si512(_mm512_and_si512(s, _mm512_set1_epi32(0xffff)),
+                                        _mm512_slli_epi32(s, 16));
+            }
+            for (int l = 0; l < 8; l++) {
+                const __m512i w = _mm512_loadu_si512(wg + (8 * b + p) * 512 + 64 * l);
+                const __m512i pr = _mm512_maddubs_epi16(w, bcast4(q + 32 * p + 4 * l));
+                lane[l] = _mm512_dpwssd_epi32(lane[l], pr, s2[l / 4]);
+            }
+        }
+        const int32_t *qs = j->qs16 + t0 * ns16 + 16 * b;
+        const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(j->dxe[t0 * kp / 4 + 64 * b]));
+        for (int l = 0; l < 8; l++) {
+            const __m512i sa = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(scb + 2 * l * 16)));
+            const __m512i sb = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(scb + (2 * l + 1) * 16)));
+            const __m512i sub = _mm512_add_epi32(_mm512_mullo_epi32(sa, _mm512_set1_epi32(32 * qs[2 * l])),
+                                                 _mm512_mullo_epi32(sb, _mm512_set1_epi32(32 * qs[2 * l + 1])));
+            acc8[l] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(_mm512_sub_epi32(lane[l], sub)), acc8[l]);
+        }
+    }
+    const int64_t r0 = 16 * G, left = j->n - r0;
+    const __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+    for (int t = 0; t < T; t++) {
+        const int64_t tr = t0 + t;
+        __m512 r = tacc[t];
+        if (!tiled) {
+            const __m512 *L = acc8;
+            r = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(L[0], L[4]), _mm512_add_ps(L[2], L[6])),
+                              _mm512_add_ps(_mm512_add_ps(L[1], L[5]), _mm512_add_ps(L[3], L[7])));
+        }
+        if (j->add) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, j->add + tr * j->ldadd + r0));
+        _mm512_mask_storeu_ps(j->y + tr * j->ldy + r0, m, r);
+    }
+}
+
 /* Rows [n0, n1) (n0 a multiple of 16): group by group, every activation row against the
  * group while its codes are in L1. */
 static void rows_q0(const mvk_job *j, int64_t n0, int64_t n1) {
     for (int64_t G = n0 / 16; 16 * G < n1; G++)
         for (int64_t t0 = 0; t0 < j->t_rows; t0 += Q0_MAXT) {
-            const int64_t tt = j->t_rows - t0 < Q0_MAXT ? j->t_rows - t0 : Q0_MAXT;
+            int64_t tt = j->t_rows - t0 < Q0_MAXT ? j->t_rows - t0 : Q0_MAXT;
+            if (j->arith == MVK_ARITH_Q6K) {
+                if (j->t_rows < 8) { /* one activation row at a time (registers) */
+                    q6k_tile(j, G, t0, 1);
+                    t0 -= Q0_MAXT - 1;
+                    continue;
+                }
+                switch (tt) {
+                case 1: q6k_tile(j, G, t0, 1); break;
+                case 2: q6k_tile(j, G, t0, 2); break;
+                case 3: q6k_tile(j, G, t0, 3); break;
+                default: q6k_tile(j, G, t0, 4); break;
+                }
+                continue;
+            }
             if (j->arith == MVK_ARITH_Q4K) {
                 switch (tt) {
                 case 1: q4k_tile(j, G, t0, 1); break;
@@ -531,62 +631,6 @@ static void rows_q0(const mvk_job *j, int64_t n0, int64_t n1) {
         }
 }
 
-static inline __attribute__((always_inline)) void rows_q6k(const mvk_job *j, int64_t n0,
-                                                           int64_t n1, int64_t t0,
-                                                           const int TT) {
-    const int64_t kp = j->kp, ns = kp / 16, nsb = kp / 256;
-    const __m512i quarter = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    const int8_t *ksc = (const int8_t *)j->ksc;
-    const int tiled = j->t_rows >= 8;
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *w = j->codes + n * kp;
-        __m256 acc[TILE];
-        float tacc[TILE];
-        for (int t = 0; t < TT; t++) acc[t] = _mm256_setzero_ps(), tacc[t] = 0.0f;
-        for (int64_t b = 0; b < nsb; b++) {
-            __m512i iacc[TILE];
-            for (int t = 0; t < TT; t++) iacc[t] = _mm512_setzero_si512();
-            const int8_t *sc = ksc + n * ns + 16 * b;
-            for (int64_t c = 4 * b; c < 4 * b + 4; c++) {
-                __m512i v = _mm512_loadu_si512(w + 64 * c);
-                const int8_t *s = sc + 4 * (c - 4 * b);
-                __m512i s4 = _mm512_permutexvar_epi32(
-                    quarter, _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, s[3], s[2], s[1], s[0]));
-                for (int t = 0; t < TT; t++) {
-                    const int8_t *q = j->qx + (t0 + t) * kp + 64 * c;
-                    __m512i i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(q));
-                    iacc[t] = _mm512_add_epi32(iacc[t], _mm512_mullo_epi32(i, s4));
-                }
-            }
-            const float d = j->kd[n * nsb + b];
-            for (int t = 0; t < TT; t++) {
-                const int64_t tr = t0 + t;
-                const int32_t *qs = j->qs16 + tr * ns + 16 * b;
-                int32_t sub[8];
-                for (int l = 0; l < 8; l++)
-                    sub[l] = 32 * (qs[2 * l] * sc[2 * l] + qs[2 * l + 1] * sc[2 * l + 1]);
-                __m256i lane = _mm256_add_epi32(_mm512_castsi512_si256(iacc[t]),
-                                                _mm512_extracti32x8_epi32(iacc[t], 1));
-                lane = _mm256_sub_epi32(lane, _mm256_loadu_si256((const __m256i *)sub));
-                const float dx = j->dxe[tr * kp / 4 + 64 * b];
-                if (tiled) { /* llama.cpp's tiled K-quant GEMM (8 rows or more) */
-                    const int32_t isum = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(lane));
-                    tacc[t] = fmaf(d * (float)isum, dx, tacc[t]);
-                    continue;
-                }
-                const float dd = d * dx;
-                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dd), _mm256_cvtepi32_ps(lane), acc[t]);
-            }
-        }
-        for (int t = 0; t < TT; t++) {
-            const int64_t tr = t0 + t;
-            float r = tiled ? tacc[t] : hsum8(acc[t]);
-            if (j->add) r += j->add[tr * j->ldadd + n];
-            j->y[tr * j->ldy + n] = r;
-        }
-    }
-}
-
 #define MVK_BY_TILE(fn)                          \
     switch (tt) {                                \
     case 1: fn(j, n0, n1, t0, 1); return;        \
@@ -596,7 +640,6 @@ static inline __attribute__((always_inline)) void rows_q6k(const mvk_job *j, int
     }
 
 static void rows_simd_n(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, int tt) {
-    if (j->arith == MVK_ARITH_Q6K) MVK_BY_TILE(rows_q6k)
     switch (tt) {
     case 1: rows_simd(j, n0, n1, t0, 1); break;
     case 2: rows_simd(j, n0, n1, t0, 2); break;
@@ -683,9 +726,7 @@ static void rows_generic_q0(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0
 static void rows_generic_k(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, int tt) {
     const int64_t kp = j->kp, nsb = kp / 256;
     const int q4 = j->arith == MVK_ARITH_Q4K;
-    const int64_t row_bytes = q4 ? kp / 2 : kp;
     for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *w = j->codes + n * row_bytes;
         for (int t = 0; t < tt; t++) {
             const int64_t tr = t0 + t;
             const int8_t *q = j->qx + tr * kp;
@@ -717,24 +758,28 @@ static void rows_generic_k(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0,
                         acc = fmaf((float)isum, kd * dx, acc);
                         accm = fmaf((float)imin, kdmin * dx, accm);
                     }
-                } else {
-                    const int8_t *sc = (const int8_t *)j->ksc + n * (kp / 16) + 16 * b;
-                    const float dd = j->kd[n * nsb + b] * dx;
+                } else { /* the interleaved layout (q6k_tile) */
+                    const int64_t G = n / 16, r = n % 16;
+                    const int8_t *scg = (const int8_t *)j->ksc + (G * (kp / 16) + 16 * b) * 16 + r;
+#define SC(i) ((int32_t)scg[16 * (i)])
+                    const float kd = j->kd[(G * nsb + b) * 16 + r];
+                    const float dd = kd * dx;
                     int32_t total = 0;
                     for (int l = 0; l < 8; l++) {
                         int32_t lane = 0;
                         for (int g = 0; g < 8; g++) {
                             int32_t ls = 0;
                             for (int64_t k = 256 * b + 32 * g + 4 * l; k < 256 * b + 32 * g + 4 * l + 4; k++)
-                                ls += w[k] * (int32_t)q[k];
-                            lane += sc[2 * g + (l >= 4)] * ls;
+                                ls += code_q0(j, n, k) * (int32_t)q[k];
+                            lane += SC(2 * g + (l >= 4)) * ls;
                         }
-                        lane -= 32 * (qs[16 * b + 2 * l] * sc[2 * l] + qs[16 * b + 2 * l + 1] * sc[2 * l + 1]);
+                        lane -= 32 * (qs[16 * b + 2 * l] * SC(2 * l) + qs[16 * b + 2 * l + 1] * SC(2 * l + 1));
                         lacc[l] = fmaf(dd, (float)lane, lacc[l]);
                         total += lane;
                     }
-                    /* 8 rows or more: llama.cpp's tiled K-quant GEMM (see rows_q6k) */
-                    acc = fmaf(j->kd[n * nsb + b] * (float)total, dx, acc);
+#undef SC
+                    /* 8 rows or more: llama.cpp's tiled K-quant GEMM (see q6k_tile) */
+                    acc = fmaf(kd * (float)total, dx, acc);
                 }
             }
             float r = q4               ? acc - accm
@@ -797,7 +842,7 @@ static void rows_generic(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, i
 
 static void run_rows(const mvk_job *j, int64_t n0, int64_t n1) {
 #ifdef MVK_AVX512
-    if (j->arith == MVK_ARITH_Q0 || j->arith == MVK_ARITH_Q4K) {
+    if (j->arith == MVK_ARITH_Q0 || j->arith == MVK_ARITH_Q4K || j->arith == MVK_ARITH_Q6K) {
         rows_q0(j, n0, n1);
         return;
     }
