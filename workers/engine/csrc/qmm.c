@@ -386,28 +386,28 @@ static inline __attribute__((always_inline)) void q0_tile(const mvk_job *j, int6
     const int32_t *corr = zi >= 0 ? j->corr + (zi * j->t_rows + t0) * (kp / 4) : NULL;
     const int LP = T <= 2 ? 8 : 4; /* lanes per pass: T * LP accumulators in registers */
     __m512 lanes[Q0_MAXT][8], summs[Q0_MAXT];
-    for (int t = 0; t < T; t++) summs[t] = _mm512_setzero_ps();
-    for (int p = 0; p < 8; p += LP) {
+    _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) summs[t] = _mm512_setzero_ps();
+    _Pragma("GCC unroll 8") for (int p = 0; p < 8; p += LP) {
         __m512 acc[Q0_MAXT][8];
-        for (int t = 0; t < T; t++)
-            for (int l = 0; l < LP; l++) acc[t][l] = _mm512_setzero_ps();
+        _Pragma("GCC unroll 8") for (int t = 0; t < T; t++)
+            _Pragma("GCC unroll 8") for (int l = 0; l < LP; l++) acc[t][l] = _mm512_setzero_ps();
         for (int64_t b = 0; b < ns; b++) {
             const __m512 sc = scales16(j->scale, sbase + 16 * b, 0xffff, f32);
             __m512 dd[Q0_MAXT];
-            for (int t = 0; t < T; t++)
+            _Pragma("GCC unroll 8") for (int t = 0; t < T; t++)
                 dd[t] = _mm512_mul_ps(sc, _mm512_set1_ps(j->dxe[(t0 + t) * kp / 4 + 8 * b]));
             __m512i w[8];
             if (nib) {
-                for (int c = p / 2; c < (p + LP) / 2; c++) {
+                _Pragma("GCC unroll 8") for (int c = p / 2; c < (p + LP) / 2; c++) {
                     const __m512i v = _mm512_loadu_si512(wg + b * 256 + 64 * c);
                     w[2 * c - p] = _mm512_and_si512(v, low4);
                     w[2 * c + 1 - p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
                 }
             } else {
-                for (int l = 0; l < LP; l++) w[l] = _mm512_loadu_si512(wg + b * 512 + 64 * (p + l));
+                _Pragma("GCC unroll 8") for (int l = 0; l < LP; l++) w[l] = _mm512_loadu_si512(wg + b * 512 + 64 * (p + l));
             }
-            for (int l = 0; l < LP; l++)
-                for (int t = 0; t < T; t++) {
+            _Pragma("GCC unroll 8") for (int l = 0; l < LP; l++)
+                _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {
                     const int64_t e = (t0 + t) * kp + 32 * b + 4 * (p + l);
                     __m512i i;
                     if (corr) {
@@ -421,16 +421,16 @@ static inline __attribute__((always_inline)) void q0_tile(const mvk_job *j, int6
                 }
             if (p == 0 && !zeroed) { /* Q4_1: summs += m * s, block by block */
                 const __m512 mn = scales16(j->min, sbase + 16 * b, 0xffff, f32);
-                for (int t = 0; t < T; t++)
+                _Pragma("GCC unroll 8") for (int t = 0; t < T; t++)
                     summs[t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(j->s32[(t0 + t) * ns + b]), summs[t]);
             }
         }
-        for (int t = 0; t < T; t++)
-            for (int l = 0; l < LP; l++) lanes[t][p + l] = acc[t][l];
+        _Pragma("GCC unroll 8") for (int t = 0; t < T; t++)
+            _Pragma("GCC unroll 8") for (int l = 0; l < LP; l++) lanes[t][p + l] = acc[t][l];
     }
     const int64_t r0 = 16 * G, left = j->n - r0;
     const __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-    for (int t = 0; t < T; t++) {
+    _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {
         const __m512 *L = lanes[t];
         __m512 r = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(L[0], L[4]), _mm512_add_ps(L[2], L[6])),
                                  _mm512_add_ps(_mm512_add_ps(L[1], L[5]), _mm512_add_ps(L[3], L[7])));
@@ -453,18 +453,18 @@ static inline __attribute__((always_inline)) void q4k_tile(const mvk_job *j, int
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     const int per64 = T == 4; /* tiles start at multiples of 4: whole fours */
     __m512 acc[Q0_MAXT], accm[Q0_MAXT];
-    for (int t = 0; t < T; t++) acc[t] = accm[t] = _mm512_setzero_ps();
+    _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) acc[t] = accm[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nsb; b++) {
         const __m512 d = _mm512_loadu_ps(j->kd + (G * nsb + b) * 16);
         const __m512 dmin = _mm512_loadu_ps(j->kdmin + (G * nsb + b) * 16);
         __m512 dd[Q0_MAXT], ddm[Q0_MAXT];
-        for (int t = 0; t < T; t++) {
+        _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {
             const __m512 dx = _mm512_set1_ps(j->dxe[(t0 + t) * kp / 4 + 64 * b]);
             dd[t] = _mm512_mul_ps(d, dx);
             ddm[t] = _mm512_mul_ps(dmin, dx);
         }
         __m512i isum[Q0_MAXT], imin[Q0_MAXT];
-        for (int t = 0; t < T; t++) isum[t] = imin[t] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) isum[t] = imin[t] = _mm512_setzero_si512();
         for (int g = 0; g < 8; g++) {
             const int64_t sb = 8 * b + g;
             const __m512i sc = _mm512_cvtepu8_epi32(
@@ -472,16 +472,16 @@ static inline __attribute__((always_inline)) void q4k_tile(const mvk_job *j, int
             const __m512i mn = _mm512_cvtepu8_epi32(
                 _mm_loadu_si128((const __m128i *)(j->kmin + (G * ns + sb) * 16)));
             __m512i w[8];
-            for (int c = 0; c < 4; c++) {
+            _Pragma("GCC unroll 8") for (int c = 0; c < 4; c++) {
                 const __m512i v = _mm512_loadu_si512(wg + sb * 256 + 64 * c);
                 w[2 * c] = _mm512_and_si512(v, low4);
                 w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
             }
-            for (int t = 0; t < T; t++) {
+            _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {
                 const int8_t *q = j->qx + (t0 + t) * kp + 32 * sb;
                 __m512i e0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], bcast4(q));
                 __m512i e1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], bcast4(q + 4));
-                for (int l = 2; l < 8; l += 2) {
+                _Pragma("GCC unroll 8") for (int l = 2; l < 8; l += 2) {
                     e0 = _mm512_dpbusd_epi32(e0, w[l], bcast4(q + 4 * l));
                     e1 = _mm512_dpbusd_epi32(e1, w[l + 1], bcast4(q + 4 * l + 4));
                 }
@@ -490,7 +490,7 @@ static inline __attribute__((always_inline)) void q4k_tile(const mvk_job *j, int
                 imin[t] = _mm512_add_epi32(imin[t], _mm512_mullo_epi32(mn, _mm512_set1_epi32(qs[0] + qs[1])));
             }
             if (per64 ? (g & 1) : g == 7)
-                for (int t = 0; t < T; t++) {
+                _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {
                     acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), dd[t], acc[t]);
                     accm[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin[t]), ddm[t], accm[t]);
                     isum[t] = imin[t] = _mm512_setzero_si512();
@@ -499,7 +499,7 @@ static inline __attribute__((always_inline)) void q4k_tile(const mvk_job *j, int
     }
     const int64_t r0 = 16 * G, left = j->n - r0;
     const __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-    for (int t = 0; t < T; t++) {
+    _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {
         const int64_t tr = t0 + t;
         __m512 r = _mm512_sub_ps(acc[t], accm[t]);
         if (j->add) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, j->add + tr * j->ldadd + r0));
@@ -593,51 +593,31 @@ static inline __attribute__((always_inline)) void q6k_tile(const mvk_job *j, int
     }
 }
 
-/* Rows [n0, n1) (n0 a multiple of 16): group by group, every activation row against the
- * group while its codes are in L1. */
+/* Rows [n0, n1) (n0 a multiple of 16) of the interleaved formats: group by group, every
+ * activation row against the group while its codes are in L1, up to Q0_MAXT at a time
+ * (one for Q6_K's 8 lanes below 8 activation rows: their registers). */
+#define MVK_BY_T(fn, t)                          \
+    switch (t) {                                 \
+    case 1: fn(j, G, t0, 1); break;              \
+    case 2: fn(j, G, t0, 2); break;              \
+    case 3: fn(j, G, t0, 3); break;              \
+    default: fn(j, G, t0, 4); break;             \
+    }
+
 static void rows_q0(const mvk_job *j, int64_t n0, int64_t n1) {
+    const int64_t step = j->arith == MVK_ARITH_Q6K && j->t_rows < 8 ? 1 : Q0_MAXT;
     for (int64_t G = n0 / 16; 16 * G < n1; G++)
-        for (int64_t t0 = 0; t0 < j->t_rows; t0 += Q0_MAXT) {
-            int64_t tt = j->t_rows - t0 < Q0_MAXT ? j->t_rows - t0 : Q0_MAXT;
-            if (j->arith == MVK_ARITH_Q6K) {
-                if (j->t_rows < 8) { /* one activation row at a time (registers) */
-                    q6k_tile(j, G, t0, 1);
-                    t0 -= Q0_MAXT - 1;
-                    continue;
-                }
-                switch (tt) {
-                case 1: q6k_tile(j, G, t0, 1); break;
-                case 2: q6k_tile(j, G, t0, 2); break;
-                case 3: q6k_tile(j, G, t0, 3); break;
-                default: q6k_tile(j, G, t0, 4); break;
-                }
-                continue;
-            }
+        for (int64_t t0 = 0; t0 < j->t_rows; t0 += step) {
+            const int64_t tt = j->t_rows - t0 < step ? j->t_rows - t0 : step;
             if (j->arith == MVK_ARITH_Q4K) {
-                switch (tt) {
-                case 1: q4k_tile(j, G, t0, 1); break;
-                case 2: q4k_tile(j, G, t0, 2); break;
-                case 3: q4k_tile(j, G, t0, 3); break;
-                default: q4k_tile(j, G, t0, 4); break;
-                }
-                continue;
-            }
-            switch (tt) {
-            case 1: q0_tile(j, G, t0, 1); break;
-            case 2: q0_tile(j, G, t0, 2); break;
-            case 3: q0_tile(j, G, t0, 3); break;
-            default: q0_tile(j, G, t0, 4); break;
+                MVK_BY_T(q4k_tile, tt)
+            } else if (j->arith == MVK_ARITH_Q6K) {
+                MVK_BY_T(q6k_tile, tt)
+            } else {
+                MVK_BY_T(q0_tile, tt)
             }
         }
 }
-
-#define MVK_BY_TILE(fn)                          \
-    switch (tt) {                                \
-    case 1: fn(j, n0, n1, t0, 1); return;        \
-    case 2: fn(j, n0, n1, t0, 2); return;        \
-    case 3: fn(j, n0, n1, t0, 3); return;        \
-    default: fn(j, n0, n1, t0, 4); return;       \
-    }
 
 static void rows_simd_n(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, int tt) {
     switch (tt) {
