@@ -1051,6 +1051,54 @@ static void rms_norm(const float *x, int64_t t_rows, int64_t k, int64_t ldx, con
 static __thread int8_t *t_buf;
 static __thread size_t t_cap;
 
+/* A product's activations, rows r0..r1-1: the fused norm, the quantisation, and what the
+ * formats need besides (-q, the zero codes' terms, integer sums per 16). */
+typedef struct {
+    const mvk_weights *w;
+    const float *x;
+    int64_t ldx, k_in, kp, t_rows;
+    float *xn; /* the normed rows (NULL: no norm) */
+    int8_t *qx;
+    float *dxe, *s16, *s32;
+    int8_t *nq;
+    int32_t *corr, *qs16;
+    int nz;
+} prep_ctx;
+
+static void prep_rows(const prep_ctx *c, int64_t r0, int64_t r1) {
+    const mvk_weights *w = c->w;
+    const int64_t kp = c->kp, t = r1 - r0;
+    const float *x = c->x + r0 * c->ldx;
+    int64_t ldx = c->ldx;
+    if (c->xn) {
+        rms_norm(x, t, c->k_in, ldx, w->norm, w->eps, c->xn + r0 * c->k_in);
+        x = c->xn + r0 * c->k_in;
+        ldx = c->k_in;
+    }
+    int8_t *qx = c->qx + r0 * kp;
+    mvk_quantize(x, t, c->k_in, ldx, kp, w->mode, qx, c->dxe + r0 * kp / 4, c->s16 + r0 * kp / 16,
+                 c->s32 + r0 * kp / 32);
+    if (c->nq) /* -q, for a mixed group's zero codes as one more u8 x s8 product */
+        for (int64_t i = 0; i < t * kp; i++) c->nq[r0 * kp + i] = (int8_t)-qx[i];
+    if (c->corr)
+        for (int64_t i = 0; i < t * kp / 4; i++) {
+            const int32_t sum = qx[4 * i] + qx[4 * i + 1] + qx[4 * i + 2] + qx[4 * i + 3];
+            for (int z = 0; z < c->nz; z++)
+                c->corr[z * c->t_rows * kp / 4 + r0 * kp / 4 + i] = -w->zlist[z] * sum;
+        }
+    if (c->qs16) /* the activations' integer sums per 16 */
+        for (int64_t i = 0; i < t * kp / 16; i++) {
+            int32_t sum = 0;
+            for (int k = 0; k < 16; k++) sum += qx[16 * i + k];
+            c->qs16[r0 * kp / 16 + i] = sum;
+        }
+}
+
+static void prep_task(const void *ctx, int64_t i) {
+    const prep_ctx *c = ctx;
+    prep_rows(c, 8 * i, 8 * i + 8 < c->t_rows ? 8 * i + 8 : c->t_rows);
+}
+
 int mvk_linear(const mvk_weights *w, const float *x, int64_t t_rows, int64_t k_in,
                int64_t ldx, float *y, const float *add, int64_t ldadd) {
     const int64_t kp = w->kp;
@@ -1072,37 +1120,18 @@ int mvk_linear(const mvk_weights *w, const float *x, int64_t t_rows, int64_t k_i
     float *s16 = dxe + t_rows * kp / 4;
     float *s32 = s16 + t_rows * kp / 16;
     int8_t *qx = (int8_t *)(s32 + t_rows * kp / 32);
-    if (w->norm) {
-        float *xn = (float *)(((uintptr_t)(qx + t_rows * kp) + 63) & ~(uintptr_t)63);
-        rms_norm(x, t_rows, k_in, ldx, w->norm, w->eps, xn);
-        x = xn;
-        ldx = k_in;
-    }
-    mvk_quantize(x, t_rows, k_in, ldx, kp, w->mode, qx, dxe, s16, s32);
-    int8_t *nq = NULL;
-    if (q0) { /* -q, for the zero code's term as one more u8 x s8 product */
-        nq = (int8_t *)(((uintptr_t)(qx + t_rows * kp) + (w->norm ? t_rows * k_in * 4 + 64 : 0) +
-                         63) & ~(uintptr_t)63);
-        for (int64_t i = 0; i < t_rows * kp; i++) nq[i] = (int8_t)-qx[i];
-    }
-    int32_t *corr = NULL;
-    if (nz) { /* after nq */
-        corr = (int32_t *)(((uintptr_t)(nq + t_rows * kp) + 63) & ~(uintptr_t)63);
-        for (int64_t i = 0; i < t_rows * kp / 4; i++) {
-            const int32_t sum = qx[4 * i] + qx[4 * i + 1] + qx[4 * i + 2] + qx[4 * i + 3];
-            for (int z = 0; z < nz; z++) corr[z * t_rows * kp / 4 + i] = -w->zlist[z] * sum;
-        }
-    }
-    int32_t *qs16 = NULL;
-    if (kq) { /* the activations' integer sums per 16 */
-        qs16 = (int32_t *)(((uintptr_t)(qx + t_rows * kp) + (w->norm ? t_rows * k_in * 4 + 64 : 0) +
-                            63) & ~(uintptr_t)63);
-        for (int64_t i = 0; i < t_rows * kp / 16; i++) {
-            int32_t sum = 0;
-            for (int k = 0; k < 16; k++) sum += qx[16 * i + k];
-            qs16[i] = sum;
-        }
-    }
+    const uintptr_t past = (uintptr_t)(qx + t_rows * kp) + (w->norm ? t_rows * k_in * 4 + 64 : 0);
+    prep_ctx c = {w, x, ldx, k_in, kp, t_rows, NULL, qx, dxe, s16, s32, NULL, NULL, NULL, nz};
+    if (w->norm) c.xn = (float *)(((uintptr_t)(qx + t_rows * kp) + 63) & ~(uintptr_t)63);
+    if (q0) c.nq = (int8_t *)((past + 63) & ~(uintptr_t)63);
+    if (nz) c.corr = (int32_t *)(((uintptr_t)(c.nq + t_rows * kp) + 63) & ~(uintptr_t)63);
+    if (kq) c.qs16 = (int32_t *)((past + 63) & ~(uintptr_t)63);
+    if (t_rows >= 16) /* a prompt's rows over the pool, 8 at a time */
+        dispatch_task(prep_task, &c, (t_rows + 7) / 8);
+    else
+        prep_rows(&c, 0, t_rows);
+    int8_t *nq = c.nq;
+    int32_t *corr = c.corr, *qs16 = c.qs16;
     mvk_job j = {qx, dxe, s16, s32, t_rows, kp, w->codes, w->scale, w->min, w->n, w->nibble,
                  w->sub, w->zero, w->f32, y, w->n, add, ldadd, nq, w->zrow, w->arith,
                  w->ksc, w->kmin, w->kd, w->kdmin, qs16, nz ? w->zg : NULL, corr};
