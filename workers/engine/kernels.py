@@ -449,7 +449,8 @@ def _interleave16_rows(x: torch.Tensor) -> torch.Tensor:
     """[n, g] per-row values (scales, mins) as qmm.c rows_q0 reads them: [n / 16][g][16],
     n padded with zeros to a multiple of 16."""
     n, g = x.shape
-    x = F.pad(x, (0, 0, 0, -n % 16))
+    if n % 16:
+        x = F.pad(x, (0, 0, 0, -n % 16))
     return x.view(-1, 16, g).transpose(1, 2).contiguous()
 
 
@@ -458,12 +459,16 @@ def _interleave16_codes(q: torch.Tensor, nibble: bool) -> torch.Tensor:
     16 rows and block of 32, lane l (4 codes) of the 16 rows as 64 bytes (row r at 4r),
     nibble codes two lanes per 64 bytes (2c low, 2c + 1 high)."""
     n, kp = q.shape
-    q = F.pad(q, (0, 0, 0, -n % 16))
-    lanes = q.view(-1, 16, kp // 32, 8, 4).permute(0, 2, 3, 1, 4)  # [G, b, l, r, e]
+    if n % 16:
+        q = F.pad(q, (0, 0, 0, -n % 16))
+    # a lane's 4 codes as one int32 (4x fewer elements to move than bytes)
+    quads = q.contiguous().view(torch.int32).view(-1, 16, kp // 32, 8)  # [G, r, b, l]
+    lanes = quads.permute(0, 2, 3, 1)  # [G, b, l, r]
     if not nibble:
-        return lanes.contiguous().view(-1)
-    pairs = lanes.reshape(lanes.shape[0], kp // 32, 4, 2, 16, 4)
-    return (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).contiguous().view(-1)
+        return lanes.contiguous().view(torch.uint8).view(-1)
+    pairs = lanes.reshape(lanes.shape[0], kp // 32, 4, 2, 16)
+    # codes below 16: a byte-wise shift by 4 within each int32 carries nothing over
+    return (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).contiguous().view(torch.uint8).view(-1)
 
 
 def native_layout(

@@ -284,6 +284,9 @@ class Rope:
         self._rotate = lib.mvk_rope_neox if neox else lib.mvk_rope_norm
         self.cos = torch.empty(0, head_dim // 2)
         self.sin = torch.empty(0, head_dim // 2)
+        # Tables a grown one replaced stay alive: a call on another thread may still be
+        # reading them in C (the GIL is released there).
+        self._retired: list[torch.Tensor] = []
 
     def ensure(self, n: int) -> None:
         have = self.cos.shape[0]
@@ -294,6 +297,7 @@ class Rope:
         self.lib.mvk_rope_cache(
             self.base, self.freq_scale, self.head_dim, 0, n, cos.data_ptr(), sin.data_ptr()
         )
+        self._retired += [self.cos, self.sin]
         self.cos, self.sin = cos, sin
 
     def apply_(self, x: torch.Tensor, pos: int) -> torch.Tensor:
