@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import shutil
 import signal
@@ -15,6 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
+
+log = logging.getLogger(__name__)
 
 SEARCH_ATTRIBUTES = {"MvpRunPhase": "Keyword", "MvpPromptStatus": "Keyword"}
 
@@ -150,8 +153,36 @@ def start_dev_server(
         raise DevServerError(
             f"temporal dev server cannot start: {cause}" + _hint(cause, db_file, port), cause
         )
-    port = port or free_port()
-    ui_port = free_port()
+    # The server's other ports (HTTP API, metrics) are ones it picks free itself, and any
+    # free port can be taken by another process before it binds it: a start that fails on
+    # "address already in use" is tried again, with fresh ports where they are ours.
+    for attempt in range(3):
+        try:
+            return _start(
+                db_file, port or free_port(), free_port(), headless, dynamic_config,
+                log_file, timeout_s, nice, own_process_group, stop_with_parent, ip, namespaces,
+            )  # fmt: skip
+        except DevServerError as e:
+            if attempt == 2 or "address already in use" not in str(e):
+                raise
+            log.warning("temporal dev server start: %s; trying again", e.cause)
+    raise AssertionError("unreachable")
+
+
+def _start(
+    db_file: str | None,
+    port: int,
+    ui_port: int,
+    headless: bool,
+    dynamic_config: dict[str, str] | None,
+    log_file: str | None,
+    timeout_s: float,
+    nice: int,
+    own_process_group: bool,
+    stop_with_parent: bool,
+    ip: str,
+    namespaces: Sequence[str],
+) -> DevServer:
     cmd = [
         temporal_binary(),
         "server",

@@ -251,6 +251,35 @@ def test_dev_server_early_exit_names_its_cause(tmp_path: Path):
     assert exit_cause(f"Temporal CLI 1.9.1\n{busy}\n") == busy.removeprefix("Error: ")
 
 
+def test_dev_server_start_survives_a_port_taken_before_it_binds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A free port can be taken by another process between the choice and the bind (a CI
+    run lost its whole chaos module to one): the start is tried again on fresh ports."""
+    import socket
+
+    import temporal.devserver as devserver
+
+    taken = socket.socket()  # bound, not listening: the readiness probe cannot reach it
+    taken.bind(("127.0.0.1", 0))
+    real, handed = devserver.free_port, []
+
+    def free_port() -> int:  # the first port handed out is the taken one
+        port = taken.getsockname()[1] if not handed else real()
+        handed.append(port)
+        return int(port)
+
+    monkeypatch.setattr(devserver, "free_port", free_port)
+    try:
+        server = start_dev_server(str(tmp_path / "a.db"))
+    finally:
+        taken.close()
+    try:
+        assert server.port != handed[0] and len(handed) >= 3
+    finally:
+        server.stop()
+
+
 # --------------------------------------------------------------------------- mvp-chat
 
 
