@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +33,9 @@ from gguf.constants import Keys
 from . import native
 from .config import ArchConfig
 from .gguf_reader import GGUFError, GGUFFile
-from .kernels import Linear, NativeLinear
+from .kernels import Linear
 from .loader import Part, WeightBuilder
-from .model import RopeTables, attend, head_logits
+from .model import RopeTables, attend, head_logits, native_products
 
 ARCHITECTURE = "gemma3"
 SWA_PATTERN = 6  # llama.cpp: every 6th layer (i % 6 == 5) is global
@@ -298,16 +297,12 @@ class Gemma3StageModel:
             return None
         plans = []
         for i, lw in enumerate(self.layers):
-            lins = (lw.qkv, lw.wo, lw.gate_up, lw.down)
-            if not all(isinstance(x, NativeLinear) and x.bias is None for x in lins):
+            products = native_products(lw)
+            if products is None:
                 return None
-            if not (lw.attn_fused and lw.ffn_fused):
-                return None
-            qkv, wo, gate_up, down = cast(tuple[NativeLinear, ...], lins)
             plans.append(
                 native.LayerPlan(
-                    qkv._weights, wo._weights, gate_up._weights, down._weights,
-                    ropes[lw.local], lw.q_norm, lw.k_norm, lw.post_attn_norm,
+                    *products, ropes[lw.local], lw.q_norm, lw.k_norm, lw.post_attn_norm,
                     lw.post_ffn_norm, geglu=True,
                     window=self.params.sliding_window if lw.local else 0,
                     round_scale=BOUNDARY_SCALE if i in self.round_before else 0.0,

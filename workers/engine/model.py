@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -227,15 +227,12 @@ class StageModel:
             return None
         plans = []
         for i, lw in enumerate(self.layers):
-            lins = (lw.qkv, lw.wo, lw.gate_up, lw.down)
-            if not all(isinstance(x, NativeLinear) and x.bias is None for x in lins):
+            products = native_products(lw)
+            if products is None or lw.q_norm is not None:
                 return None
-            if not (lw.attn_fused and lw.ffn_fused) or lw.q_norm is not None:
-                return None
-            qkv, wo, gate_up, down = cast(tuple[NativeLinear, ...], lins)
             plans.append(
                 native.LayerPlan(
-                    qkv._weights, wo._weights, gate_up._weights, down._weights, rope,
+                    *products, rope,
                     kq_scale=self.kq_scale, round_scale=1.0 if i in self.round_before else 0.0,
                 )
             )  # fmt: skip
@@ -253,6 +250,19 @@ class StageModel:
         return head_logits(
             self.head, _rms_norm(h_last.view(1, -1), self.output_norm, self.c_hidden)
         )
+
+
+def native_products(lw: Any) -> tuple[Any, Any, Any, Any] | None:
+    """A layer's qkv, wo, gate_up and down as the native kernel's weights (for
+    native.Layers), or None unless all four are native products without biases and the
+    kernel applies the attention and FFN norms itself."""
+    lins = (lw.qkv, lw.wo, lw.gate_up, lw.down)
+    if not (lw.attn_fused and lw.ffn_fused):
+        return None
+    if not all(isinstance(x, NativeLinear) and x.bias is None for x in lins):
+        return None
+    qkv, wo, gate_up, down = cast(tuple[NativeLinear, ...], lins)
+    return qkv._weights, wo._weights, gate_up._weights, down._weights
 
 
 def attend(

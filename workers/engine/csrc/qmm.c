@@ -953,6 +953,22 @@ void mvk_matmul(const int8_t *qx, const float *dxe, const float *s16, const floa
     dispatch(j, threads);
 }
 
+/* A new generation of `chunks` chunks (g_job's rows, or g_task's tasks, set before):
+ * workers woken where they sleep, the caller taking part, back when all are done.
+ * Called with g_call held. */
+static void run_generation(int64_t chunks) {
+    atomic_store(&g_done, 0);
+    unsigned long long gen = (atomic_load(&g_ticket) >> GEN_SHIFT) + 1;
+    atomic_store(&g_ticket, (gen << GEN_SHIFT) | ((unsigned long long)chunks << COUNT_SHIFT));
+    if (atomic_load(&g_sleepers) > 0) {
+        pthread_mutex_lock(&g_mu);
+        pthread_cond_broadcast(&g_cv);
+        pthread_mutex_unlock(&g_mu);
+    }
+    work(gen);
+    while (atomic_load(&g_done) < chunks) relax();
+}
+
 static void dispatch(mvk_job j, int threads) {
     const int64_t n = j.n;
     pthread_mutex_lock(&g_call);
@@ -969,16 +985,7 @@ static void dispatch(mvk_job j, int threads) {
     g_job = j;
     g_task = NULL;
     g_chunk_rows = rows;
-    atomic_store(&g_done, 0);
-    unsigned long long gen = (atomic_load(&g_ticket) >> GEN_SHIFT) + 1;
-    atomic_store(&g_ticket, (gen << GEN_SHIFT) | ((unsigned long long)chunks << COUNT_SHIFT));
-    if (atomic_load(&g_sleepers) > 0) {
-        pthread_mutex_lock(&g_mu);
-        pthread_cond_broadcast(&g_cv);
-        pthread_mutex_unlock(&g_mu);
-    }
-    work(gen);
-    while (atomic_load(&g_done) < chunks) relax();
+    run_generation(chunks);
     pthread_mutex_unlock(&g_call);
 }
 
@@ -992,16 +999,7 @@ static void dispatch_task(void (*fn)(const void *, int64_t), const void *ctx, in
     }
     g_task = fn;
     g_ctx = ctx;
-    atomic_store(&g_done, 0);
-    unsigned long long gen = (atomic_load(&g_ticket) >> GEN_SHIFT) + 1;
-    atomic_store(&g_ticket, (gen << GEN_SHIFT) | ((unsigned long long)count << COUNT_SHIFT));
-    if (atomic_load(&g_sleepers) > 0) {
-        pthread_mutex_lock(&g_mu);
-        pthread_cond_broadcast(&g_cv);
-        pthread_mutex_unlock(&g_mu);
-    }
-    work(gen);
-    while (atomic_load(&g_done) < count) relax();
+    run_generation(count);
     g_task = NULL;
     pthread_mutex_unlock(&g_call);
 }
