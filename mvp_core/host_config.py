@@ -79,7 +79,7 @@ HF_TOKEN_ENV = "HF_TOKEN"
 # the host's environment is an "unsupported environment variable" configuration error.
 HOST_OPERATIONAL_ENV = frozenset(
     {
-        "MVP_PAYLOAD_KEY",  # payload codec key (a secret; workers/codec.py)
+        "MVP_PAYLOAD_KEY",  # payload codec key (a secret; temporal/codec.py)
         "MVP_EDGE_SECRET",  # edge token secret (a secret; activities/providers/base.py)
         "MVP_STATE_DIR",  # provider state files (activities/providers/base.py)
         "MVP_MODELS_DIR",  # model cache (activities/models_store.py)
@@ -88,8 +88,8 @@ HOST_OPERATIONAL_ENV = frozenset(
         "MVP_VASTAI_SERVER_URL",  # the Vast.ai API (a stand-in, a proxy)
         "MVP_VASTAI_TEMPORAL_ADDRESS",  # a Temporal address rented hosts reach as it is
         "MVP_VASTAI_DESTROY_DEADLINE_S",  # how long one provider stop keeps destroying
-        REAPER_INTERVAL_ENV,  # the reaper schedule (workers/reaper_schedule.py)
-        "MVP_MAX_CACHED_WORKFLOWS",  # the orchestrator worker's cache (workers/orchestrator.py)
+        REAPER_INTERVAL_ENV,  # the reaper schedule (workers/orchestrator/reaper_schedule.py)
+        "MVP_MAX_CACHED_WORKFLOWS",  # the orchestrator worker's cache (workers/orchestrator/worker.py)
         "MVP_SWITCH_INTERVAL",  # passed through to nodes by the providers
         "MVP_TEMPORAL_DB",  # the bundled dev server (temporal/dev-server)
         "MVP_TEMPORAL_PORT",

@@ -18,7 +18,7 @@ from mvp_core.models import (
 DEFAULT_MAX_CONTEXT = 512
 RECORD_HEADER_BYTES = 40
 # DECISIONS 19: the begin record of token-in carries a sampling header ahead of the
-# prompt tokens. Keep in step with workers.dataplane.records.SAMPLING_HEADER_BYTES.
+# prompt tokens. Keep in step with workers.node.dataplane.records.SAMPLING_HEADER_BYTES.
 SAMPLING_HEADER_BYTES = 40
 MAX_RING_BYTES = 1 << 32
 

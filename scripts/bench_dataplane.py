@@ -31,9 +31,15 @@ from multiprocessing.connection import Connection
 from activities.models_store import DEFAULT_BUNDLED, fetch_bundled
 from mvp_core.models import EdgeKind
 from mvp_core.planner import plan_edges, stage_layer_ranges
-from workers.dataplane import DataPlaneServer, EdgeGroup, EdgeSpec
-from workers.engine import EngineOptions, SamplingParams, generate, load_stage, read_model_facts
 from workers.node.affinity import Placement, compute_set
+from workers.node.dataplane import DataPlaneServer, EdgeGroup, EdgeSpec
+from workers.node.engine import (
+    EngineOptions,
+    SamplingParams,
+    generate,
+    load_stage,
+    read_model_facts,
+)
 from workers.node.pipeline import Driver, Endpoint, StageLink
 
 PROMPT_IDS = [6403, 1980, 253, 655]  # "Once upon a time"
@@ -45,18 +51,37 @@ def _placement() -> Placement:
     return Placement(compute_set("auto"), nice=-5)
 
 
-def _link(path: str, stages: int, index: int, server: DataPlaneServer, group: EdgeGroup,
-          consumer: Endpoint, ready: threading.Semaphore, faults: list[str]) -> StageLink:
+def _link(
+    path: str,
+    stages: int,
+    index: int,
+    server: DataPlaneServer,
+    group: EdgeGroup,
+    consumer: Endpoint,
+    ready: threading.Semaphore,
+    faults: list[str],
+) -> StageLink:
     facts = read_model_facts(path)
     layers = stage_layer_ranges(facts.block_count, stages)[index]
     edges = plan_edges(stages, MAX_SEQ, facts.embedding_length)
     inbound = next(e for e in edges if e.dst_stage == index)
     outbound = next(e for e in edges if e.src_stage == index)
     stage = load_stage(path, layers.start, layers.end, EngineOptions(device="cpu", threads=1))
-    return StageLink(stage, server=server, group=group, inbound=EdgeSpec.from_plan(inbound),
-                     outbound=EdgeSpec.from_plan(outbound), consumer=consumer, token=TOKEN,
-                     max_seq_len=MAX_SEQ, stop_ids=set(), connect_timeout_s=30,
-                     on_ready=ready.release, on_fault=faults.append, placement=_placement())
+    return StageLink(
+        stage,
+        server=server,
+        group=group,
+        inbound=EdgeSpec.from_plan(inbound),
+        outbound=EdgeSpec.from_plan(outbound),
+        consumer=consumer,
+        token=TOKEN,
+        max_seq_len=MAX_SEQ,
+        stop_ids=set(),
+        connect_timeout_s=30,
+        on_ready=ready.release,
+        on_fault=faults.append,
+        placement=_placement(),
+    )
 
 
 def node(path: str, stages: int, index: int, conn: Connection) -> None:
@@ -67,8 +92,16 @@ def node(path: str, stages: int, index: int, conn: Connection) -> None:
     consumer = Endpoint(server.host, conn.recv())
     _placement().confine_others()
     faults: list[str] = []
-    link = _link(path, stages, index, server, EdgeGroup(f"stage{index}"), consumer,
-                 threading.Semaphore(0), faults)
+    link = _link(
+        path,
+        stages,
+        index,
+        server,
+        EdgeGroup(f"stage{index}"),
+        consumer,
+        threading.Semaphore(0),
+        faults,
+    )
     link.start()
     conn.recv()  # stop
     link.close()
@@ -79,8 +112,15 @@ def pipeline_rate(driver: Driver, tokens: int, request_id: int) -> float:
     out: list[int] = []
     t0 = time.perf_counter()
     with _placement().applied():
-        driver.run(request_id, PROMPT_IDS, SamplingParams(), max_new_tokens=tokens,
-                   max_seq_len=MAX_SEQ, on_token=out.append, should_stop=lambda: False)
+        driver.run(
+            request_id,
+            PROMPT_IDS,
+            SamplingParams(),
+            max_new_tokens=tokens,
+            max_seq_len=MAX_SEQ,
+            on_token=out.append,
+            should_stop=lambda: False,
+        )
     return len(out) / (time.perf_counter() - t0)
 
 
@@ -109,17 +149,26 @@ def main(args: argparse.Namespace) -> None:
         head = _link(path, n, 0, server, group, Endpoint(server.host, ports[0]), ready, faults)
         edges = plan_edges(n, MAX_SEQ, facts.embedding_length)
         spec = {e.kind: EdgeSpec.from_plan(e) for e in edges if e.kind is not EdgeKind.ACTIVATION}
-        driver = Driver(server=server, group=group, token_in=spec[EdgeKind.TOKEN_IN],
-                        token_out=spec[EdgeKind.TOKEN_OUT], token=TOKEN, connect_timeout_s=30,
-                        record_timeout_s=30, on_ready=ready.release, on_fault=faults.append)
+        driver = Driver(
+            server=server,
+            group=group,
+            token_in=spec[EdgeKind.TOKEN_IN],
+            token_out=spec[EdgeKind.TOKEN_OUT],
+            token=TOKEN,
+            connect_timeout_s=30,
+            record_timeout_s=30,
+            on_ready=ready.release,
+            on_fault=faults.append,
+        )
         head.start()
         driver.start()
         for _ in range(2):
             if not ready.acquire(timeout=60):
                 raise RuntimeError(f"pipeline did not come up: {faults}")
         layers = stage_layer_ranges(facts.block_count, n)
-        local = [load_stage(path, r.start, r.end, EngineOptions(device="cpu", threads=1))
-                 for r in layers]
+        local = [
+            load_stage(path, r.start, r.end, EngineOptions(device="cpu", threads=1)) for r in layers
+        ]
         piped, seq = [], []
         try:
             pipeline_rate(driver, 16, 0)  # warm-up
@@ -127,9 +176,18 @@ def main(args: argparse.Namespace) -> None:
                 piped.append(pipeline_rate(driver, args.tokens, r + 1))
                 t0 = time.perf_counter()
                 with _placement().applied():
-                    k = len(list(generate(local, PROMPT_IDS, max_new_tokens=args.tokens,
-                                          max_seq_len=MAX_SEQ, sampling=SamplingParams(),
-                                          stop_ids=set())))
+                    k = len(
+                        list(
+                            generate(
+                                local,
+                                PROMPT_IDS,
+                                max_new_tokens=args.tokens,
+                                max_seq_len=MAX_SEQ,
+                                sampling=SamplingParams(),
+                                stop_ids=set(),
+                            )
+                        )
+                    )
                 seq.append(k / (time.perf_counter() - t0))
         finally:
             for s in local:
@@ -143,10 +201,13 @@ def main(args: argparse.Namespace) -> None:
             server.close()
         ratio = statistics.median(a / b for a, b in zip(piped, seq, strict=True))
         per_token = 1 / statistics.median(piped) - 1 / statistics.median(seq)
-        rows.append((n, statistics.median(piped), statistics.median(seq), ratio,
-                     per_token / (n + 1) * 1000))
-    print(f"\nSmolLM2-135M Q4_1, {os.cpu_count()} cores, {args.tokens}-token greedy decode, "
-          f"no Temporal, median of {args.rounds} interleaved rounds\n")
+        rows.append(
+            (n, statistics.median(piped), statistics.median(seq), ratio, per_token / (n + 1) * 1000)
+        )
+    print(
+        f"\nSmolLM2-135M Q4_1, {os.cpu_count()} cores, {args.tokens}-token greedy decode, "
+        f"no Temporal, median of {args.rounds} interleaved rounds\n"
+    )
     print("| stages | node processes tok/s | one thread tok/s | ratio (paired) | per-hop ms |")
     print("|---|---|---|---|---|")
     for n, a, b, ratio, hop in rows:
@@ -158,8 +219,12 @@ if __name__ == "__main__":
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--address-layout", choices=["fixed", "randomized"], default="fixed",
-                        help="as engine.address_layout (fixed: what a run with 2+ local nodes gets)")
+    parser.add_argument(
+        "--address-layout",
+        choices=["fixed", "randomized"],
+        default="fixed",
+        help="as engine.address_layout (fixed: what a run with 2+ local nodes gets)",
+    )
     args = parser.parse_args()
     from workers.node.layout import ensure_layout
 

@@ -47,7 +47,7 @@ def _rss() -> int:
 
 def _prompt_ids(model: str) -> list[int]:
     try:
-        from workers.engine.tokenizer import Tokenizer
+        from workers.node.engine.tokenizer import Tokenizer
 
         return list(Tokenizer.from_gguf(model).encode(PROMPT, add_special=False))
     except Exception:
@@ -62,8 +62,14 @@ def run_engine(
 ) -> dict[str, Any]:
     import torch
 
-    from workers.engine import EngineOptions, SamplingParams, generate, load_stage, read_model_facts
-    from workers.engine.gguf_reader import GGUFFile
+    from workers.node.engine import (
+        EngineOptions,
+        SamplingParams,
+        generate,
+        load_stage,
+        read_model_facts,
+    )
+    from workers.node.engine.gguf_reader import GGUFFile
 
     torch.set_num_threads(threads)
     facts = read_model_facts(model)

@@ -1,6 +1,6 @@
 """Gateway benchmark (not a test): time to first token and decode tokens/s of one 2-stage
 run of the bundled SmolLM2, through ``mvp-gateway`` (the official ``openai`` client,
-streamed and not) against ``workers.client.stream_prompt`` straight to the run, and
+streamed and not) against ``temporal.client.stream_prompt`` straight to the run, and
 against llama-cpp-python's own OpenAI server on the same GGUF when llama_cpp is
 installed (``python -m llama_cpp.server --n_threads 2`` on loopback; ``--llama-server
 off`` leaves it out).
@@ -47,10 +47,10 @@ from activities.models_store import DEFAULT_BUNDLED, fetch_bundled
 from mvp_core import names
 from mvp_core.models import Done, RequestShutdown, RunPhase, RunRequest, SubmitPrompt, TextDelta
 from mvp_core.run_state import RunState
+from temporal.client import start_run, stream_prompt
+from temporal.connect import connect
 from temporal.devserver import start_dev_server
-from workers.client import start_run, stream_prompt
-from workers.connect import connect
-from workers.embedded import start_worker, stop_process
+from workers.host.embedded import start_worker, stop_process
 
 RUN_ID = 970
 PROMPT = "Once upon a time"  # the warm-up prompt

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from workers.connect import CONFIG_FILE_ENV, without_connection_env
+from temporal.connect import CONFIG_FILE_ENV, without_connection_env
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Once upon a time"

@@ -14,7 +14,7 @@ taken per round and its median reported. Those runs are shut down before the nex
   stages run one after another in one thread) divided by the records each token crosses
   (N+1 edges, the local token-in included)
 - edge delay d (MVP_FAULT_EDGE_DELAY_MS through the harness faults file; each node fronts
-  its data-plane listener with workers/dataplane/delay_proxy.py and advertises that): a
+  its data-plane listener with workers/node/dataplane/delay_proxy.py and advertises that): a
   token of an N-stage run crosses N node-to-node edges (N-1 activation edges and the
   token-out edge back to the head; the head's token-in is local, not delayed), so decode
   is bounded by 1 / (compute_per_token + N * d), compute_per_token = 1 / (1-stage tok/s)
@@ -76,11 +76,11 @@ from mvp_core.models import (
 )
 from mvp_core.planner import stage_layer_ranges
 from mvp_core.run_state import RunState
+from temporal.client import find_prompt, stream_prompt
+from temporal.connect import TemporalSettings, connect, local_server_env
 from temporal.devserver import start_dev_server
-from workers.client import find_prompt, stream_prompt
-from workers.connect import TemporalSettings, connect, local_server_env
-from workers.engine import EngineOptions, SamplingParams, generate, load_stage
 from workers.node.affinity import Placement, compute_set
+from workers.node.engine import EngineOptions, SamplingParams, generate, load_stage
 from workers.node.runtime import default_threads
 
 PROMPT_IDS = [6403, 1980, 253, 655]  # "Once upon a time"

@@ -19,9 +19,9 @@ import time
 from mvp_core import names
 from mvp_core.models import Done, RequestShutdown, RunPhase, RunRequest, SubmitPrompt, TextDelta
 from mvp_core.run_state import RunState
+from temporal.client import stream_prompt
+from temporal.connect import TemporalSettings, connect, local_server_env
 from temporal.devserver import start_dev_server
-from workers.client import stream_prompt
-from workers.connect import TemporalSettings, connect, local_server_env
 
 
 async def main(args: argparse.Namespace) -> None:

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workers.engine import (
+from workers.node.engine import (
     EngineOptions,
     SamplingParams,
     Stage,
@@ -70,7 +70,7 @@ def main() -> int:
         and texts["cuda/float32"] == texts["cpu/float32"]
     )
     try:
-        from workers.engine.tokenizer import Tokenizer
+        from workers.node.engine.tokenizer import Tokenizer
 
         tok = Tokenizer.from_gguf(args.model)
         for k, v in texts.items():

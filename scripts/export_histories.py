@@ -59,6 +59,8 @@ from mvp_core.models import (
     SubmitPrompt,
     TextDelta,
 )
+from temporal.client import PromptRejected, start_prompt, stream_prompt, submit_prompt
+from temporal.connect import TemporalSettings, connect
 from temporal.devserver import DevServer, start_dev_server
 from tests.helpers.runs import start_run, task_failures
 from tests.integration.conftest import (
@@ -69,8 +71,6 @@ from tests.integration.conftest import (
     snapshot,
     wait_phase,
 )
-from workers.client import PromptRejected, start_prompt, stream_prompt, submit_prompt
-from workers.connect import TemporalSettings, connect
 
 OUT = REPO / "tests" / "histories"
 INDEX = "workflows.json"  # file name -> workflow id, per scenario

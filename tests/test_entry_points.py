@@ -17,7 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 OUR_PACKAGES = ("workers", "activities", "mvp_core", "workflows", "temporal", "scripts")
-ALWAYS = {"workers.demo", "workers.orchestrator", "workers.chat"}
+ALWAYS = {"workers.host.demo", "workers.orchestrator", "workers.host.chat"}
 
 
 def console_scripts() -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""workers.telemetry: what the OTEL_* variables choose, what it costs when off, the
+"""temporal.telemetry: what the OTEL_* variables choose, what it costs when off, the
 sampled forward timer, the request span of the gateway, and the Prometheus endpoint."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from mvp_core import names
-from workers import telemetry
-from workers.telemetry import TelemetryChoice, TelemetryConfigError
+from mvp_core import metrics, names
+from temporal import telemetry
+from temporal.telemetry import TelemetryChoice, TelemetryConfigError
 
 
 @pytest.fixture(autouse=True)
@@ -35,9 +35,9 @@ def test_unset_means_off_and_costs_nothing():
     with tel.span("nothing") as span:
         assert span is None
     # The workflows' calls are no-ops.
-    telemetry.record_prompt("done", 1.0, 2.0)
-    telemetry.record_run_gauges(1, 0, {"ready": 1})
-    telemetry.record_prompt_ready(1, 10.0)
+    metrics.sink().record_prompt("done", 1.0, 2.0)
+    metrics.sink().record_run_gauges(1, 0, {"ready": 1})
+    metrics.sink().record_prompt_ready(1, 10.0)
 
 
 @pytest.mark.parametrize(
@@ -126,10 +126,10 @@ def test_forward_timer_samples_decode_and_keeps_every_prefill():
 def test_workflow_records_land_on_the_meter():
     reader = InMemoryMetricReader()
     telemetry.setup("t", env={}, metric_reader=reader)
-    telemetry.record_prompt_ready(7, 1500.0)
-    telemetry.record_prompt("done", ttft_ms=120.0, tokens_per_s=40.0)
-    telemetry.record_prompt("cancelled")
-    telemetry.record_run_gauges(7, 2, {"ready": 2, "lost": 0})
+    metrics.sink().record_prompt_ready(7, 1500.0)
+    metrics.sink().record_prompt("done", ttft_ms=120.0, tokens_per_s=40.0)
+    metrics.sink().record_prompt("cancelled")
+    metrics.sink().record_run_gauges(7, 2, {"ready": 2, "lost": 0})
     got: dict[str, list[tuple[dict[str, object], object]]] = {}
     for rm in reader.get_metrics_data().resource_metrics:
         for sm in rm.scope_metrics:
@@ -187,7 +187,7 @@ def test_prometheus_endpoint_serves_and_a_taken_port_is_a_clear_error(tmp_path):
     assert tel.prometheus_address is not None
     port = tel.prometheus_address[1]
     assert int(port_file.read_text()) == port
-    telemetry.record_prompt("done", ttft_ms=50.0, tokens_per_s=30.0)
+    metrics.sink().record_prompt("done", ttft_ms=50.0, tokens_per_s=30.0)
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     ended = [line for line in text.splitlines() if line.startswith("mvp_prompt_ended_total{")]
     assert len(ended) == 1 and 'status="done"' in ended[0] and ended[0].endswith(" 1.0"), ended

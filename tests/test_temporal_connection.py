@@ -1,4 +1,4 @@
-"""The Temporal connection settings (workers/connect.py, docs/temporal-connection.md):
+"""The Temporal connection settings (temporal/connect.py, docs/temporal-connection.md):
 envconfig's variables and profiles, what a node gets, and errors that name their cause
 without a credential. No server: tests/integration/test_tls.py runs a whole run."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from activities.providers.base import node_environment
 from mvp_core.models import NodeProvisionSpec
-from workers.connect import (
+from temporal.connect import (
     CONFIG_FILE_ENV,
     TemporalConfigError,
     TemporalSettings,

@@ -16,7 +16,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, TimeoutType
 from temporalio.exceptions import TimeoutError as TimeoutError_
 
 with workflow.unsafe.imports_passed_through():
-    from mvp_core import names
+    from mvp_core import metrics, names
     from mvp_core.models import (
         Fault,
         GenerateInput,
@@ -24,7 +24,6 @@ with workflow.unsafe.imports_passed_through():
         PromptOutcome,
         PromptStatus,
     )
-    from workers import telemetry
 
 STATUS_KEY = SearchAttributeKey.for_keyword(names.SEARCH_ATTRIBUTE_PROMPT)
 
@@ -152,14 +151,14 @@ class PromptWorkflow:
 
     def _record(self, outcome: PromptOutcome) -> None:
         """The prompt's metrics (nothing while the workflow replays, nothing at all with
-        metrics off: workers.telemetry): how it ended, and for a finished one its time to first token (queue wait
+        metrics off: mvp_core.metrics): how it ended, and for a finished one its time to first token (queue wait
         + the head node's encode, prefill and first delta) and decode rate."""
         timing = outcome.timing
         if timing is None or outcome.terminal.type != "done":
-            telemetry.record_prompt(outcome.status.value)
+            metrics.sink().record_prompt(outcome.status.value)
             return
         queued = outcome.queued_ms or 0.0
-        telemetry.record_prompt(
+        metrics.sink().record_prompt(
             outcome.status.value,
             ttft_ms=queued + timing.encode_ms + timing.prefill_ms + timing.first_delta_ms,
             tokens_per_s=timing.decode_tokens_per_s,

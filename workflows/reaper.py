@@ -4,7 +4,7 @@ Thin by design: it lists what the host's providers report (provider queue), chec
 liveness of the runs those resources name (shared queue), lets the pure rule of
 ``mvp_core.reaper`` decide, and destroys what the rule gives it (provider queue). Its
 result, a ReapReport, says what it destroyed, kept and failed to destroy, and why. A
-schedule per host starts it (``workers/reaper_schedule.py``); overlap SKIP keeps two
+schedule per host starts it (``workers/orchestrator/reaper_schedule.py``); overlap SKIP keeps two
 sweeps of one host from running at once.
 """
 

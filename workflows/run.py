@@ -19,7 +19,7 @@ from temporalio.common import RawValue, RetryPolicy, SearchAttributeKey
 from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
-    from mvp_core import names
+    from mvp_core import metrics, names
     from mvp_core.generation import effective_max_tokens, fixed_address_layout
     from mvp_core.inputs import InvalidInput, NotJson, decode_one
     from mvp_core.models import (
@@ -69,7 +69,6 @@ with workflow.unsafe.imports_passed_through():
         resolve_run_id,
         validate_request,
     )
-    from workers import telemetry
     from workflows.prompt import PromptWorkflow, failure_cause, heartbeat_lost
 
 PHASE_KEY = SearchAttributeKey.for_keyword(names.SEARCH_ATTRIBUTE_PHASE)
@@ -1062,18 +1061,18 @@ class RunWorkflow:
             # execution; a continued run was ready before).
             self._ready_seen = True
             elapsed = workflow.now() - workflow.info().start_time
-            telemetry.record_prompt_ready(self._state.run_id, elapsed.total_seconds() * 1000)
+            metrics.sink().record_prompt_ready(self._state.run_id, elapsed.total_seconds() * 1000)
         self._show()
 
     def _observe(self) -> None:
         """The run's gauges: its prompt queue and its nodes by state (nothing while the
-        workflow replays, nothing at all with metrics off: workers.telemetry)."""
+        workflow replays, nothing at all with metrics off: mvp_core.metrics)."""
         state = self._state
         counts = dict.fromkeys(NODE_CONDITIONS, 0)
         for node in state.nodes:
             counts[node.condition()] += 1
         queued = len(state.pending) + (1 if state.active is not None else 0)
-        telemetry.record_run_gauges(state.run_id, queued, counts)
+        metrics.sink().record_run_gauges(state.run_id, queued, counts)
 
     def _model_name(self) -> str:
         """The model's name: the request's bundled name or file name, else the plan's."""

@@ -20,8 +20,8 @@ from mvp_core.models import (
     ProviderResource,
     StopNodeResult,
 )
-from workers import telemetry
-from workers.connect import TemporalSettings
+from temporal import telemetry
+from temporal.connect import TemporalSettings
 
 # Secrets a provider passes from its own environment into node environments. They never
 # travel in workflow or activity payloads (docs/architecture.md "Secrets"). The Temporal

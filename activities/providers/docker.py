@@ -58,7 +58,7 @@ from mvp_core.models import (
     ProviderResource,
     StopNodeResult,
 )
-from workers.connect import temporal_address
+from temporal.connect import temporal_address
 
 CREATED_BY = "mvp-orchestrator"
 LABEL_CREATED_BY = "mvp.created-by"

@@ -63,7 +63,7 @@ from mvp_core.models import (
     StopNodeResult,
     VastAiSettings,
 )
-from workers.connect import temporal_address
+from temporal.connect import temporal_address
 
 log = logging.getLogger("mvp.provider.vastai")
 

@@ -56,7 +56,7 @@ def reference(model: str) -> tuple[Path, Reference]:
     """--model: a name of REFERENCES, or a GGUF path (its architecture's reference facts)."""
     if model in REFERENCES:
         return REFERENCES[model].model, REFERENCES[model]
-    from workers.engine import read_model_facts
+    from workers.node.engine import read_model_facts
 
     arch = read_model_facts(model).architecture
     if arch not in ARCHITECTURES:
@@ -74,7 +74,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def greedy(stage: Any, prompt_ids: list[int], n: int) -> list[int]:
-    from workers.engine import SamplingParams, generate
+    from workers.node.engine import SamplingParams, generate
 
     return list(
         generate(
@@ -92,7 +92,7 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))  # run as a file, too
 
-    from workers.engine import EngineOptions, load_stage, read_model_facts
+    from workers.node.engine import EngineOptions, load_stage, read_model_facts
 
     model, ref_facts = reference(args.model)
     llama = json.loads(ref_facts.llamacpp.read_text())["generations"]

@@ -1,7 +1,7 @@
 """Record llama.cpp's behaviour on Gemma 3 270M for the test suite (run offline; CI never
 builds llama.cpp). Needs llama-cpp-python in the venv (see llamacpp_reference.py).
 
-Writes tests/engine/data/gemma3_reference.json:
+Writes tests/node/engine/data/gemma3_reference.json:
   tokenizer   ids for a wide string set under every (add_special, parse_special), the
               fuzz set, a long text, decodes, digests of every token's piece, EOG ids
   generations greedy raw completions (32 tokens) with llama.cpp's top logits per step

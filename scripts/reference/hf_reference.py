@@ -4,19 +4,19 @@
     .venv/bin/python scripts/reference/hf_reference.py [--model smollm2|gemma|M.gguf] [-o OUT]
 
 --model smollm2 (the default; a path as the first argument, too) writes
-tests/engine/data/hf_reference.json:
+tests/node/engine/data/hf_reference.json:
 
 "cases": for each prompt: HF's greedy continuation (16 tokens) and, per step, HF's top-1 id
 and the float32 logits of its top-k ids plus a fixed set of probe ids. The test replays the
 same tokens through the engine's float32 path and compares (DECISIONS 23).
 
-"llamacpp_prompts": for each prompt of tests/engine/data/llamacpp_reference.json (run
+"llamacpp_prompts": for each prompt of tests/node/engine/data/llamacpp_reference.json (run
 scripts/reference/llamacpp_reference.py first), HF's own greedy continuation of the same
 prompt ids, as long as llama.cpp's, with its top logits per step. The fidelity test holds
 the engine's default path to at least HF float32's agreement with llama.cpp.
 
---model gemma writes tests/engine/data/gemma3_hf_reference.json: "llamacpp_prompts" only,
-for the prompts of tests/engine/data/gemma3_reference.json (gemma3_reference.py). A GGUF
+--model gemma writes tests/node/engine/data/gemma3_hf_reference.json: "llamacpp_prompts" only,
+for the prompts of tests/node/engine/data/gemma3_reference.json (gemma3_reference.py). A GGUF
 path picks the files of its architecture (scripts/reference/fidelity.py's REFERENCES).
 """
 
@@ -114,7 +114,7 @@ def main() -> None:
     )
     ap.add_argument("gguf", nargs="?", help="a GGUF path (the same as --model PATH)")
     ap.add_argument("--model", help=f"{' | '.join(REFERENCES)} | a GGUF path (default smollm2)")
-    ap.add_argument("-o", "--output", help="default: the model's file in tests/engine/data")
+    ap.add_argument("-o", "--output", help="default: the model's file in tests/node/engine/data")
     ap.add_argument("--llamacpp", help="llama.cpp's generations (default: the model's)")
     args = ap.parse_args()
     if args.gguf and args.model:

@@ -7,8 +7,8 @@ Needs llama-cpp-python in the venv, built without the AMX kernels that crash her
       .venv/bin/pip install --no-cache-dir llama-cpp-python
 
 Writes
-  tests/engine/data/tokenizer_reference.json  token ids, pieces, decode and EOG facts
-  tests/engine/data/llamacpp_reference.json   greedy generations + decode tokens/s
+  tests/node/engine/data/tokenizer_reference.json  token ids, pieces, decode and EOG facts
+  tests/node/engine/data/llamacpp_reference.json   greedy generations + decode tokens/s
 
 Usage: .venv/bin/python -m scripts.reference.llamacpp_reference [--model PATH] [--threads N]
        [--skip-generation | --only-generation]

@@ -130,8 +130,8 @@ def main() -> None:
     ap.add_argument("--tensors", type=Path, help="also write llama.cpp's tensors here")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
-    from workers.engine import EngineOptions, load_stage, read_model_facts
-    from workers.engine.tokenizer import Tokenizer
+    from workers.node.engine import EngineOptions, load_stage, read_model_facts
+    from workers.node.engine.tokenizer import Tokenizer
 
     model = MODELS.get(args.model, Path(args.model))
     prompt_ids = Tokenizer.from_gguf(str(model)).encode(args.prompt)

@@ -54,11 +54,11 @@ from mvp_core.models import (
     TextDelta,
 )
 from mvp_core.run_state import NodeState, RunState
+from temporal.client import start_prompt
+from temporal.connect import connect
 from temporal.devserver import DevServer, start_dev_server, temporal_binary
 from tests.helpers.runs import start_run
 from tests.integration.conftest import OrchestratorProcess, harness_env, node_processes, snapshot
-from workers.client import start_prompt
-from workers.connect import connect
 
 _EVENT: TypeAdapter[TextDelta | Done | Fault] = TypeAdapter(PromptEvent)
 _TERMINAL: Any = PromptTerminal

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as QT
 from activities.gguf_facts import read_model_facts
 from mvp_core.gguf_header import GGUFError, LazyArray, decode_array, parse_header
 from mvp_core.planner import PlanningError
-from tests.engine.tiny_models import TinyModel, TinySpec
+from tests.node.engine.tiny_models import TinyModel, TinySpec
 
 
 def _write(path: Path, kv: dict[str, int | str | list[str]]) -> bytes:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import workers.gateway.app as gateway_app
 from mvp_core.models import Done, Fault, SubmitPrompt, TextDelta
-from workers.client import PromptRejected
+from temporal.client import PromptRejected
 from workers.gateway.app import ServedModel, create_app
 from workers.gateway.stops import StopMatcher, cut_at_stop
 from workers.gateway.wire import ApiError, ChatRequest, CompletionRequest, parse_body

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from workers.client import start_run
+from temporal.client import start_run
 
 __all__ = ["TASK_FAILURE_MARKS", "log_sizes", "start_run", "task_failures"]
 

@@ -443,7 +443,7 @@ def test_mvp_chat_in_a_terminal_streams_two_prompts_and_ctrl_d_exits(
     hosts.append(host)
     host.wait_ready()
     session = f"mvpchat{os.getpid()}"
-    chat = f"{sys.executable} -m workers.chat --rpc 127.0.0.1:{host.port} --max-tokens 6; echo EXITED=$?; sleep 30"
+    chat = f"{sys.executable} -m workers.host.chat --rpc 127.0.0.1:{host.port} --max-tokens 6; echo EXITED=$?; sleep 30"
     tmux = ["tmux", "-L", session]
     subprocess.run(
         [*tmux, "new-session", "-d", "-s", session, "-x", "120", "-y", "30", "-c", str(REPO), chat],

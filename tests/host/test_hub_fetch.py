@@ -26,7 +26,7 @@ from activities.models_store import (
 from mvp_core.host_config import HostConfig, HubGguf
 from mvp_core.models import HubModel, ModelSource
 from tests.helpers.hub_standin import HubStandin, tiny_gguf
-from workers import demo
+from workers.host import demo
 from workers.host.main import FetchProgress, model_download
 
 REPO = "acme/tiny-GGUF"

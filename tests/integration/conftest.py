@@ -23,10 +23,10 @@ from temporalio.service import RPCError
 from mvp_core import names
 from mvp_core.models import RunPhase, RunRequest
 from mvp_core.run_state import RunState
+from temporal.connect import connect
 from temporal.devserver import DevServer, start_dev_server
 from tests.helpers.dockerd import Dockerd, start_dockerd
 from tests.helpers.runs import log_sizes, start_run, task_failures
-from workers.connect import connect
 
 REPO = Path(__file__).resolve().parents[2]
 SECRET = "hf_mvpTestSecret_4b1d9e0c7a"

@@ -10,8 +10,8 @@ import pytest
 
 from mvp_core import names
 from mvp_core.models import Done, RunPhase, SubmitPrompt, TextDelta
+from temporal.client import PromptNotFound, attach_prompt, stream_prompt
 from tests.integration.conftest import Runs, wait_phase
-from workers.client import PromptNotFound, attach_prompt, stream_prompt
 
 
 async def collect(events: object) -> tuple[str, list[object]]:

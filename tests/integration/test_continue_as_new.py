@@ -9,6 +9,8 @@ from temporalio.client import Client
 
 from mvp_core import names
 from mvp_core.models import Done, RequestShutdown, RunOutcome, RunPhase, RunRequest, SubmitPrompt
+from temporal.client import PromptRejected, submit_prompt
+from temporal.connect import connect
 from temporal.devserver import start_dev_server
 from tests.integration.conftest import (
     OrchestratorProcess,
@@ -19,8 +21,6 @@ from tests.integration.conftest import (
     snapshot,
     wait_phase,
 )
-from workers.client import PromptRejected, submit_prompt
-from workers.connect import connect
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The terminal programs a new user meets first, run for real: ``python -m workers.demo``
+"""The terminal programs a new user meets first, run for real: ``python -m workers.host.demo``
 (its own dev server, worker and nodes) and ``mvp-chat`` against a run.
 
 Every demo here gets its own --data-dir under tmp_path, so the processes it starts can be
@@ -33,13 +33,13 @@ LONG_REPLY = ["--max-tokens", "400"]  # long enough to be interrupted while it s
 
 
 class Demo:
-    """``python -m workers.demo`` in its own session (as a terminal runs it), its output
+    """``python -m workers.host.demo`` in its own session (as a terminal runs it), its output
     collected by threads so that a test can wait for a line and then signal it."""
 
     def __init__(self, data_dir: Path, *args: str) -> None:
         env = {k: v for k, v in os.environ.items() if k != "MVP_STATE_DIR"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "workers.demo", "--data-dir", str(data_dir), *args],
+            [sys.executable, "-m", "workers.host.demo", "--data-dir", str(data_dir), *args],
             cwd=REPO,
             env={**env, "PYTHONUNBUFFERED": "1"},
             stdin=subprocess.DEVNULL,
@@ -285,7 +285,7 @@ def test_dev_server_start_survives_a_port_taken_before_it_binds(
 
 def chat(address: str, run_id: int, *args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "workers.chat", "--run-id", str(run_id), *args],
+        [sys.executable, "-m", "workers.host.chat", "--run-id", str(run_id), *args],
         cwd=REPO,
         env={**os.environ, "TEMPORAL_ADDRESS": address},
         stdin=subprocess.PIPE,

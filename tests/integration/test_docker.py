@@ -28,6 +28,8 @@ from mvp_core.models import (
     RunPhase,
     SubmitPrompt,
 )
+from temporal.client import submit_prompt
+from temporal.connect import connect
 from temporal.devserver import start_dev_server
 from tests.helpers.dockerd import Dockerd
 from tests.integration.conftest import (
@@ -41,8 +43,6 @@ from tests.integration.conftest import (
     wait_phase,
 )
 from tests.integration.test_reaper import sweep
-from workers.client import submit_prompt
-from workers.connect import connect
 
 PROMPT = "The capital of France is"
 CREATED = {"label": [f"{LABEL_CREATED_BY}={CREATED_BY}"]}

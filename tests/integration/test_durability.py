@@ -10,6 +10,7 @@ from google.protobuf.json_format import MessageToJson
 
 from mvp_core import names
 from mvp_core.models import Done, RequestShutdown, RunOutcome, RunPhase, SubmitPrompt
+from temporal.client import submit_prompt
 from tests.integration.conftest import (
     SECRET,
     OrchestratorProcess,
@@ -18,7 +19,6 @@ from tests.integration.conftest import (
     snapshot,
     wait_phase,
 )
-from workers.client import submit_prompt
 
 
 async def test_kill9_worker_while_ready_and_while_generating(

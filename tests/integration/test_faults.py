@@ -13,6 +13,7 @@ from temporalio.exceptions import ApplicationError
 
 from mvp_core import names
 from mvp_core.models import RequestShutdown, RunOutcome, RunPhase, SubmitPrompt
+from temporal.client import submit_prompt
 from tests.integration.conftest import (
     Runs,
     node_pids,
@@ -21,7 +22,6 @@ from tests.integration.conftest import (
     snapshot,
     wait_phase,
 )
-from workers.client import submit_prompt
 
 
 async def test_node_exit_before_ready_fails_startup_fast_and_tears_down(runs: Runs):

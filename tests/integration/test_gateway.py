@@ -27,6 +27,7 @@ from temporalio.client import Client, WorkflowExecutionStatus
 
 from mvp_core import names
 from mvp_core.models import ChatMessage, Done, RequestShutdown, RunPhase, SubmitPrompt
+from temporal.client import submit_prompt
 from tests.helpers.runs import log_sizes, task_failures
 from tests.integration.conftest import (
     REPO,
@@ -37,10 +38,9 @@ from tests.integration.conftest import (
     wait_closed,
     wait_phase,
 )
-from workers.client import submit_prompt
-from workers.engine.tokenizer import Tokenizer
 from workers.gateway.app import create_app
 from workers.gateway.main import SignallessServer
+from workers.node.engine.tokenizer import Tokenizer
 
 RUN = 3301
 GHOST = 3399  # never started

@@ -10,11 +10,11 @@ from pathlib import Path
 from activities.models_store import GEMMA3_BUNDLED, fetch_bundled
 from mvp_core import names
 from mvp_core.models import Done, RequestShutdown, RunOutcome, RunPhase, SubmitPrompt
+from temporal.client import submit_prompt
 from tests.integration.conftest import Runs, wait_phase
-from workers.client import submit_prompt
-from workers.engine.tokenizer import Tokenizer
+from workers.node.engine.tokenizer import Tokenizer
 
-REF = Path(__file__).parents[1] / "engine" / "data" / "gemma3_reference.json"
+REF = Path(__file__).parents[1] / "node" / "engine" / "data" / "gemma3_reference.json"
 PROMPTS = ["def fibonacci(n):", "Water boils at"]
 MAX_TOKENS = 12
 

@@ -17,6 +17,7 @@ import pytest
 from activities.models_store import DEFAULT_BUNDLED, fetch_bundled
 from mvp_core import names
 from mvp_core.models import Done, RunPhase, SubmitPrompt
+from temporal.client import submit_prompt
 from tests.helpers.hub_standin import HubStandin
 from tests.helpers.secret_scan import scan
 from tests.integration.conftest import (
@@ -27,7 +28,6 @@ from tests.integration.conftest import (
     run_failure,
     wait_phase,
 )
-from workers.client import submit_prompt
 
 REPO = "mvp-test/SmolLM2-135M-Instruct-GGUF"
 FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

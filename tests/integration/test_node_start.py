@@ -12,6 +12,7 @@ import psutil
 
 from mvp_core import names
 from mvp_core.models import RunOutcome, RunPhase, RunRequest
+from temporal.connect import connect
 from temporal.devserver import start_dev_server
 from tests.integration.conftest import (
     OrchestratorProcess,
@@ -20,7 +21,6 @@ from tests.integration.conftest import (
     snapshot,
     wait_phase,
 )
-from workers.connect import connect
 
 
 def _marked(state_dir: Path) -> dict[str, list[int]]:

@@ -14,6 +14,7 @@ import pytest
 
 from mvp_core import names
 from mvp_core.models import Done, Fault, RequestShutdown, RunOutcome, RunPhase, SubmitPrompt
+from temporal.client import start_prompt, submit_prompt
 from tests.integration.conftest import (
     Runs,
     node_pids,
@@ -22,7 +23,6 @@ from tests.integration.conftest import (
     wait_closed,
     wait_phase,
 )
-from workers.client import start_prompt, submit_prompt
 from workers.node.layout import ADDR_NO_RANDOMIZE
 
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]

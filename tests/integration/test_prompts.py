@@ -18,8 +18,8 @@ from mvp_core.models import (
     SubmitPrompt,
     TextDelta,
 )
+from temporal.client import PromptRejected, start_prompt, stream_prompt, submit_prompt
 from tests.integration.conftest import Runs, snapshot, wait_closed, wait_phase
-from workers.client import PromptRejected, start_prompt, stream_prompt, submit_prompt
 
 
 @pytest.fixture

@@ -36,7 +36,7 @@ from tests.integration.conftest import (
     wait_closed,
     wait_phase,
 )
-from workers.reaper_schedule import ensure_reaper_schedule, reaper_interval_s
+from workers.orchestrator.reaper_schedule import ensure_reaper_schedule, reaper_interval_s
 
 # ---------------------------------------------------------------- the process provider
 

@@ -10,6 +10,7 @@ import psutil
 from activities.providers.base import edge_token
 from mvp_core import names
 from mvp_core.models import Done, RunPhase, SubmitPrompt
+from temporal.client import submit_prompt
 from tests.helpers.secret_scan import scan
 from tests.integration.conftest import (
     EDGE_SECRET,
@@ -20,7 +21,6 @@ from tests.integration.conftest import (
     snapshot,
     wait_phase,
 )
-from workers.client import submit_prompt
 
 
 async def test_edge_token_reaches_nodes_but_never_history_queries_or_logs(

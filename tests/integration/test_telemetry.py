@@ -29,6 +29,8 @@ from temporalio.client import WorkflowExecutionStatus
 
 from mvp_core import names
 from mvp_core.models import RequestShutdown, RunPhase
+from temporal import telemetry
+from temporal.connect import connect
 from temporal.devserver import DevServer, start_dev_server, temporal_binary
 from tests.helpers.otlp_collector import Collector, Span, start_collector
 from tests.helpers.runs import task_failures
@@ -41,8 +43,6 @@ from tests.integration.conftest import (
     wait_phase,
 )
 from tests.integration.test_gateway import serve
-from workers import telemetry
-from workers.connect import connect
 
 RUN = 4101
 MODEL = "SmolLM2-135M-Instruct.Q4_1"

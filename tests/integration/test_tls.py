@@ -24,6 +24,8 @@ from temporalio.service import RPCError
 
 from mvp_core import names
 from mvp_core.models import Done, RunOutcome, RunPhase, RunRequest, SubmitPrompt, TextDelta
+from temporal.client import stream_prompt
+from temporal.connect import TemporalSettings, connect
 from temporal.devserver import start_dev_server
 from tests.helpers.runs import start_run, task_failures
 from tests.helpers.secret_scan import scan
@@ -40,8 +42,6 @@ from tests.integration.conftest import (
     wait_closed,
     wait_phase,
 )
-from workers.client import stream_prompt
-from workers.connect import TemporalSettings, connect
 
 RUN_ID = 3401
 NAMESPACE = "mvp-tls"

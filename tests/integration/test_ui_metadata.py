@@ -9,8 +9,8 @@ from temporalio.client import Client, WorkflowHandle
 
 from mvp_core import names
 from mvp_core.models import Done, RequestShutdown, RunOutcome, RunPhase, SubmitPrompt
+from temporal.client import submit_prompt
 from tests.integration.conftest import Runs, wait_phase
-from workers.client import submit_prompt
 
 RUN_ID = 3501
 PROMPT_TEXT = "Tell me about the lighthouse keeper Zebulon"

@@ -20,6 +20,7 @@ from temporalio.exceptions import ApplicationError
 
 from mvp_core import names
 from mvp_core.models import Done, RunOutcome, RunPhase, SubmitPrompt
+from temporal.client import PromptRejected, start_prompt, stream_prompt, submit_prompt
 from temporal.devserver import DevServer, temporal_binary
 from tests.integration.conftest import (
     OrchestratorProcess,
@@ -28,7 +29,6 @@ from tests.integration.conftest import (
     snapshot,
     wait_phase,
 )
-from workers.client import PromptRejected, start_prompt, stream_prompt, submit_prompt
 
 MARK = "zz-untrusted-marker-zz"
 

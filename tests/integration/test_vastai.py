@@ -29,6 +29,8 @@ from activities.planning import provider_host
 from activities.providers.vastai import VastAiProvider, VastApiError
 from mvp_core import names
 from mvp_core.models import RunOutcome, RunPhase, SubmitPrompt
+from temporal.client import submit_prompt
+from temporal.connect import connect
 from temporal.devserver import DevServer, start_dev_server
 from tests.helpers.dockerd import Dockerd
 from tests.helpers.secret_scan import scan
@@ -47,8 +49,6 @@ from tests.integration.conftest import (
     wait_phase,
 )
 from tests.integration.test_reaper import sweep
-from workers.client import submit_prompt
-from workers.connect import connect
 
 PROMPT = "The capital of France is"
 API_KEY = "vast-test-key-6d1f0c9a2b7e4d35"

@@ -27,6 +27,8 @@ from temporalio.client import Client, WorkflowHandle, WorkflowHistory
 
 from mvp_core import names
 from mvp_core.models import Done, RequestShutdown, RunOutcome, RunPhase, SubmitPrompt
+from temporal.client import PromptRejected, start_prompt, submit_prompt
+from temporal.connect import connect
 from temporal.devserver import start_dev_server
 from tests.helpers.runs import task_failures
 from tests.integration.conftest import (
@@ -37,8 +39,6 @@ from tests.integration.conftest import (
     snapshot,
     wait_phase,
 )
-from workers.client import PromptRejected, start_prompt, submit_prompt
-from workers.connect import connect
 
 # The server suggests continue-as-new past this many events: (b) rolls over every
 # ~100-150 prompts (one prompt is ~12-18 run events), (a)'s runs (~200 events) never do.

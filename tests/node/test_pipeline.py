@@ -17,9 +17,9 @@ import pytest
 from activities.models_store import DEFAULT_BUNDLED, fetch_bundled
 from mvp_core.models import EdgeKind
 from mvp_core.planner import plan_edges, stage_layer_ranges
-from tests.engine.tiny_models import TinyModel, TinySpec
-from workers.dataplane import DataPlaneServer, EdgeGroup, EdgeSpec
-from workers.engine import EngineOptions, SamplingParams, generate, load_stage
+from tests.node.engine.tiny_models import TinyModel, TinySpec
+from workers.node.dataplane import DataPlaneServer, EdgeGroup, EdgeSpec
+from workers.node.engine import EngineOptions, SamplingParams, generate, load_stage
 from workers.node.pipeline import Driver, Endpoint, StageLink
 
 PROMPTS = [
@@ -86,7 +86,7 @@ class Pipeline:
 
     @staticmethod
     def _layers(path: str) -> int:
-        from workers.engine import read_model_facts
+        from workers.node.engine import read_model_facts
 
         return read_model_facts(path).block_count
 

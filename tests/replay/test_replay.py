@@ -29,7 +29,7 @@ from temporalio.worker import Replayer
 
 from mvp_core import names
 from mvp_core.models import PromptInput, PromptOutcome
-from workers.connect import default_data_converter
+from temporal.connect import default_data_converter
 from workflows.prompt import PromptWorkflow
 from workflows.run import RunWorkflow
 

@@ -27,6 +27,8 @@ from mvp_core.models import (
     SubmitPrompt,
     TextDelta,
 )
+from temporal.client import start_prompt, stream_prompt, submit_prompt
+from temporal.connect import connect
 from temporal.devserver import start_dev_server
 from tests.helpers.runs import task_failures
 from tests.integration.conftest import (
@@ -37,8 +39,6 @@ from tests.integration.conftest import (
     snapshot,
     wait_phase,
 )
-from workers.client import start_prompt, stream_prompt, submit_prompt
-from workers.connect import connect
 
 RUN = 1601
 UNHANDLED_COMMAND = WorkflowTaskFailedCause.WORKFLOW_TASK_FAILED_CAUSE_UNHANDLED_COMMAND

@@ -13,8 +13,8 @@ from temporalio.exceptions import ApplicationError
 
 from activities.providers.base import SECRET_ENV_PASSTHROUGH
 from mvp_core.models import Done, SubmitPrompt
-from workers import codec as codec_mod
-from workers.codec import (
+from temporal import codec as codec_mod
+from temporal.codec import (
     ENCODING,
     KEY_ENV,
     KEY_ID_META,
@@ -25,7 +25,7 @@ from workers.codec import (
     key_id,
     parse_key,
 )
-from workers.connect import default_data_converter, encrypted_data_converter
+from temporal.connect import default_data_converter, encrypted_data_converter
 
 PROMPT = "Quokka-Zanzibar-4471 my private question"
 
@@ -171,7 +171,7 @@ async def test_a_lenient_codec_passes_an_unopenable_payload_on_as_undecodable():
     from temporalio.api.common.v1 import Payload as P
     from temporalio.contrib.pydantic import pydantic_data_converter
 
-    from workers.codec import UNDECRYPTABLE, EncryptionCodec
+    from temporal.codec import UNDECRYPTABLE, EncryptionCodec
 
     theirs = EncryptionCodec(_os.urandom(32))
     ours = EncryptionCodec(_os.urandom(32), lenient=True)

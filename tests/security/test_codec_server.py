@@ -14,8 +14,8 @@ from google.protobuf import json_format
 from temporalio.api.common.v1 import Payload
 from temporalio.contrib.pydantic import pydantic_data_converter
 
-from workers.codec import ENCODING, EncryptionCodec, key_id
-from workers.codec_server import make_server
+from temporal.codec import ENCODING, EncryptionCodec, key_id
+from temporal.codec_server import make_server
 
 UI = "http://localhost:8233"
 PROMPT = "Wombat-Kilimanjaro-9023 my private question"

@@ -38,11 +38,11 @@ from mvp_core.models import (
     SubmitPrompt,
 )
 from mvp_core.run_state import RunState
+from temporal.client import PromptRejected, submit_prompt
+from temporal.codec import ENCODING, EncryptionCodec, new_key, parse_key
+from temporal.connect import connect, encrypted_data_converter
 from temporal.devserver import start_dev_server
 from tests.integration.conftest import OrchestratorProcess, node_processes
-from workers.client import PromptRejected, submit_prompt
-from workers.codec import ENCODING, EncryptionCodec, new_key, parse_key
-from workers.connect import connect, encrypted_data_converter
 
 RUN_ID = 9301
 PROMPT = "Okapi-Zanzibar-7719 is a secret code word. Tell me about"

@@ -5,7 +5,7 @@
 - ``GET /v1/models`` (and ``/v1/models/{id}``): the run's model, named after its GGUF
   file (``SmolLM2-135M-Instruct.Q4_1``), from the plan in the run's ``snapshot``.
 - ``POST /v1/completions`` and ``POST /v1/chat/completions``: each request is one
-  ``submit_prompt`` Update (``workers.client.stream_prompt``) with a request id the
+  ``submit_prompt`` Update (``temporal.client.stream_prompt``) with a request id the
   gateway allots, its text the prompt's stream, streamed as server-sent events or
   returned whole.
 - ``GET /health``: 200 while the run is prompt-ready, else 503.
@@ -45,8 +45,8 @@ from temporalio.service import RPCError, RPCStatusCode
 from mvp_core import names
 from mvp_core.models import CancelPrompt, Done, Fault, RunPhase, SubmitPrompt, TextDelta
 from mvp_core.run_state import RunState
-from workers import telemetry
-from workers.client import PromptRejected, stream_prompt
+from temporal import telemetry
+from temporal.client import PromptRejected, stream_prompt
 from workers.gateway.attach import attach_routes
 from workers.gateway.dashboard import dashboard_routes
 from workers.gateway.stops import StopMatcher, cut_at_stop
@@ -65,7 +65,7 @@ from workers.gateway.wire import (
 )
 
 if TYPE_CHECKING:
-    from workers.engine.tokenizer import Tokenizer
+    from workers.node.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("mvp.gateway")
 
@@ -108,7 +108,7 @@ def load_tokenizer(path: str) -> Tokenizer | None:
     engine's tokenizer; importing it loads torch, once, off the event loop). None when
     the file is not readable on this host (e.g. the nodes run elsewhere)."""
     try:
-        from workers.engine.tokenizer import Tokenizer, TokenizerError
+        from workers.node.engine.tokenizer import Tokenizer, TokenizerError
 
         try:
             return Tokenizer.from_gguf(path)
@@ -682,7 +682,7 @@ async def chat_completions(request: Request) -> Response:
 
 async def _render(gateway: Gateway, tok: Tokenizer | None, messages: list[dict[str, str]]) -> str:
     assert tok is not None
-    from workers.engine.tokenizer import TokenizerError
+    from workers.node.engine.tokenizer import TokenizerError
 
     try:
         return await gateway.in_tok_thread(tok.apply_chat_template, messages)

@@ -1,7 +1,7 @@
 """Re-attach through the gateway: ``GET /v1/chat/completions/{id}`` and
 ``GET /v1/completions/{id}`` return a completion of this run by the id the gateway gave
 it (``chatcmpl-<run>-<request>``, ``cmpl-<run>-<request>``), running or finished, from
-any client (``workers.client.attach_prompt``).
+any client (``temporal.client.attach_prompt``).
 
 Without ``?stream=true`` the answer waits for the prompt's end and is the completion
 object; with it, server-sent events as ``POST`` streams them: the whole text so far in
@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mvp_core.models import Done, Fault, TextDelta
-from workers.client import PromptNotFound, attach_prompt
+from temporal.client import PromptNotFound, attach_prompt
 from workers.gateway.wire import SSE_DONE, ApiError, sse
 
 if TYPE_CHECKING:

@@ -44,9 +44,9 @@ from temporalio.service import RPCError, RPCStatusCode
 from mvp_core import names
 from mvp_core.models import RequestShutdown, RunOutcome, RunPhase, RunRequest, ShutdownReason
 from mvp_core.run_state import RunState
-from workers import telemetry
-from workers.client import RunNotOpen, check_run_open, start_run
-from workers.connect import connect, temporal_address
+from temporal import telemetry
+from temporal.client import RunNotOpen, check_run_open, start_run
+from temporal.connect import connect, temporal_address
 from workers.gateway.app import create_app
 
 PROG = "mvp-gateway"

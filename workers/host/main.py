@@ -66,17 +66,17 @@ from mvp_core.host_config import (
 from mvp_core.host_observe import observe
 from mvp_core.models import ModelSource, RequestShutdown, RunOutcome, RunPhase, ShutdownReason
 from mvp_core.run_state import RunState
-from temporal.devserver import DevServer, DevServerError, start_dev_server
-from workers import telemetry
-from workers.client import start_run
-from workers.connect import (
+from temporal import telemetry
+from temporal.client import start_run
+from temporal.connect import (
     TemporalConfigError,
     TemporalConnectError,
     TemporalSettings,
     connect,
 )
-from workers.embedded import dev_server_ip, failure_text, start_worker, stop_process
+from temporal.devserver import DevServer, DevServerError, start_dev_server
 from workers.host.datastream import Datastream, FrameArchive, LiveSubscribers, LogTailer, Sink
+from workers.host.embedded import dev_server_ip, failure_text, start_worker, stop_process
 from workers.host.rpc import PromptObservation, PromptRpcServer
 
 PROG = "mvp-orchestrator"

@@ -34,7 +34,7 @@ from temporalio.service import RPCError
 
 from mvp_core import names
 from mvp_core.models import CancelPrompt, Done, SubmitPrompt, TextDelta
-from workers.client import PromptRejected, stream_prompt
+from temporal.client import PromptRejected, stream_prompt
 
 log = logging.getLogger("mvp.host.rpc")
 

@@ -34,9 +34,9 @@ from mvp_core.models import (
     TokenEndpointsReady,
     WeightsReady,
 )
-from workers.dataplane import DataPlaneServer
 from workers.node import layout
 from workers.node.config import FaultInjection, NodeConfig
+from workers.node.dataplane import DataPlaneServer
 
 if TYPE_CHECKING:
     # The runtime brings the engine and torch (~0.8 s to import): the agent imports it in

@@ -25,13 +25,13 @@ from temporalio.worker import Worker
 
 from mvp_core import names
 from mvp_core.models import NodeRuntimeReady
-from workers import telemetry
-from workers.connect import TemporalConnectError, TemporalSettings, connect
-from workers.dataplane import DataPlaneServer
-from workers.dataplane.delay_proxy import front_listener
+from temporal import telemetry
+from temporal.connect import TemporalConnectError, TemporalSettings, connect
 from workers.node import layout
 from workers.node.activities import NodeActivities, preload_runtime
 from workers.node.config import FaultInjection, NodeConfig
+from workers.node.dataplane import DataPlaneServer
+from workers.node.dataplane.delay_proxy import front_listener
 from workers.node.self_destroy import self_destroy
 
 log = logging.getLogger("mvp.node")
@@ -163,7 +163,7 @@ async def amain() -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    # OTEL_* from the provider host (workers.telemetry.node_env); off when unset.
+    # OTEL_* from the provider host (temporal.telemetry.node_env); off when unset.
     node_dir = os.environ.get("MVP_NODE_DIR")
     try:
         tel = telemetry.setup(

@@ -66,7 +66,7 @@ class FaultInjection:
     skew_token_out_sequence: bool = False
     text_delay_s: float = 0.0  # a slow node: each piece of text is held this long
     # A slow network (benchmarks): peers reach this node's data-plane listener through a
-    # delay line adding this much one way (workers/dataplane/delay_proxy.py).
+    # delay line adding this much one way (workers/node/dataplane/delay_proxy.py).
     edge_delay_s: float = 0.0
 
     @classmethod

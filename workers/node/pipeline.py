@@ -24,7 +24,9 @@ from time import perf_counter
 import torch
 
 from mvp_core.generation import StopRule
-from workers.dataplane import (
+from temporal.telemetry import ForwardTimer
+from workers.node.affinity import Placement
+from workers.node.dataplane import (
     FLAG_ABORT,
     FLAG_BEGIN,
     FLAG_EOS,
@@ -47,10 +49,8 @@ from workers.dataplane import (
     encode_sampling_header,
     encode_tokens,
 )
-from workers.dataplane import SamplingParams as WireSampling
-from workers.engine import Sampler, SamplingParams, Stage
-from workers.node.affinity import Placement
-from workers.telemetry import ForwardTimer
+from workers.node.dataplane import SamplingParams as WireSampling
+from workers.node.engine import Sampler, SamplingParams, Stage
 
 log = logging.getLogger("mvp.pipeline")
 IDLE_POLL_S = 1.0

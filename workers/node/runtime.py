@@ -14,9 +14,11 @@ from dataclasses import dataclass
 
 from mvp_core.generation import PromptTooLong, StopRule
 from mvp_core.models import EdgeKind, StageProvision, SubmitPrompt
-from workers import telemetry
-from workers.dataplane import DataPlaneServer, EdgeGroup, EdgeSpec
-from workers.engine import (
+from temporal import telemetry
+from workers.node.affinity import Placement, compute_set
+from workers.node.config import FaultInjection
+from workers.node.dataplane import DataPlaneServer, EdgeGroup, EdgeSpec
+from workers.node.engine import (
     ContextOverflow,
     EngineOptions,
     SamplingParams,
@@ -24,9 +26,7 @@ from workers.engine import (
     generate,
     load_stage,
 )
-from workers.engine.tokenizer import Tokenizer
-from workers.node.affinity import Placement, compute_set
-from workers.node.config import FaultInjection
+from workers.node.engine.tokenizer import Tokenizer
 from workers.node.pipeline import Driver, Endpoint, StageLink
 
 # A token-out record later than this means a stage is stuck: a run fault, never a hang.

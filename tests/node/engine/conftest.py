@@ -1,0 +1,59 @@
+"""Shared fixtures: SmolLM2 loaded once per test session (skipped when the file is absent)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from workers.node.engine import EngineOptions, Stage, load_stage
+
+SMOLLM = Path(
+    os.environ.get(
+        "MVP_SMOLLM_GGUF",
+        str(Path.home() / ".cache/mvp-orchestrator/models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    )
+)
+# "Once upon a time" in SmolLM2's vocabulary (no BOS: add_bos_token is false).
+ONCE_UPON_A_TIME = [6403, 1980, 253, 655]
+# Greedy continuation: ", the city of Nova Haven was a thriving metropolis, with towering
+# skyscrapers and bustling streets. But as the years went by, the city began to lose its original"
+ONCE_CONTINUATION = [
+    28, 260, 2240, 282, 23324, 27108, 436, 253, 15114, 39228, 28, 351, 25854, 41658, 284,
+    14055, 9018, 30, 1249, 347, 260, 929, 3514, 411, 28, 260, 2240, 2585, 288, 5946, 624, 2798,
+]  # fmt: skip
+THREADS = 1  # robust on a shared box: OpenMP barriers stall when cores are contended
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> str:
+    if not SMOLLM.exists():
+        pytest.skip(f"SmolLM2 GGUF not present at {SMOLLM}")
+    return str(SMOLLM)
+
+
+@pytest.fixture(scope="session")
+def smollm_default(smollm_path: str) -> Iterator[Stage]:
+    stage = load_stage(smollm_path, 0, 30, EngineOptions(device="cpu", threads=THREADS))
+    yield stage
+    stage.close()
+
+
+@pytest.fixture(scope="session")
+def smollm_exact(smollm_path: str) -> Iterator[Stage]:
+    stage = load_stage(
+        smollm_path, 0, 30, EngineOptions(device="cpu", precision="exact", threads=THREADS)
+    )
+    yield stage
+    stage.close()
+
+
+@pytest.fixture(scope="session")
+def smollm_f32(smollm_path: str) -> Iterator[Stage]:
+    stage = load_stage(
+        smollm_path, 0, 30, EngineOptions(device="cpu", precision="float32", threads=THREADS)
+    )
+    yield stage
+    stage.close()

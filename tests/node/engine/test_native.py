@@ -1,0 +1,301 @@
+"""The engine's own quantised kernel (workers/node/engine/native.py, csrc/qmm.c).
+
+Its products are held to an emulation of the arithmetic it claims (llama.cpp's: int8
+activation blocks, the file's codes and scales, float32 sums) computed here in float64
+from the same quantised activations, for every layout it has: nibble and byte codes,
+16- and 32-wide groups, float16 and float32 scales, per-group mins or a fixed zero code,
+all three activation quantisations, 1 to 9 rows, one thread and several. The plain C
+build (no AVX-512) must agree with the vectorised one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from workers.node.engine import native
+from workers.node.engine.kernels import NativeLinear, NativePart, native_layout
+from workers.node.engine.quants import KScales
+
+CASES = [
+    # rows, K, code bits, group width, zero code (None: mins), activation mode, f16 scales
+    (96, 576, 4, 32, None, native.Q8_1_ACT, True),  # Q4_1 (SmolLM2), K off the 128 grid
+    (64, 576, 4, 32, 8, native.Q8_0_ACT, True),  # Q4_0
+    (80, 640, 5, 32, 16, native.Q8_0_ACT, True),  # Q5_0 (Gemma)
+    (128, 576, 8, 32, 128, native.Q8_0_ACT, True),  # Q8_0 (the heads)
+    (48, 512, 4, 32, None, native.Q8_K_ACT, False),  # Q4_K
+    (80, 512, 6, 16, 32, native.Q8_K_ACT, False),  # Q6_K
+    (33, 96, 4, 32, None, native.Q8_0_ACT, True),  # rows off every chunk size
+]
+
+
+@pytest.fixture(scope="module")
+def lib() -> ctypes.CDLL:
+    got = native.library()
+    assert got is not None, f"the native kernel did not build here: {native.why_not()}"
+    return got
+
+
+@pytest.fixture(scope="module")
+def generic(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    out = tmp_path_factory.mktemp("generic")
+    lib = native.load(native.build(out, ("-DMVK_GENERIC",)))
+    assert lib.mvk_simd() == 0
+    return lib
+
+
+def _case(case: tuple[int, int, int, int, int | None, int, bool], seed: int) -> tuple:
+    n, k, bits, width, zero, mode, f16 = case
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=gen)
+    scale = torch.rand(n, k // width, generator=gen) * 0.01 + 1e-4
+    if f16:
+        scale = scale.half().float()
+    if zero is None:
+        offset = -torch.rand(n, k // width, generator=gen) * 0.05
+        offset = offset.half().float() if f16 else offset
+    else:
+        offset = -zero * scale
+    return q, scale, offset, NativePart(q, scale, offset, width, zero, mode, f16)
+
+
+def _emulated(lib: ctypes.CDLL, lin: NativeLinear, x: torch.Tensor, q, scale, offset, width):
+    """float64 products of the kernel's own quantised activations (codes times d, and the
+    block sums, float16 ones for Q8_1) with the exact codes, scales and mins."""
+    k = x.shape[1]
+    act = native.Activations(lib, x, lin.kp, lin.layout.mode)
+    xq = (act.qx.double() * act.dxe.double().repeat_interleave(4, 1))[:, :k]
+    sums = (act.s16 if width == 16 else act.s32).double()[:, : k // width]
+    w = q.double() * scale.double().repeat_interleave(width, 1)
+    return xq @ w.T + sums @ offset.double().T
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-b{c[2]}-g{c[3]}-m{c[5]}")
+def test_products_are_the_emulated_arithmetic(lib: ctypes.CDLL, generic: ctypes.CDLL, case) -> None:
+    q, scale, offset, part = _case(case, seed=case[1])
+    layout = native_layout([part], case[2])
+    assert layout is not None
+    assert layout.nibble == (case[2] <= 4) and layout.sub == case[3]
+    assert (layout.offset is None) == (case[4] is not None)
+    assert layout.scale.dtype == (torch.float16 if case[6] else torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(rows, case[1], generator=gen) * 3
+        add = torch.randn(rows, case[0], generator=gen)
+        for build in (lib, generic):
+            lin = NativeLinear(build, layout, case[0], case[1], None)
+            want = _emulated(build, lin, x, q, scale, offset, case[3])
+            got = lin(x, add).double() - add.double()
+            err = float((got - want).abs().max() / want.abs().max())
+            assert err < 2e-6, (rows, build is lib, err)
+
+
+Q0_CASES = [c for c in CASES if c[3] == 32 and c[5] != native.Q8_K_ACT and c[6]]
+
+
+@pytest.mark.parametrize("case", Q0_CASES, ids=lambda c: f"{c[0]}x{c[1]}-b{c[2]}")
+def test_llamacpp_order_is_the_same_in_plain_c(
+    lib: ctypes.CDLL, generic: ctypes.CDLL, case
+) -> None:
+    """llama.cpp's order for Q4_0/Q4_1/Q5_0/Q8_0 (qmm.c rows_q0, 16 rows interleaved, rows
+    off the 16-grid masked): the plain C build gives the same bits, for 1 to 9 activation
+    rows, and both are the emulated arithmetic."""
+    q, scale, offset, part = _case(case, seed=case[1] + 1)
+    layout = native_layout([part], case[2], llamacpp_order=True)
+    assert layout is not None and layout.arith == native.ARITH_Q0 and layout.kp == case[1]
+    gen = torch.Generator().manual_seed(2)
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(rows, case[1], generator=gen) * 3
+        add = torch.randn(rows, case[0], generator=gen)
+        got = NativeLinear(lib, layout, case[0], case[1], None)(x, add)
+        plain = NativeLinear(generic, layout, case[0], case[1], None)(x, add)
+        assert torch.equal(got, plain), rows
+        lin = NativeLinear(lib, layout, case[0], case[1], None)
+        want = _emulated(lib, lin, x, q, scale, offset, 32)
+        err = float(((got.double() - add.double()) - want).abs().max() / want.abs().max())
+        assert err < 2e-6, (rows, err)
+
+
+def test_activation_blocks_follow_llamacpp(lib: ctypes.CDLL) -> None:
+    """Q8_0 blocks: d = max|x| / 127 kept as float16, codes rounded to even; Q8_K: 256-wide
+    blocks with the signed extreme at -127 (d negative when it is positive)."""
+    x = torch.zeros(1, 512)
+    x[0, :32] = torch.linspace(-1.0, 2.0, 32)
+    x[0, 32:64] = 0.0  # an all-zero block
+    x[0, 64:] = torch.randn(448, generator=torch.Generator().manual_seed(3))
+    a = native.Activations(lib, x, 512, native.Q8_0_ACT)
+    d = np.float32(2.0) / np.float32(127.0)
+    assert float(a.dxe[0, 0]) == float(np.float16(d))
+    assert int(a.qx[0, 31]) == 127 and int(a.qx[0, 0]) == round(-1.0 * 127 / 2.0)
+    assert torch.all(a.qx[0, 32:64] == 0) and float(a.dxe[0, 8]) == 0.0
+    k = native.Activations(lib, x, 512, native.Q8_K_ACT)
+    assert torch.all(k.dxe[0, :64] == k.dxe[0, 0])  # one d per 256 elements
+    assert int(k.qx[0, :256].abs().max()) == 127
+    top = int(x[0, :256].abs().argmax())
+    assert int(k.qx[0, top]) == -127
+    assert (float(k.dxe[0, 0]) < 0) == (float(x[0, top]) > 0)
+
+
+def test_llamacpp_order_with_mixed_zero_codes(lib: ctypes.CDLL, generic: ctypes.CDLL) -> None:
+    """Q5_0 (zero 16) fused with Q8_0 (zero 128), 24 rows each: one group of each zero code
+    (qmm.c starts its products from the zero's term) and one mixed (the -q product)."""
+    a = _case((24, 640, 5, 32, 16, native.Q8_0_ACT, True), seed=13)
+    b = _case((24, 640, 8, 32, 128, native.Q8_0_ACT, True), seed=14)
+    layout = native_layout([a[3], b[3]], 8, llamacpp_order=True)
+    assert layout is not None and layout.arith == native.ARITH_Q0
+    assert layout.zlist == (16, 128) and layout.zg is not None
+    assert layout.zg.tolist() == [0, -1, 1]
+    q = torch.cat([a[0], b[0]])
+    gen = torch.Generator().manual_seed(15)
+    for rows in (1, 2, 4, 5):
+        x = torch.randn(rows, 640, generator=gen)
+        got = NativeLinear(lib, layout, 48, 640, None)(x)
+        assert torch.equal(got, NativeLinear(generic, layout, 48, 640, None)(x)), rows
+        lin = NativeLinear(lib, layout, 48, 640, None)
+        want = _emulated(lib, lin, x, q, torch.cat([a[1], b[1]]), torch.cat([a[2], b[2]]), 32)
+        assert float((got.double() - want).abs().max() / want.abs().max()) < 2e-6
+
+
+def test_q4k_order_is_the_same_in_plain_c(lib: ctypes.CDLL, generic: ctypes.CDLL) -> None:
+    """Q4_K in llama.cpp's order (qmm.c q4k_tile: its 6-bit scales and mins, 16 rows
+    interleaved, rows off the 16-grid masked; per 256 for 1 to 3 activation rows, per 64
+    for rows in whole fours): the plain C build gives the same bits, and both are the
+    emulated arithmetic."""
+    n, k = 40, 512
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    sc = torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=gen)
+    mins = torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=gen)
+    d = torch.rand(n, k // 256, generator=gen) * 1e-3
+    dmin = torch.rand(n, k // 256, generator=gen) * 1e-3
+    scale = d.repeat_interleave(8, 1) * sc.float()
+    offset = -dmin.repeat_interleave(8, 1) * mins.float()
+    part = NativePart(
+        q, scale, offset, 32, None, native.Q8_K_ACT, False, KScales(sc, mins, d, dmin)
+    )
+    layout = native_layout([part], 4, llamacpp_order=True)
+    assert layout is not None and layout.arith == native.ARITH_Q4K
+    for rows in (1, 2, 3, 4, 5, 8, 9):
+        x = torch.randn(rows, k, generator=gen) * 3
+        add = torch.randn(rows, n, generator=gen)
+        got = NativeLinear(lib, layout, n, k, None)(x, add)
+        assert torch.equal(got, NativeLinear(generic, layout, n, k, None)(x, add)), rows
+        lin = NativeLinear(lib, layout, n, k, None)
+        want = _emulated(lib, lin, x, q, scale, offset, 32)
+        err = float(((got.double() - add.double()) - want).abs().max() / want.abs().max())
+        assert err < 2e-6, (rows, err)
+
+
+def test_q6k_order_is_the_same_in_plain_c(lib: ctypes.CDLL, generic: ctypes.CDLL) -> None:
+    """Q6_K in llama.cpp's order (qmm.c q6k_tile: vec_dot's 8 lanes below 8 activation
+    rows, the tiled GEMM's per-block total from 8 on): plain C gives the same bits, and
+    both are the emulated arithmetic."""
+    n, k = 40, 512
+    gen = torch.Generator().manual_seed(16)
+    q = torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=gen)
+    sc = torch.randint(-128, 128, (n, k // 16), dtype=torch.int8, generator=gen)
+    d = torch.rand(n, k // 256, generator=gen) * 1e-3
+    scale = d.repeat_interleave(16, 1) * sc.float()
+    part = NativePart(
+        q, scale, -32 * scale, 16, 32, native.Q8_K_ACT, False, KScales(sc, None, d, None)
+    )
+    layout = native_layout([part], 6, llamacpp_order=True)
+    assert layout is not None and layout.arith == native.ARITH_Q6K
+    for rows in (1, 2, 7, 8, 9):
+        x = torch.randn(rows, k, generator=gen) * 3
+        add = torch.randn(rows, n, generator=gen)
+        got = NativeLinear(lib, layout, n, k, None)(x, add)
+        assert torch.equal(got, NativeLinear(generic, layout, n, k, None)(x, add)), rows
+        lin = NativeLinear(lib, layout, n, k, None)
+        want = _emulated(lib, lin, x, q, scale, -32 * scale, 16)
+        err = float(((got.double() - add.double()) - want).abs().max() / want.abs().max())
+        assert err < 2e-6, (rows, err)
+
+
+def test_activation_quantisation_is_the_same_in_plain_c(
+    lib: ctypes.CDLL, generic: ctypes.CDLL
+) -> None:
+    """The vectorised quantisation (AVX-512) and the plain C one give the same codes, scales
+    and sums in every mode: ties rounded to even, K off the 16-grid (zero padding), a
+    block's largest magnitude repeated with either sign (Q8_K takes the first)."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 700, generator=gen) * 4
+    x[0, :32] = torch.arange(32) - 15.5  # max 16.5 ... every x * id a half-way case or near
+    x[0, 32:64] = torch.tensor([127.0, 2.5, -2.5, 3.5, 0.5, -0.5] + [1.0] * 26)
+    x[1, :256] = x[1, :256].clamp(-8.0, 8.0)
+    x[1, 10], x[1, 200] = -9.0, 9.0  # Q8_K: equal magnitudes, the first (negative) wins
+    x[2, 256:512] = 0.0  # an all-zero 256-block
+    for mode, kp in ((native.Q8_0_ACT, 704), (native.Q8_1_ACT, 704), (native.Q8_K_ACT, 768)):
+        a = native.Activations(lib, x, kp, mode)
+        b = native.Activations(generic, x, kp, mode)
+        for name in ("qx", "dxe", "s16", "s32"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), (mode, name)
+    assert int(native.Activations(lib, x, 704, native.Q8_0_ACT).qx[0, 34]) == -int(
+        native.Activations(lib, x, 704, native.Q8_0_ACT).qx[0, 33]
+    )
+
+
+def test_threads_do_not_change_a_single_bit(lib: ctypes.CDLL) -> None:
+    part = _case((4096, 576, 4, 32, None, native.Q8_1_ACT, True), seed=5)[3]
+    layout = native_layout([part], 4)
+    assert layout is not None
+    lin = NativeLinear(lib, layout, 4096, 576, None)
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(6))
+    lib.mvk_set_threads(1)
+    one = [lin(x[:1]), lin(x)]
+    assert lib.mvk_set_threads(3) >= 3
+    for _ in range(20):  # many products, so the chunks land on different threads
+        assert torch.equal(lin(x[:1]), one[0]) and torch.equal(lin(x), one[1])
+
+
+def test_fused_parts_with_different_zero_codes_keep_mins(lib: ctypes.CDLL) -> None:
+    """Gemma's q|k|v fuses Q5_0 (zero 16) with Q8_0 (zero 128): one layout with mins."""
+    a = _case((64, 640, 5, 32, 16, native.Q8_0_ACT, True), seed=7)
+    b = _case((64, 640, 8, 32, 128, native.Q8_0_ACT, True), seed=8)
+    layout = native_layout([a[3], b[3]], 8)
+    assert layout is not None and layout.offset is not None and not layout.nibble
+    lin = NativeLinear(lib, layout, 128, 640, None)
+    x = torch.randn(2, 640, generator=torch.Generator().manual_seed(9))
+    q = torch.cat([a[0], b[0]])
+    want = _emulated(lib, lin, x, q, torch.cat([a[1], b[1]]), torch.cat([a[2], b[2]]), 32)
+    assert float((lin(x).double() - want).abs().max() / want.abs().max()) < 2e-6
+
+
+def test_scales_beyond_float16_are_refused() -> None:
+    q, scale, offset, _ = _case((16, 64, 4, 32, 8, native.Q8_0_ACT, True), seed=10)
+    big = NativePart(q, scale * 1e6, offset * 1e6, 32, 8, native.Q8_0_ACT, True)
+    assert native_layout([big], 4) is None
+
+
+def test_build_is_cached_and_failures_say_why(tmp_path: Path) -> None:
+    first = native.build(tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert native.build(tmp_path) == first and first.stat().st_mtime_ns == mtime
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # nothing half-written
+    with pytest.raises(RuntimeError, match="failed"):
+        native.build(tmp_path / "bad", ("-DMVK_NO_SUCH_FLAG", "-Wl,--no-such-option"))
+    assert not any((tmp_path / "bad").iterdir())
+    with pytest.raises(RuntimeError, match=r"no C compiler|failed|No such file"):
+        try:
+            native.build(tmp_path / "none", compiler="/nonexistent/cc")
+        except FileNotFoundError as e:
+            raise RuntimeError(str(e)) from e
+
+
+def test_the_choice_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        monkeypatch.setenv(native.ENV_CHOICE, "torch")
+        native.forget()
+        assert native.library() is None and native.why_not() == f"{native.ENV_CHOICE}=torch"
+        monkeypatch.setenv(native.ENV_CHOICE, "fastest")
+        native.forget()
+        with pytest.raises(ValueError, match="MVP_ENGINE_KERNEL must be"):
+            native.library()
+    finally:
+        monkeypatch.undo()
+        native.forget()
+    assert native.library() is not None

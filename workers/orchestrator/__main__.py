@@ -1,0 +1,3 @@
+from workers.orchestrator.worker import main
+
+main()
