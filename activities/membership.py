@@ -9,6 +9,7 @@ from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.exceptions import ApplicationError
 
 from mvp_core import names
+from mvp_core.errors import ErrorType
 from mvp_core.models import CheckRouteInput, RouteCheck
 
 
@@ -48,5 +49,7 @@ async def check_route(inp: CheckRouteInput) -> RouteCheck:
     )
     verdict = judge_route(inp.identity, {p.identity for p in resp.pollers})
     if verdict is None:
-        raise ApplicationError(f"no poller on {inp.task_queue} yet", type="RouteNotPolled")
+        raise ApplicationError(
+            f"no poller on {inp.task_queue} yet", type=ErrorType.ROUTE_NOT_POLLED
+        )
     return verdict

@@ -15,6 +15,7 @@ from activities.models_store import ModelSourceError, resolve_model
 from activities.providers.base import ProviderUnavailable, harness_faults
 from activities.provisioning import ProviderActivities
 from mvp_core import names
+from mvp_core.errors import ErrorType
 from mvp_core.models import PreparePlanInput, RunPlan
 from mvp_core.planner import PlanningError, build_plan
 
@@ -50,7 +51,7 @@ class PlanningActivities:
         except ProviderUnavailable as err:
             raise ApplicationError(
                 f"provider {inp.provider.value!r} unavailable: {err}",
-                type="PlanningError",
+                type=ErrorType.PLANNING_ERROR,
                 non_retryable=True,
             ) from None
         return await plan_run(inp)
@@ -75,7 +76,9 @@ async def plan_run(inp: PreparePlanInput) -> RunPlan:
             tokenizer_path=tokenizer_path,
         )
     except (PlanningError, ModelSourceError) as err:
-        raise ApplicationError(str(err), type="PlanningError", non_retryable=True) from None
+        raise ApplicationError(
+            str(err), type=ErrorType.PLANNING_ERROR, non_retryable=True
+        ) from None
 
 
 async def _test_delay(run_id: int) -> None:

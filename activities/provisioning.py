@@ -12,6 +12,7 @@ from activities.heartbeat import in_thread
 from activities.providers.base import NodeStartFailed, Provider, ProviderUnavailable
 from activities.providers.process import ProcessProvider
 from mvp_core import names
+from mvp_core.errors import ErrorType
 from mvp_core.models import (
     NodeExited,
     NodeHandle,
@@ -80,7 +81,7 @@ class ProviderActivities:
             return self.provider(kind)
         except ProviderUnavailable as err:
             raise ApplicationError(
-                str(err), type="ProviderUnavailable", non_retryable=True
+                str(err), type=ErrorType.PROVIDER_UNAVAILABLE, non_retryable=True
             ) from None
 
     @activity.defn(name=names.ACT_START_NODE)

@@ -12,6 +12,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, Field
 
+from mvp_core.errors import ErrorType
 from mvp_core.models import (
     IgnoredInput,
     LeaseStarted,
@@ -56,10 +57,10 @@ def _echo(reason: str) -> bool:
 class PromptRejection(StrEnum):
     """Typed rejections of ``submit_prompt`` (DECISIONS 9)."""
 
-    NOT_PROMPT_READY = "RunNotPromptReady"
-    DUPLICATE_REQUEST_ID = "DuplicateRequestId"
-    QUEUE_FULL = "PromptQueueFull"
-    ROLLING_OVER = "RunRollingOver"
+    NOT_PROMPT_READY = ErrorType.RUN_NOT_PROMPT_READY.value
+    DUPLICATE_REQUEST_ID = ErrorType.DUPLICATE_REQUEST_ID.value
+    QUEUE_FULL = ErrorType.PROMPT_QUEUE_FULL.value
+    ROLLING_OVER = ErrorType.RUN_ROLLING_OVER.value
 
 
 class NodeCondition(StrEnum):

@@ -19,6 +19,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from mvp_core import names
+    from mvp_core.errors import ErrorType
     from mvp_core.reaper import (
         DestroyInput,
         DestroyResult,
@@ -68,7 +69,7 @@ class ReaperWorkflow:
         except ActivityError as err:
             raise ApplicationError(
                 f"reaper of {inp.host}: {failure_cause(err)}",
-                type="ReaperFailed",
+                type=ErrorType.REAPER_FAILED,
                 non_retryable=True,
             ) from None
         plan = decide(listing.resources, liveness.runs)

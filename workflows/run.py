@@ -20,6 +20,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflow
 
 with workflow.unsafe.imports_passed_through():
     from mvp_core import metrics, names
+    from mvp_core.errors import ErrorType
     from mvp_core.generation import effective_max_tokens, fixed_address_layout
     from mvp_core.inputs import InvalidInput, NotJson, decode_one
     from mvp_core.models import (
@@ -197,14 +198,14 @@ class RunWorkflow:
         outcome = state.outcome()
         if state.first_fault is not None:
             raise ApplicationError(
-                state.first_fault, outcome, type="RunFaulted", non_retryable=True
+                state.first_fault, outcome, type=ErrorType.RUN_FAULTED, non_retryable=True
             )
         if state.provider_stop_error is not None:
             # Operator stop, but a node may still run (process spec 10.13).
             raise ApplicationError(
                 f"operator stop: {state.provider_stop_error}",
                 outcome,
-                type="RunStopFailed",
+                type=ErrorType.RUN_STOP_FAILED,
                 non_retryable=True,
             )
         return outcome
@@ -215,7 +216,9 @@ class RunWorkflow:
         state.phase = RunPhase.REJECTED
         state.record(LifecycleKind.RUN_REJECTED, reason)
         self._set_phase(RunPhase.REJECTED)
-        raise ApplicationError(reason, state.outcome(), type="RunRejected", non_retryable=True)
+        raise ApplicationError(
+            reason, state.outcome(), type=ErrorType.RUN_REJECTED, non_retryable=True
+        )
 
     # ------------------------------------------------------------------ planning
     async def _plan(self) -> None:
@@ -775,13 +778,13 @@ class RunWorkflow:
             raise ApplicationError(
                 "InvalidPrompt: messages need chat=true (they are rendered with the model's "
                 "chat template)",
-                type="InvalidPrompt",
+                type=ErrorType.INVALID_PROMPT,
                 non_retryable=True,
             )
         if not prompt.prompt_text and not prompt.messages:
             raise ApplicationError(
                 "InvalidPrompt: prompt_text must not be empty",
-                type="InvalidPrompt",
+                type=ErrorType.INVALID_PROMPT,
                 non_retryable=True,
             )
         rejection = self._state.admission_rejection(
@@ -801,7 +804,7 @@ class RunWorkflow:
             return decode_one(names.UPDATE_SUBMIT_PROMPT, SubmitPrompt, args)
         except InvalidInput as err:
             raise ApplicationError(
-                f"InvalidPrompt: {err.reason}", type="InvalidPrompt", non_retryable=True
+                f"InvalidPrompt: {err.reason}", type=ErrorType.INVALID_PROMPT, non_retryable=True
             ) from None
 
     def cancel_prompt(self, cancel: CancelPrompt) -> Any:
@@ -844,7 +847,7 @@ class RunWorkflow:
         if req.run_id is not None and req.run_id != self._state.run_id:
             raise ApplicationError(
                 f"InvalidShutdown: run_id {req.run_id} is not this run ({self._state.run_id})",
-                type="InvalidShutdown",
+                type=ErrorType.INVALID_SHUTDOWN,
                 non_retryable=True,
             )
 
@@ -855,7 +858,9 @@ class RunWorkflow:
             )
         except InvalidInput as err:
             raise ApplicationError(
-                f"InvalidShutdown: {err.reason}", type="InvalidShutdown", non_retryable=True
+                f"InvalidShutdown: {err.reason}",
+                type=ErrorType.INVALID_SHUTDOWN,
+                non_retryable=True,
             ) from None
 
     @workflow.signal(dynamic=True)

@@ -43,6 +43,7 @@ from temporalio.client import Client, WorkflowQueryFailedError, WorkflowQueryRej
 from temporalio.service import RPCError, RPCStatusCode
 
 from mvp_core import names
+from mvp_core.errors import ErrorType
 from mvp_core.models import CancelPrompt, Done, Fault, RunPhase, SubmitPrompt, TextDelta
 from mvp_core.run_state import RunState
 from temporal import telemetry
@@ -235,7 +236,7 @@ class Gateway:
                 await session.open()
                 return session
             except PromptRejected as err:
-                if err.kind == "DuplicateRequestId" and attempt + 1 < ADMIT_TRIES:
+                if err.kind == ErrorType.DUPLICATE_REQUEST_ID and attempt + 1 < ADMIT_TRIES:
                     continue
                 if err.kind == "RunRollingOver" and attempt + 1 < ADMIT_TRIES:
                     await asyncio.sleep(ROLLOVER_RETRY_S)
@@ -258,7 +259,7 @@ class Gateway:
         raise AssertionError("unreachable")
 
     def _rejection(self, err: PromptRejected) -> ApiError:
-        if err.kind == "PromptQueueFull":
+        if err.kind == ErrorType.PROMPT_QUEUE_FULL:
             return ApiError(
                 429,
                 f"the prompt queue of run {self.workflow_id} is full; retry later",
@@ -266,11 +267,11 @@ class Gateway:
                 code="prompt_queue_full",
                 retry_after_s=1,
             )
-        if err.kind in ("RunNotPromptReady", "RunRollingOver"):
+        if err.kind in (ErrorType.RUN_NOT_PROMPT_READY, ErrorType.RUN_ROLLING_OVER):
             return unavailable(
                 f"run {self.workflow_id} is not prompt-ready ({err})", "run_not_ready"
             )
-        if err.kind == "InvalidPrompt":
+        if err.kind == ErrorType.INVALID_PROMPT:
             return invalid(str(err), code="invalid_prompt")
         return ApiError(500, f"{err.kind}: {err}", type="server_error", code="prompt_rejected")
 

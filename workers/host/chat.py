@@ -33,6 +33,7 @@ from temporalio.client import (
 from temporalio.service import RPCError
 
 from mvp_core import names
+from mvp_core.errors import ErrorType
 from mvp_core.models import CancelPrompt, Done, RunPhase, SubmitPrompt, TextDelta
 from mvp_core.run_state import RunState
 from temporal import telemetry
@@ -98,7 +99,7 @@ class Chat:
                 return
             except PromptRejected as err:
                 self.in_flight = None
-                if err.kind != "DuplicateRequestId":
+                if err.kind != ErrorType.DUPLICATE_REQUEST_ID:
                     print(f"rejected ({err.kind}): {err}", flush=True)
                     return
             except RPCError as err:  # e.g. the run has ended, or the server is gone

@@ -12,6 +12,7 @@ from pathlib import Path
 from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 
+from mvp_core.errors import ErrorType
 from mvp_core.models import ProviderKind
 from temporal.connect import local_server_env
 
@@ -76,7 +77,10 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float) -> None:
 def failure_text(err: WorkflowFailureError) -> str:
     """A failed run's reason in one line."""
     cause = err.cause
-    if isinstance(cause, ApplicationError) and cause.type in ("RunRejected", "RunFaulted"):
-        word = "rejected" if cause.type == "RunRejected" else "faulted"
+    if isinstance(cause, ApplicationError) and cause.type in (
+        ErrorType.RUN_REJECTED,
+        ErrorType.RUN_FAULTED,
+    ):
+        word = "rejected" if cause.type == ErrorType.RUN_REJECTED else "faulted"
         return f"run {word}: {cause.message}"
     return f"run failed: {cause or err}"

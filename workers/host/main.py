@@ -56,6 +56,7 @@ from activities.models_store import (
 from activities.providers.base import state_dir as provider_state_dir
 from mvp_core import names
 from mvp_core.datastream import BootstrapStatus, LogStream, Redactor
+from mvp_core.errors import ErrorType
 from mvp_core.host_config import (
     ConfigError,
     HostConfig,
@@ -611,7 +612,7 @@ class Host:
         err = closed.exception() if not closed.cancelled() else None
         if isinstance(err, WorkflowFailureError):
             cause = err.cause
-            if isinstance(cause, ApplicationError) and cause.type == "RunStopFailed":
+            if isinstance(cause, ApplicationError) and cause.type == ErrorType.RUN_STOP_FAILED:
                 raise HostError(f"provider stop failed: {cause.message}")
             raise HostError(failure_text(err))
         if err is not None:

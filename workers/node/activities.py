@@ -15,6 +15,7 @@ from temporalio.contrib.workflow_streams import WorkflowStreamClient
 from temporalio.exceptions import ApplicationError
 
 from mvp_core import names
+from mvp_core.errors import ErrorType
 from mvp_core.generation import PromptTooLong
 from mvp_core.models import (
     Done,
@@ -114,13 +115,13 @@ class NodeActivities:
             raise ApplicationError(
                 f"node {cfg.node_id}: command for run {run_id}/{readiness_id} rejected; this node "
                 f"serves run {cfg.run_id}/{cfg.readiness_id}",
-                type="StageRejected",
+                type=ErrorType.STAGE_REJECTED,
                 non_retryable=True,
             )
         if authority is not None and authority != cfg.authorized_orchestrator:
             raise ApplicationError(
                 f"node {cfg.node_id}: unauthorized orchestrator {authority!r}",
-                type="StageRejected",
+                type=ErrorType.STAGE_REJECTED,
                 non_retryable=True,
             )
 
@@ -129,7 +130,9 @@ class NodeActivities:
         cfg = self.cfg
         self._check(ack.run_id, ack.readiness_id)
         if ack.node_id != cfg.node_id or ack.stage_index != cfg.stage_index:
-            raise ApplicationError("ack for another node", type="StageRejected", non_retryable=True)
+            raise ApplicationError(
+                "ack for another node", type=ErrorType.STAGE_REJECTED, non_retryable=True
+            )
         self.acked.set()
         return NodeRuntimeReadyAck(
             run_id=cfg.run_id,
@@ -173,7 +176,7 @@ class NodeActivities:
             raise ApplicationError(
                 f"node {cfg.node_id}: provision for node {prov.node_id} stage "
                 f"{prov.stage_index} rejected",
-                type="StageRejected",
+                type=ErrorType.STAGE_REJECTED,
                 non_retryable=True,
             )
         if self.runtime is None:
@@ -187,7 +190,7 @@ class NodeActivities:
             except Exception as err:
                 raise ApplicationError(
                     f"stage {cfg.stage_index} weight load failed: {err}",
-                    type="StageLoadFailed",
+                    type=ErrorType.STAGE_LOAD_FAILED,
                     non_retryable=True,
                 ) from None
             print(
@@ -258,7 +261,7 @@ class NodeActivities:
         if runtime is None:
             raise ApplicationError(
                 "generate before the stage was provisioned",
-                type="StageNotReady",
+                type=ErrorType.STAGE_NOT_READY,
                 non_retryable=True,
             )
         pipe = TextPipe(asyncio.get_running_loop())
@@ -325,7 +328,7 @@ class NodeActivities:
             except Exception as err:
                 raise ApplicationError(
                     f"engine fault on stage {self.cfg.stage_index}: {type(err).__name__}: {err}",
-                    type="EngineFault",
+                    type=ErrorType.ENGINE_FAULT,
                     non_retryable=True,
                 ) from None
             await stream.flush()
