@@ -7,10 +7,10 @@ activity on the head node's queue and returns the terminal event.
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy, SearchAttributeKey
+from temporalio.common import SearchAttributeKey
 from temporalio.contrib.workflow_streams import WorkflowStream
 from temporalio.exceptions import ActivityError, ApplicationError, TimeoutType
 from temporalio.exceptions import TimeoutError as TimeoutError_
@@ -24,6 +24,7 @@ with workflow.unsafe.imports_passed_through():
         PromptOutcome,
         PromptStatus,
     )
+    from workflows import calls
 
 STATUS_KEY = SearchAttributeKey.for_keyword(names.SEARCH_ATTRIBUTE_PROMPT)
 
@@ -79,8 +80,7 @@ class PromptWorkflow:
         workflow.set_current_details(
             f"{self._label}: generating on {where} (at most {_limit(inp.max_new_tokens)} tokens)"
         )
-        handle = workflow.start_activity(
-            names.ACT_NODE_GENERATE,
+        handle = calls.generate(
             GenerateInput(
                 run_id=inp.run_id,
                 readiness_id=inp.readiness_id,
@@ -89,15 +89,9 @@ class PromptWorkflow:
                 max_new_tokens=inp.max_new_tokens,
                 stream_batch_ms=inp.stream_batch_ms,
             ),
-            result_type=PromptOutcome,
-            task_queue=inp.head_task_queue,
-            summary=f"generate request {request_id} on {where} (run {inp.run_id})",
-            schedule_to_start_timeout=timedelta(seconds=30),
-            start_to_close_timeout=timedelta(hours=6),
-            heartbeat_timeout=timedelta(seconds=inp.generate_heartbeat_s),
-            # A retry would publish the same text twice (DECISIONS 11).
-            retry_policy=RetryPolicy(maximum_attempts=1),
-            cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+            inp.head_task_queue,
+            inp.generate_heartbeat_s,
+            f"generate request {request_id} on {where} (run {inp.run_id})",
         )
         await workflow.wait_condition(lambda: handle.done() or self._cancel_reason is not None)
         if not handle.done():

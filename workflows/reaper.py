@@ -11,10 +11,8 @@ sweeps of one host from running at once.
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
@@ -22,24 +20,15 @@ with workflow.unsafe.imports_passed_through():
     from mvp_core.errors import ErrorType
     from mvp_core.reaper import (
         DestroyInput,
-        DestroyResult,
         LivenessInput,
-        LivenessResult,
         ReapDecision,
         ReapInput,
         ReapReport,
-        ResourceListing,
         decide,
         run_ids_of,
     )
+    from workflows import calls
     from workflows.prompt import failure_cause
-
-HEARTBEAT = timedelta(seconds=10)
-# A host whose workers are all gone never takes the listing: the sweep fails instead of
-# waiting, and the schedule's next sweep tries again.
-LIST_TIMEOUT = timedelta(seconds=120)
-LIVENESS_TIMEOUT = timedelta(seconds=120)
-RETRY = RetryPolicy(maximum_attempts=3, initial_interval=timedelta(seconds=1))
 
 
 @workflow.defn(name=names.REAPER_WORKFLOW)
@@ -48,23 +37,9 @@ class ReaperWorkflow:
     async def run(self, inp: ReapInput) -> ReapReport:
         queue = names.provider_task_queue(inp.host)
         try:
-            listing = await workflow.execute_activity(
-                names.ACT_LIST_RESOURCES,
-                inp.host,
-                task_queue=queue,
-                result_type=ResourceListing,
-                schedule_to_close_timeout=LIST_TIMEOUT,
-                heartbeat_timeout=HEARTBEAT,
-                retry_policy=RETRY,
-            )
-            liveness = await workflow.execute_activity(
-                names.ACT_RUN_LIVENESS,
-                LivenessInput(run_workflow_ids=run_ids_of(listing.resources)),
-                task_queue=names.ORCHESTRATOR_TASK_QUEUE,
-                result_type=LivenessResult,
-                schedule_to_close_timeout=LIVENESS_TIMEOUT,
-                heartbeat_timeout=HEARTBEAT,
-                retry_policy=RETRY,
+            listing = await calls.list_resources(inp.host, queue)
+            liveness = await calls.run_liveness(
+                LivenessInput(run_workflow_ids=run_ids_of(listing.resources))
             )
         except ActivityError as err:
             raise ApplicationError(
@@ -99,15 +74,8 @@ class ReaperWorkflow:
     @staticmethod
     async def _destroy(queue: str, decision: ReapDecision, inp: ReapInput) -> tuple[bool, str]:
         try:
-            result = await workflow.execute_activity(
-                names.ACT_DESTROY_RESOURCE,
-                DestroyInput(resource=decision.resource),
-                task_queue=queue,
-                result_type=DestroyResult,
-                start_to_close_timeout=timedelta(seconds=inp.destroy_timeout_s),
-                schedule_to_close_timeout=timedelta(seconds=3 * inp.destroy_timeout_s),
-                heartbeat_timeout=HEARTBEAT,
-                retry_policy=RETRY,
+            result = await calls.destroy_resource(
+                DestroyInput(resource=decision.resource), queue, inp.destroy_timeout_s
             )
         except ActivityError as err:
             return False, f"destroy failed: {failure_cause(err)}"

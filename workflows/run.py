@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 from temporalio import workflow
-from temporalio.common import RawValue, RetryPolicy, SearchAttributeKey
+from temporalio.common import RawValue, SearchAttributeKey
 from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
@@ -42,7 +42,6 @@ with workflow.unsafe.imports_passed_through():
         PromptOutcome,
         PromptStatus,
         PromptTerminal,
-        ProviderKind,
         RequestShutdown,
         RouteCheck,
         RunOutcome,
@@ -62,6 +61,7 @@ with workflow.unsafe.imports_passed_through():
         WatchNodesInput,
         WeightsReady,
     )
+    from mvp_core.providers import traits
     from mvp_core.run_state import NODE_CONDITIONS, NodeState, PromptRejection, RunState
     from mvp_core.validation import (
         RunRejectedError,
@@ -70,6 +70,7 @@ with workflow.unsafe.imports_passed_through():
         resolve_run_id,
         validate_request,
     )
+    from workflows import calls
     from workflows.prompt import PromptWorkflow, failure_cause, heartbeat_lost
 
 PHASE_KEY = SearchAttributeKey.for_keyword(names.SEARCH_ATTRIBUTE_PHASE)
@@ -81,8 +82,6 @@ CULPRIT_GRACE = timedelta(seconds=2)
 # A lease that failed while its node lives (a control-plane outage outlasting the lease
 # heartbeat) is scheduled again; membership is lost only if no lease starts in this time.
 LEASE_RECOVERY = timedelta(seconds=30)
-# Orchestrator-side activities heartbeat, so a lost worker costs this, not a timeout.
-ACTIVITY_HEARTBEAT = timedelta(seconds=5)
 PROMPT_DRAIN_S = 5.0  # beyond a generate's heartbeat timeout, for its prompt to end
 
 
@@ -134,6 +133,7 @@ class RunWorkflow:
         request = decoded.request if isinstance(decoded, RunCarry) else decoded
         self._carry = carry
         self._request = request
+        self._traits = traits(request.provider)
         self._children: dict[str, Any] = {}
         self._leases: dict[int, asyncio.Task[None]] = {}
         self._watch: asyncio.Task[None] | None = None
@@ -229,17 +229,10 @@ class RunWorkflow:
         state.record(LifecycleKind.RUN_PLANNING_STARTED)
         try:
             state.provider_queue = await self._guard(
-                workflow.execute_activity(
-                    names.ACT_PROVIDER_QUEUE,
-                    result_type=str,
-                    task_queue=names.ORCHESTRATOR_TASK_QUEUE,
-                    start_to_close_timeout=timedelta(seconds=10),
-                    summary=f"provider queue of run {state.run_id} ({req.provider.value})",
-                )
+                calls.provider_queue(f"provider queue of run {state.run_id} ({req.provider.value})")
             )
-            plan = await self._guard(
-                workflow.execute_activity(
-                    names.ACT_PREPARE_PLAN,
+            plan: RunPlan = await self._guard(
+                calls.prepare_plan(
                     PreparePlanInput(
                         run_id=state.run_id,
                         orchestrator_node_id=req.orchestrator_node_id,
@@ -249,17 +242,11 @@ class RunWorkflow:
                         pipeline_stages=req.pipeline_stages,
                         max_context=req.max_context,
                         provider=req.provider,
-                        gpus=req.docker.gpus or None,
-                        vastai=req.vastai if req.provider is ProviderKind.VASTAI else None,
+                        gpus=self._traits.gpus(req),
+                        vastai=self._traits.vastai(req),
                     ),
-                    result_type=RunPlan,
-                    task_queue=state.provider_queue,
-                    summary=f"plan {self._model_name()} in {req.pipeline_stages} stage(s)",
-                    start_to_close_timeout=timedelta(minutes=10),
-                    heartbeat_timeout=ACTIVITY_HEARTBEAT,
-                    retry_policy=RetryPolicy(
-                        maximum_attempts=3, non_retryable_error_types=["PlanningError"]
-                    ),
+                    state.provider_queue,
+                    f"plan {self._model_name()} in {req.pipeline_stages} stage(s)",
                 )
             )
         except ActivityError as err:
@@ -282,80 +269,25 @@ class RunWorkflow:
 
     # ------------------------------------------------------------------ startup
     async def _startup(self) -> None:
-        state, req = self._state, self._request
-        assert state.plan is not None and state.provider_queue is not None
+        """From a committed plan to prompt-ready: every node started, through the
+        readiness barrier, its stage provisioned and ready (actor spec 6.3-6.8)."""
+        await self._start_nodes()
+        self._start_watch()
+        await self._readiness()
+        await self._provision_stages()
+        await self._await_prompt_ready()
+
+    async def _start_nodes(self) -> None:
+        state = self._state
         if not state.may_provision():
             raise _Stopping()
         self._set_phase(RunPhase.PROVISIONING)
         state.record(LifecycleKind.RUN_PROVISIONING_STARTED)
-        remote = req.provider is ProviderKind.VASTAI
-        host_nodes = 1 if remote else len(state.nodes)
-        # A rented instance takes minutes to come up: every node's start runs at once,
-        # each with time for several offers; local nodes start one after another.
-        start_timeout = (
-            timedelta(
-                seconds=req.vastai.max_offers
-                * (req.vastai.loading_timeout_s + req.vastai.ssh_timeout_s)
-                + 600
-            )
-            if remote
-            else timedelta(seconds=60)
-        )
-
-        async def start_node(node: NodeState) -> None:
-            assert state.plan is not None and state.provider_queue is not None
-            spec = NodeProvisionSpec(
-                run_id=state.run_id,
-                node_id=node.node_id,
-                stage_index=node.stage_index,
-                nonce=state.nonce,
-                task_queue=node.task_queue,
-                readiness_id=node.readiness_id,
-                authorized_orchestrator=state.authorized_orchestrator,
-                run_workflow_id=workflow.info().workflow_id,
-                image_or_artifact=req.worker_image,
-                # Local providers put every node on this host: nodes share its cores. A
-                # rented instance is a host of its own.
-                environment={
-                    **req.node_env,
-                    "MVP_HOST_NODES": str(host_nodes),
-                    "MVP_ADDRESS_LAYOUT": "fixed"
-                    if fixed_address_layout(req.engine.address_layout, host_nodes)
-                    else "randomized",
-                },
-                coordinator_endpoint="",
-                temporal_namespace=workflow.info().namespace,
-                provider=req.provider,
-                gpus=req.docker.gpus or None,
-                mounts=sorted({state.plan.model_path, state.plan.tokenizer_path}),
-                vastai=req.vastai if remote else None,
-            )
-            # Neither abandoned on shutdown nor cancelled with the workflow: a start in
-            # flight may launch its node, which teardown must then know about to stop it.
-            node.start_attempted = True
-            start = asyncio.ensure_future(
-                workflow.execute_activity(
-                    names.ACT_START_NODE,
-                    spec,
-                    result_type=NodeHandle,
-                    task_queue=state.provider_queue,
-                    start_to_close_timeout=start_timeout,
-                    summary=f"start node {node.node_id} (stage {node.stage_index})",
-                    heartbeat_timeout=ACTIVITY_HEARTBEAT,
-                    retry_policy=RetryPolicy(maximum_attempts=3),
-                )
-            )
-            try:
-                node.handle = await asyncio.shield(start)
-            except asyncio.CancelledError:
-                node.handle = await start
-                raise
-
-        if remote:
+        if self._traits.rented_hosts:
             # Every start runs to its end before a failure propagates: teardown must
             # know each instance that a start still in flight would have created.
             results = await asyncio.gather(
-                *(start_node(n) for n in state.nodes), return_exceptions=True
+                *(self._start_node(n) for n in state.nodes), return_exceptions=True
             )
             for result in results:
                 if isinstance(result, BaseException):
@@ -364,10 +296,60 @@ class RunWorkflow:
                 raise _Stopping()
         else:
             for node in state.nodes:
-                await start_node(node)
+                await self._start_node(node)
                 if state.stopping:
                     raise _Stopping()
-        self._start_watch()
+
+    async def _start_node(self, node: NodeState) -> None:
+        state, req, traits = self._state, self._request, self._traits
+        assert state.plan is not None and state.provider_queue is not None
+        host_nodes = traits.host_nodes(len(state.nodes))
+        spec = NodeProvisionSpec(
+            run_id=state.run_id,
+            node_id=node.node_id,
+            stage_index=node.stage_index,
+            nonce=state.nonce,
+            task_queue=node.task_queue,
+            readiness_id=node.readiness_id,
+            authorized_orchestrator=state.authorized_orchestrator,
+            run_workflow_id=workflow.info().workflow_id,
+            image_or_artifact=req.worker_image,
+            # Local providers put every node on this host: nodes share its cores. A
+            # rented instance is a host of its own.
+            environment={
+                **req.node_env,
+                "MVP_HOST_NODES": str(host_nodes),
+                "MVP_ADDRESS_LAYOUT": "fixed"
+                if fixed_address_layout(req.engine.address_layout, host_nodes)
+                else "randomized",
+            },
+            coordinator_endpoint="",
+            temporal_namespace=workflow.info().namespace,
+            provider=req.provider,
+            gpus=traits.gpus(req),
+            mounts=sorted({state.plan.model_path, state.plan.tokenizer_path}),
+            vastai=traits.vastai(req),
+        )
+        # Neither abandoned on shutdown nor cancelled with the workflow: a start in
+        # flight may launch its node, which teardown must then know about to stop it.
+        node.start_attempted = True
+        start = asyncio.ensure_future(
+            calls.start_node(
+                spec,
+                state.provider_queue,
+                traits.start_timeout_s(req),
+                f"start node {node.node_id} (stage {node.stage_index})",
+            )
+        )
+        try:
+            node.handle = await asyncio.shield(start)
+        except asyncio.CancelledError:
+            node.handle = await start
+            raise
+
+    async def _readiness(self) -> None:
+        """Each node: its runtime report, its lease, its route, its acknowledgement."""
+        state, req = self._state, self._request
         self._set_phase(RunPhase.READINESS)
         state.record(LifecycleKind.RUN_READINESS_STARTED)
         deadline = workflow.now() + timedelta(seconds=req.timeouts.readiness_s)
@@ -386,11 +368,16 @@ class RunWorkflow:
             )
             await self._check_route(node, deadline)
             await self._ack(node)
+
+    async def _provision_stages(self) -> None:
         self._set_phase(RunPhase.STAGE_PROVISIONING)
         # Weights load one stage after another (actor spec 6.7); edges connect meanwhile.
-        for node in sorted(state.nodes, key=lambda n: n.stage_index):
+        for node in sorted(self._state.nodes, key=lambda n: n.stage_index):
             await self._provision_stage(node)
-        deadline = workflow.now() + timedelta(seconds=req.timeouts.readiness_s)
+
+    async def _await_prompt_ready(self) -> None:
+        state = self._state
+        deadline = workflow.now() + timedelta(seconds=self._request.timeouts.readiness_s)
         for node in state.nodes:
             await self._wait(
                 lambda n=node: n.stage_ready,
@@ -412,21 +399,12 @@ class RunWorkflow:
         assert node.runtime_ready is not None
         remaining = max((deadline - workflow.now()).total_seconds(), 1.0)
         check: RouteCheck = await self._guard(
-            workflow.execute_activity(
-                names.ACT_CHECK_ROUTE,
+            calls.check_route(
                 CheckRouteInput(
                     task_queue=node.task_queue, identity=node.runtime_ready.worker_identity
                 ),
-                result_type=RouteCheck,
-                task_queue=names.ORCHESTRATOR_TASK_QUEUE,
-                summary=f"check route of node {node.node_id} (stage {node.stage_index})",
-                start_to_close_timeout=timedelta(seconds=10),
-                schedule_to_close_timeout=timedelta(seconds=remaining),
-                retry_policy=RetryPolicy(
-                    initial_interval=timedelta(milliseconds=200),
-                    backoff_coefficient=1.5,
-                    maximum_interval=timedelta(seconds=2),
-                ),
+                remaining,
+                f"check route of node {node.node_id} (stage {node.stage_index})",
             )
         )
         self._state.on_route_checked(node.node_id, check.owned)
@@ -437,24 +415,17 @@ class RunWorkflow:
             )
 
     async def _ack(self, node: NodeState) -> None:
-        t = self._request.timeouts
         ack = await self._guard(
-            workflow.execute_activity(
-                names.ACT_NODE_RUNTIME_READY_ACK,
+            calls.ack_runtime_ready(
                 NodeRuntimeReadyAck(
                     run_id=self._state.run_id,
                     node_id=node.node_id,
                     stage_index=node.stage_index,
                     readiness_id=node.readiness_id,
                 ),
-                result_type=NodeRuntimeReadyAck,
-                task_queue=node.task_queue,
-                summary=f"ack runtime-ready of node {node.node_id} (stage {node.stage_index})",
-                start_to_close_timeout=timedelta(seconds=max(t.ack_resend_s, 1.0)),
-                schedule_to_close_timeout=timedelta(seconds=t.ack_s),
-                retry_policy=RetryPolicy(
-                    initial_interval=timedelta(seconds=t.ack_resend_s), backoff_coefficient=1.0
-                ),
+                node.task_queue,
+                self._request.timeouts,
+                f"ack runtime-ready of node {node.node_id} (stage {node.stage_index})",
             )
         )
         if not self._state.on_ack(ack):
@@ -492,19 +463,12 @@ class RunWorkflow:
         )
         node.stage_provisioned = True
         await self._guard(
-            workflow.execute_activity(
-                names.ACT_NODE_PROVISION_STAGE,
+            calls.provision_stage(
                 provision,
-                task_queue=node.task_queue,
-                summary=(
-                    f"provision stage {node.stage_index} of {state.plan.stage_count} "
-                    f"on node {node.node_id}"
-                ),
-                start_to_close_timeout=timedelta(seconds=req.timeouts.weight_load_s),
-                heartbeat_timeout=timedelta(seconds=30),
-                retry_policy=RetryPolicy(
-                    maximum_attempts=2, non_retryable_error_types=["StageRejected"]
-                ),
+                node.task_queue,
+                req.timeouts,
+                f"provision stage {node.stage_index} of {state.plan.stage_count} "
+                f"on node {node.node_id}",
             )
         )
         deadline = workflow.now() + timedelta(seconds=req.timeouts.ack_s)
@@ -547,21 +511,17 @@ class RunWorkflow:
             start_within = timedelta(seconds=schedule_to_start_s)
             while True:
                 try:
-                    await workflow.execute_activity(
-                        names.ACT_NODE_LEASE,
+                    await calls.lease(
                         LeaseInput(
                             run_id=state.run_id,
                             node_id=node.node_id,
                             readiness_id=node.readiness_id,
                             run_workflow_id=workflow.info().workflow_id,
                         ),
-                        task_queue=node.task_queue,
-                        summary=f"lease node {node.node_id} (stage {node.stage_index})",
-                        schedule_to_start_timeout=start_within,
-                        start_to_close_timeout=timedelta(days=30),
-                        heartbeat_timeout=timedelta(seconds=t.lease_heartbeat_s),
-                        retry_policy=RetryPolicy(maximum_attempts=1),
-                        cancellation_type=workflow.ActivityCancellationType.TRY_CANCEL,
+                        node.task_queue,
+                        start_within,
+                        t,
+                        f"lease node {node.node_id} (stage {node.stage_index})",
                     )
                     detail = "lease ended"
                 except asyncio.CancelledError:
@@ -596,19 +556,10 @@ class RunWorkflow:
                 if not handles:
                     return
                 try:
-                    exited = await workflow.execute_activity(
-                        names.ACT_WATCH_NODES,
+                    exited: NodeExited = await calls.watch_nodes(
                         WatchNodesInput(handles=handles),
-                        result_type=NodeExited,
-                        task_queue=queue,
-                        summary="watch node(s) " + ", ".join(str(h.node_id) for h in handles),
-                        start_to_close_timeout=timedelta(days=30),
-                        heartbeat_timeout=timedelta(seconds=10),
-                        retry_policy=RetryPolicy(
-                            initial_interval=timedelta(seconds=1),
-                            maximum_interval=timedelta(seconds=5),
-                        ),
-                        cancellation_type=workflow.ActivityCancellationType.TRY_CANCEL,
+                        queue,
+                        "watch node(s) " + ", ".join(str(h.node_id) for h in handles),
                     )
                 except (asyncio.CancelledError, ActivityError):
                     return
@@ -949,7 +900,7 @@ class RunWorkflow:
     # ------------------------------------------------------------------ teardown
     async def _teardown(self) -> None:
         """StopRun, StageStopped, provider stop, RunTornDown once (DECISIONS 16)."""
-        state, t = self._state, self._request.timeouts
+        state = self._state
         self._set_phase(RunPhase.TEARING_DOWN)
         state.record(LifecycleKind.RUN_TEARING_DOWN, state.first_fault or (state.shutdown or ""))
         for wf_id in list(self._children):
@@ -961,94 +912,14 @@ class RunWorkflow:
             )
         # Leases end now; the provider watch runs on so that a node dying now is skipped.
         await self._cancel_background(watch=False)
-        stages = state.stages_to_stop()
-
-        async def stop_stage(node: NodeState) -> None:
-            task = asyncio.ensure_future(
-                workflow.execute_activity(
-                    names.ACT_NODE_STOP_STAGE,
-                    StopRun(
-                        run_id=state.run_id,
-                        stage_index=node.stage_index,
-                        readiness_id=node.readiness_id,
-                        authorized_orchestrator=state.authorized_orchestrator,
-                        reason=state.first_fault or "operator stop",
-                    ),
-                    task_queue=node.task_queue,
-                    summary=f"stop stage {node.stage_index} on node {node.node_id}",
-                    schedule_to_close_timeout=timedelta(seconds=max(t.stage_stopped_wait_s, 1)),
-                    start_to_close_timeout=timedelta(seconds=max(t.stage_stopped_wait_s, 1)),
-                    retry_policy=RetryPolicy(maximum_attempts=2),
-                )
-            )
-            await workflow.wait_condition(lambda: task.done() or node.exited)
-            if not task.done():
-                task.cancel()  # the node is gone: nothing left to stop there
-                return
-            try:
-                await task
-            except ActivityError as err:
-                state.stop_error(
-                    f"StopRun stage {node.stage_index} (node {node.node_id}): {failure_cause(err)}"
-                )
-
-        await asyncio.gather(*(stop_stage(n) for n in stages))
-        try:
-            await workflow.wait_condition(
-                state.stage_stops_observed, timeout=max(t.stage_stopped_wait_s, 0.001)
-            )
-        except TimeoutError:
-            missing = [n.stage_index for n in state.stages_to_stop() if not n.stage_stopped]
-            state.stop_error(f"StageStopped not observed for stage(s) {missing}")
-
-        async def stop_node(node: NodeState) -> None:
-            assert state.provider_queue is not None
-            handle = node.handle or NodeHandle(  # a start that never reported back
-                run_id=state.run_id,
-                node_id=node.node_id,
-                provider=self._request.provider,
-                host="",
-                resource_name=names.node_resource_name(state.run_id, node.node_id, state.nonce),
-            )
-            try:
-                result = await workflow.execute_activity(
-                    names.ACT_STOP_NODE,
-                    StopNodeInput(handle=handle, grace_s=t.stop_grace_s),
-                    result_type=StopNodeResult,
-                    task_queue=state.provider_queue,
-                    summary=f"provider stop node {node.node_id} (stage {node.stage_index})",
-                    # A rented instance's destroy is retried inside the activity (429s).
-                    start_to_close_timeout=timedelta(
-                        seconds=t.stop_grace_s
-                        + (150 if handle.provider is ProviderKind.VASTAI else 30)
-                    ),
-                    heartbeat_timeout=ACTIVITY_HEARTBEAT,
-                    retry_policy=RetryPolicy(maximum_attempts=3),
-                )
-                if result.error is not None:
-                    state.stop_error(
-                        f"provider stop node {node.node_id}: {result.error}", provider=True
-                    )
-            except ActivityError as err:
-                state.stop_error(
-                    f"provider stop node {node.node_id}: {failure_cause(err)}", provider=True
-                )
-            node.provider_stopped = True
-
-        await asyncio.gather(*(stop_node(n) for n in state.nodes_to_stop()))
+        await self._stop_stages()
+        await asyncio.gather(*(self._stop_node(n) for n in state.nodes_to_stop()))
         await self._cancel_background(leases=False)
         if state.uses_token_endpoints:
             # The token endpoints live on the head's driver; its StopRun tears them down.
             head = state.head()
             state.token_endpoints_stopped = head.stage_stopped or head.provider_stopped
-        # Every admitted prompt has its one terminal event before RunTornDown. A prompt
-        # whose head node died ends only when its generate's heartbeat times out.
-        try:
-            await workflow.wait_condition(
-                lambda: not self._children, timeout=t.generate_heartbeat_s + PROMPT_DRAIN_S
-            )
-        except TimeoutError:
-            state.stop_error(f"prompt(s) {sorted(self._children)} had no terminal event in time")
+        await self._drain_prompts()
         state.record(LifecycleKind.RUN_TORN_DOWN, state.first_stop_error or "")
         self._set_phase(RunPhase.TORN_DOWN)
         try:
@@ -1057,6 +928,85 @@ class RunWorkflow:
             )
         except TimeoutError:
             workflow.logger.warning("prompt handlers still open after teardown")
+
+    async def _stop_stages(self) -> None:
+        """StopRun to every stage that may run, then StageStopped from each, in time."""
+        state, t = self._state, self._request.timeouts
+        await asyncio.gather(*(self._stop_stage(n) for n in state.stages_to_stop()))
+        try:
+            await workflow.wait_condition(
+                state.stage_stops_observed, timeout=max(t.stage_stopped_wait_s, 0.001)
+            )
+        except TimeoutError:
+            missing = [n.stage_index for n in state.stages_to_stop() if not n.stage_stopped]
+            state.stop_error(f"StageStopped not observed for stage(s) {missing}")
+
+    async def _stop_stage(self, node: NodeState) -> None:
+        state = self._state
+        task = asyncio.ensure_future(
+            calls.stop_stage(
+                StopRun(
+                    run_id=state.run_id,
+                    stage_index=node.stage_index,
+                    readiness_id=node.readiness_id,
+                    authorized_orchestrator=state.authorized_orchestrator,
+                    reason=state.first_fault or "operator stop",
+                ),
+                node.task_queue,
+                self._request.timeouts,
+                f"stop stage {node.stage_index} on node {node.node_id}",
+            )
+        )
+        await workflow.wait_condition(lambda: task.done() or node.exited)
+        if not task.done():
+            task.cancel()  # the node is gone: nothing left to stop there
+            return
+        try:
+            await task
+        except ActivityError as err:
+            state.stop_error(
+                f"StopRun stage {node.stage_index} (node {node.node_id}): {failure_cause(err)}"
+            )
+
+    async def _stop_node(self, node: NodeState) -> None:
+        state, t = self._state, self._request.timeouts
+        assert state.provider_queue is not None
+        handle = node.handle or NodeHandle(  # a start that never reported back
+            run_id=state.run_id,
+            node_id=node.node_id,
+            provider=self._request.provider,
+            host="",
+            resource_name=names.node_resource_name(state.run_id, node.node_id, state.nonce),
+        )
+        try:
+            result: StopNodeResult = await calls.stop_node(
+                StopNodeInput(handle=handle, grace_s=t.stop_grace_s),
+                state.provider_queue,
+                traits(handle.provider).stop_allowance_s,
+                f"provider stop node {node.node_id} (stage {node.stage_index})",
+            )
+            if result.error is not None:
+                state.stop_error(
+                    f"provider stop node {node.node_id}: {result.error}", provider=True
+                )
+        except ActivityError as err:
+            state.stop_error(
+                f"provider stop node {node.node_id}: {failure_cause(err)}", provider=True
+            )
+        node.provider_stopped = True
+
+    async def _drain_prompts(self) -> None:
+        """Every admitted prompt has its one terminal event before RunTornDown. A prompt
+        whose head node died ends only when its generate's heartbeat times out."""
+        t = self._request.timeouts
+        try:
+            await workflow.wait_condition(
+                lambda: not self._children, timeout=t.generate_heartbeat_s + PROMPT_DRAIN_S
+            )
+        except TimeoutError:
+            self._state.stop_error(
+                f"prompt(s) {sorted(self._children)} had no terminal event in time"
+            )
 
     def _set_phase(self, phase: RunPhase) -> None:
         self._state.phase = phase
@@ -1123,6 +1073,7 @@ _SIGNALS: dict[str, tuple[type[BaseModel], Any]] = {
 
 _REJECTION_TEXT = {
     PromptRejection.NOT_PROMPT_READY: "the run is not prompt-ready",
+    PromptRejection.SHUTTING_DOWN: "the run is shutting down",
     PromptRejection.DUPLICATE_REQUEST_ID: "a prompt with this request_id is active or pending",
     PromptRejection.QUEUE_FULL: "the prompt queue is full",
     PromptRejection.ROLLING_OVER: "the run is rolling over (continue-as-new); retry shortly",

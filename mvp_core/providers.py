@@ -1,0 +1,63 @@
+"""What the run needs to know of each provider kind, as data (no provider branches in
+the workflows): where a provider's nodes live, how long their starts and stops may take,
+and which of the request's provider sections it takes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mvp_core.models import ProviderKind, RunRequest, VastAiSettings
+
+# A local node (a process, a container) starts within this.
+LOCAL_START_S = 60.0
+# A rented instance's start: its offers' loading and SSH budgets, plus this.
+RENTED_START_EXTRA_S = 600.0
+
+
+@dataclass(frozen=True)
+class ProviderTraits:
+    kind: ProviderKind
+    # Each node is a rented host of its own: nodes share no cores, all of them start at
+    # once (an instance takes minutes to come up), and a start may try several offers.
+    rented_hosts: bool
+    # A provider stop may take this beyond the stop grace (a rented instance's destroy is
+    # retried inside the activity on rate limits).
+    stop_allowance_s: float
+    # The request's ``docker.gpus`` applies to its nodes.
+    takes_gpus: bool
+
+    def host_nodes(self, node_count: int) -> int:
+        """How many of the run's nodes share one host (and so its cores)."""
+        return 1 if self.rented_hosts else node_count
+
+    def start_timeout_s(self, request: RunRequest) -> float:
+        if not self.rented_hosts:
+            return LOCAL_START_S
+        vast = request.vastai
+        return (
+            vast.max_offers * (vast.loading_timeout_s + vast.ssh_timeout_s) + RENTED_START_EXTRA_S
+        )
+
+    def vastai(self, request: RunRequest) -> VastAiSettings | None:
+        """The request's Vast.ai section, for the provider that rents from Vast.ai."""
+        return request.vastai if self.kind is ProviderKind.VASTAI else None
+
+    def gpus(self, request: RunRequest) -> str | None:
+        return (request.docker.gpus or None) if self.takes_gpus else None
+
+
+TRAITS: dict[ProviderKind, ProviderTraits] = {
+    ProviderKind.PROCESS: ProviderTraits(
+        ProviderKind.PROCESS, rented_hosts=False, stop_allowance_s=30.0, takes_gpus=False
+    ),
+    ProviderKind.DOCKER: ProviderTraits(
+        ProviderKind.DOCKER, rented_hosts=False, stop_allowance_s=30.0, takes_gpus=True
+    ),
+    ProviderKind.VASTAI: ProviderTraits(
+        ProviderKind.VASTAI, rented_hosts=True, stop_allowance_s=150.0, takes_gpus=False
+    ),
+}
+
+
+def traits(kind: ProviderKind) -> ProviderTraits:
+    return TRAITS[kind]
