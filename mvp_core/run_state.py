@@ -58,6 +58,7 @@ class PromptRejection(StrEnum):
     """Typed rejections of ``submit_prompt`` (DECISIONS 9)."""
 
     NOT_PROMPT_READY = ErrorType.RUN_NOT_PROMPT_READY.value
+    SHUTTING_DOWN = ErrorType.RUN_SHUTTING_DOWN.value
     DUPLICATE_REQUEST_ID = ErrorType.DUPLICATE_REQUEST_ID.value
     QUEUE_FULL = ErrorType.PROMPT_QUEUE_FULL.value
     ROLLING_OVER = ErrorType.RUN_ROLLING_OVER.value
@@ -466,8 +467,12 @@ class RunState(BaseModel):
     def admission_rejection(
         self, request_id: int, capacity: int, rolling_over: bool
     ) -> PromptRejection | None:
-        if self.phase is not RunPhase.PROMPT_READY or self.stopping or self.suspected_fault:
-            if (rolling_over or self.phase is RunPhase.ROLLING_OVER) and not self.stopping:
+        if self.stopping:
+            # A shutdown (or a fault) was asked for, though the phase may not show it yet
+            # (in the same workflow task): say so, not "not prompt-ready".
+            return PromptRejection.SHUTTING_DOWN
+        if self.phase is not RunPhase.PROMPT_READY or self.suspected_fault:
+            if rolling_over or self.phase is RunPhase.ROLLING_OVER:
                 return PromptRejection.ROLLING_OVER
             return PromptRejection.NOT_PROMPT_READY
         if rolling_over:

@@ -235,6 +235,22 @@ def test_prompt_queue_admission_rules():
     assert s.admission_rejection(99, 8, True) is PromptRejection.ROLLING_OVER
 
 
+def test_a_prompt_meeting_a_shutdown_is_rejected_as_shutting_down():
+    """A shutdown asked for in the same workflow task as a prompt leaves the phase at
+    prompt_ready for a moment: the rejection names the shutdown, not readiness."""
+    s = new_state()
+    bring_to_prompt_ready(s)
+    assert s.phase is RunPhase.PROMPT_READY
+    s.request_shutdown(ShutdownReason.OPERATOR_REQUESTED)
+    assert s.phase is RunPhase.PROMPT_READY  # the workflow moves it on later
+    assert s.admission_rejection(1, 8, False) is PromptRejection.SHUTTING_DOWN
+    assert s.admission_rejection(1, 8, True) is PromptRejection.SHUTTING_DOWN
+    faulted = new_state()
+    bring_to_prompt_ready(faulted)
+    faulted.fault("boom")
+    assert faulted.admission_rejection(1, 8, False) is PromptRejection.SHUTTING_DOWN
+
+
 def test_one_active_prompt_fifo_and_ids_reusable_after_end():
     s = new_state()
     bring_to_prompt_ready(s)

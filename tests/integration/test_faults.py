@@ -103,7 +103,13 @@ async def test_a_node_dying_after_an_operator_stop_does_not_make_the_run_faulted
             runs.client, 505, SubmitPrompt(request_id=1, prompt_text="Once upon", max_tokens=2000)
         )
     )
-    await asyncio.sleep(1.0)
+    # The stop comes once the prompt is admitted and generating, however long that takes
+    # on a loaded machine (a shutdown first would reject it: RunShuttingDown).
+    deadline = time.monotonic() + 60
+    while (await snapshot(handle)).active is None:
+        assert not prompt.done(), prompt.result()
+        assert time.monotonic() < deadline, "the prompt never became active"
+        await asyncio.sleep(0.05)
     await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN)
     os.kill(node_pids(state)[-1], signal.SIGKILL)  # a fault after the stop: a fact only
     result = await prompt

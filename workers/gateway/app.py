@@ -79,6 +79,12 @@ ROLLOVER_RETRY_S = 0.5
 ADMIT_WAIT_S = 30.0  # a request gone while its admission is in flight: wait this long for it
 CONTEXT_FAULT = "the planned context holds"  # the node's PromptTooLong text
 T = TypeVar("T")
+# Rejections that mean "not now": the run is starting, stopping or rolling over (a 503).
+_NOT_SERVING = (
+    ErrorType.RUN_NOT_PROMPT_READY,
+    ErrorType.RUN_SHUTTING_DOWN,
+    ErrorType.RUN_ROLLING_OVER,
+)
 
 
 # --------------------------------------------------------------------------- the run
@@ -267,7 +273,7 @@ class Gateway:
                 code="prompt_queue_full",
                 retry_after_s=1,
             )
-        if err.kind in (ErrorType.RUN_NOT_PROMPT_READY, ErrorType.RUN_ROLLING_OVER):
+        if err.kind in _NOT_SERVING:
             return unavailable(
                 f"run {self.workflow_id} is not prompt-ready ({err})", "run_not_ready"
             )
