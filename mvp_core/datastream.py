@@ -82,13 +82,33 @@ SOURCE_ORCHESTRATOR = "orchestrator"
 SOURCE_NODE_LOG = "node_log"
 SOURCE_NODE_DATASTREAM = "node_datastream"
 
-DATASTREAM_PHASE = "datastream"
-
 
 class LogStream(StrEnum):
     STDOUT = "Stdout"
     STDERR = "Stderr"
     PROVIDER = "Provider"
+
+
+class BootstrapPhase(StrEnum):
+    """The bootstrap phases of a run, in the order a run's story tells them (process
+    spec 8.4), and the datastream's own health record."""
+
+    CONFIG = "config"
+    LOCAL_RUNTIME = "local_runtime"
+    RUN_PLAN = "run_plan"
+    PROVIDER_START = "provider_start"
+    NODE_RUNTIME_READY = "node_runtime_ready"
+    NODE_SWIM = "node_swim"
+    NODE_ROUTE = "node_route"
+    RUNTIME_READY_ACK = "runtime_ready_ack"
+    STAGE_PROVISION = "stage_provision"
+    WEIGHTS_LOADED = "weights_loaded"
+    PROMPT_RPC = "prompt_rpc"
+    PROMPT_LOOP = "prompt_loop"
+    SHUTDOWN = "shutdown"
+    PROVIDER_STOP = "provider_stop"
+    ORCH_EXIT = "orch_exit"
+    DATASTREAM = "datastream"
 
 
 class BootstrapStatus(StrEnum):
@@ -144,13 +164,17 @@ def _detail(detail: Any) -> Any:
 
 
 def orch_bootstrap(
-    phase: str, status: BootstrapStatus | str, run_id: int, node_id: int, detail: Any = None
+    phase: BootstrapPhase | str,
+    status: BootstrapStatus | str,
+    run_id: int,
+    node_id: int,
+    detail: Any = None,
 ) -> JsonRecord:
     """``{"type":"OrchBootstrap","phase","status","run_id","node_id","detail"}``; ``detail`` is
-    phase-specific JSON (``{}`` when none). An unknown status is a ``ValueError``."""
+    phase-specific JSON (``{}`` when none). An unknown phase or status is a ``ValueError``."""
     return {
         "type": "OrchBootstrap",
-        "phase": str(phase),
+        "phase": BootstrapPhase(phase).value,
         "status": BootstrapStatus(status).value,
         "run_id": int(run_id),
         "node_id": int(node_id),
@@ -273,7 +297,7 @@ def drops_record(
 ) -> JsonRecord:
     """The datastream's own health: how many frames each sink lost (bootstrap channel)."""
     return orch_bootstrap(
-        DATASTREAM_PHASE,
+        BootstrapPhase.DATASTREAM,
         BootstrapStatus.OBSERVED,
         run_id,
         node_id,

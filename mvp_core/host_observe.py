@@ -9,7 +9,7 @@ control: the run decides, the host only records what it saw (spec 9.18).
 from __future__ import annotations
 
 from mvp_core import datastream as ds
-from mvp_core.datastream import BootstrapStatus, MembershipState, ProvisionEventKind
+from mvp_core.datastream import BootstrapPhase, BootstrapStatus, MembershipState, ProvisionEventKind
 from mvp_core.models import LifecycleKind, LifecycleReport
 from mvp_core.run_state import NodeState, RunState
 
@@ -17,13 +17,16 @@ Record = tuple[str, ds.JsonRecord]
 
 # Lifecycle kinds that close a bootstrap phase of the host's own.
 _PHASE_OF_KIND = {
-    LifecycleKind.RUN_PLANNING_STARTED: ("run_plan", BootstrapStatus.STARTED),
-    LifecycleKind.RUN_PLANNING_READY: ("run_plan", BootstrapStatus.READY),
-    LifecycleKind.RUN_PROVISIONING_STARTED: ("provider_start", BootstrapStatus.STARTED),
-    LifecycleKind.RUN_READY: ("weights_loaded", BootstrapStatus.READY),
-    LifecycleKind.RUN_TEARING_DOWN: ("provider_stop", BootstrapStatus.STARTED),
-    LifecycleKind.RUN_TORN_DOWN: ("provider_stop", BootstrapStatus.READY),
-    LifecycleKind.RUN_REJECTED: ("run_plan", BootstrapStatus.FAILED),
+    LifecycleKind.RUN_PLANNING_STARTED: (BootstrapPhase.RUN_PLAN, BootstrapStatus.STARTED),
+    LifecycleKind.RUN_PLANNING_READY: (BootstrapPhase.RUN_PLAN, BootstrapStatus.READY),
+    LifecycleKind.RUN_PROVISIONING_STARTED: (
+        BootstrapPhase.PROVIDER_START,
+        BootstrapStatus.STARTED,
+    ),
+    LifecycleKind.RUN_READY: (BootstrapPhase.WEIGHTS_LOADED, BootstrapStatus.READY),
+    LifecycleKind.RUN_TEARING_DOWN: (BootstrapPhase.PROVIDER_STOP, BootstrapStatus.STARTED),
+    LifecycleKind.RUN_TORN_DOWN: (BootstrapPhase.PROVIDER_STOP, BootstrapStatus.READY),
+    LifecycleKind.RUN_REJECTED: (BootstrapPhase.RUN_PLAN, BootstrapStatus.FAILED),
 }
 
 
@@ -62,23 +65,7 @@ def observe(prev: RunState | None, cur: RunState, provider: str) -> list[Record]
 
 
 # Where each record falls in a run's story, by the bootstrap phase it belongs to.
-_PHASES = (
-    "config",
-    "local_runtime",
-    "run_plan",
-    "provider_start",
-    "node_runtime_ready",
-    "node_swim",
-    "node_route",
-    "runtime_ready_ack",
-    "stage_provision",
-    "weights_loaded",
-    "prompt_rpc",
-    "prompt_loop",
-    "shutdown",
-    "provider_stop",
-    "orch_exit",
-)
+_PHASES = tuple(p.value for p in BootstrapPhase if p is not BootstrapPhase.DATASTREAM)
 _KIND_RANK = {
     "RunAccepted": 1.0,
     "RunRejected": 2.0,
@@ -104,7 +91,9 @@ def _rank(record: Record) -> float:
         phase = str(body.get("phase"))
         base = float(_PHASES.index(phase)) if phase in _PHASES else 99.0
         # A run-level phase report closes its phase (e.g. weights_loaded ready on RunReady).
-        return base + (0.5 if body.get("node_id") == 0 and phase == "weights_loaded" else 0.0)
+        return base + (
+            0.5 if body.get("node_id") == 0 and phase == BootstrapPhase.WEIGHTS_LOADED else 0.0
+        )
     if channel == ds.CHANNEL_LIFECYCLE:
         return _KIND_RANK.get(str(body.get("kind")), 99.0)
     if channel == ds.CHANNEL_PROVISIONING_EVENTS:
@@ -135,7 +124,7 @@ def _observe_node(
     out: list[Record] = []
     nid = node.node_id
 
-    def boot(phase: str, status: BootstrapStatus, detail: object = None) -> None:
+    def boot(phase: BootstrapPhase, status: BootstrapStatus, detail: object = None) -> None:
         out.append((ds.CHANNEL_BOOTSTRAP, ds.orch_bootstrap(phase, status, run_id, nid, detail)))
 
     def event(kind: ProvisionEventKind, message: str = "") -> None:
@@ -151,13 +140,17 @@ def _observe_node(
 
     if changed("start_attempted"):
         event(ProvisionEventKind.PROVISION_START)
-        boot("provider_start", BootstrapStatus.STARTED)
+        boot(BootstrapPhase.PROVIDER_START, BootstrapStatus.STARTED)
     if node.handle is not None and (before is None or before.handle is None):
         event(
             ProvisionEventKind.NODE_LIVE,
             f"{node.handle.resource_name} on {node.handle.address or node.handle.host}",
         )
-        boot("provider_start", BootstrapStatus.READY, {"resource": node.handle.resource_name})
+        boot(
+            BootstrapPhase.PROVIDER_START,
+            BootstrapStatus.READY,
+            {"resource": node.handle.resource_name},
+        )
     if changed("runtime_ready") and node.runtime_ready is not None:
         boot(
             "node_runtime_ready",
@@ -168,7 +161,7 @@ def _observe_node(
         out.append(
             (ds.CHANNEL_MEMBERSHIP, ds.membership_record(run_id, nid, MembershipState.ALIVE))
         )
-        boot("node_swim", BootstrapStatus.OBSERVED)
+        boot(BootstrapPhase.NODE_SWIM, BootstrapStatus.OBSERVED)
     if changed("lease_lost"):
         out.append((ds.CHANNEL_MEMBERSHIP, ds.membership_record(run_id, nid, MembershipState.DEAD)))
     if changed("route_owned"):
@@ -181,13 +174,19 @@ def _observe_node(
                 ),
             )
         )
-        boot("node_route", BootstrapStatus.OBSERVED)
+        boot(BootstrapPhase.NODE_ROUTE, BootstrapStatus.OBSERVED)
     if changed("acked"):
-        boot("runtime_ready_ack", BootstrapStatus.SENT)
+        boot(BootstrapPhase.RUNTIME_READY_ACK, BootstrapStatus.SENT)
     if changed("stage_provisioned"):
-        boot("stage_provision", BootstrapStatus.SENT, {"stage_index": node.stage_index})
+        boot(
+            BootstrapPhase.STAGE_PROVISION, BootstrapStatus.SENT, {"stage_index": node.stage_index}
+        )
     if changed("weights_ready"):
-        boot("weights_loaded", BootstrapStatus.OBSERVED, {"stage_index": node.stage_index})
+        boot(
+            BootstrapPhase.WEIGHTS_LOADED,
+            BootstrapStatus.OBSERVED,
+            {"stage_index": node.stage_index},
+        )
     if changed("provider_stopped"):
         event(ProvisionEventKind.NODE_STOPPED)
     if changed("exited") and not stopping:

@@ -116,9 +116,12 @@ def test_record_shapes_are_the_contracts() -> None:
     assert list(b) == ["type", "phase", "status", "run_id", "node_id", "detail"]
     assert core.orch_bootstrap("config", "ready", 1, 1)["detail"] == {}
     for status in ("started", "ready", "failed", "sent", "observed"):
-        assert core.orch_bootstrap("x", status, 1, 1)["status"] == status
+        assert core.orch_bootstrap("config", status, 1, 1)["status"] == status
     with pytest.raises(ValueError):
-        core.orch_bootstrap("x", "done", 1, 1)
+        core.orch_bootstrap("config", "done", 1, 1)
+    # The phases are a closed set too (mvp_core.datastream.BootstrapPhase).
+    with pytest.raises(ValueError):
+        core.orch_bootstrap("x", "ready", 1, 1)
 
     p = core.orch_prompt_event("prompt_complete", "ready", 7, 1, 42, {"tokens": 3})
     assert list(p) == ["type", "phase", "status", "run_id", "node_id", "request_id", "detail"]
