@@ -299,3 +299,11 @@ def test_the_choice_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) 
         monkeypatch.undo()
         native.forget()
     assert native.library() is not None
+
+
+@pytest.mark.parametrize("variant", [(), ("-DMVK_GENERIC",)], ids=["simd", "plain-c"])
+def test_the_kernel_builds_without_a_warning(tmp_path: Path, variant: tuple[str, ...]) -> None:
+    """Both builds of qmm.c compile clean under -Wall -Wextra -Werror: a warning (an
+    unused function, a missing initializer) is an error here, not noise in a node log."""
+    out = native.build(tmp_path, ("-Wall", "-Wextra", "-Werror", *variant))
+    assert native.load(out).mvk_simd() == (0 if variant else native.library().mvk_simd())

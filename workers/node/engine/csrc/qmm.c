@@ -670,6 +670,7 @@ static inline float param_q0(const mvk_job *j, const void *p, int64_t n, int64_t
     return j->f32 ? ((const float *)p)[i] : h2f(((const uint16_t *)p)[i]);
 }
 
+#ifndef MVK_AVX512 /* the build without AVX-512: every row in plain C */
 /* MVK_ARITH_Q0 in plain C: the same lanes, chain and sums as rows_q0. */
 static void rows_generic_q0(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, int tt) {
     const int64_t kp = j->kp, ns = kp / 32;
@@ -819,6 +820,7 @@ static void rows_generic(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, i
         }
     }
 }
+#endif
 
 static void run_rows(const mvk_job *j, int64_t n0, int64_t n1) {
 #ifdef MVK_AVX512
@@ -949,7 +951,7 @@ void mvk_matmul(const int8_t *qx, const float *dxe, const float *s16, const floa
                 const void *min, int64_t n, int nibble, int sub, int zero, int f32, float *y,
                 int64_t ldy, const float *add, int64_t ldadd, int threads) {
     mvk_job j = {qx, dxe, s16, s32, t_rows, kp, codes, scale, min, n, nibble, sub, zero, f32,
-                 y, ldy, add, ldadd, NULL, NULL, MVK_ARITH_GROUPS, NULL, NULL, NULL, NULL, NULL};
+                 y, ldy, add, ldadd, NULL, NULL, MVK_ARITH_GROUPS, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     dispatch(j, threads);
 }
 
