@@ -99,6 +99,13 @@ def validate_request(request: RunRequest) -> None:
         )
     if request.tokenizer is not None and _sources_set(request.tokenizer) != 1:
         raise RunRejectedError("tokenizer source must set exactly one of bundled, path or hf")
+    _validate_provider_settings(request)
+    for key in request.node_env:
+        _validate_node_env_key(key)
+
+
+def _validate_provider_settings(request: RunRequest) -> None:
+    """The provider sections: Vast.ai's own, the worker image, Docker's GPUs."""
     if request.provider is ProviderKind.VASTAI:
         vast = request.vastai
         if not (vast.bootstrap_command or "").strip():
@@ -129,27 +136,30 @@ def validate_request(request: RunRequest) -> None:
         raise RunRejectedError(
             f"docker.gpus is a docker provider setting; provider is {request.provider.value!r}"
         )
-    for key in request.node_env:
-        if key.upper().startswith(("MVP_FAULT_", "MVP_TEST_")):
-            raise RunRejectedError(
-                f"node_env key {key!r} is test-only fault injection; a run request cannot "
-                "switch it on"
-            )
-        if key.upper() in NODE_ENV_DENIED or key.upper().startswith(NODE_ENV_DENIED_PREFIXES):
-            raise RunRejectedError(
-                f"node_env key {key!r} is set by the provider (how a node runs and what it "
-                "reaches); a run request cannot change it"
-            )
-        if key.upper().startswith("MVP_") and key not in NODE_ENV_TUNABLES:
-            raise RunRejectedError(
-                f"node_env key {key!r} is set by the provider; a run request may set only "
-                f"{', '.join(sorted(NODE_ENV_TUNABLES))} of the MVP_ keys"
-            )
-        if any(s in key.upper() for s in ("KEY", "TOKEN", "SECRET", "PASSWORD")):
-            raise RunRejectedError(
-                f"node_env key {key!r} looks like a secret; secrets are read from the "
-                "orchestrator worker's environment, never from the run request"
-            )
+
+
+def _validate_node_env_key(key: str) -> None:
+    """A node_env key a request may set: no fault switch, nothing the provider sets,
+    nothing that looks like a secret."""
+    if key.upper().startswith(("MVP_FAULT_", "MVP_TEST_")):
+        raise RunRejectedError(
+            f"node_env key {key!r} is test-only fault injection; a run request cannot switch it on"
+        )
+    if key.upper() in NODE_ENV_DENIED or key.upper().startswith(NODE_ENV_DENIED_PREFIXES):
+        raise RunRejectedError(
+            f"node_env key {key!r} is set by the provider (how a node runs and what it "
+            "reaches); a run request cannot change it"
+        )
+    if key.upper().startswith("MVP_") and key not in NODE_ENV_TUNABLES:
+        raise RunRejectedError(
+            f"node_env key {key!r} is set by the provider; a run request may set only "
+            f"{', '.join(sorted(NODE_ENV_TUNABLES))} of the MVP_ keys"
+        )
+    if any(s in key.upper() for s in ("KEY", "TOKEN", "SECRET", "PASSWORD")):
+        raise RunRejectedError(
+            f"node_env key {key!r} looks like a secret; secrets are read from the "
+            "orchestrator worker's environment, never from the run request"
+        )
 
 
 def _sources_set(source: ModelSource) -> int:

@@ -53,88 +53,92 @@ def payloads_to_json(payloads: Sequence[Payload]) -> bytes:
     return json.dumps({"payloads": [json_format.MessageToDict(p) for p in payloads]}).encode()
 
 
+class CodecHandler(BaseHTTPRequestHandler):
+    """The codec endpoint; ``make_handler`` gives it its operations and UI origins."""
+
+    ops: dict[str, Callable[[Payload], Payload]] = {}
+    allowed: frozenset[str] = frozenset()
+    server_version = "mvp-codec"
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.info("%s %s", self.address_string(), format % args)
+
+    def _origin_ok(self) -> bool:
+        """No Origin (CLI, curl) is fine; a browser must come from a UI origin."""
+        origin = self.headers.get("Origin")
+        return origin is None or origin.rstrip("/") in self.allowed
+
+    def _reply(self, status: HTTPStatus, body: bytes = b"", kind: str = "") -> None:
+        self.send_response(status)
+        origin = self.headers.get("Origin")
+        if origin is not None and origin.rstrip("/") in self.allowed:
+            self.send_header("Access-Control-Allow-Origin", origin)
+            self.send_header("Access-Control-Allow-Credentials", "true")
+            self.send_header("Access-Control-Allow-Methods", "POST, OPTIONS")
+            self.send_header("Access-Control-Allow-Headers", ALLOW_HEADERS)
+            self.send_header("Access-Control-Max-Age", "600")
+        self.send_header("Vary", "Origin")
+        if kind:
+            self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if body:
+            self.wfile.write(body)
+
+    def _error(self, status: HTTPStatus, message: str) -> None:
+        self._reply(status, json.dumps({"error": message}).encode(), "application/json")
+
+    def _op(self) -> str | None:
+        path = self.path.split("?", 1)[0].rstrip("/")
+        name = path.rsplit("/", 1)[-1]
+        return name if name in self.ops else None
+
+    def do_OPTIONS(self) -> None:
+        if not self._origin_ok():
+            self._error(HTTPStatus.FORBIDDEN, "origin not allowed")
+        elif self._op() is None:
+            self._error(HTTPStatus.NOT_FOUND, "use /encode or /decode")
+        else:
+            self._reply(HTTPStatus.NO_CONTENT)
+
+    def do_POST(self) -> None:
+        op = self._op()
+        if not self._origin_ok():
+            self._error(HTTPStatus.FORBIDDEN, "origin not allowed")
+            return
+        if op is None:
+            self._error(HTTPStatus.NOT_FOUND, "use /encode or /decode")
+            return
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            self._error(HTTPStatus.LENGTH_REQUIRED, "Content-Length required")
+            return
+        if length < 0 or length > MAX_BODY_BYTES:
+            self.close_connection = True
+            self._error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "body too large")
+            return
+        body = self.rfile.read(length)
+        # X-Namespace is accepted and logged; one key serves every namespace.
+        namespace = self.headers.get("X-Namespace", "")
+        try:
+            payloads = payloads_from_json(body)
+            out = [self.ops[op](p) for p in payloads]
+        except ValueError as err:  # PayloadDecryptError names key ids, never data
+            self._error(HTTPStatus.BAD_REQUEST, str(err))
+            return
+        log.info("%s %d payloads (namespace %r)", op, len(out), namespace)
+        self._reply(HTTPStatus.OK, payloads_to_json(out), "application/json")
+
+
 def make_handler(codec: EncryptionCodec, origins: Sequence[str]) -> type[BaseHTTPRequestHandler]:
-    allowed = frozenset(o.rstrip("/") for o in origins)
     ops: dict[str, Callable[[Payload], Payload]] = {
         "encode": codec.encrypt,
         "decode": codec.decrypt,
     }
-
-    class CodecHandler(BaseHTTPRequestHandler):
-        server_version = "mvp-codec"
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, format: str, *args: Any) -> None:
-            log.info("%s %s", self.address_string(), format % args)
-
-        def _origin_ok(self) -> bool:
-            """No Origin (CLI, curl) is fine; a browser must come from a UI origin."""
-            origin = self.headers.get("Origin")
-            return origin is None or origin.rstrip("/") in allowed
-
-        def _reply(self, status: HTTPStatus, body: bytes = b"", kind: str = "") -> None:
-            self.send_response(status)
-            origin = self.headers.get("Origin")
-            if origin is not None and origin.rstrip("/") in allowed:
-                self.send_header("Access-Control-Allow-Origin", origin)
-                self.send_header("Access-Control-Allow-Credentials", "true")
-                self.send_header("Access-Control-Allow-Methods", "POST, OPTIONS")
-                self.send_header("Access-Control-Allow-Headers", ALLOW_HEADERS)
-                self.send_header("Access-Control-Max-Age", "600")
-            self.send_header("Vary", "Origin")
-            if kind:
-                self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            if body:
-                self.wfile.write(body)
-
-        def _error(self, status: HTTPStatus, message: str) -> None:
-            self._reply(status, json.dumps({"error": message}).encode(), "application/json")
-
-        def _op(self) -> str | None:
-            path = self.path.split("?", 1)[0].rstrip("/")
-            name = path.rsplit("/", 1)[-1]
-            return name if name in ops else None
-
-        def do_OPTIONS(self) -> None:
-            if not self._origin_ok():
-                self._error(HTTPStatus.FORBIDDEN, "origin not allowed")
-            elif self._op() is None:
-                self._error(HTTPStatus.NOT_FOUND, "use /encode or /decode")
-            else:
-                self._reply(HTTPStatus.NO_CONTENT)
-
-        def do_POST(self) -> None:
-            op = self._op()
-            if not self._origin_ok():
-                self._error(HTTPStatus.FORBIDDEN, "origin not allowed")
-                return
-            if op is None:
-                self._error(HTTPStatus.NOT_FOUND, "use /encode or /decode")
-                return
-            try:
-                length = int(self.headers.get("Content-Length", ""))
-            except ValueError:
-                self._error(HTTPStatus.LENGTH_REQUIRED, "Content-Length required")
-                return
-            if length < 0 or length > MAX_BODY_BYTES:
-                self.close_connection = True
-                self._error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "body too large")
-                return
-            body = self.rfile.read(length)
-            # X-Namespace is accepted and logged; one key serves every namespace.
-            namespace = self.headers.get("X-Namespace", "")
-            try:
-                payloads = payloads_from_json(body)
-                out = [ops[op](p) for p in payloads]
-            except ValueError as err:  # PayloadDecryptError names key ids, never data
-                self._error(HTTPStatus.BAD_REQUEST, str(err))
-                return
-            log.info("%s %d payloads (namespace %r)", op, len(out), namespace)
-            self._reply(HTTPStatus.OK, payloads_to_json(out), "application/json")
-
-    return CodecHandler
+    allowed = frozenset(o.rstrip("/") for o in origins)
+    return type("CodecHandler", (CodecHandler,), {"ops": ops, "allowed": allowed})
 
 
 def make_server(

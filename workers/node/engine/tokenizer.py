@@ -16,7 +16,7 @@ from __future__ import annotations
 import codecs
 import heapq
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from gguf.constants import Keys
@@ -248,6 +248,34 @@ class Tokenizer:
         if not tokens:
             raise TokenizerError("GGUF metadata has no tokenizer.ggml.tokens")
 
+        bos, eos, unk = self._family(get)
+        self.add_space_prefix = bool(get(Keys.Tokenizer.ADD_PREFIX, self.add_space_prefix))
+        n = self._vocabulary(tokens, get)
+        eot, eom, fim = self._special_ids_of(get, n, bos, eos, unk)
+        self._end_of_generation(eot, eom, fim)
+
+        # -- special-token partitioning order: longest text first
+        special_ids = [
+            i for i, a in enumerate(self._attrs) if a & (_CONTROL | _USER_DEFINED | _UNKNOWN)
+        ]
+        special_ids.sort(key=lambda i: -len(self._tokens[i].encode()))
+        self._special_ids = special_ids
+
+        # -- token -> bytes (token_to_piece with special=False and special=True)
+        self._pieces = [self._piece(i, special=False) for i in range(n)]
+        self._pieces_special = [self._piece(i, special=True) for i in range(n)]
+
+        self._pre_tokenizer = PreTokenizer(self._spec.passes) if self._spec is not None else None
+        self._ignore_merges = self._spec.ignore_merges if self._spec is not None else False
+        self._word_cache: dict[str, tuple[int, ...]] = {}
+
+        template = get(Keys.Tokenizer.CHAT_TEMPLATE)
+        self.chat_template = str(template) if template else None
+        self.has_chat_template = self.chat_template is not None
+
+    def _family(self, get: Callable[..., Any]) -> tuple[int | None, int | None, int | None]:
+        """The vocabulary's family (byte-level BPE or SentencePiece) and its defaults; the
+        default BOS, EOS and unknown ids."""
         self._spec: PreTokenizerSpec | None = None
         if self.model == "gpt2":
             self._is_bpe = True
@@ -280,7 +308,10 @@ class Tokenizer:
                 f"unsupported tokenizer model tokenizer.ggml.model={self.model!r} "
                 "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)"
             )
-        self.add_space_prefix = bool(get(Keys.Tokenizer.ADD_PREFIX, self.add_space_prefix))
+        return bos, eos, unk
+
+    def _vocabulary(self, tokens: Sequence[Any], get: Callable[..., Any]) -> int:
+        """Tokens, scores, types and (BPE) merge ranks; the vocabulary's size."""
 
         # -- vocabulary
         self._tokens: list[str] = [
@@ -315,6 +346,18 @@ class Tokenizer:
                 raise TokenizerError("BPE tokenizer without tokenizer.ggml.merges")
             for rank, merge in enumerate(merges):
                 self._ranks.setdefault(str(merge), rank)
+        return n
+
+    def _special_ids_of(
+        self,
+        get: Callable[..., Any],
+        n: int,
+        bos: int | None,
+        eos: int | None,
+        unk: int | None,
+    ) -> tuple[int | None, int | None, dict[str, int | None]]:
+        """BOS, EOS, unknown, and the end-of-turn, end-of-message and fill-in-the-middle
+        ids the metadata names; whether BOS and EOS are added."""
 
         # -- special ids (metadata overrides defaults; out-of-range values are ignored)
         def special(key: str, default: int | None) -> int | None:
@@ -340,7 +383,12 @@ class Tokenizer:
             raise TokenizerError("tokenizer.ggml.add_bos_token is true but there is no BOS token")
         if self.add_eos and self.eos_token_id is None:
             raise TokenizerError("tokenizer.ggml.add_eos_token is true but there is no EOS token")
+        return eot, eom, fim
 
+    def _end_of_generation(
+        self, eot: int | None, eom: int | None, fim: dict[str, int | None]
+    ) -> None:
+        """llama.cpp's end-of-generation set, with the special tokens it finds by text."""
         # -- llama.cpp's detection of special tokens by their text
         if eot is None:
             eot = self._find_and_mark_control(_EOT_TEXTS)
@@ -371,25 +419,6 @@ class Tokenizer:
             eog.discard(by_text["</s>"])
             self._attrs[by_text["</s>"]] = _NORMAL
         self.eog_token_ids = frozenset(eog)
-
-        # -- special-token partitioning order: longest text first
-        special_ids = [
-            i for i, a in enumerate(self._attrs) if a & (_CONTROL | _USER_DEFINED | _UNKNOWN)
-        ]
-        special_ids.sort(key=lambda i: -len(self._tokens[i].encode()))
-        self._special_ids = special_ids
-
-        # -- token -> bytes (token_to_piece with special=False and special=True)
-        self._pieces = [self._piece(i, special=False) for i in range(n)]
-        self._pieces_special = [self._piece(i, special=True) for i in range(n)]
-
-        self._pre_tokenizer = PreTokenizer(self._spec.passes) if self._spec is not None else None
-        self._ignore_merges = self._spec.ignore_merges if self._spec is not None else False
-        self._word_cache: dict[str, tuple[int, ...]] = {}
-
-        template = get(Keys.Tokenizer.CHAT_TEMPLATE)
-        self.chat_template = str(template) if template else None
-        self.has_chat_template = self.chat_template is not None
 
     def _find_and_mark_control(self, texts: Iterable[str]) -> int | None:
         """First token (by id) whose text is one of `texts`; llama.cpp forces it to CONTROL."""
