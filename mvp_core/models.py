@@ -13,6 +13,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from mvp_core.request_ids import request_id_problem
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False)
@@ -606,7 +608,9 @@ class SubmitPrompt(_Model):
     finite float32 values (the begin record carries them)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    request_id: int = Field(ge=0, le=_U64)
+    request_id: int = Field(
+        description="The client's id of the prompt: 0 to 2^53 - 1, a JavaScript-safe integer"
+    )
     prompt_text: str
     max_tokens: int | None = Field(default=None, ge=0, le=_U32)
     chat: bool = False
@@ -622,6 +626,14 @@ class SubmitPrompt(_Model):
     top_k: int = Field(default=0, ge=0, le=_U32)
     top_p: float = Field(default=1.0, ge=1e-6, le=1.0)
     seed: int | None = Field(default=None, ge=0, le=_U64)
+
+    @field_validator("request_id")
+    @classmethod
+    def _request_id(cls, value: int) -> int:
+        problem = request_id_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
 
 
 class TextDelta(_Model):

@@ -239,6 +239,7 @@ async def test_completion_maps_done_and_usage(fake):
     assert body["usage"] == {"prompt_tokens": 0, "completion_tokens": 2, "total_tokens": 2}
     prompt = fake.prompts[0]
     assert body["id"] == f"cmpl-5-{prompt.request_id}"
+    assert 0 < prompt.request_id <= 2**53 - 1  # JavaScript-safe (defect 15)
     assert (prompt.prompt_text, prompt.chat, prompt.max_tokens, prompt.temperature) == (
         "hi",
         False,

@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
-import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +43,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from mvp_core import names
 from mvp_core.errors import ErrorType
 from mvp_core.models import CancelPrompt, Done, Fault, RunPhase, SubmitPrompt, TextDelta
+from mvp_core.request_ids import RequestIds
 from mvp_core.run_state import RunState
 from temporal import telemetry
 from temporal.client import PromptRejected, stream_prompt
@@ -136,8 +135,9 @@ class Gateway:
         # stays off the event loop.
         self._tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-tok")
         # The run's request ids: unique for this gateway's lifetime, and (random high
-        # bits) all but surely distinct from another client's; a clash is retried.
-        self._ids = itertools.count(secrets.randbits(40) << 16)
+        # bits) all but surely distinct from another client's; a clash is retried. Each
+        # is a JavaScript-safe integer (mvp_core.request_ids).
+        self._ids = RequestIds()
         self._background: set[asyncio.Task[Any]] = set()
         self._warm: asyncio.Task[None] | None = None
         self.viewers: list[Callable[[], None]] = []  # end the read-only streams (dashboard)
