@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from mvp_core.errors import ErrorType
 from mvp_core.request_ids import request_id_problem
 
 
@@ -640,6 +641,17 @@ class TextDelta(_Model):
     type: Literal["text_delta"] = "text_delta"
     request_id: int
     text: str
+    tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description="Generated tokens whose text this delta completes (None: a node that "
+        "did not count them)",
+    )
+    prompt_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description="On a prompt's first delta: its tokens as the head node encoded them",
+    )
 
 
 StopReason = Literal["eos", "max_tokens", "context"]
@@ -655,12 +667,26 @@ class Done(_Model):
         description="Why generation stopped: the model's end token, max_tokens, or the "
         "planned context (max_seq_len) filled up"
     )
+    prompt_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description="The prompt's tokens as the head node encoded them (None: a node that "
+        "did not report them)",
+    )
 
 
 class Fault(_Model):
     type: Literal["fault"] = "fault"
     request_id: int
     error: str
+    kind: ErrorType | None = Field(
+        default=None,
+        description="A prompt the head node refused, typed: PromptTooLong, "
+        "ChatTemplateRefused or InvalidPrompt; None for any other end (a cancel, a fault)",
+    )
+    prompt_tokens: int | None = Field(
+        default=None, ge=0, description="With PromptTooLong: the prompt's tokens"
+    )
 
 
 PromptTerminal = Annotated[Done | Fault, Field(discriminator="type")]
