@@ -627,6 +627,15 @@ class SubmitPrompt(_Model):
     top_k: int = Field(default=0, ge=0, le=_U32)
     top_p: float = Field(default=1.0, ge=1e-6, le=1.0)
     seed: int | None = Field(default=None, ge=0, le=_U64)
+    stop: list[Annotated[str, Field(min_length=1, max_length=1024)]] = Field(
+        default_factory=list,
+        max_length=16,
+        description=(
+            "The client's stop strings (the gateway's): the run and the nodes do not act on "
+            "them; they stay with the prompt so that a client re-attaching to it cuts the "
+            "text where the original response was cut"
+        ),
+    )
 
     @field_validator("request_id")
     @classmethod

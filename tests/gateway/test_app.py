@@ -332,6 +332,8 @@ async def test_a_stop_string_cuts_and_cancels_streamed_and_not(fake):
         "total_tokens": PROMPT_TOKENS + 3,
     }
     assert fake.cancelled == [p.request_id for p in fake.prompts]
+    # The stops travel with the prompt, for a client that re-attaches to it.
+    assert [p.stop for p in fake.prompts] == [["three", "zzz"]] * 2
 
 
 async def test_rejections_and_faults_have_their_status(fake):
@@ -421,3 +423,32 @@ async def test_models_and_unknown_names(fake):
     assert r.status_code == 413
     r = await fake.http.delete("/v1/models")
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+
+
+# --------------------------------------------------------------------------- re-attach
+
+
+async def _viewed(events: list[Any], stops: list[str]) -> list[Any]:
+    from workers.gateway.attach import view
+
+    async def rest() -> AsyncIterator[Any]:
+        for e in events[1:]:
+            yield e
+
+    return [item async for item in view(events[0], rest(), stops)]
+
+
+async def test_a_reattached_completion_is_cut_at_the_original_stop_strings():
+    rid = 7
+    deltas = [
+        TextDelta(request_id=rid, text=t, tokens=1) for t in ("one tw", "o thr", "ee", " four")
+    ]
+    cancelled = Fault(request_id=rid, error="cancelled")
+    out = await _viewed([*deltas, cancelled], ["three"])
+    assert "".join(x for x in out if isinstance(x, str)) == "one two "
+    end = out[-1]
+    assert (end.reason, end.extra, end.completion_tokens) == ("stop", {}, 3)
+    # Without stop strings: the run's text, and the cancel says so.
+    out = await _viewed([*deltas, cancelled], [])
+    assert "".join(x for x in out if isinstance(x, str)) == "one two three four"
+    assert (out[-1].reason, out[-1].extra["mvp_status"]) == (None, "cancelled")

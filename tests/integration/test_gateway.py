@@ -283,6 +283,20 @@ async def test_stop_string_cuts_the_text_and_cancels_the_prompt(site: Site):
     assert whole.choices[0].text == cut
     assert whole.choices[0].finish_reason == "stop"
     assert await site.prompt_status(whole.id) == "cancelled"  # not 400 tokens later
+    # Re-attached, the completion is what the original response was: the same stop
+    # strings cut it (the run generated past the stop string until its cancel).
+    again = (await site.http.get(f"/v1/completions/{whole.id}")).json()
+    assert again["choices"][0]["text"] == cut, again
+    assert again["choices"][0]["finish_reason"] == "stop" and "mvp_status" not in again
+    viewed: list[str] = []
+    finishes: list[str | None] = []
+    async with site.http.stream("GET", f"/v1/completions/{whole.id}?stream=true") as resp:
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {"):
+                (choice,) = json.loads(line[6:])["choices"]
+                viewed.append(choice["text"])
+                finishes.append(choice["finish_reason"])
+    assert "".join(viewed) == cut and finishes[-1] == "stop" and set(finishes[:-1]) <= {None}
 
     stream = await site.oai.completions.create(
         model=MODEL, prompt=ENDLESS, max_tokens=400, temperature=0, stop=stop, stream=True

@@ -598,6 +598,7 @@ async def completions(request: Request) -> Response:
             "prompt_text": text,
             "chat": False,
             "max_tokens": req.token_limit(),
+            "stop": req.stops(),
             **req.sampling(),
         },
         param="prompt",
@@ -625,7 +626,12 @@ async def chat_completions(request: Request) -> Response:
     else:
         fields = {"prompt_text": "", "messages": messages, "chat": True}
     prep = Prepared(
-        fields={**fields, "max_tokens": req.token_limit(), **req.sampling()},
+        fields={
+            **fields,
+            "max_tokens": req.token_limit(),
+            "stop": req.stops(),
+            **req.sampling(),
+        },
         param="messages",
         stops=req.stops(),
         include_usage=req.include_usage(),
