@@ -26,6 +26,9 @@ class ErrorType(StrEnum):
     RUN_ROLLING_OVER = "RunRollingOver"
     # A prompt the head node refused after encoding it: it does not fit the context.
     PROMPT_TOO_LONG = "PromptTooLong"
+    # A chat prompt the head node could not render: the model has no chat template, or
+    # its template refused the conversation (e.g. roles that do not alternate).
+    CHAT_TEMPLATE_REFUSED = "ChatTemplateRefused"
     # Orchestrator activities.
     PLANNING_ERROR = "PlanningError"
     PROVIDER_UNAVAILABLE = "ProviderUnavailable"

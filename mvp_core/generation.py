@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from mvp_core.errors import ErrorType
+
 
 class TokenSequenceViolation(RuntimeError):
     """A token-out record arrived out of order: a run fault (DECISIONS 14)."""
@@ -79,6 +81,26 @@ def fixed_address_layout(setting: str, host_nodes: int) -> bool:
     return setting == "fixed" or (setting == "auto" and host_nodes > 1)
 
 
-class PromptTooLong(ValueError):
-    """A prompt-local fault (too long for the planned context, empty, or asking for a chat
-    template the model lacks): the prompt gets a Fault and the run keeps serving."""
+class PromptRefused(ValueError):
+    """A prompt the head node refuses after reading it: the prompt gets a Fault of this
+    ``kind`` (its client answers by the type, never by the text) and the run keeps
+    serving."""
+
+    kind: ErrorType = ErrorType.INVALID_PROMPT
+
+    def __init__(self, message: str, *, prompt_tokens: int | None = None) -> None:
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+
+
+class PromptTooLong(PromptRefused):
+    """The prompt does not fit the planned context (with one generated token)."""
+
+    kind = ErrorType.PROMPT_TOO_LONG
+
+
+class ChatTemplateRefused(PromptRefused):
+    """Chat asked of a model without a chat template, or its template refused the
+    conversation."""
+
+    kind = ErrorType.CHAT_TEMPLATE_REFUSED

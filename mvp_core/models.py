@@ -13,6 +13,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from mvp_core.errors import ErrorType
+from mvp_core.request_ids import request_id_problem
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False)
@@ -606,7 +609,9 @@ class SubmitPrompt(_Model):
     finite float32 values (the begin record carries them)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    request_id: int = Field(ge=0, le=_U64)
+    request_id: int = Field(
+        description="The client's id of the prompt: 0 to 2^53 - 1, a JavaScript-safe integer"
+    )
     prompt_text: str
     max_tokens: int | None = Field(default=None, ge=0, le=_U32)
     chat: bool = False
@@ -622,12 +627,40 @@ class SubmitPrompt(_Model):
     top_k: int = Field(default=0, ge=0, le=_U32)
     top_p: float = Field(default=1.0, ge=1e-6, le=1.0)
     seed: int | None = Field(default=None, ge=0, le=_U64)
+    stop: list[Annotated[str, Field(min_length=1, max_length=1024)]] = Field(
+        default_factory=list,
+        max_length=16,
+        description=(
+            "The client's stop strings (the gateway's): the run and the nodes do not act on "
+            "them; they stay with the prompt so that a client re-attaching to it cuts the "
+            "text where the original response was cut"
+        ),
+    )
+
+    @field_validator("request_id")
+    @classmethod
+    def _request_id(cls, value: int) -> int:
+        problem = request_id_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
 
 
 class TextDelta(_Model):
     type: Literal["text_delta"] = "text_delta"
     request_id: int
     text: str
+    tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description="Generated tokens whose text this delta completes (None: a node that "
+        "did not count them)",
+    )
+    prompt_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description="On a prompt's first delta: its tokens as the head node encoded them",
+    )
 
 
 StopReason = Literal["eos", "max_tokens", "context"]
@@ -643,12 +676,26 @@ class Done(_Model):
         description="Why generation stopped: the model's end token, max_tokens, or the "
         "planned context (max_seq_len) filled up"
     )
+    prompt_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description="The prompt's tokens as the head node encoded them (None: a node that "
+        "did not report them)",
+    )
 
 
 class Fault(_Model):
     type: Literal["fault"] = "fault"
     request_id: int
     error: str
+    kind: ErrorType | None = Field(
+        default=None,
+        description="A prompt the head node refused, typed: PromptTooLong, "
+        "ChatTemplateRefused or InvalidPrompt; None for any other end (a cancel, a fault)",
+    )
+    prompt_tokens: int | None = Field(
+        default=None, ge=0, description="With PromptTooLong: the prompt's tokens"
+    )
 
 
 PromptTerminal = Annotated[Done | Fault, Field(discriminator="type")]

@@ -350,7 +350,7 @@ def test_run_request_wrong_fields() -> None:
 # --------------------------------------------------------------------------- prompts
 
 _valid_prompt = st.fixed_dictionaries(
-    {"request_id": st.integers(0, 2**63), "prompt_text": _marker},
+    {"request_id": st.integers(0, 2**53 - 1), "prompt_text": _marker},
     optional={
         "max_tokens": st.none() | st.integers(0, 4096),
         "chat": st.booleans(),

@@ -14,7 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import workers.gateway.app as gateway_app
-from mvp_core.models import Done, Fault, SubmitPrompt, TextDelta
+from mvp_core.errors import ErrorType
+from mvp_core.models import ChatMessage, Done, Fault, SubmitPrompt, TextDelta
 from temporal.client import PromptRejected
 from workers.gateway.app import ServedModel, create_app
 from workers.gateway.stops import StopMatcher, cut_at_stop
@@ -190,30 +191,34 @@ def fake(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(gateway_app, "stream_prompt", run.stream_prompt)
     app = create_app(client=None, run_id=5)  # type: ignore[arg-type]
     gw = app.state.gateway
-    served = ServedModel(MODEL, frozenset(), 1, "/nonexistent.gguf", 64)
+    served = ServedModel(MODEL, frozenset(), 1, 64)
 
     async def served_model() -> ServedModel:
         return served
 
-    async def no_tokenizer() -> None:
-        return None
-
     monkeypatch.setattr(gw, "served", served_model)
-    monkeypatch.setattr(gw, "tokenizer", no_tokenizer)
     monkeypatch.setattr(gw, "_cancel", run.cancel)
     run.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")  # type: ignore[attr-defined]
     return run
 
 
+PROMPT_TOKENS = 3  # what the scripted head node says it encoded
+
+
 def _text(prompt: SubmitPrompt, *pieces: str, reason: str = "max_tokens") -> list[Any]:
+    """The events of a prompt whose every delta is one token."""
     rid = prompt.request_id
-    deltas = [TextDelta(request_id=rid, text=p) for p in pieces]
+    deltas = [
+        TextDelta(request_id=rid, text=p, tokens=1, prompt_tokens=PROMPT_TOKENS if i == 0 else None)
+        for i, p in enumerate(pieces)
+    ]
     done = Done(
         request_id=rid,
         final_text="".join(pieces),
         tokens_generated=len(pieces),
         elapsed_ms=1,
         stop_reason=reason,
+        prompt_tokens=PROMPT_TOKENS,
     )
     return [*deltas, done]
 
@@ -236,9 +241,11 @@ async def test_completion_maps_done_and_usage(fake):
     body = r.json()
     assert r.status_code == 200 and body["object"] == "text_completion"
     assert body["choices"][0]["text"] == "Hello" and body["choices"][0]["finish_reason"] == "stop"
-    assert body["usage"] == {"prompt_tokens": 0, "completion_tokens": 2, "total_tokens": 2}
+    # The head node's counts: the gateway tokenizes nothing.
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     prompt = fake.prompts[0]
     assert body["id"] == f"cmpl-5-{prompt.request_id}"
+    assert 0 < prompt.request_id <= 2**53 - 1  # JavaScript-safe (defect 15)
     assert (prompt.prompt_text, prompt.chat, prompt.max_tokens, prompt.temperature) == (
         "hi",
         False,
@@ -269,15 +276,39 @@ async def test_one_user_message_takes_the_runs_chat_path(fake):
         True,
         None,
     )
-    # Without the model's template here, a longer conversation cannot be rendered.
+
+
+async def test_a_conversation_goes_to_the_run_whose_template_refusal_is_a_400(fake):
+    # The head node renders a longer conversation with the model's template; the gateway
+    # neither renders nor counts it.
+    fake.script = lambda p: _text(p, "ok")
+    conversation = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
     r = await fake.http.post(
-        "/v1/chat/completions",
-        json={
-            "model": MODEL,
-            "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
-        },
+        "/v1/chat/completions", json={"model": MODEL, "messages": conversation}
     )
-    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_conversation"
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == PROMPT_TOKENS
+    prompt = fake.prompts[-1]
+    assert prompt.chat and prompt.prompt_text == ""
+    assert prompt.messages == [
+        ChatMessage(role="system", content="s"),
+        ChatMessage(role="user", content="u"),
+    ]
+    refused = "the model's chat template refused the messages: roles must alternate"
+    fake.script = lambda p: [
+        Fault(request_id=p.request_id, error=refused, kind=ErrorType.CHAT_TEMPLATE_REFUSED)
+    ]
+    for stream in (False, True):
+        r = await fake.http.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": conversation, "stream": stream},
+        )
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (err["code"], err["param"], err["message"]) == (
+            "chat_template_refused",
+            "messages",
+            refused,
+        )
 
 
 async def test_a_stop_string_cuts_and_cancels_streamed_and_not(fake):
@@ -294,8 +325,15 @@ async def test_a_stop_string_cuts_and_cancels_streamed_and_not(fake):
     events = _events(r)
     assert "".join(e["choices"][0]["text"] for e in events[:-2]) == "one two "
     assert events[-3]["choices"][0]["finish_reason"] == "stop"
-    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 0
+    # The node's counts: the prompt's, and the tokens of the deltas up to the stop.
+    assert events[-2]["choices"] == [] and events[-2]["usage"] == {
+        "prompt_tokens": PROMPT_TOKENS,
+        "completion_tokens": 3,
+        "total_tokens": PROMPT_TOKENS + 3,
+    }
     assert fake.cancelled == [p.request_id for p in fake.prompts]
+    # The stops travel with the prompt, for a client that re-attaches to it.
+    assert [p.stop for p in fake.prompts] == [["three", "zzz"]] * 2
 
 
 async def test_rejections_and_faults_have_their_status(fake):
@@ -315,10 +353,38 @@ async def test_rejections_and_faults_have_their_status(fake):
     fake.script = lambda p: [Fault(request_id=p.request_id, error="stage 1 died")]
     r = await fake.http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
     assert r.status_code == 500 and r.json()["error"]["code"] == "prompt_fault"
+    # A fault is read by its type, never by its text.
     too_long = "prompt has 900 tokens; the planned context holds 512 (prompt plus ...)"
     fake.script = lambda p: [Fault(request_id=p.request_id, error=too_long)]
     r = await fake.http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "prompt_fault"
+    fake.script = lambda p: [
+        Fault(
+            request_id=p.request_id,
+            error="the node's words",
+            kind=ErrorType.PROMPT_TOO_LONG,
+            prompt_tokens=900,
+        )
+    ]
+    r = await fake.http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert r.status_code == 400 and r.json()["error"] == {
+        "message": "This model's maximum context length is 64 tokens; your prompt has 900 "
+        "(the prompt and at least one generated token must fit).",
+        "type": "invalid_request_error",
+        "param": "prompt",
+        "code": "context_length_exceeded",
+    }
+    # Streamed, the refusal is still an HTTP 400: no byte of a 200 stream goes out first.
+    r = await fake.http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True}
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.headers["content-type"].startswith("application/json")
+    r = await fake.http.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     # After the headers: the fault is the last event, and no [DONE].
     fake.script = lambda p: [
         TextDelta(request_id=p.request_id, text="a"),
@@ -357,3 +423,32 @@ async def test_models_and_unknown_names(fake):
     assert r.status_code == 413
     r = await fake.http.delete("/v1/models")
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+
+
+# --------------------------------------------------------------------------- re-attach
+
+
+async def _viewed(events: list[Any], stops: list[str]) -> list[Any]:
+    from workers.gateway.attach import view
+
+    async def rest() -> AsyncIterator[Any]:
+        for e in events[1:]:
+            yield e
+
+    return [item async for item in view(events[0], rest(), stops)]
+
+
+async def test_a_reattached_completion_is_cut_at_the_original_stop_strings():
+    rid = 7
+    deltas = [
+        TextDelta(request_id=rid, text=t, tokens=1) for t in ("one tw", "o thr", "ee", " four")
+    ]
+    cancelled = Fault(request_id=rid, error="cancelled")
+    out = await _viewed([*deltas, cancelled], ["three"])
+    assert "".join(x for x in out if isinstance(x, str)) == "one two "
+    end = out[-1]
+    assert (end.reason, end.extra, end.completion_tokens) == ("stop", {}, 3)
+    # Without stop strings: the run's text, and the cancel says so.
+    out = await _viewed([*deltas, cancelled], [])
+    assert "".join(x for x in out if isinstance(x, str)) == "one two three four"
+    assert (out[-1].reason, out[-1].extra["mvp_status"]) == (None, "cancelled")

@@ -612,3 +612,58 @@ async def test_closing_the_viewers_ends_open_streams_at_once_and_refuses_new_one
 async def _drain_frames(gen: Any) -> None:
     async for _ in gen:
         pass
+
+
+# --------------------------------------------------------------------------- layout
+
+# Every table of a card and how far it reaches: its box, its content width, its card's
+# inner right edge (less the padding).
+MEASURE = """() => [...document.querySelectorAll("section.run")].flatMap(card => {
+  const style = getComputedStyle(card);
+  const inner = card.getBoundingClientRect().right - parseFloat(style.paddingRight)
+                - parseFloat(style.borderRightWidth);
+  return [...card.querySelectorAll("table")].map(t => ({
+    name: t.className || t.parentElement.className,
+    right: t.getBoundingClientRect().right, scroll: t.scrollWidth,
+    parent: t.parentElement.getBoundingClientRect().width, inner }));
+})"""
+
+
+def crowded_observation() -> dict[str, Any]:
+    """A serving run whose prompt table holds the widest cells it gets: 16-digit request
+    ids, 4-digit token counts, times in seconds, long errors."""
+    state = serving_state()
+    figs: dict[str, PromptFigures] = {}
+    for i in range(6):
+        rid = 2**53 - 1 - i
+        wf = f"mvp-run-7-prompt-{rid}-x"
+        state.admit(rid, wf)
+        error = "prompt serving fault: generate on mvp-node-7-2-abcdef12 failed: lost"
+        state.finish_prompt(wf, i % 2 == 0, "" if i % 2 == 0 else error, rid)
+        figs[wf] = PromptFigures(
+            status=PromptStatus.DONE,
+            tokens=4096,
+            elapsed_ms=123_456,
+            ttft_ms=12_345,
+            queued_ms=65_432,
+        )
+    view = run_view("mvp-run-7", 7, "running", state, served=True, figures_of=figs, logs={})
+    return Observation(served="mvp-run-7", runs=[view]).model_dump(mode="json")
+
+
+async def test_the_prompt_table_fits_its_card_at_1400_px():
+    from tests.helpers.browser import chromium
+
+    html = (Path(dashboard.__file__).parent / "dashboard.html").read_text()
+    async with chromium(width=1400) as page:
+        await page.set_content(html)
+        await page.evaluate("obs => render(obs)", crowded_observation())
+        tables = await page.evaluate(MEASURE)
+        badges = await page.evaluate(
+            "() => [...document.querySelectorAll('.recent .badge')].map(b => b.getClientRects().length)"
+        )
+    assert len(tables) == 2, tables  # the stages and the recent prompts
+    for t in tables:
+        assert t["right"] <= t["inner"] + 0.5, t  # inside the card's padding
+        assert t["scroll"] <= t["parent"] + 0.5, t  # nothing cut off inside its column
+    assert badges and set(badges) == {1}  # a status badge keeps to one line

@@ -7,22 +7,19 @@ not only the moments the test looked. Screenshots go to ``$MVP_DASHBOARD_SCREENS
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import socket
-from collections.abc import AsyncIterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
-import pytest
-from playwright.async_api import Page, async_playwright
+from playwright.async_api import Page
 from playwright.async_api import TimeoutError as PlaywrightTimeout
 from temporalio.client import Client, WorkflowExecutionStatus
 
 from mvp_core import names
 from mvp_core.models import RequestShutdown, RunPhase
+from tests.helpers.browser import chromium
 from tests.integration.conftest import Runs, wait_closed
 from tests.integration.test_gateway import serve
 
@@ -48,24 +45,6 @@ new MutationObserver(() => {
   if (window.__seen[window.__seen.length - 1] !== entry) window.__seen.push(entry);
 }).observe(document, { subtree: true, childList: true, attributes: true });
 """.replace("__CARD__", CARD)
-
-
-@contextlib.asynccontextmanager
-async def chromium() -> AsyncIterator[Page]:
-    exe = shutil.which("chromium")
-    if exe is None:
-        pytest.fail(
-            "the dashboard test needs chromium (scripts/test installs it: apt-get install chromium)"
-        )
-    async with async_playwright() as pw:
-        browser = await pw.chromium.launch(
-            executable_path=exe, args=["--no-sandbox", "--disable-dev-shm-usage"]
-        )
-        try:
-            page = await browser.new_page(viewport={"width": 1440, "height": 900})
-            yield page
-        finally:
-            await browser.close()
 
 
 async def shows(

@@ -283,6 +283,20 @@ async def test_stop_string_cuts_the_text_and_cancels_the_prompt(site: Site):
     assert whole.choices[0].text == cut
     assert whole.choices[0].finish_reason == "stop"
     assert await site.prompt_status(whole.id) == "cancelled"  # not 400 tokens later
+    # Re-attached, the completion is what the original response was: the same stop
+    # strings cut it (the run generated past the stop string until its cancel).
+    again = (await site.http.get(f"/v1/completions/{whole.id}")).json()
+    assert again["choices"][0]["text"] == cut, again
+    assert again["choices"][0]["finish_reason"] == "stop" and "mvp_status" not in again
+    viewed: list[str] = []
+    finishes: list[str | None] = []
+    async with site.http.stream("GET", f"/v1/completions/{whole.id}?stream=true") as resp:
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {"):
+                (choice,) = json.loads(line[6:])["choices"]
+                viewed.append(choice["text"])
+                finishes.append(choice["finish_reason"])
+    assert "".join(viewed) == cut and finishes[-1] == "stop" and set(finishes[:-1]) <= {None}
 
     stream = await site.oai.completions.create(
         model=MODEL, prompt=ENDLESS, max_tokens=400, temperature=0, stop=stop, stream=True
@@ -388,6 +402,40 @@ async def test_a_viewer_reattaches_by_the_completion_id_mid_stream_and_after(sit
         assert word in resp.json()["error"]["message"], resp.text
 
 
+async def _until_pending(site: Site, n: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if len((await snapshot(site.handle)).pending) >= n:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the run never had {n} pending prompt(s)")
+
+
+async def test_a_prompt_past_the_context_is_a_400_by_the_head_nodes_count(site: Site):
+    """The head node encodes the prompt and refuses it, typed (PromptTooLong); the
+    gateway answers 400 context_length_exceeded with the node's count, streamed or not,
+    before any byte of a stream, and the run serves on."""
+    long = "1, 2, 3, 4, 5, 6, 7, 8, " * 400
+    n = len(site.tok.encode(long))
+    assert n > 4096, n
+    for stream in (False, True):
+        resp = await site.http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": long, "stream": stream}
+        )
+        assert resp.status_code == 400, resp.text
+        assert resp.headers["content-type"].startswith("application/json")
+        err = resp.json()["error"]
+        assert (err["code"], err["param"]) == ("context_length_exceeded", "prompt"), err
+        assert f"maximum context length is 4096 tokens; your prompt has {n} " in err["message"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        await site.oai.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": long}], stream=True
+        )
+    assert (refused.value.code, refused.value.param) == ("context_length_exceeded", "messages")
+    ok = await site.oai.completions.create(model=MODEL, prompt=TEXT, max_tokens=2, temperature=0)
+    assert ok.choices[0].finish_reason == "length"
+
+
 async def _drain(stream: Any, into: list[str]) -> None:
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -430,17 +478,24 @@ async def test_http_errors_in_openai_shape(site: Site, client: Client):
     with pytest.raises(openai.BadRequestError):
         await site.oai.completions.create(model=MODEL, prompt="x", stop=["a", "b", "c", "d", "e"])
 
-    # A full queue (capacity 2: one active, one pending): 429, and the two go away.
+    # A full queue (capacity 2: one active, one pending): 429, and the two go away. A
+    # stream commits to 200 only at its prompt's first event, so the pending one (no
+    # event until its turn) waits in a task until the run shows it queued.
     body = {"model": MODEL, "prompt": ENDLESS, "max_tokens": 1000, "temperature": 0, "stream": True}
-    async with contextlib.AsyncExitStack() as held:
-        for _ in range(2):
-            resp = await held.enter_async_context(http.stream("POST", "/v1/completions", json=body))
-            assert resp.status_code == 200
-        full = await http.post("/v1/completions", json={**body, "stream": False})
-        error(full, 429, "prompt_queue_full")
-        assert full.headers["retry-after"] == "1"
-        with pytest.raises(openai.RateLimitError):
-            await site.oai.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    async with http.stream("POST", "/v1/completions", json=body) as active:
+        assert active.status_code == 200
+        pending = asyncio.ensure_future(http.post("/v1/completions", json=body))
+        try:
+            await _until_pending(site, 1)
+            full = await http.post("/v1/completions", json={**body, "stream": False})
+            error(full, 429, "prompt_queue_full")
+            assert full.headers["retry-after"] == "1"
+            with pytest.raises(openai.RateLimitError):
+                await site.oai.completions.create(model=MODEL, prompt="x", max_tokens=1)
+        finally:
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pending
     # The two are cancelled: the run serves again (once their cancellations land; the
     # client's own retries, on Retry-After, cover that).
     retrying = site.oai.with_options(max_retries=5)

@@ -27,3 +27,13 @@ async def test_a_quiet_pipe_returns_empty_text_so_the_caller_can_heartbeat():
     assert await pipe.take(timeout=0.05) == ""
     pipe.put("x")
     assert await pipe.take(timeout=1) == "x"
+
+
+async def test_each_take_counts_the_tokens_of_the_text_taken():
+    pipe = TextPipe(asyncio.get_running_loop())
+    pipe.put("a", 1)
+    pipe.put("bc", 3)  # "bc" completes tokens 2 and 3
+    assert await pipe.take(timeout=1) == "abc" and pipe.tokens_taken == 3
+    pipe.put("d", 4)
+    pipe.close()
+    assert await pipe.take(timeout=1) == "d" and pipe.tokens_taken == 4

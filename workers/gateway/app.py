@@ -13,25 +13,24 @@
   re-attach to a completion of this run, running or finished (``attach.py``).
 
 The run decides admission (a full queue is a 429, a run that is not prompt-ready a 503)
-and generation; the gateway adds what OpenAI has and the run has not: stop strings
-(held back, cut, the prompt cancelled at once), a client that goes away (its prompt
-cancelled at once), the chat template for conversations, token counts for ``usage``.
+and generation; the head node encodes the prompt (rendering a conversation with the
+model's chat template), counts its tokens and refuses, typed, a prompt that does not fit
+(``Fault.kind``). The gateway adds what OpenAI has and the run has not: stop strings
+(held back, cut, the prompt cancelled at once) and a client that goes away (its prompt
+cancelled at once). It never loads the model's tokenizer (nor the engine, nor torch).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
-import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -45,6 +44,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from mvp_core import names
 from mvp_core.errors import ErrorType
 from mvp_core.models import CancelPrompt, Done, Fault, RunPhase, SubmitPrompt, TextDelta
+from mvp_core.request_ids import RequestIds
 from mvp_core.run_state import RunState
 from temporal import telemetry
 from temporal.client import PromptRejected, stream_prompt
@@ -65,19 +65,14 @@ from workers.gateway.wire import (
     usage,
 )
 
-if TYPE_CHECKING:
-    from workers.node.engine.tokenizer import Tokenizer
-
 log = logging.getLogger("mvp.gateway")
 
 MAX_BODY_BYTES = 1 << 20  # a request body over this is a 413
 QUERY_TIMEOUT = timedelta(seconds=5)
 CANCEL_TIMEOUT_S = 5.0
-TOKENIZER_WAIT_S = 60.0
 ADMIT_TRIES = 4  # a duplicate id (another client's) or a rollover: try again
 ROLLOVER_RETRY_S = 0.5
 ADMIT_WAIT_S = 30.0  # a request gone while its admission is in flight: wait this long for it
-CONTEXT_FAULT = "the planned context holds"  # the node's PromptTooLong text
 T = TypeVar("T")
 # Rejections that mean "not now": the run is starting, stopping or rolling over (a 503).
 _NOT_SERVING = (
@@ -97,7 +92,6 @@ class ServedModel:
     id: str
     aliases: frozenset[str]
     created: int
-    tokenizer_path: str
     max_seq_len: int
 
     def check(self, name: str) -> None:
@@ -110,23 +104,6 @@ def model_id_of(model_path: str) -> str:
     return base[: -len(".gguf")] if base.lower().endswith(".gguf") else base
 
 
-def load_tokenizer(path: str) -> Tokenizer | None:
-    """The run's tokenizer and chat template, read from the GGUF the plan names (the
-    engine's tokenizer; importing it loads torch, once, off the event loop). None when
-    the file is not readable on this host (e.g. the nodes run elsewhere)."""
-    try:
-        from workers.node.engine.tokenizer import Tokenizer, TokenizerError
-
-        try:
-            return Tokenizer.from_gguf(path)
-        except TokenizerError as err:
-            log.warning("no tokenizer for %s: %s", path, err)
-            return None
-    except Exception as err:
-        log.warning("cannot load the tokenizer of %s: %s: %s", path, type(err).__name__, err)
-        return None
-
-
 class Gateway:
     """One run's prompt API, as the HTTP handlers need it."""
 
@@ -137,13 +114,10 @@ class Gateway:
         self.poll_cooldown_ms = poll_cooldown_ms
         self._served: ServedModel | None = None
         self._served_lock = asyncio.Lock()
-        self._tokenizer: asyncio.Future[Tokenizer | None] | None = None
-        # One thread for tokenizer work: it keeps caches, and a long prompt's encode
-        # stays off the event loop.
-        self._tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-tok")
         # The run's request ids: unique for this gateway's lifetime, and (random high
-        # bits) all but surely distinct from another client's; a clash is retried.
-        self._ids = itertools.count(secrets.randbits(40) << 16)
+        # bits) all but surely distinct from another client's; a clash is retried. Each
+        # is a JavaScript-safe integer (mvp_core.request_ids).
+        self._ids = RequestIds()
         self._background: set[asyncio.Task[Any]] = set()
         self._warm: asyncio.Task[None] | None = None
         self.viewers: list[Callable[[], None]] = []  # end the read-only streams (dashboard)
@@ -199,37 +173,9 @@ class Gateway:
                 id=model_id,
                 aliases=frozenset({plan.model_facts.name, os.path.basename(plan.model_path)}),
                 created=created,
-                tokenizer_path=plan.tokenizer_path,
                 max_seq_len=plan.max_seq_len,
             )
-            loop = asyncio.get_running_loop()
-            self._tokenizer = loop.run_in_executor(
-                self._tok_pool, load_tokenizer, plan.tokenizer_path
-            )
             return self._served
-
-    async def tokenizer(self) -> Tokenizer | None:
-        if self._tokenizer is None:
-            return None
-        try:
-            return await asyncio.wait_for(asyncio.shield(self._tokenizer), TOKENIZER_WAIT_S)
-        except TimeoutError:
-            return None
-
-    async def in_tok_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tok_pool, lambda: fn(*args, **kwargs))
-
-    async def count_tokens(
-        self, tok: Tokenizer | None, text: str, *, special: bool, add_special: bool = True
-    ) -> int:
-        """Tokens of ``text`` as the head node encodes it; 0 without a tokenizer."""
-        if tok is None or not text:
-            return 0
-        ids = await self.in_tok_thread(
-            tok.encode, text, add_special=add_special, parse_special=special
-        )
-        return len(ids)
 
     # ------------------------------------------------------------------ prompts
     async def open(self, fields: Mapping[str, Any]) -> PromptSession:
@@ -301,15 +247,14 @@ class Gateway:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Learn the run's model in the background (and load its tokenizer) so the
-        first request does not pay for it."""
+        """Learn the run's model in the background so the first request does not pay
+        for it."""
         self._warm = asyncio.ensure_future(self._warm_up())
 
     async def _warm_up(self) -> None:
         while True:
             try:
                 await self.served()
-                await self.tokenizer()
                 return
             except Exception:
                 await asyncio.sleep(1.0)
@@ -321,7 +266,6 @@ class Gateway:
                 await self._warm
         if self._background:
             await asyncio.wait(set(self._background), timeout=CANCEL_TIMEOUT_S + 1)
-        self._tok_pool.shutdown(wait=False, cancel_futures=True)
 
 
 class PromptSession:
@@ -335,6 +279,7 @@ class PromptSession:
         self._admitted = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
+        self._peeked: TextDelta | Done | Fault | None = None
         self.ended = False  # the terminal event arrived, or the prompt was cancelled
 
     async def open(self) -> None:
@@ -366,19 +311,34 @@ class PromptSession:
             self._error = err
             self._events.put_nowait(err)
 
+    async def _next(self) -> TextDelta | Done | Fault:
+        if self._peeked is not None:
+            event, self._peeked = self._peeked, None
+            return event
+        item = await self._events.get()
+        if isinstance(item, BaseException):
+            self.ended = True  # lost: the run, if it is there, still has the prompt
+            log.warning("prompt %d lost: %s: %s", self.request_id, type(item).__name__, item)
+            self.gateway.cancel_soon(self.request_id)
+            raise unavailable(
+                f"lost run {self.gateway.workflow_id} mid-prompt: {type(item).__name__}",
+                "run_unreachable",
+            )
+        if not isinstance(item, TextDelta):
+            self.ended = True
+        return item
+
+    async def peek(self) -> TextDelta | Done | Fault:
+        """The prompt's first event, without taking it (``events`` starts with it): a
+        stream waits for it before it commits to 200, since a prompt the head node
+        refuses (too long, a template that refuses it) ends with its first event."""
+        if self._peeked is None:
+            self._peeked = await self._next()
+        return self._peeked
+
     async def events(self) -> AsyncIterator[TextDelta | Done | Fault]:
         while True:
-            item = await self._events.get()
-            if isinstance(item, BaseException):
-                self.ended = True  # lost: the run, if it is there, still has the prompt
-                log.warning("prompt %d lost: %s: %s", self.request_id, type(item).__name__, item)
-                self.gateway.cancel_soon(self.request_id)
-                raise unavailable(
-                    f"lost run {self.gateway.workflow_id} mid-prompt: {type(item).__name__}",
-                    "run_unreachable",
-                )
-            if not isinstance(item, TextDelta):
-                self.ended = True
+            item = await self._next()
             yield item
             if self.ended:
                 return
@@ -427,7 +387,7 @@ class Prepared:
     """A request turned into the run's prompt."""
 
     fields: dict[str, Any]
-    prompt_tokens: int
+    param: Literal["prompt", "messages"]  # what a refusal of the prompt names
     stops: list[str]
     include_usage: bool
     stream: bool
@@ -437,6 +397,7 @@ class Prepared:
 class Finish:
     reason: Literal["stop", "length"]
     completion_tokens: int
+    prompt_tokens: int  # as the head node encoded the prompt (0: a node that did not say)
     final_text: str | None = None  # the run's whole text, when no stop string cut it
 
 
@@ -448,50 +409,61 @@ class Collected:
 
 
 async def drive(
-    gateway: Gateway, session: PromptSession, prep: Prepared, tok: Tokenizer | None
+    session: PromptSession, prep: Prepared, served: ServedModel
 ) -> AsyncIterator[str | Finish]:
     """The prompt's text with stop strings applied, then one Finish. A Fault raises its
-    ApiError."""
+    ApiError. Token counts are the head node's: the prompt's from its first delta (or its
+    Done), the completion's at a stop string the tokens of the deltas up to the one that
+    completed it."""
     matcher = StopMatcher(prep.stops)
-    released: list[str] = []
+    prompt_tokens: int | None = None
+    tokens = 0
     async for event in session.events():
         if isinstance(event, TextDelta):
+            if prompt_tokens is None:
+                prompt_tokens = event.prompt_tokens
+            tokens += event.tokens or 0
             text, hit = matcher.push(event.text)
             if text:
-                released.append(text)
                 yield text
             if hit:
                 session.cancel()
-                tokens = await gateway.count_tokens(
-                    tok, "".join(released), special=False, add_special=False
-                )
-                yield Finish("stop", tokens)
+                yield Finish("stop", tokens, prompt_tokens or 0)
                 return
         elif isinstance(event, Done):
             tail = matcher.flush()
             if tail:
-                released.append(tail)
                 yield tail
             reason: Literal["stop", "length"] = "stop" if event.stop_reason == "eos" else "length"
-            yield Finish(reason, event.tokens_generated, event.final_text)
+            n_prompt = event.prompt_tokens if event.prompt_tokens is not None else prompt_tokens
+            yield Finish(reason, event.tokens_generated, n_prompt or 0, event.final_text)
             return
         else:
-            raise fault_error(event)
+            raise fault_error(event, prep.param, served)
 
 
-def fault_error(fault: Fault) -> ApiError:
-    if CONTEXT_FAULT in fault.error:
-        return invalid(fault.error, None, "context_length_exceeded")
+def fault_error(fault: Fault, param: str, served: ServedModel) -> ApiError:
+    """The HTTP answer to a prompt's Fault, by its type (never by its text)."""
+    if fault.kind == ErrorType.PROMPT_TOO_LONG:
+        has = "" if fault.prompt_tokens is None else f"; your prompt has {fault.prompt_tokens}"
+        return invalid(
+            f"This model's maximum context length is {served.max_seq_len} tokens{has} (the "
+            f"prompt and at least one generated token must fit).",
+            param,
+            "context_length_exceeded",
+        )
+    if fault.kind == ErrorType.CHAT_TEMPLATE_REFUSED:
+        return invalid(fault.error, "messages", "chat_template_refused")
+    if fault.kind == ErrorType.INVALID_PROMPT:
+        return invalid(fault.error, param, "invalid_prompt")
     return ApiError(
         500, f"the prompt faulted: {fault.error}", type="server_error", code="prompt_fault"
     )
 
 
-async def collect(
-    gateway: Gateway, session: PromptSession, prep: Prepared, tok: Tokenizer | None
-) -> Collected:
+async def collect(session: PromptSession, prep: Prepared, served: ServedModel) -> Collected:
     out = Collected()
-    async for item in drive(gateway, session, prep, tok):
+    async for item in drive(session, prep, served):
         if isinstance(item, str):
             out.pieces.append(item)
         else:
@@ -627,22 +599,20 @@ async def completions(request: Request) -> Response:
     text = req.prompt_text()
     if not text:
         raise invalid("the prompt must not be empty", "prompt", "invalid_value")
-    tok = await gateway.tokenizer()
-    n_prompt = await gateway.count_tokens(tok, text, special=False)
-    _check_context(served, n_prompt, "prompt")
     prep = Prepared(
         fields={
             "prompt_text": text,
             "chat": False,
             "max_tokens": req.token_limit(),
+            "stop": req.stops(),
             **req.sampling(),
         },
-        prompt_tokens=n_prompt,
+        param="prompt",
         stops=req.stops(),
         include_usage=req.include_usage(),
         stream=bool(req.stream),
     )
-    return await _respond(request, gateway, served, prep, tok, chat=False)
+    return await _respond(request, gateway, served, prep, chat=False)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -651,62 +621,29 @@ async def chat_completions(request: Request) -> Response:
     served = await gateway.served()
     served.check(req.model)
     messages = [{"role": m.template_role(), "content": m.text()} for m in req.messages]
-    tok = await gateway.tokenizer()
-    template = tok is not None and tok.has_chat_template
+    # The head node renders the conversation with the model's own chat template and
+    # encodes its control tokens as such; a model without one, or a template that refuses
+    # the conversation, ends the prompt with a typed Fault (a 400 here).
     if len(messages) == 1 and messages[0]["role"] == "user":
-        # The run's own chat path renders exactly this conversation, and encodes the
-        # template's control tokens as such.
         content = messages[0]["content"]
         if not content:
             raise invalid("the message must not be empty", "messages.0.content", "invalid_value")
         fields: dict[str, Any] = {"prompt_text": content, "chat": True}
-        rendered = await _render(gateway, tok, messages) if template else ""
-        n_prompt = await gateway.count_tokens(tok, rendered, special=True)
     else:
-        if tok is None or not template:
-            raise invalid(
-                "this gateway cannot read the model's chat template: only a conversation of "
-                "one user message is supported",
-                "messages",
-                "unsupported_conversation",
-            )
-        # The whole conversation goes to the run, which renders it with the same template
-        # on the head node and encodes its control tokens as such; rendered here only to
-        # count its tokens and check the context.
-        rendered = await _render(gateway, tok, messages)
         fields = {"prompt_text": "", "messages": messages, "chat": True}
-        n_prompt = await gateway.count_tokens(tok, rendered, special=True)
-    _check_context(served, n_prompt, "messages")
     prep = Prepared(
-        fields={**fields, "max_tokens": req.token_limit(), **req.sampling()},
-        prompt_tokens=n_prompt,
+        fields={
+            **fields,
+            "max_tokens": req.token_limit(),
+            "stop": req.stops(),
+            **req.sampling(),
+        },
+        param="messages",
         stops=req.stops(),
         include_usage=req.include_usage(),
         stream=bool(req.stream),
     )
-    return await _respond(request, gateway, served, prep, tok, chat=True)
-
-
-async def _render(gateway: Gateway, tok: Tokenizer | None, messages: list[dict[str, str]]) -> str:
-    assert tok is not None
-    from workers.node.engine.tokenizer import TokenizerError
-
-    try:
-        return await gateway.in_tok_thread(tok.apply_chat_template, messages)
-    except TokenizerError as err:
-        raise invalid(
-            f"the model's chat template refused the messages: {err}", "messages"
-        ) from None
-
-
-def _check_context(served: ServedModel, n_prompt: int, param: str) -> None:
-    if n_prompt >= served.max_seq_len:
-        raise invalid(
-            f"This model's maximum context length is {served.max_seq_len} tokens; your prompt "
-            f"has {n_prompt} (the prompt and at least one generated token must fit).",
-            param,
-            "context_length_exceeded",
-        )
+    return await _respond(request, gateway, served, prep, chat=True)
 
 
 async def _respond(
@@ -714,7 +651,6 @@ async def _respond(
     gateway: Gateway,
     served: ServedModel,
     prep: Prepared,
-    tok: Tokenizer | None,
     *,
     chat: bool,
 ) -> Response:
@@ -725,10 +661,23 @@ async def _respond(
     created = int(time.time())
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{gateway.run_id}-{session.request_id}"
     if prep.stream:
-        chunks = _stream(gateway, session, prep, tok, served, ident, created, chat)
+        # No byte goes out before the prompt's first event: a prompt the head node
+        # refuses is an HTTP error, not a 200 stream that carries one.
+        try:
+            first = await unless_disconnected(request, session.peek())
+        except ClientGone:
+            await session.close()
+            return Response(status_code=499)
+        except BaseException:
+            await session.close()
+            raise
+        if isinstance(first, Fault):
+            await session.close()
+            raise fault_error(first, prep.param, served)
+        chunks = _stream(session, prep, served, ident, created, chat)
         return EventStream(chunks, on_close=session.close)
     try:
-        out = await unless_disconnected(request, collect(gateway, session, prep, tok))
+        out = await unless_disconnected(request, collect(session, prep, served))
     except ClientGone:
         return Response(status_code=499)
     finally:
@@ -750,15 +699,13 @@ async def _respond(
         body["choices"] = [
             {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish.reason}
         ]
-    body["usage"] = usage(prep.prompt_tokens, out.finish.completion_tokens)
+    body["usage"] = usage(out.finish.prompt_tokens, out.finish.completion_tokens)
     return JSONResponse(body)
 
 
 async def _stream(
-    gateway: Gateway,
     session: PromptSession,
     prep: Prepared,
-    tok: Tokenizer | None,
     served: ServedModel,
     ident: str,
     created: int,
@@ -790,7 +737,7 @@ async def _stream(
                 first["usage"] = None
             yield sse(first)
         finish: Finish | None = None
-        async for item in drive(gateway, session, prep, tok):
+        async for item in drive(session, prep, served):
             if isinstance(item, str):
                 yield chunk(item)
             else:
@@ -802,7 +749,7 @@ async def _stream(
                 {
                     **head,
                     "choices": [],
-                    "usage": usage(prep.prompt_tokens, finish.completion_tokens),
+                    "usage": usage(finish.prompt_tokens, finish.completion_tokens),
                 }
             )
         yield SSE_DONE

@@ -8,28 +8,36 @@ object; with it, server-sent events as ``POST`` streams them: the whole text so 
 one chunk, then the rest as it is generated, then the finish and ``[DONE]``. It only
 reads: a viewer that goes away cancels nothing.
 
-The text is the run's: a stop string that cut the original response is not known here
-(the run generated past it until the gateway cancelled the prompt). A prompt that was
-cancelled or faulted ends with ``finish_reason`` null and ``mvp_status`` saying why.
+The text is the run's, cut at the original request's stop strings (they travel with the
+prompt, ``SubmitPrompt.stop``, read back from its workflow's input): a viewer sees what
+the original response returned, with ``finish_reason`` ``stop``, though the run generated
+past the stop string until the gateway cancelled the prompt. A prompt that was cancelled
+or faulted otherwise ends with ``finish_reason`` null and ``mvp_status`` saying why.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from temporalio.client import Client
 
-from mvp_core.models import Done, Fault, TextDelta
-from temporal.client import PromptNotFound, attach_prompt
+from mvp_core.models import Done, Fault, PromptInput, TextDelta
+from temporal.client import PromptNotFound, attach_prompt, find_prompt
+from workers.gateway.stops import StopMatcher, cut_at_stop
 from workers.gateway.wire import SSE_DONE, ApiError, sse
 
 if TYPE_CHECKING:
     from workers.gateway.app import Gateway
+
+log = logging.getLogger("mvp.gateway")
 
 _ID = re.compile(r"^(chatcmpl|cmpl)-(\d{1,18})-(\d{1,18})$")
 
@@ -60,6 +68,61 @@ def finish_of(terminal: Done | Fault) -> tuple[str | None, dict[str, Any]]:
     return None, {"mvp_status": status, "mvp_error": terminal.error}
 
 
+async def original_stops(client: Client, run_id: int, request_id: int) -> list[str]:
+    """The stop strings of the request behind prompt ``request_id``: its workflow's input
+    (``PromptInput.prompt.stop``); none when the prompt cannot be read back."""
+    try:
+        wf_id = await find_prompt(client, run_id, request_id)
+        if wf_id is None:
+            return []
+        async for event in client.get_workflow_handle(wf_id).fetch_history_events(page_size=1):
+            payloads = event.workflow_execution_started_event_attributes.input.payloads
+            (inp,) = await client.data_converter.decode(payloads, [PromptInput])
+            return list(cast(PromptInput, inp).prompt.stop)
+    except Exception as err:  # an old prompt's input, a history no longer retained
+        log.warning("stop strings of prompt %d: %s: %s", request_id, type(err).__name__, err)
+    return []
+
+
+@dataclass
+class Viewed:
+    """How a re-attached completion ends, as the original response ended."""
+
+    reason: str | None
+    extra: dict[str, Any] = field(default_factory=dict)
+    completion_tokens: int | None = None
+    final_text: str | None = None  # the run's whole text, when no stop string cut it
+
+
+async def view(
+    first: TextDelta | Done | Fault,
+    events: AsyncIterator[TextDelta | Done | Fault],
+    stops: list[str],
+) -> AsyncIterator[str | Viewed]:
+    """The prompt's text cut at the first of ``stops`` (as the original response was),
+    then one Viewed."""
+    matcher = StopMatcher(stops)
+    tokens = 0
+    event = first
+    while isinstance(event, TextDelta):
+        tokens += event.tokens or 0
+        text, hit = matcher.push(event.text)
+        if text:
+            yield text
+        if hit:
+            yield Viewed("stop", completion_tokens=tokens)
+            return
+        event = await anext(events)
+    tail = matcher.flush()
+    if tail:
+        yield tail
+    reason, extra = finish_of(event)
+    if isinstance(event, Done):
+        yield Viewed(reason, extra, event.tokens_generated, event.final_text)
+    else:
+        yield Viewed(reason, extra)
+
+
 def attach_routes(gateway: Gateway) -> list[Route]:
     async def chat(request: Request) -> Response:
         return await retrieve(request, gateway, chat=True)
@@ -87,6 +150,7 @@ async def retrieve(request: Request, gateway: Gateway, *, chat: bool) -> Respons
         first = await anext(events)
     except PromptNotFound:
         raise not_found(f"No completion found with id '{ident}'") from None
+    stops = await original_stops(gateway.client, gateway.run_id, request_id)
     head = {"id": ident, "created": int(time.time()), "model": served.id}
     if request.query_params.get("stream", "").lower() in ("1", "true"):
         from workers.gateway.app import EventStream  # (app imports this module)
@@ -94,33 +158,42 @@ async def retrieve(request: Request, gateway: Gateway, *, chat: bool) -> Respons
         async def nothing() -> None:
             return None  # a viewer that goes away cancels nothing
 
-        return EventStream(_chunks(first, events, head, chat), on_close=nothing)
+        return EventStream(_chunks(view(first, events, stops), events, head, chat), nothing)
     pieces: list[str] = []
-    event: TextDelta | Done | Fault = first
-    while isinstance(event, TextDelta):
-        pieces.append(event.text)
-        event = await anext(events)
-    await events.aclose()
-    reason, extra = finish_of(event)
-    text = event.final_text if isinstance(event, Done) else "".join(pieces)
+    end: Viewed | None = None
+    try:
+        async for item in view(first, events, stops):
+            if isinstance(item, str):
+                pieces.append(item)
+            else:
+                end = item
+    finally:
+        await events.aclose()
+    assert end is not None
+    text = "".join(pieces)
+    if end.final_text is not None and end.final_text != text:
+        # The run's own text is the reference (the stream is its batched copy).
+        text, hit = cut_at_stop(end.final_text, stops)
+        if hit:
+            end.reason, end.extra = "stop", {}
     if chat:
         choice: dict[str, Any] = {
             "index": 0,
             "message": {"role": "assistant", "content": text, "refusal": None},
             "logprobs": None,
-            "finish_reason": reason,
+            "finish_reason": end.reason,
         }
-        body = {**head, "object": "chat.completion", "choices": [choice], **extra}
+        body = {**head, "object": "chat.completion", "choices": [choice], **end.extra}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        body = {**head, "object": "text_completion", "choices": [choice], **extra}
-    if isinstance(event, Done):
-        body["usage"] = {"completion_tokens": event.tokens_generated}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": end.reason}
+        body = {**head, "object": "text_completion", "choices": [choice], **end.extra}
+    if end.completion_tokens is not None:
+        body["usage"] = {"completion_tokens": end.completion_tokens}
     return JSONResponse(body)
 
 
 async def _chunks(
-    first: TextDelta | Done | Fault,
+    viewed: AsyncIterator[str | Viewed],
     events: AsyncGenerator[TextDelta | Done | Fault, None],
     head: dict[str, Any],
     chat: bool,
@@ -140,12 +213,11 @@ async def _chunks(
             role = {"role": "assistant", "content": ""}
             yield sse({**head, "choices": [{"index": 0, "delta": role, "finish_reason": None}]})
         # The text generated before this viewer came arrives first, in a burst.
-        event = first
-        while isinstance(event, TextDelta):
-            yield chunk(event.text, None, {})
-            event = await anext(events)
-        reason, extra = finish_of(event)
-        yield chunk(None, reason, extra)
+        async for item in viewed:
+            if isinstance(item, str):
+                yield chunk(item, None, {})
+            else:
+                yield chunk(None, item.reason, item.extra)
         yield SSE_DONE
     finally:
         await events.aclose()

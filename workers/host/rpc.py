@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +33,7 @@ from temporalio.service import RPCError
 
 from mvp_core import names
 from mvp_core.models import CancelPrompt, Done, SubmitPrompt, TextDelta
+from mvp_core.request_ids import RequestIds
 from temporal.client import PromptRejected, stream_prompt
 
 log = logging.getLogger("mvp.host.rpc")
@@ -102,7 +102,7 @@ class PromptRpcServer:
         self.on_shutdown = on_shutdown
         self.observe = observe
         self._server: asyncio.Server | None = None
-        self._next_id = secrets.randbits(40) << 16  # the run's ids: unique per host
+        self._ids = RequestIds()  # the run's ids: unique per host, JavaScript-safe
         self._connections = 0
         self._handlers: set[asyncio.Task[None]] = set()
 
@@ -186,8 +186,7 @@ class PromptRpcServer:
                     await active
 
     async def _serve(self, conn: int, request: RpcRequest, writer: asyncio.StreamWriter) -> None:
-        self._next_id += 1
-        run_rid = self._next_id
+        run_rid = next(self._ids)
         cid = request.request_id
 
         def note(phase: str, detail: str = "") -> None:

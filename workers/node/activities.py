@@ -16,7 +16,7 @@ from temporalio.exceptions import ApplicationError
 
 from mvp_core import names
 from mvp_core.errors import ErrorType
-from mvp_core.generation import PromptTooLong
+from mvp_core.generation import PromptRefused
 from mvp_core.models import (
     Done,
     Fault,
@@ -59,6 +59,8 @@ class TextPipe:
         self._loop = loop
         self._lock = threading.Lock()
         self._pieces: list[str] = []
+        self._tokens = 0  # generated tokens whose text was put
+        self.tokens_taken = 0  # ... of the text taken so far
         self._closed = False
         self._ready = asyncio.Event()
         self._signalled = False
@@ -68,9 +70,12 @@ class TextPipe:
             self._signalled = True
             self._loop.call_soon_threadsafe(self._ready.set)
 
-    def put(self, piece: str) -> None:
+    def put(self, piece: str, tokens: int | None = None) -> None:
+        """Append ``piece``; ``tokens``: the generated tokens whose text is complete with it."""
         with self._lock:
             self._pieces.append(piece)
+            if tokens is not None:
+                self._tokens = tokens
             self._wake()
 
     def close(self) -> None:
@@ -79,13 +84,15 @@ class TextPipe:
             self._wake()
 
     async def take(self, timeout: float) -> str | None:
-        """The text since the last take ("" after a quiet ``timeout``); None at the end."""
+        """The text since the last take ("" after a quiet ``timeout``); None at the end.
+        ``tokens_taken`` then counts the tokens of all the text taken."""
         try:
             await asyncio.wait_for(self._ready.wait(), timeout)
         except TimeoutError:
             return ""
         with self._lock:
             text, self._pieces = "".join(self._pieces), []
+            self.tokens_taken = self._tokens
             if self._closed:
                 return text or None  # the event stays set: the next take ends at once
             self._ready.clear()
@@ -272,15 +279,18 @@ class NodeActivities:
 
         delay = FaultInjection.from_env().text_delay_s
 
-        def delayed(piece: str) -> None:
+        def delayed(piece: str, tokens: int) -> None:
             time.sleep(delay)
-            pipe.put(piece)
+            pipe.put(piece, tokens)
 
         on_text = delayed if delay > 0 else pipe.put
+        prompt_tokens: list[int] = []  # set once, by the engine thread, before any text
 
         def work():  # type: ignore[no-untyped-def]
             try:
-                return runtime.run(inp.prompt, inp.max_new_tokens, on_text, should_stop)
+                return runtime.run(
+                    inp.prompt, inp.max_new_tokens, on_text, should_stop, prompt_tokens.append
+                )
             finally:
                 pipe.close()
 
@@ -295,14 +305,20 @@ class NodeActivities:
         first = True
         first_published: float | None = None  # perf_counter: the first delta went out
         last_beat = 0.0
+        published_tokens = 0
         async with stream:
             try:
                 while (text := await pipe.take(timeout=1.0)) is not None:
                     if text:
-                        # The first delta goes out at once: it is the time to first text.
-                        topic.publish(
-                            TextDelta(request_id=request_id, text=text), force_flush=first
+                        delta = TextDelta(
+                            request_id=request_id,
+                            text=text,
+                            tokens=pipe.tokens_taken - published_tokens,
+                            prompt_tokens=prompt_tokens[0] if first and prompt_tokens else None,
                         )
+                        published_tokens = pipe.tokens_taken
+                        # The first delta goes out at once: it is the time to first text.
+                        topic.publish(delta, force_flush=first)
                         if first:
                             first_published = time.perf_counter()
                         first = False
@@ -322,9 +338,15 @@ class NodeActivities:
                 raise
             try:
                 result = await task
-            except PromptTooLong as err:
+            except PromptRefused as err:
                 await stream.flush()
-                return PromptOutcome(terminal=Fault(request_id=request_id, error=str(err)))
+                refused = Fault(
+                    request_id=request_id,
+                    error=str(err),
+                    kind=err.kind,
+                    prompt_tokens=err.prompt_tokens,
+                )
+                return PromptOutcome(terminal=refused)
             except Exception as err:
                 raise ApplicationError(
                     f"engine fault on stage {self.cfg.stage_index}: {type(err).__name__}: {err}",
@@ -341,6 +363,7 @@ class NodeActivities:
                 tokens_generated=result.tokens,
                 elapsed_ms=result.elapsed_ms,
                 stop_reason=result.stop_reason,
+                prompt_tokens=result.prompt_tokens,
             ),
             timing=prompt_timing(result, first_published),
         )

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mvp_core.generation import PromptTooLong, StopRule
+from mvp_core.generation import ChatTemplateRefused, PromptRefused, PromptTooLong, StopRule
 from mvp_core.models import EdgeKind, StageProvision, SubmitPrompt
 from temporal import telemetry
 from workers.node.affinity import Placement, compute_set
@@ -26,7 +26,7 @@ from workers.node.engine import (
     generate,
     load_stage,
 )
-from workers.node.engine.tokenizer import Tokenizer
+from workers.node.engine.tokenizer import Tokenizer, TokenizerError
 from workers.node.pipeline import Driver, Endpoint, StageLink
 
 # A token-out record later than this means a stage is stuck: a run fault, never a hang.
@@ -39,6 +39,7 @@ class GenerationResult:
     tokens: int
     elapsed_ms: int
     stop_reason: str
+    prompt_tokens: int = 0
     # perf_counter() instants: the prompt tokenized, its first token sampled (None: none)
     encoded_at: float = 0.0
     first_token_at: float | None = None
@@ -144,26 +145,34 @@ class StageRuntime:
             self.driver.start()
 
     def encode(self, prompt: SubmitPrompt) -> list[int]:
+        """The prompt's token ids (a chat prompt rendered with the model's template first);
+        a prompt this node cannot serve raises PromptRefused of its kind."""
         text = prompt.prompt_text
         if prompt.chat:
             if not self.tokenizer.has_chat_template:
-                raise PromptTooLong("chat requested but the model has no chat template")
+                raise ChatTemplateRefused("chat requested but the model has no chat template")
             conversation = (
                 [{"role": m.role, "content": m.content} for m in prompt.messages]
                 if prompt.messages
                 else [{"role": "user", "content": text}]
             )
-            text = self.tokenizer.apply_chat_template(conversation)
+            try:
+                text = self.tokenizer.apply_chat_template(conversation)
+            except TokenizerError as err:
+                raise ChatTemplateRefused(
+                    f"the model's chat template refused the messages: {err}"
+                ) from None
             ids = self.tokenizer.encode(text, add_special=True, parse_special=True)
         else:
             ids = self.tokenizer.encode(text, add_special=True, parse_special=False)
         if not ids:
-            raise PromptTooLong("the prompt encodes to no tokens")
+            raise PromptRefused("the prompt encodes to no tokens", prompt_tokens=0)
         limit = self.provision.max_seq_len
         if len(ids) >= limit:
             raise PromptTooLong(
                 f"prompt has {len(ids)} tokens; the planned context holds {limit} "
-                f"(prompt plus at least one generated token)"
+                f"(prompt plus at least one generated token)",
+                prompt_tokens=len(ids),
             )
         return ids
 
@@ -171,14 +180,18 @@ class StageRuntime:
         self,
         prompt: SubmitPrompt,
         max_new_tokens: int | None,
-        on_text: Callable[[str], None],
+        on_text: Callable[[str, int], None],
         should_stop: Callable[[], bool],
+        on_encoded: Callable[[int], None] | None = None,
     ) -> GenerationResult:
         """Generate in this thread (in-process, or over the pipeline when this node is the
-        head of one); ``on_text`` gets each complete piece of text."""
+        head of one); ``on_encoded`` gets the prompt's token count once it is encoded,
+        ``on_text`` each complete piece of text with the count of tokens generated so far."""
         started = time.perf_counter()
         ids = self.encode(prompt)
         encoded = time.perf_counter()
+        if on_encoded is not None:
+            on_encoded(len(ids))
         text = _TextOut(self.tokenizer, on_text)
         with self.placement.applied():
             if self.driver is not None:
@@ -190,6 +203,7 @@ class StageRuntime:
             tokens=text.tokens,
             elapsed_ms=int((time.perf_counter() - started) * 1000),
             stop_reason=reason,
+            prompt_tokens=len(ids),
             encoded_at=encoded,
             first_token_at=text.first_at,
             started_at=started,
@@ -233,7 +247,7 @@ class StageRuntime:
                     rule.accept(token, len(ids) + n + 1)
                     text.push(token)
             except ContextOverflow as err:
-                raise PromptTooLong(str(err)) from None
+                raise PromptTooLong(str(err), prompt_tokens=len(ids)) from None
         if rule.reason is not None:
             return rule.reason
         if should_stop():
@@ -274,7 +288,7 @@ class _TextOut:
     """Generated tokens -> text: each complete piece goes to ``on_text`` as it forms, and
     the whole is kept for the terminal event."""
 
-    def __init__(self, tokenizer: Tokenizer, on_text: Callable[[str], None]) -> None:
+    def __init__(self, tokenizer: Tokenizer, on_text: Callable[[str, int], None]) -> None:
         self._decoder = tokenizer.incremental_decoder()
         self._on_text = on_text
         self._pieces: list[str] = []
@@ -284,7 +298,7 @@ class _TextOut:
     def _emit(self, piece: str) -> None:
         if piece:
             self._pieces.append(piece)
-            self._on_text(piece)
+            self._on_text(piece, self.tokens)
 
     def push(self, token: int) -> None:
         if self.tokens == 0:
