@@ -153,7 +153,7 @@ def _observe_node(
         )
     if changed("runtime_ready") and node.runtime_ready is not None:
         boot(
-            "node_runtime_ready",
+            BootstrapPhase.NODE_RUNTIME_READY,
             BootstrapStatus.OBSERVED,
             {"endpoint": node.runtime_ready.endpoint},
         )
