@@ -15,25 +15,25 @@ async def test_text_from_a_thread_arrives_in_order_and_ends_once():
 
     threading.Thread(target=produce).start()
     got = []
-    while (text := await pipe.take(timeout=5)) is not None:
+    while (text := await pipe.take(quiet_s=5)) is not None:
         got.append(text)
     assert "".join(got) == "".join(pieces)
     assert len(got) < len(pieces)  # batched: far fewer wake-ups than tokens
-    assert await pipe.take(timeout=0.1) is None
+    assert await pipe.take(quiet_s=0.1) is None
 
 
 async def test_a_quiet_pipe_returns_empty_text_so_the_caller_can_heartbeat():
     pipe = TextPipe(asyncio.get_running_loop())
-    assert await pipe.take(timeout=0.05) == ""
+    assert await pipe.take(quiet_s=0.05) == ""
     pipe.put("x")
-    assert await pipe.take(timeout=1) == "x"
+    assert await pipe.take(quiet_s=1) == "x"
 
 
 async def test_each_take_counts_the_tokens_of_the_text_taken():
     pipe = TextPipe(asyncio.get_running_loop())
     pipe.put("a", 1)
     pipe.put("bc", 3)  # "bc" completes tokens 2 and 3
-    assert await pipe.take(timeout=1) == "abc" and pipe.tokens_taken == 3
+    assert await pipe.take(quiet_s=1) == "abc" and pipe.tokens_taken == 3
     pipe.put("d", 4)
     pipe.close()
-    assert await pipe.take(timeout=1) == "d" and pipe.tokens_taken == 4
+    assert await pipe.take(quiet_s=1) == "d" and pipe.tokens_taken == 4

@@ -455,13 +455,13 @@ class Hub:
         changed.set()
         return True
 
-    async def wait(self, seen: int, timeout: float) -> bool:
-        """True once there is a frame newer than ``seen``; False after ``timeout``."""
+    async def wait(self, seen: int, within_s: float) -> bool:
+        """True once there is a frame newer than ``seen``; False after ``within_s``."""
         if self.version > seen and self.latest is not None:
             return True
         changed = self._changed
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(changed.wait(), timeout)
+            await asyncio.wait_for(changed.wait(), within_s)
         return self.version > seen and self.latest is not None
 
     async def _poll(self) -> None:

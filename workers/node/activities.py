@@ -83,11 +83,11 @@ class TextPipe:
             self._closed = True
             self._wake()
 
-    async def take(self, timeout: float) -> str | None:
-        """The text since the last take ("" after a quiet ``timeout``); None at the end.
+    async def take(self, quiet_s: float) -> str | None:
+        """The text since the last take ("" after ``quiet_s`` without text); None at the end.
         ``tokens_taken`` then counts the tokens of all the text taken."""
         try:
-            await asyncio.wait_for(self._ready.wait(), timeout)
+            await asyncio.wait_for(self._ready.wait(), quiet_s)
         except TimeoutError:
             return ""
         with self._lock:
@@ -308,7 +308,7 @@ class NodeActivities:
         published_tokens = 0
         async with stream:
             try:
-                while (text := await pipe.take(timeout=1.0)) is not None:
+                while (text := await pipe.take(quiet_s=1.0)) is not None:
                     if text:
                         delta = TextDelta(
                             request_id=request_id,
