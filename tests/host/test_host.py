@@ -481,6 +481,30 @@ def test_help_prints_the_usage_and_exits_0(tmp_path: Path):
         assert "--worker-bin" not in out.stdout and out.stderr == ""
 
 
+def test_a_stop_during_startup_exits_0_with_nothing_left(tmp_path: Path, hosts: list[HostProcess]):
+    # DECISIONS 50. Planning is held (the harness's MVP_FAULT_PLAN_DELAY_S), so the stop
+    # lands in startup whatever the machine's speed.
+    faults = tmp_path / "faults.json"
+    faults.write_text(json.dumps({"1": {"MVP_FAULT_PLAN_DELAY_S": "300"}}))
+    host = HostProcess(tmp_path, env={"MVP_TEST_FAULTS_FILE": str(faults)})
+    hosts.append(host)
+    deadline = time.monotonic() + 120
+    while "RunPlanningStarted" not in (host.archive.read_text() if host.archive.exists() else ""):
+        assert host.proc.poll() is None, host.stderr
+        assert time.monotonic() < deadline, host.stderr
+        host._note_descendants()
+        time.sleep(0.1)
+    host._note_descendants()
+    assert host.proc.stdin is not None
+    host.proc.stdin.write(b"stop\n")
+    host.proc.stdin.flush()
+    records = assert_clean_exit(host, host.finish(120))
+    assert READY_MARK not in host.stderr
+    boot = [r["record"] for r in records if r["record"].get("type") == "OrchBootstrap"]
+    assert not any(b["phase"] == "prompt_rpc" for b in boot), boot
+    assert [b["status"] for b in boot if b["phase"] == "orch_exit"] == ["ready"], boot
+
+
 def test_mvp_chat_in_a_terminal_streams_two_prompts_and_ctrl_d_exits(
     tmp_path: Path, hosts: list[HostProcess]
 ):
