@@ -298,7 +298,6 @@ U32 = Annotated[int, BeforeValidator(_integer(U32_MAX))]
 U64 = Annotated[int, BeforeValidator(_integer(U64_MAX))]
 PositiveU32 = Annotated[int, BeforeValidator(_integer(U32_MAX)), AfterValidator(_positive)]
 PositiveU64 = Annotated[int, BeforeValidator(_integer(U64_MAX)), AfterValidator(_positive)]
-Number = Annotated[float, BeforeValidator(_number)]
 NonNegative = Annotated[float, BeforeValidator(_number), AfterValidator(_not_negative)]
 Fraction = Annotated[float, BeforeValidator(_number), AfterValidator(_fraction)]
 Bool = Annotated[bool, BeforeValidator(_boolean)]
@@ -392,11 +391,6 @@ class ConfigFile(_Frozen):
     docker: DockerTable = DockerTable()
     observability: ObservabilityTable = ObservabilityTable()
     vastai: VastAiTable = VastAiTable()
-
-    def given(self, table: str, key: str) -> bool:
-        """Whether the file sets ``table.key``."""
-        section: BaseModel = getattr(self, table)
-        return key in section.model_fields_set
 
 
 def tables() -> dict[str, tuple[str, ...]]:
