@@ -63,17 +63,19 @@ from mvp_core.models import (
     StopNodeResult,
     VastAiSettings,
 )
+from mvp_core.vastai_env import (
+    API_KEY_ENV,
+    INSTANCE_ID_ENV,
+    SERVER_URL_ENV,
+    SSH_IDENTITY_ENV,
+    VastAiEnvError,
+    VastAiEnvironment,
+)
 from temporal.connect import temporal_address
 
 log = logging.getLogger("mvp.provider.vastai")
 
-API_KEY_ENV = "VASTAI_API_KEY"
-SERVER_URL_ENV = "MVP_VASTAI_SERVER_URL"  # else the SDK's VAST_URL, else Vast.ai itself
-IDENTITY_ENV = "MVP_VASTAI_SSH_IDENTITY"
-TEMPORAL_ADDRESS_ENV = "MVP_VASTAI_TEMPORAL_ADDRESS"  # an address instances reach as is
-DESTROY_DEADLINE_ENV = "MVP_VASTAI_DESTROY_DEADLINE_S"  # how long one stop keeps destroying
-DEFAULT_SERVER_URL = "https://console.vast.ai"
-DEFAULT_IDENTITY = "~/.ssh/id_ed25519"
+IDENTITY_ENV = SSH_IDENTITY_ENV
 
 REMOTE_NODE_DIR = "/var/lib/mvp/node"
 REMOTE_TEMPORAL_PORT = 7233  # the tunnel's end on the instance
@@ -82,7 +84,6 @@ _NOT_RUNNING = ("exited", "unknown", "offline", "stopped", "frozen")
 _STATUS_POLL_S = 5.0  # poll_exited asks the API about an instance at most this often
 _API_ATTEMPTS = 8
 _API_BACKOFF_S = (0.25, 8.0)
-_DESTROY_DEADLINE_S = 90.0
 _MAX_VANISHED = 20  # offers that vanish between search and create, per node start
 _LOCAL_TEMPORAL = ("localhost", "127.0.0.1", "::1", "[::1]", "0.0.0.0")
 
@@ -117,14 +118,21 @@ def only_this_side(host: str) -> bool:
         return False
 
 
+def settings() -> VastAiEnvironment:
+    """This worker's Vast.ai settings (mvp_core/vastai_env.py); ProviderUnavailable when
+    one is unusable."""
+    try:
+        return VastAiEnvironment.from_env(os.environ)
+    except VastAiEnvError as err:
+        raise ProviderUnavailable(str(err)) from None
+
+
 def server_url() -> str:
-    return (
-        os.environ.get(SERVER_URL_ENV) or os.environ.get("VAST_URL") or DEFAULT_SERVER_URL
-    ).rstrip("/")
+    return settings().server_url
 
 
 def identity_path() -> Path:
-    return Path(os.path.expanduser(os.environ.get(IDENTITY_ENV) or DEFAULT_IDENTITY))
+    return settings().ssh_identity.expanduser()
 
 
 def public_key_of(identity: Path) -> str:
@@ -200,8 +208,8 @@ class VastAiProvider:
     def sdk(self) -> Any:
         """The ``vastai`` SDK client; ProviderUnavailable without an API key."""
         if self._sdk is None:
-            key = os.environ.get(API_KEY_ENV, "").strip()
-            if not key:
+            env = settings()
+            if env.api_key is None:
                 raise ProviderUnavailable(
                     f"{API_KEY_ENV} is required when the provider is vastai (set it in the "
                     "orchestrator worker's environment)"
@@ -209,7 +217,12 @@ class VastAiProvider:
             from vastai import VastAI  # the SDK only when a vastai run needs it
 
             # retry=1: this provider retries itself, with backoff and a deadline.
-            self._sdk = VastAI(api_key=key, server_url=server_url(), retry=1, raw=True)
+            self._sdk = VastAI(
+                api_key=env.api_key.get_secret_value(),
+                server_url=env.server_url,
+                retry=1,
+                raw=True,
+            )
         return self._sdk
 
     def _call(self, what: str, fn: Callable[[], T], *, retry: bool = True) -> T:
@@ -296,7 +309,7 @@ class VastAiProvider:
         """DELETE until the API confirms the instance gone; 404 is success. Raises
         VastApiError when it is still there at the deadline."""
         if deadline_s is None:
-            deadline_s = float(os.environ.get(DESTROY_DEADLINE_ENV) or _DESTROY_DEADLINE_S)
+            deadline_s = settings().destroy_deadline_s
         sdk = self.sdk()
         deadline = time.monotonic() + deadline_s
         waits = _backoff()
@@ -690,7 +703,7 @@ class VastAiProvider:
     def _temporal_for(self, record: _Record) -> str:
         """Where the node reaches Temporal: as configured when the instance can reach it,
         else through this host's reverse tunnel (its end on the instance's loopback)."""
-        configured = os.environ.get(TEMPORAL_ADDRESS_ENV)
+        configured = settings().temporal_address
         if configured:
             return configured
         address = temporal_address()
@@ -782,8 +795,8 @@ class VastAiProvider:
             "MVP_DATAPLANE_PORT": str(s.dataplane_port),
             "MVP_ADVERTISE_HOST": str(record.public_ip),
             "MVP_ADVERTISE_PORT": str(mapped),
-            "MVP_VASTAI_SERVER_URL": server_url(),
-            "MVP_VASTAI_INSTANCE_ID": str(record.instance_id),
+            SERVER_URL_ENV: server_url(),
+            INSTANCE_ID_ENV: str(record.instance_id),
             "PYTHONUNBUFFERED": "1",
             "OMP_WAIT_POLICY": "PASSIVE",
             "MVP_BOOTSTRAP_COMMAND": s.bootstrap_command or "",

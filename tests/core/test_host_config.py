@@ -53,6 +53,9 @@ class MemoryFiles:
     def is_file(self, path: Path) -> bool:
         return str(path) in self.files or str(path) in self.unreadable
 
+    def read_head(self, path: Path, size: int) -> bytes:
+        return self.read_text(path).encode()[:size]
+
 
 def resolve(
     toml: str | None = None,
@@ -116,10 +119,11 @@ def test_defaults_without_config_file():
     assert cfg.default_max_tokens == 64
     assert cfg.dashboard is False
     assert cfg.max_context is None
-    assert cfg.model_id is None and cfg.gguf_source is None and cfg.tokenizer_path is None
-    assert cfg.relay.mode is RelayMode.DEFAULT and cfg.relay.url is None
+    assert cfg.gguf_source is None and cfg.tokenizer_path is None
+    # no relay: this implementation has none (DECISIONS "the spec's keys that would do nothing")
+    assert cfg.relay.mode is RelayMode.DISABLED
     assert cfg.vastai is None
-    assert cfg.worker_bin is None and cfg.datastream_frame_log is None
+    assert cfg.datastream_frame_log is None
     assert cfg.hf_token is None
 
 
@@ -194,6 +198,16 @@ def test_unknown_tables_and_keys_are_errors(toml, message):
     assert error_of(toml).startswith(f"parse config {DEFAULT_TOML}: {message}")
 
 
+def test_the_first_problem_in_the_file_is_named_type_problems_first():
+    toml = '[model]\nmax_context = 0\n[runtime]\nrun_id = "x"\nnode_id = "y"\n'
+    assert error_of(toml) == 'invalid runtime.run_id="x": expected an integer'
+    toml = "[model]\nmax_context = 0\n[vastai]\ndisk_gb = 0\n"
+    assert error_of(toml) == "invalid model.max_context=0: must be greater than 0"
+    assert error_of("[runtime]\nrun_id = -1\n[bogus]\n").startswith(
+        "invalid runtime.run_id=-1: expected an integer from 0"
+    )
+
+
 # --------------------------------------------------------------------------- every key
 
 
@@ -216,17 +230,11 @@ VALID_KEYS = [
     ('[image]\nnode = "ghcr.io/acme/node:1"', {}, lambda c: c.image == "ghcr.io/acme/node:1"),
     ('[relay]\nmode = "disabled"', {}, lambda c: c.relay.mode is RelayMode.DISABLED),
     (
-        '[relay]\nmode = "default"\nurl = "https://relay.example.com"',
-        {},
-        lambda c: c.relay.url == "https://relay.example.com",
-    ),
-    (
         '[prompt]\nrpc_addr = "0.0.0.0:0"',
         {},
         lambda c: c.rpc_bind == SocketAddress(host="0.0.0.0", port=0),
     ),
     ('[prompt]\nrpc_addr = "[::1]:19000"', {}, lambda c: str(c.rpc_bind) == "[::1]:19000"),
-    ('[model]\nid = "smollm2-135m"', {}, lambda c: c.model_id == "smollm2-135m"),
     (
         '[model]\ngguf_local_path = "models/m.gguf"',
         _local("/work/run/models/m.gguf"),
@@ -243,9 +251,9 @@ VALID_KEYS = [
         lambda c: c.gguf_source == HubGguf(repo="org/repo", file="m.gguf"),
     ),
     (
-        '[model]\ntokenizer_local_path = "/models/tokenizer.json"',
-        _local("/models/tokenizer.json"),
-        lambda c: c.tokenizer_path == Path("/models/tokenizer.json"),
+        '[model]\ntokenizer_local_path = "/models/tokenizer.gguf"',
+        {"/models/tokenizer.gguf": "GGUF\x03"},
+        lambda c: c.tokenizer_path == Path("/models/tokenizer.gguf"),
     ),
     ("[model]\nmax_context = 512", {}, lambda c: c.max_context == 512),
     ('[docker]\ngpus = "0,1"', {}, lambda c: c.docker_gpus == "0,1"),
@@ -420,7 +428,7 @@ VALID_VASTAI_KEYS = [
     ('bootstrap_command = "boot --now"', lambda v: v.bootstrap_command == "boot --now"),
     ("disk_gb = 80", lambda v: v.disk_gb == 80),
     ('ssh_user = "ubuntu"', lambda v: v.ssh_user == "ubuntu"),
-    ("confirm_lease = true", lambda v: v.confirm_lease is True),
+    ("confirm_lease = false", lambda v: v.api_key.get_secret_value() == SECRET),
     ('onstart = "echo preparing"', lambda v: v.onstart == "echo preparing"),
     ('ssh_identity = "~/.ssh/vast"', lambda v: v.ssh_identity == Path(f"{HOME}/.ssh/vast")),
     ('ssh_identity = "keys/vast"', lambda v: v.ssh_identity == Path("/work/run/keys/vast")),
@@ -451,7 +459,6 @@ def test_vastai_defaults():
     assert v is not None
     assert v.api_key.get_secret_value() == SECRET
     assert v.ssh_identity == Path(IDENTITY)
-    assert v.confirm_lease is False
     assert (v.disk_gb, v.ssh_user, v.onstart, v.gpu_name, v.min_gpu_ram_mb) == (None,) * 5
     assert (v.min_down_mbps, v.min_up_mbps, v.min_reliability) == (None,) * 3
     assert (v.require_verified, v.poll_interval_secs) == (None, None)
@@ -612,11 +619,110 @@ def test_secrets_never_show():
     assert SECRET not in shown and "hf_secret_token" not in shown
 
 
+# --------------------------------------------------------------------------- keys that would do nothing
+
+NO_RELAY = (
+    "this implementation has no relay: nodes reach each other directly (the data plane's "
+    "TCP) and the run through Temporal"
+)
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        # Defect 12: these spec keys were accepted, kept in HostConfig and used by nothing.
+        (
+            '[model]\nid = "smollm2-135m"',
+            "model.id is not supported: a run names its model by its source "
+            "(model.gguf_local_path, or model.gguf_repo with model.gguf_file; neither: the "
+            f"bundled {DEFAULT_BUNDLED_MODEL}); leave it out",
+        ),
+        (
+            '[relay]\nmode = "default"',
+            f'relay.mode "default" is not supported: {NO_RELAY}; set relay.mode = "disabled" '
+            "or leave [relay] out",
+        ),
+        (
+            '[relay]\nurl = "https://relay.example.com"',
+            f"relay.url is not supported: {NO_RELAY}; leave it out",
+        ),
+        (
+            '[relay]\nmode = "default"\nurl = "https://relay.example.com"',
+            f"relay.url is not supported: {NO_RELAY}; leave it out",
+        ),
+        (
+            "[vastai]\nconfirm_lease = true",
+            "vastai.confirm_lease = true is not supported: a Vast.ai run rents its instances "
+            "without asking (the run's provisioning budget bounds it); leave it out or set "
+            "false",
+        ),
+    ],
+)
+def test_spec_keys_that_would_do_nothing_are_refused(toml, message):
+    assert error_of(toml + "\n") == message
+
+
+def test_confirm_lease_is_refused_for_a_vastai_run_too():
+    assert vast_error("confirm_lease = true\n").startswith("vastai.confirm_lease = true is not")
+
+
+def test_what_the_implementation_does_is_accepted():
+    cfg = resolve('[relay]\nmode = "disabled"\n[vastai]\nconfirm_lease = false\n')
+    assert cfg.relay.mode is RelayMode.DISABLED
+
+
+# --------------------------------------------------------------------------- tokenizer file
+
+
+@pytest.mark.parametrize("provider", ["process", "docker"])
+@pytest.mark.parametrize("content", ["", "{}", '{"model": {"type": "BPE"}}', "GGU"])
+def test_a_tokenizer_that_is_not_a_gguf_fails_at_configuration(provider, content):
+    # Defect 12: a tokenizer.json was accepted here and failed at stage provisioning.
+    toml = f'[provider]\nkind = "{provider}"\n[model]\ntokenizer_local_path = "tok.json"\n'
+    assert error_of(toml, files={"/work/run/tok.json": content}) == (
+        "model.tokenizer_local_path is not a GGUF file: /work/run/tok.json (a node reads the "
+        "tokenizer from a GGUF's metadata; name a .gguf file, or leave the key out to use "
+        "the model's own)"
+    )
+
+
+def test_an_unreadable_tokenizer_fails_at_configuration():
+    toml = '[model]\ntokenizer_local_path = "/t/tok.gguf"\n'
+    files = MemoryFiles({str(DEFAULT_TOML): toml}, unreadable=("/t/tok.gguf",))
+    with pytest.raises(ConfigError) as info:
+        resolve_config([], {}, CWD, files)
+    assert str(info.value) == (
+        "read model.tokenizer_local_path /t/tok.gguf: [Errno 13] Permission denied: '/t/tok.gguf'"
+    )
+
+
+# --------------------------------------------------------------------------- Vast.ai environment
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-3", "nan"])
+def test_a_bad_vastai_destroy_deadline_fails_at_configuration(value):
+    assert vast_error(env={"MVP_VASTAI_DESTROY_DEADLINE_S": value}) == (
+        f"invalid MVP_VASTAI_DESTROY_DEADLINE_S={value!r}: expected seconds, a number "
+        "greater than 0"
+    )
+
+
+def test_vastai_operational_variables_are_accepted():
+    cfg = vast(
+        env={
+            "MVP_VASTAI_DESTROY_DEADLINE_S": "30",
+            "MVP_VASTAI_SERVER_URL": "http://127.0.0.1:9/",
+            "MVP_VASTAI_TEMPORAL_ADDRESS": "temporal.example.com:7233",
+        }
+    )
+    assert cfg.vastai is not None
+
+
 # --------------------------------------------------------------------------- arguments
 
 
 def test_every_argument_is_accepted_in_both_forms():
-    files = {"/work/run/bin/node": "x", "/work/run/h.toml": "", "/work/run/k": "k"}
+    files = {"/work/run/h.toml": "", "/work/run/k": "k"}
     for form in ("space", "equals"):
 
         def arg(name: str, value: str) -> tuple[str, ...]:
@@ -625,14 +731,12 @@ def test_every_argument_is_accepted_in_both_forms():
         argv = (
             *arg("--runtime-config", "h.toml"),
             *arg("--provider", "process"),
-            *arg("--worker-bin", "bin/node"),
             *arg("--pipeline-stages", "4"),
             *arg("--vastai-ssh-identity", "k"),
         )
         cfg = resolve(argv=argv, files=files)
         assert cfg.config_path == Path("/work/run/h.toml")
         assert cfg.provider is ProviderKind.PROCESS
-        assert cfg.worker_bin == Path("/work/run/bin/node")
         assert cfg.pipeline_stages == 4
 
 
@@ -683,14 +787,6 @@ def test_missing_argument_values(name, shape):
             ("--pipeline-stages", "99999999999"),
             'invalid --pipeline-stages="99999999999": number too large to fit in target type',
         ),
-        (
-            ("--worker-bin", "bin/none"),
-            "local process worker binary does not exist: /work/run/bin/none",
-        ),
-        (
-            ("--worker-bin=/opt/none",),
-            "local process worker binary does not exist: /opt/none",
-        ),
     ],
 )
 def test_invalid_argument_values(argv, message):
@@ -706,13 +802,27 @@ def test_a_repeated_argument_keeps_its_last_value():
 
 
 def test_a_value_starting_with_dashes_needs_the_equals_form():
-    cfg = resolve(argv=("--worker-bin=--odd",), files={"/work/run/--odd": "x"})
-    assert cfg.worker_bin == Path("/work/run/--odd")
+    cfg = resolve(argv=("--runtime-config=--odd",), files={"/work/run/--odd": ""})
+    assert cfg.config_path == Path("/work/run/--odd")
 
 
-def test_worker_bin_is_checked_only_for_the_process_provider():
-    cfg = resolve(argv=("--provider", "docker", "--worker-bin", "/opt/none"))
-    assert cfg.worker_bin == Path("/opt/none")
+WORKER_BIN_REFUSED = (
+    "--worker-bin is not supported: a process node runs this installation's node agent "
+    "(python -m workers.node, with the host's Python); leave it out"
+)
+
+
+@pytest.mark.parametrize("provider", ["process", "docker"])
+@pytest.mark.parametrize("form", ["space", "equals"])
+def test_worker_bin_is_refused_not_checked_and_ignored(provider, form):
+    # Defect 9: it was checked against the file system, then ignored (nodes run
+    # python -m workers.node). An existing file is refused as well as a missing one.
+    files = {"/work/run/bin/node": "x"}
+    arg = ("--worker-bin", "bin/node") if form == "space" else ("--worker-bin=bin/node",)
+    assert error_of(argv=("--provider", provider, *arg), files=files) == WORKER_BIN_REFUSED
+    assert error_of(argv=("--provider", provider, "--worker-bin", "/opt/none")) == (
+        WORKER_BIN_REFUSED
+    )
 
 
 def test_arguments_are_checked_before_the_config_file_is_read():
@@ -818,14 +928,14 @@ node_id = 7
 pipeline_stages = 2
 [model]
 gguf_local_path = "m.gguf"
-tokenizer_local_path = "/t/tokenizer.json"
+tokenizer_local_path = "/t/tokenizer.gguf"
 max_context = 256
 """
-    cfg = resolve(toml, files={"/work/run/m.gguf": "x", "/t/tokenizer.json": "x"})
+    cfg = resolve(toml, files={"/work/run/m.gguf": "x", "/t/tokenizer.gguf": "GGUF"})
     request = to_run_request(cfg)
     assert (request.run_id, request.node_id, request.pipeline_stages) == (42, 7, 2)
     assert request.model == ModelSource(path="/work/run/m.gguf")
-    assert request.tokenizer == ModelSource(path="/t/tokenizer.json")
+    assert request.tokenizer == ModelSource(path="/t/tokenizer.gguf")
     assert request.max_context == 256
 
 

@@ -436,6 +436,75 @@ def test_a_configuration_error_starts_nothing(tmp_path: Path):
     assert not (tmp_path / "state").exists()  # no server, no node, not even a directory
 
 
+def test_spec_keys_that_would_do_nothing_stop_the_host_before_anything_starts(tmp_path: Path):
+    # Defects 9 and 12: --worker-bin was checked then ignored; a tokenizer.json passed the
+    # configuration and failed at stage provisioning. Both are configuration errors now,
+    # read from the real file system (the host's PathFiles).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MVP_")}
+    env["MVP_STATE_DIR"] = str(tmp_path / "state")
+    (tmp_path / "node-bin").write_text("#!/bin/sh\n")
+    (tmp_path / "tokenizer.json").write_text('{"model": {"type": "BPE"}}')
+    (tmp_path / "tok.toml").write_text('[model]\ntokenizer_local_path = "tokenizer.json"\n')
+    cases = [
+        (["--worker-bin", "node-bin"], "mvp-orchestrator: --worker-bin is not supported: "),
+        (
+            ["--runtime-config", "tok.toml"],
+            "mvp-orchestrator: model.tokenizer_local_path is not a GGUF file: "
+            f"{tmp_path / 'tokenizer.json'} (",
+        ),
+    ]
+    for argv, start in cases:
+        out = subprocess.run(
+            [sys.executable, "-m", "workers.host.main", *argv],
+            cwd=str(tmp_path),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 1 and out.stderr.strip().startswith(start), out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert not (tmp_path / "state").exists()
+
+
+def test_help_prints_the_usage_and_exits_0(tmp_path: Path):
+    # DECISIONS: -h/--help alone is the one argument beyond the spec's five.
+    for flag in ("-h", "--help"):
+        out = subprocess.run(
+            [sys.executable, "-m", "workers.host.main", flag],
+            cwd=str(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0 and out.stdout.startswith("usage: mvp-orchestrator "), out
+        assert "--worker-bin" not in out.stdout and out.stderr == ""
+
+
+def test_a_stop_during_startup_exits_0_with_nothing_left(tmp_path: Path, hosts: list[HostProcess]):
+    # DECISIONS 50. Planning is held (the harness's MVP_FAULT_PLAN_DELAY_S), so the stop
+    # lands in startup whatever the machine's speed.
+    faults = tmp_path / "faults.json"
+    faults.write_text(json.dumps({"1": {"MVP_FAULT_PLAN_DELAY_S": "300"}}))
+    host = HostProcess(tmp_path, env={"MVP_TEST_FAULTS_FILE": str(faults)})
+    hosts.append(host)
+    deadline = time.monotonic() + 120
+    while "RunPlanningStarted" not in (host.archive.read_text() if host.archive.exists() else ""):
+        assert host.proc.poll() is None, host.stderr
+        assert time.monotonic() < deadline, host.stderr
+        host._note_descendants()
+        time.sleep(0.1)
+    host._note_descendants()
+    assert host.proc.stdin is not None
+    host.proc.stdin.write(b"stop\n")
+    host.proc.stdin.flush()
+    records = assert_clean_exit(host, host.finish(120))
+    assert READY_MARK not in host.stderr
+    boot = [r["record"] for r in records if r["record"].get("type") == "OrchBootstrap"]
+    assert not any(b["phase"] == "prompt_rpc" for b in boot), boot
+    assert [b["status"] for b in boot if b["phase"] == "orch_exit"] == ["ready"], boot
+
+
 def test_mvp_chat_in_a_terminal_streams_two_prompts_and_ctrl_d_exits(
     tmp_path: Path, hosts: list[HostProcess]
 ):

@@ -106,6 +106,10 @@ class PathFiles:
     def is_file(self, path: Path) -> bool:
         return path.is_file()
 
+    def read_head(self, path: Path, size: int) -> bytes:
+        with path.open("rb") as f:
+            return f.read(size)
+
 
 def host_dir() -> Path:
     """The host's own files: dev-server database, logs, lock, datastream socket."""
@@ -665,7 +669,7 @@ def _settle(done: asyncio.Future[None], err: BaseException | None) -> None:
 
 
 USAGE = f"""usage: {PROG} [--runtime-config PATH] [--provider process|docker|vastai]
-                        [--worker-bin PATH] [--pipeline-stages N] [--vastai-ssh-identity PATH]
+                        [--pipeline-stages N] [--vastai-ssh-identity PATH]
 
 Start a run of a GGUF model on worker nodes, serve prompts on the prompt RPC (default
 127.0.0.1:19777) once it is prompt-ready, and stop on stop/shutdown/quit on stdin,

@@ -19,10 +19,12 @@ import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
+# The names the Vast.ai provider sets in a rented node's environment. Read as given, not
+# through VastAiEnvironment: with no server URL of its own a node is not a rented one.
+from mvp_core.vastai_env import INSTANCE_ID_ENV, SERVER_URL_ENV
+
 log = logging.getLogger("mvp.node")
 
-SERVER_URL_ENV = "MVP_VASTAI_SERVER_URL"
-INSTANCE_ID_ENV = "MVP_VASTAI_INSTANCE_ID"
 DISABLED_ENV = "MVP_FAULT_NO_SELF_DESTROY"  # test harness only (the reaper's own test)
 
 
