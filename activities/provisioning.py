@@ -9,7 +9,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.heartbeat import in_thread
-from activities.providers.base import NodeStartFailed, Provider, ProviderUnavailable
+from activities.providers.base import NodeStartFailed, Provider, ProviderUnavailable, node_text
 from activities.providers.process import ProcessProvider
 from mvp_core import names
 from mvp_core.errors import ErrorType
@@ -90,7 +90,10 @@ class ProviderActivities:
         try:
             return await in_thread(provider.start, spec)
         except (NodeStartFailed, ProviderUnavailable) as err:
-            raise ApplicationError(str(err), type=type(err).__name__, non_retryable=True) from None
+            # A start's error may quote a node's host (an SSH error, a bootstrap's output).
+            raise ApplicationError(
+                node_text(str(err)), type=type(err).__name__, non_retryable=True
+            ) from None
 
     @activity.defn(name=names.ACT_STOP_NODE)
     async def stop_node(self, inp: StopNodeInput) -> StopNodeResult:
@@ -107,6 +110,7 @@ class ProviderActivities:
             for kind, handles in by_kind.items():
                 exited = await asyncio.to_thread(self._provider(kind).poll_exited, handles)
                 if exited is not None:
-                    return exited
+                    # What a node left behind goes into the run's history: redacted.
+                    return exited.model_copy(update={"detail": node_text(exited.detail)})
             activity.heartbeat()
             await asyncio.sleep(WATCH_INTERVAL_S)

@@ -42,6 +42,21 @@ class ReaperActivities:
 
     def __init__(self, providers: ProviderActivities) -> None:
         self.providers = providers
+        # Why each provider is not swept here, as last logged: a host without a Docker
+        # daemon or a Vast.ai key says so once per worker (and again when the reason
+        # changes, or after the provider was back), not on every sweep.
+        self.unavailable: dict[ProviderKind, str] = {}
+
+    def _note_unavailable(self, kind: ProviderKind, why: str) -> None:
+        if self.unavailable.get(kind) == why:
+            activity.logger.debug("reaper: %s still not swept here: %s", kind.value, why)
+            return
+        self.unavailable[kind] = why
+        activity.logger.info(
+            "reaper: provider %s is not swept on this host (%s); said once per worker",
+            kind.value,
+            why,
+        )
 
     def _kinds(self) -> list[ProviderKind]:
         return sorted({*self.providers.providers, *self.providers.factories})
@@ -56,8 +71,10 @@ class ReaperActivities:
                 provider = self.providers.provider(kind)
                 await in_thread(provider.check, None)
             except Exception as err:  # ProviderUnavailable, or a provider that cannot load
+                self._note_unavailable(kind, _clip(str(err)))
                 listing.unavailable.append(_clip(f"{kind.value}: {err}"))
                 continue
+            self.unavailable.pop(kind, None)
             try:
                 found = await in_thread(provider.list_resources)
             except Exception as err:

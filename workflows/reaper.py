@@ -107,7 +107,9 @@ class ReaperWorkflow:
         for e in report.errors:
             log.warning("reaper %s: provider could not list: %s", report.host, e)
         for u in report.unavailable:
-            log.info("reaper %s: provider not swept (unavailable here): %s", report.host, u)
+            # The provider's host logs this once (activities/reaper.py); every sweep of an
+            # unconfigured provider would repeat it.
+            log.debug("reaper %s: provider not swept (unavailable here): %s", report.host, u)
         log.info(
             "reaper %s: %d listed, %d destroyed, %d kept, %d failed",
             report.host,

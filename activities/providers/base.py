@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
 
+from mvp_core.datastream import Redactor
 from mvp_core.models import (
     NodeExited,
     NodeHandle,
@@ -23,11 +24,14 @@ from mvp_core.models import (
 from temporal import telemetry
 from temporal.connect import TemporalSettings
 
-# Secrets a provider passes from its own environment into node environments. They never
+# Secrets a provider passes from its own environment into node environments: only those a
+# node uses. A node encrypts its payloads (MVP_PAYLOAD_KEY) and never downloads from the
+# hub (process spec 2.2: the provider's host fetches models), so HF_TOKEN stays with the
+# orchestrator worker, as do the provider's own credentials (VASTAI_API_KEY). They never
 # travel in workflow or activity payloads (docs/architecture.md "Secrets"). The Temporal
 # API key (and TLS client key data, gRPC metadata) travels the same way, with the rest of
 # the connection settings: temporal_env below.
-SECRET_ENV_PASSTHROUGH = ("HF_TOKEN", "MVP_PAYLOAD_KEY")
+SECRET_ENV_PASSTHROUGH = ("MVP_PAYLOAD_KEY",)
 
 # The edge token (docs/decisions.md 32): derived on the provider's host from a secret that
 # never enters Temporal, and handed to the node in its environment only.
@@ -41,6 +45,9 @@ EDGE_TOKEN_ENV = "MVP_EDGE_TOKEN"
 TEST_FAULTS_FILE_ENV = "MVP_TEST_FAULTS_FILE"
 TEST_FAULTS_ALLOWED_ENV = "MVP_TEST_FAULTS_ALLOWED"
 FAULT_PREFIX = "MVP_FAULT_"
+
+LOG_LINE_MAX = 200  # characters of a node's last log line in a fault text
+_TAIL_BYTES = 8192  # how much of a node's log is read to find its last line
 
 
 class ProviderUnavailable(RuntimeError):
@@ -221,3 +228,46 @@ def node_environment(
         }
     )
     return env
+
+
+def node_text(text: str) -> str:
+    """``text`` from a node (its log, its reports) fit to leave this host: every secret of
+    this worker's environment (the node's own payload key, the Temporal API key, the
+    edge secret its token derives from, HF_TOKEN, provider keys) and whatever looks like
+    a secret (``hf_...``, ``Bearer ...``, ``NAME_TOKEN=...``) replaced with ``[redacted]``.
+    Fault texts go into workflow history, where secrets never go."""
+    return Redactor.from_env(os.environ).redact_text(text)
+
+
+def last_log_line(output: str, *, partial: bool = False) -> str:
+    """The ``; last log line: ...`` part of a fault text: the last non-empty line of a
+    node's output, redacted (:func:`node_text`), then cut to ``LOG_LINE_MAX`` characters;
+    "" when there is none. ``partial``: ``output`` starts inside a line (a tail read from
+    the middle of a log), whose first, cut line is dropped, or, if it is the only one,
+    its first word (which may be the cut end of a secret)."""
+    lines = output.splitlines()
+    if partial and lines:
+        if len(lines) > 1:
+            lines = lines[1:]
+        else:
+            cut = lines[0].split(None, 1)
+            lines = ["..." + cut[1]] if len(cut) > 1 else []
+    lines = [line for line in lines if line.strip()]
+    if not lines:
+        return ""
+    return f"; last log line: {node_text(lines[-1].strip())[:LOG_LINE_MAX]}"
+
+
+def log_file_tail(path: str | None) -> str:
+    """:func:`last_log_line` of a node's log file ("" without one)."""
+    if path is None:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            start = max(f.tell() - _TAIL_BYTES, 0)
+            f.seek(start)
+            raw = f.read()
+    except OSError:
+        return ""
+    return last_log_line(raw.decode(errors="replace"), partial=start > 0)

@@ -45,6 +45,7 @@ from activities.providers.base import (
     ProviderUnavailable,
     deployment_id,
     harness_crash,
+    last_log_line,
     node_environment,
     state_dir,
 )
@@ -459,10 +460,9 @@ class DockerProvider:
     @staticmethod
     def _tail(container: Container) -> str:
         try:
-            lines = container.logs(tail=3).decode(errors="replace").strip().splitlines()
+            return last_log_line(container.logs(tail=3).decode(errors="replace"))
         except _DOCKER_ERRORS:
             return ""
-        return f"; last log line: {lines[-1][:200]}" if lines else ""
 
     # ------------------------------------------------------------------ the reaper's sweep
     def list_resources(self) -> list[ProviderResource]:

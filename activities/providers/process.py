@@ -27,6 +27,7 @@ from activities.providers.base import (
     ProviderUnavailable,
     harness_crash,
     harness_faults,
+    log_file_tail,
     node_environment,
     state_dir,
 )
@@ -293,21 +294,9 @@ class ProcessProvider:
                 return NodeExited(
                     run_id=handle.run_id,
                     node_id=handle.node_id,
-                    detail=f"process {handle.pid} is gone{self._tail(handle)}",
+                    detail=f"process {handle.pid} is gone{log_file_tail(handle.log_path)}",
                 )
         return None
-
-    def _tail(self, handle: NodeHandle) -> str:
-        if handle.log_path is None:
-            return ""
-        try:
-            with open(handle.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(f.tell() - 400, 0))
-                lines = f.read().decode(errors="replace").strip().splitlines()
-        except OSError:
-            return ""
-        return f"; last log line: {lines[-1][:200]}" if lines else ""
 
     # ------------------------------------------------------------------ the reaper's sweep
 

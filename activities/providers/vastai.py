@@ -9,9 +9,17 @@ is built around never losing one:
   and the record therefore never rents twice. The instance id is written to the node's
   state file (fsync, rename) before anything else happens to it.
 - **Always destroy, never stop** (a stopped instance keeps billing its disk). "No such
-  instance" and 404 are success; 429 and 5xx are retried with backoff (Vast.ai sends no
-  Retry-After); a destroy that keeps failing is returned as a stop error, and the reaper
-  destroys the instance on its next sweep because the API still lists it.
+  instance" and 404 are success; 5xx are retried with backoff; a destroy that keeps
+  failing is returned as a stop error, and the reaper destroys the instance on its next
+  sweep because the API still lists it.
+- **A rate limit is a wait, not a failure.** Vast.ai answers a request over its rate
+  limit with HTTP 429 and ``Retry-After`` (seconds until its token bucket refills). Every
+  call waits that long (else backs off) and asks again, the same call on the same offer:
+  a 429 says the request was not served, so even a create is safe to repeat. The waits
+  stay within the budget of what the call is part of (the activity's start-to-close
+  timeout, less a margin; a destroy's own deadline): past it, the call fails with
+  :class:`VastRateLimited`, which names the rate limit. The daily search quota (a 429
+  ``search_quota_exceeded``, reset at UTC midnight) is not waited out.
 - **No silent "nothing there".** The instance list is read from the paged v1 endpoint
   and a page without its ``instances`` key is an error, never an empty account.
 - **A create error that carries a contract id** destroys that instance.
@@ -28,6 +36,7 @@ never on a command line.
 from __future__ import annotations
 
 import contextlib
+import email.utils
 import ipaddress
 import json
 import logging
@@ -46,6 +55,7 @@ from typing import Any, TypeVar
 import psutil
 import requests
 
+from activities.heartbeat import activity_deadline
 from activities.providers.base import (
     NodeStartFailed,
     ProviderUnavailable,
@@ -82,8 +92,14 @@ REMOTE_TEMPORAL_PORT = 7233  # the tunnel's end on the instance
 _LABEL = re.compile(r"mvp-([0-9]{1,20})-([0-9]{1,20})-([0-9a-f]{8})")
 _NOT_RUNNING = ("exited", "unknown", "offline", "stopped", "frozen")
 _STATUS_POLL_S = 5.0  # poll_exited asks the API about an instance at most this often
+_POLL_RATE_LIMIT_S = 30.0  # how long one such ask waits out rate limits
 _API_ATTEMPTS = 8
 _API_BACKOFF_S = (0.25, 8.0)
+# Rate limits (HTTP 429): one call waits them out for at most this long, and never past
+# the end of the activity it runs in less _BUDGET_MARGIN_S (time to report the failure).
+_RATE_LIMIT_CALL_S = 300.0
+_BUDGET_MARGIN_S = 10.0
+_RETRY_AFTER_MAX_S = 120.0  # a longer Retry-After is waited this long, then asked again
 _MAX_VANISHED = 20  # offers that vanish between search and create, per node start
 _LOCAL_TEMPORAL = ("localhost", "127.0.0.1", "::1", "[::1]", "0.0.0.0")
 
@@ -98,6 +114,20 @@ class VastApiError(RuntimeError):
         self.body = body or {}
         why = self.body.get("msg") or self.body.get("error") or ""
         super().__init__(f"{what}: HTTP {status}{f' ({why})' if why else ''}"[:400])
+
+
+class VastRateLimited(VastApiError):
+    """The API kept answering HTTP 429 until the call's budget ran out."""
+
+    def __init__(self, what: str, tries: int, waited_s: float, retry_after: str | None) -> None:
+        self.tries, self.waited_s = tries, waited_s
+        told = f"Retry-After {retry_after}" if retry_after is not None else "no Retry-After"
+        super().__init__(what, 429, None)
+        self.args = (
+            f"{what}: Vast.ai rate limit: HTTP 429 to {tries} tries over {waited_s:.1f} s "
+            f"({told}), and the budget of this step ends before the next; try again later "
+            "or with fewer nodes starting at once",
+        )
 
 
 def only_this_side(host: str) -> bool:
@@ -185,6 +215,35 @@ def _status(err: requests.HTTPError) -> int:
     return err.response.status_code if err.response is not None else 0
 
 
+def retry_after_s(value: str | None) -> float | None:
+    """Seconds a ``Retry-After`` header asks for: delay-seconds or an HTTP date (RFC 9110
+    10.2.3); None when absent or unreadable. Never negative, at most _RETRY_AFTER_MAX_S."""
+    if value is None or not value.strip():
+        return None
+    try:
+        wait = float(value.strip())
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value.strip())
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:
+            return None
+        wait = when.timestamp() - time.time()
+    if wait != wait:  # NaN
+        return None
+    return min(max(wait, 0.0), _RETRY_AFTER_MAX_S)
+
+
+def _budget_end(deadline: float | None) -> float:
+    """Until when (``time.monotonic()``) one call may wait out rate limits."""
+    end = time.monotonic() + _RATE_LIMIT_CALL_S
+    activity_end = activity_deadline()
+    if activity_end is not None:
+        end = min(end, activity_end - _BUDGET_MARGIN_S)
+    return end if deadline is None else min(end, deadline)
+
+
 @dataclass
 class _Record:
     """A node's instance, as this host recorded it (state file ``instance.json``)."""
@@ -225,25 +284,63 @@ class VastAiProvider:
             )
         return self._sdk
 
-    def _call(self, what: str, fn: Callable[[], T], *, retry: bool = True) -> T:
-        """``fn()`` with 429, 5xx and transport errors retried with backoff."""
+    def _call(
+        self,
+        what: str,
+        fn: Callable[[], T],
+        *,
+        retry: bool = True,
+        deadline: float | None = None,
+    ) -> T:
+        """``fn()`` with 5xx and transport errors retried with backoff (``retry``: a
+        create's 5xx may have rented, so it is never repeated blindly). A 429 is always
+        asked again, after its ``Retry-After`` (else the backoff), until the budget ends
+        (:func:`_budget_end`; ``deadline``, a ``time.monotonic()``, may end it sooner):
+        then VastRateLimited."""
         waits = _backoff()
-        for attempt in range(_API_ATTEMPTS):
+        failures = 0  # 5xx and transport errors; 429s do not count
+        limited = 0
+        first_limited = 0.0
+        end: float | None = None
+        while True:
             try:
                 return fn()
             except requests.HTTPError as err:
                 status = _status(err)
-                if (
-                    not retry
-                    or not (status == 429 or status >= 500)
-                    or attempt == _API_ATTEMPTS - 1
-                ):
+                if status == 429:
+                    body = _body(err)
+                    if body.get("error") == "search_quota_exceeded":
+                        raise VastApiError(
+                            f"{what}: the account's daily search quota is spent (it resets "
+                            "at 00:00 UTC)",
+                            429,
+                            body,
+                        ) from None
+                    header = (
+                        err.response.headers.get("Retry-After")
+                        if err.response is not None
+                        else None
+                    )
+                    told = retry_after_s(header)
+                    wait = told if told is not None else next(waits)
+                    now = time.monotonic()
+                    if not limited:
+                        first_limited, end = now, _budget_end(deadline)
+                    limited += 1
+                    assert end is not None
+                    if now + wait > end:
+                        raise VastRateLimited(what, limited, now - first_limited, header) from None
+                    log.info("%s: rate limited (HTTP 429); asking again in %.1f s", what, wait)
+                    time.sleep(wait)
+                    continue
+                failures += 1
+                if not retry or status < 500 or failures >= _API_ATTEMPTS:
                     raise VastApiError(what, status, _body(err)) from None
             except (requests.ConnectionError, requests.Timeout) as err:
-                if not retry or attempt == _API_ATTEMPTS - 1:
+                failures += 1
+                if not retry or failures >= _API_ATTEMPTS:
                     raise VastApiError(f"{what}: {type(err).__name__}", 0, None) from None
             time.sleep(next(waits))
-        raise AssertionError("unreachable")
 
     def check(self, spec_gpus: str | None) -> None:
         """An API key, and an account that answers with it."""
@@ -299,9 +396,11 @@ class VastAiProvider:
             params["after_token"] = token
         raise VastApiError("list instances: more than 10000 pages", 200, None)
 
-    def _show(self, instance_id: int) -> dict[str, Any] | None:
+    def _show(self, instance_id: int, deadline: float | None = None) -> dict[str, Any] | None:
         row = self._call(
-            f"show instance {instance_id}", lambda: self.sdk().show_instance(instance_id)
+            f"show instance {instance_id}",
+            lambda: self.sdk().show_instance(instance_id),
+            deadline=deadline,
         )
         return row if isinstance(row, dict) else None
 
@@ -321,12 +420,13 @@ class VastAiProvider:
                     f"destroy instance {instance_id}",
                     lambda: sdk.destroy_instance(instance_id),
                     retry=False,
+                    deadline=deadline,
                 )
             except VastApiError as err:
                 if err.status != 404:
                     last = err
             try:
-                if self._show(instance_id) is None:
+                if self._show(instance_id, deadline) is None:
                     log.info("instance %s destroyed", instance_id)
                     return
             except VastApiError as err:
@@ -366,6 +466,16 @@ class VastAiProvider:
 
     # ------------------------------------------------------------------ start
     def start(self, spec: NodeProvisionSpec) -> NodeHandle:
+        try:
+            return self._start(spec)
+        except VastApiError as err:
+            if err.status != 429:
+                raise
+            # A 429 that leaves _call is past the start's budget (or the daily search
+            # quota): another attempt would only meet the same limit.
+            raise NodeStartFailed(f"vastai node {spec.node_id}: {err}") from None
+
+    def _start(self, spec: NodeProvisionSpec) -> NodeHandle:
         settings = spec.vastai
         if settings is None:
             raise NodeStartFailed("a vastai node needs the run's vastai settings")
@@ -525,6 +635,8 @@ class VastAiProvider:
                     retry=False,  # a 5xx may have rented it: never create blindly again
                 )
             except VastApiError as err:
+                if err.status == 429:
+                    raise  # not the offer's fault: the whole start is out of time
                 contract = err.body.get("new_contract")
                 if isinstance(contract, int) and contract > 0:
                     # It failed, yet an instance exists: record it, then destroy it.
@@ -544,7 +656,7 @@ class VastAiProvider:
                             f"they could be rented; last: {err}"
                         ) from None
                     continue
-                elif err.status == 429 or err.status >= 500:
+                elif err.status >= 500:
                     # No contract in the answer: whether it rented is unknown; ask by label.
                     adopted = self._adopt(spec, label)
                     if adopted is not None:
@@ -892,7 +1004,7 @@ class VastAiProvider:
                 continue
             self._last_poll[iid] = now
             try:
-                row = self._show(iid)
+                row = self._show(iid, now + _POLL_RATE_LIMIT_S)
             except (VastApiError, ProviderUnavailable):
                 continue  # the API blinked: not evidence that an instance is gone
             if row is None:

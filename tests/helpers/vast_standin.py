@@ -38,9 +38,11 @@ container has started. Destroying with the account key removes the container bef
 answer; with the instance's own key (a self-destroy from inside) the answer goes first.
 
 The ledger (``ledger()``, ``left_behind()``, ``billed_seconds()``, ``creates_per_label()``,
-``requests``) is the tests' oracle. ``close()`` removes every container and the network the
+``requests``, ``timeline``) is the tests' oracle. ``close()`` removes every container and the network the
 stand-in made (found by the ``vast-standin=<id>`` label) but leaves the ledger as it was,
-so a check after close still sees what a client left behind. ``switches`` inject faults.
+so a check after close still sees what a client left behind. ``switches`` inject faults;
+``switches.rate_limits`` answers chosen requests HTTP 429 with ``Retry-After``, as the API
+does when a client goes over its rate limit (``rate_limit_burst`` does so without one).
 """
 
 from __future__ import annotations
@@ -109,10 +111,25 @@ _ports_lock = threading.Lock()
 
 
 @dataclass
+class RateLimit:
+    """The next ``times`` requests whose method is ``method`` (None: any) and whose path
+    matches ``path`` (a regular expression, searched) answer HTTP 429 ``rate_limited``
+    with ``Retry-After: <retry_after>`` (None: no header), before any other check, as
+    Vast.ai's rate limiter answers before it serves anything."""
+
+    times: int
+    retry_after: str | None = "2"
+    method: str | None = None
+    path: str = ""
+    answered: int = 0  # how many 429s this rule gave
+
+
+@dataclass
 class Switches:
     """Fault injection: each counter makes the next N matching calls misbehave."""
 
     rate_limit_burst: int = 0  # any request: 429 rate_limited, no Retry-After
+    rate_limits: list[RateLimit] = field(default_factory=list)  # 429 with Retry-After
     vanish_offers: int = 0  # create: 400 no_such_ask, the offer gone for good
     stuck_loading: int = 0  # created instances: "loading" forever, sshd never starts
     exit_on_start: int = 0  # created instances: None -> loading -> exited
@@ -159,10 +176,11 @@ class InstanceRecord:
 
 
 class _Reply(Exception):
-    def __init__(self, status: int, body: Any) -> None:
+    def __init__(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
         super().__init__(status)
         self.status = status
         self.body = body
+        self.headers = headers or {}
 
 
 def _error(status: int, error: str, msg: str, **extra: Any) -> _Reply:
@@ -470,16 +488,18 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length) if length > 0 else b""
-            status, body, after = self.server.standin._dispatch(
+            status, body, after, headers = self.server.standin._dispatch(
                 self.command, self.path, self.headers.get("Authorization"), raw
             )
         except Exception as err:  # never let a request take the server down
-            status = 500
+            status, headers = 500, {}
             body = {"success": False, "error": "internal_error", "msg": f"stand-in: {err!r}"}
         self.server.standin._log_request(self.command, path, status)
         data = json.dumps(body).encode()
         try:
             self.send_response(status)
+            for name, value in headers.items():
+                self.send_header(name, value)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -520,6 +540,8 @@ class VastStandin:
         self.poll_s = poll_s
         self.switches = Switches()
         self.requests: list[tuple[str, str, int]] = []
+        # Every request as (time.monotonic() when answered, method, path, status).
+        self.timeline: list[tuple[float, str, str, int]] = []
         self._lock = threading.RLock()
         self._instances: dict[int, _Instance] = {}
         self._keys: list[dict[str, Any]] = []
@@ -681,6 +703,22 @@ class VastStandin:
     def _log_request(self, method: str, path: str, status: int) -> None:
         with self._lock:
             self.requests.append((method, path, status))
+            self.timeline.append((time.monotonic(), method, path, status))
+
+    def _rate_limited(self, method: str, path: str) -> _Reply | None:
+        with self._lock:
+            for rule in self.switches.rate_limits:
+                if rule.times <= 0 or (rule.method is not None and rule.method != method):
+                    continue
+                if not re.search(rule.path, path):
+                    continue
+                rule.times -= 1
+                rule.answered += 1
+                reply = _error(429, "rate_limited", "API requests too frequent: slow down")
+                if rule.retry_after is not None:
+                    reply.headers["Retry-After"] = rule.retry_after
+                return reply
+        return None
 
     def _ensure_image(self) -> str:
         mounts = _host_mounts()
@@ -697,11 +735,14 @@ class VastStandin:
     # ------------------------------------------------------------------ dispatch
     def _dispatch(
         self, method: str, target: str, auth: str | None, raw: bytes
-    ) -> tuple[int, Any, Callable[[], None] | None]:
+    ) -> tuple[int, Any, Callable[[], None] | None, dict[str, str]]:
         try:
-            return self._route(method, target, auth, raw)
+            limited = self._rate_limited(method, urlsplit(target).path)
+            if limited is not None:
+                raise limited
+            return (*self._route(method, target, auth, raw), {})
         except _Reply as reply:
-            return reply.status, reply.body, None
+            return reply.status, reply.body, None, reply.headers
 
     def _route(
         self, method: str, target: str, auth: str | None, raw: bytes

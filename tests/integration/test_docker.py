@@ -34,6 +34,7 @@ from temporal.devserver import start_dev_server
 from tests.helpers.dockerd import Dockerd
 from tests.integration.conftest import (
     REPO,
+    SECRET,
     OrchestratorProcess,
     Runs,
     harness_env,
@@ -136,6 +137,10 @@ async def test_docker_pipeline_gives_the_process_text_over_container_addresses(
 
     containers = {c.labels["mvp.node-id"]: c for c in run_containers(dclient, run_id)}  # type: ignore[attr-defined]
     assert len(containers) == stages and len(run_networks(dclient, run_id)) == 1
+    # The worker holds HF_TOKEN (the harness gives it one); a container never gets it.
+    envs = [c.attrs["Config"]["Env"] for c in containers.values()]  # type: ignore[attr-defined]
+    assert not [e for env in envs for e in env if e.startswith("HF_TOKEN=") or SECRET in e]
+    assert all(any(e.startswith("MVP_EDGE_TOKEN=") for e in env) for env in envs)
     net = run_networks(dclient, run_id)[0]
     by_stage = sorted(state.nodes, key=lambda n: n.stage_index)
     endpoints = []

@@ -262,3 +262,23 @@ async def test_workers_make_one_schedule_and_bring_its_interval_in_line(client: 
         assert "exists" in await ensure_reaper_schedule(client, host, 300)
     finally:
         await handle.delete()
+
+
+async def test_a_provider_this_host_cannot_use_is_logged_once_per_worker(
+    client: Client, orchestrator: OrchestratorProcess
+) -> None:
+    """Issue 21, item 18: the harness's worker has no Vast.ai key. Every sweep still
+    reports the provider as not swept (in its result), but the worker's log says so once,
+    not once per sweep (every minute, by default)."""
+    schedule_id = names.reaper_schedule_id(provider_host())
+    for _ in range(3):
+        report = await sweep(client, schedule_id)
+        assert [u for u in report.unavailable if u.startswith("vastai: VASTAI_API_KEY")], report
+    log = orchestrator.log_dir / f"orchestrator-{orchestrator.starts}.log"
+    said = [
+        line
+        for line in log.read_text(errors="replace").splitlines()
+        if "not swept" in line and "vastai" in line
+    ]
+    assert len(said) == 1, said
+    assert "provider vastai is not swept on this host (VASTAI_API_KEY is required" in said[0]

@@ -20,7 +20,7 @@ import requests
 from vastai import VastAI
 
 from tests.helpers.dockerd import Dockerd
-from tests.helpers.vast_standin import Switches, VastStandin, matches, vast_standin
+from tests.helpers.vast_standin import RateLimit, Switches, VastStandin, matches, vast_standin
 
 API_KEY = "vast-test-account-0b7e4d2a9c"
 REPO = Path(__file__).resolve().parents[2]
@@ -322,6 +322,26 @@ def test_rate_limit_burst_answers_429_without_retry_after(vast: VastAI, standin:
     assert vast.show_ssh_keys()  # the SDK's own retries (3 tries, backoff) get through
     assert [s for m, p, s in standin.requests[-3:]] == [429, 429, 200]
     assert standin.switches.rate_limit_burst == 0
+
+
+def test_rate_limits_answer_429_with_retry_after_on_the_chosen_calls(
+    vast: VastAI, standin: VastStandin
+):
+    rule = RateLimit(times=1, retry_after="2", method="GET", path=r"^/api/v0/ssh/?$")
+    standin.switches.rate_limits = [rule]
+    once = VastAI(api_key=API_KEY, server_url=standin.url, retry=1)
+    assert once.search_offers(query=dict(QUERY), no_default=True)  # another call: served
+    limited = http_error(once.show_ssh_keys)
+    assert limited.status_code == 429 and limited.headers["Retry-After"] == "2"
+    assert limited.json()["error"] == "rate_limited" and rule.times == 0 and rule.answered == 1
+    assert once.show_ssh_keys()  # the rule is spent
+    # Before the key is checked, as a rate limiter answers: a wrong key gets a 429 too.
+    standin.switches.rate_limits = [RateLimit(times=1, retry_after=None)]
+    bad = VastAI(api_key="not-the-key", server_url=standin.url, retry=1)
+    limited = http_error(bad.show_ssh_keys)
+    assert limited.status_code == 429 and "Retry-After" not in limited.headers
+    t, method, path, status = standin.timeline[-1]
+    assert (method, path, status) == ("GET", "/api/v0/ssh/", 429) and t <= time.monotonic()
 
 
 def test_vanished_offer_is_gone_for_good(vast: VastAI, standin: VastStandin):

@@ -12,35 +12,49 @@ worker, the only one with the Vast.ai key in its environment.
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import json
+import re
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import docker
 import psutil
 import pytest
 from temporalio.client import Client, WorkflowHandle
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
 
 from activities.planning import provider_host
-from activities.providers.vastai import VastAiProvider, VastApiError
+from activities.providers.vastai import VastAiProvider, VastApiError, retry_after_s
+from activities.provisioning import ProviderActivities
 from mvp_core import names
-from mvp_core.models import RunOutcome, RunPhase, SubmitPrompt
+from mvp_core.models import (
+    NodeProvisionSpec,
+    ProviderKind,
+    RunOutcome,
+    RunPhase,
+    SubmitPrompt,
+    VastAiSettings,
+)
 from temporal.client import submit_prompt
 from temporal.connect import connect
 from temporal.devserver import DevServer, start_dev_server
 from tests.helpers.dockerd import Dockerd
 from tests.helpers.secret_scan import scan
-from tests.helpers.vast_standin import VastStandin, default_offers, start_standin
+from tests.helpers.vast_standin import RateLimit, VastStandin, default_offers, start_standin
 from tests.host.test_host import Client as HostClient
 from tests.host.test_host import HostProcess
 from tests.host.test_host import prompt as host_prompt
 from tests.integration.conftest import (
     EDGE_SECRET,
     REPO,
+    SECRET,
     OrchestratorProcess,
     Runs,
     harness_env,
@@ -400,6 +414,129 @@ async def test_a_destroy_that_keeps_failing_is_a_stop_error_and_the_reaper_finis
     report = await sweep(vast.client, names.reaper_schedule_id(provider_host()))
     assert any(d.resource.kind == "instance" for d in report.destroyed), report
     assert vast.standin.left_behind() == []
+
+
+# ---------------------------------------------------------------------------- rate limits
+
+CREATE = r"^/api/v0/asks/\d+/?$"
+SHOW = r"^/api/v0/instances/\d+/?$"
+
+
+def answers(
+    standin: VastStandin, method: str, path: str, since: int
+) -> list[tuple[float, str, int]]:
+    """(time, path, status) of the requests since ``since`` whose path matches ``path``."""
+    return [
+        (t, p, status)
+        for t, m, p, status in standin.timeline[since:]
+        if m == method and re.search(path, p)
+    ]
+
+
+def waited_after_each_429(seen: list[tuple[float, str, int]]) -> list[float]:
+    """Per 429: seconds until the next request to the same path."""
+    gaps = []
+    for i, (t, path, status) in enumerate(seen):
+        if status == 429:
+            later = [u for u, p, _ in seen[i + 1 :] if p == path]
+            assert later, f"a 429 on {path} was never asked again: {seen}"
+            gaps.append(later[0] - t)
+    return gaps
+
+
+async def test_a_rate_limited_create_waits_as_told_and_rents_the_same_offer(vast: Vast):
+    """One 429 with Retry-After: 2 on create, two on show instance: each call waits 2 s and
+    asks again, the create on the same offer; the node starts on it, and only on it. The
+    instance's node.env holds none of the worker's secrets but its own."""
+    since = len(vast.standin.timeline)
+    vast.standin.switches.rate_limits = [
+        RateLimit(times=1, retry_after="2", method="PUT", path=CREATE),
+        RateLimit(times=2, retry_after="2", method="GET", path=SHOW),
+    ]
+    run_id = 3181
+    handle = await vast.start(run_id)
+    state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=READY_S)
+    assert [r.answered for r in vast.standin.switches.rate_limits] == [1, 2]
+    creates = answers(vast.standin, "PUT", CREATE, since)
+    assert [status for _, _, status in creates] == [429, 200], creates
+    assert creates[0][1] == creates[1][1]  # the same offer, asked again
+    shows = answers(vast.standin, "GET", SHOW, since)
+    assert [status for _, _, status in shows[:3]] == [429, 429, 200], shows
+    gaps = waited_after_each_429(creates + shows)
+    assert len(gaps) == 3 and all(1.9 <= g < 10 for g in gaps), gaps
+    label = names.node_resource_name(run_id, state.nodes[0].node_id, state.nonce)
+    ours = [r for r in vast.standin.ledger() if r.label == label]
+    offer = int(creates[0][1].rstrip("/").rsplit("/", 1)[-1])
+    assert [r.offer_id for r in ours] == [offer], ours
+    # Defect 8: the worker's HF_TOKEN (the harness gives it one) never reaches the instance.
+    container = vast.standin.docker.containers.get(ours[0].container_id)
+    code, out = container.exec_run(["cat", "/var/lib/mvp/node/node.env"])
+    assert code == 0, out
+    node_env = out.decode()
+    assert "MVP_EDGE_TOKEN=" in node_env
+    assert "HF_TOKEN" not in node_env and SECRET not in node_env and API_KEY not in node_env
+    assert (await shutdown(handle)).outcome.value == "operator_stopped"
+    assert vast.standin.left_behind() == []
+
+
+async def test_rate_limits_past_the_start_budget_fail_it_naming_the_rate_limit(
+    vast: Vast, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    """A create that answers 429 (Retry-After: 2) every time: the start waits while its
+    activity's budget lasts (16 s start-to-close, less the 10 s kept to report), on the
+    same offer, then fails with an error that names the rate limit; nothing is rented."""
+    for name in ("VASTAI_API_KEY", "MVP_VASTAI_SERVER_URL", "MVP_VASTAI_SSH_IDENTITY"):
+        monkeypatch.setenv(name, vast.env[name])
+    monkeypatch.setenv("MVP_STATE_DIR", str(tmp_path))
+    rule = RateLimit(times=1_000, retry_after="2", method="PUT", path=CREATE)
+    vast.standin.switches.rate_limits = [rule]
+    before = len(vast.standin.ledger())
+    since = len(vast.standin.timeline)
+    spec = NodeProvisionSpec(
+        run_id=3191,
+        node_id=1,
+        stage_index=0,
+        nonce="0123456789abcdef0123456789abcdef",
+        task_queue="mvp-node-3191-1-01234567",
+        readiness_id="r",
+        authorized_orchestrator="o",
+        run_workflow_id="mvp-run-3191",
+        coordinator_endpoint="",
+        provider=ProviderKind.VASTAI,
+        vastai=VastAiSettings.model_validate(vast_settings()),
+    )
+    env = ActivityEnvironment()
+    env.info = replace(
+        env.info,
+        start_to_close_timeout=timedelta(seconds=16),
+        started_time=datetime.now(UTC),
+    )
+    t0 = time.monotonic()
+    with pytest.raises(ApplicationError) as failed:
+        await env.run(ProviderActivities().start_node, spec)
+    took = time.monotonic() - t0
+    rule.times = 0
+    message = failed.value.message
+    assert failed.value.type == "NodeStartFailed" and failed.value.non_retryable
+    assert message.startswith("vastai node 1: create instance on offer "), message
+    assert "Retry-After 2" in message, message
+    tries = re.search(r"Vast\.ai rate limit: HTTP 429 to (\d+) tries", message)
+    assert tries is not None, message
+    creates = answers(vast.standin, "PUT", CREATE, since)
+    # Every try on one offer, 2 s apart, until the next wait would end past the budget.
+    assert len(creates) == int(tries.group(1)) >= 2 and len({p for _, p, _ in creates}) == 1
+    assert 2 * (len(creates) - 1) - 0.1 <= took < 16, took
+    assert len(vast.standin.ledger()) == before
+
+
+def test_retry_after_is_read_as_seconds_or_a_date():
+    assert retry_after_s("2") == 2.0 and retry_after_s(" 0.5 ") == 0.5
+    assert retry_after_s("-3") == 0.0 and retry_after_s("100000") == 120.0
+    soon = email.utils.format_datetime(datetime.now(UTC) + timedelta(seconds=30), usegmt=True)
+    wait = retry_after_s(soon)
+    assert wait is not None and 28 <= wait <= 31, wait
+    assert retry_after_s(None) is None and retry_after_s("") is None
+    assert retry_after_s("soon") is None and retry_after_s("nan") is None
 
 
 # ---------------------------------------------------------------------------- crashes

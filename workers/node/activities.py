@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from datetime import timedelta
@@ -15,6 +16,7 @@ from temporalio.contrib.workflow_streams import WorkflowStreamClient
 from temporalio.exceptions import ApplicationError
 
 from mvp_core import names
+from mvp_core.datastream import Redactor
 from mvp_core.errors import ErrorType
 from mvp_core.generation import PromptRefused
 from mvp_core.models import (
@@ -109,6 +111,9 @@ class NodeActivities:
         self.weights_reported = asyncio.Event()
         self.stopped = asyncio.Event()
         self.runtime: StageRuntime | None = None
+        # Every text this node reports goes into the run's history: without the secrets
+        # of its environment (payload key, edge token, Temporal API key).
+        self.redact = Redactor.from_env(os.environ).redact_text
         self.last_lease_beat = time.monotonic()
         self.leases_running = 0
 
@@ -196,7 +201,7 @@ class NodeActivities:
                 self._join_data_plane(runtime)
             except Exception as err:
                 raise ApplicationError(
-                    f"stage {cfg.stage_index} weight load failed: {err}",
+                    self.redact(f"stage {cfg.stage_index} weight load failed: {err}"),
                     type=ErrorType.STAGE_LOAD_FAILED,
                     non_retryable=True,
                 ) from None
@@ -253,7 +258,7 @@ class NodeActivities:
                 StageFault(
                     run_id=cfg.run_id,
                     stage_index=cfg.stage_index,
-                    reason=reason,
+                    reason=self.redact(reason),
                     readiness_id=cfg.readiness_id,
                 ),
             ),
@@ -349,7 +354,9 @@ class NodeActivities:
                 return PromptOutcome(terminal=refused)
             except Exception as err:
                 raise ApplicationError(
-                    f"engine fault on stage {self.cfg.stage_index}: {type(err).__name__}: {err}",
+                    self.redact(
+                        f"engine fault on stage {self.cfg.stage_index}: {type(err).__name__}: {err}"
+                    ),
                     type=ErrorType.ENGINE_FAULT,
                     non_retryable=True,
                 ) from None
