@@ -248,6 +248,7 @@ class RunWorkflow:
                         tokenizer=req.tokenizer,
                         pipeline_stages=req.pipeline_stages,
                         max_context=req.max_context,
+                        activation_dtype=req.activation_dtype,
                         provider=req.provider,
                         gpus=req.docker.gpus or None,
                         vastai=req.vastai if req.provider is ProviderKind.VASTAI else None,
