@@ -74,6 +74,7 @@ async def plan_run(inp: PreparePlanInput) -> RunPlan:
             facts=facts,
             model_path=model_path,
             tokenizer_path=tokenizer_path,
+            activation_dtype=inp.activation_dtype,
         )
     except (PlanningError, ModelSourceError) as err:
         raise ApplicationError(

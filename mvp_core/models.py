@@ -177,6 +177,21 @@ class RunTimeouts(_Model):
     generate_heartbeat_s: float = Field(default=5.0, gt=0, le=_DAY_S)
 
 
+class ActivationDtype(StrEnum):
+    """How the hidden state crosses a pipeline edge (CONTRACTS "Data-plane records",
+    DECISIONS 53): float32 as the stage computed it, so N stages compute the 1-stage
+    logits bit for bit; float16 at half the bytes, for thin links, at a measured cost
+    in fidelity (docs/models.md)."""
+
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element on the wire (the edge's alignment)."""
+        return 4 if self is ActivationDtype.FLOAT32 else 2
+
+
 class EngineSettings(_Model):
     precision: Literal["default", "exact", "float32"] = Field(
         default="default",
@@ -297,6 +312,14 @@ class RunRequest(_Model):
     model: ModelSource = Field(default_factory=ModelSource)
     tokenizer: ModelSource | None = None
     pipeline_stages: int = Field(default=1)
+    activation_dtype: ActivationDtype = Field(
+        default=ActivationDtype.FLOAT32,
+        description=(
+            "How activations cross the pipeline's edges: float32 (default) gives the "
+            "1-stage run's text bit for bit; float16 halves the bytes per token for thin "
+            "links and changes the greedy text (docs/models.md)"
+        ),
+    )
     default_max_tokens: int | None = Field(default=None, ge=0)
     max_context: int | None = Field(default=None, ge=1)
     prompt_queue_capacity: int = Field(default=8)
@@ -348,6 +371,10 @@ class EdgePlan(_Model):
     dst_stage: int | None  # None = driver
     max_extent: int
     alignment: int
+    activation_dtype: ActivationDtype | None = Field(
+        default=None,
+        description="Activation edges: the rows' element type (None on token edges)",
+    )
 
 
 class RingSpec(_Model):
@@ -464,6 +491,7 @@ class PreparePlanInput(_Model):
     tokenizer: ModelSource | None
     pipeline_stages: int
     max_context: int | None
+    activation_dtype: ActivationDtype = ActivationDtype.FLOAT32
     provider: ProviderKind = ProviderKind.PROCESS
     gpus: str | None = None
     vastai: VastAiSettings | None = None

@@ -6,6 +6,7 @@ Pure: the activity that calls it reads the GGUF metadata; this module only compu
 from __future__ import annotations
 
 from mvp_core.models import (
+    ActivationDtype,
     EdgeKind,
     EdgePlan,
     LayerRange,
@@ -53,12 +54,22 @@ def max_seq_len_for(facts: ModelFacts, max_context: int | None) -> int:
     return min(max_context or DEFAULT_MAX_CONTEXT, facts.context_length)
 
 
-def plan_edges(stage_count: int, max_seq_len: int, hidden: int) -> list[EdgePlan]:
-    """Edge ids: token-in 1, activation 2..N, token-out N+1. None for direct mode."""
+def plan_edges(
+    stage_count: int,
+    max_seq_len: int,
+    hidden: int,
+    activation_dtype: ActivationDtype = ActivationDtype.FLOAT32,
+) -> list[EdgePlan]:
+    """Edge ids: token-in 1, activation 2..N, token-out N+1. None for direct mode.
+
+    An activation edge carries ``[T, hidden]`` rows of ``b`` bytes (4 for float32, 2 for
+    float16): max extent ``max_seq_len*hidden*b``, alignment ``b``.
+    """
     if stage_count == 1:
         return []
     token_extent = max_seq_len * 4
-    activation_extent = max_seq_len * hidden * 2
+    b = activation_dtype.itemsize
+    activation_extent = max_seq_len * hidden * b
     edges = [
         EdgePlan(
             edge_id=1,
@@ -77,7 +88,8 @@ def plan_edges(stage_count: int, max_seq_len: int, hidden: int) -> list[EdgePlan
                 src_stage=i,
                 dst_stage=i + 1,
                 max_extent=activation_extent,
-                alignment=2,
+                alignment=b,
+                activation_dtype=activation_dtype,
             )
         )
     edges.append(
@@ -94,10 +106,13 @@ def plan_edges(stage_count: int, max_seq_len: int, hidden: int) -> list[EdgePlan
 
 
 def plan_rings(edges: list[EdgePlan], max_seq_len: int, hidden: int) -> list[RingSpec]:
+    """Ring capacities: activation ``40 + max_seq_len*hidden*b`` (alignment 64), token
+    ``40 + max_seq_len*4`` (alignment 8), plus the sampling header on token-in."""
     rings: list[RingSpec] = []
     for edge in edges:
         if edge.kind is EdgeKind.ACTIVATION:
-            capacity, alignment = RECORD_HEADER_BYTES + max_seq_len * hidden * 2, 64
+            b = (edge.activation_dtype or ActivationDtype.FLOAT32).itemsize
+            capacity, alignment = RECORD_HEADER_BYTES + max_seq_len * hidden * b, 64
         else:
             capacity, alignment = RECORD_HEADER_BYTES + max_seq_len * 4, 8
             if edge.kind is EdgeKind.TOKEN_IN:
@@ -121,6 +136,7 @@ def build_plan(
     facts: ModelFacts,
     model_path: str,
     tokenizer_path: str,
+    activation_dtype: ActivationDtype = ActivationDtype.FLOAT32,
 ) -> RunPlan:
     """Commit the execution shape of a run from locally inspected model facts."""
     if facts.block_count <= 0:
@@ -139,7 +155,7 @@ def build_plan(
         )
         for i, r in enumerate(ranges)
     ]
-    edges = plan_edges(stage_count, max_seq_len, facts.embedding_length)
+    edges = plan_edges(stage_count, max_seq_len, facts.embedding_length, activation_dtype)
     return RunPlan(
         run_id=run_id,
         orchestrator_node_id=orchestrator_node_id,

@@ -241,6 +241,7 @@ class RunWorkflow:
                         tokenizer=req.tokenizer,
                         pipeline_stages=req.pipeline_stages,
                         max_context=req.max_context,
+                        activation_dtype=req.activation_dtype,
                         provider=req.provider,
                         gpus=self._traits.gpus(req),
                         vastai=self._traits.vastai(req),

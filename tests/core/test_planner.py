@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from mvp_core.models import EdgeKind, ModelFacts
+from mvp_core.models import ActivationDtype, EdgeKind, ModelFacts, RunRequest
 from mvp_core.planner import PlanningError, build_plan, stage_layer_ranges, stage_node_id
 
 FACTS = ModelFacts(
@@ -15,7 +15,7 @@ FACTS = ModelFacts(
 )
 
 
-def plan(stages: int, max_context: int | None = None):
+def plan(stages: int, max_context: int | None = None, **dtype: ActivationDtype):
     return build_plan(
         run_id=7,
         orchestrator_node_id=0,
@@ -25,6 +25,7 @@ def plan(stages: int, max_context: int | None = None):
         facts=FACTS,
         model_path="/m.gguf",
         tokenizer_path="/m.gguf",
+        **dtype,
     )
 
 
@@ -64,12 +65,47 @@ def test_pipeline_edges_ids_and_object_specs():
         EdgeKind.ACTIVATION,
         EdgeKind.TOKEN_OUT,
     ]
+    # activations travel as float32 by default (DECISIONS 53): b = 4 bytes per element
     act = p.edges[1]
-    assert act.max_extent == 256 * 576 * 2 and act.alignment == 2
+    assert act.max_extent == 256 * 576 * 4 and act.alignment == 4
+    assert act.activation_dtype is ActivationDtype.FLOAT32
     assert (act.src_stage, act.dst_stage) == (0, 1)
+    assert [e.activation_dtype for e in p.edges if e.kind is not EdgeKind.ACTIVATION] == [None] * 2
     ring = {r.edge_id: r for r in p.rings}
-    assert ring[2].capacity == 40 + 256 * 576 * 2 and ring[2].alignment == 64
+    assert ring[2].capacity == 40 + 256 * 576 * 4 and ring[2].alignment == 64
     assert ring[4].capacity == 40 + 256 * 4 and ring[4].alignment == 8
+
+
+def test_a_float16_run_plans_half_the_activation_bytes():
+    p = plan(3, max_context=256, activation_dtype=ActivationDtype.FLOAT16)
+    acts = [e for e in p.edges if e.kind is EdgeKind.ACTIVATION]
+    assert [(e.max_extent, e.alignment, e.activation_dtype) for e in acts] == [
+        (256 * 576 * 2, 2, ActivationDtype.FLOAT16)
+    ] * 2
+    ring = {r.edge_id: r for r in p.rings}
+    assert ring[2].capacity == ring[3].capacity == 40 + 256 * 576 * 2
+    assert ring[1].capacity == 40 + 256 * 4 + 40  # token edges do not change
+
+
+def test_activation_dtype_is_a_run_request_field_defaulting_to_float32():
+    assert RunRequest().activation_dtype is ActivationDtype.FLOAT32  # old requests stay valid
+    req = RunRequest.model_validate({"pipeline_stages": 2, "activation_dtype": "float16"})
+    assert req.activation_dtype is ActivationDtype.FLOAT16
+    with pytest.raises(ValueError, match="activation_dtype") as err:
+        RunRequest.model_validate({"activation_dtype": "bfloat16"})
+    assert "'float32' or 'float16'" in str(err.value)
+
+
+def test_float32_ring_overflow_names_the_edge():
+    # float32 doubles an activation ring: 40 + 65536 * 16384 * 4 > 4 GiB, float16 fits
+    big = FACTS.model_copy(update={"embedding_length": 1 << 14, "context_length": 1 << 16})
+    kw = {"run_id": 1, "orchestrator_node_id": 0, "base_node_id": 1, "stage_count": 2,
+          "max_context": 1 << 16, "facts": big, "model_path": "m", "tokenizer_path": "m"}  # fmt: skip
+    with pytest.raises(PlanningError, match="on edge 2: 4294967336 bytes exceeds 4294967296"):
+        build_plan(**kw)
+    assert build_plan(**kw, activation_dtype=ActivationDtype.FLOAT16).rings[1].capacity == (
+        40 + (1 << 16) * (1 << 14) * 2
+    )
 
 
 def test_max_seq_len_is_capped_by_the_model_context():

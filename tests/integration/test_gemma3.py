@@ -1,6 +1,6 @@
 """Gemma 3 270M through the whole system: a run of the bundled "gemma-3-270m.Q4_K_M" in
-two node processes (data plane between them) gives the same greedy text as a 1-stage run
-with the same float16 rounding at the split, and that text is llama.cpp's."""
+two node processes (float32 activations on the data plane between them) gives the
+1-stage run's greedy text, and that text is llama.cpp's."""
 
 from __future__ import annotations
 
@@ -16,15 +16,15 @@ from workers.node.engine.tokenizer import Tokenizer
 
 REF = Path(__file__).parents[1] / "node" / "engine" / "data" / "gemma3_reference.json"
 PROMPTS = ["def fibonacci(n):", "Water boils at"]
-MAX_TOKENS = 12
+MAX_TOKENS = 32
 
 
-async def test_gemma3_two_stages_equal_one_stage_with_the_same_fp16_rounding(runs: Runs) -> None:
+async def test_gemma3_two_stages_give_the_one_stage_text(runs: Runs) -> None:
     tok = Tokenizer.from_gguf(fetch_bundled(GEMMA3_BUNDLED))
     generations = {g["prompt"]: g for g in json.loads(REF.read_text())["generations"]}
     model = {"bundled": GEMMA3_BUNDLED}
     pipe = await runs.start(4701, model=model, pipeline_stages=2)
-    ref = await runs.start(4702, model=model, engine={"fp16_split_points": [9]})
+    ref = await runs.start(4702, model=model)
     state = await wait_phase(pipe, RunPhase.PROMPT_READY, timeout=150)
     await wait_phase(ref, RunPhase.PROMPT_READY, timeout=150)
     assert [(s.layers.start, s.layers.end) for s in state.plan.stages] == [(0, 9), (9, 18)]

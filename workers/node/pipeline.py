@@ -7,8 +7,9 @@ any error closes all of them and the peers see EOF within milliseconds (DECISION
 Record conventions (CONTRACTS, DECISIONS 19):
 - token-in BEGIN (sequence 0): sampling header + prompt token ids; then one fed-back
   token per record, sequences 1, 2, ...; ABORT (empty) resets every stage's KV state.
-- activation BEGIN carries the same sampling header ahead of the float16 rows, so the
-  last stage can sample; later records carry the rows only. Sequences mirror token-in.
+- activation BEGIN carries the same sampling header ahead of the rows (float32, or float16
+  where the run asks for it: the edge's plan says which), so the last stage can sample;
+  later records carry the rows only. Sequences mirror token-in.
 - token-out: one u32 token with the sequence of the record it answers; the first of a
   prompt has BEGIN, the model's end-of-generation token has EOS.
 """
@@ -51,6 +52,7 @@ from workers.node.dataplane import (
 )
 from workers.node.dataplane import SamplingParams as WireSampling
 from workers.node.engine import Sampler, SamplingParams, Stage
+from workers.node.engine.boundary import from_boundary, to_boundary
 
 log = logging.getLogger("mvp.pipeline")
 IDLE_POLL_S = 1.0
@@ -98,6 +100,9 @@ class StageLink:
         self.on_ready = on_ready
         self.on_fault = on_fault
         self.hidden = stage.facts.embedding_length
+        # The rows' element type on each activation edge, as the plan committed it.
+        self.inbound_dtype = None if stage.is_first else inbound.activation()
+        self.outbound_dtype = None if stage.is_last else outbound.activation()
         self._stop = threading.Event()
         # Expect the inbound edge now, so the upstream may connect as soon as it loads.
         self._inbound = server.expect(inbound, token)
@@ -171,8 +176,9 @@ class StageLink:
                         header = bytes(body[:SAMPLING_HEADER_LEN])
                         wire = decode_sampling_header(header)
                         body = body[SAMPLING_HEADER_LEN:]
-                    rows = decode_activation(body, self.hidden)
-                    result = session.forward_hidden(torch.from_numpy(rows))
+                    assert self.inbound_dtype is not None
+                    rows = decode_activation(body, self.hidden, self.inbound_dtype)
+                    result = session.forward_hidden(from_boundary(stage, torch.from_numpy(rows)))
                 if t0 is not None:
                     assert timer is not None
                     timer.record(perf_counter() - t0, hdr.begin)
@@ -188,11 +194,12 @@ class StageLink:
                     seq = hdr.sequence + (self.sequence_skew if hdr.sequence else 0)
                     out.send(hdr.object_id, seq, encode_tokens([token]), flags)
                 else:
-                    rows16 = encode_activation(result.to(torch.float16).numpy())
+                    assert self.outbound_dtype is not None
+                    act = encode_activation(to_boundary(stage, result, self.outbound_dtype).numpy())
                     if hdr.begin:
-                        out.send(hdr.object_id, hdr.sequence, header + bytes(rows16), FLAG_BEGIN)
+                        out.send(hdr.object_id, hdr.sequence, header + bytes(act), FLAG_BEGIN)
                     else:
-                        out.send(hdr.object_id, hdr.sequence, rows16)
+                        out.send(hdr.object_id, hdr.sequence, act)
         finally:
             session.close()
 

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 
+from mvp_core.models import ActivationDtype
 from tests.node.dataplane.conftest import TOKEN
 from workers.node.dataplane import (
     FLAG_ABORT,
@@ -46,8 +47,9 @@ from workers.node.dataplane import (
 MAX_SEQ = 512
 HIDDEN = 2048
 TOKEN_IN = token_in_spec(MAX_SEQ)
-ACT = activation_spec(2, MAX_SEQ, HIDDEN)
-ACT3 = activation_spec(3, MAX_SEQ, HIDDEN)
+# The edge tests below use float16 activation edges (alignment 2); both formats round trip.
+ACT = activation_spec(2, MAX_SEQ, HIDDEN, ActivationDtype.FLOAT16)
+ACT3 = activation_spec(3, MAX_SEQ, HIDDEN, ActivationDtype.FLOAT16)
 TOKEN_OUT = token_out_spec(4, MAX_SEQ)
 
 
@@ -113,18 +115,22 @@ def test_token_out_and_sequence_checker(server) -> None:
         assert got == [5, 6, 2]
 
 
-def test_activation_records_round_trip(server) -> None:
-    sender, receiver = pair(server, ACT)
+@pytest.mark.parametrize("dtype", list(ActivationDtype), ids=lambda d: d.value)
+def test_activation_records_round_trip(server, dtype: ActivationDtype) -> None:
+    spec = activation_spec(2, MAX_SEQ, HIDDEN, dtype)
+    assert spec.alignment == dtype.itemsize and spec.max_extent == MAX_SEQ * HIDDEN * spec.alignment
+    sender, receiver = pair(server, spec)
     rng = np.random.default_rng(0)
-    small = rng.standard_normal((3, HIDDEN)).astype(np.float16)
-    full = rng.standard_normal((MAX_SEQ, HIDDEN)).astype(np.float16)  # 2 MiB: many reads
+    np_type = np.float32 if dtype is ActivationDtype.FLOAT32 else np.float16
+    small = rng.standard_normal((3, HIDDEN)).astype(np_type)
+    full = rng.standard_normal((MAX_SEQ, HIDDEN)).astype(np_type)  # 2-4 MiB: many reads
     with sender, receiver:
         got: list[np.ndarray] = []
 
         def consume() -> None:
             for _ in range(3):
                 _hdr, payload = receiver.recv(5.0)
-                got.append(decode_activation(payload, HIDDEN) if payload else np.empty(0))
+                got.append(decode_activation(payload, HIDDEN, dtype) if payload else np.empty(0))
 
         t = threading.Thread(target=consume)
         t.start()

@@ -7,6 +7,7 @@ import struct
 import numpy as np
 import pytest
 
+from mvp_core.models import ActivationDtype, EdgePlan
 from workers.node.dataplane import (
     FLAG_ABORT,
     FLAG_BEGIN,
@@ -21,6 +22,7 @@ from workers.node.dataplane import (
     SamplingParams,
     SequenceChecker,
     TokenSequenceError,
+    activation_spec,
     decode_activation,
     decode_begin_payload,
     decode_header,
@@ -34,6 +36,7 @@ from workers.node.dataplane import (
     encode_tokens,
     pipeline_edge_specs,
     token_in_max_extent,
+    token_out_spec,
 )
 
 SPEC = EdgeSpec(2, EdgeKind.ACTIVATION, max_extent=64, alignment=2)
@@ -125,16 +128,40 @@ def test_sampling_header_and_begin_payload() -> None:
 
 
 def test_activation_round_trip_zero_copy() -> None:
-    arr = (np.arange(3 * 8, dtype=np.float32).reshape(3, 8) / 7).astype(np.float16)
-    view = encode_activation(arr)
-    assert view.nbytes == 3 * 8 * 2
-    assert np.shares_memory(np.frombuffer(view, dtype=np.float16), arr)
+    arr = np.arange(3 * 8, dtype=np.float32).reshape(3, 8) / 7
+    view = encode_activation(arr)  # float32: the default wire format (DECISIONS 53)
+    assert view.nbytes == 3 * 8 * 4
+    assert np.shares_memory(np.frombuffer(view, dtype=np.float32), arr)
     back = decode_activation(bytearray(view), 8)
-    assert back.shape == (3, 8) and np.array_equal(back, arr)
-    with pytest.raises(RecordError, match="must be float16, got float32"):
-        encode_activation(arr.astype(np.float32))
-    with pytest.raises(RecordError, match="not a positive multiple of hidden 8"):
-        decode_activation(b"\0" * 10, 8)
+    assert back.dtype == np.float32 and back.shape == (3, 8) and np.array_equal(back, arr)
+    half = arr.astype(np.float16)
+    view16 = encode_activation(half)
+    assert view16.nbytes == 3 * 8 * 2
+    assert np.shares_memory(np.frombuffer(view16, dtype=np.float16), half)
+    back16 = decode_activation(bytearray(view16), 8, ActivationDtype.FLOAT16)
+    assert back16.dtype == np.float16 and np.array_equal(back16, half)
+    with pytest.raises(RecordError, match="must be float32 or float16, got float64"):
+        encode_activation(arr.astype(np.float64))
+    with pytest.raises(RecordError, match=r"float32 .* not a positive multiple of hidden 8 \* 4"):
+        decode_activation(b"\0" * 48, 8)  # 12 float32s: not whole rows of 8
+    with pytest.raises(RecordError, match=r"float16 .* not a positive multiple of hidden 8 \* 2"):
+        decode_activation(b"\0" * 10, 8, ActivationDtype.FLOAT16)
+
+
+def test_an_activation_spec_knows_its_rows_element_type() -> None:
+    spec = activation_spec(2, 16, 8)
+    assert (spec.dtype, spec.alignment, spec.max_extent) == (ActivationDtype.FLOAT32, 4, 512)
+    assert spec.activation() is ActivationDtype.FLOAT32
+    with pytest.raises(ValueError, match="float16 activations need alignment 2, got 4"):
+        EdgeSpec(2, EdgeKind.ACTIVATION, 64, 4, ActivationDtype.FLOAT16)
+    with pytest.raises(ValueError, match="a token_in edge carries tokens, not float32"):
+        EdgeSpec(1, EdgeKind.TOKEN_IN, 64, 4, ActivationDtype.FLOAT32)
+    with pytest.raises(ValueError, match=r"edge 3 \(token_out\) has no activation dtype"):
+        token_out_spec(3, 16).activation()
+    old = {"edge_id": 2, "kind": "activation", "src_stage": 0, "dst_stage": 1}
+    plan = EdgePlan.model_validate({**old, "max_extent": 256, "alignment": 2})
+    # a plan committed before the field carried float16 rows
+    assert EdgeSpec.from_plan(plan).dtype is ActivationDtype.FLOAT16
 
 
 def test_record_order() -> None:
@@ -181,7 +208,9 @@ def test_pipeline_edge_specs() -> None:
         (3, EdgeKind.ACTIVATION),
         (4, EdgeKind.TOKEN_OUT),
     ]
-    assert specs[1].max_extent == 512 * 2048 * 2 and specs[1].alignment == 2
+    assert specs[1].max_extent == 512 * 2048 * 4 and specs[1].alignment == 4
+    half = pipeline_edge_specs(3, max_seq_len=512, hidden=2048, dtype=ActivationDtype.FLOAT16)
+    assert [(s.max_extent, s.alignment) for s in half[1:3]] == [(512 * 2048 * 2, 2)] * 2
     assert specs[0].max_extent == SAMPLING_HEADER_LEN + 512 * 4 and specs[0].alignment == 4
     assert specs[3].max_extent == 4 and specs[3].alignment == 4
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from activities.models_store import BUNDLED, GEMMA3_BUNDLED, fetch_bundled
+from mvp_core.models import ActivationDtype
 from mvp_core.planner import stage_layer_ranges
 from tests.node.engine.conftest import THREADS
 from tests.node.test_pipeline import pipeline, reference
@@ -29,6 +31,7 @@ from workers.node.engine import (
     load_stage,
     read_model_facts,
 )
+from workers.node.engine.boundary import from_boundary, to_boundary
 from workers.node.engine.gemma3 import Gemma3StageModel
 from workers.node.engine.tokenizer import Tokenizer
 
@@ -196,12 +199,10 @@ def test_sliding_window_hides_old_positions(gemma_path: str) -> None:
 
 
 def test_stages_compose_and_load_only_their_tensors(gemma_path: str, gemma: Stage) -> None:
-    opts = EngineOptions(device="cpu", threads=THREADS, fp16_split_points=(6, 12))
     ranges = stage_layer_ranges(N_LAYERS, 3)
     assert [(r.start, r.end) for r in ranges] == [(0, 6), (6, 12), (12, 18)]
     stages = [load_stage(gemma_path, r.start, r.end, EngineOptions(device="cpu", threads=THREADS))
               for r in ranges]  # fmt: skip
-    emulated = load_stage(gemma_path, 0, N_LAYERS, opts)
     try:
         for st in stages:
             for name in st.tensor_names_loaded:
@@ -212,31 +213,67 @@ def test_stages_compose_and_load_only_their_tensors(gemma_path: str, gemma: Stag
             n.startswith(("token_embd", "output")) for n in stages[1].tensor_names_loaded
         )
         assert {"output_norm.weight", "token_embd.weight"} <= stages[2].tensor_names_loaded
+        # float32 hand-overs (the default): the whole model's logits, bit for bit
         ids = GEN["Water boils at"]["prompt_ids"] + GEN["Water boils at"]["ids"][:4]
         h = stages[0].new_session(32).forward_tokens(ids)
-        h = stages[1].new_session(32).forward_hidden(h.to(torch.float16))
-        split = stages[2].new_session(32).forward_hidden(h.to(torch.float16))
-        assert bool(torch.isfinite(split).all())
-        torch.testing.assert_close(
-            emulated.new_session(32).forward_tokens(ids), split, rtol=0, atol=1e-4
-        )
-        # the rounding at the splits is small next to the model's own logits
-        whole = gemma.new_session(32).forward_tokens(ids)
-        assert int(whole.argmax()) == int(split.argmax())
+        h = stages[1].new_session(32).forward_hidden(h)
+        split = stages[2].new_session(32).forward_hidden(h)
+        assert torch.equal(split, gemma.new_session(32).forward_tokens(ids))
         g = GEN["def fibonacci(n):"]
-        assert _greedy(stages, g["prompt_ids"], 12) == _greedy([emulated], g["prompt_ids"], 12)
+        assert _greedy(stages, g["prompt_ids"], 12) == g["ids"][:12]
+    finally:
+        for st in stages:
+            st.close()
+
+
+def test_float16_hand_overs_are_what_fp16_split_points_emulate(gemma_path: str) -> None:
+    """A float16 boundary scales by 2**-6 first (the residual stream reaches ~1e5)."""
+    opts = EngineOptions(device="cpu", threads=THREADS)
+    ranges = stage_layer_ranges(N_LAYERS, 3)
+    stages = [load_stage(gemma_path, r.start, r.end, opts) for r in ranges]
+    emulated = load_stage(
+        gemma_path, 0, N_LAYERS, dataclasses.replace(opts, fp16_split_points=(6, 12))
+    )
+    f16 = ActivationDtype.FLOAT16
+    try:
+        assert [st.float16_scale for st in stages] == [2.0**-6] * 3
+        ids = GEN["Water boils at"]["prompt_ids"] + GEN["Water boils at"]["ids"][:4]
+        h = stages[0].new_session(32).forward_tokens(ids)
+        peaks = []
+        for prev, st in itertools.pairwise(stages):
+            peaks.append(float(h.abs().max()))
+            rows = to_boundary(prev, h, f16)
+            assert rows.dtype == torch.float16 and bool(torch.isfinite(rows).all())
+            h = st.new_session(32).forward_hidden(from_boundary(st, rows))
+        assert max(peaks) > 65504  # unscaled, float16 would carry infinities
+        torch.testing.assert_close(
+            emulated.new_session(32).forward_tokens(ids), h, rtol=0, atol=1e-4
+        )
+        g = GEN["def fibonacci(n):"]
+        assert list(
+            generate(stages, g["prompt_ids"], max_new_tokens=12, max_seq_len=64,
+                     sampling=SamplingParams(), stop_ids=[1, 106], activation_dtype=f16)
+        ) == _greedy([emulated], g["prompt_ids"], 12)  # fmt: skip
     finally:
         for st in (*stages, emulated):
             st.close()
 
 
 @pytest.mark.parametrize("n_stages", [2, 3])
-def test_pipeline_equals_one_stage_with_the_same_fp16_rounding(
-    gemma_path: str, n_stages: int
-) -> None:
+def test_pipeline_equals_one_stage(gemma_path: str, n_stages: int) -> None:
     """Real loopback data plane between stage links, as tests/node/test_pipeline.py."""
-    splits = tuple(r.start for r in stage_layer_ranges(N_LAYERS, n_stages)[1:])
     with pipeline(gemma_path, n_stages, 64, 640) as p:
+        for rid, prompt in enumerate(["def fibonacci(n):", "Water boils at"]):
+            ids = GEN[prompt]["prompt_ids"]
+            got = p.run(rid, ids, 12, 64)
+            assert got == reference(gemma_path, ids, 12, (), 64)
+            assert got == GEN[prompt]["ids"][:12]  # llama.cpp's text
+        assert not p.faults
+
+
+def test_float16_pipeline_equals_one_stage_with_the_same_fp16_rounding(gemma_path: str) -> None:
+    splits = tuple(r.start for r in stage_layer_ranges(N_LAYERS, 2)[1:])
+    with pipeline(gemma_path, 2, 64, 640, activation_dtype=ActivationDtype.FLOAT16) as p:
         for rid, prompt in enumerate(["def fibonacci(n):", "Once upon a time"]):
             ids = GEN[prompt]["prompt_ids"]
             got = p.run(rid, ids, 12, 64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mvp_core.models import ActivationDtype
 from tests.node.engine.conftest import ONCE_CONTINUATION, ONCE_UPON_A_TIME, THREADS
 from workers.node.engine import (
     ContextOverflow,
@@ -15,6 +16,7 @@ from workers.node.engine import (
     load_stage,
     read_model_facts,
 )
+from workers.node.engine.boundary import from_boundary, to_boundary
 
 GREEDY = SamplingParams()
 
@@ -72,33 +74,36 @@ def test_each_stage_loads_only_its_tensors(smollm_path: str) -> None:
     assert not any(n.startswith(("token_embd", "output")) for n in stages[1].tensor_names_loaded)
     # SmolLM2 ties the head to the embedding: the last stage holds token_embd too.
     assert {"output_norm.weight", "token_embd.weight"} <= stages[2].tensor_names_loaded
-    # Three stages give one stage's text with the same float16 rounding at the two splits;
-    # the rounding itself moves an int8 activation code here and there, and the greedy
-    # text leaves the unsplit one's after 4 tokens.
+    # Three stages hand on float32 (DECISIONS 53): the whole model's greedy text.
+    assert _gen(stages) == ONCE_CONTINUATION
+    # With float16 hand-overs they give one stage's text with the same float16 rounding at
+    # the two splits; the rounding itself moves an int8 activation code here and there,
+    # and the greedy text leaves the unsplit one's after 4 tokens.
     emulated = load_stage(
         smollm_path, 0, 30, EngineOptions(device="cpu", threads=THREADS, fp16_split_points=(10, 20))
     )
-    got = _gen(stages)
+    got = _gen(stages, activation_dtype=ActivationDtype.FLOAT16)
     assert got == _gen([emulated])
     assert got[:4] == ONCE_CONTINUATION[:4]
     for stage in [*stages, emulated]:
         stage.close()
 
 
-def test_fp16_split_points_reproduce_a_two_stage_run(smollm_path: str) -> None:
+def test_fp16_split_points_reproduce_a_float16_two_stage_run(smollm_path: str) -> None:
     opts = EngineOptions(device="cpu", threads=THREADS)
     first, last = load_stage(smollm_path, 0, 15, opts), load_stage(smollm_path, 15, 30, opts)
     emulated = load_stage(
         smollm_path, 0, 30, EngineOptions(device="cpu", threads=THREADS, fp16_split_points=(15,))
     )
     ids = ONCE_UPON_A_TIME + ONCE_CONTINUATION[:8]
-    split = last.new_session(32).forward_hidden(
-        first.new_session(32).forward_tokens(ids).to(torch.float16)
-    )
+    rows = to_boundary(first, first.new_session(32).forward_tokens(ids), ActivationDtype.FLOAT16)
+    assert rows.dtype == torch.float16 and first.float16_scale == 1.0
+    split = last.new_session(32).forward_hidden(from_boundary(last, rows))
     torch.testing.assert_close(
         emulated.new_session(32).forward_tokens(ids), split, rtol=0, atol=1e-4
     )
-    assert _gen([first, last], 16) == _gen([emulated], 16)
+    f16 = ActivationDtype.FLOAT16
+    assert _gen([first, last], 16, activation_dtype=f16) == _gen([emulated], 16)
     for s in (first, last, emulated):
         s.close()
 

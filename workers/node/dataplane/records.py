@@ -1,5 +1,8 @@
 """Pipeline edge records: the 40-byte header of CONTRACTS.md and the payload codecs.
 
+Activations travel as float32 rows by default, float16 where a run asks for it
+(DECISIONS 53).
+
 Pure stdlib + numpy so that the node's edge threads never import torch. Every decoder
 validates eagerly and raises `RecordError` with the offending values: a bad record is a
 run fault (DECISIONS 14), and the operator needs to see exactly what arrived.
@@ -18,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from mvp_core.generation import TokenFeedback, TokenSequenceViolation
+from mvp_core.models import ActivationDtype
 
 __all__ = [
     "FLAG_ABORT",
@@ -76,7 +80,11 @@ _U32_MAX = 0xFFFF_FFFF
 _U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
 
 TOKEN_ALIGNMENT = 4
-ACTIVATION_ALIGNMENT = 2
+# The rows' little-endian numpy type per wire format (DECISIONS 53: float32 by default).
+_ROW_TYPE: dict[ActivationDtype, str] = {
+    ActivationDtype.FLOAT32: "<f4",
+    ActivationDtype.FLOAT16: "<f2",
+}
 
 
 class RecordError(ValueError):
@@ -102,21 +110,30 @@ class _EdgePlanLike(Protocol):
     def max_extent(self) -> int: ...
     @property
     def alignment(self) -> int: ...
+    @property
+    def activation_dtype(self) -> ActivationDtype | None: ...
 
 
 @dataclass(frozen=True, slots=True)
 class EdgeSpec:
-    """What an edge may carry; both ends derive it from the run plan."""
+    """What an edge may carry; both ends derive it from the run plan. ``dtype`` is the
+    element type of an activation edge's rows (None: token edges, or a spec that checks
+    headers only)."""
 
     edge_id: int
     kind: EdgeKind
     max_extent: int
     alignment: int
+    dtype: ActivationDtype | None = None
 
     @classmethod
     def from_plan(cls, plan: _EdgePlanLike) -> EdgeSpec:
-        """From an `mvp_core.models.EdgePlan` (duck-typed: no import of the core models)."""
-        return cls(plan.edge_id, EdgeKind(plan.kind), plan.max_extent, plan.alignment)
+        """From an `mvp_core.models.EdgePlan` (duck-typed)."""
+        kind = EdgeKind(plan.kind)
+        dtype = plan.activation_dtype
+        if kind is EdgeKind.ACTIVATION and dtype is None and plan.alignment == 2:
+            dtype = ActivationDtype.FLOAT16  # a plan committed before the field: float16
+        return cls(plan.edge_id, kind, plan.max_extent, plan.alignment, dtype)
 
     def __post_init__(self) -> None:
         if not 0 < self.edge_id <= _U32_MAX:
@@ -128,6 +145,25 @@ class EdgeSpec:
                 f"edge {self.edge_id}: max extent {self.max_extent} must be >= 0 and a "
                 f"multiple of alignment {self.alignment}"
             )
+        if self.dtype is not None:
+            if self.kind is not EdgeKind.ACTIVATION:
+                raise ValueError(
+                    f"edge {self.edge_id}: a {self.kind.value} edge carries tokens, not "
+                    f"{self.dtype.value} activations"
+                )
+            if self.alignment != self.dtype.itemsize:
+                raise ValueError(
+                    f"edge {self.edge_id}: {self.dtype.value} activations need alignment "
+                    f"{self.dtype.itemsize}, got {self.alignment}"
+                )
+
+    def activation(self) -> ActivationDtype:
+        """The rows' element type; ValueError unless this is an activation edge with one."""
+        if self.kind is not EdgeKind.ACTIVATION or self.dtype is None:
+            raise ValueError(
+                f"edge {self.edge_id} ({self.kind.value}) has no activation dtype in its plan"
+            )
+        return self.dtype
 
     def check_extent(self, extent: int) -> None:
         """Raise RecordError if `extent` payload bytes may not travel on this edge."""
@@ -421,27 +457,36 @@ def decode_begin_payload(
 # --------------------------------------------------------------------------- activations
 
 
-def encode_activation(arr: npt.NDArray[np.float16]) -> memoryview:
-    """A `[T, hidden]` float16 array as LE bytes; zero-copy when already C-contiguous LE."""
+def encode_activation(arr: npt.NDArray[np.float32] | npt.NDArray[np.float16]) -> memoryview:
+    """A `[T, hidden]` float32 (or float16) array as LE bytes; zero-copy when already
+    C-contiguous LE."""
     if arr.ndim != 2 or arr.shape[0] == 0:
         raise RecordError(f"activation must be [T>=1, hidden], got shape {arr.shape}")
-    if arr.dtype != np.float16:
-        raise RecordError(f"activation must be float16, got {arr.dtype}")
-    le = np.ascontiguousarray(arr, dtype="<f2")
+    if arr.dtype == np.float32:
+        le = np.ascontiguousarray(arr, dtype="<f4")
+    elif arr.dtype == np.float16:
+        le = np.ascontiguousarray(arr, dtype="<f2")
+    else:
+        raise RecordError(f"activation must be float32 or float16, got {arr.dtype}")
     return le.data.cast("B")
 
 
 def decode_activation(
-    payload: bytes | bytearray | memoryview, hidden: int
-) -> npt.NDArray[np.float16]:
-    """Payload -> `[T, hidden]` float16 view (no copy; writable when payload is)."""
-    row = hidden * 2
+    payload: bytes | bytearray | memoryview,
+    hidden: int,
+    dtype: ActivationDtype = ActivationDtype.FLOAT32,
+) -> npt.NDArray[np.float32] | npt.NDArray[np.float16]:
+    """Payload -> `[T, hidden]` view of `dtype` (no copy; writable when payload is)."""
+    row = hidden * dtype.itemsize
     if hidden <= 0 or len(payload) == 0 or len(payload) % row:
         raise RecordError(
-            f"activation payload of {len(payload)} bytes is not a positive multiple of "
-            f"hidden {hidden} * 2 bytes"
+            f"{dtype.value} activation payload of {len(payload)} bytes is not a positive "
+            f"multiple of hidden {hidden} * {dtype.itemsize} bytes"
         )
-    return np.frombuffer(payload, dtype="<f2").reshape(-1, hidden)
+    rows: npt.NDArray[np.float32] | npt.NDArray[np.float16] = np.frombuffer(
+        payload, dtype=_ROW_TYPE[dtype]
+    ).reshape(-1, hidden)
+    return rows
 
 
 # --------------------------------------------------------------------------- specs
@@ -462,20 +507,29 @@ def token_out_max_extent(max_seq_len: int) -> int:
     return 4
 
 
-def activation_max_extent(max_seq_len: int, hidden: int) -> int:
-    return max_seq_len * hidden * 2
+def activation_max_extent(
+    max_seq_len: int, hidden: int, dtype: ActivationDtype = ActivationDtype.FLOAT32
+) -> int:
+    """A full-context prompt's rows (as mvp_core.planner plans it)."""
+    return max_seq_len * hidden * dtype.itemsize
 
 
 def token_in_spec(max_seq_len: int) -> EdgeSpec:
     return EdgeSpec(1, EdgeKind.TOKEN_IN, token_in_max_extent(max_seq_len), TOKEN_ALIGNMENT)
 
 
-def activation_spec(edge_id: int, max_seq_len: int, hidden: int) -> EdgeSpec:
+def activation_spec(
+    edge_id: int,
+    max_seq_len: int,
+    hidden: int,
+    dtype: ActivationDtype = ActivationDtype.FLOAT32,
+) -> EdgeSpec:
     return EdgeSpec(
         edge_id,
         EdgeKind.ACTIVATION,
-        activation_max_extent(max_seq_len, hidden),
-        ACTIVATION_ALIGNMENT,
+        activation_max_extent(max_seq_len, hidden, dtype),
+        dtype.itemsize,
+        dtype,
     )
 
 
@@ -483,12 +537,17 @@ def token_out_spec(edge_id: int, max_seq_len: int) -> EdgeSpec:
     return EdgeSpec(edge_id, EdgeKind.TOKEN_OUT, token_out_max_extent(max_seq_len), TOKEN_ALIGNMENT)
 
 
-def pipeline_edge_specs(stages: int, max_seq_len: int, hidden: int) -> list[EdgeSpec]:
+def pipeline_edge_specs(
+    stages: int,
+    max_seq_len: int,
+    hidden: int,
+    dtype: ActivationDtype = ActivationDtype.FLOAT32,
+) -> list[EdgeSpec]:
     """Edges of an N-stage plan: token-in 1, activations 2..N, token-out N+1."""
     if stages < 2:
         raise ValueError(f"a pipeline with edges needs >= 2 stages, got {stages}")
     return [
         token_in_spec(max_seq_len),
-        *(activation_spec(i, max_seq_len, hidden) for i in range(2, stages + 1)),
+        *(activation_spec(i, max_seq_len, hidden, dtype) for i in range(2, stages + 1)),
         token_out_spec(stages + 1, max_seq_len),
     ]

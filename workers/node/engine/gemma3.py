@@ -41,9 +41,10 @@ ARCHITECTURE = "gemma3"
 SWA_PATTERN = 6  # llama.cpp: every 6th layer (i % 6 == 5) is global
 LOCAL_ROPE_BASE = 10000.0
 # Gemma's residual stream outgrows float16 at its first position (the BOS token: ~1e5 by
-# the middle layers of 270M), and stage boundaries carry float16. So a stage hands on
-# hidden * BOUNDARY_SCALE and the next one multiplies it back: a power of two, so the
-# scaling itself is exact and only the float16 rounding remains (the same rounding the
+# the middle layers of 270M). Stage boundaries carry float32 (DECISIONS 53), which holds it
+# as it is; a run that opts into float16 activations hands on hidden * BOUNDARY_SCALE and
+# the next stage multiplies it back (boundary.py): a power of two, so the scaling itself
+# is exact and only the float16 rounding remains (the same rounding the
 # fp16_split_points emulation applies).
 BOUNDARY_SCALE = 2.0**-6
 
@@ -173,6 +174,7 @@ class Gemma3StageModel:
     """Layers ``[layer_start, layer_end)`` plus, where held, the output norm and head."""
 
     attention_f16 = False  # as StageModel.attention_f16
+    float16_scale = BOUNDARY_SCALE  # a float16 hand-over's scale (boundary.py)
 
     def __init__(
         self,
@@ -223,15 +225,13 @@ class Gemma3StageModel:
         self, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int
     ) -> torch.Tensor:
         """Run the stage's layers on ``h`` [T, hidden] at positions ``pos..pos+T-1``: the
-        first stage gets the raw embedding rows and scales them; between stages the hidden
-        state travels multiplied by BOUNDARY_SCALE."""
+        first stage gets the raw embedding rows and scales them; a later one gets the
+        previous stage's hidden state as it is."""
         cfg, params = self.cfg, self.params
         t = h.shape[0]
         end = pos + t
         if self.layer_start == 0:
             h = h * params.embedding_scale
-        else:
-            h = h * (1.0 / BOUNDARY_SCALE)
         self.rope.ensure(end)
         tables = {
             True: (self.rope.local.cos[pos:end], self.rope.local.sin[pos:end]),
@@ -244,10 +244,8 @@ class Gemma3StageModel:
             masks[True] = self._mask(pos, t, window, h.device) if window else masks[False]
         layers = self._native_layers()
         if layers is not None:
-            h = h.contiguous()  # a fresh tensor (scaled above), updated in place
+            h = h.to(torch.float32, copy=True).contiguous()  # updated in place
             if layers.forward_(h, k_cache, v_cache, pos):
-                if self.layer_start + len(self.layers) < cfg.n_layers:
-                    return h * BOUNDARY_SCALE
                 return h
         nh, nkv, hd, eps = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.eps
         qkd = cfg.q_dim + cfg.kv_dim
@@ -280,8 +278,6 @@ class Gemma3StageModel:
                 act = _gelu(gu[:, : cfg.ffn]) * gu[:, cfg.ffn :]
             ffn = lw.down(act)
             h = h + norm(ffn, lw.post_ffn_norm, eps)
-        if self.layer_start + len(self.layers) < cfg.n_layers:
-            return h * BOUNDARY_SCALE  # for the next stage (see BOUNDARY_SCALE)
         return h
 
     def _native_layers(self) -> native.Layers | None:

@@ -7,6 +7,9 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 
 import torch
 
+from mvp_core.models import ActivationDtype
+
+from .boundary import from_boundary, to_boundary
 from .sampling import Sampler, SamplingParams
 from .session import ContextOverflow, StageSession
 from .stage import Stage
@@ -16,15 +19,14 @@ def _never() -> bool:
     return False
 
 
-def _round_fp16(hidden: torch.Tensor) -> torch.Tensor:
-    """Activations cross a stage boundary as float16 (the data-plane contract)."""
-    return hidden.to(torch.float16)
-
-
-def _step(sessions: Sequence[StageSession], ids: Sequence[int]) -> torch.Tensor:
+def _step(
+    sessions: Sequence[StageSession], ids: Sequence[int], dtype: ActivationDtype
+) -> torch.Tensor:
+    """One forward through every stage; the hidden state crosses each boundary as the
+    data plane carries it (``dtype``, boundary.py)."""
     out = sessions[0].forward_tokens(ids)
-    for s in sessions[1:]:
-        out = s.forward_hidden(_round_fp16(out))
+    for prev, s in itertools.pairwise(sessions):
+        out = s.forward_hidden(from_boundary(s.stage, to_boundary(prev.stage, out, dtype)))
     return out
 
 
@@ -37,8 +39,12 @@ def generate(
     sampling: SamplingParams,
     stop_ids: Collection[int],
     should_stop: Callable[[], bool] = _never,
+    activation_dtype: ActivationDtype = ActivationDtype.FLOAT32,
 ) -> Iterator[int]:
     """Yield generated token ids one at a time (stop ids are not yielded).
+
+    Several stages run in order, their hidden state handed on as ``activation_dtype``
+    (as a pipeline's edges carry it: float32 computes the 1-stage text bit for bit).
 
     Ends on a stop id, ``max_new_tokens``, ``should_stop()`` (polled before each token), or
     when the context is full: every yielded token has a cache slot, so at most
@@ -62,7 +68,7 @@ def generate(
         )
     # Validation above runs at call time; the loop below runs as the caller iterates.
     return _generate(stages, prompt_ids, max_new_tokens, max_seq_len, Sampler(sampling),
-                     frozenset(stop_ids), should_stop)  # fmt: skip
+                     frozenset(stop_ids), should_stop, activation_dtype)  # fmt: skip
 
 
 def _generate(
@@ -73,12 +79,13 @@ def _generate(
     sampler: Sampler,
     stops: frozenset[int],
     should_stop: Callable[[], bool],
+    dtype: ActivationDtype,
 ) -> Iterator[int]:
     if max_new_tokens is not None and max_new_tokens <= 0:
         return
     sessions = [s.new_session(max_seq_len) for s in stages]
     try:
-        logits = _step(sessions, prompt_ids)
+        logits = _step(sessions, prompt_ids, dtype)
         produced = 0
         while True:
             if sessions[0].position >= max_seq_len or should_stop():
@@ -90,7 +97,7 @@ def _generate(
             produced += 1
             if max_new_tokens is not None and produced >= max_new_tokens:
                 return
-            logits = _step(sessions, [token])
+            logits = _step(sessions, [token], dtype)
     finally:
         for s in sessions:
             s.close()

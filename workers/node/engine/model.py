@@ -103,6 +103,7 @@ class StageModel:
     # On SmolLM2 a float32 cache moves llama.cpp's own first logits by 0.13 on average
     # (0.35 at most), more than many greedy margins; the default path matches it.
     attention_f16 = False
+    float16_scale = 1.0  # a float16 hand-over sends the hidden state as it is (boundary.py)
 
     def __init__(
         self,

@@ -28,7 +28,7 @@ class EngineOptions:
     compact weights; "exact" = compact weights, decode products exact in float32, loader.py;
     "float32" = everything dequantized, the reference path), CPU threads
     (None = all cores), and layer boundaries after which a single stage rounds the hidden
-    state to float16 (to reproduce a pipeline split in one process)."""
+    state to float16 (to reproduce a float16 pipeline split in one process, boundary.py)."""
 
     device: str = "auto"
     precision: str = "default"
@@ -91,6 +91,11 @@ class Stage:
         self.options = options
         self.tensor_names_loaded: frozenset[str] = frozenset(file.materialized)
         self.closed = False
+
+    @property
+    def float16_scale(self) -> float:
+        """What a float16 hand-over multiplies the hidden state by (boundary.py)."""
+        return self.model.float16_scale
 
     def new_session(self, max_seq_len: int) -> StageSession:
         from .session import StageSession
