@@ -192,17 +192,37 @@ class ActivationDtype(StrEnum):
         return 4 if self is ActivationDtype.FLOAT32 else 2
 
 
+class EnginePrecision(StrEnum):
+    """How a stage computes (docs/models.md "Precision", DECISIONS 42-44)."""
+
+    # The engine's own kernel: llama.cpp's arithmetic in llama.cpp's float order, so its
+    # logits are llama.cpp's (torch's int4 kernel where the host cannot build the kernel).
+    DEFAULT = "default"
+    # torch's int4 kernel with decode products exact in float32: nearer to the float
+    # reference than torch's fast path, further from llama.cpp than the default.
+    EXACT = "exact"
+    # Every weight dequantized to float32: the reference path.
+    FLOAT32 = "float32"
+
+
+class EngineDevice(StrEnum):
+    AUTO = "auto"  # CUDA when torch sees a device, else the CPU
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
 class EngineSettings(_Model):
-    precision: Literal["default", "exact", "float32"] = Field(
-        default="default",
+    precision: EnginePrecision = Field(
+        default=EnginePrecision.DEFAULT,
         description=(
-            "default: compact int4 weights, fastest; exact: the same weights with decode "
-            "products exact in float32 (closest to llama.cpp's text, ~0.45x decode speed); "
+            "default: the engine's kernel, llama.cpp's logits bit for bit on the CPU, "
+            "fastest; exact: torch's int4 kernel with decode products exact in float32 "
+            "(~0.45x of torch's one-call path, further from llama.cpp's text than default); "
             "float32: everything dequantized (the reference path)"
         ),
     )
     threads: int | None = Field(default=None, ge=1)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: EngineDevice = EngineDevice.AUTO
     fp16_split_points: list[int] = Field(
         default_factory=list,
         description="Round activations to float16 after these layers (emulates a pipeline split)",
