@@ -5,7 +5,8 @@ it outlives the orchestrator worker that started it. Start is idempotent at its 
 the node's command line carries its resource name (run_id, node_id, nonce), and a
 retried start looks for a live process with that name before it launches another, so a
 worker killed between launching a node and recording it never starts the node twice.
-A pid file keeps the record; the recorded process start time guards against pid reuse.
+A pid file keeps the record; the recorded process start (the kernel's start ticks, which
+no clock step moves: ``pidstart``) guards against pid reuse.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from activities.providers.base import (
     node_environment,
     state_dir,
 )
+from activities.providers.pidstart import ProcessStart
 from mvp_core import names
 from mvp_core.models import (
     NodeExited,
@@ -67,10 +69,12 @@ def _recorded_workflow_id(node_dir: Path) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def _alive(pid: int, create_time: float | None) -> bool:
+def _alive(pid: int, start: ProcessStart | None) -> bool:
+    """Whether ``pid`` runs and is the process whose start was recorded (not a zombie,
+    not a later process of a reused pid)."""
     try:
         proc = psutil.Process(pid)
-        if create_time is not None and abs(proc.create_time() - create_time) > 0.5:
+        if start is not None and not start.matches(proc):
             return False
         return bool(proc.status() != psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
@@ -133,11 +137,10 @@ def marked_node_processes(nodes_root: Path) -> dict[str, psutil.Process]:
     return found
 
 
-def _read_record(pid_file: Path) -> tuple[int, float | None] | None:
+def _read_record(pid_file: Path) -> tuple[int, ProcessStart | None] | None:
     try:
         rec = json.loads(pid_file.read_text())
-        create_time = rec.get("create_time")
-        return int(rec["pid"]), None if create_time is None else float(create_time)
+        return int(rec["pid"]), ProcessStart.from_record(rec)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -185,7 +188,7 @@ class ProcessProvider:
         running = find_node_process(name)
         if running is not None:
             # Launched by an attempt that died before it could record it: adopt it.
-            self._record(pid_file, running.pid, running.create_time())
+            self._record(pid_file, running.pid, ProcessStart.of(running))
             return self._handle(spec, name, running.pid, log_path)
         env = node_environment(
             spec,
@@ -205,13 +208,13 @@ class ProcessProvider:
                 cwd=str(node_dir),
             )
         harness_crash("1")  # the worker dies before recording the node
-        self._record(pid_file, proc.pid, psutil.Process(proc.pid).create_time())
+        self._record(pid_file, proc.pid, ProcessStart.of(psutil.Process(proc.pid)))
         return self._handle(spec, name, proc.pid, log_path)
 
     @staticmethod
-    def _record(pid_file: Path, pid: int, create_time: float) -> None:
+    def _record(pid_file: Path, pid: int, start: ProcessStart) -> None:
         tmp = pid_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"pid": pid, "create_time": create_time}))
+        tmp.write_text(json.dumps({"pid": pid, **start.as_record()}))
         os.replace(tmp, pid_file)
 
     def _handle(self, spec: NodeProvisionSpec, name: str, pid: int, log_path: Path) -> NodeHandle:
@@ -225,14 +228,11 @@ class ProcessProvider:
             resource_name=name,
         )
 
-    def _create_time(self, handle: NodeHandle) -> float | None:
+    def _recorded_start(self, handle: NodeHandle) -> ProcessStart | None:
         if handle.log_path is None:
             return None
-        pid_file = Path(handle.log_path).with_name("pid.json")
-        try:
-            return float(json.loads(pid_file.read_text())["create_time"])
-        except (OSError, ValueError, KeyError):
-            return None
+        rec = _read_record(Path(handle.log_path).with_name("pid.json"))
+        return None if rec is None else rec[1]
 
     def stop(self, handle: NodeHandle, grace_s: float) -> StopNodeResult:
         result = self._stop(handle, grace_s)
@@ -256,8 +256,8 @@ class ProcessProvider:
         pid = handle.pid
         if pid is None:
             return StopNodeResult(node_id=handle.node_id, stopped=True)
-        create_time = self._create_time(handle)
-        if not _alive(pid, create_time):
+        start = self._recorded_start(handle)
+        if not _alive(pid, start):
             _reap(pid)
             return StopNodeResult(node_id=handle.node_id, stopped=True)
         try:
@@ -267,7 +267,7 @@ class ProcessProvider:
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
             _reap(pid)
-            if not _alive(pid, create_time):
+            if not _alive(pid, start):
                 return StopNodeResult(node_id=handle.node_id, stopped=True)
             time.sleep(0.05)
         try:
@@ -277,7 +277,7 @@ class ProcessProvider:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             _reap(pid)
-            if not _alive(pid, create_time):
+            if not _alive(pid, start):
                 return StopNodeResult(node_id=handle.node_id, stopped=True)
             time.sleep(0.05)
         return StopNodeResult(
@@ -289,7 +289,7 @@ class ProcessProvider:
             if handle.pid is None:
                 continue
             _reap(handle.pid)
-            if not _alive(handle.pid, self._create_time(handle)):
+            if not _alive(handle.pid, self._recorded_start(handle)):
                 return NodeExited(
                     run_id=handle.run_id,
                     node_id=handle.node_id,
@@ -345,8 +345,8 @@ class ProcessProvider:
             rec = _read_record(node_dir / "pid.json")
             if rec is None:
                 continue  # never recorded (a start in flight) or already reaped
-            pid, create_time = rec
-            if _alive(pid, create_time):
+            pid, start = rec
+            if _alive(pid, start):
                 found[name] = self._resource(name, f"live, pid {pid} (recorded)")
             else:
                 found[name] = self._resource(name, f"dead: pid {pid} is gone, its record is left")
