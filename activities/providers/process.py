@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import re
 import signal
@@ -59,6 +60,7 @@ _PASS_ENV = (
 
 
 RUN_FILE = "run.json"
+log = logging.getLogger(__name__)
 
 
 def _recorded_workflow_id(node_dir: Path) -> str | None:
@@ -145,11 +147,53 @@ def _read_record(pid_file: Path) -> tuple[int, ProcessStart | None] | None:
         return None
 
 
-def _reap(pid: int) -> None:
+EXIT_FILE = "exit.json"
+REAP_WAIT_S = 2.0  # how long a gone node's exit status may take to become collectable
+# The nodes this process launched, kept so that the subprocess module never reaps one
+# behind _reap's back (a dropped Popen polls its child when collected, and every new
+# Popen polls the dropped ones): the exit status is read, and recorded, here.
+_launched: dict[int, subprocess.Popen[bytes]] = {}
+
+
+def _reap(pid: int, node_dir: Path | None = None) -> bool:
+    """Collect the exit of a node this process launched (one it adopted is not its
+    child), and record it in ``exit.json`` in the node's directory: ``status`` (the exit
+    code, None when a signal ended it) and ``signal`` (its name, e.g. SIGABRT). False
+    while it is our child and not yet collectable."""
     try:
-        os.waitpid(pid, os.WNOHANG)
+        done, wait_status = os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
+        return True  # reaped already, or not our child: nothing to wait for
+    if done != pid:
+        return False
+    _launched.pop(pid, None)
+    if node_dir is None:
+        return True
+    code = os.waitstatus_to_exitcode(wait_status)
+    sig = signal.Signals(-code).name if code < 0 else None
+    rec = {"pid": pid, "status": None if sig else code, "signal": sig}
+    tmp = node_dir / (EXIT_FILE + ".tmp")
+    try:
+        tmp.write_text(json.dumps(rec))
+        os.replace(tmp, node_dir / EXIT_FILE)
+    except OSError:
         pass
+    if code != 0:
+        log.warning("node %s (pid %d) exited with %s", node_dir.name, pid, sig or f"status {code}")
+    return True
+
+
+def _gone(pid: int, start: ProcessStart | None, node_dir: Path | None) -> bool:
+    """Whether the node has exited; its exit is collected (and recorded) either way,
+    also when it exits between the two looks or shows as a zombie before it can be."""
+    _reap(pid, node_dir)
+    if _alive(pid, start):
+        return False
+    # A zombie group leader is reapable only once its last thread is gone: wait that out.
+    deadline = time.monotonic() + REAP_WAIT_S
+    while not _reap(pid, node_dir) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return True
 
 
 class ProcessProvider:
@@ -207,6 +251,7 @@ class ProcessProvider:
                 start_new_session=True,
                 cwd=str(node_dir),
             )
+        _launched[proc.pid] = proc
         harness_crash("1")  # the worker dies before recording the node
         self._record(pid_file, proc.pid, ProcessStart.of(psutil.Process(proc.pid)))
         return self._handle(spec, name, proc.pid, log_path)
@@ -227,6 +272,10 @@ class ProcessProvider:
             log_path=str(log_path),
             resource_name=name,
         )
+
+    @staticmethod
+    def _node_dir_of(handle: NodeHandle) -> Path | None:
+        return None if handle.log_path is None else Path(handle.log_path).parent
 
     def _recorded_start(self, handle: NodeHandle) -> ProcessStart | None:
         if handle.log_path is None:
@@ -257,8 +306,8 @@ class ProcessProvider:
         if pid is None:
             return StopNodeResult(node_id=handle.node_id, stopped=True)
         start = self._recorded_start(handle)
-        if not _alive(pid, start):
-            _reap(pid)
+        node_dir = self._node_dir_of(handle)
+        if _gone(pid, start, node_dir):
             return StopNodeResult(node_id=handle.node_id, stopped=True)
         try:
             os.killpg(pid, signal.SIGTERM)
@@ -266,8 +315,7 @@ class ProcessProvider:
             return StopNodeResult(node_id=handle.node_id, stopped=True)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
-            _reap(pid)
-            if not _alive(pid, start):
+            if _gone(pid, start, node_dir):
                 return StopNodeResult(node_id=handle.node_id, stopped=True)
             time.sleep(0.05)
         try:
@@ -276,8 +324,7 @@ class ProcessProvider:
             return StopNodeResult(node_id=handle.node_id, stopped=True)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            _reap(pid)
-            if not _alive(pid, start):
+            if _gone(pid, start, node_dir):
                 return StopNodeResult(node_id=handle.node_id, stopped=True)
             time.sleep(0.05)
         return StopNodeResult(
@@ -288,8 +335,7 @@ class ProcessProvider:
         for handle in handles:
             if handle.pid is None:
                 continue
-            _reap(handle.pid)
-            if not _alive(handle.pid, self._recorded_start(handle)):
+            if _gone(handle.pid, self._recorded_start(handle), self._node_dir_of(handle)):
                 return NodeExited(
                     run_id=handle.run_id,
                     node_id=handle.node_id,
