@@ -126,6 +126,7 @@ def reaper_workflow_id(host: str) -> str:
 # --------------------------------------------------------------------------- patches
 # workflow.patched() ids: executions recorded before a change replay the old way.
 PATCH_PROMPT_STARTS_ACTIVE = "prompt-starts-active"  # DECISIONS 40
+PATCH_WATCH_ENDS_BEFORE_CLOSE = "watch-ends-before-close"  # DECISIONS 54
 
 # --------------------------------------------------------------------------- metrics
 # Our own metrics (OpenTelemetry names; a Prometheus scrape shows them with dots as

@@ -126,8 +126,11 @@ def start_node(spec: NodeProvisionSpec, queue: str, timeout_s: float, summary: s
     )
 
 
-def watch_nodes(inp: WatchNodesInput, queue: str, summary: str) -> Any:
-    """Ends when one of the nodes' runtimes is gone, naming it."""
+def watch_nodes(
+    inp: WatchNodesInput, queue: str, summary: str, *, wait_for_cancel: bool = False
+) -> Any:
+    """Ends when one of the nodes' runtimes is gone, naming it. ``wait_for_cancel``: a
+    cancel waits for the activity to end (a run then closes only after its watch)."""
     return workflow.execute_activity(
         names.ACT_WATCH_NODES,
         inp,
@@ -137,7 +140,9 @@ def watch_nodes(inp: WatchNodesInput, queue: str, summary: str) -> Any:
         start_to_close_timeout=FOR_THE_RUN,
         heartbeat_timeout=WATCH_HEARTBEAT,
         retry_policy=WATCH_RETRY,
-        cancellation_type=workflow.ActivityCancellationType.TRY_CANCEL,
+        cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED
+        if wait_for_cancel
+        else workflow.ActivityCancellationType.TRY_CANCEL,
     )
 
 

@@ -561,6 +561,9 @@ class RunWorkflow:
                         WatchNodesInput(handles=handles),
                         queue,
                         "watch node(s) " + ", ".join(str(h.node_id) for h in handles),
+                        # The run closes only once its watch has ended (issue 21): a watch
+                        # still polling after the close completes into a closed workflow.
+                        wait_for_cancel=workflow.patched(names.PATCH_WATCH_ENDS_BEFORE_CLOSE),
                     )
                 except (asyncio.CancelledError, ActivityError):
                     return
@@ -607,7 +610,7 @@ class RunWorkflow:
         task = asyncio.ensure_future(awaitable)
         await workflow.wait_condition(lambda: task.done() or self._state.stopping)
         if not task.done():
-            task.cancel()
+            _abandon(task)
             raise _Stopping()
         return task.result()
 
@@ -960,7 +963,7 @@ class RunWorkflow:
         )
         await workflow.wait_condition(lambda: task.done() or node.exited)
         if not task.done():
-            task.cancel()  # the node is gone: nothing left to stop there
+            _abandon(task)  # the node is gone: nothing left to stop there
             return
         try:
             await task
@@ -1083,6 +1086,19 @@ _REJECTION_TEXT = {
 
 class _NoUpdate:
     id = "noupdate"
+
+
+def _abandon(task: asyncio.Task[Any]) -> None:
+    """Cancel an activity the run no longer waits for. Its end (``ActivityError:
+    Activity cancelled``) is taken here: left unread, the task's garbage collection
+    logged it as "Task exception was never retrieved" in the worker's log."""
+    task.add_done_callback(_retrieve)
+    task.cancel()
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _safe(update_id: str) -> str:

@@ -5,13 +5,15 @@ it outlives the orchestrator worker that started it. Start is idempotent at its 
 the node's command line carries its resource name (run_id, node_id, nonce), and a
 retried start looks for a live process with that name before it launches another, so a
 worker killed between launching a node and recording it never starts the node twice.
-A pid file keeps the record; the recorded process start time guards against pid reuse.
+A pid file keeps the record; the recorded process start (the kernel's start ticks, which
+no clock step moves: ``pidstart``) guards against pid reuse.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import re
 import signal
@@ -31,6 +33,7 @@ from activities.providers.base import (
     node_environment,
     state_dir,
 )
+from activities.providers.pidstart import ProcessStart
 from mvp_core import names
 from mvp_core.models import (
     NodeExited,
@@ -58,6 +61,7 @@ _PASS_ENV = (
 
 
 RUN_FILE = "run.json"
+log = logging.getLogger(__name__)
 
 
 def _recorded_workflow_id(node_dir: Path) -> str | None:
@@ -68,10 +72,12 @@ def _recorded_workflow_id(node_dir: Path) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def _alive(pid: int, create_time: float | None) -> bool:
+def _alive(pid: int, start: ProcessStart | None) -> bool:
+    """Whether ``pid`` runs and is the process whose start was recorded (not a zombie,
+    not a later process of a reused pid)."""
     try:
         proc = psutil.Process(pid)
-        if create_time is not None and abs(proc.create_time() - create_time) > 0.5:
+        if start is not None and not start.matches(proc):
             return False
         return bool(proc.status() != psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
@@ -134,20 +140,61 @@ def marked_node_processes(nodes_root: Path) -> dict[str, psutil.Process]:
     return found
 
 
-def _read_record(pid_file: Path) -> tuple[int, float | None] | None:
+def _read_record(pid_file: Path) -> tuple[int, ProcessStart | None] | None:
     try:
         rec = json.loads(pid_file.read_text())
-        create_time = rec.get("create_time")
-        return int(rec["pid"]), None if create_time is None else float(create_time)
+        return int(rec["pid"]), ProcessStart.from_record(rec)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def _reap(pid: int) -> None:
+EXIT_FILE = "exit.json"
+REAP_WAIT_S = 2.0  # how long a gone node's exit status may take to become collectable
+# The nodes this process launched, kept so that the subprocess module never reaps one
+# behind _reap's back (a dropped Popen polls its child when collected, and every new
+# Popen polls the dropped ones): the exit status is read, and recorded, here.
+_launched: dict[int, subprocess.Popen[bytes]] = {}
+
+
+def _reap(pid: int, node_dir: Path | None = None) -> bool:
+    """Collect the exit of a node this process launched (one it adopted is not its
+    child), and record it in ``exit.json`` in the node's directory: ``status`` (the exit
+    code, None when a signal ended it) and ``signal`` (its name, e.g. SIGABRT). False
+    while it is our child and not yet collectable."""
     try:
-        os.waitpid(pid, os.WNOHANG)
+        done, wait_status = os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
+        return True  # reaped already, or not our child: nothing to wait for
+    if done != pid:
+        return False
+    _launched.pop(pid, None)
+    if node_dir is None:
+        return True
+    code = os.waitstatus_to_exitcode(wait_status)
+    sig = signal.Signals(-code).name if code < 0 else None
+    rec = {"pid": pid, "status": None if sig else code, "signal": sig}
+    tmp = node_dir / (EXIT_FILE + ".tmp")
+    try:
+        tmp.write_text(json.dumps(rec))
+        os.replace(tmp, node_dir / EXIT_FILE)
+    except OSError:
         pass
+    if code != 0:
+        log.warning("node %s (pid %d) exited with %s", node_dir.name, pid, sig or f"status {code}")
+    return True
+
+
+def _gone(pid: int, start: ProcessStart | None, node_dir: Path | None) -> bool:
+    """Whether the node has exited; its exit is collected (and recorded) either way,
+    also when it exits between the two looks or shows as a zombie before it can be."""
+    _reap(pid, node_dir)
+    if _alive(pid, start):
+        return False
+    # A zombie group leader is reapable only once its last thread is gone: wait that out.
+    deadline = time.monotonic() + REAP_WAIT_S
+    while not _reap(pid, node_dir) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return True
 
 
 class ProcessProvider:
@@ -186,7 +233,7 @@ class ProcessProvider:
         running = find_node_process(name)
         if running is not None:
             # Launched by an attempt that died before it could record it: adopt it.
-            self._record(pid_file, running.pid, running.create_time())
+            self._record(pid_file, running.pid, ProcessStart.of(running))
             return self._handle(spec, name, running.pid, log_path)
         env = node_environment(
             spec,
@@ -205,14 +252,15 @@ class ProcessProvider:
                 start_new_session=True,
                 cwd=str(node_dir),
             )
+        _launched[proc.pid] = proc
         harness_crash("1")  # the worker dies before recording the node
-        self._record(pid_file, proc.pid, psutil.Process(proc.pid).create_time())
+        self._record(pid_file, proc.pid, ProcessStart.of(psutil.Process(proc.pid)))
         return self._handle(spec, name, proc.pid, log_path)
 
     @staticmethod
-    def _record(pid_file: Path, pid: int, create_time: float) -> None:
+    def _record(pid_file: Path, pid: int, start: ProcessStart) -> None:
         tmp = pid_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"pid": pid, "create_time": create_time}))
+        tmp.write_text(json.dumps({"pid": pid, **start.as_record()}))
         os.replace(tmp, pid_file)
 
     def _handle(self, spec: NodeProvisionSpec, name: str, pid: int, log_path: Path) -> NodeHandle:
@@ -226,14 +274,15 @@ class ProcessProvider:
             resource_name=name,
         )
 
-    def _create_time(self, handle: NodeHandle) -> float | None:
+    @staticmethod
+    def _node_dir_of(handle: NodeHandle) -> Path | None:
+        return None if handle.log_path is None else Path(handle.log_path).parent
+
+    def _recorded_start(self, handle: NodeHandle) -> ProcessStart | None:
         if handle.log_path is None:
             return None
-        pid_file = Path(handle.log_path).with_name("pid.json")
-        try:
-            return float(json.loads(pid_file.read_text())["create_time"])
-        except (OSError, ValueError, KeyError):
-            return None
+        rec = _read_record(Path(handle.log_path).with_name("pid.json"))
+        return None if rec is None else rec[1]
 
     def stop(self, handle: NodeHandle, grace_s: float) -> StopNodeResult:
         result = self._stop(handle, grace_s)
@@ -257,9 +306,9 @@ class ProcessProvider:
         pid = handle.pid
         if pid is None:
             return StopNodeResult(node_id=handle.node_id, stopped=True)
-        create_time = self._create_time(handle)
-        if not _alive(pid, create_time):
-            _reap(pid)
+        start = self._recorded_start(handle)
+        node_dir = self._node_dir_of(handle)
+        if _gone(pid, start, node_dir):
             return StopNodeResult(node_id=handle.node_id, stopped=True)
         try:
             os.killpg(pid, signal.SIGTERM)
@@ -267,8 +316,7 @@ class ProcessProvider:
             return StopNodeResult(node_id=handle.node_id, stopped=True)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
-            _reap(pid)
-            if not _alive(pid, create_time):
+            if _gone(pid, start, node_dir):
                 return StopNodeResult(node_id=handle.node_id, stopped=True)
             time.sleep(0.05)
         try:
@@ -277,8 +325,7 @@ class ProcessProvider:
             return StopNodeResult(node_id=handle.node_id, stopped=True)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            _reap(pid)
-            if not _alive(pid, create_time):
+            if _gone(pid, start, node_dir):
                 return StopNodeResult(node_id=handle.node_id, stopped=True)
             time.sleep(0.05)
         return StopNodeResult(
@@ -289,8 +336,7 @@ class ProcessProvider:
         for handle in handles:
             if handle.pid is None:
                 continue
-            _reap(handle.pid)
-            if not _alive(handle.pid, self._create_time(handle)):
+            if _gone(handle.pid, self._recorded_start(handle), self._node_dir_of(handle)):
                 return NodeExited(
                     run_id=handle.run_id,
                     node_id=handle.node_id,
@@ -334,8 +380,8 @@ class ProcessProvider:
             rec = _read_record(node_dir / "pid.json")
             if rec is None:
                 continue  # never recorded (a start in flight) or already reaped
-            pid, create_time = rec
-            if _alive(pid, create_time):
+            pid, start = rec
+            if _alive(pid, start):
                 found[name] = self._resource(name, f"live, pid {pid} (recorded)")
             else:
                 found[name] = self._resource(name, f"dead: pid {pid} is gone, its record is left")

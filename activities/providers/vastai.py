@@ -63,6 +63,7 @@ from activities.providers.base import (
     node_environment,
     state_dir,
 )
+from activities.providers.pidstart import ProcessStart
 from mvp_core import names
 from mvp_core.models import (
     NodeExited,
@@ -832,10 +833,8 @@ class VastAiProvider:
         try:
             rec = json.loads(self._tunnel_file(label).read_text())
             proc = psutil.Process(int(rec["pid"]))
-            return (
-                bool(abs(proc.create_time() - float(rec["started"])) < 1.0)
-                and proc.status() != psutil.STATUS_ZOMBIE
-            )
+            start = ProcessStart(float(rec["started"]), rec.get("start_ticks"))
+            return start.matches(proc) and proc.status() != psutil.STATUS_ZOMBIE
         except (OSError, ValueError, KeyError, TypeError, psutil.Error):
             return False
 
@@ -859,9 +858,11 @@ class VastAiProvider:
             proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
             )
-        started = psutil.Process(proc.pid).create_time()
+        started = ProcessStart.of(psutil.Process(proc.pid))
         self._tunnel_file(record.label).write_text(
-            json.dumps({"pid": proc.pid, "started": started})
+            json.dumps(
+                {"pid": proc.pid, "started": started.create_time, "start_ticks": started.ticks}
+            )
         )
         # The forward is up once the instance's end accepts connections.
         probe = (

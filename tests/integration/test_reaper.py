@@ -23,6 +23,7 @@ from temporalio.client import (
 )
 
 from activities.planning import provider_host
+from activities.providers.pidstart import ProcessStart
 from activities.providers.process import ProcessProvider
 from mvp_core import names
 from mvp_core.models import RequestShutdown, RunOutcome, RunPhase
@@ -99,7 +100,7 @@ def test_process_provider_lists_its_marked_nodes_and_dead_records_and_destroys_t
         ProcessProvider._record(
             nodes / "mvp-7001-1-aaaaaaaa" / "pid.json",
             live.pid,
-            psutil.Process(live.pid).create_time(),
+            ProcessStart.of(psutil.Process(live.pid)),
         )
         dead = dead_record(nodes, "mvp-7002-1-bbbbbbbb")
         (nodes / "mvp-7004-1-dddddddd").mkdir()  # a start in flight: nothing recorded yet

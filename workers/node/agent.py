@@ -249,6 +249,8 @@ async def amain() -> None:
     server.close()
     await tel.aclose()  # the last spans and samples go out before the node exits
     print(f"node {cfg.node_id} stopped", flush=True)
+    # Not through the event loop's and the interpreter's teardown: see exit_stopped.
+    exit_stopped()
 
 
 def parser() -> argparse.ArgumentParser:
@@ -269,3 +271,21 @@ def main(layout_note: str | None = None) -> None:
         log.warning("%s", layout_note)
     log.info("address layout: %s", "randomized" if layout.randomized() else "fixed")
     asyncio.run(amain())
+
+
+def exit_stopped() -> None:
+    """End the process of a node that stopped as asked: status 0, without finalizing
+    the interpreter. Finalization kills the daemon threads still running (the
+    runtime's preload import, a stage or engine thread in a forward pass) with
+    pthread_exit, whose unwinding through torch's C++ frames aborts the process
+    ("terminate called without an active exception", status 134); on a loaded
+    machine that teardown (the loop's wait for its executor threads, then
+    finalization) also outlasted the provider's stop grace, and the node was killed. Everything the node owns is
+    closed and flushed by now (worker, stage, data plane, telemetry); logs go last."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(0)

@@ -39,6 +39,7 @@ from workflows.run import RunWorkflow
 
 log = logging.getLogger("mvp.orchestrator")
 SHUTDOWN_DEADLINE_S = 8.0
+PROVIDER_HEARTBEAT_THROTTLE = timedelta(seconds=0.5)
 
 
 async def run_worker(stop: asyncio.Event) -> None:
@@ -77,6 +78,11 @@ async def run_worker(stop: asyncio.Event) -> None:
             reaper.destroy_resource,
         ],
         max_concurrent_activities=64,
+        # Heartbeats carry cancellation back: the run's close waits for its provider
+        # watch to end (DECISIONS 54), which the default throttle (0.8 x its 10 s
+        # heartbeat timeout) would delay by up to 8 s.
+        max_heartbeat_throttle_interval=PROVIDER_HEARTBEAT_THROTTLE,
+        default_heartbeat_throttle_interval=PROVIDER_HEARTBEAT_THROTTLE,
     )
     log.info(
         "orchestrator worker on %s (queues %s, %s)",

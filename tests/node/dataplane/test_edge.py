@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -206,6 +207,7 @@ def test_wrong_token_rejected_and_logged(server, caplog) -> None:
 
 
 def test_unknown_edge_rejected_and_logged(server, caplog) -> None:
+    server.expect(ACT, TOKEN)  # a provisioned stage: it knows which edges it expects
     with caplog.at_level(logging.WARNING, logger="mvp.dataplane"):
         # Held hold_unexpected_s (0.5 s) for the edge to become expected, then sent away.
         with pytest.raises(EdgeTimeout, match="edge 9 not expected by this node"):
@@ -216,9 +218,33 @@ def test_unknown_edge_rejected_and_logged(server, caplog) -> None:
         and m.endswith("edge not expected by this node")
         for m in msgs
     ), msgs
-    sender, receiver = pair(server, ACT)
+    sender = connect_edge("127.0.0.1", server.port, ACT, TOKEN, timeout=2.0)
+    receiver = server.wait_inbound(ACT.edge_id, timeout=2.0)
     sender.close()
     receiver.close()
+
+
+def test_an_upstream_early_for_a_loading_stage_is_quiet_and_accepted(server, caplog) -> None:
+    """Start-up order: the upstream loaded first and knocks while this node expects
+    nothing yet; it retries without a warning here and is accepted once expected."""
+
+    def early() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.getMessage().startswith("edge 2: 127.0.0.1:")]
+
+    with caplog.at_level(logging.DEBUG, logger="mvp.dataplane"):
+        with ThreadPoolExecutor(1) as pool:
+            upstream = pool.submit(connect_edge, "127.0.0.1", server.port, ACT, TOKEN, 30.0)
+            deadline = time.monotonic() + 30
+            while len(early()) < 2 and time.monotonic() < deadline:  # refused twice
+                time.sleep(0.01)
+            receiver_future = server.expect(ACT, TOKEN)  # the stage has loaded
+            sender = upstream.result(30)
+        receiver = receiver_future.result(30)
+    sender.close()
+    receiver.close()
+    assert len(early()) >= 2 and all(r.levelno == logging.DEBUG for r in early()), early()
+    assert "expects no edge yet" in early()[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
 
 
 def test_bad_hello_and_duplicate_edge(server, caplog) -> None:

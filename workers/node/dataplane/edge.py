@@ -13,6 +13,9 @@ Answer (accepting side): status u8 (0 ok, 1 edge not expected yet: retry, 2 reje
 reason length u16 LE, reason UTF-8. On a non-zero status the accepting side closes. A
 hello for an edge not expected yet is held up to `hold_unexpected_s` before the retry
 answer, so an upstream that connects early is accepted as soon as the edge is expected.
+A node that expects no edge yet (its stage still loading) refuses such hellos quietly:
+that is the start-up order of a pipeline. Once it expects edges, a hello for another
+edge is logged as a warning.
 """
 
 from __future__ import annotations
@@ -476,6 +479,10 @@ class DataPlaneServer:
         self._expected: dict[int, _Expectation] = {}
         self._futures: dict[int, Future[EdgeReceiver]] = {}
         self._connected: set[int] = set()
+        # Until its stage is provisioned a node expects nothing: an upstream that loaded
+        # first knocks, is held, and retries (the start-up order, quiet); once it expects
+        # edges, a hello for another one is a real misroute (a warning).
+        self._expects_any = False
         self._tokens: dict[int, bytes] = {}  # kept after connection: later peers still authenticate
         self._receivers: list[EdgeReceiver] = []
         self._handshaking: set[socket.socket] = set()
@@ -507,6 +514,7 @@ class DataPlaneServer:
                 raise ValueError(f"edge {spec.edge_id} is already expected")
             self._connected.discard(spec.edge_id)
             self._expected[spec.edge_id] = exp
+            self._expects_any = True
             self._tokens[spec.edge_id] = token_b
             self._futures[spec.edge_id] = exp.future
             self._changed.notify_all()
@@ -644,6 +652,7 @@ class DataPlaneServer:
                 timeout=max(0.0, min(self.hold_unexpected_s, deadline - time.monotonic())),
             )
             exp = self._expected.get(edge_id)
+            expects_any = self._expects_any
             connected = edge_id in self._connected
             known = self._tokens.get(edge_id)
             if exp is not None and hmac.compare_digest(token, exp.token):
@@ -669,9 +678,17 @@ class DataPlaneServer:
                     peer,
                 )
                 self._answer(sock, _REJECT, f"edge {edge_id} already connected")
-            else:
+            elif expects_any:
                 log.warning(
                     "edge %d: rejected connection from %s: edge not expected by this node",
+                    edge_id,
+                    peer,
+                )
+                self._answer(sock, _RETRY, f"edge {edge_id} not expected by this node")
+            else:
+                log.debug(
+                    "edge %d: %s is early: this node expects no edge yet (its stage is "
+                    "loading); it retries",
                     edge_id,
                     peer,
                 )
