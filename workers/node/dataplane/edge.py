@@ -616,8 +616,11 @@ class DataPlaneServer:
             if not handed:
                 _hard_close(sock)
 
-    def _handshake_inner(self, sock: socket.socket, peer: str) -> bool:
-        deadline = time.monotonic() + self.handshake_timeout_s
+    def _read_hello(
+        self, sock: socket.socket, peer: str, deadline: float
+    ) -> tuple[int, bytes] | None:
+        """The hello's edge id and token, or None (answered and logged: a bad magic or
+        token length, an incomplete hello)."""
         try:
             _tune(sock)
             magic, edge_id, token_len = _HELLO.unpack(_recv_exact(sock, _HELLO.size, deadline))
@@ -629,7 +632,7 @@ class DataPlaneServer:
                     HELLO_MAGIC,
                 )
                 self._answer(sock, _REJECT, f"bad hello magic {magic!r}")
-                return False
+                return None
             if not 0 < token_len <= MAX_TOKEN_LEN:
                 log.warning(
                     "edge %d: rejected connection from %s: edge token length %d not in 1..%d",
@@ -639,13 +642,20 @@ class DataPlaneServer:
                     MAX_TOKEN_LEN,
                 )
                 self._answer(sock, _REJECT, f"edge token length {token_len} not allowed")
-                return False
+                return None
             token = _recv_exact(sock, token_len, deadline)
         except (OSError, EOFError) as e:
             if not self._closing:
                 log.warning("data plane: incomplete hello from %s: %s", peer, e)
-            return False
+            return None
+        return edge_id, token
 
+    def _handshake_inner(self, sock: socket.socket, peer: str) -> bool:
+        deadline = time.monotonic() + self.handshake_timeout_s
+        hello = self._read_hello(sock, peer, deadline)
+        if hello is None:
+            return False
+        edge_id, token = hello
         with self._lock:
             self._changed.wait_for(
                 lambda: edge_id in self._expected or edge_id in self._connected or self._closing,
