@@ -1,7 +1,7 @@
 """Re-attach through the gateway: ``GET /v1/chat/completions/{id}`` and
 ``GET /v1/completions/{id}`` return a completion of this run by the id the gateway gave
 it (``chatcmpl-<run>-<request>``, ``cmpl-<run>-<request>``), running or finished, from
-any client (``temporal.client.attach_prompt``).
+any client (``temporal.client.RunHandle.attach``).
 
 Without ``?stream=true`` the answer waits for the prompt's end and is the completion
 object; with it, server-sent events as ``POST`` streams them: the whole text so far in
@@ -18,14 +18,14 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mvp_core.models import Done, Fault, TextDelta
-from temporal.client import PromptNotFound, attach_prompt
+from temporal.client import PromptNotFound
 from workers.gateway.wire import SSE_DONE, ApiError, sse
 
 if TYPE_CHECKING:
@@ -77,12 +77,7 @@ async def retrieve(request: Request, gateway: Gateway, *, chat: bool) -> Respons
     ident = request.path_params["completion_id"]
     request_id = parse_id(ident, chat, gateway.run_id)
     served = await gateway.served()
-    events = cast(
-        AsyncGenerator[TextDelta | Done | Fault, None],
-        attach_prompt(
-            gateway.client, gateway.run_id, request_id, poll_cooldown_ms=gateway.poll_cooldown_ms
-        ),
-    )
+    events = gateway.run.attach(request_id, poll_cooldown_ms=gateway.poll_cooldown_ms)
     try:
         first = await anext(events)
     except PromptNotFound:
