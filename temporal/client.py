@@ -501,16 +501,3 @@ def attach_prompt(
 ) -> PromptEvents:
     """:meth:`RunHandle.attach`."""
     return RunHandle(client, run_id).attach(request_id, poll_cooldown_ms=poll_cooldown_ms)
-
-
-async def check_run_open(handle: WorkflowHandle[Any, Any], address: str) -> None:
-    """Raise RunNotOpen unless the run behind ``handle`` exists and is running."""
-    try:
-        desc = await handle.describe()
-    except RPCError as err:
-        if err.status is RPCStatusCode.NOT_FOUND:
-            raise RunNotOpen(f"no run {handle.id} on {address}") from None
-        raise RunNotOpen(f"cannot describe run {handle.id} on {address}: {err}") from None
-    if desc.status is not WorkflowExecutionStatus.RUNNING:
-        status = desc.status.name.lower() if desc.status else "closed"
-        raise RunNotOpen(f"run {handle.id} has ended ({status})")
