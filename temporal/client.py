@@ -1,31 +1,48 @@
-"""A small client API: submit a prompt to a run and read its text as it is generated.
+"""The typed client of a run: one :class:`RunHandle` for everything a host, the gateway,
+the demo or ``mvp-chat`` asks of run ``mvp-run-<run_id>``.
 
-    async for event in stream_prompt(client, run_id=7, prompt=SubmitPrompt(...)):
-        if isinstance(event, TextDelta): print(event.text, end="", flush=True)
-        else: ...  # Done or Fault, always last, exactly once
+    run = await RunHandle.start(client, 7, request)     # or RunHandle(client, 7) to attach
+    await run.wait_prompt_ready()
+    async with contextlib.aclosing(run.stream(SubmitPrompt(...))) as events:
+        async for event in events:
+            if isinstance(event, TextDelta): print(event.text, end="", flush=True)
+            else: ...  # Done or Fault, always last, exactly once
+    outcome = await run.shutdown_and_wait(ShutdownReason.OPERATOR_REQUESTED)
 
 The prompt is admitted by the run's ``submit_prompt`` Update (its validator rejects a
 full queue, a duplicate id, or a run that is not prompt-ready, raising ``PromptRejected``);
 its text deltas come from the prompt's own workflow stream, which any client can
-subscribe to and re-attach to; the terminal event is the Update's result.
+subscribe to and re-attach to; the terminal event is the Update's result. A stream owns
+its prompt: left before its terminal event (a ``break``, an error, a cancellation, or the
+iterator dropped), it cancels the prompt, so that the run's active slot is free for the
+next one (DECISIONS in docs/decisions.md, "an abandoned stream cancels its prompt").
+
+Updates and the query are called by method reference (``RunWorkflow.submit_prompt``);
+the run's two client signals (``request_shutdown``, ``cancel_prompt``) are routed by the
+run's dynamic signal handler, so they go by their names in ``mvp_core.names``, from here
+only. The module-level functions below are the same calls for one-off use.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 from pydantic import TypeAdapter
 from temporalio.client import (
     Client,
+    WorkflowExecutionDescription,
     WorkflowExecutionStatus,
     WorkflowHandle,
     WorkflowQueryFailedError,
+    WorkflowQueryRejectedError,
     WorkflowUpdateFailedError,
     WorkflowUpdateHandle,
+    WorkflowUpdateRPCTimeoutOrCancelledError,
     WorkflowUpdateStage,
 )
 from temporalio.contrib.workflow_streams import WorkflowStreamClient
@@ -34,34 +51,72 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from mvp_core import names
 from mvp_core.models import (
+    CancelPrompt,
     Done,
     Fault,
     PromptEvent,
     PromptOutcome,
-    PromptTerminal,
+    RequestShutdown,
+    RunOutcome,
+    RunPhase,
     RunRequest,
+    ShutdownReason,
     SubmitPrompt,
     TextDelta,
 )
 from mvp_core.run_state import RunState
+from workflows.run import RunWorkflow
 
 _EVENT: TypeAdapter[TextDelta | Done | Fault] = TypeAdapter(PromptEvent)
-_TERMINAL: Any = PromptTerminal
+
+QUERY_TIMEOUT = timedelta(seconds=5)  # one snapshot query (a run no worker has answers late)
+CANCEL_TIMEOUT_S = 5.0  # a cancel_prompt signal that takes longer is given up
+ADMIT_WAIT_S = 30.0  # a stream cancelled while its admission is in flight waits this long
+# After an Update is accepted: is its outcome known already (a validator's rejection comes
+# back with the acceptance)? A result call this short answers from what the handle knows,
+# and otherwise gives up at once; it never waits for the prompt.
+_OUTCOME_PEEK = timedelta(milliseconds=1)
+QUERY_FAILED = (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError)
+
+PromptEvents = AsyncGenerator[TextDelta | Done | Fault, None]
 
 
-async def start_run(client: Client, run_id: int, request: RunRequest) -> WorkflowHandle[Any, Any]:
-    """Start run ``run_id`` (workflow ``mvp-run-<run_id>``) as the docs say, with the short
-    workflow task timeout that lets another worker take over a lost task quickly."""
-    handle: WorkflowHandle[Any, Any] = await client.start_workflow(
-        names.RUN_WORKFLOW,
-        request,
-        id=names.run_workflow_id(run_id),
-        task_queue=names.ORCHESTRATOR_TASK_QUEUE,
-        task_timeout=timedelta(seconds=names.WORKFLOW_TASK_TIMEOUT_S),
-        # What the Web UI lists for the run (its live details come from the run itself).
-        static_summary=run_summary(run_id, request),
-    )
-    return handle
+class PromptRejected(Exception):
+    """The run refused the prompt; ``kind`` is the typed rejection (DECISIONS 9)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class PromptNotFound(LookupError):
+    """No prompt of that request id was ever admitted by the run."""
+
+
+class RunNotOpen(Exception):
+    """The run does not exist, cannot be described, or has ended (the message says which)."""
+
+
+class RunClosed(Exception):
+    """The run closed while the caller waited for it to become prompt-ready. ``error`` is
+    how its result failed (a ``WorkflowFailureError`` for a rejected or faulted run), None
+    when it closed without a failure."""
+
+    def __init__(self, workflow_id: str, error: BaseException | None) -> None:
+        super().__init__(
+            f"run {workflow_id} closed before it was prompt-ready"
+            + (f": {error}" if error is not None else "")
+        )
+        self.error = error
+
+
+def _drop(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` if it still runs, and never leave its end unread: a cancelled
+    Update result ends with the SDK's own error, which asyncio would report as "never
+    retrieved"."""
+    if not task.done():
+        task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 def run_summary(run_id: int, request: RunRequest) -> str:
@@ -73,14 +128,6 @@ def run_summary(run_id: int, request: RunRequest) -> str:
     )
 
 
-class PromptRejected(Exception):
-    """The run refused the prompt; ``kind`` is the typed rejection (DECISIONS 9)."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
 def _rejection(err: WorkflowUpdateFailedError) -> PromptRejected:
     cause = err.cause
     if isinstance(cause, ApplicationError):
@@ -88,176 +135,369 @@ def _rejection(err: WorkflowUpdateFailedError) -> PromptRejected:
     return PromptRejected("Rejected", str(cause or err))
 
 
-async def _admit(client: Client, run_id: int, prompt: SubmitPrompt, update_id: str) -> Any:
-    """Start the ``submit_prompt`` Update and return its handle once the run admitted the
-    prompt; a refusal raises PromptRejected.
+class RunHandle:
+    """Run ``mvp-run-<run_id>`` as a client sees it. ``RunHandle(client, run_id)`` attaches
+    to a run that exists (or will); :meth:`start` starts one. Cheap: it holds the client,
+    the workflow handle and the cancels it has sent."""
 
-    A validator's rejection comes back as an Update already completed with a failure
-    (the server answers the ACCEPTED wait with the outcome): it is read at once here,
-    so the caller never holds a handle for a prompt that was not admitted.
-    """
-    handle = client.get_workflow_handle(names.run_workflow_id(run_id))
-    try:
-        update = await handle.start_update(
-            names.UPDATE_SUBMIT_PROMPT,
-            prompt,
-            id=update_id,
-            wait_for_stage=WorkflowUpdateStage.ACCEPTED,
-            result_type=_TERMINAL,
+    def __init__(self, client: Client, run_id: int) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.workflow_id = names.run_workflow_id(run_id)
+        self._workflow: WorkflowHandle[Any, Any] | None = None
+        self._cancelled: set[int] = set()  # request ids this handle has cancelled
+        self._background: set[asyncio.Future[Any]] = set()
+
+    @property
+    def workflow(self) -> WorkflowHandle[Any, Any]:
+        """The run's workflow handle (made on first use)."""
+        if self._workflow is None:
+            self._workflow = self.client.get_workflow_handle(self.workflow_id)
+        return self._workflow
+
+    # ------------------------------------------------------------------ the run
+    @classmethod
+    async def start(cls, client: Client, run_id: int, request: RunRequest) -> RunHandle:
+        """Start run ``run_id`` as the docs say, with the short workflow task timeout that
+        lets another worker take over a lost task quickly. Raises the SDK's
+        ``WorkflowAlreadyStartedError`` when the run exists, ``RPCError`` otherwise."""
+        run = cls(client, run_id)
+        run._workflow = await client.start_workflow(
+            names.RUN_WORKFLOW,
+            request,
+            id=run.workflow_id,
+            task_queue=names.ORCHESTRATOR_TASK_QUEUE,
+            task_timeout=timedelta(seconds=names.WORKFLOW_TASK_TIMEOUT_S),
+            # What the Web UI lists for the run (its live details come from the run itself).
+            static_summary=run_summary(run_id, request),
         )
-        outcome = getattr(update, "_known_outcome", None)
-        if outcome is not None and outcome.HasField("failure"):
-            await update.result()  # raises the rejection, without another RPC
-    except WorkflowUpdateFailedError as err:
-        raise _rejection(err) from None
-    return update
+        return run
+
+    async def describe(self) -> WorkflowExecutionDescription:
+        return await self.workflow.describe()
+
+    async def check_open(self, address: str) -> None:
+        """Raise RunNotOpen unless the run exists and is running."""
+        try:
+            desc = await self.workflow.describe()
+        except RPCError as err:
+            if err.status is RPCStatusCode.NOT_FOUND:
+                raise RunNotOpen(f"no run {self.workflow_id} on {address}") from None
+            raise RunNotOpen(
+                f"cannot describe run {self.workflow_id} on {address}: {err}"
+            ) from None
+        if desc.status is not WorkflowExecutionStatus.RUNNING:
+            status = desc.status.name.lower() if desc.status else "closed"
+            raise RunNotOpen(f"run {self.workflow_id} has ended ({status})")
+
+    async def is_closed(self) -> bool:
+        """True once the run has closed (any status but running); RPCError when unknown."""
+        desc = await self.workflow.describe()
+        return desc.status is not WorkflowExecutionStatus.RUNNING
+
+    async def snapshot(self, *, rpc_timeout: timedelta = QUERY_TIMEOUT) -> RunState:
+        """The run's state (query ``snapshot``); the SDK's query or RPC error when the run
+        cannot answer."""
+        state: RunState = await self.workflow.query(RunWorkflow.snapshot, rpc_timeout=rpc_timeout)
+        return state
+
+    async def try_snapshot(self, *, rpc_timeout: timedelta = QUERY_TIMEOUT) -> RunState | None:
+        """The run's state, or None when it cannot answer now (no worker has it yet, a
+        worker restarting, a server unreachable)."""
+        try:
+            return await self.snapshot(rpc_timeout=rpc_timeout)
+        except QUERY_FAILED:
+            return None
+
+    async def wait_prompt_ready(
+        self, *, poll_s: float = 0.2, check: Callable[[], None] | None = None
+    ) -> RunState:
+        """Return the run's state once it is prompt-ready. Raises RunClosed when the run
+        closes first; ``check`` is called on every poll and may raise to stop waiting
+        (e.g. when a worker this process started has exited)."""
+        closed = asyncio.ensure_future(self.workflow.result())
+        try:
+            while not closed.done():
+                if check is not None:
+                    check()
+                state = await self.try_snapshot()
+                if state is not None and state.phase is RunPhase.PROMPT_READY:
+                    return state
+                await asyncio.wait([closed], timeout=poll_s)
+            raise RunClosed(self.workflow_id, closed.exception())
+        finally:
+            _drop(closed)
+
+    async def result(self) -> RunOutcome:
+        """Wait for the run to close; its outcome, or the SDK's WorkflowFailureError for a
+        rejected or faulted run."""
+        raw = await self.workflow.result()
+        return RunOutcome.model_validate(raw)
+
+    async def request_shutdown(self, reason: ShutdownReason) -> bool:
+        """Ask the run to shut down (signal ``request_shutdown``) without waiting; False
+        when the run is closed already. Other RPC errors are raised."""
+        try:
+            await self.workflow.signal(
+                names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=self.run_id, reason=reason)
+            )
+        except RPCError as err:
+            if err.status is RPCStatusCode.NOT_FOUND:
+                return False
+            raise
+        return True
+
+    async def shutdown_and_wait(self, reason: ShutdownReason) -> RunOutcome:
+        """Shut the run down and return once it is torn down (Update
+        ``request_shutdown_and_wait``); the SDK's Update or RPC errors otherwise."""
+        outcome = await self.workflow.execute_update(
+            RunWorkflow.request_shutdown_and_wait,
+            RequestShutdown(run_id=self.run_id, reason=reason),
+        )
+        return cast(RunOutcome, outcome)  # the SDK types an async handler's result loosely
+
+    async def terminate(self, reason: str) -> None:
+        await self.workflow.terminate(reason=reason)
+
+    # ------------------------------------------------------------------ prompts
+    async def _admit(self, prompt: SubmitPrompt, update_id: str) -> WorkflowUpdateHandle[Any]:
+        """Start the ``submit_prompt`` Update and return its handle once the run admitted
+        the prompt; a refusal raises PromptRejected.
+
+        A validator's rejection comes back as an Update already completed with a failure
+        (the server answers the ACCEPTED wait with the outcome): it is read at once here,
+        so the caller never holds a handle for a prompt that was not admitted."""
+        try:
+            # (Any: the SDK types an async handler's result as its coroutine)
+            update: WorkflowUpdateHandle[Any] = await self.workflow.start_update(
+                RunWorkflow.submit_prompt,
+                prompt,
+                id=update_id,
+                wait_for_stage=WorkflowUpdateStage.ACCEPTED,
+            )
+            # Known outcome: a rejection raises here (a prompt already done returns);
+            # none known: the peek gives up at once, and the prompt is admitted.
+            with contextlib.suppress(WorkflowUpdateRPCTimeoutOrCancelledError, RPCError):
+                await update.result(rpc_timeout=_OUTCOME_PEEK)
+        except WorkflowUpdateFailedError as err:
+            raise _rejection(err) from None
+        self._cancelled.discard(prompt.request_id)  # a new prompt of this id
+        return update
+
+    async def start_prompt(self, prompt: SubmitPrompt) -> WorkflowUpdateHandle[Any]:
+        """Submit and return once the run has admitted the prompt (FIFO from here on);
+        raises PromptRejected when the run refuses it. The handle's ``result()`` is the
+        prompt's Done or Fault."""
+        return await self._admit(prompt, uuid.uuid4().hex)
+
+    async def submit(self, prompt: SubmitPrompt) -> Done | Fault:
+        """Submit and wait for the terminal event, without streaming."""
+        try:
+            result = await self.workflow.execute_update(RunWorkflow.submit_prompt, prompt)
+        except WorkflowUpdateFailedError as err:
+            raise _rejection(err) from None
+        self._cancelled.discard(prompt.request_id)
+        return cast(Done | Fault, result)
+
+    async def cancel_prompt(self, request_id: int) -> None:
+        """Ask the run to end prompt ``request_id`` (signal ``cancel_prompt``; the prompt
+        ends with a Fault ``cancelled``); bounded, and quiet when the run cannot be reached.
+        A prompt this handle has cancelled already is not cancelled twice."""
+        if request_id in self._cancelled:
+            return
+        self._cancelled.add(request_id)
+        with contextlib.suppress(RPCError, TimeoutError):
+            await asyncio.wait_for(
+                self.workflow.signal(
+                    names.SIGNAL_CANCEL_PROMPT, CancelPrompt(request_id=request_id)
+                ),
+                CANCEL_TIMEOUT_S,
+            )
+
+    def _spawn(self, work: Awaitable[Any]) -> asyncio.Future[Any]:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _cancel_when_admitted(self, admit: asyncio.Future[Any], request_id: int) -> None:
+        """A stream cancelled while its admission was in flight: the run may admit the
+        prompt all the same; if it does, cancel it."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(admit), ADMIT_WAIT_S)
+        if admit.done() and not admit.cancelled() and admit.exception() is None:
+            await self.cancel_prompt(request_id)
+        else:
+            _drop(admit)
+
+    async def stream(
+        self,
+        prompt: SubmitPrompt,
+        *,
+        poll_cooldown_ms: int = 20,
+        on_admitted: Callable[[], None] | None = None,
+    ) -> PromptEvents:
+        """Yield the prompt's TextDelta events as they arrive, then its one terminal event.
+        ``on_admitted`` is called once the run has admitted the prompt (its place in the
+        run's FIFO is fixed from then on). Leaving the stream before its terminal event
+        cancels the prompt (``cancel_prompt``): the run's active slot is not held by a
+        prompt nobody reads."""
+        update_id = uuid.uuid4().hex
+        admit = asyncio.ensure_future(self._admit(prompt, update_id))
+        try:
+            update = await asyncio.shield(admit)
+        except asyncio.CancelledError:
+            self._spawn(self._cancel_when_admitted(admit, prompt.request_id))
+            raise
+        if on_admitted is not None:
+            on_admitted()
+        child_id = names.prompt_workflow_id(self.run_id, prompt.request_id, update_id)
+        result_task: asyncio.Future[Any] = asyncio.ensure_future(update.result())
+        terminal: Done | Fault | None = None
+        try:
+            async for event in self._follow(child_id, result_task, poll_cooldown_ms):
+                if isinstance(event, TextDelta):
+                    yield event
+                else:
+                    terminal = event
+                    break
+            result = cast(Done | Fault, await result_task)
+            terminal = terminal if terminal is not None else result
+            yield terminal
+        finally:
+            ended = terminal is not None or (
+                result_task.done() and not result_task.cancelled() and not result_task.exception()
+            )
+            if not ended:
+                # Abandoned (a break, an error, a cancellation, the iterator dropped):
+                # the run ends the prompt now, whatever happens to this task.
+                cancel = self._spawn(self.cancel_prompt(prompt.request_id))
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await asyncio.shield(cancel)
+            _drop(result_task)
+
+    async def _follow(
+        self, child_id: str, result_task: asyncio.Future[Any], poll_cooldown_ms: int
+    ) -> PromptEvents:
+        """The events of the prompt workflow's stream up to its terminal event; nothing
+        more once the prompt has ended without one reaching the stream."""
+        stream = WorkflowStreamClient.create(self.client, child_id)
+        attempts = 0
+        while True:
+            try:
+                async for item in stream.subscribe(
+                    [names.PROMPT_STREAM_TOPIC],
+                    result_type=None,
+                    poll_cooldown=timedelta(milliseconds=poll_cooldown_ms),
+                ):
+                    event = _EVENT.validate_python(item.data)
+                    yield event
+                    if not isinstance(event, TextDelta):
+                        return
+                return
+            except RPCError:
+                # The child is started by the Update handler a moment after acceptance.
+                attempts += 1
+                if result_task.done() or attempts > 200:
+                    return
+                await asyncio.sleep(0.02)
+
+    async def find_prompt(self, request_id: int) -> str | None:
+        """The workflow id of this run's prompt ``request_id``: one in flight from the
+        run's own snapshot, else the newest finished one from visibility (a request id can
+        be used again once its prompt ended)."""
+        state = await self.try_snapshot()  # None: a closed run, its prompts are in visibility
+        if state is not None:
+            for record in [state.active, *state.pending]:
+                if record is not None and record.request_id == request_id:
+                    return record.workflow_id
+        prefix = names.prompt_workflow_id(self.run_id, request_id, "")
+        query = f"WorkflowType = '{names.PROMPT_WORKFLOW}' AND WorkflowId STARTS_WITH '{prefix}'"
+        newest: tuple[Any, str] | None = None
+        async for wf in self.client.list_workflows(query):
+            if newest is None or wf.start_time > newest[0]:
+                newest = (wf.start_time, wf.id)
+        return newest[1] if newest else None
+
+    async def attach(self, request_id: int, *, poll_cooldown_ms: int = 20) -> PromptEvents:
+        """Re-attach to a prompt, running or finished, from any client: the whole text so
+        far, then the rest as it is generated, then its one terminal event. Raises
+        PromptNotFound when the run never admitted ``request_id``. A viewer: leaving it
+        early cancels nothing."""
+        wf_id = await self.find_prompt(request_id)
+        if wf_id is None:
+            raise PromptNotFound(f"run {self.run_id} has no prompt {request_id}")
+        stream = WorkflowStreamClient.create(self.client, wf_id)
+        seen: list[str] = []
+        terminal: Done | Fault | None = None
+        try:
+            async for item in stream.subscribe(
+                [names.PROMPT_STREAM_TOPIC],
+                from_offset=0,
+                result_type=None,
+                poll_cooldown=timedelta(milliseconds=poll_cooldown_ms),
+            ):
+                event = _EVENT.validate_python(item.data)
+                if isinstance(event, TextDelta):
+                    seen.append(event.text)
+                    yield event
+                else:
+                    terminal = event
+                    break
+        except RPCError:
+            pass  # a stream no longer retained: the prompt's result has its whole text
+        if terminal is None:
+            raw = await self.client.get_workflow_handle(wf_id).result()
+            terminal = PromptOutcome.model_validate(raw).terminal
+            so_far = "".join(seen)
+            if isinstance(terminal, Done) and terminal.final_text.startswith(so_far):
+                rest = terminal.final_text[len(so_far) :]
+                if rest:
+                    yield TextDelta(request_id=request_id, text=rest)
+        yield terminal
 
 
-async def stream_prompt(
+# ---------------------------------------------------------------------- one-off calls
+
+
+async def start_run(client: Client, run_id: int, request: RunRequest) -> WorkflowHandle[Any, Any]:
+    """:meth:`RunHandle.start`, returning the workflow handle."""
+    return (await RunHandle.start(client, run_id, request)).workflow
+
+
+def stream_prompt(
     client: Client,
     run_id: int,
     prompt: SubmitPrompt,
     *,
     poll_cooldown_ms: int = 20,
     on_admitted: Callable[[], None] | None = None,
-) -> AsyncIterator[TextDelta | Done | Fault]:
-    """Yield the prompt's TextDelta events as they arrive, then its one terminal event.
-    ``on_admitted`` is called once the run has admitted the prompt (its place in the
-    run's FIFO is fixed from then on)."""
-    update_id = uuid.uuid4().hex
-    update = await _admit(client, run_id, prompt, update_id)
-    if on_admitted is not None:
-        on_admitted()
-    child_id = names.prompt_workflow_id(run_id, prompt.request_id, update_id)
-    stream = WorkflowStreamClient.create(client, child_id)
-    result_task = asyncio.ensure_future(update.result())
-    terminal: Done | Fault | None = None
-    attempts = 0
-    while terminal is None:
-        try:
-            async for item in stream.subscribe(
-                [names.PROMPT_STREAM_TOPIC],
-                result_type=None,
-                poll_cooldown=timedelta(milliseconds=poll_cooldown_ms),
-            ):
-                event = _EVENT.validate_python(item.data)
-                if isinstance(event, TextDelta):
-                    yield event
-                else:
-                    terminal = event
-                    break
-            if terminal is None:
-                break
-        except RPCError:
-            # The child is started by the Update handler a moment after acceptance.
-            attempts += 1
-            if result_task.done() or attempts > 200:
-                break
-            await asyncio.sleep(0.02)
-    result = await result_task
-    yield terminal if terminal is not None else result
+) -> PromptEvents:
+    """:meth:`RunHandle.stream` (leaving it early cancels the prompt)."""
+    return RunHandle(client, run_id).stream(
+        prompt, poll_cooldown_ms=poll_cooldown_ms, on_admitted=on_admitted
+    )
 
 
 async def start_prompt(
     client: Client, run_id: int, prompt: SubmitPrompt
 ) -> WorkflowUpdateHandle[Any]:
-    """Submit and return once the run has admitted the prompt (FIFO from here on);
-    raises PromptRejected when the run refuses it."""
-    handle: WorkflowUpdateHandle[Any] = await _admit(client, run_id, prompt, uuid.uuid4().hex)
-    return handle
+    """:meth:`RunHandle.start_prompt`."""
+    return await RunHandle(client, run_id).start_prompt(prompt)
 
 
 async def submit_prompt(client: Client, run_id: int, prompt: SubmitPrompt) -> Done | Fault:
-    """Submit and wait for the terminal event, without streaming."""
-    handle = client.get_workflow_handle(names.run_workflow_id(run_id))
-    try:
-        result: Done | Fault = await handle.execute_update(
-            names.UPDATE_SUBMIT_PROMPT,
-            prompt,
-            result_type=_TERMINAL,
-        )
-    except WorkflowUpdateFailedError as err:
-        raise _rejection(err) from None
-    return result
-
-
-class PromptNotFound(LookupError):
-    """No prompt of that request id was ever admitted by the run."""
+    """:meth:`RunHandle.submit`."""
+    return await RunHandle(client, run_id).submit(prompt)
 
 
 async def find_prompt(client: Client, run_id: int, request_id: int) -> str | None:
-    """The workflow id of run ``run_id``'s prompt ``request_id``: one in flight from the
-    run's own snapshot, else the newest finished one from visibility (a request id can be
-    used again once its prompt ended)."""
-    try:
-        state: RunState = await client.get_workflow_handle(names.run_workflow_id(run_id)).query(
-            names.QUERY_SNAPSHOT, result_type=RunState
-        )
-        for record in [state.active, *state.pending]:
-            if record is not None and record.request_id == request_id:
-                return record.workflow_id
-    except (RPCError, WorkflowQueryFailedError):
-        pass  # a closed run: its prompts are in visibility
-    prefix = names.prompt_workflow_id(run_id, request_id, "")
-    query = f"WorkflowType = '{names.PROMPT_WORKFLOW}' AND WorkflowId STARTS_WITH '{prefix}'"
-    newest: tuple[Any, str] | None = None
-    async for wf in client.list_workflows(query):
-        if newest is None or wf.start_time > newest[0]:
-            newest = (wf.start_time, wf.id)
-    return newest[1] if newest else None
+    """:meth:`RunHandle.find_prompt`."""
+    return await RunHandle(client, run_id).find_prompt(request_id)
 
 
-async def attach_prompt(
+def attach_prompt(
     client: Client, run_id: int, request_id: int, *, poll_cooldown_ms: int = 20
-) -> AsyncIterator[TextDelta | Done | Fault]:
-    """Re-attach to a prompt, running or finished, from any client: the whole text so far,
-    then the rest as it is generated, then its one terminal event. Raises PromptNotFound
-    when the run never admitted ``request_id``."""
-    wf_id = await find_prompt(client, run_id, request_id)
-    if wf_id is None:
-        raise PromptNotFound(f"run {run_id} has no prompt {request_id}")
-    stream = WorkflowStreamClient.create(client, wf_id)
-    seen: list[str] = []
-    terminal: Done | Fault | None = None
-    try:
-        async for item in stream.subscribe(
-            [names.PROMPT_STREAM_TOPIC],
-            from_offset=0,
-            result_type=None,
-            poll_cooldown=timedelta(milliseconds=poll_cooldown_ms),
-        ):
-            event = _EVENT.validate_python(item.data)
-            if isinstance(event, TextDelta):
-                seen.append(event.text)
-                yield event
-            else:
-                terminal = event
-                break
-    except RPCError:
-        pass  # a stream no longer retained: the prompt's result has its whole text
-    if terminal is None:
-        raw = await client.get_workflow_handle(wf_id).result()
-        terminal = PromptOutcome.model_validate(raw).terminal
-        so_far = "".join(seen)
-        if isinstance(terminal, Done) and terminal.final_text.startswith(so_far):
-            rest = terminal.final_text[len(so_far) :]
-            if rest:
-                yield TextDelta(request_id=request_id, text=rest)
-    yield terminal
-
-
-class RunNotOpen(Exception):
-    """The run does not exist, cannot be described, or has ended (the message says which)."""
-
-
-async def check_run_open(handle: WorkflowHandle[Any, Any], address: str) -> None:
-    """Raise RunNotOpen unless the run behind ``handle`` exists and is running."""
-    try:
-        desc = await handle.describe()
-    except RPCError as err:
-        if err.status is RPCStatusCode.NOT_FOUND:
-            raise RunNotOpen(f"no run {handle.id} on {address}") from None
-        raise RunNotOpen(f"cannot describe run {handle.id} on {address}: {err}") from None
-    if desc.status is not WorkflowExecutionStatus.RUNNING:
-        status = desc.status.name.lower() if desc.status else "closed"
-        raise RunNotOpen(f"run {handle.id} has ended ({status})")
+) -> PromptEvents:
+    """:meth:`RunHandle.attach`."""
+    return RunHandle(client, run_id).attach(request_id, poll_cooldown_ms=poll_cooldown_ms)

@@ -13,7 +13,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import workers.gateway.app as gateway_app
 from mvp_core.errors import ErrorType
 from mvp_core.models import ChatMessage, Done, Fault, SubmitPrompt, TextDelta
 from temporal.client import PromptRejected
@@ -188,9 +187,12 @@ class FakeRun:
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch):
     run = FakeRun(lambda p: [])
-    monkeypatch.setattr(gateway_app, "stream_prompt", run.stream_prompt)
     app = create_app(client=None, run_id=5)  # type: ignore[arg-type]
     gw = app.state.gateway
+    # The run's prompt stream, as the gateway's RunHandle gives it.
+    monkeypatch.setattr(
+        gw.run, "stream", lambda prompt, **kw: run.stream_prompt(None, 5, prompt, **kw)
+    )
     served = ServedModel(MODEL, frozenset(), 1, 64)
 
     async def served_model() -> ServedModel:

@@ -27,6 +27,7 @@ from temporal.connect import connect
 from temporal.devserver import DevServer, start_dev_server
 from tests.helpers.dockerd import Dockerd, start_dockerd
 from tests.helpers.runs import log_sizes, start_run, task_failures
+from workers.host.embedded import worker_said_ready
 
 REPO = Path(__file__).resolve().parents[2]
 SECRET = "hf_mvpTestSecret_4b1d9e0c7a"
@@ -81,7 +82,7 @@ class OrchestratorProcess:
         )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            if "worker ready" in log.read_text(errors="replace"):
+            if worker_said_ready(log):
                 return
             if self.proc.poll() is not None:
                 raise RuntimeError(f"orchestrator worker exited: {log.read_text()[-2000:]}")

@@ -5,7 +5,7 @@
 - ``GET /v1/models`` (and ``/v1/models/{id}``): the run's model, named after its GGUF
   file (``SmolLM2-135M-Instruct.Q4_1``), from the plan in the run's ``snapshot``.
 - ``POST /v1/completions`` and ``POST /v1/chat/completions``: each request is one
-  ``submit_prompt`` Update (``temporal.client.stream_prompt``) with a request id the
+  ``submit_prompt`` Update (``temporal.client.RunHandle.stream``) with a request id the
   gateway allots, its text the prompt's stream, streamed as server-sent events or
   returned whole.
 - ``GET /health``: 200 while the run is prompt-ready, else 503.
@@ -41,13 +41,12 @@ from starlette.types import Receive, Scope, Send
 from temporalio.client import Client, WorkflowQueryFailedError, WorkflowQueryRejectedError
 from temporalio.service import RPCError, RPCStatusCode
 
-from mvp_core import names
 from mvp_core.errors import ErrorType
-from mvp_core.models import CancelPrompt, Done, Fault, RunPhase, SubmitPrompt, TextDelta
+from mvp_core.models import Done, Fault, RunPhase, SubmitPrompt, TextDelta
 from mvp_core.request_ids import RequestIds
 from mvp_core.run_state import RunState
 from temporal import telemetry
-from temporal.client import PromptRejected, stream_prompt
+from temporal.client import PromptRejected, RunHandle
 from workers.gateway.attach import attach_routes
 from workers.gateway.dashboard import dashboard_routes
 from workers.gateway.stops import StopMatcher, cut_at_stop
@@ -110,7 +109,8 @@ class Gateway:
     def __init__(self, client: Client, run_id: int, *, poll_cooldown_ms: int = 20) -> None:
         self.client = client
         self.run_id = run_id
-        self.workflow_id = names.run_workflow_id(run_id)
+        self.run = RunHandle(client, run_id)
+        self.workflow_id = self.run.workflow_id
         self.poll_cooldown_ms = poll_cooldown_ms
         self._served: ServedModel | None = None
         self._served_lock = asyncio.Lock()
@@ -130,13 +130,11 @@ class Gateway:
 
     # ------------------------------------------------------------------ run facts
     def handle(self) -> Any:
-        return self.client.get_workflow_handle(self.workflow_id)
+        return self.run.workflow
 
     async def snapshot(self) -> RunState:
         try:
-            state: RunState = await self.handle().query(
-                names.QUERY_SNAPSHOT, result_type=RunState, rpc_timeout=QUERY_TIMEOUT
-            )
+            state = await self.run.snapshot(rpc_timeout=QUERY_TIMEOUT)
         except RPCError as err:
             if err.status is RPCStatusCode.NOT_FOUND:
                 raise unavailable(f"no run {self.workflow_id}", "run_not_found") from None
@@ -165,7 +163,7 @@ class Gateway:
                 )
             created = int(time.time())
             with contextlib.suppress(RPCError):
-                desc = await self.handle().describe()
+                desc = await self.run.describe()
                 if desc.start_time is not None:
                     created = int(desc.start_time.timestamp())
             model_id = model_id_of(plan.model_path)
@@ -233,12 +231,7 @@ class Gateway:
 
     async def _cancel(self, request_id: int) -> None:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(
-                self.handle().signal(
-                    names.SIGNAL_CANCEL_PROMPT, CancelPrompt(request_id=request_id)
-                ),
-                CANCEL_TIMEOUT_S,
-            )
+            await self.run.cancel_prompt(request_id)  # bounded by the client
 
     def spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -299,9 +292,7 @@ class PromptSession:
 
     async def _pump(self) -> None:
         try:
-            async for event in stream_prompt(
-                self.gateway.client,
-                self.gateway.run_id,
+            async for event in self.gateway.run.stream(
                 self.prompt,
                 poll_cooldown_ms=self.gateway.poll_cooldown_ms,
                 on_admitted=self._admitted.set,

@@ -1,7 +1,7 @@
 """Re-attach through the gateway: ``GET /v1/chat/completions/{id}`` and
 ``GET /v1/completions/{id}`` return a completion of this run by the id the gateway gave
 it (``chatcmpl-<run>-<request>``, ``cmpl-<run>-<request>``), running or finished, from
-any client (``temporal.client.attach_prompt``).
+any client (``temporal.client.RunHandle.attach``).
 
 Without ``?stream=true`` the answer waits for the prompt's end and is the completion
 object; with it, server-sent events as ``POST`` streams them: the whole text so far in
@@ -30,7 +30,7 @@ from starlette.routing import Route
 from temporalio.client import Client
 
 from mvp_core.models import Done, Fault, PromptInput, TextDelta
-from temporal.client import PromptNotFound, attach_prompt, find_prompt
+from temporal.client import PromptNotFound, find_prompt
 from workers.gateway.stops import StopMatcher, cut_at_stop
 from workers.gateway.wire import SSE_DONE, ApiError, sse
 
@@ -140,12 +140,7 @@ async def retrieve(request: Request, gateway: Gateway, *, chat: bool) -> Respons
     ident = request.path_params["completion_id"]
     request_id = parse_id(ident, chat, gateway.run_id)
     served = await gateway.served()
-    events = cast(
-        AsyncGenerator[TextDelta | Done | Fault, None],
-        attach_prompt(
-            gateway.client, gateway.run_id, request_id, poll_cooldown_ms=gateway.poll_cooldown_ms
-        ),
-    )
+    events = gateway.run.attach(request_id, poll_cooldown_ms=gateway.poll_cooldown_ms)
     try:
         first = await anext(events)
     except PromptNotFound:

@@ -24,28 +24,19 @@ import signal
 import socket
 import sys
 from collections.abc import Generator
-from datetime import timedelta
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import uvicorn
 from pydantic import ValidationError
-from temporalio.client import (
-    Client,
-    WorkflowExecutionStatus,
-    WorkflowFailureError,
-    WorkflowHandle,
-    WorkflowQueryFailedError,
-    WorkflowQueryRejectedError,
-)
+from temporalio.client import Client, WorkflowFailureError
 from temporalio.exceptions import WorkflowAlreadyStartedError
-from temporalio.service import RPCError, RPCStatusCode
+from temporalio.service import RPCError
 
 from mvp_core import names
-from mvp_core.models import RequestShutdown, RunOutcome, RunPhase, RunRequest, ShutdownReason
-from mvp_core.run_state import RunState
+from mvp_core.models import RunOutcome, RunPhase, RunRequest, ShutdownReason
 from temporal import telemetry
-from temporal.client import RunNotOpen, check_run_open, start_run
+from temporal.client import RunHandle, RunNotOpen
 from temporal.connect import connect, temporal_address
 from workers.gateway.app import create_app
 
@@ -179,8 +170,8 @@ class Gateway:
             if not text.startswith("cannot "):
                 text = f"cannot connect to Temporal: {text}"
             raise GatewayError(text) from None
-        handle = client.get_workflow_handle(names.run_workflow_id(run_id))
         if request is None:
+            handle = RunHandle(client, run_id)
             await self._check_running(handle, address)
         else:
             handle = await self._start(client, run_id, request)
@@ -219,21 +210,19 @@ class Gateway:
             why = serving.exception() if not serving.cancelled() else None
             raise GatewayError(f"the HTTP server stopped: {why or 'without a reason'}")
         if request is not None:
-            await self._shutdown(handle, run_id)
+            await self._shutdown(handle)
         return 0
 
-    async def _check_running(self, handle: WorkflowHandle[Any, Any], address: str) -> None:
+    async def _check_running(self, handle: RunHandle, address: str) -> None:
         try:
-            await check_run_open(handle, address)
+            await handle.check_open(address)
         except RunNotOpen as err:
             raise GatewayError(str(err)) from None
 
-    async def _start(
-        self, client: Client, run_id: int, request: RunRequest
-    ) -> WorkflowHandle[Any, Any]:
+    async def _start(self, client: Client, run_id: int, request: RunRequest) -> RunHandle:
         wid = names.run_workflow_id(run_id)
         try:
-            handle = await start_run(client, run_id, request)
+            handle = await RunHandle.start(client, run_id, request)
         except WorkflowAlreadyStartedError:
             raise GatewayError(
                 f"run {wid} exists already: serve it with --workflow-id {wid}, or choose "
@@ -247,57 +236,49 @@ class Gateway:
         )
         return handle
 
-    async def _announce(self, handle: WorkflowHandle[Any, Any], url: str) -> None:
-        say(f"serving run {handle.id} at {url} (503 until it is prompt-ready)")
+    async def _announce(self, handle: RunHandle, url: str) -> None:
+        wid = handle.workflow_id
+        say(f"serving run {wid} at {url} (503 until it is prompt-ready)")
         while True:
-            with contextlib.suppress(
-                RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError
-            ):
-                state: RunState = await handle.query(
-                    names.QUERY_SNAPSHOT, result_type=RunState, rpc_timeout=timedelta(seconds=5)
-                )
-                if state.phase is RunPhase.PROMPT_READY and state.plan is not None:
-                    model = os.path.basename(state.plan.model_path).removesuffix(".gguf")
-                    say(f"run {handle.id} is prompt-ready: model {model!r} at {url}")
-                    return
+            state = await handle.try_snapshot()
+            if state is not None and state.phase is RunPhase.PROMPT_READY and state.plan:
+                model = os.path.basename(state.plan.model_path).removesuffix(".gguf")
+                say(f"run {wid} is prompt-ready: model {model!r} at {url}")
+                return
             await asyncio.sleep(WATCH_EVERY_S)
 
-    async def _closed(self, handle: WorkflowHandle[Any, Any]) -> None:
+    async def _closed(self, handle: RunHandle) -> None:
         """Returns when the run has closed (a Temporal outage is waited out)."""
         while True:
             with contextlib.suppress(RPCError):
-                desc = await handle.describe()
-                if desc.status is not WorkflowExecutionStatus.RUNNING:
+                if await handle.is_closed():
                     return
             await asyncio.sleep(WATCH_EVERY_S)
 
-    async def _ended(self, handle: WorkflowHandle[Any, Any]) -> str:
+    async def _ended(self, handle: RunHandle) -> str:
+        wid = handle.workflow_id
         try:
-            result = await asyncio.wait_for(handle.result(), 10)
+            result = await asyncio.wait_for(handle.workflow.result(), 10)
         except WorkflowFailureError as err:
             cause = getattr(err.cause, "message", None) or str(err.cause or err)
-            return f"run {handle.id} ended: {cause}"
+            return f"run {wid} ended: {cause}"
         except Exception as err:
-            return f"run {handle.id} ended ({type(err).__name__}: {err})"
+            return f"run {wid} ended ({type(err).__name__}: {err})"
         with contextlib.suppress(ValidationError):
             outcome = RunOutcome.model_validate(result)
-            return f"run {handle.id} ended: {outcome.outcome.value}"
-        return f"run {handle.id} ended"
+            return f"run {wid} ended: {outcome.outcome.value}"
+        return f"run {wid} ended"
 
-    async def _shutdown(self, handle: WorkflowHandle[Any, Any], run_id: int) -> None:
-        """The run we started: ask it to shut down, wait (bounded) for it to close."""
-        say(f"shutting down run {handle.id}")
+    async def _shutdown(self, handle: RunHandle) -> None:
+        """The run we started: ask it to shut down, then say so (a say that cannot be
+        written must not keep the run running), and wait (bounded) for it to close."""
+        wid = handle.workflow_id
         try:
-            await handle.signal(
-                names.SIGNAL_REQUEST_SHUTDOWN,
-                RequestShutdown(run_id=run_id, reason=ShutdownReason.OPERATOR_REQUESTED),
-            )
+            await handle.request_shutdown(ShutdownReason.OPERATOR_REQUESTED)  # False: closed
         except RPCError as err:
-            if err.status is not RPCStatusCode.NOT_FOUND:  # NOT_FOUND: closed already
-                raise GatewayError(
-                    f"cannot ask run {handle.id} to shut down: {err.message}"
-                ) from None
-        wait = asyncio.ensure_future(handle.result())
+            raise GatewayError(f"cannot ask run {wid} to shut down: {err.message}") from None
+        say(f"shutting down run {wid}")
+        wait = asyncio.ensure_future(handle.workflow.result())
         stop_waiting = asyncio.ensure_future(self._second_signal())
         await asyncio.wait(
             {wait, stop_waiting}, timeout=SHUTDOWN_WAIT_S, return_when=asyncio.FIRST_COMPLETED
@@ -306,17 +287,17 @@ class Gateway:
         if not wait.done():
             wait.cancel()
             raise GatewayError(
-                f"run {handle.id} did not close within {SHUTDOWN_WAIT_S:.0f} s of the shutdown "
+                f"run {wid} did not close within {SHUTDOWN_WAIT_S:.0f} s of the shutdown "
                 "request (it goes on shutting down without the gateway)"
             )
         failure = wait.exception()
         if isinstance(failure, WorkflowFailureError):
             cause = getattr(failure.cause, "message", None) or str(failure.cause or failure)
-            raise GatewayError(f"run {handle.id} ended: {cause}")
+            raise GatewayError(f"run {wid} ended: {cause}")
         if failure is not None:
-            raise GatewayError(f"run {handle.id}: {type(failure).__name__}: {failure}")
+            raise GatewayError(f"run {wid}: {type(failure).__name__}: {failure}")
         outcome = RunOutcome.model_validate(wait.result())
-        say(f"run {handle.id} closed: {outcome.outcome.value}")
+        say(f"run {wid} closed: {outcome.outcome.value}")
 
     async def _second_signal(self) -> None:
         seen = self.signals
@@ -329,7 +310,10 @@ def _url_host(host: str) -> str:
 
 
 def say(message: str) -> None:
-    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+    """One line on stderr. A stderr nobody reads any more (``2>&1 | tee`` with tee gone)
+    drops it: a line that cannot be written never stops a shutdown."""
+    with contextlib.suppress(OSError, ValueError):
+        print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
 
 def main() -> None:
@@ -339,19 +323,22 @@ def main() -> None:
     try:
         tel = telemetry.setup(PROG)
     except telemetry.TelemetryConfigError as err:
-        print(f"{PROG}: {err}", file=sys.stderr)
+        say(str(err))
         os._exit(2)
     try:
         code = asyncio.run(Gateway(args).main())
         tel.close()  # the last spans and metrics go out
     except GatewayError as err:
-        print(f"{PROG}: {err}", file=sys.stderr)
+        say(str(err))
     except KeyboardInterrupt:
         code = 130
+    except Exception as err:  # whatever it was, the exit below still happens at once
+        say(f"unexpected {type(err).__name__}: {err}")
     # As mvp-chat: exit without interpreter finalisation, which an RPC cancelled at exit
     # can turn into an abort of the SDK's native runtime.
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
     os._exit(code)
 
 

@@ -21,24 +21,18 @@ import json
 import os
 import signal
 import sys
-from datetime import timedelta
 from typing import Any
 
-from temporalio.client import (
-    Client,
-    WorkflowHandle,
-    WorkflowQueryFailedError,
-    WorkflowQueryRejectedError,
-)
+from temporalio.client import Client
 from temporalio.service import RPCError
 
 from mvp_core import names
 from mvp_core.errors import ErrorType
-from mvp_core.models import CancelPrompt, Done, RunPhase, SubmitPrompt, TextDelta
-from mvp_core.run_state import RunState
+from mvp_core.models import Done, Fault, RunPhase, SubmitPrompt, TextDelta
 from temporal import telemetry
-from temporal.client import PromptRejected, RunNotOpen, check_run_open, stream_prompt
+from temporal.client import PromptRejected, RunHandle, RunNotOpen
 from temporal.connect import DEFAULT_ADDRESS, TemporalConnectError, TemporalSettings, connect
+from workers.host import stdio
 
 PROMPT = "prompt:> "
 DEFAULT_RPC = "127.0.0.1:19777"
@@ -51,32 +45,28 @@ class ChatError(Exception):
     """Why mvp-chat cannot start, in words for stderr; it exits with 1."""
 
 
-async def open_run(client: Client, run_id: int, address: str) -> WorkflowHandle[Any, Any]:
+async def open_run(client: Client, run_id: int, address: str) -> RunHandle:
     """The run's handle, once it is known to exist and to be open."""
-    handle = client.get_workflow_handle(names.run_workflow_id(run_id))
+    handle = RunHandle(client, run_id)
     try:
-        await check_run_open(handle, address)
+        await handle.check_open(address)
     except RunNotOpen as err:
         raise ChatError(str(err)) from None
-    with contextlib.suppress(RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError):
-        state = await handle.query(
-            names.QUERY_SNAPSHOT, result_type=RunState, rpc_timeout=timedelta(seconds=5)
+    state = await handle.try_snapshot()
+    if state is not None and state.phase is not RunPhase.PROMPT_READY:
+        say(
+            f"note: run {handle.workflow_id} is {state.phase.value}; it rejects prompts until "
+            "it is prompt_ready"
         )
-        if state.phase is not RunPhase.PROMPT_READY:
-            print(
-                f"note: run {handle.id} is {state.phase.value}; it rejects prompts until it "
-                "is prompt_ready",
-                flush=True,
-            )
     return handle
 
 
 class Chat:
     """The conversation loop: lines in, streamed replies out."""
 
-    def __init__(self, client: Client, run_id: int, args: argparse.Namespace) -> None:
-        self.client = client
-        self.run_id = run_id
+    def __init__(self, run: RunHandle, args: argparse.Namespace) -> None:
+        self.run = run
+        self.run_id = run.run_id
         self.max_tokens: int | None = args.max_tokens
         self.chat = not args.raw
         self.next_id = 1
@@ -114,23 +104,27 @@ class Chat:
             await self._print(prompt)
 
     async def _print(self, prompt: SubmitPrompt) -> None:
-        async for event in stream_prompt(self.client, self.run_id, prompt):
-            if isinstance(event, TextDelta):
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
-            elif isinstance(event, Done):
-                print(
-                    f"\n[{event.tokens_generated} tokens, stopped by {event.stop_reason}, "
-                    f"{event.elapsed_ms} ms]",
-                    flush=True,
-                )
-            else:
-                print(f"\nerror: {event.error}", flush=True)
+        async with contextlib.aclosing(self.run.stream(prompt)) as events:
+            async for event in events:
+                self._show(event)
+
+    @staticmethod
+    def _show(event: TextDelta | Done | Fault) -> None:
+        if isinstance(event, TextDelta):
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        elif isinstance(event, Done):
+            print(
+                f"\n[{event.tokens_generated} tokens, stopped by {event.stop_reason}, "
+                f"{event.elapsed_ms} ms]",
+                flush=True,
+            )
+        else:
+            print(f"\nerror: {event.error}", flush=True)
 
     async def cancel(self, request_id: int) -> None:
         """Tell the run the client is going away: it ends the prompt with a Fault."""
-        handle = self.client.get_workflow_handle(names.run_workflow_id(self.run_id))
-        await handle.signal(names.SIGNAL_CANCEL_PROMPT, CancelPrompt(request_id=request_id))
+        await self.run.cancel_prompt(request_id)  # nothing twice: the stream may have
 
 
 class RpcChat:
@@ -291,7 +285,12 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def say(message: str) -> None:
+    print(message, flush=True)
+
+
 def main() -> None:
+    stdio.install()  # a reader gone from a pipe of ours never stops mvp-chat's exit
     args = parser().parse_args()
     address = args.address or "the configured address"
     loop = asyncio.new_event_loop()
@@ -310,8 +309,8 @@ def main() -> None:
             settings = TemporalSettings.load().override(args.address)
             address = settings.address
             client = loop.run_until_complete(connect(settings=settings))
-            loop.run_until_complete(open_run(client, args.run_id, address))
-            code = converse(loop, Chat(client, args.run_id, args))
+            run = loop.run_until_complete(open_run(client, args.run_id, address))
+            code = converse(loop, Chat(run, args))
     except (ChatError, TemporalConnectError, telemetry.TelemetryConfigError) as err:
         print(f"mvp-chat: {err}", file=sys.stderr)
     except RuntimeError as err:  # the SDK's connection failure
@@ -325,7 +324,7 @@ def main() -> None:
     # Exit without interpreter finalisation: an RPC cancelled by Ctrl-C can leave a
     # callback of the SDK's native runtime in flight, and finalising under it aborts the
     # process (SIGABRT in PyGILState_Release) instead of exiting 130.
-    sys.stdout.flush()
+    sys.stdout.flush()  # (SafeStreams: they never raise)
     sys.stderr.flush()
     os._exit(code)
 

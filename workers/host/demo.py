@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import fcntl
-import json
 import logging
 import os
 import signal
@@ -21,7 +19,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +28,6 @@ from temporalio.client import (
     Client,
     WorkflowExecutionStatus,
     WorkflowFailureError,
-    WorkflowHandle,
     WorkflowQueryFailedError,
     WorkflowQueryRejectedError,
     WorkflowUpdateFailedError,
@@ -57,9 +53,7 @@ from mvp_core.models import (
     HubModel,
     ModelSource,
     ProviderKind,
-    RequestShutdown,
     RunOutcome,
-    RunPhase,
     RunRequest,
     ShutdownReason,
     SubmitPrompt,
@@ -67,13 +61,20 @@ from mvp_core.models import (
 )
 from mvp_core.run_state import RunState
 from mvp_core.validation import describe_invalid
-from temporal.client import PromptRejected, stream_prompt
+from temporal.client import PromptRejected, RunClosed, RunHandle
 from temporal.connect import TemporalSettings, connect
 from temporal.devserver import DevServer, DevServerError, start_dev_server
-from workers.host.embedded import dev_server_ip, failure_text, start_worker, stop_process
+from workers.host import stdio
+from workers.host.embedded import (
+    DirLock,
+    DirLockBusy,
+    dev_server_ip,
+    failure_text,
+    start_worker,
+    stop_process,
+)
 
 DEFAULT_PROMPT = "The capital of France is"
-UPDATE_SHUTDOWN_AND_WAIT = "request_shutdown_and_wait"
 # An interrupt stops everything within 10 s: the run's teardown (StopRun, then the
 # provider stops each node) and its close get most of it, each process a short SIGTERM
 # grace after that.
@@ -136,26 +137,23 @@ class DataDirLock:
 
     def __init__(self, root: Path) -> None:
         path = root / LOCK_FILE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_lock(fd).get("pid", "unknown")
-            os.close(fd)
+            self._lock = DirLock(path)
+        except DirLockBusy as err:
+            holder = err.holder.get("pid", "unknown")
             raise DemoError(
                 f"the data directory {root} is in use by another demo (pid {holder}, see "
                 f"{path}): its Temporal database {root / 'dev.db'} is busy. Wait for that "
                 f"demo to end, stop it (kill -INT {holder}), or pass another --data-dir"
             ) from None
-        self._fd = fd
-        self._left: dict[str, list[float]] = _read_lock(fd).get("children", {})
+        self._left: dict[str, list[float]] = self._lock.previous.get("children", {})
         self._record: dict[str, Any] = {"pid": os.getpid(), "children": {}}
-        self._write()
+        self._lock.write(self._record)
 
     def record(self, name: str, pid: int) -> None:
         """Remember a process this demo started, for the next demo if this one is killed."""
         self._record["children"][name] = [pid, psutil.Process(pid).create_time()]
-        self._write()
+        self._lock.write(self._record)
 
     def stop_leftovers(self, wait_s: float = 5.0) -> list[str]:
         """The processes an earlier demo here started and that still run: wait for them
@@ -173,21 +171,8 @@ class DataDirLock:
         psutil.wait_procs(alive, timeout=5)
         return [name for name, proc in procs.items() if proc in alive]
 
-    def _write(self) -> None:
-        data = json.dumps(self._record).encode()
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, data, 0)
-
     def release(self) -> None:
-        os.close(self._fd)
-
-
-def _read_lock(fd: int) -> dict[str, Any]:
-    try:
-        data = json.loads(os.pread(fd, 4096, 0) or b"{}")
-    except ValueError:
-        return {}
-    return data if isinstance(data, dict) else {}
+        self._lock.release()
 
 
 class DownloadLine:
@@ -254,7 +239,7 @@ class Demo:
     lock: DataDirLock
     server: DevServer | None = None
     worker: subprocess.Popen[bytes] | None = None
-    handle: WorkflowHandle[Any, Any] | None = None
+    handle: RunHandle | None = None
     run_id: int = 0
     run_closed: bool = False
     interrupted: signal.Signals | None = None
@@ -347,19 +332,14 @@ class Demo:
         except ValidationError as err:
             raise DemoError(f"invalid run request: {describe_invalid(err)}") from None
         t0 = time.perf_counter()
-        self.handle = await client.start_workflow(
-            names.RUN_WORKFLOW,
-            request,
-            id=names.run_workflow_id(self.run_id),
-            task_queue=names.ORCHESTRATOR_TASK_QUEUE,
-        )
-        print(f"run {self.handle.id} started; waiting for prompt-ready", flush=True)
+        self.handle = await RunHandle.start(client, self.run_id, request)
+        print(f"run {self.handle.workflow_id} started; waiting for prompt-ready", flush=True)
         state = await self._wait_prompt_ready(self.handle)
         print(
             f"prompt-ready after {time.perf_counter() - t0:.2f}s ({len(state.nodes)} node(s))\n",
             flush=True,
         )
-        result = await self._prompt(client)
+        result = await self._prompt(self.handle)
         outcome = await self._shut_down_run(ShutdownReason.OPERATOR_REQUESTED)
         if outcome is not None:
             print(
@@ -396,7 +376,9 @@ class Demo:
             left = await asyncio.to_thread(stop_nodes, self.state_dir, [self.run_id])
             if left:
                 log.warning(
-                    "%s: %d node process(es) outlived the run's teardown", self.handle.id, left
+                    "%s: %d node process(es) outlived the run's teardown",
+                    self.handle.workflow_id,
+                    left,
                 )
                 self.stopped.append(f"{left} node process(es) the run's teardown left")
         if self.server is not None:
@@ -406,30 +388,21 @@ class Demo:
 
     # ------------------------------------------------------------------ the run
 
-    async def _wait_prompt_ready(self, handle: WorkflowHandle[Any, Any]) -> RunState:
-        closed = asyncio.ensure_future(handle.result())
-        try:
-            while not closed.done():
-                if self.worker is not None and self.worker.poll() is not None:
-                    raise DemoError(
-                        f"the orchestrator worker exited with {self.worker.returncode}; "
-                        f"see {self.root / 'orchestrator.log'}"
-                    )
-                state: RunState | None = None
-                with contextlib.suppress(*QUERY_FAILED):  # e.g. no worker has the run yet
-                    state = await handle.query(
-                        names.QUERY_SNAPSHOT, result_type=RunState, rpc_timeout=timedelta(seconds=5)
-                    )
-                if state is not None and state.phase is RunPhase.PROMPT_READY:
-                    return state
-                await asyncio.wait([closed], timeout=0.2)
-            self.run_closed = True
-            raise DemoError(_closed_reason(closed))
-        finally:
-            if not closed.done():
-                closed.cancel()
+    async def _wait_prompt_ready(self, handle: RunHandle) -> RunState:
+        def worker_alive() -> None:
+            if self.worker is not None and self.worker.poll() is not None:
+                raise DemoError(
+                    f"the orchestrator worker exited with {self.worker.returncode}; "
+                    f"see {self.root / 'orchestrator.log'}"
+                )
 
-    async def _prompt(self, client: Client) -> Done | Fault:
+        try:
+            return await handle.wait_prompt_ready(check=worker_alive)
+        except RunClosed as err:
+            self.run_closed = True
+            raise DemoError(_closed_reason(err.error)) from None
+
+    async def _prompt(self, run: RunHandle) -> Done | Fault:
         args = self.args
         if args.chat:
             print(f"user: {args.prompt}", flush=True)
@@ -444,13 +417,14 @@ class Demo:
             request_id=1, prompt_text=args.prompt, max_tokens=args.max_tokens, chat=args.chat
         )
         try:
-            async for event in stream_prompt(client, self.run_id, prompt):
-                if isinstance(event, TextDelta):
-                    first = first or time.perf_counter()
-                    sys.stdout.write(event.text)
-                    sys.stdout.flush()
-                else:
-                    result = event
+            async with contextlib.aclosing(run.stream(prompt)) as events:
+                async for event in events:
+                    if isinstance(event, TextDelta):
+                        first = first or time.perf_counter()
+                        sys.stdout.write(event.text)
+                        sys.stdout.flush()
+                    else:
+                        result = event
         except PromptRejected as err:
             raise DemoError(f"prompt rejected ({err.kind}): {err}") from None
         self._end_line()
@@ -478,15 +452,8 @@ class Demo:
         deadline = time.monotonic() + RUN_STOP_WAIT_S
         outcome: RunOutcome | None = None
         try:
-            torn_down: RunOutcome = await asyncio.wait_for(
-                handle.execute_update(
-                    UPDATE_SHUTDOWN_AND_WAIT,
-                    RequestShutdown(run_id=self.run_id, reason=reason),
-                    result_type=RunOutcome,
-                ),
-                RUN_STOP_WAIT_S,
-            )
-            log.info("%s torn down: %s", handle.id, torn_down.outcome.value)
+            torn_down = await asyncio.wait_for(handle.shutdown_and_wait(reason), RUN_STOP_WAIT_S)
+            log.info("%s torn down: %s", handle.workflow_id, torn_down.outcome.value)
             outcome = torn_down
         except TimeoutError:
             await self._force_stop(handle, f"its teardown took over {RUN_STOP_WAIT_S:.0f} s")
@@ -494,14 +461,11 @@ class Demo:
         except (RPCError, WorkflowUpdateFailedError) as err:
             # Closed already (a fault: its result says why), or the Update did not get
             # through: the request_shutdown signal asks the same of a run still open.
-            log.info("%s: shutdown update failed (%s); signalling", handle.id, err)
+            log.info("%s: shutdown update failed (%s); signalling", handle.workflow_id, err)
             with contextlib.suppress(RPCError):
-                await handle.signal(
-                    names.SIGNAL_REQUEST_SHUTDOWN,
-                    RequestShutdown(run_id=self.run_id, reason=reason),
-                )
+                await handle.request_shutdown(reason)
         try:
-            await asyncio.wait_for(handle.result(), max(deadline - time.monotonic(), 0.5))
+            await asyncio.wait_for(handle.workflow.result(), max(deadline - time.monotonic(), 0.5))
             self.stopped.append("the run")
         except WorkflowFailureError as err:
             self._end_line()
@@ -510,7 +474,7 @@ class Demo:
             await self._force_stop(handle, f"it did not close in {RUN_STOP_WAIT_S:.0f} s: {err!r}")
         return outcome
 
-    async def _force_stop(self, handle: WorkflowHandle[Any, Any], why: str) -> None:
+    async def _force_stop(self, handle: RunHandle, why: str) -> None:
         """Terminate a run whose shutdown did not finish (its nodes: see stop_nodes)."""
         try:
             desc = await handle.describe()
@@ -518,7 +482,7 @@ class Demo:
                 await handle.terminate(reason=f"demo shutdown: {why}")
                 self.stopped.append(f"the run (terminated: {why})")
         except RPCError as err:
-            log.warning("could not terminate %s: %s", handle.id, err)
+            log.warning("could not terminate %s: %s", handle.workflow_id, err)
 
     # ------------------------------------------------------------------ leftovers
 
@@ -572,8 +536,7 @@ def stop_nodes(state_dir: Path, run_ids: list[int]) -> int:
     return len(found)
 
 
-def _closed_reason(closed: asyncio.Future[Any]) -> str:
-    err = closed.exception()
+def _closed_reason(err: BaseException | None) -> str:
     if isinstance(err, WorkflowFailureError):
         return failure_text(err)
     if err is not None:
@@ -668,6 +631,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main() -> None:
+    stdio.install()  # a reader gone from our pipe (| tee) never stops the shutdown
     raise SystemExit(run(parser().parse_args()))
 
 

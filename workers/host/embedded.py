@@ -1,13 +1,20 @@
 """The embedded default of the host commands (the demo, ``mvp-orchestrator``): an
-orchestrator worker process they own next to a local dev server, and how to stop both."""
+orchestrator worker process they own next to a local dev server, how to wait for it and
+stop both, and the one-per-directory lock that keeps two of them off one database."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import fcntl
+import json
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ApplicationError
@@ -84,3 +91,91 @@ def failure_text(err: WorkflowFailureError) -> str:
         word = "rejected" if cause.type == ErrorType.RUN_REJECTED else "faulted"
         return f"run {word}: {cause.message}"
     return f"run failed: {cause or err}"
+
+
+class DirLockBusy(Exception):
+    """Another process holds the directory's lock; ``holder`` is what it wrote there."""
+
+    def __init__(self, path: Path, holder: dict[str, Any]) -> None:
+        super().__init__(f"{path} is locked by pid {holder.get('pid', 'unknown')}")
+        self.path = path
+        self.holder = holder
+
+
+class DirLock:
+    """One process per directory (its dev server's SQLite database allows one server):
+    an exclusive ``flock`` on ``path``, taken at once or not at all. The kernel drops it
+    when the holder ends, however it ends. The file holds a small JSON record of the
+    holder (its pid, and whatever :meth:`write` adds), for the next one to read."""
+
+    def __init__(self, path: Path, mode: int = 0o644) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, mode)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_record(fd)
+            os.close(fd)
+            raise DirLockBusy(path, holder) from None
+        self.path = path
+        self._fd = fd
+        self.previous = _read_record(fd)  # what the last holder left
+        self.write({"pid": os.getpid()})
+
+    def write(self, record: dict[str, Any]) -> None:
+        data = json.dumps(record).encode()
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, data, 0)
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+
+def _read_record(fd: int) -> dict[str, Any]:
+    try:
+        data = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+WORKER_READY_LINE = "worker ready"  # what workers.orchestrator logs once it polls
+
+
+class WorkerNotReady(Exception):
+    """The orchestrator worker exited, or did not say it was ready in time."""
+
+
+async def wait_worker_ready(
+    proc: subprocess.Popen[bytes],
+    log_path: Path,
+    *,
+    offset: int = 0,
+    timeout_s: float = 60.0,
+    stop: Callable[[], bool] | None = None,
+) -> bool:
+    """Wait until the worker ``proc`` logs that it is ready (in ``log_path``, past
+    ``offset``): True. False when ``stop()`` turned true first. Raises WorkerNotReady
+    when the worker exits or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if await asyncio.to_thread(worker_said_ready, log_path, offset):
+            return True
+        if proc.poll() is not None:
+            raise WorkerNotReady(f"the orchestrator worker exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise WorkerNotReady(f"the orchestrator worker did not start in {timeout_s:.0f} s")
+        if stop is not None and stop():
+            return False
+        await asyncio.sleep(0.1)
+
+
+def worker_said_ready(log_path: Path, offset: int = 0) -> bool:
+    """Whether the orchestrator worker's log, past ``offset``, says it is ready."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            return WORKER_READY_LINE in f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return False

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
 import os
 import signal
@@ -27,7 +26,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
 
@@ -35,7 +33,6 @@ from temporalio.client import (
     Client,
     WorkflowExecutionStatus,
     WorkflowFailureError,
-    WorkflowHandle,
     WorkflowUpdateFailedError,
     WorkflowUpdateRPCTimeoutOrCancelledError,
 )
@@ -65,10 +62,10 @@ from mvp_core.host_config import (
     vast_worker_env,
 )
 from mvp_core.host_observe import observe
-from mvp_core.models import ModelSource, RequestShutdown, RunOutcome, RunPhase, ShutdownReason
+from mvp_core.models import ModelSource, RunOutcome, RunPhase, ShutdownReason
 from mvp_core.run_state import RunState
 from temporal import telemetry
-from temporal.client import start_run
+from temporal.client import RunHandle
 from temporal.connect import (
     TemporalConfigError,
     TemporalConnectError,
@@ -76,8 +73,18 @@ from temporal.connect import (
     connect,
 )
 from temporal.devserver import DevServer, DevServerError, start_dev_server
+from workers.host import stdio
 from workers.host.datastream import Datastream, FrameArchive, LiveSubscribers, LogTailer, Sink
-from workers.host.embedded import dev_server_ip, failure_text, start_worker, stop_process
+from workers.host.embedded import (
+    DirLock,
+    DirLockBusy,
+    WorkerNotReady,
+    dev_server_ip,
+    failure_text,
+    start_worker,
+    stop_process,
+    wait_worker_ready,
+)
 from workers.host.rpc import PromptObservation, PromptRpcServer
 
 PROG = "mvp-orchestrator"
@@ -120,23 +127,17 @@ class HostLock:
     """One host per state directory: its dev server's SQLite database allows one server."""
 
     def __init__(self, root: Path) -> None:
-        root.mkdir(parents=True, exist_ok=True)
         self.path = root / "host.lock"
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._fd)
+            self._lock = DirLock(self.path, 0o600)
+        except DirLockBusy:
             raise HostError(
                 f"another {PROG} uses {root} (lock {self.path}); stop it, or give this one "
                 "its own MVP_STATE_DIR"
             ) from None
-        os.ftruncate(self._fd, 0)
-        os.write(self._fd, f"{os.getpid()}\n".encode())
 
     def release(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self._fd)
+        self._lock.release()
 
 
 class StdioCapture:
@@ -148,8 +149,9 @@ class StdioCapture:
         self._orig = (sys.stdout, sys.stderr)
 
     def install(self) -> None:
-        sys.stdout = _Tee(self._orig[0], self.stream, LogStream.STDOUT)
-        sys.stderr = _Tee(self._orig[1], self.stream, LogStream.STDERR)
+        # Behind SafeStreams: a terminal gone (a pipe nobody reads) never stops a shutdown.
+        sys.stdout = _Tee(stdio.safe(self._orig[0]), self.stream, LogStream.STDOUT)
+        sys.stderr = _Tee(stdio.safe(self._orig[1]), self.stream, LogStream.STDERR)
 
     def remove(self) -> None:
         for tee in (sys.stdout, sys.stderr):
@@ -359,16 +361,13 @@ class Host:
         self.worker = start_worker(
             self.server.address, provider_state_dir(), log, vast_worker_env(self.cfg)
         )
-        deadline = time.monotonic() + WORKER_READY_S
-        while True:
-            text = log.read_bytes()[offset:].decode(errors="replace")
-            if "worker ready" in text:
-                break
-            if self.worker.poll() is not None or time.monotonic() > deadline:
-                raise HostError(f"the orchestrator worker did not start; see {log}")
-            if self.stop.is_set():
-                break  # _session sees the stop before it starts a run
-            await asyncio.sleep(0.1)
+        try:
+            # A stop ends the wait: _session sees it before it starts a run.
+            await wait_worker_ready(
+                self.worker, log, offset=offset, timeout_s=WORKER_READY_S, stop=self.stop.is_set
+            )
+        except WorkerNotReady:
+            raise HostError(f"the orchestrator worker did not start; see {log}") from None
         self.temporal_address = self.server.address
         return TemporalSettings.local(self.server.address)
 
@@ -412,13 +411,13 @@ class Host:
         progress.finish()
         return True
 
-    async def _start_run(self, client: Client) -> WorkflowHandle[Any, Any]:
+    async def _start_run(self, client: Client) -> RunHandle:
         wid = names.run_workflow_id(self.run_id)
         try:
             request = to_run_request(self.cfg)
         except ConfigError as err:
             raise HostError(str(err)) from None
-        existing = client.get_workflow_handle(wid)
+        existing = RunHandle(client, self.run_id)
         with contextlib.suppress(RPCError):
             desc = await existing.describe()
             if desc.status == WorkflowExecutionStatus.RUNNING:
@@ -431,7 +430,7 @@ class Host:
                 await existing.terminate(f"left behind by an earlier {PROG}; replaced")
                 say(f"terminated run {wid}, left behind by an earlier {PROG}")
         try:
-            handle = await start_run(client, self.run_id, request)
+            handle = await RunHandle.start(client, self.run_id, request)
         except RPCError as err:
             raise HostError(f"cannot start run {wid}: {err.message}") from None
         say(
@@ -441,27 +440,25 @@ class Host:
         )
         return handle
 
-    async def _closed(self, handle: WorkflowHandle[Any, Any]) -> Any:
+    async def _closed(self, handle: RunHandle) -> Any:
         """The run's result; a Temporal outage on the way is waited out (the run goes on
         without the host's connection), not taken for the run's end."""
         while True:
             try:
-                return await handle.result()
+                return await handle.workflow.result()
             except RPCError as err:
-                log.warning("waiting for run %s: %s; retrying", handle.id, err.message)
+                log.warning("waiting for run %s: %s; retrying", handle.workflow_id, err.message)
                 await asyncio.sleep(1.0)
 
     # ------------------------------------------------------------------ watching the run
-    async def _watch(self, handle: WorkflowHandle[Any, Any]) -> None:
+    async def _watch(self, handle: RunHandle) -> None:
         while True:
             await self._poll(handle)
             await asyncio.sleep(POLL_S)
 
-    async def _poll(self, handle: WorkflowHandle[Any, Any]) -> RunState | None:
+    async def _poll(self, handle: RunHandle) -> RunState | None:
         try:
-            cur: RunState = await handle.query(
-                names.QUERY_SNAPSHOT, result_type=RunState, rpc_timeout=timedelta(seconds=5)
-            )
+            cur = await handle.snapshot()
         except Exception:  # not picked up yet, or the worker is restarting: next poll
             return None
         for channel, record in observe(self.state, cur, self.cfg.provider.value):
@@ -478,9 +475,7 @@ class Host:
         self.state = cur
         return cur
 
-    async def _final_watch(
-        self, handle: WorkflowHandle[Any, Any], watch: asyncio.Task[None]
-    ) -> None:
+    async def _final_watch(self, handle: RunHandle, watch: asyncio.Task[None]) -> None:
         watch.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await watch
@@ -488,9 +483,7 @@ class Host:
         for tailer in self.tailers.values():
             await asyncio.to_thread(tailer.stop)
 
-    async def _until_prompt_ready(
-        self, handle: WorkflowHandle[Any, Any], closed: asyncio.Future[Any]
-    ) -> bool:
+    async def _until_prompt_ready(self, handle: RunHandle, closed: asyncio.Future[Any]) -> bool:
         """True once prompt-ready; False when a stop came first. A run that closes on
         its way there is a startup failure."""
         while not self.stop.is_set():
@@ -570,20 +563,16 @@ class Host:
         self.stream.bootstrap("shutdown", BootstrapStatus.OBSERVED, {"stdin": word})
         self.stop.set()
 
-    async def _shutdown(self, handle: WorkflowHandle[Any, Any], closed: asyncio.Future[Any]) -> int:
+    async def _shutdown(self, handle: RunHandle, closed: asyncio.Future[Any]) -> int:
         """Controlled shutdown through ``request_shutdown_and_wait``: 0 when the run tore
         everything down, 1 when a node may still run (or the RPC could not bind)."""
         if self.rpc is not None:
             await self.rpc.close()
             self.rpc = None
         self.stream.bootstrap("shutdown", BootstrapStatus.STARTED)
-        request = RequestShutdown(run_id=self.run_id, reason=self.stop_reason)
         try:
             outcome = await asyncio.wait_for(
-                handle.execute_update(
-                    names.UPDATE_SHUTDOWN_AND_WAIT, request, result_type=RunOutcome
-                ),
-                SHUTDOWN_WAIT_S,
+                handle.shutdown_and_wait(self.stop_reason), SHUTDOWN_WAIT_S
             )
         except (
             WorkflowUpdateFailedError,
@@ -738,6 +727,7 @@ def run(argv: list[str]) -> int:
 
 
 def main() -> None:
+    stdio.install()  # a reader gone from our pipe (| tee) never stops the shutdown
     code = run(sys.argv[1:])
     sys.stdout.flush()
     sys.stderr.flush()

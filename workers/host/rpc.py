@@ -31,10 +31,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from temporalio.client import Client
 from temporalio.service import RPCError
 
-from mvp_core import names
-from mvp_core.models import CancelPrompt, Done, SubmitPrompt, TextDelta
+from mvp_core.models import Done, SubmitPrompt, TextDelta
 from mvp_core.request_ids import RequestIds
-from temporal.client import PromptRejected, stream_prompt
+from temporal.client import PromptRejected, RunHandle
 
 log = logging.getLogger("mvp.host.rpc")
 
@@ -99,6 +98,7 @@ class PromptRpcServer:
     ) -> None:
         self.client = client
         self.run_id = run_id
+        self.run = RunHandle(client, run_id)
         self.on_shutdown = on_shutdown
         self.observe = observe
         self._server: asyncio.Server | None = None
@@ -201,31 +201,31 @@ class PromptRpcServer:
         first = True
         ended = False  # a terminal event reached the client
         try:
-            async for event in stream_prompt(
-                self.client, self.run_id, prompt, on_admitted=lambda: note("admitted")
-            ):
-                if isinstance(event, TextDelta):
-                    if first:
-                        first = False
-                        note("first_delta")
-                    await self._write(
-                        writer, {"type": "text_delta", "request_id": cid, "text": event.text}
-                    )
-                    continue
-                if isinstance(event, Done):
-                    note("done", f"{event.tokens_generated} tokens, {event.stop_reason}")
-                    terminal: dict[str, Any] = {
-                        "type": "done",
-                        "request_id": cid,
-                        "final_text": event.final_text,
-                        "tokens_generated": event.tokens_generated,
-                        "elapsed_ms": event.elapsed_ms,
-                    }
-                else:
-                    note("fault", event.error)
-                    terminal = {"type": "fault", "request_id": cid, "error": event.error}
-                ended = True
-                await self._write(writer, terminal)
+            events = self.run.stream(prompt, on_admitted=lambda: note("admitted"))
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    if isinstance(event, TextDelta):
+                        if first:
+                            first = False
+                            note("first_delta")
+                        await self._write(
+                            writer, {"type": "text_delta", "request_id": cid, "text": event.text}
+                        )
+                        continue
+                    if isinstance(event, Done):
+                        note("done", f"{event.tokens_generated} tokens, {event.stop_reason}")
+                        terminal: dict[str, Any] = {
+                            "type": "done",
+                            "request_id": cid,
+                            "final_text": event.final_text,
+                            "tokens_generated": event.tokens_generated,
+                            "elapsed_ms": event.elapsed_ms,
+                        }
+                    else:
+                        note("fault", event.error)
+                        terminal = {"type": "fault", "request_id": cid, "error": event.error}
+                    ended = True
+                    await self._write(writer, terminal)
         except PromptRejected as err:
             ended = True
             note("rejected", err.kind)
@@ -253,11 +253,9 @@ class PromptRpcServer:
                 await asyncio.shield(self._cancel(run_rid))
 
     async def _cancel(self, run_rid: int) -> None:
-        handle = self.client.get_workflow_handle(names.run_workflow_id(self.run_id))
+        # Once only: the stream, left before its end, has cancelled it already.
         with contextlib.suppress(RPCError, TimeoutError, asyncio.CancelledError):
-            await asyncio.wait_for(
-                handle.signal(names.SIGNAL_CANCEL_PROMPT, CancelPrompt(request_id=run_rid)), 5
-            )
+            await self.run.cancel_prompt(run_rid)
 
     async def _refuse(self, writer: asyncio.StreamWriter, request_id: int | None, why: str) -> None:
         with contextlib.suppress(ConnectionError, OSError):
