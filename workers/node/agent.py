@@ -32,7 +32,7 @@ from workers.node.activities import NodeActivities, preload_runtime
 from workers.node.config import FaultInjection, NodeConfig
 from workers.node.dataplane import DataPlaneServer
 from workers.node.dataplane.delay_proxy import front_listener
-from workers.node.self_destroy import self_destroy
+from workers.node.self_destroy import NodeStopReason, self_destroy
 
 log = logging.getLogger("mvp.node")
 DEADMAN_CHECK_S = 2.0
@@ -115,7 +115,7 @@ async def dead_man(
         await asyncio.sleep(DEADMAN_CHECK_S)
         if time.monotonic() - last_contact > cfg.lease_silence_s:
             log.warning("Temporal unreachable for %.0fs; shutting down", cfg.lease_silence_s)
-            await asyncio.to_thread(self_destroy, "Temporal unreachable")
+            await asyncio.to_thread(self_destroy, NodeStopReason.TEMPORAL_UNREACHABLE)
             stop.set()
             return
         try:
@@ -125,20 +125,20 @@ async def dead_man(
                 != WorkflowExecutionStatus.WORKFLOW_EXECUTION_STATUS_RUNNING
             ):
                 log.warning("run %s is closed; shutting down", cfg.run_workflow_id)
-                await asyncio.to_thread(self_destroy, "its run is closed")
+                await asyncio.to_thread(self_destroy, NodeStopReason.RUN_CLOSED)
                 stop.set()
                 return
             last_contact = time.monotonic()
         except RPCError as err:
             if err.status == RPCStatusCode.NOT_FOUND:
                 log.warning("run %s not found; shutting down", cfg.run_workflow_id)
-                await asyncio.to_thread(self_destroy, "its run is not found")
+                await asyncio.to_thread(self_destroy, NodeStopReason.RUN_NOT_FOUND)
                 stop.set()
                 return
         silent = time.monotonic() - acts.last_lease_beat
         if acts.leases_running == 0 and silent > cfg.lease_silence_s:
             log.warning("no lease for %.0fs; shutting down", silent)
-            await asyncio.to_thread(self_destroy, "its lease stopped")
+            await asyncio.to_thread(self_destroy, NodeStopReason.LEASE_STOPPED)
             stop.set()
             return
         if acts.stopped.is_set():

@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
+from enum import StrEnum
 from pathlib import Path
 
 # The names the Vast.ai provider sets in a rented node's environment. Read as given, not
@@ -42,7 +43,17 @@ def container_environ(path: Path = Path("/proc/1/environ")) -> dict[str, str]:
     return found
 
 
-def self_destroy(reason: str, environ: Mapping[str, str] | None = None) -> bool:
+class NodeStopReason(StrEnum):
+    """Why a node stops on its own (the dead-man switch, DECISIONS 7), in its log and in
+    a rented instance's self-destroy."""
+
+    TEMPORAL_UNREACHABLE = "Temporal unreachable"
+    RUN_CLOSED = "its run is closed"
+    RUN_NOT_FOUND = "its run is not found"
+    LEASE_STOPPED = "its lease stopped"
+
+
+def self_destroy(reason: NodeStopReason | str, environ: Mapping[str, str] | None = None) -> bool:
     """Destroy this node's own instance; True once the API confirmed it (or had none)."""
     env = os.environ if environ is None else environ
     if env.get(DISABLED_ENV) == "1" and env.get("MVP_TEST_FAULTS_ALLOWED") == "1":
