@@ -142,10 +142,12 @@ class Gateway:
         self.args = args
         self.stop = asyncio.Event()
         self.signals = 0
+        self._signalled = asyncio.Event()  # set by each signal, cleared by who waits
 
     def on_signal(self) -> None:
         self.signals += 1
         self.stop.set()
+        self._signalled.set()
 
     async def main(self) -> int:
         args = self.args
@@ -300,9 +302,8 @@ class Gateway:
         say(f"run {wid} closed: {outcome.outcome.value}")
 
     async def _second_signal(self) -> None:
-        seen = self.signals
-        while self.signals <= seen:
-            await asyncio.sleep(0.1)
+        self._signalled.clear()
+        await self._signalled.wait()
 
 
 def _url_host(host: str) -> str:
