@@ -77,7 +77,13 @@ from temporal.connect import (
 )
 from temporal.devserver import DevServer, DevServerError, start_dev_server
 from workers.host.datastream import Datastream, FrameArchive, LiveSubscribers, LogTailer, Sink
-from workers.host.embedded import dev_server_ip, failure_text, start_worker, stop_process
+from workers.host.embedded import (
+    dev_server_ip,
+    failure_text,
+    prune_node_dirs,
+    start_worker,
+    stop_process,
+)
 from workers.host.rpc import PromptObservation, PromptRpcServer
 
 PROG = "mvp-orchestrator"
@@ -91,6 +97,7 @@ FETCH_STOP_WAIT_S = 3.0  # how long a stopped model download may take to clean u
 # Where a second process attaches to the live datastream (printed at start; ``--follow``
 # of workers/host/follow.py): a unix socket in the host's state directory, mode 0600.
 FOLLOW_SOCKET = "datastream.sock"
+FOLLOW_COMMAND = "mvp-follow"  # the console script of workers/host/follow.py
 
 
 class HostError(Exception):
@@ -432,8 +439,7 @@ class Host:
             raise HostError(f"cannot start run {wid}: {err.message}") from None
         say(
             f"run {wid} started ({request.pipeline_stages} stage(s), provider "
-            f"{request.provider.value}); datastream: python -m workers.host.follow "
-            f"{self.follow_address}"
+            f"{request.provider.value}); datastream: {FOLLOW_COMMAND} {self.follow_address}"
         )
         return handle
 
@@ -564,6 +570,7 @@ class Host:
 
     def _stdin_stop(self, word: str) -> None:
         self.stream.bootstrap("shutdown", BootstrapStatus.OBSERVED, {"stdin": word})
+        say(f"{word!r} on stdin: shutting down run {names.run_workflow_id(self.run_id)}")
         self.stop.set()
 
     async def _shutdown(self, handle: WorkflowHandle[Any, Any], closed: asyncio.Future[Any]) -> int:
@@ -700,6 +707,8 @@ def run(argv: list[str]) -> int:
     except HostError as err:
         say(str(err))
         return 1
+    if pruned := prune_node_dirs(provider_state_dir()):
+        log.info("removed %d node directories of old runs: %s", len(pruned), pruned)
     sinks: list[Sink] = []
     if cfg.datastream_frame_log is not None:
         try:
