@@ -133,6 +133,7 @@ class Chat:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
             elif isinstance(event, Done):
+                telemetry.note_prompt_end(event.tokens_generated, event.stop_reason)
                 print(
                     done_line(event.tokens_generated, event.stop_reason, event.elapsed_ms),
                     flush=True,
