@@ -520,3 +520,15 @@ def test_mvp_chat_over_the_rpc_uses_the_chat_template_and_shows_the_stop_reason(
     # 'stop' on stdin answers with one line.
     assert "mvp-orchestrator: 'stop' on stdin: shutting down run mvp-run-1" in host.stderr
     assert "datastream: mvp-follow unix:" in host.stderr, host.stderr
+
+
+def test_otel_console_does_not_stop_the_embedded_dev_server(
+    tmp_path: Path, hosts: list[HostProcess]
+):
+    """OTEL_* is for our processes; the dev server the host starts never sees it (it
+    exits 1 on console, and the host with it)."""
+    host = HostProcess(tmp_path, stages=1, env={"OTEL_TRACES_EXPORTER": "console"})
+    hosts.append(host)
+    host.wait_ready()
+    host.proc.send_signal(signal.SIGTERM)
+    assert_clean_exit(host, host.finish())
