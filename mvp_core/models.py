@@ -9,9 +9,16 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+)
 
 from mvp_core.errors import ErrorType
 from mvp_core.request_ids import request_id_problem
@@ -359,6 +366,23 @@ class RunRequest(_Model):
         default_factory=dict,
         description="Extra non-secret environment for node agents (secrets come from the worker's env)",
     )
+
+    @model_serializer(mode="wrap")
+    def _as_sent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """What a client sends (and the Web UI shows as the run's input): no settings of a
+        provider the run does not use unless they were given, and no unset optional
+        fields (``"run_id": null``). Validating it gives the same request back."""
+        data: dict[str, Any] = handler(self)
+        for section in (ProviderKind.DOCKER, ProviderKind.VASTAI):
+            if self.provider is not section and section.value not in self.model_fields_set:
+                data.pop(section.value, None)
+        for name in _DROPPED_WHEN_NONE:
+            if data.get(name, "") is None:
+                del data[name]
+        return data
+
+
+_DROPPED_WHEN_NONE = ("run_id", "worker_image", "tokenizer", "default_max_tokens", "max_context")
 
 
 # --------------------------------------------------------------------------- plan

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -39,6 +39,15 @@ def _listening(port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def dev_server_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The dev server's environment: this process's, without ``OTEL_*``.
+
+    Those variables choose our processes' telemetry (docs/telemetry.md); the server reads
+    some of them too and exits at once on a value it does not know (``console``), or
+    exports its own spans to a collector it was never meant for."""
+    return {k: v for k, v in environ.items() if not k.startswith("OTEL_")}
 
 
 def temporal_binary() -> str:
@@ -226,7 +235,7 @@ def _start(
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ},
+            env=dev_server_env(os.environ),
             preexec_fn=pre_exec if steps else None,
             process_group=0 if own_process_group else None,
         )

@@ -340,6 +340,23 @@ class ForwardTimer:
 
 _current = Telemetry()
 
+# A prompt's end, on its spans (the node's generate activity, mvp-chat's prompt).
+ATTR_TOKENS = "mvp.prompt.tokens_generated"
+ATTR_STOP_REASON = "mvp.prompt.stop_reason"
+
+
+def note_prompt_end(tokens_generated: int, stop_reason: str, span: Any = None) -> None:
+    """Put a prompt's token count and stop reason on ``span`` (else the current span);
+    nothing when tracing is off (a non-recording span)."""
+    if not _current.tracing and span is None:
+        return
+    from opentelemetry import trace
+
+    target = span if span is not None else trace.get_current_span()
+    if target is not None and target.is_recording():
+        target.set_attribute(ATTR_TOKENS, tokens_generated)
+        target.set_attribute(ATTR_STOP_REASON, stop_reason)
+
 
 def current() -> Telemetry:
     return _current

@@ -173,6 +173,18 @@ def test_the_request_span_wraps_the_whole_response():
     assert not span.status.is_ok
 
 
+def test_a_prompt_span_carries_its_token_count_and_stop_reason():
+    telemetry.note_prompt_end(3, "eos")  # tracing off: nothing to do, no error
+    memory = InMemorySpanExporter()
+    tel = telemetry.setup("t", env={}, span_exporter=memory)
+    with tel.span("mvp-chat prompt", request_id=1):
+        telemetry.note_prompt_end(12, "max_tokens")
+    (span,) = memory.get_finished_spans()
+    assert span.attributes is not None
+    assert span.attributes[telemetry.ATTR_TOKENS] == 12
+    assert span.attributes[telemetry.ATTR_STOP_REASON] == "max_tokens"
+
+
 def test_prometheus_endpoint_serves_and_a_taken_port_is_a_clear_error(tmp_path):
     port_file = tmp_path / "metrics.port"
     tel = telemetry.setup(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -512,7 +513,7 @@ def test_mvp_chat_in_a_terminal_streams_two_prompts_and_ctrl_d_exits(
     hosts.append(host)
     host.wait_ready()
     session = f"mvpchat{os.getpid()}"
-    chat = f"{sys.executable} -m workers.host.chat --rpc 127.0.0.1:{host.port} --max-tokens 6; echo EXITED=$?; sleep 30"
+    chat = f"{sys.executable} -m workers.host.chat --rpc 127.0.0.1:{host.port} --raw --max-tokens 6; echo EXITED=$?; sleep 30"
     tmux = ["tmux", "-L", session]
     subprocess.run(
         [*tmux, "new-session", "-d", "-s", session, "-x", "120", "-y", "30", "-c", str(REPO), chat],
@@ -547,5 +548,56 @@ def test_mvp_chat_in_a_terminal_streams_two_prompts_and_ctrl_d_exits(
         assert "EXITED=0" in text and "Traceback" not in text, text
     finally:
         subprocess.run([*tmux, "kill-server"], capture_output=True)
+    host.proc.send_signal(signal.SIGTERM)
+    assert_clean_exit(host, host.finish())
+
+
+def test_mvp_chat_over_the_rpc_uses_the_chat_template_and_shows_the_stop_reason(
+    tmp_path: Path, hosts: list[HostProcess]
+):
+    """As the README says of mvp-chat, over the RPC too: each line under the model's chat
+    template (unless --raw), each reply ending with its token count and stop reason;
+    --max-tokens 0 is until the end, as in the demo. And the RPC's done says why."""
+    host = HostProcess(tmp_path, stages=1)
+    hosts.append(host)
+    host.wait_ready()
+    chat = subprocess.run(
+        [sys.executable, "-m", "workers.host.chat", "--rpc", f"127.0.0.1:{host.port}",
+         "--max-tokens", "0"],
+        cwd=REPO,
+        input="What is 2 + 2?\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert chat.returncode == 0, chat.stderr
+    # The bundled SmolLM2 answers this one well under its template (a plain completion
+    # of the question runs on to the cap).
+    assert "The answer is 4." in chat.stdout, chat.stdout
+    assert re.search(r"\[\d+ tokens, stopped by eos, \d+ ms\]", chat.stdout), chat.stdout
+
+    client = Client(host.port)
+    client.send(prompt(3, max_tokens=4))
+    _, done = client.answer()
+    assert done["type"] == "done" and done["stop_reason"] == "max_tokens", done
+    client.close()
+
+    assert host.proc.stdin is not None
+    host.proc.stdin.write(b"stop\n")
+    host.proc.stdin.flush()
+    assert_clean_exit(host, host.finish())
+    # 'stop' on stdin answers with one line.
+    assert "mvp-orchestrator: 'stop' on stdin: shutting down run mvp-run-1" in host.stderr
+    assert "datastream: mvp-follow unix:" in host.stderr, host.stderr
+
+
+def test_otel_console_does_not_stop_the_embedded_dev_server(
+    tmp_path: Path, hosts: list[HostProcess]
+):
+    """OTEL_* is for our processes; the dev server the host starts never sees it (it
+    exits 1 on console, and the host with it)."""
+    host = HostProcess(tmp_path, stages=1, env={"OTEL_TRACES_EXPORTER": "console"})
+    hosts.append(host)
+    host.wait_ready()
     host.proc.send_signal(signal.SIGTERM)
     assert_clean_exit(host, host.finish())

@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from activities.models_store import DEFAULT_BUNDLED, fetch_bundled
+from activities.models_store import DEFAULT_BUNDLED, GEMMA3_BUNDLED, fetch_bundled
 from mvp_core import names
 from mvp_core.models import RequestShutdown, RunPhase
 from temporal.devserver import DevServerError, exit_cause, start_dev_server
@@ -36,12 +36,12 @@ class Demo:
     """``python -m workers.host.demo`` in its own session (as a terminal runs it), its output
     collected by threads so that a test can wait for a line and then signal it."""
 
-    def __init__(self, data_dir: Path, *args: str) -> None:
-        env = {k: v for k, v in os.environ.items() if k != "MVP_STATE_DIR"}
+    def __init__(self, data_dir: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        environ = {k: v for k, v in os.environ.items() if k != "MVP_STATE_DIR"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "workers.host.demo", "--data-dir", str(data_dir), *args],
             cwd=REPO,
-            env={**env, "PYTHONUNBUFFERED": "1"},
+            env={**environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -226,6 +226,75 @@ def test_second_demo_on_a_data_dir_names_the_busy_database(data_dir: Path):
     assert leftovers(data_dir) == []
 
 
+@pytest.mark.parametrize(
+    "otel",
+    [
+        pytest.param({"OTEL_TRACES_EXPORTER": "console"}, id="console"),
+        # The default endpoint (localhost:4318), where no collector runs.
+        pytest.param({"OTEL_TRACES_EXPORTER": "otlp"}, id="otlp-without-a-collector"),
+        # One that takes the connection and never answers: each node's last export
+        # waits out its timeout, so the run's teardown takes longer than an interrupt's.
+        pytest.param(
+            {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": "BLACK_HOLE"},
+            id="otlp-to-a-collector-that-never-answers",
+        ),
+    ],
+)
+def test_telemetry_variables_do_not_break_the_demo(data_dir: Path, otel: dict[str, str]):
+    """OTEL_* is for our processes: the embedded dev server never sees it (it rejects
+    ``console``), and an exporter with nowhere to send never turns a clean shutdown into
+    a failure."""
+    import socket
+
+    black_hole = socket.socket()
+    black_hole.bind(("127.0.0.1", 0))
+    black_hole.listen(64)  # never accepted: the requests wait in its backlog
+    port = black_hole.getsockname()[1]
+    env = {k: v.replace("BLACK_HOLE", f"http://127.0.0.1:{port}") for k, v in otel.items()}
+    try:
+        demo = Demo(data_dir, "--max-tokens", "4", env=env)
+        code = demo.finish(timeout=180)
+    finally:
+        black_hole.close()
+    out, err = demo.stdout, demo.stderr
+    assert code == 0, out + err
+    assert "[4 tokens, stopped by max_tokens" in out, out
+    assert "run operator_stopped: " in out, out  # shut down, not terminated
+    assert "unexpected" not in err and "Traceback" not in out + err, err
+    assert leftovers(data_dir) == []
+
+
+def test_chat_with_a_model_without_a_chat_template_is_refused_before_anything_starts(
+    data_dir: Path,
+):
+    fetch_bundled(GEMMA3_BUNDLED)  # cached: the refusal is about the file, not a download
+    demo = Demo(data_dir, "--chat", "--model", GEMMA3_BUNDLED)
+    assert demo.finish(timeout=60) == 1
+    err = demo.stderr
+    assert f"--chat: the model {GEMMA3_BUNDLED} has no chat template" in err, err
+    assert DEFAULT_BUNDLED in err  # the model that has one
+    assert "starting Temporal dev server" not in demo.stdout, demo.stdout
+    assert "Traceback" not in demo.stdout + err
+    assert leftovers(data_dir) == []
+
+
+def test_help_names_the_bundled_model_that_has_a_chat_template():
+    from workers.host.demo import BUNDLED_CHAT, chat_template
+
+    assert chat_template(fetch_bundled(DEFAULT_BUNDLED)) is not None
+    assert chat_template(fetch_bundled(GEMMA3_BUNDLED)) is None
+    assert BUNDLED_CHAT.index(DEFAULT_BUNDLED) < BUNDLED_CHAT.index("has one")
+    assert BUNDLED_CHAT.index(GEMMA3_BUNDLED) < BUNDLED_CHAT.index("has none")
+    out = subprocess.run(
+        [sys.executable, "-m", "workers.host.demo", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    assert " ".join(BUNDLED_CHAT.split()) in " ".join(out.split()), out
+
+
 def test_model_that_is_neither_bundled_nor_a_file_is_named(data_dir: Path):
     demo = Demo(data_dir, "--model", "/no/such/model.gguf")
     assert demo.finish(timeout=30) == 1
@@ -322,6 +391,20 @@ async def test_chat_streams_replies_and_cancels_on_ctrl_c(runs: Runs, temporal_s
         await asyncio.sleep(0.2)
     assert state.active is None and state.lifecycle[-1].detail == "cancelled"
 
+    await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=run_id))
+    await wait_closed(handle)
+
+
+async def test_chat_max_tokens_0_is_until_the_end_not_the_runs_default(runs: Runs, temporal_server):
+    """As in the demo: --max-tokens 0 lets the reply run to the model's end token."""
+    run_id = 1002
+    handle = await runs.start(run_id, default_max_tokens=2)
+    await wait_phase(handle, RunPhase.PROMPT_READY)
+    proc = chat(temporal_server.address, run_id, "--max-tokens", "0")
+    out, err = await asyncio.to_thread(proc.communicate, b"What is 2 + 2?\n", 120)
+    assert proc.returncode == 0, err
+    text = out.decode()
+    assert "The answer is 4." in text and "stopped by eos" in text, text  # not 2 tokens
     await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=run_id))
     await wait_closed(handle)
 

@@ -231,6 +231,9 @@ async def test_one_trace_from_the_gateway_to_the_generate_activity(site: Site):
     assert gen.service == f"mvp-node-{head.node_id}", gen
     workflow_side = by_id[gen.parent_id]
     assert workflow_side.service == "mvp-orchestrator", workflow_side
+    # How the prompt ended, on the span of the activity that generated it.
+    assert gen.attributes[telemetry.ATTR_STOP_REASON] in ("eos", "max_tokens"), gen
+    assert 1 <= gen.attributes[telemetry.ATTR_TOKENS] <= 12, gen
     # No prompt text in any span attribute.
     for s in [*remote, *mine]:
         assert "Name a colour" not in json.dumps(s.attributes, default=str)

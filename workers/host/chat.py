@@ -2,9 +2,11 @@
 
 ``mvp-chat [--rpc HOST:PORT]`` talks to a running ``mvp-orchestrator`` over its prompt
 RPC (default 127.0.0.1:19777), as the original chat wrapper did: ``prompt:> ``, the
-reply's text as it arrives, a newline when it is done, ``error: <msg>`` on a fault.
-``mvp-chat --run-id N`` talks to run N through Temporal instead (the chat template
-unless ``--raw``, and the stop reason after each reply).
+reply's text as it arrives, ``error: <msg>`` on a fault. ``mvp-chat --run-id N`` talks
+to run N through Temporal instead. Either way each line goes under the model's chat
+template unless ``--raw``, and each reply ends with its token count and stop reason.
+``--max-tokens 0`` means until the end (the end token or the planned context), as in
+the demo; without ``--max-tokens`` the run's ``default_max_tokens`` applies.
 
 Every line read from standard input is one prompt. The run keeps no conversation: each
 line stands on its own. End with EOF (Ctrl-D), ``/quit`` or Ctrl-C; Ctrl-C during a
@@ -39,6 +41,18 @@ DEFAULT_RPC = "127.0.0.1:19777"
 QUIT = "/quit"
 # A duplicate id belongs to a prompt another client has in the run's queue (at most 8).
 MAX_ID_TRIES = 9
+# --max-tokens 0: the largest cap a prompt can carry (u32), which only the end token or
+# the planned context reaches. The wire's own 0 means "the run's default" (CONTRACTS).
+UNTIL_THE_END = 2**32 - 1
+
+
+def max_tokens_of(value: int | None) -> int | None:
+    """``--max-tokens`` as a prompt carries it: None = the run's default, 0 = no cap."""
+    return UNTIL_THE_END if value == 0 else value
+
+
+def done_line(tokens: int, stop_reason: object, elapsed_ms: object) -> str:
+    return f"\n[{tokens} tokens, stopped by {stop_reason}, {elapsed_ms} ms]"
 
 
 class ChatError(Exception):
@@ -67,7 +81,7 @@ class Chat:
     def __init__(self, run: RunHandle, args: argparse.Namespace) -> None:
         self.run = run
         self.run_id = run.run_id
-        self.max_tokens: int | None = args.max_tokens
+        self.max_tokens = max_tokens_of(args.max_tokens)
         self.chat = not args.raw
         self.next_id = 1
         self.in_flight: int | None = None
@@ -114,10 +128,9 @@ class Chat:
             sys.stdout.write(event.text)
             sys.stdout.flush()
         elif isinstance(event, Done):
+            telemetry.note_prompt_end(event.tokens_generated, event.stop_reason)
             print(
-                f"\n[{event.tokens_generated} tokens, stopped by {event.stop_reason}, "
-                f"{event.elapsed_ms} ms]",
-                flush=True,
+                done_line(event.tokens_generated, event.stop_reason, event.elapsed_ms), flush=True
             )
         else:
             print(f"\nerror: {event.error}", flush=True)
@@ -130,9 +143,10 @@ class Chat:
 class RpcChat:
     """The conversation loop over the prompt RPC (CONTRACTS "Prompt RPC")."""
 
-    def __init__(self, host: str, port: int, max_tokens: int | None) -> None:
+    def __init__(self, host: str, port: int, max_tokens: int | None, chat: bool) -> None:
         self.host, self.port = host, port
-        self.max_tokens = max_tokens
+        self.max_tokens = max_tokens_of(max_tokens)
+        self.chat = chat
         self.next_id = 1
         self.in_flight: int | None = None
         self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
@@ -155,6 +169,8 @@ class RpcChat:
         request: dict[str, Any] = {"request_id": request_id, "prompt_text": text}
         if self.max_tokens is not None:
             request["max_tokens"] = self.max_tokens
+        if self.chat:
+            request["chat"] = True
         self.in_flight = request_id
         writer.write(json.dumps(request).encode() + b"\n")
         await writer.drain()
@@ -169,7 +185,14 @@ class RpcChat:
                 sys.stdout.write(str(event.get("text", "")))
                 sys.stdout.flush()
             elif kind == "done":
-                print(flush=True)
+                print(
+                    done_line(
+                        int(event.get("tokens_generated", 0)),
+                        event.get("stop_reason", "?"),
+                        event.get("elapsed_ms", "?"),
+                    ),
+                    flush=True,
+                )
                 break
             elif kind == "fault":
                 print(f"\nerror: {event.get('error')}", flush=True)
@@ -274,13 +297,13 @@ def parser() -> argparse.ArgumentParser:
         "--max-tokens",
         type=int,
         default=None,
-        help="most tokens per reply (default: the run's default_max_tokens)",
+        help="most tokens per reply; 0 = until the end token or the context end "
+        "(default: the run's default_max_tokens)",
     )
     p.add_argument(
         "--raw",
         action="store_true",
-        help="(with --run-id) send lines as plain completions, no chat template; the RPC "
-        "always does",
+        help="send lines as plain completions, without the model's chat template",
     )
     return p
 
@@ -301,7 +324,7 @@ def main() -> None:
             host, _, port = args.rpc.rpartition(":")
             if not host or not port.isdigit():
                 raise ChatError(f"invalid --rpc {args.rpc!r}: use HOST:PORT")
-            rpc = RpcChat(host.strip("[]"), int(port), args.max_tokens)
+            rpc = RpcChat(host.strip("[]"), int(port), args.max_tokens, chat=not args.raw)
             loop.run_until_complete(rpc.connect())
             code = converse(loop, rpc)
         else:

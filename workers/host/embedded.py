@@ -9,6 +9,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from typing import Any
 from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 
+from activities.providers.process import marked_node_processes, parse_resource_name
 from mvp_core.errors import ErrorType
 from mvp_core.models import ProviderKind
 from temporal.connect import local_server_env
@@ -33,6 +35,46 @@ _EXEC_DYING_WITH_PARENT = (
     "    sys.exit(1)\n"
     "os.execv(sys.argv[2], sys.argv[2:])\n"
 )
+
+
+# Node directories (``<state_dir>/nodes/mvp-<run_id>-<node_id>-<nonce8>``, each with its
+# node's log) of this many most recent runs survive a host's start; older ones of runs
+# whose nodes are gone are removed. Young ones stay whatever their run: a worker of
+# another host may be starting that node right now.
+KEEP_NODE_RUNS = 5
+PRUNE_MIN_AGE_S = 600.0
+
+
+def prune_node_dirs(
+    state_dir: Path, keep_runs: int = KEEP_NODE_RUNS, min_age_s: float = PRUNE_MIN_AGE_S
+) -> list[str]:
+    """Remove the node directories of old runs that no live node uses; their names.
+
+    A run's age is its newest directory's; the ``keep_runs`` newest runs are kept whole,
+    and so is any directory younger than ``min_age_s`` or with a live node process."""
+    root = state_dir / "nodes"
+    found: list[tuple[Path, int, float]] = []  # (directory, run_id, mtime)
+    try:
+        for d in root.iterdir():
+            parsed = parse_resource_name(d.name)
+            with contextlib.suppress(FileNotFoundError):
+                if parsed is not None and d.is_dir():
+                    found.append((d, parsed[0], d.stat().st_mtime))
+    except FileNotFoundError:
+        return []
+    live = marked_node_processes(root)
+    newest: dict[int, float] = {}
+    for _, run_id, mtime in found:
+        newest[run_id] = max(newest.get(run_id, 0.0), mtime)
+    kept = set(sorted(newest, key=lambda r: newest[r], reverse=True)[:keep_runs])
+    now = time.time()
+    removed: list[str] = []
+    for d, run_id, mtime in sorted(found):
+        if run_id in kept or d.name in live or now - mtime < min_age_s:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d.name)
+    return removed
 
 
 def dev_server_ip(provider: ProviderKind) -> str:

@@ -81,6 +81,7 @@ from workers.host.embedded import (
     WorkerNotReady,
     dev_server_ip,
     failure_text,
+    prune_node_dirs,
     start_worker,
     stop_process,
     wait_worker_ready,
@@ -98,6 +99,7 @@ FETCH_STOP_WAIT_S = 3.0  # how long a stopped model download may take to clean u
 # Where a second process attaches to the live datastream (printed at start; ``--follow``
 # of workers/host/follow.py): a unix socket in the host's state directory, mode 0600.
 FOLLOW_SOCKET = "datastream.sock"
+FOLLOW_COMMAND = "mvp-follow"  # the console script of workers/host/follow.py
 
 
 class HostError(Exception):
@@ -435,8 +437,7 @@ class Host:
             raise HostError(f"cannot start run {wid}: {err.message}") from None
         say(
             f"run {wid} started ({request.pipeline_stages} stage(s), provider "
-            f"{request.provider.value}); datastream: python -m workers.host.follow "
-            f"{self.follow_address}"
+            f"{request.provider.value}); datastream: {FOLLOW_COMMAND} {self.follow_address}"
         )
         return handle
 
@@ -561,6 +562,7 @@ class Host:
 
     def _stdin_stop(self, word: str) -> None:
         self.stream.bootstrap("shutdown", BootstrapStatus.OBSERVED, {"stdin": word})
+        say(f"{word!r} on stdin: shutting down run {names.run_workflow_id(self.run_id)}")
         self.stop.set()
 
     async def _shutdown(self, handle: RunHandle, closed: asyncio.Future[Any]) -> int:
@@ -693,6 +695,8 @@ def run(argv: list[str]) -> int:
     except HostError as err:
         say(str(err))
         return 1
+    if pruned := prune_node_dirs(provider_state_dir()):
+        log.info("removed %d node directories of old runs: %s", len(pruned), pruned)
     sinks: list[Sink] = []
     if cfg.datastream_frame_log is not None:
         try:

@@ -44,12 +44,14 @@ _U32 = 2**32 - 1
 
 class RpcRequest(BaseModel):
     """The wire request (untagged, CONTRACTS); ``max_tokens`` absent or 0: no cap of its
-    own (the run's ``default_max_tokens`` applies)."""
+    own (the run's ``default_max_tokens`` applies). ``chat`` (ours, default false): the
+    prompt is a user message under the model's chat template (docs/host.md)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     request_id: int = Field(ge=0, le=_U64)
     prompt_text: str
     max_tokens: int | None = Field(default=None, ge=0, le=_U32)
+    chat: bool = False
 
 
 class ProtocolError(Exception):
@@ -197,6 +199,7 @@ class PromptRpcServer:
             request_id=run_rid,
             prompt_text=request.prompt_text,
             max_tokens=request.max_tokens or None,
+            chat=request.chat,
         )
         first = True
         ended = False  # a terminal event reached the client
@@ -220,6 +223,7 @@ class PromptRpcServer:
                             "final_text": event.final_text,
                             "tokens_generated": event.tokens_generated,
                             "elapsed_ms": event.elapsed_ms,
+                            "stop_reason": event.stop_reason,
                         }
                     else:
                         note("fault", event.error)

@@ -37,6 +37,7 @@ from mvp_core.models import (
     TokenEndpointsReady,
     WeightsReady,
 )
+from temporal import telemetry
 from workers.node import layout
 from workers.node.config import FaultInjection, NodeConfig
 from workers.node.dataplane import DataPlaneServer
@@ -363,6 +364,7 @@ class NodeActivities:
             await stream.flush()
         if result.stop_reason not in ("eos", "max_tokens", "context"):
             return PromptOutcome(terminal=Fault(request_id=request_id, error="cancelled"))
+        telemetry.note_prompt_end(result.tokens, result.stop_reason)  # on RunActivity's span
         return PromptOutcome(
             terminal=Done(
                 request_id=request_id,
