@@ -144,6 +144,7 @@ def start_dev_server(
     stop_with_parent: bool = False,
     ip: str = "127.0.0.1",
     namespaces: Sequence[str] = (),
+    search_attributes: Mapping[str, str] | None = None,
 ) -> DevServer:
     """Start ``temporal server start-dev`` and wait until its frontend accepts connections.
 
@@ -154,7 +155,8 @@ def start_dev_server(
     SIGTERM when the calling process dies (Linux), even when it is killed hard. ``ip`` is
     where the frontend listens ("0.0.0.0" for Docker nodes, which reach it through their
     network's gateway); clients on this host use 127.0.0.1 either way. ``namespaces``:
-    more namespaces to create at launch, next to ``default``. When the
+    more namespaces to create at launch, next to ``default``. ``search_attributes``:
+    name -> type registered at launch (default: the project's, SEARCH_ATTRIBUTES). When the
     server exits early, the :class:`DevServerError` names the cause from its output."""
     if port and _listening(port):
         # Checked first: the readiness probe below would connect to the other server.
@@ -170,6 +172,7 @@ def start_dev_server(
             return _start(
                 db_file, port or free_port(), free_port(), headless, dynamic_config,
                 log_file, timeout_s, nice, own_process_group, stop_with_parent, ip, namespaces,
+                SEARCH_ATTRIBUTES if search_attributes is None else search_attributes,
             )  # fmt: skip
         except DevServerError as e:
             if attempt == 2 or "address already in use" not in str(e):
@@ -191,6 +194,7 @@ def _start(
     stop_with_parent: bool,
     ip: str,
     namespaces: Sequence[str],
+    search_attributes: Mapping[str, str],
 ) -> DevServer:
     cmd = [
         temporal_binary(),
@@ -211,7 +215,7 @@ def _start(
         cmd += ["--db-filename", db_file]
     for namespace in namespaces:
         cmd += ["--namespace", namespace]
-    for key, kind in SEARCH_ATTRIBUTES.items():
+    for key, kind in search_attributes.items():
         cmd += ["--search-attribute", f"{key}={kind}"]
     for key, value in (dynamic_config or {}).items():
         cmd += ["--dynamic-config-value", f"{key}={value}"]

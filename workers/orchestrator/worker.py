@@ -32,6 +32,7 @@ from temporal.connect import (
     connect,
     default_data_converter,
 )
+from temporal.search_attributes import check_search_attributes
 from workers.orchestrator.reaper_schedule import ensure_reaper_schedule, reaper_interval_s
 from workflows.prompt import PromptWorkflow
 from workflows.reaper import ReaperWorkflow
@@ -49,6 +50,9 @@ async def run_worker(stop: asyncio.Event) -> None:
     # A forged or wrong-key payload must not fail the run's workflow tasks.
     client = await connect(data_converter=default_data_converter(lenient=True), settings=settings)
     await check_namespace(client, settings)
+    # A namespace without the workflows' search attributes would fail their every task
+    # (and hang every prompt): refuse to start, saying how to create them.
+    await check_search_attributes(client, settings.address)
     providers = ProviderActivities()
     reaper = ReaperActivities(providers)
     planning = PlanningActivities(providers)

