@@ -68,3 +68,17 @@ def test_a_safe_stream_drops_what_a_dead_pipe_cannot_take():
     assert safe(out) is out  # wrapped once
     with contextlib.suppress(OSError):
         raw.close()  # (what is still buffered cannot go anywhere either)
+
+
+async def test_process_exit_is_awaited_without_polling() -> None:
+    """The host learns of its worker's exit from a pidfd, with its status."""
+    import subprocess
+    import sys
+
+    from workers.host.embedded import process_exit
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; time.sleep(0.3); sys.exit(7)"]
+    )
+    assert await process_exit(proc) == 7
+    assert await process_exit(proc) == 7  # already gone: at once

@@ -112,6 +112,28 @@ def start_worker(
         )
 
 
+async def process_exit(proc: subprocess.Popen[bytes]) -> int:
+    """``proc``'s exit status, once it has exited: awaited on a pidfd (readable at the
+    child's exit), so nothing polls."""
+    if proc.poll() is not None:
+        return proc.returncode
+    fd = os.pidfd_open(proc.pid)
+    loop = asyncio.get_running_loop()
+    exited: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not exited.done():
+            exited.set_result(None)
+
+    loop.add_reader(fd, readable)
+    try:
+        await exited
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+    return proc.wait()
+
+
 def stop_process(proc: subprocess.Popen[bytes], grace_s: float) -> None:
     """SIGTERM, ``grace_s`` to exit, then SIGKILL."""
     if proc.poll() is None:

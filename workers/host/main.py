@@ -81,6 +81,7 @@ from workers.host.embedded import (
     WorkerNotReady,
     dev_server_ip,
     failure_text,
+    process_exit,
     prune_node_dirs,
     start_worker,
     stop_process,
@@ -525,9 +526,10 @@ class Host:
 
     async def _worker_lost(self) -> str:
         """Resolves (with why) if the embedded worker dies: nothing would serve the run."""
-        while self.worker is None or self.worker.poll() is None:
-            await asyncio.sleep(0.5)
-        return f"the orchestrator worker exited with {self.worker.returncode}"
+        if self.worker is None:  # a Temporal of the configuration's: no worker of ours
+            await asyncio.Event().wait()
+        assert self.worker is not None
+        return f"the orchestrator worker exited with {await process_exit(self.worker)}"
 
     def _prompt_observed(self, obs: PromptObservation) -> None:
         self.stream.prompt_event(
