@@ -95,6 +95,7 @@ class BootstrapPhase(StrEnum):
 
     CONFIG = "config"
     LOCAL_RUNTIME = "local_runtime"
+    MODEL_FETCH = "model_fetch"  # the host's download of the run's model, before the run
     RUN_PLAN = "run_plan"
     PROVIDER_START = "provider_start"
     NODE_RUNTIME_READY = "node_runtime_ready"

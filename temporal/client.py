@@ -15,7 +15,7 @@ its text deltas come from the prompt's own workflow stream, which any client can
 subscribe to and re-attach to; the terminal event is the Update's result. A stream owns
 its prompt: left before its terminal event (a ``break``, an error, a cancellation, or the
 iterator dropped), it cancels the prompt, so that the run's active slot is free for the
-next one (DECISIONS in docs/decisions.md, "an abandoned stream cancels its prompt").
+next one (DECISIONS 55).
 
 Updates and the query are called by method reference (``RunWorkflow.submit_prompt``);
 the run's two client signals (``request_shutdown``, ``cancel_prompt``) are routed by the

@@ -543,3 +543,10 @@ def test_a_stuck_sink_drops_and_reports_and_close_is_bounded() -> None:
     assert final["detail"]["final"] is True and final["detail"]["drops"]["stalled"] == 4_990
     assert ds.drops["stalled"] > 4_990  # what was still queued at close is lost too
     stalled.release.set()
+
+
+def test_every_phase_the_host_reports_is_a_bootstrap_phase():
+    """The host's model download is a phase of its own (a string the enum did not know
+    made every download end the host with a ValueError)."""
+    for phase in ("config", "local_runtime", "model_fetch", "prompt_rpc", "shutdown", "orch_exit"):
+        assert core.orch_bootstrap(phase, "started", 1, 0)["phase"] == phase

@@ -59,6 +59,7 @@ from mvp_core.datastream import (
     CORE_CHANNELS,
     SOURCE_NODE_LOG,
     SOURCE_ORCHESTRATOR,
+    BootstrapPhase,
     BootstrapStatus,
     ChannelRegistry,
     Frame,
@@ -735,7 +736,7 @@ class Datastream:
 
     def bootstrap(
         self,
-        phase: str,
+        phase: BootstrapPhase,
         status: BootstrapStatus | str,
         detail: Any = None,
         *,

@@ -52,7 +52,7 @@ from activities.models_store import (
 )
 from activities.providers.base import state_dir as provider_state_dir
 from mvp_core import names
-from mvp_core.datastream import BootstrapStatus, LogStream, Redactor
+from mvp_core.datastream import BootstrapPhase, BootstrapStatus, LogStream, Redactor
 from mvp_core.errors import ErrorType
 from mvp_core.host_config import (
     ConfigError,
@@ -216,7 +216,7 @@ class FetchProgress:
             size = f", {total / 1e6:.1f} MB" if total else ""
             say(f"downloading {self.what} (once, from {self.origin}{size}) into {models_dir()}")
             self.stream.bootstrap(
-                "model_fetch",
+                BootstrapPhase.MODEL_FETCH,
                 BootstrapStatus.STARTED,
                 {"model": self.what, "from": self.origin, "bytes_total": total},
             )
@@ -238,13 +238,15 @@ class FetchProgress:
         if error is None:
             say(f"  done: {self.fetched / 1e6:.1f} MB in {took:.1f} s")
             self.stream.bootstrap(
-                "model_fetch",
+                BootstrapPhase.MODEL_FETCH,
                 BootstrapStatus.READY,
                 {"model": self.what, "bytes": self.fetched, "seconds": round(took, 1)},
             )
         else:
             self.stream.bootstrap(
-                "model_fetch", BootstrapStatus.FAILED, {"model": self.what, "error": error}
+                BootstrapPhase.MODEL_FETCH,
+                BootstrapStatus.FAILED,
+                {"model": self.what, "error": error},
             )
 
 
@@ -290,7 +292,7 @@ class Host:
 
     # ------------------------------------------------------------------ the whole session
     async def main(self) -> int:
-        self.stream.bootstrap("config", BootstrapStatus.READY, self._config_detail())
+        self.stream.bootstrap(BootstrapPhase.CONFIG, BootstrapStatus.READY, self._config_detail())
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, self._on_signal, sig)
@@ -299,12 +301,14 @@ class Host:
         try:
             code = await self._session()
         except HostError as err:
-            self.stream.bootstrap("orch_exit", BootstrapStatus.FAILED, {"error": str(err)})
+            self.stream.bootstrap(
+                BootstrapPhase.ORCH_EXIT, BootstrapStatus.FAILED, {"error": str(err)}
+            )
             say(str(err))
         finally:
             await self._close()
         if code == 0:
-            self.stream.bootstrap("orch_exit", BootstrapStatus.READY, {"status": 0})
+            self.stream.bootstrap(BootstrapPhase.ORCH_EXIT, BootstrapStatus.READY, {"status": 0})
         return code
 
     async def _session(self) -> int:
@@ -316,7 +320,7 @@ class Host:
         except RuntimeError as err:
             raise HostError(f"cannot reach Temporal at {settings.address}: {err}") from None
         self.stream.bootstrap(
-            "local_runtime", BootstrapStatus.READY, {"temporal": settings.address}
+            BootstrapPhase.LOCAL_RUNTIME, BootstrapStatus.READY, {"temporal": settings.address}
         )
         if self.stop.is_set():
             return 0  # stopped before a run was started: nothing to tear down
@@ -347,7 +351,9 @@ class Host:
             self.temporal_address = configured.address
             return configured
         root = host_dir()
-        self.stream.bootstrap("local_runtime", BootstrapStatus.STARTED, {"embedded": True})
+        self.stream.bootstrap(
+            BootstrapPhase.LOCAL_RUNTIME, BootstrapStatus.STARTED, {"embedded": True}
+        )
         try:
             self.server = await asyncio.to_thread(
                 start_dev_server,
@@ -508,13 +514,17 @@ class Host:
         try:
             host, port = await self.rpc.start(addr.host, addr.port)
         except OSError as err:
-            self.stream.bootstrap("prompt_rpc", BootstrapStatus.FAILED, {"error": str(err)})
+            self.stream.bootstrap(
+                BootstrapPhase.PROMPT_RPC, BootstrapStatus.FAILED, {"error": str(err)}
+            )
             self.rpc = None
             self.stop_reason = ShutdownReason.HOST_REQUESTED
             self.bind_error = f"prompt RPC cannot bind {addr}: {err.strerror or err}"
             return
-        self.stream.bootstrap("prompt_rpc", BootstrapStatus.READY, {"addr": f"{host}:{port}"})
-        self.stream.bootstrap("prompt_loop", BootstrapStatus.READY)
+        self.stream.bootstrap(
+            BootstrapPhase.PROMPT_RPC, BootstrapStatus.READY, {"addr": f"{host}:{port}"}
+        )
+        self.stream.bootstrap(BootstrapPhase.PROMPT_LOOP, BootstrapStatus.READY)
         say(f"run {names.run_workflow_id(self.run_id)} prompt-ready; prompt RPC on {host}:{port}")
         stopping = asyncio.ensure_future(self.stop.wait())
         lost = asyncio.ensure_future(self._worker_lost())
@@ -541,14 +551,16 @@ class Host:
         )
 
     def _rpc_shutdown(self) -> None:
-        self.stream.bootstrap("shutdown", BootstrapStatus.OBSERVED, {"from": "prompt_rpc"})
+        self.stream.bootstrap(
+            BootstrapPhase.SHUTDOWN, BootstrapStatus.OBSERVED, {"from": "prompt_rpc"}
+        )
         self.stop.set()
 
     # ------------------------------------------------------------------ stopping
     def _on_signal(self, sig: int) -> None:
         # SIGHUP (the terminal went away) too: a controlled shutdown, nothing left behind.
         self.stream.bootstrap(
-            "shutdown", BootstrapStatus.OBSERVED, {"signal": signal.Signals(sig).name}
+            BootstrapPhase.SHUTDOWN, BootstrapStatus.OBSERVED, {"signal": signal.Signals(sig).name}
         )
         self.stop.set()
 
@@ -563,7 +575,7 @@ class Host:
             return
 
     def _stdin_stop(self, word: str) -> None:
-        self.stream.bootstrap("shutdown", BootstrapStatus.OBSERVED, {"stdin": word})
+        self.stream.bootstrap(BootstrapPhase.SHUTDOWN, BootstrapStatus.OBSERVED, {"stdin": word})
         say(f"{word!r} on stdin: shutting down run {names.run_workflow_id(self.run_id)}")
         self.stop.set()
 
@@ -573,7 +585,7 @@ class Host:
         if self.rpc is not None:
             await self.rpc.close()
             self.rpc = None
-        self.stream.bootstrap("shutdown", BootstrapStatus.STARTED)
+        self.stream.bootstrap(BootstrapPhase.SHUTDOWN, BootstrapStatus.STARTED)
         try:
             outcome = await asyncio.wait_for(
                 handle.shutdown_and_wait(self.stop_reason), SHUTDOWN_WAIT_S
@@ -597,7 +609,9 @@ class Host:
             await asyncio.wait_for(asyncio.shield(closed), 30)
         if closed.done():
             return self._closed_code(closed)
-        self.stream.bootstrap("shutdown", BootstrapStatus.READY, {"outcome": outcome.outcome.value})
+        self.stream.bootstrap(
+            BootstrapPhase.SHUTDOWN, BootstrapStatus.READY, {"outcome": outcome.outcome.value}
+        )
         return self._bind_failed() or 0
 
     def _bind_failed(self) -> int:
@@ -615,7 +629,9 @@ class Host:
         if err is not None:
             raise HostError(f"run ended: {err}")
         outcome = RunOutcome.model_validate(closed.result())
-        self.stream.bootstrap("shutdown", BootstrapStatus.READY, {"outcome": outcome.outcome.value})
+        self.stream.bootstrap(
+            BootstrapPhase.SHUTDOWN, BootstrapStatus.READY, {"outcome": outcome.outcome.value}
+        )
         if outcome.outcome.value != "operator_stopped":
             raise HostError(f"run ended: {outcome.outcome.value}")
         return self._bind_failed()
