@@ -67,6 +67,7 @@ from mvp_core.models import (
 )
 from mvp_core.planner import build_plan
 from mvp_core.run_state import RunState
+from workers.orchestrator.worker import PROVIDER_HEARTBEAT_THROTTLE
 
 __all__ = [
     "FACTS",
@@ -318,6 +319,10 @@ class FakeCluster:
                 self.client,
                 task_queue=PROVIDER_QUEUE,
                 activities=[self.prepare_plan, self.start_node, self.stop_node, self.watch_nodes],
+                # As the real provider worker: a cancelled watch hears of it within 0.5 s
+                # (the run's close waits for its watch to end, DECISIONS 54).
+                max_heartbeat_throttle_interval=PROVIDER_HEARTBEAT_THROTTLE,
+                default_heartbeat_throttle_interval=PROVIDER_HEARTBEAT_THROTTLE,
             ),
         ]
 
