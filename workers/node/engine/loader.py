@@ -10,7 +10,6 @@ architectures (attention scores are unchanged: q and k get the same permutation)
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -319,12 +318,13 @@ def rope_permutation(cfg: ArchConfig, n_heads: int) -> torch.Tensor | None:
 
 
 def trim_heap() -> None:
-    """Give freed conversion buffers back to the OS so RSS reflects the weights only."""
-    name = ctypes.util.find_library("c")
-    if not name:
-        return
+    """Give freed conversion buffers back to the OS so RSS reflects the weights only.
+
+    The process's own symbols (glibc's malloc_trim among them), not
+    ``ctypes.util.find_library``, which runs ``ldconfig``: a node must fork nothing (a
+    child before its exec carries the node's command line, and looks like a second node
+    to anyone who lists processes by it)."""
     try:
-        libc = ctypes.CDLL(name)
-        libc.malloc_trim(0)
+        ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
         pass
