@@ -1,4 +1,6 @@
-"""The time-skipping test server, one per session (tests/helpers/fake_cluster.py)."""
+"""The time-skipping test server, one per test (tests/helpers/fake_cluster.py): the
+workflows poll fixed task queues, so a test whose workers did not stop cleanly must not
+leave them polling beside the next test's."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from temporal.connect import default_data_converter
 from tests.helpers.fake_cluster import test_server_binary
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 async def env() -> AsyncIterator[WorkflowEnvironment]:
     async with await WorkflowEnvironment.start_time_skipping(
         data_converter=default_data_converter({}),
