@@ -32,6 +32,7 @@ from temporalio.client import Client
 from mvp_core.models import Done, Fault, PromptInput, TextDelta
 from temporal.client import PromptNotFound, find_prompt
 from workers.gateway.stops import StopMatcher, cut_at_stop
+from workers.gateway.streaming import EventStream
 from workers.gateway.wire import SSE_DONE, ApiError, sse
 
 if TYPE_CHECKING:
@@ -148,7 +149,6 @@ async def retrieve(request: Request, gateway: Gateway, *, chat: bool) -> Respons
     stops = await original_stops(gateway.client, gateway.run_id, request_id)
     head = {"id": ident, "created": int(time.time()), "model": served.id}
     if request.query_params.get("stream", "").lower() in ("1", "true"):
-        from workers.gateway.app import EventStream  # (app imports this module)
 
         async def nothing() -> None:
             return None  # a viewer that goes away cancels nothing

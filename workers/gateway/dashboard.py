@@ -62,6 +62,7 @@ from workers.gateway.dashboard_view import (
     finished_prompts,
     run_view,
 )
+from workers.gateway.streaming import EventStream
 from workers.gateway.wire import ApiError
 
 if TYPE_CHECKING:
@@ -558,7 +559,6 @@ class Dashboard:
         return HTMLResponse(self.html, headers={"Cache-Control": "no-cache"})
 
     async def events(self, request: Request) -> Response:
-        from workers.gateway.app import EventStream  # app.py mounts these routes
 
         sub = self.hub.subscribe()
         return EventStream(frames(self.hub, sub), on_close=sub.aclose)

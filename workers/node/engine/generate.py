@@ -20,13 +20,16 @@ def _never() -> bool:
 
 
 def _step(
-    sessions: Sequence[StageSession], ids: Sequence[int], dtype: ActivationDtype
+    stages: Sequence[Stage],
+    sessions: Sequence[StageSession],
+    ids: Sequence[int],
+    dtype: ActivationDtype,
 ) -> torch.Tensor:
     """One forward through every stage; the hidden state crosses each boundary as the
     data plane carries it (``dtype``, boundary.py)."""
     out = sessions[0].forward_tokens(ids)
-    for prev, s in itertools.pairwise(sessions):
-        out = s.forward_hidden(from_boundary(s.stage, to_boundary(prev.stage, out, dtype)))
+    for (prev, _), (stage, s) in itertools.pairwise(zip(stages, sessions, strict=True)):
+        out = s.forward_hidden(from_boundary(stage, to_boundary(prev, out, dtype)))
     return out
 
 
@@ -85,7 +88,7 @@ def _generate(
         return
     sessions = [s.new_session(max_seq_len) for s in stages]
     try:
-        logits = _step(sessions, prompt_ids, dtype)
+        logits = _step(stages, sessions, prompt_ids, dtype)
         produced = 0
         while True:
             if sessions[0].position >= max_seq_len or should_stop():
@@ -97,7 +100,7 @@ def _generate(
             produced += 1
             if max_new_tokens is not None and produced >= max_new_tokens:
                 return
-            logits = _step(sessions, [token], dtype)
+            logits = _step(stages, sessions, [token], dtype)
     finally:
         for s in sessions:
             s.close()

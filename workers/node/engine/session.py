@@ -3,12 +3,39 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from .stage import Stage
+from .config import ArchConfig
+from .gemma3 import Gemma3StageModel
+from .model import StageModel
+
+
+class _Embedding(Protocol):
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+
+class SessionStage(Protocol):
+    """What a session reads of its stage (``stage.Stage``; this module does not import
+    it, so the stage can make sessions without an import cycle)."""
+
+    @property
+    def cfg(self) -> ArchConfig: ...
+    @property
+    def layer_start(self) -> int: ...
+    @property
+    def layer_end(self) -> int: ...
+    @property
+    def is_first(self) -> bool: ...
+    @property
+    def is_last(self) -> bool: ...
+    @property
+    def model(self) -> StageModel | Gemma3StageModel: ...
+    @property
+    def embedding(self) -> _Embedding | None: ...
+    @property
+    def torch_device(self) -> torch.device: ...
 
 
 class ContextOverflow(Exception):
@@ -22,7 +49,7 @@ class StageSession:
     starts a new prompt; ``close`` frees the cache.
     """
 
-    def __init__(self, stage: Stage, max_seq_len: int) -> None:
+    def __init__(self, stage: SessionStage, max_seq_len: int) -> None:
         if max_seq_len <= 0:
             raise ValueError("max_seq_len must be positive")
         cfg = stage.cfg

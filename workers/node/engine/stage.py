@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,9 +16,7 @@ from .gguf_reader import GGUFError, GGUFFile
 from .loader import Part, WeightBuilder, rope_permutation, trim_heap
 from .model import LayerWeights, RopeTables, StageModel
 from .quants import as_torch_bytes, dequantize_rows
-
-if TYPE_CHECKING:
-    from .session import StageSession
+from .session import StageSession
 
 
 @dataclass(frozen=True)
@@ -98,8 +95,6 @@ class Stage:
         return self.model.float16_scale
 
     def new_session(self, max_seq_len: int) -> StageSession:
-        from .session import StageSession
-
         if self.closed:
             raise RuntimeError("stage is closed")
         return StageSession(self, max_seq_len)
