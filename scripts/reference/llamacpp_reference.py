@@ -551,7 +551,7 @@ def generation_reference(model_path: Path, n_threads: int) -> dict[str, Any]:
             prompt, max_tokens=GENERATION_TOKENS, temperature=0, top_k=1, repeat_penalty=1.0,
             seed=0,
         )  # fmt: skip
-        text = completion["choices"][0]["text"]  # type: ignore[index]
+        text = completion["choices"][0]["text"]  # type: ignore[index,unused-ignore]
         runs.append(
             {
                 "prompt": prompt,
@@ -559,7 +559,7 @@ def generation_reference(model_path: Path, n_threads: int) -> dict[str, Any]:
                 "ids": ids,
                 "text": b"".join(piece(vocab, i, False) for i in ids).decode("utf-8", "replace"),
                 "create_completion_text": text,
-                "finish_reason": completion["choices"][0]["finish_reason"],  # type: ignore[index]
+                "finish_reason": completion["choices"][0]["finish_reason"],  # type: ignore[index,unused-ignore]
                 "top_logits": top,
             }
         )

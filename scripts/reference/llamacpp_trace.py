@@ -79,7 +79,7 @@ def llamacpp_logits(
     callback = None
     if tensors is not None:
 
-        @ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)
+        @ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)  # type: ignore[untyped-decorator,unused-ignore]
         def callback(ptr: int, ask: bool, _: int) -> bool:
             if ask:
                 return True
