@@ -158,22 +158,6 @@ async def test_a_stage_fault_while_prompt_ready_faults_the_run_after_the_culprit
     assert cluster.calls[-2:] == ["stop stage 0", "stop node 1"]
 
 
-async def test_a_node_exiting_while_prompt_ready_faults_the_run_naming_it(
-    env: WorkflowEnvironment,
-) -> None:
-    async with FakeCluster(env.client).serving() as cluster:
-        handle = await start_run(env.client, 108, pipeline_stages=2)
-        await wait_phase(handle, RunPhase.PROMPT_READY)
-        cluster.nodes[3].die("process 4003 is gone")
-        kind, message, outcome = await run_failure(handle)
-    assert kind == ErrorType.RUN_FAULTED
-    assert message == "prompt serving: node 3 exited: process 4003 is gone"
-    # The dead node gets no StopRun; the live one does; both get the provider's stop.
-    assert "stop stage 1" not in cluster.calls and "stop stage 0" in cluster.calls
-    assert {"stop node 2", "stop node 3"} <= set(cluster.calls)
-    assert kinds(outcome)[-2:] == TEARDOWN
-
-
 @pytest.mark.parametrize(
     ("step", "phase", "started"),
     [

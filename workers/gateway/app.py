@@ -355,8 +355,11 @@ class PromptSession:
         )
         admitted.cancel()
         if not task.done():
+            # Cancelled while its admission is in flight, the run handle's stream cancels
+            # whatever the run admits. A cancel sent now could reach the run before the
+            # prompt and be ignored, and the handle sends one cancel per prompt.
             task.cancel()
-        if self._admitted.is_set() or not task.done():
+        if self._admitted.is_set():
             await self.gateway._cancel(self.request_id)
 
     async def close(self) -> None:
