@@ -205,7 +205,10 @@ def assert_clean_exit(host: HostProcess, code: int) -> list[dict[str, Any]]:
 def test_the_prompt_rpc_serves_each_connection_on_its_own_and_stdin_stop_ends_it(
     tmp_path: Path, hosts: list[HostProcess]
 ):
-    host = HostProcess(tmp_path, stages=1)
+    # A 2048-token context: d's prompt below runs its 2000 tokens (about 30 s on one
+    # core), far longer than its cancel can take on a busy machine (with the default 512,
+    # it ran out of context in a few seconds and once finished before its cancel came).
+    host = HostProcess(tmp_path, stages=1, extra_toml="[model]\nmax_context = 2048\n")
     hosts.append(host)
     t0 = time.monotonic()
     host.wait_ready()
@@ -255,7 +258,7 @@ def test_the_prompt_rpc_serves_each_connection_on_its_own_and_stdin_stop_ends_it
     e.send(prompt(1))  # the same id as d's, on another connection: no collision
     _, done = e.answer()
     assert done["type"] == "done", done
-    assert time.monotonic() - gone < 15  # not after d's 400 tokens
+    assert time.monotonic() - gone < 15  # not after d's 2000 tokens
 
     # Five connections at once: each gets its own complete answer, in admission order.
     clients = [Client(host.port) for _ in range(5)]
