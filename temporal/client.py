@@ -30,7 +30,7 @@ import contextlib
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from pydantic import TypeAdapter
 from temporalio.client import (
@@ -67,6 +67,7 @@ from mvp_core.models import (
 from mvp_core.run_state import RunState
 from workflows.run import RunWorkflow
 
+T = TypeVar("T")
 _EVENT: TypeAdapter[TextDelta | Done | Fault] = TypeAdapter(PromptEvent)
 
 QUERY_TIMEOUT = timedelta(seconds=5)  # one snapshot query (a run no worker has answers late)
@@ -77,8 +78,35 @@ ADMIT_WAIT_S = 30.0  # a stream cancelled while its admission is in flight waits
 # and otherwise gives up at once; it never waits for the prompt.
 _OUTCOME_PEEK = timedelta(milliseconds=1)
 QUERY_FAILED = (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError)
+# An Update the server aborted before it was accepted, because the workflow task it rode
+# on failed (e.g. the server refused a continue-as-new completion that raced with it):
+# ``WorkflowNotReady``. Nothing of the Update happened, so it is sent again, with the same
+# id, this many times at most, after a growing pause.
+NOT_READY_RETRIES = 20
+NOT_READY_PAUSE_S = 0.05
 
 PromptEvents = AsyncGenerator[TextDelta | Done | Fault, None]
+
+
+def _not_ready(err: RPCError) -> bool:
+    """The server's WorkflowNotReady answer to an Update (never accepted, safe to resend)."""
+    try:
+        details = err.grpc_status.details
+    except Exception:  # an undecodable status is not that answer
+        return False
+    return any(d.type_url.endswith("WorkflowNotReadyFailure") for d in details)
+
+
+async def _resent_when_not_ready(send: Callable[[], Awaitable[T]]) -> T:
+    """``send()``, again after a pause when the server answers WorkflowNotReady."""
+    for attempt in range(NOT_READY_RETRIES):
+        try:
+            return await send()
+        except RPCError as err:
+            if not _not_ready(err) or attempt == NOT_READY_RETRIES - 1:
+                raise
+        await asyncio.sleep(NOT_READY_PAUSE_S * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 class PromptRejected(Exception):
@@ -269,11 +297,13 @@ class RunHandle:
         so the caller never holds a handle for a prompt that was not admitted."""
         try:
             # (Any: the SDK types an async handler's result as its coroutine)
-            update: WorkflowUpdateHandle[Any] = await self.workflow.start_update(
-                RunWorkflow.submit_prompt,
-                prompt,
-                id=update_id,
-                wait_for_stage=WorkflowUpdateStage.ACCEPTED,
+            update: WorkflowUpdateHandle[Any] = await _resent_when_not_ready(
+                lambda: self.workflow.start_update(
+                    RunWorkflow.submit_prompt,
+                    prompt,
+                    id=update_id,
+                    wait_for_stage=WorkflowUpdateStage.ACCEPTED,
+                )
             )
             # Known outcome: a rejection raises here (a prompt already done returns);
             # none known: the peek gives up at once, and the prompt is admitted.
@@ -293,7 +323,12 @@ class RunHandle:
     async def submit(self, prompt: SubmitPrompt) -> Done | Fault:
         """Submit and wait for the terminal event, without streaming."""
         try:
-            result = await self.workflow.execute_update(RunWorkflow.submit_prompt, prompt)
+            update_id = uuid.uuid4().hex  # one id for every resend
+            result = await _resent_when_not_ready(
+                lambda: self.workflow.execute_update(
+                    RunWorkflow.submit_prompt, prompt, id=update_id
+                )
+            )
         except WorkflowUpdateFailedError as err:
             raise _rejection(err) from None
         self._cancelled.discard(prompt.request_id)
