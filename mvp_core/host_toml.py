@@ -20,7 +20,7 @@ import tomllib
 from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, ClassVar, Self, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -31,10 +31,11 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
-from mvp_core.models import ProviderKind
+from mvp_core.models import ProviderKind, VastAiSettings
 from mvp_core.validation import _GPUS, _IMAGE_REF
 
 ARG_PIPELINE_STAGES = "--pipeline-stages"
@@ -362,6 +363,14 @@ class ObservabilityTable(_Frozen):
 
 
 class VastAiTable(_Frozen):
+    """[vastai]: the run's Vast.ai settings (:class:`mvp_core.models.VastAiSettings`, the
+    one model of them) in the TOML's types and key names, and the host's own keys, which
+    never enter the run (:attr:`HOST_ONLY`). The table validates into the run's model, so a
+    value the run would refuse is a config error naming its key."""
+
+    HOST_ONLY: ClassVar[frozenset[str]] = frozenset({"api_key", "confirm_lease", "ssh_identity"})
+    RUN_NAMES: ClassVar[dict[str, str]] = {"poll_interval_secs": "poll_interval_s"}
+
     image: Image | None = None
     api_key: Secret | None = None
     bootstrap_command: Text | None = None
@@ -377,6 +386,33 @@ class VastAiTable(_Frozen):
     min_reliability: Fraction | None = None
     require_verified: Bool | None = None
     poll_interval_secs: PositiveU64 | None = None
+
+    @model_validator(mode="after")
+    def _validates_into_the_run(self) -> Self:
+        try:
+            self.run_settings()
+        except ConfigError as err:
+            raise _problem(_VALUE, "", whole=str(err)) from None
+        return self
+
+    def run_settings(self, **given: Any) -> VastAiSettings:
+        """The keys the run carries, as the run's model; ``given`` sets run fields the host
+        resolves from elsewhere (the image from image.node). ConfigError names the key."""
+        keys = {self.RUN_NAMES.get(k, k): k for k in type(self).model_fields}
+        values: dict[str, Any] = {
+            run: getattr(self, key)
+            for run, key in keys.items()
+            if key not in self.HOST_ONLY and getattr(self, key) is not None
+        }
+        try:
+            return VastAiSettings.model_validate({**values, **given})
+        except ValidationError as err:
+            first = err.errors()[0]
+            run = str(first["loc"][0]) if first["loc"] else ""
+            key = keys.get(run, run)
+            reason = re.sub(r"^(Input|String|Value) should ", "must ", first["msg"])
+            value = {**values, **given}.get(run)
+            raise invalid(f"vastai.{key}", value, reason) from None
 
 
 class ConfigFile(_Frozen):
