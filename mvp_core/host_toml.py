@@ -240,13 +240,22 @@ def _rpc_addr(value: str) -> SocketAddress:
         raise _problem(_VALUE, str(err), value) from None
 
 
-def _profile(value: str) -> RuntimeProfile:
+E = TypeVar("E", bound=StrEnum)
+
+
+def _member(kind: type[E], value: str, what: str) -> E:
+    """``value`` as a member of ``kind``; else ``unsupported <what> "<v>"; use a or b``."""
     try:
-        return RuntimeProfile(value)
+        return kind(value)
     except ValueError:
+        choices = " or ".join(m.value for m in kind)
         raise _problem(
-            _VALUE, "", whole=f"unsupported runtime profile {quote(value)}; use local or deploy"
+            _VALUE, "", whole=f"unsupported {what} {quote(value)}; use {choices}"
         ) from None
+
+
+def _profile(value: str) -> RuntimeProfile:
+    return _member(RuntimeProfile, value, "runtime profile")
 
 
 def parse_provider(text: str) -> ProviderKind:
@@ -268,12 +277,7 @@ def _provider(value: str) -> ProviderKind:
 
 
 def _relay_mode(value: str) -> RelayMode:
-    try:
-        return RelayMode(value)
-    except ValueError:
-        raise _problem(
-            _VALUE, "", whole=f"unsupported relay.mode {quote(value)}; use default or disabled"
-        ) from None
+    return _member(RelayMode, value, "relay.mode")
 
 
 def _relay_url(value: str) -> str:
