@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 from pydantic import Field, SecretStr, ValidationError
 
@@ -74,7 +74,6 @@ __all__ = [
     "parse_socket_address",
     "resolve_config",
     "to_run_request",
-    "vast_run_settings",
     "vast_worker_env",
 ]
 
@@ -174,22 +173,13 @@ class RelayConfig(_Frozen):
 
 class VastAiSettings(_Frozen):
     """The [vastai] table, resolved for a Vast.ai run (present only when the provider is
-    vastai). The SSH public key is derived later, by Vast.ai runtime preparation."""
+    vastai): the host's secrets, and ``run``, what the run request carries (the table's
+    other keys, validated into the run's own model, with the image and bootstrap command
+    resolved). The SSH public key is derived later, by Vast.ai runtime preparation."""
 
     api_key: SecretStr
-    image: str
-    bootstrap_command: str
     ssh_identity: Path
-    disk_gb: int | None = None
-    ssh_user: str | None = None
-    onstart: str | None = None
-    gpu_name: str | None = None
-    min_gpu_ram_mb: int | None = None
-    min_down_mbps: float | None = None
-    min_up_mbps: float | None = None
-    min_reliability: float | None = None
-    require_verified: bool | None = None
-    poll_interval_secs: int | None = None
+    run: VastAiRunSettings
 
 
 class HostConfig(_Frozen):
@@ -482,19 +472,8 @@ def _vastai(
         )
     return VastAiSettings(
         api_key=api_key,
-        image=image,
-        bootstrap_command=t.bootstrap_command,
         ssh_identity=identity,
-        disk_gb=t.disk_gb,
-        ssh_user=t.ssh_user,
-        onstart=t.onstart,
-        gpu_name=t.gpu_name,
-        min_gpu_ram_mb=t.min_gpu_ram_mb,
-        min_down_mbps=t.min_down_mbps,
-        min_up_mbps=t.min_up_mbps,
-        min_reliability=t.min_reliability,
-        require_verified=t.require_verified,
-        poll_interval_secs=t.poll_interval_secs,
+        run=t.run_settings(image=image, bootstrap_command=t.bootstrap_command),
     )
 
 
@@ -593,26 +572,6 @@ def resolve_config(
 # --------------------------------------------------------------------------- run request
 
 
-def vast_run_settings(vast: VastAiSettings) -> VastAiRunSettings:
-    """The [vastai] table's non-secret part, as the run carries it (the API key and the
-    SSH identity stay in the orchestrator worker's environment: ``vast_worker_env``)."""
-    fields: dict[str, Any] = {
-        "image": vast.image,
-        "bootstrap_command": vast.bootstrap_command,
-        "onstart": vast.onstart,
-        "gpu_name": vast.gpu_name,
-        "min_gpu_ram_mb": vast.min_gpu_ram_mb,
-        "min_up_mbps": vast.min_up_mbps,
-        "disk_gb": vast.disk_gb,
-        "ssh_user": vast.ssh_user,
-        "min_down_mbps": vast.min_down_mbps,
-        "min_reliability": vast.min_reliability,
-        "require_verified": vast.require_verified,
-        "poll_interval_s": vast.poll_interval_secs,
-    }
-    return VastAiRunSettings(**{k: v for k, v in fields.items() if v is not None})
-
-
 def vast_worker_env(cfg: HostConfig) -> dict[str, str]:
     """What the embedded orchestrator worker needs of a vastai configuration."""
     if cfg.provider is not ProviderKind.VASTAI or cfg.vastai is None:
@@ -654,7 +613,7 @@ def to_run_request(cfg: HostConfig) -> RunRequest:
             provider=cfg.provider,
             worker_image=worker_image,
             docker=DockerSettings(gpus=gpus),
-            vastai=VastAiRunSettings() if vast is None else vast_run_settings(vast),
+            vastai=VastAiRunSettings() if vast is None else vast.run,
             model=model,
             tokenizer=tokenizer,
             pipeline_stages=cfg.pipeline_stages,

@@ -20,7 +20,7 @@ import tomllib
 from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, ClassVar, Self, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -31,10 +31,11 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
-from mvp_core.models import ProviderKind
+from mvp_core.models import ProviderKind, VastAiSettings
 from mvp_core.validation import _GPUS, _IMAGE_REF
 
 ARG_PIPELINE_STAGES = "--pipeline-stages"
@@ -239,13 +240,22 @@ def _rpc_addr(value: str) -> SocketAddress:
         raise _problem(_VALUE, str(err), value) from None
 
 
-def _profile(value: str) -> RuntimeProfile:
+E = TypeVar("E", bound=StrEnum)
+
+
+def _member(kind: type[E], value: str, what: str) -> E:
+    """``value`` as a member of ``kind``; else ``unsupported <what> "<v>"; use a or b``."""
     try:
-        return RuntimeProfile(value)
+        return kind(value)
     except ValueError:
+        choices = " or ".join(m.value for m in kind)
         raise _problem(
-            _VALUE, "", whole=f"unsupported runtime profile {quote(value)}; use local or deploy"
+            _VALUE, "", whole=f"unsupported {what} {quote(value)}; use {choices}"
         ) from None
+
+
+def _profile(value: str) -> RuntimeProfile:
+    return _member(RuntimeProfile, value, "runtime profile")
 
 
 def parse_provider(text: str) -> ProviderKind:
@@ -267,12 +277,7 @@ def _provider(value: str) -> ProviderKind:
 
 
 def _relay_mode(value: str) -> RelayMode:
-    try:
-        return RelayMode(value)
-    except ValueError:
-        raise _problem(
-            _VALUE, "", whole=f"unsupported relay.mode {quote(value)}; use default or disabled"
-        ) from None
+    return _member(RelayMode, value, "relay.mode")
 
 
 def _relay_url(value: str) -> str:
@@ -362,6 +367,14 @@ class ObservabilityTable(_Frozen):
 
 
 class VastAiTable(_Frozen):
+    """[vastai]: the run's Vast.ai settings (:class:`mvp_core.models.VastAiSettings`, the
+    one model of them) in the TOML's types and key names, and the host's own keys, which
+    never enter the run (:attr:`HOST_ONLY`). The table validates into the run's model, so a
+    value the run would refuse is a config error naming its key."""
+
+    HOST_ONLY: ClassVar[frozenset[str]] = frozenset({"api_key", "confirm_lease", "ssh_identity"})
+    RUN_NAMES: ClassVar[dict[str, str]] = {"poll_interval_secs": "poll_interval_s"}
+
     image: Image | None = None
     api_key: Secret | None = None
     bootstrap_command: Text | None = None
@@ -377,6 +390,33 @@ class VastAiTable(_Frozen):
     min_reliability: Fraction | None = None
     require_verified: Bool | None = None
     poll_interval_secs: PositiveU64 | None = None
+
+    @model_validator(mode="after")
+    def _validates_into_the_run(self) -> Self:
+        try:
+            self.run_settings()
+        except ConfigError as err:
+            raise _problem(_VALUE, "", whole=str(err)) from None
+        return self
+
+    def run_settings(self, **given: Any) -> VastAiSettings:
+        """The keys the run carries, as the run's model; ``given`` sets run fields the host
+        resolves from elsewhere (the image from image.node). ConfigError names the key."""
+        keys = {self.RUN_NAMES.get(k, k): k for k in type(self).model_fields}
+        values: dict[str, Any] = {
+            run: getattr(self, key)
+            for run, key in keys.items()
+            if key not in self.HOST_ONLY and getattr(self, key) is not None
+        }
+        try:
+            return VastAiSettings.model_validate({**values, **given})
+        except ValidationError as err:
+            first = err.errors()[0]
+            run = str(first["loc"][0]) if first["loc"] else ""
+            key = keys.get(run, run)
+            reason = re.sub(r"^(Input|String|Value) should ", "must ", first["msg"])
+            value = {**values, **given}.get(run)
+            raise invalid(f"vastai.{key}", value, reason) from None
 
 
 class ConfigFile(_Frozen):

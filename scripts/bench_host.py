@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from temporal.connect import CONFIG_FILE_ENV, without_connection_env
 
@@ -106,7 +107,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=64)
     args = p.parse_args()
-    rows = []
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-host-") as tmp:
         for stages in [int(s) for s in args.stages.split(",")]:
             hosts = {}
@@ -123,9 +124,9 @@ def main() -> None:
                     hosts[archive].prompt(8)  # warm-up
                 for _ in range(args.rounds):
                     for archive in (False, True):
-                        f, r = hosts[archive].prompt(args.tokens)
-                        firsts[archive].append(f)
-                        rates[archive].append(r)
+                        first, rate = hosts[archive].prompt(args.tokens)
+                        firsts[archive].append(first)
+                        rates[archive].append(rate)
             finally:
                 for h in hosts.values():
                     h.stop()

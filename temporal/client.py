@@ -65,6 +65,7 @@ from mvp_core.models import (
     TextDelta,
 )
 from mvp_core.run_state import RunState
+from mvp_core.web_ui import run_details, run_summary
 from workflows.run import RunWorkflow
 
 T = TypeVar("T")
@@ -147,15 +148,6 @@ def _drop(task: asyncio.Future[Any]) -> None:
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
-def run_summary(run_id: int, request: RunRequest) -> str:
-    """``run 7: SmolLM2-135M-Instruct.Q4_1, 2 stage(s) on process``: ids and names only."""
-    model = request.model.display_name() or "the default model"
-    return (
-        f"run {run_id}: {model[:120]}, {request.pipeline_stages} stage(s) on "
-        f"{request.provider.value}"
-    )
-
-
 def _rejection(err: WorkflowUpdateFailedError) -> PromptRejected:
     cause = err.cause
     if isinstance(cause, ApplicationError):
@@ -198,6 +190,7 @@ class RunHandle:
             task_timeout=timedelta(seconds=names.WORKFLOW_TASK_TIMEOUT_S),
             # What the Web UI lists for the run (its live details come from the run itself).
             static_summary=run_summary(run_id, request),
+            static_details=run_details(run_id, request),
         )
         return run
 

@@ -1049,10 +1049,10 @@ class RunWorkflow:
         state, req = self._state, self._request
         stages = state.plan.stage_count if state.plan is not None else req.pipeline_stages
         active = f", request {state.active.request_id} active" if state.active else ""
-        lines = [
+        lines = [  # the phase first: the line the Web UI's workflow view shows on top
+            f"**phase: {state.phase.value}**",
             f"**run {state.run_id}**: {self._model_name()} in {stages} stage(s), "
             f"provider {req.provider.value}",
-            f"phase: {state.phase.value}",
             f"prompts: {state.prompts_completed} completed, {len(state.pending)} queued{active}",
         ]
         if state.continued:

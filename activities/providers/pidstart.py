@@ -12,6 +12,8 @@ are the mark where there is a procfs, and the create time with a tolerance elsew
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +55,8 @@ class ProcessStart:
     def from_record(cls, rec: dict[str, Any]) -> ProcessStart | None:
         """The start in a pid record (``create_time``, ``start_ticks``: a record written
         before the ticks were kept has none); None where it records no start."""
-        create_time = rec.get("create_time")
+        # "started": the Vast.ai provider's tunnel record, before it was this record
+        create_time = rec.get("create_time", rec.get("started"))
         if create_time is None:
             return None
         ticks = rec.get("start_ticks")
@@ -72,3 +75,36 @@ class ProcessStart:
             if not psutil.pid_exists(proc.pid):
                 raise psutil.NoSuchProcess(proc.pid)
         return abs(proc.create_time() - self.create_time) <= CREATE_TIME_TOLERANCE_S
+
+
+def write_record(path: Path, pid: int, start: ProcessStart) -> None:
+    """Record at ``path`` the process ``pid`` and its start (``{"pid", "create_time",
+    "start_ticks"}``), written whole: a reader never sees half a record."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"pid": pid, **start.as_record()}))
+    os.replace(tmp, path)
+
+
+def read_record(path: Path) -> tuple[int, ProcessStart | None] | None:
+    """The pid and start :func:`write_record` wrote at ``path`` (the start None where the
+    record has none); None where there is no readable record."""
+    try:
+        rec = json.loads(path.read_text())
+        return int(rec["pid"]), ProcessStart.from_record(rec)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def recorded_alive(path: Path) -> psutil.Process | None:
+    """The live, not zombie, process the record at ``path`` names (the very process, not
+    a later one of its pid); None where there is none, or the record keeps no start."""
+    pid, start = read_record(path) or (0, None)
+    if start is None:
+        return None
+    try:
+        proc = psutil.Process(pid)
+        if start.matches(proc) and proc.status() != psutil.STATUS_ZOMBIE:
+            return proc
+    except psutil.Error:
+        pass
+    return None

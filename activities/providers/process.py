@@ -33,7 +33,7 @@ from activities.providers.base import (
     node_environment,
     state_dir,
 )
-from activities.providers.pidstart import ProcessStart
+from activities.providers.pidstart import ProcessStart, read_record, write_record
 from mvp_core import names
 from mvp_core.models import (
     NodeExited,
@@ -138,14 +138,6 @@ def marked_node_processes(nodes_root: Path) -> dict[str, psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return found
-
-
-def _read_record(pid_file: Path) -> tuple[int, ProcessStart | None] | None:
-    try:
-        rec = json.loads(pid_file.read_text())
-        return int(rec["pid"]), ProcessStart.from_record(rec)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
 
 
 EXIT_FILE = "exit.json"
@@ -257,11 +249,7 @@ class ProcessProvider:
         self._record(pid_file, proc.pid, ProcessStart.of(psutil.Process(proc.pid)))
         return self._handle(spec, name, proc.pid, log_path)
 
-    @staticmethod
-    def _record(pid_file: Path, pid: int, start: ProcessStart) -> None:
-        tmp = pid_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"pid": pid, **start.as_record()}))
-        os.replace(tmp, pid_file)
+    _record = staticmethod(write_record)
 
     def _handle(self, spec: NodeProvisionSpec, name: str, pid: int, log_path: Path) -> NodeHandle:
         return NodeHandle(
@@ -281,7 +269,7 @@ class ProcessProvider:
     def _recorded_start(self, handle: NodeHandle) -> ProcessStart | None:
         if handle.log_path is None:
             return None
-        rec = _read_record(Path(handle.log_path).with_name("pid.json"))
+        rec = read_record(Path(handle.log_path).with_name("pid.json"))
         return None if rec is None else rec[1]
 
     def stop(self, handle: NodeHandle, grace_s: float) -> StopNodeResult:
@@ -377,7 +365,7 @@ class ProcessProvider:
             name = node_dir.name
             if name in found or parse_resource_name(name) is None:
                 continue
-            rec = _read_record(node_dir / "pid.json")
+            rec = read_record(node_dir / "pid.json")
             if rec is None:
                 continue  # never recorded (a start in flight) or already reaped
             pid, start = rec
@@ -394,7 +382,7 @@ class ProcessProvider:
             return
         node_dir = _nodes_root() / resource.name
         pid_file = node_dir / "pid.json"
-        rec = _read_record(pid_file)
+        rec = read_record(pid_file)
         running = marked_node_processes(_nodes_root()).get(resource.name)
         handle = NodeHandle(
             run_id=0,

@@ -63,7 +63,7 @@ from activities.providers.base import (
     node_environment,
     state_dir,
 )
-from activities.providers.pidstart import ProcessStart
+from activities.providers.pidstart import ProcessStart, recorded_alive, write_record
 from mvp_core import names
 from mvp_core.models import (
     NodeExited,
@@ -829,17 +829,8 @@ class VastAiProvider:
     def _tunnel_file(self, label: str) -> Path:
         return self._node_dir(label) / "tunnel.json"
 
-    def _tunnel_alive(self, label: str) -> bool:
-        try:
-            rec = json.loads(self._tunnel_file(label).read_text())
-            proc = psutil.Process(int(rec["pid"]))
-            start = ProcessStart(float(rec["started"]), rec.get("start_ticks"))
-            return start.matches(proc) and proc.status() != psutil.STATUS_ZOMBIE
-        except (OSError, ValueError, KeyError, TypeError, psutil.Error):
-            return False
-
     def _ensure_tunnel(self, record: _Record) -> None:
-        if self._tunnel_alive(record.label):
+        if recorded_alive(self._tunnel_file(record.label)) is not None:
             return
         address = temporal_address()
         host, _, port = address.rpartition(":")
@@ -858,11 +849,8 @@ class VastAiProvider:
             proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
             )
-        started = ProcessStart.of(psutil.Process(proc.pid))
-        self._tunnel_file(record.label).write_text(
-            json.dumps(
-                {"pid": proc.pid, "started": started.create_time, "start_ticks": started.ticks}
-            )
+        write_record(
+            self._tunnel_file(record.label), proc.pid, ProcessStart.of(psutil.Process(proc.pid))
         )
         # The forward is up once the instance's end accepts connections.
         probe = (
@@ -878,10 +866,10 @@ class VastAiProvider:
         log.info("%s: Temporal tunnel up (pid %s)", record.label, proc.pid)
 
     def _close_tunnel(self, label: str) -> None:
-        if self._tunnel_alive(label):
-            with contextlib.suppress(OSError, ValueError, KeyError):
-                pid = int(json.loads(self._tunnel_file(label).read_text())["pid"])
-                os.killpg(pid, signal.SIGTERM)
+        tunnel = recorded_alive(self._tunnel_file(label))
+        if tunnel is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(tunnel.pid, signal.SIGTERM)
         with contextlib.suppress(FileNotFoundError):
             self._tunnel_file(label).unlink()
 
@@ -998,7 +986,7 @@ class VastAiProvider:
                 continue
             if record is not None and self._tunnel_file(handle.resource_name).exists():
                 with contextlib.suppress(_SshFailed, OSError):
-                    if not self._tunnel_alive(handle.resource_name):
+                    if recorded_alive(self._tunnel_file(handle.resource_name)) is None:
                         log.warning("%s: Temporal tunnel down; restarting it", handle.resource_name)
                         self._ensure_tunnel(record)
             if now - self._last_poll.get(iid, 0.0) < _STATUS_POLL_S:

@@ -35,7 +35,7 @@ try:  # an offline tool: --help works without it, a run needs it
     import llama_cpp
     from llama_cpp import Llama
 except ImportError:
-    llama_cpp = None
+    llama_cpp = None  # type: ignore[assignment,unused-ignore]
 
 DEFAULT_MODEL = Path.home() / ".cache/mvp-orchestrator/models/gemma-3-270m-q4_k_m.gguf"
 OUTPUT = DATA / "gemma3_reference.json"

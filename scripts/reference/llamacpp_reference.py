@@ -33,7 +33,7 @@ try:  # an offline tool (see README): --help works without it, a run needs it
     from llama_cpp import Llama
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 except ImportError:
-    llama_cpp = None
+    llama_cpp = None  # type: ignore[assignment,unused-ignore]
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "tests" / "engine" / "data"

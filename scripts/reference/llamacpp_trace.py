@@ -95,16 +95,16 @@ def llamacpp_logits(
                     tensors[f"{key}|in|{src0.contents.name.decode()}"] = b
             return True
 
-        import llama_cpp.llama as high_level
+        import llama_cpp.llama_cpp as low_level  # the bindings Llama() reads its defaults from
 
-        defaults = llama_cpp.llama_context_default_params
+        defaults = low_level.llama_context_default_params
 
         def with_callback() -> Any:
             p = defaults()
             p.cb_eval = callback
             return p
 
-        high_level.llama_cpp.llama_context_default_params = with_callback  # read by Llama()
+        low_level.llama_context_default_params = with_callback  # read by Llama()
     llm = Llama(model_path=str(model), n_ctx=512, seed=0, n_threads=threads, verbose=False)
     n_vocab = llm.n_vocab()
     ids: list[int] = []

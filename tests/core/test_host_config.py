@@ -22,7 +22,9 @@ from mvp_core.host_config import (
     to_run_request,
     vast_worker_env,
 )
+from mvp_core.host_toml import VastAiTable
 from mvp_core.models import ModelSource, ProviderKind
+from mvp_core.models import VastAiSettings as VastAiRunSettings
 from mvp_core.names import DEFAULT_BUNDLED_MODEL
 from mvp_core.validation import validate_request
 
@@ -423,23 +425,23 @@ def test_every_key_rejects_an_invalid_value(toml, message):
 
 
 VALID_VASTAI_KEYS = [
-    ('image = "ghcr.io/acme/node:2"', lambda v: v.image == "ghcr.io/acme/node:2"),
+    ('image = "ghcr.io/acme/node:2"', lambda v: v.run.image == "ghcr.io/acme/node:2"),
     ('api_key = "other-key"', lambda v: v.api_key.get_secret_value() == "other-key"),
-    ('bootstrap_command = "boot --now"', lambda v: v.bootstrap_command == "boot --now"),
-    ("disk_gb = 80", lambda v: v.disk_gb == 80),
-    ('ssh_user = "ubuntu"', lambda v: v.ssh_user == "ubuntu"),
+    ('bootstrap_command = "boot --now"', lambda v: v.run.bootstrap_command == "boot --now"),
+    ("disk_gb = 80", lambda v: v.run.disk_gb == 80),
+    ('ssh_user = "ubuntu"', lambda v: v.run.ssh_user == "ubuntu"),
     ("confirm_lease = false", lambda v: v.api_key.get_secret_value() == SECRET),
-    ('onstart = "echo preparing"', lambda v: v.onstart == "echo preparing"),
+    ('onstart = "echo preparing"', lambda v: v.run.onstart == "echo preparing"),
     ('ssh_identity = "~/.ssh/vast"', lambda v: v.ssh_identity == Path(f"{HOME}/.ssh/vast")),
     ('ssh_identity = "keys/vast"', lambda v: v.ssh_identity == Path("/work/run/keys/vast")),
-    ('gpu_name = "RTX 4090"', lambda v: v.gpu_name == "RTX 4090"),
-    ("min_gpu_ram_mb = 24000", lambda v: v.min_gpu_ram_mb == 24000),
-    ("min_down_mbps = 250.5", lambda v: v.min_down_mbps == 250.5),
-    ("min_down_mbps = 100", lambda v: v.min_down_mbps == 100.0),
-    ("min_up_mbps = 50.25", lambda v: v.min_up_mbps == 50.25),
-    ("min_reliability = 0.99", lambda v: v.min_reliability == 0.99),
-    ("require_verified = true", lambda v: v.require_verified is True),
-    ("poll_interval_secs = 30", lambda v: v.poll_interval_secs == 30),
+    ('gpu_name = "RTX 4090"', lambda v: v.run.gpu_name == "RTX 4090"),
+    ("min_gpu_ram_mb = 24000", lambda v: v.run.min_gpu_ram_mb == 24000),
+    ("min_down_mbps = 250.5", lambda v: v.run.min_down_mbps == 250.5),
+    ("min_down_mbps = 100", lambda v: v.run.min_down_mbps == 100.0),
+    ("min_up_mbps = 50.25", lambda v: v.run.min_up_mbps == 50.25),
+    ("min_reliability = 0.99", lambda v: v.run.min_reliability == 0.99),
+    ("require_verified = true", lambda v: v.run.require_verified is True),
+    ("poll_interval_secs = 30", lambda v: v.run.poll_interval_s == 30),
 ]
 
 
@@ -459,9 +461,40 @@ def test_vastai_defaults():
     assert v is not None
     assert v.api_key.get_secret_value() == SECRET
     assert v.ssh_identity == Path(IDENTITY)
-    assert (v.disk_gb, v.ssh_user, v.onstart, v.gpu_name, v.min_gpu_ram_mb) == (None,) * 5
-    assert (v.min_down_mbps, v.min_up_mbps, v.min_reliability) == (None,) * 3
-    assert (v.require_verified, v.poll_interval_secs) == (None, None)
+    # the keys left out are the run's own defaults
+    assert v.run == VastAiRunSettings(
+        image="registry.example.com/team/mvp-node:1", bootstrap_command="/opt/mvp/node --join"
+    )
+
+
+def test_every_vastai_key_the_run_carries_is_a_field_of_the_runs_model():
+    """The table is the run's model in TOML: each key but the host's own names a field."""
+    run_keys = {
+        VastAiTable.RUN_NAMES.get(k, k) for k in VastAiTable.model_fields
+    } - VastAiTable.HOST_ONLY
+    assert run_keys <= set(VastAiRunSettings.model_fields)
+    assert VastAiTable.HOST_ONLY <= set(VastAiTable.model_fields)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        # TOML-valid values the run's model refuses: refused when the file is read, naming
+        # the key as the file spells it (before, only the run request refused them)
+        ('ssh_user = "Root!"', 'invalid vastai.ssh_user="Root!": must match pattern'),
+        (
+            "poll_interval_secs = 61",
+            "invalid vastai.poll_interval_secs=61: must be less than or equal to 60",
+        ),
+        ("disk_gb = 20000", "invalid vastai.disk_gb=20000: must be less than or equal to 10000"),
+        (
+            f'gpu_name = "{"G" * 101}"',
+            f'invalid vastai.gpu_name="{"G" * 101}": must have at most 100 characters',
+        ),
+    ],
+)
+def test_a_vastai_value_the_run_refuses_is_a_config_error_naming_its_key(line, message):
+    assert error_of(f"{VAST}{line}\n").startswith(message)
 
 
 def test_vastai_table_is_absent_unless_the_provider_is_vastai():
@@ -530,7 +563,7 @@ def test_vastai_bootstrap_command_required():
 def test_vastai_image_falls_back_to_image_node():
     toml = VAST.replace('image = "registry.example.com/team/mvp-node:1"\n', "")
     cfg = resolve(toml + '[image]\nnode = "ghcr.io/acme/node:3"\n', env=VAST_ENV, files=VAST_FILES)
-    assert cfg.vastai is not None and cfg.vastai.image == "ghcr.io/acme/node:3"
+    assert cfg.vastai is not None and cfg.vastai.run.image == "ghcr.io/acme/node:3"
 
 
 def test_vastai_image_required():
@@ -559,7 +592,7 @@ def test_vastai_registry_images(image):
     cfg = resolve(
         VAST.replace("registry.example.com/team/mvp-node:1", image), env=VAST_ENV, files=VAST_FILES
     )
-    assert cfg.vastai is not None and cfg.vastai.image == image
+    assert cfg.vastai is not None and cfg.vastai.run.image == image
 
 
 def test_missing_vastai_ssh_identity():
@@ -976,8 +1009,7 @@ def test_run_request_for_vastai_carries_the_settings_and_no_secret():
     request = to_run_request(cfg)
     assert request.provider is ProviderKind.VASTAI and request.worker_image is None
     assert cfg.vastai is not None
-    assert request.vastai.image == cfg.vastai.image
-    assert request.vastai.bootstrap_command == cfg.vastai.bootstrap_command
+    assert request.vastai == cfg.vastai.run
     key = cfg.vastai.api_key.get_secret_value()
     assert key not in request.model_dump_json()
     env = vast_worker_env(cfg)

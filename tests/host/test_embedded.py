@@ -18,7 +18,7 @@ from workers.host.embedded import (
     wait_worker_ready,
     worker_said_ready,
 )
-from workers.host.stdio import SafeStream, safe
+from workers.stdio import SafeStream, safe
 
 
 def test_a_directory_lock_is_one_holders_and_names_it(tmp_path: Path):

@@ -39,7 +39,7 @@ async def test_web_ui_metadata_names_nodes_stages_and_ids(runs: Runs):
     state = await wait_phase(handle, RunPhase.PROMPT_READY)
     ready = await _details(handle)
     assert f"run {RUN_ID}" in ready and "2 stage(s)" in ready, ready
-    assert "SmolLM2" in ready and "phase: prompt_ready" in ready, ready
+    assert "SmolLM2" in ready and ready.startswith("**phase: prompt_ready**"), ready
     assert "provider process" in ready, ready
 
     done = await submit_prompt(
@@ -65,6 +65,11 @@ async def test_web_ui_metadata_names_nodes_stages_and_ids(runs: Runs):
     assert await run_desc.static_summary() == (
         f"run {RUN_ID}: SmolLM2-135M-Instruct.Q4_1, 2 stage(s) on process"
     )
+    run_details = await run_desc.static_details()
+    assert run_details is not None and run_details.startswith(f"**run {RUN_ID}**"), run_details
+    assert "model: SmolLM2-135M-Instruct.Q4_1 (bundled)" in run_details, run_details
+    assert "stages: 2 (activations float32)" in run_details and "provider: process" in run_details
+    assert "MvpRunPhase" in run_details, run_details
 
     prompt_id = None
     async for wf in runs.client.list_workflows(f"WorkflowId STARTS_WITH 'mvp-run-{RUN_ID}-'"):

@@ -386,6 +386,27 @@ class Prepared:
     include_usage: bool
     stream: bool
 
+    @classmethod
+    def of(
+        cls,
+        req: CompletionRequest | ChatRequest,
+        fields: dict[str, Any],
+        param: Literal["prompt", "messages"],
+    ) -> Prepared:
+        """``fields`` (the prompt) with the request's limit, stop strings and sampling."""
+        return cls(
+            fields={
+                **fields,
+                "max_tokens": req.token_limit(),
+                "stop": req.stops(),
+                **req.sampling(),
+            },
+            param=param,
+            stops=req.stops(),
+            include_usage=req.include_usage(),
+            stream=bool(req.stream),
+        )
+
 
 @dataclass
 class Finish:
@@ -522,19 +543,7 @@ async def completions(request: Request) -> Response:
     text = req.prompt_text()
     if not text:
         raise invalid("the prompt must not be empty", "prompt", "invalid_value")
-    prep = Prepared(
-        fields={
-            "prompt_text": text,
-            "chat": False,
-            "max_tokens": req.token_limit(),
-            "stop": req.stops(),
-            **req.sampling(),
-        },
-        param="prompt",
-        stops=req.stops(),
-        include_usage=req.include_usage(),
-        stream=bool(req.stream),
-    )
+    prep = Prepared.of(req, {"prompt_text": text, "chat": False}, "prompt")
     return await _respond(request, gateway, served, prep, chat=False)
 
 
@@ -554,18 +563,7 @@ async def chat_completions(request: Request) -> Response:
         fields: dict[str, Any] = {"prompt_text": content, "chat": True}
     else:
         fields = {"prompt_text": "", "messages": messages, "chat": True}
-    prep = Prepared(
-        fields={
-            **fields,
-            "max_tokens": req.token_limit(),
-            "stop": req.stops(),
-            **req.sampling(),
-        },
-        param="messages",
-        stops=req.stops(),
-        include_usage=req.include_usage(),
-        stream=bool(req.stream),
-    )
+    prep = Prepared.of(req, fields, "messages")
     return await _respond(request, gateway, served, prep, chat=True)
 
 

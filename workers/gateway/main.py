@@ -38,6 +38,7 @@ from mvp_core.models import RunOutcome, RunPhase, RunRequest, ShutdownReason
 from temporal import telemetry
 from temporal.client import RunHandle, RunNotOpen
 from temporal.connect import connect, temporal_address
+from workers import stdio
 from workers.gateway.app import create_app
 
 PROG = "mvp-gateway"
@@ -310,11 +311,7 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def say(message: str) -> None:
-    """One line on stderr. A stderr nobody reads any more (``2>&1 | tee`` with tee gone)
-    drops it: a line that cannot be written never stops a shutdown."""
-    with contextlib.suppress(OSError, ValueError):
-        print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+say = stdio.sayer(PROG)
 
 
 def main() -> None:

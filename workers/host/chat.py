@@ -34,7 +34,7 @@ from mvp_core.models import Done, Fault, RunPhase, SubmitPrompt, TextDelta
 from temporal import telemetry
 from temporal.client import PromptRejected, RunHandle, RunNotOpen
 from temporal.connect import DEFAULT_ADDRESS, TemporalConnectError, TemporalSettings, connect
-from workers.host import stdio
+from workers import stdio
 
 PROMPT = "prompt:> "
 DEFAULT_RPC = "127.0.0.1:19777"

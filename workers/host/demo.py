@@ -68,7 +68,7 @@ from mvp_core.validation import describe_invalid
 from temporal.client import PromptRejected, RunClosed, RunHandle
 from temporal.connect import TemporalSettings, connect
 from temporal.devserver import DevServer, DevServerError, start_dev_server
-from workers.host import stdio
+from workers import stdio
 from workers.host.embedded import (
     DirLock,
     DirLockBusy,

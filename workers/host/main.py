@@ -73,7 +73,7 @@ from temporal.connect import (
     connect,
 )
 from temporal.devserver import DevServer, DevServerError, start_dev_server
-from workers.host import stdio
+from workers import stdio
 from workers.host.datastream import Datastream, FrameArchive, LiveSubscribers, LogTailer, Sink
 from workers.host.embedded import (
     DirLock,
@@ -188,8 +188,7 @@ class _Tee:
         return getattr(self._inner, name)
 
 
-def say(message: str) -> None:
-    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+say = stdio.sayer(PROG)
 
 
 class FetchProgress:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -25,14 +24,6 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pr
 def kernel_start_ticks(pid: int) -> int:
     stat = Path(f"/proc/{pid}/stat").read_text()
     return int(stat[stat.rindex(")") + 1 :].split()[19])  # field 22
-
-
-@pytest.fixture
-def live() -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    yield proc
-    proc.kill()
-    proc.wait(10)
 
 
 def record(node_dir: Path, pid: int, **start: float | int) -> NodeHandle:

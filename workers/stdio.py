@@ -3,12 +3,15 @@
 ``demo … | tee demo.log``, and then the pipe's reader dies: every later write to stdout
 raises ``BrokenPipeError`` (Python ignores SIGPIPE). A print on the way out must not
 raise instead of stopping the run, so the host commands write through :class:`SafeStream`:
-what cannot be written is dropped, and the rest of the process goes on.
+what cannot be written is dropped, and the rest of the process goes on. The programs'
+own lines on stderr (``<prog>: <message>``) are :func:`sayer`'s, the same for every room
+(the host's and the gateway's), which is why this module lives beside the rooms.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import IO, Any, cast
 
 
@@ -51,3 +54,15 @@ def install() -> None:
     """This process's stdout and stderr, from here on, behind SafeStreams."""
     sys.stdout = safe(sys.stdout)
     sys.stderr = safe(sys.stderr)
+
+
+def sayer(prog: str) -> Callable[[str], None]:
+    """``say(message)``: one line ``<prog>: <message>`` on this process's stderr as it is
+    when called (a host's tee into its datastream included). A stderr nobody reads any
+    more (``2>&1 | tee``, tee gone) drops it: a line that cannot be written never stops a
+    shutdown."""
+
+    def say(message: str) -> None:
+        print(f"{prog}: {message}", file=safe(sys.stderr), flush=True)
+
+    return say
