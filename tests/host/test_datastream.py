@@ -15,6 +15,15 @@ from typing import Any
 
 import pytest
 
+from activities.datastream_io import (
+    Datastream,
+    FrameArchive,
+    LiveSubscribers,
+    LogTailer,
+    Sink,
+    parse_address,
+    read_frame_lines,
+)
 from mvp_core import datastream as core
 from mvp_core.datastream import (
     CORE_CHANNELS,
@@ -27,15 +36,6 @@ from mvp_core.datastream import (
 )
 from mvp_core.models import LifecycleKind, LifecycleReport
 from workers.host import follow as follow_mod
-from workers.host.datastream import (
-    Datastream,
-    FrameArchive,
-    LiveSubscribers,
-    LogTailer,
-    Sink,
-    parse_address,
-    read_frame_lines,
-)
 
 pytestmark = pytest.mark.timeout(120)
 

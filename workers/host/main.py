@@ -39,6 +39,7 @@ from temporalio.client import (
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
+from activities.datastream_io import Datastream, FrameArchive, LiveSubscribers, LogTailer, Sink
 from activities.models_store import (
     BUNDLED,
     DownloadCancelled,
@@ -74,7 +75,6 @@ from temporal.connect import (
 )
 from temporal.devserver import DevServer, DevServerError, start_dev_server
 from workers.host import stdio
-from workers.host.datastream import Datastream, FrameArchive, LiveSubscribers, LogTailer, Sink
 from workers.host.embedded import (
     DirLock,
     DirLockBusy,

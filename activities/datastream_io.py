@@ -1,4 +1,6 @@
-"""The process host's datastream: publish records, fan frames out to sinks, never block.
+"""A run's datastream: publish records, fan frames out to sinks, never block.
+
+Used by the run datastream activity (``activities/datastream.py``) and the process host.
 
 ``Datastream.publish`` redacts a record, turns it into a frame of its stream (channel id,
 position, arrival time; ``mvp_core.datastream``) and offers it to every sink. A sink owns
@@ -18,7 +20,7 @@ Sinks:
   keep up loses frames (counted), it never slows the others or the run.
 
 ``LogTailer`` follows a node's log file and publishes its lines as log records.
-``workers/host/follow.py`` is the subscriber side (``python -m workers.host.follow``).
+``workers/host/follow.py`` is the subscriber side; ``activities/datastream.py`` the run's activity (``python -m workers.host.follow``).
 
 Host wiring (sketch)::
 
@@ -905,6 +907,7 @@ class LogTailer:
         max_bytes_per_poll: int = 256 * 1024,
         max_line_bytes: int = 64 * 1024,
         stop_drain_polls: int = 64,
+        start_offset: int = 0,
     ) -> None:
         self._ds = datastream
         self.path = Path(path)
@@ -919,12 +922,22 @@ class LogTailer:
         self._file: Any = None
         self._ino: tuple[int, int] | None = None
         self._offset = 0
+        # Where a tailer of an earlier attempt stopped: the first open of the file
+        # resumes there (unless the file is shorter now, then from its start).
+        self._resume_at = max(0, int(start_offset))
         self._partial = bytearray()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._poll_lock = threading.Lock()
         self._finished = False
         self.lines_published = 0
+
+    @property
+    def offset(self) -> int:
+        """Bytes of the file published so far (complete lines only): where a later tailer
+        of the same file resumes (``start_offset``)."""
+        with self._poll_lock:
+            return max(self._offset - len(self._partial), self._resume_at)
 
     def start(self) -> LogTailer:
         if self._thread is None:
@@ -1009,6 +1022,9 @@ class LogTailer:
         except OSError:
             return False
         self._ino, self._offset = ino, 0
+        if self._resume_at and st.st_size >= self._resume_at:
+            self._offset = self._resume_at
+        self._resume_at = 0
         self._partial.clear()
         return True
 
