@@ -6,7 +6,8 @@ after RunTornDown is recorded (and before a continue-as-new; the continued run s
 own). The activity, for every run however it was started (the process host, the gateway,
 the ``temporal`` CLI, the demo):
 
-- serves the live datastream on ``MVP_DATASTREAM_BIND`` (default ``127.0.0.1:0``, a free
+- serves the live datastream (each follower first gets the frames published so far by
+  this attempt, up to ``REPLAY_FRAMES``, then every new one) on ``MVP_DATASTREAM_BIND`` (default ``127.0.0.1:0``, a free
   loopback port; ``unix:<path>`` for a unix socket; ``{run_id}`` in it is replaced by the
   run's id) and tells the run where, by the ``datastream_address`` signal: the run's
   snapshot shows it (``RunState.datastream``), so ``mvp-follow --run-id N``, the host and
@@ -52,6 +53,9 @@ log = logging.getLogger("mvp.datastream")
 BIND_ENV = "MVP_DATASTREAM_BIND"
 DEFAULT_BIND = "127.0.0.1:0"
 POLL_S = 0.25
+# A follower attaching late first gets the run's last frames (this attempt's): so the host
+# that started the run, or mvp-follow --run-id, sees the run from its start.
+REPLAY_FRAMES = 20_000
 ARCHIVE_NAME = "frames.jsonl"
 OBSERVED_NAME = "observed.json"
 STDERR_NAME = NODE_STDERR_FILE  # beside a node's node.log (its stdout), process provider
@@ -88,7 +92,7 @@ class RunStream:
                 secrets.append(edge_token(edge_secret(), inp.run_workflow_id, inp.nonce))
         self.archive = FrameArchive(self.dir / ARCHIVE_NAME)
         try:
-            self.live = LiveSubscribers(bind_address(inp.run_id))
+            self.live = LiveSubscribers(bind_address(inp.run_id), replay_frames=REPLAY_FRAMES)
         except BaseException:
             self.archive.close()
             raise

@@ -355,8 +355,12 @@ class LiveSubscribers(Sink):
         max_subscribers: int = 64,
         close_flush_s: float = 1.0,
         name: str = "subscribers",
+        replay_frames: int = 0,
     ) -> None:
         super().__init__(name, capacity)
+        # The last ``replay_frames`` frames, sent to each subscriber first when it attaches
+        # (a run's datastream: a follower coming late still sees the run from its start).
+        self._backlog: deque[bytes] = deque(maxlen=max(0, replay_frames))
         self._subscriber_frames = subscriber_frames
         self._subscriber_bytes = subscriber_bytes
         self._max_subscribers = max_subscribers
@@ -550,7 +554,15 @@ class LiveSubscribers(Sink):
                 continue
             conn.setblocking(False)
             sub = _Subscriber(conn)
-            self._sel.register(conn, selectors.EVENT_READ, sub)
+            if self._backlog:  # the sink's thread owns the backlog: no frame missed or twice
+                kept = list(self._backlog)[-self._subscriber_frames :]
+                sub.dropped += len(self._backlog) - len(kept)
+                sub.lines.extend(kept)
+                sub.pending_bytes += sum(len(line) for line in kept)
+                events = selectors.EVENT_READ | selectors.EVENT_WRITE
+            else:
+                events = selectors.EVENT_READ
+            self._sel.register(conn, events, sub)
             with self._lock:
                 self._subs[conn.fileno()] = sub
                 self._attached_total += 1
@@ -568,11 +580,13 @@ class LiveSubscribers(Sink):
     def _fan_out(self, frames: Sequence[Frame]) -> None:
         with self._lock:
             subs = list(self._subs.values())
-        if not subs:
+        if not subs and self._backlog.maxlen == 0:
             return
         lost = 0
         for frame in frames:
             line = (encode_frame_line(frame, frame.seq) + "\n").encode("utf-8")
+            if self._backlog.maxlen:
+                self._backlog.append(line)
             for sub in subs:
                 if (
                     len(sub.lines) >= self._subscriber_frames
@@ -670,10 +684,13 @@ class Datastream:
         sinks: Iterable[Sink] = (),
         redactor: Redactor | None = None,
         summary_interval_s: float | None = DEFAULT_SUMMARY_INTERVAL_S,
+        stream: str | None = None,
     ) -> None:
         self.run_id = int(run_id)
         self.node_id = int(node_id)
-        self.stream = orchestrator_stream_id(self.run_id)
+        # The stream of its own records: the run's (``mvp-orchestrator-<run_id>``) unless
+        # told otherwise (the process host's own, beside the run's frames it forwards).
+        self.stream = stream or orchestrator_stream_id(self.run_id)
         self.redactor = redactor if redactor is not None else Redactor()
         self._sinks: list[Sink] = []
         names: set[str] = set()
@@ -735,6 +752,40 @@ class Datastream:
             self._seq += 1
             for sink in self._sinks:
                 sink.offer(frame, force=force)
+
+    def forward(self, line: dict[str, Any]) -> bool:
+        """Pass on a frame of another datastream (a frame line, as a subscriber or an
+        archive has it) keeping its identity: source, stream, channel, channel id,
+        position, arrival time and payload (process spec 9.18); only the publish
+        sequence (``arrival_seq``) is this datastream's. The payload is redacted again
+        with this datastream's secrets. False for a line that is no frame."""
+        try:
+            payload = line["payload"]
+            raw = (
+                str(payload["value"]).encode("utf-8")
+                if payload["encoding"] == "utf8"
+                else bytes(payload["value"])
+            )
+            frame_args = (
+                int(line["arrival_unix_ms"]),
+                str(line["source"]),
+                str(line["stream"]),
+                str(line["channel"]),
+                int(line["channel_id"]),
+                int(line["position"]),
+            )
+        except (KeyError, TypeError, ValueError):
+            return False
+        raw = self.redactor.redact_bytes(raw)
+        with self._lock:
+            if self._closed:
+                self._after_close += 1
+                return False
+            frame = Frame(self._seq, *frame_args, payload=raw)
+            self._seq += 1
+            for sink in self._sinks:
+                sink.offer(frame)
+        return True
 
     def bootstrap(
         self,

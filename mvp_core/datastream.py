@@ -151,6 +151,12 @@ def orchestrator_stream_id(run_id: int) -> str:
     return f"mvp-orchestrator-{int(run_id)}"
 
 
+def host_stream_id(run_id: int) -> str:
+    """The process host's own records (its bootstrap steps, stdio, prompt RPC events),
+    beside the run's stream that it forwards (DECISIONS 58)."""
+    return f"mvp-host-{int(run_id)}"
+
+
 def node_stream_id(run_id: int, node_id: int) -> str:
     return f"mvp-node-{int(run_id)}-{int(node_id)}"
 
