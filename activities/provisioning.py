@@ -8,10 +8,12 @@ from collections.abc import Callable
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities import datastream_bus
 from activities.heartbeat import in_thread
 from activities.providers.base import NodeStartFailed, Provider, ProviderUnavailable, node_text
 from activities.providers.process import ProcessProvider
 from mvp_core import names
+from mvp_core.datastream import CHANNEL_PROVISIONING_EVENTS, ProvisionEventKind, provision_event
 from mvp_core.errors import ErrorType
 from mvp_core.models import (
     NodeExited,
@@ -86,19 +88,31 @@ class ProviderActivities:
 
     @activity.defn(name=names.ACT_START_NODE)
     async def start_node(self, spec: NodeProvisionSpec) -> NodeHandle:
-        provider = self._provider(spec.provider)
-        try:
-            return await in_thread(provider.start, spec)
-        except (NodeStartFailed, ProviderUnavailable) as err:
-            # A start's error may quote a node's host (an SSH error, a bootstrap's output).
-            raise ApplicationError(
-                node_text(str(err)), type=type(err).__name__, non_retryable=True
-            ) from None
+        # The provider's log records of this start are the run's provider log lines, and
+        # a start that fails is a ProvisionFailed event (the run's datastream, DECISIONS 58).
+        with datastream_bus.run_context(spec.run_id, spec.node_id, spec.provider.value):
+            try:
+                provider = self._provider(spec.provider)
+                return await in_thread(provider.start, spec)
+            except (NodeStartFailed, ProviderUnavailable) as err:
+                # A start's error may quote a node's host (an SSH error, a bootstrap's output).
+                _start_failed(spec, node_text(str(err)))
+                raise ApplicationError(
+                    node_text(str(err)), type=type(err).__name__, non_retryable=True
+                ) from None
+            except ApplicationError as err:
+                _start_failed(spec, node_text(str(err)))
+                raise
+            except Exception as err:
+                _start_failed(spec, node_text(f"{type(err).__name__}: {err}"))
+                raise
 
     @activity.defn(name=names.ACT_STOP_NODE)
     async def stop_node(self, inp: StopNodeInput) -> StopNodeResult:
-        provider = self._provider(inp.handle.provider)
-        return await in_thread(provider.stop, inp.handle, inp.grace_s)
+        h = inp.handle
+        with datastream_bus.run_context(h.run_id, h.node_id, h.provider.value):
+            provider = self._provider(h.provider)
+            return await in_thread(provider.stop, h, inp.grace_s)
 
     @activity.defn(name=names.ACT_WATCH_NODES)
     async def watch_nodes(self, inp: WatchNodesInput) -> NodeExited:
@@ -114,3 +128,19 @@ class ProviderActivities:
                     return exited.model_copy(update={"detail": node_text(exited.detail)})
             activity.heartbeat()
             await asyncio.sleep(WATCH_INTERVAL_S)
+
+
+def _start_failed(spec: NodeProvisionSpec, message: str) -> None:
+    """A ProvisionFailed event for the run's datastream (one per failed attempt)."""
+    attempt = activity.info().attempt if activity.in_activity() else 1
+    datastream_bus.publish(
+        spec.run_id,
+        CHANNEL_PROVISIONING_EVENTS,
+        provision_event(
+            spec.run_id,
+            spec.node_id,
+            ProvisionEventKind.PROVISION_FAILED,
+            spec.provider.value,
+            f"start attempt {attempt}: {message}",
+        ),
+    )

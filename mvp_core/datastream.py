@@ -3,7 +3,7 @@
 The datastream is observational (process spec 8.15, 9.18): nothing here makes state true.
 This module builds the JSON records of the contract (CONTRACTS.md "Datastream"), turns a
 record into a frame of its stream, redacts secrets, and renders the frame-archive line. It
-does no I/O; ``workers/host/datastream.py`` carries the frames to their sinks.
+does no I/O; ``activities/datastream_io.py`` carries the frames to their sinks.
 
 Terms (what the archive line's fields mean here):
 
@@ -149,6 +149,12 @@ def stdio_channel(stream: LogStream | str) -> str:
 
 def orchestrator_stream_id(run_id: int) -> str:
     return f"mvp-orchestrator-{int(run_id)}"
+
+
+def host_stream_id(run_id: int) -> str:
+    """The process host's own records (its bootstrap steps, stdio, prompt RPC events),
+    beside the run's stream that it forwards (DECISIONS 58)."""
+    return f"mvp-host-{int(run_id)}"
 
 
 def node_stream_id(run_id: int, node_id: int) -> str:

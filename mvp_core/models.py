@@ -527,6 +527,29 @@ class NodeExited(_Model):
     detail: str
 
 
+class RunDatastreamInput(_Model):
+    """The run datastream activity's input (activities/datastream.py): which run."""
+
+    run_id: int
+    run_workflow_id: str
+    provider: ProviderKind
+    # The execution's nonce (already in history with every NodeProvisionSpec): the
+    # activity derives the run's edge token from it, to keep it out of the records.
+    nonce: str = ""
+
+
+class DatastreamAddress(_Model):
+    """Signal from the run's datastream activity: where its live frames are served
+    (``127.0.0.1:<port>`` or ``unix:<path>``) and where its frame archive is written, on
+    ``host``. A later one (an activity retry, a continued run) replaces the earlier."""
+
+    run_id: int
+    address: str
+    archive: str
+    host: str = ""
+    attempt: int = 1
+
+
 class PreparePlanInput(_Model):
     run_id: int
     orchestrator_node_id: int

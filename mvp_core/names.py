@@ -29,6 +29,8 @@ SIGNAL_STAGE_READY = "stage_ready"
 SIGNAL_STAGE_FAULT = "stage_fault"
 SIGNAL_STAGE_STOPPED = "stage_stopped"
 SIGNAL_TOKEN_ENDPOINTS_READY = "token_endpoints_ready"
+# From the run's datastream activity: where its live datastream is served.
+SIGNAL_DATASTREAM_ADDRESS = "datastream_address"
 
 # Prompt workflow signals.
 SIGNAL_PROMPT_ACTIVATE = "activate"
@@ -51,6 +53,8 @@ ACT_CHECK_ROUTE = "orch.check_route"
 ACT_START_NODE = "provider.start_node"
 ACT_STOP_NODE = "provider.stop_node"
 ACT_WATCH_NODES = "provider.watch_nodes"
+# The run's datastream (DECISIONS 58): on the provider queue, beside the providers.
+ACT_RUN_DATASTREAM = "provider.run_datastream"
 
 # The reaper (DECISIONS 30): listing and destroying run on the host's provider queue,
 # the liveness check of the runs on the shared queue.
@@ -127,6 +131,7 @@ def reaper_workflow_id(host: str) -> str:
 # workflow.patched() ids: executions recorded before a change replay the old way.
 PATCH_PROMPT_STARTS_ACTIVE = "prompt-starts-active"  # DECISIONS 40
 PATCH_WATCH_ENDS_BEFORE_CLOSE = "watch-ends-before-close"  # DECISIONS 54
+PATCH_RUN_DATASTREAM = "run-datastream"  # DECISIONS 58
 
 # --------------------------------------------------------------------------- metrics
 # Our own metrics (OpenTelemetry names; a Prometheus scrape shows them with dots as

@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 
 from mvp_core.errors import ErrorType
 from mvp_core.models import (
+    DatastreamAddress,
     IgnoredInput,
     LeaseStarted,
     LifecycleKind,
@@ -161,6 +162,8 @@ class RunState(BaseModel):
     ignored: list[IgnoredInput] = Field(default_factory=list)
     token_endpoints_ready: bool = False
     token_endpoints_stopped: bool = False
+    # The run's datastream (its activity's last DatastreamAddress; None before one came).
+    datastream: DatastreamAddress | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def record(self, kind: LifecycleKind, detail: str = "", request_id: int | None = None) -> bool:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from datetime import timedelta
@@ -52,6 +53,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from mvp_core import names
 from mvp_core.models import (
     CancelPrompt,
+    DatastreamAddress,
     Done,
     Fault,
     PromptEvent,
@@ -229,6 +231,21 @@ class RunHandle:
             return await self.snapshot(rpc_timeout=rpc_timeout)
         except QUERY_FAILED:
             return None
+
+    async def datastream(
+        self, *, wait_s: float = 0.0, poll_s: float = 0.2
+    ) -> DatastreamAddress | None:
+        """Where the run's datastream is served and archived (DECISIONS 58), as its
+        datastream activity last told the run; None when it has not (yet: ``wait_s``
+        seconds are waited for it). A closed run still tells where its archive is."""
+        deadline = time.monotonic() + max(0.0, wait_s)
+        while True:
+            state = await self.try_snapshot()
+            if state is not None and state.datastream is not None:
+                return state.datastream
+            if time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(poll_s)
 
     async def wait_prompt_ready(
         self, *, poll_s: float = 0.2, check: Callable[[], None] | None = None

@@ -28,6 +28,7 @@ with workflow.unsafe.imports_passed_through():
         PreparePlanInput,
         PromptOutcome,
         RouteCheck,
+        RunDatastreamInput,
         RunPlan,
         RunTimeouts,
         StageProvision,
@@ -143,6 +144,27 @@ def watch_nodes(
         cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED
         if wait_for_cancel
         else workflow.ActivityCancellationType.TRY_CANCEL,
+    )
+
+
+DATASTREAM_HEARTBEAT = timedelta(seconds=10)
+DATASTREAM_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10)
+)
+
+
+def run_datastream(inp: RunDatastreamInput, queue: str) -> Any:
+    """The run's datastream (DECISIONS 58): runs until cancelled; a cancel waits for it to
+    publish the run's last records and close its archive."""
+    return workflow.execute_activity(
+        names.ACT_RUN_DATASTREAM,
+        inp,
+        task_queue=queue,
+        summary=f"datastream of run {inp.run_id}",
+        start_to_close_timeout=FOR_THE_RUN,
+        heartbeat_timeout=DATASTREAM_HEARTBEAT,
+        retry_policy=DATASTREAM_RETRY,
+        cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
     )
 
 

@@ -26,6 +26,7 @@ with workflow.unsafe.imports_passed_through():
     from mvp_core.models import (
         CancelPrompt,
         CheckRouteInput,
+        DatastreamAddress,
         EdgeEndpoint,
         EdgePlan,
         Fault,
@@ -44,6 +45,7 @@ with workflow.unsafe.imports_passed_through():
         PromptTerminal,
         RequestShutdown,
         RouteCheck,
+        RunDatastreamInput,
         RunOutcome,
         RunPhase,
         RunPlan,
@@ -137,6 +139,7 @@ class RunWorkflow:
         self._children: dict[str, Any] = {}
         self._leases: dict[int, asyncio.Task[None]] = {}
         self._watch: asyncio.Task[None] | None = None
+        self._datastream: asyncio.Task[None] | None = None
         self._rolling_over = False
         self._ready_seen = False  # time to prompt-ready recorded
         self._background_cancelled = False
@@ -182,6 +185,7 @@ class RunWorkflow:
                 self._resume()
             action = await self._serve()
         except _Rejected as rejected:
+            await self._stop_datastream()
             return self._reject(str(rejected))  # planning provisioned nothing: no teardown
         except _Stopping:
             pass
@@ -191,10 +195,12 @@ class RunWorkflow:
             state.fault(f"{state.phase_word()}: {_describe(err)}")
         if action == "continue_as_new":
             await self._cancel_background()
+            await self._stop_datastream()  # the continued run starts its own
             workflow.continue_as_new(
                 RunCarry(request=self._request, state=state), task_timeout=WORKFLOW_TASK_TIMEOUT
             )
         await asyncio.shield(asyncio.ensure_future(self._teardown()))
+        await self._stop_datastream()  # after RunTornDown: it publishes it, then closes
         outcome = state.outcome()
         if state.first_fault is not None:
             raise ApplicationError(
@@ -231,6 +237,7 @@ class RunWorkflow:
             state.provider_queue = await self._guard(
                 calls.provider_queue(f"provider queue of run {state.run_id} ({req.provider.value})")
             )
+            self._start_datastream()
             plan: RunPlan = await self._guard(
                 calls.prepare_plan(
                     PreparePlanInput(
@@ -573,6 +580,35 @@ class RunWorkflow:
 
         self._watch = asyncio.ensure_future(watch())
 
+    def _start_datastream(self) -> None:
+        """The run's datastream activity (DECISIONS 58), on the provider queue beside the
+        provider activities; recorded histories without it replay without it."""
+        state = self._state
+        if (
+            self._datastream is not None
+            or state.provider_queue is None
+            or not workflow.patched(names.PATCH_RUN_DATASTREAM)
+        ):
+            return
+        inp = RunDatastreamInput(
+            run_id=state.run_id,
+            run_workflow_id=workflow.info().workflow_id,
+            provider=self._request.provider,
+            nonce=state.nonce,
+        )
+        self._datastream = asyncio.ensure_future(calls.run_datastream(inp, state.provider_queue))
+
+    async def _stop_datastream(self) -> None:
+        """Cancel the datastream and wait until it has published its last records."""
+        task, self._datastream = self._datastream, None
+        if task is None:
+            return
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, ActivityError):
+            pass
+
     async def _cancel_background(self, *, leases: bool = True, watch: bool = True) -> None:
         """Stop leases and/or the watch on purpose: their ends are then no membership loss."""
         tasks: list[asyncio.Task[None]] = []
@@ -616,7 +652,8 @@ class RunWorkflow:
 
     # ------------------------------------------------------------------ serving
     def _resume(self) -> None:
-        """After continue-as-new: leases and the watch start again at once."""
+        """After continue-as-new: leases, the watch and the datastream start again at once."""
+        self._start_datastream()
         for node in self._state.nodes:
             self._start_lease(node, self._request.timeouts.lease_heartbeat_s * 3)
         self._start_watch()
@@ -895,6 +932,13 @@ class RunWorkflow:
     def stage_stopped(self, report: StageStopped) -> None:
         self._state.on_stage_stopped(report)
 
+    def datastream_address(self, report: DatastreamAddress) -> None:
+        """Where the run's datastream is served now (observation only, DECISIONS 58)."""
+        if report.run_id != self._state.run_id:
+            self._ignore(names.SIGNAL_DATASTREAM_ADDRESS, f"run_id {report.run_id} is not this run")
+            return
+        self._state.datastream = report
+
     @workflow.query(name=names.QUERY_SNAPSHOT)
     def snapshot(self) -> RunState:
         """The run's state; the full execution nonce stays inside (its first 8 characters,
@@ -1073,6 +1117,7 @@ _SIGNALS: dict[str, tuple[type[BaseModel], Any]] = {
     names.SIGNAL_STAGE_FAULT: (StageFault, RunWorkflow.stage_fault),
     names.SIGNAL_TOKEN_ENDPOINTS_READY: (TokenEndpointsReady, RunWorkflow.token_endpoints_ready),
     names.SIGNAL_STAGE_STOPPED: (StageStopped, RunWorkflow.stage_stopped),
+    names.SIGNAL_DATASTREAM_ADDRESS: (DatastreamAddress, RunWorkflow.datastream_address),
 }
 
 _REJECTION_TEXT = {

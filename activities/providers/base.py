@@ -46,6 +46,7 @@ TEST_FAULTS_FILE_ENV = "MVP_TEST_FAULTS_FILE"
 TEST_FAULTS_ALLOWED_ENV = "MVP_TEST_FAULTS_ALLOWED"
 FAULT_PREFIX = "MVP_FAULT_"
 
+NODE_STDERR_FILE = "node.err"  # a process node's stderr, beside its node.log (stdout)
 LOG_LINE_MAX = 200  # characters of a node's last log line in a fault text
 _TAIL_BYTES = 8192  # how much of a node's log is read to find its last line
 
@@ -259,15 +260,22 @@ def last_log_line(output: str, *, partial: bool = False) -> str:
 
 
 def log_file_tail(path: str | None) -> str:
-    """:func:`last_log_line` of a node's log file ("" without one)."""
+    """:func:`last_log_line` of a node's log ("" without one): of its stdout file
+    (``path``) or its stderr file beside it (``node.err``), whichever was written last."""
     if path is None:
         return ""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            start = max(f.tell() - _TAIL_BYTES, 0)
-            f.seek(start)
-            raw = f.read()
-    except OSError:
-        return ""
-    return last_log_line(raw.decode(errors="replace"), partial=start > 0)
+    found: list[tuple[int, str]] = []
+    for candidate in (Path(path), Path(path).with_name(NODE_STDERR_FILE)):
+        try:
+            with open(candidate, "rb") as f:
+                mtime = os.fstat(f.fileno()).st_mtime_ns
+                f.seek(0, os.SEEK_END)
+                start = max(f.tell() - _TAIL_BYTES, 0)
+                f.seek(start)
+                raw = f.read()
+        except OSError:
+            continue
+        tail = last_log_line(raw.decode(errors="replace"), partial=start > 0)
+        if tail:
+            found.append((mtime, tail))
+    return max(found)[1] if found else ""

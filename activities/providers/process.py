@@ -26,6 +26,8 @@ from pathlib import Path
 import psutil
 
 from activities.providers.base import (
+    NODE_STDERR_FILE,
+    NodeStartFailed,
     ProviderUnavailable,
     harness_crash,
     harness_faults,
@@ -141,6 +143,7 @@ def marked_node_processes(nodes_root: Path) -> dict[str, psutil.Process]:
 
 
 EXIT_FILE = "exit.json"
+STDERR_FILE = NODE_STDERR_FILE  # a node's stderr, beside its stdout (node.log)
 REAP_WAIT_S = 2.0  # how long a gone node's exit status may take to become collectable
 # The nodes this process launched, kept so that the subprocess module never reaps one
 # behind _reap's back (a dropped Popen polls its child when collected, and every new
@@ -234,13 +237,19 @@ class ProcessProvider:
             shared_address=True,
         )
         env.update({"PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE"})
-        with open(log_path, "ab") as log:
+        if harness_faults(spec.run_id).get("MVP_FAULT_START_FAIL") == "1":
+            # Test harness only: the provider cannot start this node (ProvisionFailed).
+            raise NodeStartFailed(f"injected start failure of node {spec.node_id}")
+        log.info("starting node %s (%s) in %s", spec.node_id, name, node_dir)
+        # The node's fds 1 and 2 are these files (its native code writes there too):
+        # stdout in node.log, stderr apart in node.err (the run's datastream tails both).
+        with open(log_path, "ab") as out, open(node_dir / STDERR_FILE, "ab") as err:
             proc = subprocess.Popen(
                 [self.python, "-m", NODE_MODULE, resource_arg(name)],
                 env=env,
                 stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
+                stdout=out,
+                stderr=err,
                 start_new_session=True,
                 cwd=str(node_dir),
             )

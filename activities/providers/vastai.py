@@ -619,6 +619,7 @@ class VastAiProvider:
                     f"({len(tried)} tried)"
                 )
             offer = int(candidates[0]["id"])
+            log.info("%s: trying offer %s (%d candidate(s))", label, offer, len(candidates))
             t0 = time.monotonic()
             try:
                 made = self._call(
@@ -740,6 +741,7 @@ class VastAiProvider:
         return done
 
     def _ssh_ok(self, record: _Record, command: str, what: str, **kw: Any) -> bytes:
+        log.info("%s: %s over SSH", record.label, what)
         done = self._ssh(record, command, **kw)
         if done.returncode != 0:
             why = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["?"]

@@ -52,6 +52,7 @@ from mvp_core.models import (
     PreparePlanInput,
     PromptOutcome,
     RouteCheck,
+    RunDatastreamInput,
     RunOutcome,
     RunPhase,
     RunPlan,
@@ -278,6 +279,7 @@ class FakeCluster:
     calls: list[str] = field(default_factory=list)
     nodes: dict[int, FakeNode] = field(default_factory=dict)
     exits: dict[int, str] = field(default_factory=dict)  # node id -> what the watch says
+    datastreams: list[int] = field(default_factory=list)  # run ids whose datastream started
     generating: asyncio.Event = field(default_factory=asyncio.Event)
 
     def hold(self, step: str) -> asyncio.Event:
@@ -318,7 +320,13 @@ class FakeCluster:
             Worker(
                 self.client,
                 task_queue=PROVIDER_QUEUE,
-                activities=[self.prepare_plan, self.start_node, self.stop_node, self.watch_nodes],
+                activities=[
+                    self.prepare_plan,
+                    self.start_node,
+                    self.stop_node,
+                    self.watch_nodes,
+                    self.run_datastream,
+                ],
                 # As the real provider worker: a cancelled watch hears of it within 0.5 s
                 # (the run's close waits for its watch to end, DECISIONS 54).
                 max_heartbeat_throttle_interval=PROVIDER_HEARTBEAT_THROTTLE,
@@ -408,6 +416,14 @@ class FakeCluster:
                     return NodeExited(run_id=handle.run_id, node_id=handle.node_id, detail=detail)
             activity.heartbeat()
             await asyncio.sleep(0.02)
+
+    @activity.defn(name=names.ACT_RUN_DATASTREAM)
+    async def run_datastream(self, inp: RunDatastreamInput) -> None:
+        """The run's datastream, as a stand-in: heartbeats until the run cancels it."""
+        self.datastreams.append(inp.run_id)
+        while True:
+            activity.heartbeat()
+            await asyncio.sleep(0.05)
 
     @activity.defn(name=names.ACT_CHECK_ROUTE)
     async def check_route(self, inp: CheckRouteInput) -> RouteCheck:

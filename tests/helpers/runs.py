@@ -7,7 +7,7 @@ from pathlib import Path
 
 from temporal.client import start_run
 
-__all__ = ["TASK_FAILURE_MARKS", "log_sizes", "start_run", "task_failures"]
+__all__ = ["TASK_FAILURE_MARKS", "log_sizes", "node_output", "start_run", "task_failures"]
 
 TASK_FAILURE_MARKS = ("Failed handling activation", "TMPRL1101")
 
@@ -28,3 +28,15 @@ def task_failures(log_dir: Path, since: dict[Path, int] | None = None) -> list[s
         for line in log.read_text(errors="replace")[since.get(log, 0) :].splitlines()
         if any(mark in line for mark in TASK_FAILURE_MARKS)
     ]
+
+
+def node_output(log_path: str | None) -> str:
+    """A process node's whole output: its stdout (``node.log``, the handle's log path)
+    and its stderr beside it (``node.err``), one after the other."""
+    if log_path is None:
+        return ""
+    out = []
+    for path in (Path(log_path), Path(log_path).with_name("node.err")):
+        if path.exists():
+            out.append(path.read_text(errors="replace"))
+    return "".join(out)

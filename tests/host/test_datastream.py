@@ -15,6 +15,15 @@ from typing import Any
 
 import pytest
 
+from activities.datastream_io import (
+    Datastream,
+    FrameArchive,
+    LiveSubscribers,
+    LogTailer,
+    Sink,
+    parse_address,
+    read_frame_lines,
+)
 from mvp_core import datastream as core
 from mvp_core.datastream import (
     CORE_CHANNELS,
@@ -27,15 +36,6 @@ from mvp_core.datastream import (
 )
 from mvp_core.models import LifecycleKind, LifecycleReport
 from workers.host import follow as follow_mod
-from workers.host.datastream import (
-    Datastream,
-    FrameArchive,
-    LiveSubscribers,
-    LogTailer,
-    Sink,
-    parse_address,
-    read_frame_lines,
-)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -550,3 +550,47 @@ def test_every_phase_the_host_reports_is_a_bootstrap_phase():
     made every download end the host with a ValueError)."""
     for phase in ("config", "local_runtime", "model_fetch", "prompt_rpc", "shutdown", "orch_exit"):
         assert core.orch_bootstrap(phase, "started", 1, 0)["phase"] == phase
+
+
+def test_a_late_subscriber_gets_the_replay_then_every_new_frame_once() -> None:
+    live = LiveSubscribers("127.0.0.1:0", replay_frames=3)
+    ds = Datastream(run_id=8, node_id=0, sinks=[live], summary_interval_s=None)
+    for i in range(5):
+        ds.node_log(1, "Stdout", f"early {i}")
+    wait_until(lambda: live.queued == 0)
+    late = Reader(live.address)
+    wait_until(lambda: live.subscriber_count == 1, what="a subscriber")
+    for i in range(3):
+        ds.node_log(1, "Stderr", f"later {i}")
+    ds.close()
+    wait_until(lambda: any(x["channel"] == "mvp.orch.bootstrap" for x in late.lines), what="end")
+    got = [decode_payload(x)["line"]["line"] for x in late.lines if "logs" in x["channel"]]
+    # the last 3 frames before it attached (the bound), then each later one, none twice
+    assert got == ["early 2", "early 3", "early 4", "later 0", "later 1", "later 2"], got
+
+
+def test_a_forwarded_frame_keeps_its_identity_and_is_redacted_again() -> None:
+    source = Collect()
+    run = Datastream(run_id=9, node_id=0, sinks=[source], summary_interval_s=None)
+    run.node_log(
+        2, "Stderr", "token sk-live-please-hide", source="node_log", stream_id="mvp-node-9-2"
+    )
+    original = frame_line(source.frames[0], 41)
+    sink = Collect()
+    host = Datastream(
+        run_id=9,
+        node_id=0,
+        sinks=[sink],
+        summary_interval_s=None,
+        redactor=Redactor(["sk-live-please-hide"]),
+        stream="mvp-host-9",
+    )
+    host.bootstrap("config", "ready")  # the host's own record, on its own stream
+    assert host.forward(json.loads(json.dumps(original)))
+    assert not host.forward({"channel": "x"})  # no frame: ignored
+    own, passed = sink.frames
+    assert own.stream == "mvp-host-9" and own.position == 0
+    for field in ("arrival_unix_ms", "source", "stream", "channel", "channel_id", "position"):
+        assert getattr(passed, field) == original[field], field
+    assert passed.seq == 1  # only the publish sequence is the host's
+    assert b"sk-live-please-hide" not in passed.payload and b"[redacted]" in passed.payload

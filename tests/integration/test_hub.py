@@ -97,7 +97,7 @@ async def test_a_run_serves_a_model_fetched_from_the_hub_and_its_token_stays_out
     await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN)
     await handle.result()
     worker_logs = [*orchestrator.log_dir.glob("orchestrator-*.log")]
-    logs = [*worker_logs, *(orchestrator.state_dir / "nodes").glob("mvp-1301-*/node.log")]
+    logs = [*worker_logs, *(orchestrator.state_dir / "nodes").glob("mvp-1301-*/node.*")]
     report = await scan(
         runs.client,
         secrets=[SECRET],

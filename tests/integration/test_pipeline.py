@@ -23,6 +23,7 @@ from mvp_core.models import (
     SubmitPrompt,
 )
 from temporal.client import start_prompt, submit_prompt
+from tests.helpers.runs import node_output
 from tests.integration.conftest import (
     Runs,
     node_pids,
@@ -188,7 +189,7 @@ async def test_rogue_peers_are_rejected_and_long_prompts_fault_while_the_run_kee
                     pass
             except OSError:
                 pass
-    log = Path(last.handle.log_path).read_text()
+    log = node_output(last.handle.log_path)
     assert "authentication failed: wrong edge token" in log
     too_long = await submit_prompt(
         runs.client, 820, SubmitPrompt(request_id=1, prompt_text="word " * 200)
@@ -222,9 +223,8 @@ async def test_token_sequence_violation_inside_a_live_run_faults_it_cleanly(runs
     # either way the run faults while serving, and the head says exactly what happened.
     assert cause.startswith("prompt serving"), cause
     head = next(n for n in state.nodes if n.stage_index == 0)
-    assert (
-        "pipeline token sequence violation: expected 1, got 2"
-        in Path(head.handle.log_path).read_text()
+    assert "pipeline token sequence violation: expected 1, got 2" in node_output(
+        head.handle.log_path
     )
     final = await snapshot(handle)
     assert final.torn_down and all(n.provider_stopped for n in final.nodes)

@@ -47,7 +47,8 @@ async def test_edge_token_reaches_nodes_but_never_history_queries_or_logs(
     await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN)
     await handle.result()
     logs = [*orchestrator.log_dir.glob("orchestrator-*.log")]
-    logs += [n for n in (orchestrator.state_dir / "nodes").glob("mvp-961-*/node.log")]
+    logs += [n for n in (orchestrator.state_dir / "nodes").glob("mvp-961-*/node.*")]
+    logs += [*(orchestrator.state_dir / "runs").glob("961/frames.jsonl")]
     report = await scan(
         runs.client,
         secrets=[SECRET],

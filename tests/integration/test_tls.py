@@ -179,7 +179,7 @@ async def test_a_run_through_tls_and_an_api_key_in_another_namespace(tmp_path: P
             assert expected in lines[0], (case, lines[0])
 
         # Nothing of the key in what Temporal keeps of the run, nor in any log.
-        logs = [*tmp_path.glob("orchestrator-*.log"), *(state_dir / "nodes").glob("*/node.log")]
+        logs = [*tmp_path.glob("orchestrator-*.log"), *(state_dir / "nodes").glob("*/node.*")]
         logs += [proxy.access_log, proxy.directory / "error.log", tmp_path / "temporal.log"]
         report = await scan(
             client,

@@ -16,7 +16,8 @@ async def test_no_secret_anywhere_the_session_left_a_trace(
     client: Client, orchestrator: OrchestratorProcess
 ):
     logs = [*orchestrator.log_dir.glob("orchestrator-*.log")]
-    logs += [*(orchestrator.state_dir / "nodes").glob("*/node.log")]
+    logs += [*(orchestrator.state_dir / "nodes").glob("*/node.*")]
+    logs += [*(orchestrator.state_dir / "runs").glob("*/frames.jsonl")]
     report = await scan(
         client, secrets=[SECRET], edge_secret=base64.b64decode(EDGE_SECRET), logs=logs
     )

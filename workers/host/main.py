@@ -39,6 +39,7 @@ from temporalio.client import (
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
+from activities.datastream_io import Datastream, FrameArchive, LiveSubscribers, LogTailer, Sink
 from activities.models_store import (
     BUNDLED,
     DownloadCancelled,
@@ -52,7 +53,13 @@ from activities.models_store import (
 )
 from activities.providers.base import state_dir as provider_state_dir
 from mvp_core import names
-from mvp_core.datastream import BootstrapPhase, BootstrapStatus, LogStream, Redactor
+from mvp_core.datastream import (
+    BootstrapPhase,
+    BootstrapStatus,
+    LogStream,
+    Redactor,
+    host_stream_id,
+)
 from mvp_core.errors import ErrorType
 from mvp_core.host_config import (
     ConfigError,
@@ -74,7 +81,6 @@ from temporal.connect import (
 )
 from temporal.devserver import DevServer, DevServerError, start_dev_server
 from workers import stdio
-from workers.host.datastream import Datastream, FrameArchive, LiveSubscribers, LogTailer, Sink
 from workers.host.embedded import (
     DirLock,
     DirLockBusy,
@@ -87,12 +93,16 @@ from workers.host.embedded import (
     stop_process,
     wait_worker_ready,
 )
+from workers.host.forward import Forwarder, wait_seen
 from workers.host.rpc import PromptObservation, PromptRpcServer
 
 PROG = "mvp-orchestrator"
 log = logging.getLogger("mvp.host")
 STOP_WORDS = frozenset({"stop", "shutdown", "quit"})
 POLL_S = 0.25
+DATASTREAM_WAIT_S = 30.0  # a run that tells no datastream address by then has none
+FORWARD_CATCH_UP_S = 5.0  # how long the host waits for a run record to come through
+FORWARD_END_WAIT_S = 10.0  # how long the run's datastream may take to end after the run
 SHUTDOWN_WAIT_S = 120.0
 WORKER_READY_S = 60.0
 PROCESS_STOP_S = 3.0
@@ -286,6 +296,10 @@ class Host:
         self.rpc: PromptRpcServer | None = None
         self.tailers: dict[int, LogTailer] = {}
         self.state: RunState | None = None
+        self.published_state: RunState | None = None  # what the host published itself
+        self.self_publish = False  # the run has no datastream this host can follow
+        self.forwarder: Forwarder | None = None  # the run's datastream, followed
+        self.forwarders: list[Forwarder] = []
         self.temporal_address = ""  # where the run's Temporal is, once known
         self.bind_error: str | None = None  # the RPC could not bind: exit 1 after shutdown
 
@@ -458,17 +472,52 @@ class Host:
                 await asyncio.sleep(1.0)
 
     # ------------------------------------------------------------------ watching the run
+    # The run's datastream activity publishes the run's records (DECISIONS 58): the host
+    # follows it and forwards its frames. Only a run without one (a worker of an older
+    # release, an address this host cannot reach) is observed and published by the host
+    # itself, as before: polling the snapshot and tailing the node logs.
     async def _watch(self, handle: RunHandle) -> None:
+        started = time.monotonic()
         while True:
-            await self._poll(handle)
+            cur = await self._poll(handle)
+            if not self.self_publish and cur is not None:
+                self._follow_datastream(cur, started)
             await asyncio.sleep(POLL_S)
+
+    def _follow_datastream(self, cur: RunState, started: float) -> None:
+        fwd = self.forwarder
+        if fwd is not None and fwd.failed is not None:
+            log.warning("cannot follow the run's datastream at %s: %s", fwd.address, fwd.failed)
+            self._publish_self()
+            return
+        ds = cur.datastream
+        if ds is None:
+            if fwd is None and time.monotonic() - started > DATASTREAM_WAIT_S:
+                log.warning("run %s tells no datastream: the host publishes its own", self.run_id)
+                self._publish_self()
+            return
+        if fwd is not None and (not fwd.done or fwd.address == ds.address):
+            return  # following it (or it ended: the run's end, or a new address comes)
+        self.forwarder = Forwarder(self.stream, ds.address).start()
+        self.forwarders.append(self.forwarder)
+
+    def _publish_self(self) -> None:
+        """From now on the host publishes what it observes (records from the start)."""
+        self.self_publish = True
+        self.published_state = None
 
     async def _poll(self, handle: RunHandle) -> RunState | None:
         try:
             cur = await handle.snapshot()
         except Exception:  # not picked up yet, or the worker is restarting: next poll
             return None
-        for channel, record in observe(self.state, cur, self.cfg.provider.value):
+        self.state = cur
+        if self.self_publish:
+            self._publish_observed(cur)
+        return cur
+
+    def _publish_observed(self, cur: RunState) -> None:
+        for channel, record in observe(self.published_state, cur, self.cfg.provider.value):
             self.stream.publish(channel, record)
         for node in cur.nodes:
             if (
@@ -479,14 +528,22 @@ class Host:
                 self.tailers[node.node_id] = LogTailer(
                     self.stream, node.handle.log_path, node_id=node.node_id
                 ).start()
-        self.state = cur
-        return cur
+        self.published_state = cur
 
     async def _final_watch(self, handle: RunHandle, watch: asyncio.Task[None]) -> None:
         watch.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await watch
-        await self._poll(handle)  # the lifecycle through RunTornDown
+        fwd = self.forwarder
+        if fwd is not None:
+            # The run's datastream ends after RunTornDown; what is left of it comes first.
+            if not await asyncio.to_thread(fwd.join, FORWARD_END_WAIT_S):
+                fwd.stop()
+                await asyncio.to_thread(fwd.join, 1.0)
+        if fwd is None or fwd.forwarded == 0:
+            self._publish_self()  # nothing came from the run's datastream: say it ourselves
+        if self.self_publish:
+            await self._poll(handle)  # the lifecycle through RunTornDown
         for tailer in self.tailers.values():
             await asyncio.to_thread(tailer.stop)
 
@@ -520,6 +577,9 @@ class Host:
             self.stop_reason = ShutdownReason.HOST_REQUESTED
             self.bind_error = f"prompt RPC cannot bind {addr}: {err.strerror or err}"
             return
+        # The run's RunReady first (it comes through the forwarder): the archive keeps the
+        # session's order.
+        await asyncio.to_thread(wait_seen, self.forwarder, "RunReady", FORWARD_CATCH_UP_S)
         self.stream.bootstrap(
             BootstrapPhase.PROMPT_RPC, BootstrapStatus.READY, {"addr": f"{host}:{port}"}
         )
@@ -734,6 +794,8 @@ def run(argv: list[str]) -> int:
         node_id=0,
         sinks=sinks,
         redactor=Redactor.from_env(os.environ, extra=secrets),
+        # The host's own records; the run's come forwarded on mvp-orchestrator-<run_id>.
+        stream=host_stream_id(cfg.run_id),
     )
     capture = StdioCapture(stream)
     capture.install()

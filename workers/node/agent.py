@@ -148,6 +148,16 @@ async def dead_man(
             return
 
 
+def native_write(text: str) -> None:
+    """Test only: ``text`` written by libc's write(2) straight to fds 1 and 2."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for fd, which in ((1, "stdout"), (2, "stderr")):
+        data = f"{text} {which}\n".encode()
+        libc.write(fd, data, len(data))
+
+
 async def amain() -> None:
     # The engine, the data-plane threads and the event loop hand the GIL to each other
     # once per token or more; the default 5 ms switch interval would add up to that much
@@ -159,6 +169,8 @@ async def amain() -> None:
     if faults.exit_before_ready:
         print("fault injection: exiting before ready", flush=True)
         raise SystemExit(3)
+    if faults.native_write:
+        native_write(faults.native_write)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

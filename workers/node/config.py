@@ -68,6 +68,9 @@ class FaultInjection:
     # A slow network (benchmarks): peers reach this node's data-plane listener through a
     # delay line adding this much one way (workers/node/dataplane/delay_proxy.py).
     edge_delay_s: float = 0.0
+    # Written at start by native code (libc write(2)) to fd 1 and fd 2, past Python's
+    # streams: the datastream's capture of native output is tested with it.
+    native_write: str | None = None
 
     @classmethod
     def from_env(cls) -> FaultInjection:
@@ -82,4 +85,5 @@ class FaultInjection:
             skew_token_out_sequence=env.get("MVP_FAULT_SKEW_OUT_SEQUENCE") == "1",
             text_delay_s=float(env.get("MVP_FAULT_TEXT_DELAY_MS", "0")) / 1000.0,
             edge_delay_s=float(env.get("MVP_FAULT_EDGE_DELAY_MS", "0")) / 1000.0,
+            native_write=env.get("MVP_FAULT_NATIVE_WRITE") or None,
         )

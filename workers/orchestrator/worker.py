@@ -19,6 +19,8 @@ from datetime import timedelta
 from temporalio.client import Client
 from temporalio.worker import Worker
 
+from activities import datastream_bus
+from activities.datastream import run_datastream
 from activities.membership import check_route
 from activities.planning import PlanningActivities, provider_host, provider_queue
 from activities.provisioning import ProviderActivities
@@ -54,6 +56,7 @@ async def run_worker(stop: asyncio.Event) -> None:
     # (and hang every prompt): refuse to start, saying how to create them.
     await check_search_attributes(client, settings.address)
     providers = ProviderActivities()
+    datastream_bus.install_provider_log_handler()  # provider progress -> run datastreams
     reaper = ReaperActivities(providers)
     planning = PlanningActivities(providers)
     host_queue = names.provider_task_queue(provider_host())
@@ -78,12 +81,13 @@ async def run_worker(stop: asyncio.Event) -> None:
             providers.start_node,
             providers.stop_node,
             providers.watch_nodes,
+            run_datastream,
             reaper.list_resources,
             reaper.destroy_resource,
         ],
         max_concurrent_activities=64,
         # Heartbeats carry cancellation back: the run's close waits for its provider
-        # watch to end (DECISIONS 54), which the default throttle (0.8 x its 10 s
+        # watch and its datastream to end (DECISIONS 54, 58), which the default throttle (0.8 x its 10 s
         # heartbeat timeout) would delay by up to 8 s.
         max_heartbeat_throttle_interval=PROVIDER_HEARTBEAT_THROTTLE,
         default_heartbeat_throttle_interval=PROVIDER_HEARTBEAT_THROTTLE,

@@ -1,4 +1,6 @@
-"""The process host's datastream: publish records, fan frames out to sinks, never block.
+"""A run's datastream: publish records, fan frames out to sinks, never block.
+
+Used by the run datastream activity (``activities/datastream.py``) and the process host.
 
 ``Datastream.publish`` redacts a record, turns it into a frame of its stream (channel id,
 position, arrival time; ``mvp_core.datastream``) and offers it to every sink. A sink owns
@@ -18,7 +20,7 @@ Sinks:
   keep up loses frames (counted), it never slows the others or the run.
 
 ``LogTailer`` follows a node's log file and publishes its lines as log records.
-``workers/host/follow.py`` is the subscriber side (``python -m workers.host.follow``).
+``workers/host/follow.py`` is the subscriber side; ``activities/datastream.py`` the run's activity (``python -m workers.host.follow``).
 
 Host wiring (sketch)::
 
@@ -353,8 +355,12 @@ class LiveSubscribers(Sink):
         max_subscribers: int = 64,
         close_flush_s: float = 1.0,
         name: str = "subscribers",
+        replay_frames: int = 0,
     ) -> None:
         super().__init__(name, capacity)
+        # The last ``replay_frames`` frames, sent to each subscriber first when it attaches
+        # (a run's datastream: a follower coming late still sees the run from its start).
+        self._backlog: deque[bytes] = deque(maxlen=max(0, replay_frames))
         self._subscriber_frames = subscriber_frames
         self._subscriber_bytes = subscriber_bytes
         self._max_subscribers = max_subscribers
@@ -548,7 +554,15 @@ class LiveSubscribers(Sink):
                 continue
             conn.setblocking(False)
             sub = _Subscriber(conn)
-            self._sel.register(conn, selectors.EVENT_READ, sub)
+            if self._backlog:  # the sink's thread owns the backlog: no frame missed or twice
+                kept = list(self._backlog)[-self._subscriber_frames :]
+                sub.dropped += len(self._backlog) - len(kept)
+                sub.lines.extend(kept)
+                sub.pending_bytes += sum(len(line) for line in kept)
+                events = selectors.EVENT_READ | selectors.EVENT_WRITE
+            else:
+                events = selectors.EVENT_READ
+            self._sel.register(conn, events, sub)
             with self._lock:
                 self._subs[conn.fileno()] = sub
                 self._attached_total += 1
@@ -566,11 +580,13 @@ class LiveSubscribers(Sink):
     def _fan_out(self, frames: Sequence[Frame]) -> None:
         with self._lock:
             subs = list(self._subs.values())
-        if not subs:
+        if not subs and self._backlog.maxlen == 0:
             return
         lost = 0
         for frame in frames:
             line = (encode_frame_line(frame, frame.seq) + "\n").encode("utf-8")
+            if self._backlog.maxlen:
+                self._backlog.append(line)
             for sub in subs:
                 if (
                     len(sub.lines) >= self._subscriber_frames
@@ -668,10 +684,13 @@ class Datastream:
         sinks: Iterable[Sink] = (),
         redactor: Redactor | None = None,
         summary_interval_s: float | None = DEFAULT_SUMMARY_INTERVAL_S,
+        stream: str | None = None,
     ) -> None:
         self.run_id = int(run_id)
         self.node_id = int(node_id)
-        self.stream = orchestrator_stream_id(self.run_id)
+        # The stream of its own records: the run's (``mvp-orchestrator-<run_id>``) unless
+        # told otherwise (the process host's own, beside the run's frames it forwards).
+        self.stream = stream or orchestrator_stream_id(self.run_id)
         self.redactor = redactor if redactor is not None else Redactor()
         self._sinks: list[Sink] = []
         names: set[str] = set()
@@ -733,6 +752,40 @@ class Datastream:
             self._seq += 1
             for sink in self._sinks:
                 sink.offer(frame, force=force)
+
+    def forward(self, line: dict[str, Any]) -> bool:
+        """Pass on a frame of another datastream (a frame line, as a subscriber or an
+        archive has it) keeping its identity: source, stream, channel, channel id,
+        position, arrival time and payload (process spec 9.18); only the publish
+        sequence (``arrival_seq``) is this datastream's. The payload is redacted again
+        with this datastream's secrets. False for a line that is no frame."""
+        try:
+            payload = line["payload"]
+            raw = (
+                str(payload["value"]).encode("utf-8")
+                if payload["encoding"] == "utf8"
+                else bytes(payload["value"])
+            )
+            frame_args = (
+                int(line["arrival_unix_ms"]),
+                str(line["source"]),
+                str(line["stream"]),
+                str(line["channel"]),
+                int(line["channel_id"]),
+                int(line["position"]),
+            )
+        except (KeyError, TypeError, ValueError):
+            return False
+        raw = self.redactor.redact_bytes(raw)
+        with self._lock:
+            if self._closed:
+                self._after_close += 1
+                return False
+            frame = Frame(self._seq, *frame_args, payload=raw)
+            self._seq += 1
+            for sink in self._sinks:
+                sink.offer(frame)
+        return True
 
     def bootstrap(
         self,
@@ -905,6 +958,7 @@ class LogTailer:
         max_bytes_per_poll: int = 256 * 1024,
         max_line_bytes: int = 64 * 1024,
         stop_drain_polls: int = 64,
+        start_offset: int = 0,
     ) -> None:
         self._ds = datastream
         self.path = Path(path)
@@ -919,12 +973,22 @@ class LogTailer:
         self._file: Any = None
         self._ino: tuple[int, int] | None = None
         self._offset = 0
+        # Where a tailer of an earlier attempt stopped: the first open of the file
+        # resumes there (unless the file is shorter now, then from its start).
+        self._resume_at = max(0, int(start_offset))
         self._partial = bytearray()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._poll_lock = threading.Lock()
         self._finished = False
         self.lines_published = 0
+
+    @property
+    def offset(self) -> int:
+        """Bytes of the file published so far (complete lines only): where a later tailer
+        of the same file resumes (``start_offset``)."""
+        with self._poll_lock:
+            return max(self._offset - len(self._partial), self._resume_at)
 
     def start(self) -> LogTailer:
         if self._thread is None:
@@ -1009,6 +1073,9 @@ class LogTailer:
         except OSError:
             return False
         self._ino, self._offset = ino, 0
+        if self._resume_at and st.st_size >= self._resume_at:
+            self._offset = self._resume_at
+        self._resume_at = 0
         self._partial.clear()
         return True
 

@@ -1,0 +1,224 @@
+"""The run's datastream (DECISIONS 58): one background activity per run execution.
+
+``RunWorkflow`` starts ``provider.run_datastream`` on its provider queue once it knows
+it (beside the provider activities, in the same orchestrator worker), and cancels it only
+after RunTornDown is recorded (and before a continue-as-new; the continued run starts its
+own). The activity, for every run however it was started (the process host, the gateway,
+the ``temporal`` CLI, the demo):
+
+- serves the live datastream (each follower first gets the frames published so far by
+  this attempt, up to ``REPLAY_FRAMES``, then every new one) on ``MVP_DATASTREAM_BIND`` (default ``127.0.0.1:0``, a free
+  loopback port; ``unix:<path>`` for a unix socket; ``{run_id}`` in it is replaced by the
+  run's id) and tells the run where, by the ``datastream_address`` signal: the run's
+  snapshot shows it (``RunState.datastream``), so ``mvp-follow --run-id N``, the host and
+  the gateway find it;
+- writes the run's frame archive to ``<state dir>/runs/<run_id>/frames.jsonl`` (appended,
+  so a finished run's datastream can still be read);
+- publishes what the run's ``snapshot`` shows changing (``mvp_core.host_observe``:
+  lifecycle, bootstrap phases, provisioning events, membership, stage routes);
+- tails each node's log files that this host has (``node.log`` stdout, ``node.err``
+  stderr) into ``mvp.provisioning.logs.node.<id>.<stdout|stderr>``;
+- drains the in-process bus (``activities/datastream_bus.py``) where the provider
+  activities put their progress (provider log lines) and ``ProvisionFailed`` events.
+
+A retried attempt (or the continued run's activity) resumes from
+``<state dir>/runs/<run_id>/observed.json``: the last snapshot it published from and how
+far it read each node log, so records are not published twice. Everything is redacted
+(the worker's secrets, the run's edge token, what looks like a secret).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from temporalio import activity
+
+from activities import datastream_bus
+from activities.datastream_io import Datastream, FrameArchive, LiveSubscribers, LogTailer
+from activities.providers.base import NODE_STDERR_FILE, edge_secret, edge_token, state_dir
+from mvp_core import names
+from mvp_core.datastream import LogStream, Redactor
+from mvp_core.host_observe import observe
+from mvp_core.models import DatastreamAddress, RunDatastreamInput
+from mvp_core.run_state import RunState
+
+log = logging.getLogger("mvp.datastream")
+BIND_ENV = "MVP_DATASTREAM_BIND"
+DEFAULT_BIND = "127.0.0.1:0"
+POLL_S = 0.25
+# A follower attaching late first gets the run's last frames (this attempt's): so the host
+# that started the run, or mvp-follow --run-id, sees the run from its start.
+REPLAY_FRAMES = 20_000
+ARCHIVE_NAME = "frames.jsonl"
+OBSERVED_NAME = "observed.json"
+STDERR_NAME = NODE_STDERR_FILE  # beside a node's node.log (its stdout), process provider
+
+
+def run_dir(run_id: int) -> Path:
+    """Where a run's datastream files are kept on this host."""
+    return state_dir() / "runs" / str(int(run_id))
+
+
+def archive_path(run_id: int) -> Path:
+    return run_dir(run_id) / ARCHIVE_NAME
+
+
+def stderr_path(log_path: str) -> Path:
+    """A node's stderr file, beside its stdout log (``node.log``)."""
+    return Path(log_path).with_name(STDERR_NAME)
+
+
+def bind_address(run_id: int) -> str:
+    return os.environ.get(BIND_ENV, "").strip().replace("{run_id}", str(run_id)) or DEFAULT_BIND
+
+
+class RunStream:
+    """One attempt's datastream of a run: sinks, tailers, the observed baseline."""
+
+    def __init__(self, inp: RunDatastreamInput) -> None:
+        self.inp = inp
+        self.dir = run_dir(inp.run_id)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        secrets: list[str] = []
+        if inp.nonce:
+            with contextlib.suppress(Exception):
+                secrets.append(edge_token(edge_secret(), inp.run_workflow_id, inp.nonce))
+        self.archive = FrameArchive(self.dir / ARCHIVE_NAME)
+        try:
+            self.live = LiveSubscribers(bind_address(inp.run_id), replay_frames=REPLAY_FRAMES)
+        except BaseException:
+            self.archive.close()
+            raise
+        self.stream = Datastream(
+            run_id=inp.run_id,
+            node_id=0,
+            sinks=[self.archive, self.live],
+            redactor=Redactor.from_env(os.environ, extra=secrets),
+        )
+        self.tailers: dict[tuple[int, str], LogTailer] = {}
+        self.prev: RunState | None = None
+        self.offsets: dict[str, int] = {}
+        self._load_observed()
+
+    # -- the baseline an earlier attempt left
+    def _load_observed(self) -> None:
+        path = self.dir / OBSERVED_NAME
+        try:
+            saved = json.loads(path.read_text())
+            prev = RunState.model_validate(saved["state"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        if saved.get("workflow_id") != self.inp.run_workflow_id:
+            return
+        # Another execution that reused the run id starts from nothing (its nonce differs).
+        if self.inp.nonce and prev.nonce != self.inp.nonce[:8]:
+            return
+        self.prev = prev
+        self.offsets = {str(k): int(v) for k, v in dict(saved.get("offsets", {})).items()}
+
+    def save_observed(self) -> None:
+        if self.prev is None:
+            return
+        offsets = dict(self.offsets)
+        for (node_id, which), tailer in self.tailers.items():
+            offsets[f"{node_id}:{which}"] = tailer.offset
+        body = {
+            "workflow_id": self.inp.run_workflow_id,
+            "state": self.prev.model_dump(mode="json"),
+            "offsets": offsets,
+        }
+        tmp = self.dir / (OBSERVED_NAME + ".tmp")
+        with contextlib.suppress(OSError):
+            tmp.write_text(json.dumps(body))
+            os.replace(tmp, self.dir / OBSERVED_NAME)
+
+    # -- one step
+    def publish_snapshot(self, cur: RunState) -> bool:
+        records = observe(self.prev, cur, self.inp.provider.value)
+        for channel, record in records:
+            self.stream.publish(channel, record)
+        self._tail(cur)
+        changed = bool(records) or self.prev is None
+        self.prev = cur
+        return changed
+
+    def _tail(self, cur: RunState) -> None:
+        for node in cur.nodes:
+            handle = node.handle
+            if handle is None or not handle.log_path:
+                continue
+            files = [(LogStream.STDOUT, Path(handle.log_path))]
+            if handle.provider.value == "process":
+                files.append((LogStream.STDERR, stderr_path(handle.log_path)))
+            for which, path in files:
+                key = (node.node_id, which.value)
+                if key in self.tailers:
+                    continue
+                start = self.offsets.get(f"{node.node_id}:{which.value}", 0)
+                self.tailers[key] = LogTailer(
+                    self.stream, path, node_id=node.node_id, stream=which, start_offset=start
+                ).start()
+
+    def drain_bus(self) -> int:
+        items = datastream_bus.drain(self.inp.run_id)
+        for item in items:
+            self.stream.publish(item.channel, item.record)
+        return len(items)
+
+    def close(self) -> None:
+        for tailer in self.tailers.values():
+            tailer.stop()
+        self.save_observed()
+        self.stream.close()
+
+
+@activity.defn(name=names.ACT_RUN_DATASTREAM)
+async def run_datastream(inp: RunDatastreamInput) -> None:
+    """Until cancelled: the run's datastream (see the module doc). Heartbeats every poll."""
+    info = activity.info()
+    client = activity.client()
+    handle = client.get_workflow_handle(inp.run_workflow_id)
+    with datastream_bus.attached(inp.run_id):
+        rs = await asyncio.to_thread(RunStream, inp)
+        try:
+            address = DatastreamAddress(
+                run_id=inp.run_id,
+                address=rs.live.address,
+                archive=str(rs.archive.path),
+                host=socket.gethostname(),
+                attempt=info.attempt,
+            )
+            with contextlib.suppress(Exception):  # a closed run: nothing to tell
+                await handle.signal(names.SIGNAL_DATASTREAM_ADDRESS, address)
+            log.info("datastream of %s on %s", inp.run_workflow_id, rs.live.address)
+            while True:
+                activity.heartbeat()
+                await _step(rs, handle)
+                await asyncio.sleep(POLL_S)
+        finally:
+            # Cancelled (the run recorded RunTornDown) or failing: the last of it first.
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(asyncio.shield(_step(rs, handle)), 5.0)
+            await asyncio.to_thread(rs.close)
+
+
+async def _step(rs: RunStream, handle: Any) -> None:
+    rs.drain_bus()
+    try:
+        cur = await handle.query(names.QUERY_SNAPSHOT, result_type=RunState)
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # not picked up yet, or its worker is restarting: next poll
+        return
+    if not isinstance(cur, RunState) or cur.run_id != rs.inp.run_id:
+        return
+    if rs.publish_snapshot(cur):
+        await asyncio.to_thread(rs.save_observed)
+    rs.drain_bus()

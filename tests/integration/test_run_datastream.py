@@ -1,0 +1,146 @@
+"""Every run has a datastream (issue 21, DECISIONS 58): a run started without the host
+(here straight through the client, as the gateway, the ``temporal`` CLI or the demo do)
+is followed live and read from its archive afterwards; its lifecycle, node logs (stderr
+apart from stdout, native writes included) and provisioning events are there, secrets
+are not."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+from mvp_core import names
+from mvp_core.datastream import decode_payload
+from mvp_core.models import DatastreamAddress, RequestShutdown, RunPhase
+from temporal.client import RunHandle
+from tests.integration.conftest import EDGE_SECRET, SECRET, Runs, run_failure, wait_phase
+from workers.host import follow as follow_mod
+
+NATIVE = "native-write-7f3a"
+
+
+class Follower:
+    """``mvp-follow``'s loop in a thread, collecting frame lines until the stream ends."""
+
+    def __init__(self, address: str) -> None:
+        self.out = io.StringIO()
+        self.thread = threading.Thread(
+            target=follow_mod.follow, args=(address, self.out), daemon=True
+        )
+        self.thread.start()
+
+    def frames(self, timeout: float = 60.0) -> list[dict[str, Any]]:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the live datastream did not end with the run"
+        return [json.loads(line) for line in self.out.getvalue().splitlines() if line]
+
+
+def identity(frame: dict[str, Any]) -> tuple[Any, ...]:
+    """A frame as its publisher made it (``arrival_seq`` is each sink's own)."""
+    return tuple(frame[k] for k in ("source", "stream", "channel", "channel_id", "position"))
+
+
+def records(frames: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    return [(f["channel"], decode_payload(f)) for f in frames]
+
+
+def kinds(frames: list[dict[str, Any]]) -> list[str]:
+    return [r["kind"] for ch, r in records(frames) if ch == "mvp.orch.lifecycle"]
+
+
+def lines(frames: list[dict[str, Any]], channel: str) -> list[str]:
+    return [r["line"]["line"] for ch, r in records(frames) if ch == channel]
+
+
+def events(frames: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r["event"] for ch, r in records(frames) if ch == "mvp.provisioning.events"]
+
+
+async def address_of(runs: Runs, run_id: int) -> DatastreamAddress:
+    found = await RunHandle(runs.client, run_id).datastream(wait_s=60)
+    assert found is not None, "the run's datastream never told its address"
+    return found
+
+
+async def test_a_run_started_without_the_host_has_a_datastream(runs: Runs, state_dir: Path) -> None:
+    run_id = 2701
+    # The node writes a secret of its environment too (HF_TOKEN): it never shows.
+    handle = await runs.start(run_id, faults={"MVP_FAULT_NATIVE_WRITE": f"{NATIVE} {SECRET}"})
+    ds = await address_of(runs, run_id)
+    assert ds.run_id == run_id and ds.address.startswith("127.0.0.1:")
+    assert Path(ds.archive) == state_dir / "runs" / str(run_id) / "frames.jsonl"
+    live = Follower(ds.address)
+    await wait_phase(handle, RunPhase.PROMPT_READY)
+    await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown())
+    await handle.result()
+    frames = live.frames()
+
+    # Live: a follower attaching late gets the run from its start (the activity's replay),
+    # through RunTornDown: the very frames of the archive.
+    assert kinds(frames)[0] == "RunAccepted" and kinds(frames)[-1] == "RunTornDown"
+    archived = follow_mod.read_archive(Path(ds.archive))
+    assert [identity(f) for f in frames] == [identity(f) for f in archived]
+
+    # The archive holds it all, for a reader that comes after the run.
+    seen = kinds(archived)
+    assert seen[0] == "RunAccepted" and seen[-1] == "RunTornDown", seen
+    for kind in ("RunPlanningReady", "RunProvisioningStarted", "RunReady", "RunTearingDown"):
+        assert kind in seen, seen
+    assert all(
+        f["stream"] == f"mvp-orchestrator-{run_id}"
+        for f in archived
+        if f["source"] == "orchestrator"
+    )
+    # The node's stdout and stderr apart; a native write to fd 1 / fd 2 reaches each.
+    out = lines(archived, "mvp.provisioning.logs.node.1.stdout")
+    err = lines(archived, "mvp.provisioning.logs.node.1.stderr")
+    assert f"{NATIVE} [redacted] stdout" in out, out[:20]
+    assert f"{NATIVE} [redacted] stderr" in err, err[:20]
+    assert not any("stderr" in line for line in out if NATIVE in line), out[:20]
+    assert not any("stdout" in line for line in err if NATIVE in line), err[:20]
+    assert any(" INFO " in line for line in err), err[:20]  # the node's logging: stderr
+    assert any("serving" in line for line in out), out[:20]
+    assert all(f["stream"] == f"mvp-node-{run_id}-1" for f in archived if f["source"] == "node_log")
+    kinds_of_events = [e["kind"] for e in events(archived)]
+    assert kinds_of_events[:2] == ["ProvisionStart", "NodeLive"], kinds_of_events
+    assert "NodeStopped" in kinds_of_events
+    # The provider's own progress (its log) is on the node's provider channel.
+    provider = lines(archived, "mvp.provisioning.logs.node.1.provider")
+    assert any("starting node 1" in line for line in provider), provider
+    text = Path(ds.archive).read_text()
+    assert SECRET not in text and EDGE_SECRET not in text
+
+    # mvp-follow --run-id of a closed run reads its archive.
+    printed = io.StringIO()
+    code = await asyncio.to_thread(
+        follow_mod.main_with,
+        [
+            "--run-id",
+            str(run_id),
+            "--text",
+            "--address",
+            runs.client.service_client.config.target_host,
+        ],
+        printed,
+    )
+    assert code == 0
+    assert "mvp.orch.lifecycle" in printed.getvalue() and "RunTornDown" in printed.getvalue()
+
+
+async def test_a_node_the_provider_cannot_start_is_a_provision_failed_event(
+    runs: Runs, state_dir: Path
+) -> None:
+    run_id = 2702
+    handle = await runs.start(run_id, faults={"MVP_FAULT_START_FAIL": "1"})
+    ds = await address_of(runs, run_id)
+    cause = await run_failure(handle)
+    assert "injected start failure" in cause, cause
+    frames = follow_mod.read_archive(Path(ds.archive))
+    failed = [e for e in events(frames) if e["kind"] == "ProvisionFailed"]
+    assert failed and failed[0]["node_id"] == 1 and failed[0]["provider"] == "process"
+    assert "injected start failure of node 1" in failed[0]["message"], failed
+    assert kinds(frames)[-1] == "RunTornDown", kinds(frames)
