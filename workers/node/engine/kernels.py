@@ -356,6 +356,7 @@ class NativeLinear(Linear):
         self._weights.nz = len(layout.zlist)
         self._ref = ctypes.byref(self._weights)
         self._call = cast(Any, lib).mvk_linear
+        self._call_rows = cast(Any, lib).mvk_linear_rows
         self._norm: torch.Tensor | None = None
 
     def fuse_norm(self, weight: torch.Tensor, eps: float) -> bool:
@@ -366,7 +367,12 @@ class NativeLinear(Linear):
         self._weights.eps = eps
         return True
 
-    def __call__(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, add_to: torch.Tensor | None = None, single_rows: bool = False
+    ) -> torch.Tensor:
+        """``single_rows``: every row's sums as a one-row product gets them (a batch of
+        sequences' last rows through the head: each as its sequence alone computes it);
+        otherwise as llama.cpp's product of these rows (qmm.c row_kind)."""
         if x.dtype != torch.float32 or x.stride(-1) != 1:
             x = x.float().contiguous()
         t = x.shape[0]
@@ -379,7 +385,7 @@ class NativeLinear(Linear):
                 base = base.float().contiguous()
             ld_base = 0 if base.shape[0] == 1 else base.stride(0)
         y = torch.empty(t, self.out_features)
-        rc = self._call(
+        args = (
             self._ref,
             x.data_ptr(),
             t,
@@ -389,6 +395,11 @@ class NativeLinear(Linear):
             None if base is None else base.data_ptr(),
             ld_base,
         )
+        if single_rows and t > 1:
+            kinds = torch.zeros(t, dtype=torch.uint8)  # qmm.c row_kind 0: a one-row product
+            rc = self._call_rows(*args, kinds.data_ptr())
+        else:
+            rc = self._call(*args)
         if rc != 0:
             raise MemoryError("native kernel: no memory for the activation buffer")
         return y
