@@ -289,7 +289,7 @@ class Gemma3StageModel:
         """Logits [n, vocab] of n last hidden states, each as ``logits`` computes it."""
         if not (self.head_fused and isinstance(self.head, NativeLinear)):
             return torch.stack([self.logits(r) for r in h_rows])
-        out = self.head(h_rows, single_rows=True)
+        out = self.head(h_rows, row_kinds=native.segment_kinds([1] * h_rows.shape[0]))
         cap = self.params.final_logit_softcap
         if cap > 0:
             out = torch.tanh(out / cap) * cap

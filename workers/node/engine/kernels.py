@@ -368,11 +368,14 @@ class NativeLinear(Linear):
         return True
 
     def __call__(
-        self, x: torch.Tensor, add_to: torch.Tensor | None = None, single_rows: bool = False
+        self,
+        x: torch.Tensor,
+        add_to: torch.Tensor | None = None,
+        row_kinds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``single_rows``: every row's sums as a one-row product gets them (a batch of
-        sequences' last rows through the head: each as its sequence alone computes it);
-        otherwise as llama.cpp's product of these rows (qmm.c row_kind)."""
+        """``row_kinds`` (uint8 [T], native.segment_kinds): which of llama.cpp's
+        row-count-dependent sums each row gets, as its own sequence's product would give
+        it; None: as llama.cpp's product of these T rows (qmm.c row_kind)."""
         if x.dtype != torch.float32 or x.stride(-1) != 1:
             x = x.float().contiguous()
         t = x.shape[0]
@@ -395,9 +398,10 @@ class NativeLinear(Linear):
             None if base is None else base.data_ptr(),
             ld_base,
         )
-        if single_rows and t > 1:
-            kinds = torch.zeros(t, dtype=torch.uint8)  # qmm.c row_kind 0: a one-row product
-            rc = self._call_rows(*args, kinds.data_ptr())
+        if row_kinds is not None:
+            if row_kinds.dtype != torch.uint8 or row_kinds.shape != (t,):
+                raise ValueError(f"row_kinds must be uint8 [{t}]")
+            rc = self._call_rows(*args, row_kinds.contiguous().data_ptr())
         else:
             rc = self._call(*args)
         if rc != 0:

@@ -223,7 +223,7 @@ class StageModel:
         """Logits [n, vocab] of n sequences' last hidden states [n, hidden], each as
         ``logits`` computes it for that row alone (the native head in one product)."""
         if self.head_fused and isinstance(self.head, NativeLinear):
-            return self.head(h_rows, single_rows=True)
+            return self.head(h_rows, row_kinds=native.segment_kinds([1] * h_rows.shape[0]))
         return torch.stack([self.logits(r) for r in h_rows])
 
     def _native_layers(self) -> native.Layers | None:

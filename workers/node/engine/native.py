@@ -418,6 +418,22 @@ class Dims(ctypes.Structure):
     ]
 
 
+# qmm.c MVK_ROW_*: a row's share of llama.cpp's row-count-dependent sums
+ROW_PER64, ROW_TILED = 1, 2
+
+
+def segment_kinds(lengths: list[int]) -> torch.Tensor:
+    """Row kinds (uint8, one per row) for a batch of sequences' rows, ``lengths`` rows
+    each in row order: every row the kind its own sequence's product of that many rows
+    gives it (qmm.c seg_kind: in its whole fours, PER64 (Q4_K's gemm); 8 rows or more,
+    TILED (Q6_K's GEMM))."""
+    kinds = []
+    for t in lengths:
+        tiled = ROW_TILED if t >= 8 else 0
+        kinds += [(ROW_PER64 if i < t // 4 * 4 else 0) | tiled for i in range(t)]
+    return torch.tensor(kinds, dtype=torch.uint8)
+
+
 class Segment(ctypes.Structure):
     """qmm.c's ``mvk_seg``: one sequence's rows of a batch (``Layers.forward_batch_``)."""
 
