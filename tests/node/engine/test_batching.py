@@ -156,20 +156,44 @@ def test_eight_at_once_equal_each_alone(model: Model, n_stages: int, sampling: s
         assert [got[i] for i in range(N)] == want, order
 
 
-def test_alone_is_generate(smollm: Model) -> None:
-    """One sequence alone gives the single-sequence engine's tokens: with one chunk its
-    prompt is generate()'s one prefill (the exact continuation); chunked prefill of a
-    llama-family Q4_1 model changes no row's sums either."""
-    g = _gen(smollm, smollm.stages[1], slots=1)
-    g.add("once", ONCE_UPON_A_TIME, max_new_tokens=16, stop_ids=[2])
-    assert g.run()["once"] == ONCE_CONTINUATION[:16]
-    g.close()
-    long = smollm.prompts[-1]
-    ref = list(
-        generate(smollm.stages[1], long, max_new_tokens=8, max_seq_len=MAX_SEQ,
-                 sampling=SamplingParams(), stop_ids=[2])
+def test_one_chunk_alone_is_generate(model: Model) -> None:
+    """A sequence whose prompt is one chunk gets generate()'s tokens (the single-sequence
+    engine, llama.cpp's logits), while 7 others run beside it in chunks of 8."""
+    stages = model.stages[1]
+    g = BatchGenerator(stages, slots=8, max_seq_len=MAX_SEQ, chunk_size=MAX_SEQ)
+    long = model.prompts[-1]
+    want = list(
+        generate(stages, long, max_new_tokens=NEW_TOKENS[model.name], max_seq_len=MAX_SEQ,
+                 sampling=SamplingParams(), stop_ids=STOPS[model.name])
     )  # fmt: skip
-    assert _alone(smollm, "greedy")[-1][:8] == ref
+    g.add("long", long, max_new_tokens=NEW_TOKENS[model.name], stop_ids=STOPS[model.name])
+    got = g.run()["long"]
+    g.close()
+    assert got == want
+    if model.name == "smollm":
+        g = _gen(model, stages, slots=1)
+        g.add("once", ONCE_UPON_A_TIME, max_new_tokens=16, stop_ids=[2])
+        assert g.run()["once"] == ONCE_CONTINUATION[:16]
+        g.close()
+        # chunks of a Q4_1 model's prompt change no row's sums: the same tokens in chunks
+        assert _alone(model, "greedy")[-1] == want
+
+
+def test_torch_kernels_batch_per_sequence(smollm_path: str) -> None:
+    """Without the native layers (the float32 path: torch's products, whose sums for a
+    row may change with the row count) a BatchSession runs each sequence on its own:
+    its logits are a StageSession's bit for bit."""
+    stage = load_stage(smollm_path, 0, 30, EngineOptions("cpu", "float32", threads=THREADS))
+    feeds = [[[5, 6, 7], [8]], [[9], [10, 11, 12, 13, 14]], [[15, 16], [17]]]
+    b = stage.new_batch_session(3, 32)
+    slots = [b.acquire() for _ in feeds]
+    got = [b.forward([(s, feeds[i][step]) for i, s in enumerate(slots)]) for step in range(2)]
+    for i, s in enumerate(slots):
+        alone = stage.new_session(32)
+        for step in range(2):
+            assert torch.equal(got[step][s], alone.forward_tokens(feeds[i][step]))
+    b.close()
+    stage.close()
 
 
 def test_cancel_leaves_the_others_unchanged(model: Model) -> None:
