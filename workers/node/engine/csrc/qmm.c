@@ -1649,9 +1649,12 @@ int mvk_layers_batch(const mvk_dims *d, const mvk_layer *layers, int64_t n_layer
                               L->kq_scale, att + S->row0 * qd, scr);
             }
         }
-        if (nd) {
+        if (nd > 1) {
             attn_batch_ctx b = {dec, nkv, npad_max};
             dispatch_task(attn_decode_task, &b, nd * nkv);
+        } else if (nd == 1) { /* one sequence's step: on this thread, as mvk_attention */
+            mvk_attention(dec[0].q, 1, nh, hd, dec[0].kc, dec[0].vc, nkv, dec[0].max_seq,
+                          dec[0].pos, L->window, L->kq_scale, dec[0].out, scr);
         }
         if (L->post_attn) {
             if (mvk_linear_rows(L->wo, att, t, qd, qd, y, NULL, 0, rowk) != 0) return -1;
