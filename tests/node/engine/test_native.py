@@ -307,3 +307,52 @@ def test_the_kernel_builds_without_a_warning(tmp_path: Path, variant: tuple[str,
     unused function, a missing initializer) is an error here, not noise in a node log."""
     out = native.build(tmp_path, ("-Wall", "-Wextra", "-Werror", *variant))
     assert native.load(out).mvk_simd() == (0 if variant else native.library().mvk_simd())
+
+
+def _k_layout(bits: int, seed: int) -> tuple[object, int, int]:
+    """A random Q4_K (bits 4) or Q6_K (bits 6) matrix in llama.cpp's order."""
+    n, k = 40, 512
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=gen)
+    d = torch.rand(n, k // 256, generator=gen) * 1e-3
+    if bits == 4:
+        sc = torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=gen)
+        mins = torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=gen)
+        dmin = torch.rand(n, k // 256, generator=gen) * 1e-3
+        scale = d.repeat_interleave(8, 1) * sc.float()
+        offset = -dmin.repeat_interleave(8, 1) * mins.float()
+        part = NativePart(
+            q, scale, offset, 32, None, native.Q8_K_ACT, False, KScales(sc, mins, d, dmin)
+        )
+    else:
+        sc6 = torch.randint(-128, 128, (n, k // 16), dtype=torch.int8, generator=gen)
+        scale = d.repeat_interleave(16, 1) * sc6.float()
+        part = NativePart(
+            q, scale, -32 * scale, 16, 32, native.Q8_K_ACT, False, KScales(sc6, None, d, None)
+        )
+    layout = native_layout([part], bits, llamacpp_order=True)
+    assert layout is not None
+    return layout, n, k
+
+
+@pytest.mark.parametrize("bits", [4, 6])
+def test_a_batch_gives_each_row_its_own_sequences_sums(
+    lib: ctypes.CDLL, generic: ctypes.CDLL, bits: int
+) -> None:
+    """Continuous batching's invariance at the kernel: several sequences' rows in one
+    product, with their row kinds (native.segment_kinds), give each sequence's rows the
+    bits of its own product, in the AVX-512 and the plain C build, whatever their order;
+    as one product of all the rows (llama.cpp's choice by the row count) they would not."""
+    layout, n, k = _k_layout(bits, 20 + bits)
+    gen = torch.Generator().manual_seed(bits)
+    lengths = [1, 5, 1, 9, 2, 4, 3]
+    xs = [torch.randn(t, k, generator=gen) * 3 for t in lengths]
+    for build in (lib, generic):
+        lin = NativeLinear(build, layout, n, k, None)
+        alone = [lin(x) for x in xs]
+        for order in (list(range(len(xs))), list(reversed(range(len(xs)))), [3, 0, 6, 1, 5, 2, 4]):
+            x = torch.cat([xs[i] for i in order])
+            got = lin(x, row_kinds=native.segment_kinds([lengths[i] for i in order]))
+            assert torch.equal(got, torch.cat([alone[i] for i in order])), order
+        plain = lin(torch.cat(xs))
+        assert not torch.equal(plain, torch.cat(alone))

@@ -1,15 +1,19 @@
 """Stage engine: run a contiguous layer range of a GGUF model (see DECISIONS 19-24)."""
 
+from .batch_generate import BatchGenerator
 from .config import ModelFacts, read_model_facts
 from .generate import generate
 from .sampling import Sampler, SamplingParams
-from .session import ContextOverflow, StageSession
+from .session import BatchSession, ContextOverflow, NoFreeSlot, StageSession
 from .stage import EngineOptions, Stage, load_stage
 
 __all__ = [
+    "BatchGenerator",
+    "BatchSession",
     "ContextOverflow",
     "EngineOptions",
     "ModelFacts",
+    "NoFreeSlot",
     "Sampler",
     "SamplingParams",
     "Stage",

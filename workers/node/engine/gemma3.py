@@ -33,9 +33,9 @@ from gguf.constants import Keys
 from . import native
 from .config import ArchConfig
 from .gguf_reader import GGUFError, GGUFFile
-from .kernels import Linear
+from .kernels import Linear, NativeLinear
 from .loader import Part, WeightBuilder
-from .model import RopeTables, attend, head_logits, native_products
+from .model import RopeTables, Segment, attend, batch_forward, head_logits, native_products
 
 ARCHITECTURE = "gemma3"
 SWA_PATTERN = 6  # llama.cpp: every 6th layer (i % 6 == 5) is global
@@ -279,6 +279,21 @@ class Gemma3StageModel:
             ffn = lw.down(act)
             h = h + norm(ffn, lw.post_ffn_norm, eps)
         return h
+
+    def forward_batch(self, h: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """Several sequences' rows at once (model.batch_forward)."""
+        scale = self.params.embedding_scale if self.layer_start == 0 else None
+        return batch_forward(self, h, segments, scale)
+
+    def logits_rows(self, h_rows: torch.Tensor) -> torch.Tensor:
+        """Logits [n, vocab] of n last hidden states, each as ``logits`` computes it."""
+        if not (self.head_fused and isinstance(self.head, NativeLinear)):
+            return torch.stack([self.logits(r) for r in h_rows])
+        out = self.head(h_rows, row_kinds=native.segment_kinds([1] * h_rows.shape[0]))
+        cap = self.params.final_logit_softcap
+        if cap > 0:
+            out = torch.tanh(out / cap) * cap
+        return out
 
     def _native_layers(self) -> native.Layers | None:
         """The layers as one foreign call (native.Layers, the same ops as forward()'s

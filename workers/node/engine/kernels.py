@@ -356,6 +356,7 @@ class NativeLinear(Linear):
         self._weights.nz = len(layout.zlist)
         self._ref = ctypes.byref(self._weights)
         self._call = cast(Any, lib).mvk_linear
+        self._call_rows = cast(Any, lib).mvk_linear_rows
         self._norm: torch.Tensor | None = None
 
     def fuse_norm(self, weight: torch.Tensor, eps: float) -> bool:
@@ -366,7 +367,15 @@ class NativeLinear(Linear):
         self._weights.eps = eps
         return True
 
-    def __call__(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        add_to: torch.Tensor | None = None,
+        row_kinds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``row_kinds`` (uint8 [T], native.segment_kinds): which of llama.cpp's
+        row-count-dependent sums each row gets, as its own sequence's product would give
+        it; None: as llama.cpp's product of these T rows (qmm.c row_kind)."""
         if x.dtype != torch.float32 or x.stride(-1) != 1:
             x = x.float().contiguous()
         t = x.shape[0]
@@ -379,7 +388,7 @@ class NativeLinear(Linear):
                 base = base.float().contiguous()
             ld_base = 0 if base.shape[0] == 1 else base.stride(0)
         y = torch.empty(t, self.out_features)
-        rc = self._call(
+        args = (
             self._ref,
             x.data_ptr(),
             t,
@@ -389,6 +398,12 @@ class NativeLinear(Linear):
             None if base is None else base.data_ptr(),
             ld_base,
         )
+        if row_kinds is not None:
+            if row_kinds.dtype != torch.uint8 or row_kinds.shape != (t,):
+                raise ValueError(f"row_kinds must be uint8 [{t}]")
+            rc = self._call_rows(*args, row_kinds.contiguous().data_ptr())
+        else:
+            rc = self._call(*args)
         if rc != 0:
             raise MemoryError("native kernel: no memory for the activation buffer")
         return y

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -215,6 +215,17 @@ class StageModel:
             h = lw.down(act, h)
         return h
 
+    def forward_batch(self, h: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """Several sequences' rows at once (``batch_forward``)."""
+        return batch_forward(self, h, segments, None)
+
+    def logits_rows(self, h_rows: torch.Tensor) -> torch.Tensor:
+        """Logits [n, vocab] of n sequences' last hidden states [n, hidden], each as
+        ``logits`` computes it for that row alone (the native head in one product)."""
+        if self.head_fused and isinstance(self.head, NativeLinear):
+            return self.head(h_rows, row_kinds=native.segment_kinds([1] * h_rows.shape[0]))
+        return torch.stack([self.logits(r) for r in h_rows])
+
     def _native_layers(self) -> native.Layers | None:
         """The layers as one foreign call (native.Layers) where everything they compute
         has a native kernel: ggml's order, float16 caches, every product native without
@@ -251,6 +262,41 @@ class StageModel:
         return head_logits(
             self.head, _rms_norm(h_last.view(1, -1), self.output_norm, self.c_hidden)
         )
+
+
+# One sequence's rows of a batch: (rows, position, k cache, v cache), the caches the
+# session's [layers, nkv, max_seq, hd] of its slot.
+Segment = tuple[int, int, torch.Tensor, torch.Tensor]
+
+
+class _BatchModel(Protocol):
+    def _native_layers(self) -> native.Layers | None: ...
+    def forward(
+        self, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int
+    ) -> torch.Tensor: ...
+
+
+def batch_forward(
+    model: _BatchModel, h: torch.Tensor, segments: list[Segment], scale: float | None
+) -> torch.Tensor:
+    """The stage's layers over several sequences' rows ``h`` [T, hidden] (``segments`` in
+    row order): each sequence's rows as ``model.forward`` computes them for it alone, bit
+    for bit. With the native layers every product runs once over all the rows (qmm.c
+    mvk_layers_batch: a row's sums never depend on the rows beside it); without them
+    (torch's kernels, whose sums for a row may change with the number of rows) each
+    sequence runs on its own. ``scale``: what the first stage multiplies its embedding
+    rows by before the layers (Gemma), as ``forward`` does."""
+    layers = model._native_layers()
+    if layers is not None:
+        x = h * scale if scale is not None else h
+        x = x.to(torch.float32, copy=True).contiguous()  # updated in place
+        if layers.forward_batch_(x, segments):
+            return x
+    outs, row = [], 0
+    for t, pos, kc, vc in segments:
+        outs.append(model.forward(h[row : row + t], kc, vc, pos))
+        row += t
+    return torch.cat(outs)
 
 
 def native_products(lw: Any) -> tuple[Any, Any, Any, Any] | None:

@@ -137,6 +137,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.mvk_matmul.restype = None
     lib.mvk_linear.argtypes = [_P, _P, _I, _I, _I, _P, _P, _I]
     lib.mvk_linear.restype = _C
+    lib.mvk_linear_rows.argtypes = [_P, _P, _I, _I, _I, _P, _P, _I, _P]
+    lib.mvk_linear_rows.restype = _C
     lib.mvk_set_threads.argtypes = [_C]
     lib.mvk_set_threads.restype = _C
     lib.mvk_simd.argtypes = []
@@ -157,6 +159,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.mvk_geglu.restype = None
     lib.mvk_layers.argtypes = [_P, _P, _I, _P, _I, _I, _P, _P, _I]
     lib.mvk_layers.restype = _C
+    lib.mvk_layers_batch.argtypes = [_P, _P, _I, _P, _I, _P, _I]
+    lib.mvk_layers_batch.restype = _C
     return lib
 
 
@@ -414,6 +418,35 @@ class Dims(ctypes.Structure):
     ]
 
 
+# qmm.c MVK_ROW_*: a row's share of llama.cpp's row-count-dependent sums
+ROW_PER64, ROW_TILED = 1, 2
+
+
+def segment_kinds(lengths: list[int]) -> torch.Tensor:
+    """Row kinds (uint8, one per row) for a batch of sequences' rows, ``lengths`` rows
+    each in row order: every row the kind its own sequence's product of that many rows
+    gives it (qmm.c seg_kind: in its whole fours, PER64 (Q4_K's gemm); 8 rows or more,
+    TILED (Q6_K's GEMM))."""
+    kinds = []
+    for t in lengths:
+        tiled = ROW_TILED if t >= 8 else 0
+        kinds += [(ROW_PER64 if i < t // 4 * 4 else 0) | tiled for i in range(t)]
+    return torch.tensor(kinds, dtype=torch.uint8)
+
+
+class Segment(ctypes.Structure):
+    """qmm.c's ``mvk_seg``: one sequence's rows of a batch (``Layers.forward_batch_``)."""
+
+    _fields_ = [
+        ("row0", ctypes.c_int64),
+        ("t", ctypes.c_int64),
+        ("pos", ctypes.c_int64),
+        ("kc", ctypes.c_void_p),
+        ("vc", ctypes.c_void_p),
+        ("max_seq", ctypes.c_int64),
+    ]
+
+
 @dataclass
 class LayerPlan:
     """One layer for ``Layers``: its four products (NativeLinear ``_weights``, norms fused
@@ -463,18 +496,50 @@ class Layers:
             spec.kq_scale, spec.round_scale = p.kq_scale, p.round_scale
         self._tables: list[tuple[int, int]] = []
 
-    def forward_(self, h: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: int) -> bool:
-        """Run the layers on ``h`` [T, hidden] (float32, contiguous; updated in place) at
-        pos..pos+T-1 with the session's caches [layers, nkv, max_seq, hd]; False where the
-        kernel is not built for this CPU (nothing was changed then)."""
-        t = h.shape[0]
+    def _ensure_tables(self, end: int) -> None:
         for p in self.plans:
-            p.rope.ensure(pos + t)
+            p.rope.ensure(end)
         tables = [(p.rope.cos.data_ptr(), p.rope.sin.data_ptr()) for p in self.plans]
         if tables != self._tables:  # a table grew (moved)
             for spec, (c, s) in zip(self.specs, tables, strict=True):
                 spec.cos, spec.sin = c, s
             self._tables = tables
+
+    def forward_batch_(
+        self, h: torch.Tensor, segments: list[tuple[int, int, torch.Tensor, torch.Tensor]]
+    ) -> bool:
+        """Run the layers on a batch of sequences' rows ``h`` [T, hidden] (float32,
+        contiguous; updated in place): ``segments`` in row order, each (rows, position, k
+        cache, v cache) of one sequence, its caches [layers, nkv, max_seq, hd] (contiguous
+        views of a session's slot). Each sequence's rows come out as ``forward_`` computes
+        them for that sequence alone, bit for bit (qmm.c mvk_layers_batch); False where
+        the kernel is not built for this CPU (nothing was changed then)."""
+        segs = (Segment * len(segments))()
+        row0, end = 0, 0
+        for seg, (t, pos, kc, vc) in zip(segs, segments, strict=True):
+            if not (kc.is_contiguous() and vc.is_contiguous() and kc.dtype == torch.float32):
+                raise ValueError("native layers: caches must be contiguous float32")
+            seg.row0, seg.t, seg.pos = row0, t, pos
+            seg.kc, seg.vc, seg.max_seq = kc.data_ptr(), vc.data_ptr(), kc.shape[2]
+            row0 += t
+            end = max(end, pos + t)
+        if row0 != h.shape[0]:
+            raise ValueError(f"segments cover {row0} rows, h has {h.shape[0]}")
+        self._ensure_tables(end)
+        rc = self.lib.mvk_layers_batch(
+            ctypes.byref(self.dims), self.specs, len(self.plans), h.data_ptr(), row0,
+            segs, len(segments),
+        )  # fmt: skip
+        if rc == -1:
+            raise MemoryError("native kernel: no memory for the layers' buffers")
+        return bool(rc == 0)
+
+    def forward_(self, h: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: int) -> bool:
+        """Run the layers on ``h`` [T, hidden] (float32, contiguous; updated in place) at
+        pos..pos+T-1 with the session's caches [layers, nkv, max_seq, hd]; False where the
+        kernel is not built for this CPU (nothing was changed then)."""
+        t = h.shape[0]
+        self._ensure_tables(pos + t)
         rc = self.lib.mvk_layers(
             ctypes.byref(self.dims), self.specs, len(self.plans), h.data_ptr(), t, pos,
             kc.data_ptr(), vc.data_ptr(), kc.shape[2],

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
 from .config import ArchConfig
 from .gemma3 import Gemma3StageModel
-from .model import StageModel
+from .model import Segment, StageModel
 
 
 class _Embedding(Protocol):
     def __call__(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+
+class _BatchStageModel(Protocol):
+    def forward_batch(self, h: torch.Tensor, segments: list[Segment]) -> torch.Tensor: ...
+    def logits_rows(self, h_rows: torch.Tensor) -> torch.Tensor: ...
 
 
 class SessionStage(Protocol):
@@ -40,6 +46,10 @@ class SessionStage(Protocol):
 
 class ContextOverflow(Exception):
     """The tokens do not fit in the session's ``max_seq_len``."""
+
+
+class NoFreeSlot(Exception):
+    """Every slot of a BatchSession holds a sequence."""
 
 
 class StageSession:
@@ -116,3 +126,140 @@ class StageSession:
         self._k = None
         self._v = None
         self.position = 0
+
+
+# What a BatchSession's forward takes per sequence: its slot and its new tokens (the first
+# stage) or its hidden rows [T, hidden] from the previous stage.
+BatchRow = tuple[int, Sequence[int] | torch.Tensor]
+
+
+class BatchSession:
+    """A stage's state for up to ``slots`` sequences at once: each slot its own KV cache
+    region ([layers, n_kv_head, max_seq_len, head_dim], as a StageSession's) and position.
+
+    ``forward`` runs one step over several sequences: a decode row (one token) or a prompt
+    chunk (several tokens) per sequence, all rows through every product at once, rope at
+    each row's position, attention per sequence against its own slot (causal within a
+    chunk). A sequence's outputs are those it gets alone (a StageSession fed the same
+    chunks), bit for bit, whatever else runs beside it (model.batch_forward).
+    ``acquire`` takes a free slot, ``release`` frees it (a joining sequence starts at 0).
+    """
+
+    def __init__(self, stage: SessionStage, slots: int, max_seq_len: int) -> None:
+        if slots <= 0:
+            raise ValueError("slots must be positive")
+        if max_seq_len <= 0:
+            raise ValueError("max_seq_len must be positive")
+        cfg = stage.cfg
+        if cfg.context_length and max_seq_len > cfg.context_length:
+            raise ValueError(
+                f"max_seq_len {max_seq_len} exceeds the model's context length {cfg.context_length}"
+            )
+        self.stage = stage
+        self.slots = slots
+        self.max_seq_len = max_seq_len
+        n = stage.layer_end - stage.layer_start
+        shape = (slots, n, cfg.n_kv_head, max_seq_len, cfg.head_dim)
+        dev = stage.torch_device
+        self._k: torch.Tensor | None = torch.zeros(shape, dtype=torch.float32, device=dev)
+        self._v: torch.Tensor | None = torch.zeros(shape, dtype=torch.float32, device=dev)
+        self._positions = [0] * slots
+        self._used = [False] * slots
+        stage.model.rope.ensure(max_seq_len)
+
+    @property
+    def free_slots(self) -> int:
+        return self._used.count(False)
+
+    def acquire(self) -> int:
+        """A free slot, now in use at position 0; raises NoFreeSlot."""
+        if self._k is None:
+            raise RuntimeError("session is closed")
+        for slot, used in enumerate(self._used):
+            if not used:
+                self._used[slot] = True
+                self._positions[slot] = 0
+                return slot
+        raise NoFreeSlot(f"all {self.slots} slots hold a sequence")
+
+    def release(self, slot: int) -> None:
+        """Free ``slot`` (its stale cache entries are never read: a new sequence writes
+        every position before attending to it)."""
+        self._check_slot(slot)
+        self._used[slot] = False
+        self._positions[slot] = 0
+
+    def position(self, slot: int) -> int:
+        self._check_slot(slot)
+        return self._positions[slot]
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot {slot} outside 0..{self.slots - 1}")
+        if not self._used[slot]:
+            raise ValueError(f"slot {slot} holds no sequence")
+
+    def forward(self, rows: Sequence[BatchRow]) -> dict[int, torch.Tensor]:
+        """One step over several sequences (each slot at most once): per slot its hidden
+        rows [T, hidden] float32, or where this stage is the last its last position's
+        logits [vocab]. Checks every row first: on an error no slot has moved."""
+        if self._k is None or self._v is None:
+            raise RuntimeError("session is closed")
+        if not rows:
+            raise ValueError("no rows to process")
+        stage, k, v = self.stage, self._k, self._v
+        seen: set[int] = set()
+        counts = []
+        for slot, x in rows:
+            self._check_slot(slot)
+            if slot in seen:
+                raise ValueError(f"slot {slot} appears twice in one step")
+            seen.add(slot)
+            if stage.is_first:
+                if isinstance(x, torch.Tensor):
+                    raise ValueError("the first stage takes token ids, not hidden states")
+                t = len(x)
+            else:
+                if not isinstance(x, torch.Tensor):
+                    raise ValueError("later stages take hidden states, not token ids")
+                if x.dim() != 2 or x.shape[1] != stage.cfg.hidden:
+                    raise ValueError(
+                        f"hidden must be [T, {stage.cfg.hidden}], got {tuple(x.shape)}"
+                    )
+                t = x.shape[0]
+            if t <= 0:
+                raise ValueError(f"no tokens to process for slot {slot}")
+            if self._positions[slot] + t > self.max_seq_len:
+                raise ContextOverflow(
+                    f"{t} tokens at position {self._positions[slot]} of slot {slot} exceed "
+                    f"max_seq_len {self.max_seq_len}"
+                )
+            counts.append(t)
+        model = cast(_BatchStageModel, stage.model)
+        with torch.inference_mode():
+            if stage.is_first:
+                assert stage.embedding is not None
+                ids = torch.tensor([i for _, x in rows for i in cast(Sequence[int], x)])
+                h = stage.embedding(ids)
+            else:
+                dev = stage.torch_device
+                h = torch.cat([cast(torch.Tensor, x) for _, x in rows]).to(
+                    device=dev, dtype=torch.float32
+                )
+            segments = [
+                (t, self._positions[slot], k[slot], v[slot])
+                for (slot, _), t in zip(rows, counts, strict=True)
+            ]
+            h = model.forward_batch(h, segments)
+            for (slot, _), t in zip(rows, counts, strict=True):
+                self._positions[slot] += t
+            ends = list(itertools.accumulate(counts))
+            if stage.is_last:
+                logits = model.logits_rows(h[[e - 1 for e in ends]]).cpu()
+                return {slot: logits[i] for i, (slot, _) in enumerate(rows)}
+            return {slot: h[e - t : e] for (slot, _), t, e in zip(rows, counts, ends, strict=True)}
+
+    def close(self) -> None:
+        self._k = None
+        self._v = None
+        self._used = [False] * self.slots

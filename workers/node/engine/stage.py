@@ -16,7 +16,7 @@ from .gguf_reader import GGUFError, GGUFFile
 from .loader import Part, WeightBuilder, rope_permutation, trim_heap
 from .model import LayerWeights, RopeTables, StageModel
 from .quants import as_torch_bytes, dequantize_rows
-from .session import StageSession
+from .session import BatchSession, StageSession
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,12 @@ class Stage:
         if self.closed:
             raise RuntimeError("stage is closed")
         return StageSession(self, max_seq_len)
+
+    def new_batch_session(self, slots: int, max_seq_len: int) -> BatchSession:
+        """State for up to ``slots`` sequences at once (session.BatchSession)."""
+        if self.closed:
+            raise RuntimeError("stage is closed")
+        return BatchSession(self, slots, max_seq_len)
 
     def close(self) -> None:
         """Drop the weights and the file mapping."""

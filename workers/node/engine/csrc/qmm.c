@@ -199,7 +199,25 @@ typedef struct {
      * each 4 activation codes' sum, the zero code's term as the product's start value */
     const int8_t *zg;
     const int32_t *corr;
+    /* per activation row, which of llama.cpp's row-count-dependent sums it gets
+     * (MVK_ROW_*; NULL: as a product of t_rows rows, row_kind) */
+    const uint8_t *rowk;
 } mvk_job;
+
+/* llama.cpp picks some sums by the number of rows in a product (see MVK_ARITH_Q4K and
+ * Q6K below): a row of a product of T rows gets MVK_ROW_PER64 where it lies in its whole
+ * fours (row < T / 4 * 4), MVK_ROW_TILED where T >= 8. A batch of several sequences passes
+ * each row's kind as its own sequence's product would give it (mvk_layers_batch), so that
+ * a row's result depends on its own sequence alone, never on the rows beside it; every
+ * other sum here is the same for a row whatever the number of rows and its place. */
+enum { MVK_ROW_PER64 = 1, MVK_ROW_TILED = 2 };
+static inline int row_kind(const mvk_job *j, int64_t r) {
+    if (j->rowk) return j->rowk[r];
+    return (r < j->t_rows / 4 * 4 ? MVK_ROW_PER64 : 0) | (j->t_rows >= 8 ? MVK_ROW_TILED : 0);
+}
+static inline uint8_t seg_kind(int64_t i, int64_t t) {
+    return (uint8_t)((i < t / 4 * 4 ? MVK_ROW_PER64 : 0) | (t >= 8 ? MVK_ROW_TILED : 0));
+}
 
 /* How a row's float sum is formed from its integer products:
  *   MVK_ARITH_GROUPS  every group's scale times its dot product, mins apart (any format);
@@ -447,11 +465,11 @@ static inline __attribute__((always_inline)) void q0_tile(const mvk_job *j, int6
  * activations' sums per 32; then llama.cpp's repacked gemv (one fused multiply-add per
  * 256-block) or, for activation rows in whole fours, its gemm (one per 64 elements). */
 static inline __attribute__((always_inline)) void q4k_tile(const mvk_job *j, int64_t G,
-                                                           int64_t t0, const int T) {
+                                                           int64_t t0, const int T,
+                                                           const int per64) {
     const int64_t kp = j->kp, ns = kp / 32, nsb = kp / 256;
     const uint8_t *wg = j->codes + G * ns * 256;
     const __m512i low4 = _mm512_set1_epi8(0x0f);
-    const int per64 = T == 4; /* tiles start at multiples of 4: whole fours */
     __m512 acc[Q0_MAXT], accm[Q0_MAXT];
     _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) acc[t] = accm[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nsb; b++) {
@@ -514,11 +532,11 @@ static inline __attribute__((always_inline)) void q4k_tile(const mvk_job *j, int
  * lanes of rows_q6k. A prompt of 8 rows or more needs only their total (the tiled GEMM),
  * per sub-block sc times its dot product started from -32 qs. */
 static inline __attribute__((always_inline)) void q6k_tile(const mvk_job *j, int64_t G,
-                                                           int64_t t0, const int T) {
+                                                           int64_t t0, const int T,
+                                                           const int tiled) {
     const int64_t kp = j->kp, ns16 = kp / 16, nsb = kp / 256;
     const uint8_t *wg = j->codes + G * (kp / 32) * 512;
     const int8_t *ksc = (const int8_t *)j->ksc;
-    const int tiled = j->t_rows >= 8;
     __m512 acc8[8], tacc[Q0_MAXT];
     for (int l = 0; l < 8; l++) acc8[l] = _mm512_setzero_ps();
     for (int t = 0; t < T; t++) tacc[t] = _mm512_setzero_ps();
@@ -604,18 +622,35 @@ static inline __attribute__((always_inline)) void q6k_tile(const mvk_job *j, int
     default: fn(j, G, t0, 4); break;             \
     }
 
+#define MVK_BY_TK(fn, t, k)                      \
+    switch (t) {                                 \
+    case 1: fn(j, G, t0, 1, k); break;           \
+    case 2: fn(j, G, t0, 2, k); break;           \
+    case 3: fn(j, G, t0, 3, k); break;           \
+    default: fn(j, G, t0, 4, k); break;          \
+    }
+
+/* Tiles are runs of rows of one kind (row_kind): up to Q0_MAXT rows, one for Q6_K's
+ * untiled rows (their 8 lanes' registers). */
 static void rows_q0(const mvk_job *j, int64_t n0, int64_t n1) {
-    const int64_t step = j->arith == MVK_ARITH_Q6K && j->t_rows < 8 ? 1 : Q0_MAXT;
+    const int bit = j->arith == MVK_ARITH_Q4K   ? MVK_ROW_PER64
+                    : j->arith == MVK_ARITH_Q6K ? MVK_ROW_TILED
+                                                : 0;
     for (int64_t G = n0 / 16; 16 * G < n1; G++)
-        for (int64_t t0 = 0; t0 < j->t_rows; t0 += step) {
-            const int64_t tt = j->t_rows - t0 < step ? j->t_rows - t0 : step;
+        for (int64_t t0 = 0; t0 < j->t_rows;) {
+            const int kind = bit ? row_kind(j, t0) & bit : 0;
+            const int64_t step = j->arith == MVK_ARITH_Q6K && !kind ? 1 : Q0_MAXT;
+            int64_t tt = 1;
+            while (tt < step && t0 + tt < j->t_rows && (!bit || (row_kind(j, t0 + tt) & bit) == kind))
+                tt++;
             if (j->arith == MVK_ARITH_Q4K) {
-                MVK_BY_T(q4k_tile, tt)
+                MVK_BY_TK(q4k_tile, tt, kind != 0)
             } else if (j->arith == MVK_ARITH_Q6K) {
-                MVK_BY_T(q6k_tile, tt)
+                MVK_BY_TK(q6k_tile, tt, kind != 0)
             } else {
                 MVK_BY_T(q0_tile, tt)
             }
+            t0 += tt;
         }
 }
 
@@ -720,7 +755,7 @@ static void rows_generic_k(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0,
                     const uint8_t *sc = (const uint8_t *)j->ksc, *m = j->kmin;
                     const float kd = j->kd[(G * nsb + b) * 16 + r];
                     const float kdmin = j->kdmin[(G * nsb + b) * 16 + r];
-                    const int per64 = tr < j->t_rows / 4 * 4; /* see q4k_tile */
+                    const int per64 = row_kind(j, tr) & MVK_ROW_PER64; /* see q4k_tile */
                     int32_t isum = 0, imin = 0;
                     for (int g = 0; g < 8; g++) {
                         const int64_t at = (G * ns + 8 * b + g) * 16 + r;
@@ -763,8 +798,8 @@ static void rows_generic_k(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0,
                     acc = fmaf(kd * (float)total, dx, acc);
                 }
             }
-            float r = q4               ? acc - accm
-                      : j->t_rows >= 8 ? acc
+            float r = q4                                ? acc - accm
+                      : row_kind(j, tr) & MVK_ROW_TILED ? acc
                                        : ((lacc[0] + lacc[4]) + (lacc[2] + lacc[6])) +
                                              ((lacc[1] + lacc[5]) + (lacc[3] + lacc[7]));
             if (j->add) r += j->add[tr * j->ldadd + n];
@@ -951,7 +986,7 @@ void mvk_matmul(const int8_t *qx, const float *dxe, const float *s16, const floa
                 const void *min, int64_t n, int nibble, int sub, int zero, int f32, float *y,
                 int64_t ldy, const float *add, int64_t ldadd, int threads) {
     mvk_job j = {qx, dxe, s16, s32, t_rows, kp, codes, scale, min, n, nibble, sub, zero, f32,
-                 y, ldy, add, ldadd, NULL, NULL, MVK_ARITH_GROUPS, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+                 y, ldy, add, ldadd, NULL, NULL, MVK_ARITH_GROUPS, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     dispatch(j, threads);
 }
 
@@ -1099,8 +1134,9 @@ static void prep_task(const void *ctx, int64_t i) {
     prep_rows(c, 8 * i, 8 * i + 8 < c->t_rows ? 8 * i + 8 : c->t_rows);
 }
 
-int mvk_linear(const mvk_weights *w, const float *x, int64_t t_rows, int64_t k_in,
-               int64_t ldx, float *y, const float *add, int64_t ldadd) {
+/* As mvk_linear, row r's sums of kind rowk[r] (MVK_ROW_*; NULL: a product of t_rows). */
+int mvk_linear_rows(const mvk_weights *w, const float *x, int64_t t_rows, int64_t k_in,
+                    int64_t ldx, float *y, const float *add, int64_t ldadd, const uint8_t *rowk) {
     const int64_t kp = w->kp;
     const int q0 = w->arith == MVK_ARITH_Q0 && w->zrow != NULL;
     size_t need = (size_t)t_rows * (size_t)(kp + (kp / 4 + kp / 16 + kp / 32) * 4) + 64;
@@ -1134,9 +1170,14 @@ int mvk_linear(const mvk_weights *w, const float *x, int64_t t_rows, int64_t k_i
     int32_t *corr = c.corr, *qs16 = c.qs16;
     mvk_job j = {qx, dxe, s16, s32, t_rows, kp, w->codes, w->scale, w->min, w->n, w->nibble,
                  w->sub, w->zero, w->f32, y, w->n, add, ldadd, nq, w->zrow, w->arith,
-                 w->ksc, w->kmin, w->kd, w->kdmin, qs16, nz ? w->zg : NULL, corr};
+                 w->ksc, w->kmin, w->kd, w->kdmin, qs16, nz ? w->zg : NULL, corr, rowk};
     dispatch(j, MAX_THREADS);
     return 0;
+}
+
+int mvk_linear(const mvk_weights *w, const float *x, int64_t t_rows, int64_t k_in,
+               int64_t ldx, float *y, const float *add, int64_t ldadd) {
+    return mvk_linear_rows(w, x, t_rows, k_in, ldx, y, add, ldadd, NULL);
 }
 
 /* ---- rope, as ggml's CPU backend computes it -------------------------------------------
@@ -1492,20 +1533,64 @@ typedef struct {
     float eps;
 } mvk_dims;
 
+/* One sequence's rows in a batch for mvk_layers_batch: rows row0..row0+t-1 of h, at
+ * positions pos..pos+t-1, with its own caches [layers][nkv][max_seq][hd]. */
+typedef struct {
+    int64_t row0, t, pos;
+    float *kc, *vc;
+    int64_t max_seq;
+} mvk_seg;
+
 #ifdef MVK_AVX512
 static __thread float *t_lbuf;
 static __thread size_t t_lcap;
+
+/* A batch's decode attention: task i is kv head i % nkv of one-row sequence i / nkv, on
+ * the thread's own buffers (the one-row order of mvk_attention, whatever the thread). */
+typedef struct {
+    const attn_ctx *cs;
+    int64_t nkv, npad_max;
+} attn_batch_ctx;
+
+static __thread float *t_dbuf;
+static __thread size_t t_dcap;
+
+static void attn_decode_task(const void *ctx, int64_t i) {
+    const attn_batch_ctx *b = ctx;
+    const attn_ctx *c = b->cs + i / b->nkv;
+    const size_t need = (size_t)(2 * b->npad_max + c->hd + 64 * c->hd);
+    if (need > t_dcap) {
+        free(t_dbuf);
+        t_dbuf = aligned_alloc(64, (need * 4 + 63) / 64 * 64);
+        t_dcap = t_dbuf ? need : 0;
+        if (!t_dbuf) abort(); /* as attn_task */
+    }
+    float *row = t_dbuf, *w = row + b->npad_max, *qh = w + b->npad_max, *part = qh + c->hd;
+    attn_rows(c, i % b->nkv, 0, row, w, qh, part);
+}
 #endif
 
-/* Returns 0, -1 (no memory) or -2 (not built for this CPU). */
-int mvk_layers(const mvk_dims *d, const mvk_layer *layers, int64_t n_layers, float *h,
-               int64_t t, int64_t pos, float *kc, float *vc, int64_t max_seq) {
+/* The layers over a batch of sequences' rows (segs, in row order, covering h's t rows):
+ * every product over all rows at once, each row with its own sequence's row kind
+ * (seg_kind: as if its sequence's rows were the product), rope at each row's position,
+ * the cache writes and attention per sequence in its own caches (one-row sequences'
+ * attention shared over the pool, kv head by kv head). A row's result is the one its
+ * sequence gets alone (mvk_layers), bit for bit. Returns 0, -1 (no memory) or -2 (not
+ * built for this CPU). */
+int mvk_layers_batch(const mvk_dims *d, const mvk_layer *layers, int64_t n_layers, float *h,
+                     int64_t t, const mvk_seg *segs, int64_t n_segs) {
 #ifdef MVK_AVX512
     const int64_t hd = d->hd, nh = d->nh, nkv = d->nkv, hid = d->hidden, ffn = d->ffn;
-    const int64_t qd = nh * hd, kvd = nkv * hd, ld = qd + 2 * kvd, n = pos + t;
-    const int64_t npad = (n + 63) / 64 * 64;
+    const int64_t qd = nh * hd, kvd = nkv * hd, ld = qd + 2 * kvd;
+    int64_t npad_max = 64, n_dec = 0;
+    for (int64_t s = 0; s < n_segs; s++) {
+        const int64_t n = segs[s].pos + segs[s].t, np = (n + 63) / 64 * 64;
+        npad_max = np > npad_max ? np : npad_max;
+        n_dec += segs[s].t == 1;
+    }
     const size_t f = (size_t)t * (size_t)(ld + (qd + kvd) + 2 * qd + hid + 3 * ffn) +
-                     (size_t)(MVK_ATTN_SCRATCH(npad, hd, nkv)) + 16 * 8;
+                     (size_t)(MVK_ATTN_SCRATCH(npad_max, hd, nkv)) + 16 * 8 +
+                     (size_t)t / 4 + 16 + (size_t)n_segs * (sizeof(attn_ctx) / 4 + 1);
     if (f > t_lcap) {
         free(t_lbuf);
         t_lbuf = aligned_alloc(64, (f * 4 + 63) / 64 * 64);
@@ -1514,14 +1599,18 @@ int mvk_layers(const mvk_dims *d, const mvk_layer *layers, int64_t n_layers, flo
     }
     float *qkv = t_lbuf, *qk = qkv + t * ld, *q = qk + t * (qd + kvd), *att = q + t * qd;
     float *y = att + t * qd, *gu = y + t * hid, *act = gu + t * 2 * ffn, *scr = act + t * ffn;
+    attn_ctx *dec = (attn_ctx *)(((uintptr_t)(scr + MVK_ATTN_SCRATCH(npad_max, hd, nkv)) + 63) &
+                                 ~(uintptr_t)63);
+    uint8_t *rowk = (uint8_t *)(dec + n_segs);
+    for (int64_t s = 0; s < n_segs; s++)
+        for (int64_t r = 0; r < segs[s].t; r++) rowk[segs[s].row0 + r] = seg_kind(r, segs[s].t);
     for (int64_t i = 0; i < n_layers; i++) {
         const mvk_layer *L = layers + i;
-        float *kci = kc + i * nkv * max_seq * hd, *vci = vc + i * nkv * max_seq * hd;
         if (L->round_scale > 0.0f) {
             const float inv = 1.0f / L->round_scale;
             for (int64_t e = 0; e < t * hid; e++) h[e] = f16r(h[e] * L->round_scale) * inv;
         }
-        if (mvk_linear(L->qkv, h, t, hid, hid, qkv, NULL, 0) != 0) return -1;
+        if (mvk_linear_rows(L->qkv, h, t, hid, hid, qkv, NULL, 0, rowk) != 0) return -1;
         for (int64_t r = 0; r < t; r++) {
             const float *src = qkv + r * ld;
             float *dst = qk + r * (qd + kvd);
@@ -1532,42 +1621,71 @@ int mvk_layers(const mvk_dims *d, const mvk_layer *layers, int64_t n_layers, flo
                 memcpy(dst, src, sizeof(float) * (size_t)(qd + kvd));
             }
         }
-        (L->neox ? mvk_rope_neox : mvk_rope_norm)(qk, t, nh + nkv, hd, L->cos + pos * (hd / 2),
-                                                   L->sin + pos * (hd / 2));
-        for (int64_t r = 0; r < t; r++) {
-            const float *kr = qk + r * (qd + kvd) + qd, *vr = qkv + r * ld + qd + kvd;
-            for (int64_t g = 0; g < nkv; g++)
-                for (int64_t e = 0; e < hd; e++) {
-                    kci[(g * max_seq + pos + r) * hd + e] = f16r(kr[g * hd + e]);
-                    vci[(g * max_seq + pos + r) * hd + e] = f16r(vr[g * hd + e]);
-                }
-            memcpy(q + r * qd, qk + r * (qd + kvd), sizeof(float) * (size_t)qd);
+        int64_t nd = 0;
+        for (int64_t s = 0; s < n_segs; s++) {
+            const mvk_seg *S = segs + s;
+            const int64_t pos = S->pos, ms = S->max_seq;
+            float *kci = S->kc + i * nkv * ms * hd, *vci = S->vc + i * nkv * ms * hd;
+            (L->neox ? mvk_rope_neox : mvk_rope_norm)(qk + S->row0 * (qd + kvd), S->t, nh + nkv, hd,
+                                                       L->cos + pos * (hd / 2),
+                                                       L->sin + pos * (hd / 2));
+            for (int64_t r = S->row0; r < S->row0 + S->t; r++) {
+                const float *kr = qk + r * (qd + kvd) + qd, *vr = qkv + r * ld + qd + kvd;
+                const int64_t p = pos + r - S->row0;
+                for (int64_t g = 0; g < nkv; g++)
+                    for (int64_t e = 0; e < hd; e++) {
+                        kci[(g * ms + p) * hd + e] = f16r(kr[g * hd + e]);
+                        vci[(g * ms + p) * hd + e] = f16r(vr[g * hd + e]);
+                    }
+                memcpy(q + r * qd, qk + r * (qd + kvd), sizeof(float) * (size_t)qd);
+            }
+            if (S->t == 1) {
+                const int64_t np = (pos + 1 + 63) / 64 * 64;
+                attn_ctx c = {q + S->row0 * qd, kci, vci, NULL, 1, nh, hd, nkv, ms, pos,
+                              L->window, np, nh / nkv, L->kq_scale, att + S->row0 * qd};
+                dec[nd++] = c;
+            } else {
+                mvk_attention(q + S->row0 * qd, S->t, nh, hd, kci, vci, nkv, ms, pos, L->window,
+                              L->kq_scale, att + S->row0 * qd, scr);
+            }
         }
-        mvk_attention(q, t, nh, hd, kci, vci, nkv, max_seq, pos, L->window, L->kq_scale, att, scr);
+        if (nd > 1) {
+            attn_batch_ctx b = {dec, nkv, npad_max};
+            dispatch_task(attn_decode_task, &b, nd * nkv);
+        } else if (nd == 1) { /* one sequence's step: on this thread, as mvk_attention */
+            mvk_attention(dec[0].q, 1, nh, hd, dec[0].kc, dec[0].vc, nkv, dec[0].max_seq,
+                          dec[0].pos, L->window, L->kq_scale, dec[0].out, scr);
+        }
         if (L->post_attn) {
-            if (mvk_linear(L->wo, att, t, qd, qd, y, NULL, 0) != 0) return -1;
+            if (mvk_linear_rows(L->wo, att, t, qd, qd, y, NULL, 0, rowk) != 0) return -1;
             rms_norm(y, t, hid, hid, L->post_attn, d->eps, y);
             for (int64_t e = 0; e < t * hid; e++) h[e] = h[e] + y[e];
-        } else if (mvk_linear(L->wo, att, t, qd, qd, h, h, hid) != 0) {
+        } else if (mvk_linear_rows(L->wo, att, t, qd, qd, h, h, hid, rowk) != 0) {
             return -1;
         }
-        if (mvk_linear(L->gate_up, h, t, hid, hid, gu, NULL, 0) != 0) return -1;
+        if (mvk_linear_rows(L->gate_up, h, t, hid, hid, gu, NULL, 0, rowk) != 0) return -1;
         if (L->geglu)
             mvk_geglu(gu, t, ffn, 2 * ffn, act);
         else if (mvk_swiglu(gu, t, ffn, 2 * ffn, act) != 0)
             return -2;
         if (L->post_ffn) {
-            if (mvk_linear(L->down, act, t, ffn, ffn, y, NULL, 0) != 0) return -1;
+            if (mvk_linear_rows(L->down, act, t, ffn, ffn, y, NULL, 0, rowk) != 0) return -1;
             rms_norm(y, t, hid, hid, L->post_ffn, d->eps, y);
             for (int64_t e = 0; e < t * hid; e++) h[e] = h[e] + y[e];
-        } else if (mvk_linear(L->down, act, t, ffn, ffn, h, h, hid) != 0) {
+        } else if (mvk_linear_rows(L->down, act, t, ffn, ffn, h, h, hid, rowk) != 0) {
             return -1;
         }
     }
     return 0;
 #else
-    (void)d; (void)layers; (void)n_layers; (void)h; (void)t; (void)pos; (void)kc; (void)vc;
-    (void)max_seq;
+    (void)d; (void)layers; (void)n_layers; (void)h; (void)t; (void)segs; (void)n_segs;
     return -2;
 #endif
+}
+
+/* One sequence: mvk_layers_batch with a single segment. */
+int mvk_layers(const mvk_dims *d, const mvk_layer *layers, int64_t n_layers, float *h,
+               int64_t t, int64_t pos, float *kc, float *vc, int64_t max_seq) {
+    const mvk_seg seg = {0, t, pos, kc, vc, max_seq};
+    return mvk_layers_batch(d, layers, n_layers, h, t, &seg, 1);
 }
