@@ -76,8 +76,14 @@ async def test_a_two_stage_run_serves_streams_cancels_and_stops_replaying_every_
     runs, state_dir, log_dir = uncached
     client = runs.client
     # Each piece of text held 20 ms: the long prompt is surely active when it is cancelled.
+    # A 2048-token context: the long prompt cannot end on a full context before its
+    # cancel arrives on a busy machine (with the default 512 it once did).
     handle = await runs.start(
-        RUN, pipeline_stages=2, default_max_tokens=8, faults={"MVP_FAULT_TEXT_DELAY_MS": "20"}
+        RUN,
+        pipeline_stages=2,
+        default_max_tokens=8,
+        max_context=2048,
+        faults={"MVP_FAULT_TEXT_DELAY_MS": "20"},
     )
     await wait_phase(handle, RunPhase.PROMPT_READY, timeout=120)
 
