@@ -132,6 +132,7 @@ def reaper_workflow_id(host: str) -> str:
 PATCH_PROMPT_STARTS_ACTIVE = "prompt-starts-active"  # DECISIONS 40
 PATCH_WATCH_ENDS_BEFORE_CLOSE = "watch-ends-before-close"  # DECISIONS 54
 PATCH_RUN_DATASTREAM = "run-datastream"  # DECISIONS 58
+PATCH_SHUTDOWN_WAITS_CLOSE = "shutdown-waits-close"  # DECISIONS 59
 
 # --------------------------------------------------------------------------- metrics
 # Our own metrics (OpenTelemetry names; a Prometheus scrape shows them with dots as

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -140,6 +140,8 @@ class RunWorkflow:
         self._leases: dict[int, asyncio.Task[None]] = {}
         self._watch: asyncio.Task[None] | None = None
         self._datastream: asyncio.Task[None] | None = None
+        self._closing = False  # torn down and every background activity ended: returns next
+        self._busy_handlers = 0  # prompt Updates and signal handlers in flight
         self._rolling_over = False
         self._ready_seen = False  # time to prompt-ready recorded
         self._background_cancelled = False
@@ -201,6 +203,7 @@ class RunWorkflow:
             )
         await asyncio.shield(asyncio.ensure_future(self._teardown()))
         await self._stop_datastream()  # after RunTornDown: it publishes it, then closes
+        self._closing = True
         outcome = state.outcome()
         if state.first_fault is not None:
             raise ApplicationError(
@@ -690,6 +693,15 @@ class RunWorkflow:
 
     @workflow.update(name=names.UPDATE_SUBMIT_PROMPT)
     async def submit_prompt(self, *args: Any) -> PromptTerminal:
+        self._busy_handlers += 1
+        try:
+            return await self._serve_prompt(args)
+        finally:
+            self._busy_handlers -= 1
+
+    async def _serve_prompt(self, args: Sequence[Any]) -> PromptTerminal:
+        """Admit the prompt, start its PromptWorkflow, activate it in its turn, and
+        return its one terminal event."""
         state = self._state
         prompt = self._prompt_of(args)
         update_id = (workflow.current_update_info() or _NoUpdate()).id
@@ -830,7 +842,12 @@ class RunWorkflow:
     @workflow.update(name=names.UPDATE_SHUTDOWN_AND_WAIT)
     async def request_shutdown_and_wait(self, *args: Any) -> RunOutcome:
         self.request_shutdown(self._shutdown_of(args))
-        await workflow.wait_condition(lambda: self._state.torn_down)
+        if workflow.patched(names.PATCH_SHUTDOWN_WAITS_CLOSE):
+            # Answered with the workflow's own completion: a caller that stops its worker
+            # next (the demo, a host) never leaves the run open on its datastream's end.
+            await workflow.wait_condition(lambda: self._closing)
+        else:
+            await workflow.wait_condition(lambda: self._state.torn_down)
         return self._state.outcome()
 
     @request_shutdown_and_wait.validator
@@ -860,6 +877,13 @@ class RunWorkflow:
         """Every signal of the run, decoded here: its payload is untrusted (the CLI, the
         Web UI, a stale node). A malformed, mismatched or unknown one is ignored, counted
         and described in ``snapshot`` and the worker log; none can fail the run."""
+        self._busy_handlers += 1
+        try:
+            await self._handle_signal(name, args)
+        finally:
+            self._busy_handlers -= 1
+
+    async def _handle_signal(self, name: str, args: Sequence[RawValue]) -> None:
         route = _SIGNALS.get(name)
         if route is None:
             self._ignore(name, "unknown signal")
@@ -970,10 +994,12 @@ class RunWorkflow:
         await self._drain_prompts()
         state.record(LifecycleKind.RUN_TORN_DOWN, state.first_stop_error or "")
         self._set_phase(RunPhase.TORN_DOWN)
+        drained: Callable[[], bool] = workflow.all_handlers_finished
+        if workflow.patched(names.PATCH_SHUTDOWN_WAITS_CLOSE):
+            # A shutdown Update waits for the run's close (DECISIONS 59): not for this.
+            drained = lambda: self._busy_handlers == 0  # noqa: E731
         try:
-            await workflow.wait_condition(
-                workflow.all_handlers_finished, timeout=HANDLERS_DRAIN.total_seconds()
-            )
+            await workflow.wait_condition(drained, timeout=HANDLERS_DRAIN.total_seconds())
         except TimeoutError:
             workflow.logger.warning("prompt handlers still open after teardown")
 

@@ -280,6 +280,7 @@ class FakeCluster:
     nodes: dict[int, FakeNode] = field(default_factory=dict)
     exits: dict[int, str] = field(default_factory=dict)  # node id -> what the watch says
     datastreams: list[int] = field(default_factory=list)  # run ids whose datastream started
+    datastreams_ended: list[int] = field(default_factory=list)  # ... and ended, when cancelled
     generating: asyncio.Event = field(default_factory=asyncio.Event)
 
     def hold(self, step: str) -> asyncio.Event:
@@ -421,9 +422,15 @@ class FakeCluster:
     async def run_datastream(self, inp: RunDatastreamInput) -> None:
         """The run's datastream, as a stand-in: heartbeats until the run cancels it."""
         self.datastreams.append(inp.run_id)
-        while True:
-            activity.heartbeat()
-            await asyncio.sleep(0.05)
+        try:
+            while True:
+                activity.heartbeat()
+                await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            # As the real one, it publishes its last records before it ends (real time).
+            await asyncio.sleep(0.3)
+            self.datastreams_ended.append(inp.run_id)
+            raise
 
     @activity.defn(name=names.ACT_CHECK_ROUTE)
     async def check_route(self, inp: CheckRouteInput) -> RouteCheck:

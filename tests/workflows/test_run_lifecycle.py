@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from temporalio.client import WorkflowUpdateFailedError
+from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
@@ -226,6 +226,23 @@ async def test_a_shutdown_while_prompt_ready_stops_every_stage_then_every_node(
     assert sorted(stops[2:]) == ["stop node 2", "stop node 3"]
     assert final.phase is RunPhase.TORN_DOWN
     assert final.token_endpoints_stopped
+
+
+async def test_shutdown_and_wait_answers_once_the_run_has_closed(
+    env: WorkflowEnvironment,
+) -> None:
+    """The Update returns with the workflow's completion, after the datastream's end: a
+    caller that stops its worker next leaves no run open."""
+    async with FakeCluster(env.client).serving() as cluster:
+        handle = await start_run(env.client, 126)
+        await wait_phase(handle, RunPhase.PROMPT_READY)
+        outcome = await handle.execute_update(
+            names.UPDATE_SHUTDOWN_AND_WAIT, RequestShutdown(), result_type=RunOutcome
+        )
+        desc = await handle.describe()
+    assert outcome.outcome is RunOutcomeKind.OPERATOR_STOPPED
+    assert desc.status is WorkflowExecutionStatus.COMPLETED
+    assert cluster.datastreams_ended == [126]
 
 
 async def test_a_prompt_is_served_to_done_and_counted(env: WorkflowEnvironment) -> None:
