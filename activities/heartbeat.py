@@ -15,6 +15,15 @@ T = TypeVar("T")
 HEARTBEAT_EVERY_S = 1.0
 
 
+async def heartbeat_for(seconds: float, details: str) -> None:
+    """Wait ``seconds`` in the activity, heartbeating (a test harness's slow step)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while loop.time() < deadline:
+        activity.heartbeat(details)
+        await asyncio.sleep(min(HEARTBEAT_EVERY_S, max(deadline - loop.time(), 0.0)))
+
+
 async def in_thread(fn: Callable[..., T], *args: object) -> T:
     """``fn(*args)`` in a worker thread; the activity heartbeats until it returns."""
     task = asyncio.ensure_future(asyncio.to_thread(fn, *args))

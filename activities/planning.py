@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 
@@ -10,7 +9,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.gguf_facts import read_model_facts
-from activities.heartbeat import HEARTBEAT_EVERY_S, in_thread
+from activities.heartbeat import heartbeat_for, in_thread
 from activities.models_store import ModelSourceError, resolve_model
 from activities.providers.base import ProviderUnavailable, harness_faults
 from activities.provisioning import ProviderActivities
@@ -84,8 +83,6 @@ async def plan_run(inp: PreparePlanInput) -> RunPlan:
 
 async def _test_delay(run_id: int) -> None:
     """Test harness only (MVP_FAULT_PLAN_DELAY_S): a slow planning, heartbeating."""
-    delay = float(harness_faults(run_id).get("MVP_FAULT_PLAN_DELAY_S", "0"))
-    deadline = asyncio.get_running_loop().time() + delay
-    while asyncio.get_running_loop().time() < deadline:
-        activity.heartbeat("test delay")
-        await asyncio.sleep(min(HEARTBEAT_EVERY_S, delay))
+    await heartbeat_for(
+        float(harness_faults(run_id).get("MVP_FAULT_PLAN_DELAY_S", "0")), "test delay"
+    )

@@ -9,8 +9,14 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities import datastream_bus
-from activities.heartbeat import in_thread
-from activities.providers.base import NodeStartFailed, Provider, ProviderUnavailable, node_text
+from activities.heartbeat import heartbeat_for, in_thread
+from activities.providers.base import (
+    NodeStartFailed,
+    Provider,
+    ProviderUnavailable,
+    harness_faults,
+    node_text,
+)
 from activities.providers.process import ProcessProvider
 from mvp_core import names
 from mvp_core.datastream import CHANNEL_PROVISIONING_EVENTS, ProvisionEventKind, provision_event
@@ -112,6 +118,10 @@ class ProviderActivities:
         h = inp.handle
         with datastream_bus.run_context(h.run_id, h.node_id, h.provider.value):
             provider = self._provider(h.provider)
+            # Test harness only (MVP_FAULT_STOP_DELAY_S): a slow stop, heartbeating.
+            delay = harness_faults(h.run_id).get("MVP_FAULT_STOP_DELAY_S")
+            if delay:
+                await heartbeat_for(float(delay), "test delay")
             return await in_thread(provider.stop, h, inp.grace_s)
 
     @activity.defn(name=names.ACT_WATCH_NODES)
