@@ -936,7 +936,7 @@ def _node_kill(stage_index: int, phase: RunPhase, run_id: int) -> CellFn:
             # The victim has reported NodeRuntimeReady: its ack may complete just before it
             # dies, and the barrier then close before the death is seen (a watch poll
             # later), so the run may name the next phase. Either way a startup fault.
-            word = (word, f"startup ({RunPhase.STAGE_PROVISIONING.value})")
+            word = (f"startup ({phase.value})", f"startup ({RunPhase.STAGE_PROVISIONING.value})")
         await judge(
             sc,
             res,
