@@ -271,6 +271,7 @@ class FakeCluster:
     silent_nodes: set[int] = field(default_factory=set)
     route_owner: str | None = None  # check_route sees this poller instead of the node
     stage_load_error: str | None = None  # provision_stage fails (StageLoadFailed)
+    stop_node_error: str | None = None  # stop_node reports the node not stopped
     generate: Generate = echo_generate
     # Steps that wait until the test releases them (plan, start_node, provision_stage).
     holds: dict[str, asyncio.Event] = field(default_factory=dict)
@@ -403,6 +404,8 @@ class FakeCluster:
         node_id = inp.handle.node_id
         self.calls.append(f"stop node {node_id}")
         node = self.nodes.get(node_id)
+        if self.stop_node_error is not None:
+            return StopNodeResult(node_id=node_id, stopped=False, error=self.stop_node_error)
         if node is not None:
             node.stopped.set()
         return StopNodeResult(node_id=node_id, stopped=True)

@@ -245,6 +245,26 @@ async def test_shutdown_and_wait_answers_once_the_run_has_closed(
     assert cluster.datastreams_ended == [126]
 
 
+async def test_a_provider_stop_that_fails_in_teardown_is_a_stop_failed_run(
+    env: WorkflowEnvironment,
+) -> None:
+    """Teardown's own fault: the operator stop completes its teardown, but a node the
+    provider could not stop makes the run RunStopFailed, naming the node (spec 10.13)."""
+    cluster = FakeCluster(env.client, stop_node_error="destroy refused")
+    async with cluster.serving():
+        handle = await start_run(env.client, 127)
+        await wait_phase(handle, RunPhase.PROMPT_READY)
+        await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown())
+        kind, message, outcome = await run_failure(handle)
+        final = await snapshot(handle)
+    assert kind == ErrorType.RUN_STOP_FAILED
+    assert "provider stop node 1: destroy refused" in message
+    assert outcome.outcome is RunOutcomeKind.OPERATOR_STOPPED
+    assert final.phase is RunPhase.TORN_DOWN
+    assert kinds(outcome)[-2:] == TEARDOWN
+    assert cluster.calls[-2:] == ["stop stage 0", "stop node 1"]
+
+
 async def test_a_prompt_is_served_to_done_and_counted(env: WorkflowEnvironment) -> None:
     async with FakeCluster(env.client).serving() as cluster:
         handle = await start_run(env.client, 122)
