@@ -5,13 +5,18 @@ bfloat16: on SmolLM2 that rounding cost most of the greedy agreement with llama.
 undoing it took three kernel calls per product (precision "exact", ~0.45x decode). This
 kernel computes what llama.cpp computes (int8 activation blocks times the file's integer
 codes, float32 scales, float32 sums) with AVX-512 VNNI, so the default path is both exact
-in that sense and faster (figures in docs/benchmarks and docs/models.md).
+in that sense and faster (figures in docs/benchmarks and docs/models.md). On a CPU without
+AVX-512 VNNI the same source builds in plain C: each sum in the same order, lane by lane,
+so the same bits, slower.
 
 It is compiled once per host and source (C compiler ``cc``/``gcc``, ``-O3 -march=native``,
 about a second) into ``~/.cache/mvp-orchestrator/kernels/`` (or ``MVP_KERNELS_DIR``), with
 an atomic rename; where no compiler works the engine falls back to torch's kernels and
 says why in the log.
-``MVP_ENGINE_KERNEL=torch`` chooses that fallback on purpose (benchmarks, comparisons).
+``MVP_ENGINE_KERNEL`` chooses: ``auto`` (the default: the native kernel where the CPU has
+AVX-512 VNNI, torch's elsewhere), ``native`` (the native kernel on any x86-64 CPU, in plain
+C where there is no AVX-512 VNNI: llama.cpp's logits, slower) or ``torch`` (benchmarks,
+comparisons).
 """
 
 from __future__ import annotations
@@ -171,12 +176,12 @@ def library() -> ctypes.CDLL | None:
         if _tried:
             return _lib
         _tried = True
-        choice = os.environ.get(ENV_CHOICE, "native")
+        choice = os.environ.get(ENV_CHOICE, "auto")
         if choice == "torch":
             _why_not = f"{ENV_CHOICE}=torch"
             return None
-        if choice != "native":
-            raise ValueError(f"{ENV_CHOICE} must be 'native' or 'torch', not {choice!r}")
+        if choice not in ("auto", "native"):
+            raise ValueError(f"{ENV_CHOICE} must be 'auto', 'native' or 'torch', not {choice!r}")
         if platform.machine() not in ("x86_64", "AMD64"):
             _why_not = f"no native kernel for {platform.machine()}"
             return None
@@ -187,10 +192,14 @@ def library() -> ctypes.CDLL | None:
             log.warning("engine: native kernel unavailable, using torch's: %s", e)
             return None
         if not lib.mvk_simd():
-            # The plain C path is exact but slower than torch's bfloat16 kernel.
-            _why_not = "this CPU has no AVX-512 VNNI"
-            log.info("engine: native kernel without AVX-512 VNNI; using torch's kernels")
-            return None
+            # The plain C build: every sum in the AVX-512 build's order, lane by lane, so
+            # the same bits (llama.cpp's logits) on any x86-64 CPU, but several times
+            # slower than torch's kernels: only when asked for (MVP_ENGINE_KERNEL=native).
+            if choice == "auto":
+                _why_not = "this CPU has no AVX-512 VNNI (MVP_ENGINE_KERNEL=native: plain C)"
+                log.info("engine: no AVX-512 VNNI; using torch's kernels")
+                return None
+            log.info("engine: native kernel in plain C (no AVX-512 VNNI): exact, slower")
         _lib = lib
         return _lib
 

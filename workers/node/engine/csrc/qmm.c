@@ -1218,7 +1218,65 @@ void mvk_rope_neox(float *x, int64_t t, int64_t heads, int64_t hd, const float *
     }
 }
 
+/* ---- 16 float lanes for attention and SwiGLU: __m512 in the AVX-512 build, an array
+ * in plain C doing the same IEEE operation lane by lane (fmaf where the vector code
+ * fuses, _mm512_reduce_add_ps's pairing tree, scalef as ldexpf), so both builds give the
+ * same bits and the plain build runs the default path on any x86-64 CPU. */
 #ifdef MVK_AVX512
+typedef __m512 v16;
+static inline v16 v_zero(void) { return _mm512_setzero_ps(); }
+static inline v16 v_set1(float x) { return _mm512_set1_ps(x); }
+static inline v16 v_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void v_store(float *p, v16 v) { _mm512_storeu_ps(p, v); }
+static inline v16 v_fmadd(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
+static inline v16 v_fnmadd(v16 a, v16 b, v16 c) { return _mm512_fnmadd_ps(a, b, c); }
+static inline v16 v_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
+static inline v16 v_sub(v16 a, v16 b) { return _mm512_sub_ps(a, b); }
+static inline v16 v_mul(v16 a, v16 b) { return _mm512_mul_ps(a, b); }
+static inline v16 v_div(v16 a, v16 b) { return _mm512_div_ps(a, b); }
+static inline float v_sum(v16 a) { return _mm512_reduce_add_ps(a); }
+/* p * 2^n for n integral; where |n| > 192, +inf (n > 0) or 0 (as ggml_v_expf) */
+static inline v16 v_scale2(v16 p, v16 n) {
+    v16 r = _mm512_scalef_ps(p, n);
+    const __mmask16 big = _mm512_cmp_ps_mask(_mm512_abs_ps(n), _mm512_set1_ps(192), _CMP_GT_OQ);
+    if (big) {
+        const __mmask16 neg = _mm512_cmp_ps_mask(n, _mm512_setzero_ps(), _CMP_LE_OQ);
+        const __m512 alt = _mm512_mask_blend_ps(neg, _mm512_set1_ps(INFINITY), _mm512_setzero_ps());
+        r = _mm512_mask_blend_ps(big, r, alt);
+    }
+    return r;
+}
+#else
+typedef struct {
+    float f[16];
+} v16;
+#define V_EACH(expr)                              \
+    v16 r;                                        \
+    for (int l = 0; l < 16; l++) r.f[l] = (expr); \
+    return r
+static inline v16 v_zero(void) { V_EACH(0.0f); }
+static inline v16 v_set1(float x) { V_EACH(x); }
+static inline v16 v_load(const float *p) { V_EACH(p[l]); }
+static inline void v_store(float *p, v16 v) { memcpy(p, v.f, sizeof v.f); }
+static inline v16 v_fmadd(v16 a, v16 b, v16 c) { V_EACH(fmaf(a.f[l], b.f[l], c.f[l])); }
+static inline v16 v_fnmadd(v16 a, v16 b, v16 c) { V_EACH(fmaf(-a.f[l], b.f[l], c.f[l])); }
+static inline v16 v_add(v16 a, v16 b) { V_EACH(a.f[l] + b.f[l]); }
+static inline v16 v_sub(v16 a, v16 b) { V_EACH(a.f[l] - b.f[l]); }
+static inline v16 v_mul(v16 a, v16 b) { V_EACH(a.f[l] * b.f[l]); }
+static inline v16 v_div(v16 a, v16 b) { V_EACH(a.f[l] / b.f[l]); }
+static inline v16 v_scale2(v16 p, v16 n) {
+    V_EACH(fabsf(n.f[l]) > 192.0f ? (n.f[l] <= 0.0f ? 0.0f : INFINITY)
+                                  : ldexpf(p.f[l], (int)n.f[l]));
+}
+#undef V_EACH
+static inline float v_sum(v16 a) { /* _mm512_reduce_add_ps: halves, quarters, pairs */
+    float t3[8], t6[4];
+    for (int i = 0; i < 8; i++) t3[i] = a.f[8 + i] + a.f[i];
+    for (int i = 0; i < 4; i++) t6[i] = t3[4 + i] + t3[i];
+    return (t6[0] + t6[2]) + (t6[1] + t6[3]);
+}
+#endif
+
 /* ---- attention, as ggml's CPU backend computes it without flash attention -------------
  * kq = k . q with q rounded to float16 (the cache holds float16 values), softmax over the
  * row with masked entries at -inf, the weights rounded to float16, kqv = v . weights.
@@ -1227,23 +1285,20 @@ void mvk_rope_neox(float *x, int64_t t, int64_t heads, int64_t hd, const float *
  * 16-lane accumulator per output). exp is the same polynomial as ggml_v_expf (AVX-512),
  * written out here; the softmax sums 16-element partial sums in double as ggml does. */
 static inline float dot64(const float *x, const float *y, int64_t n) {
-    __m512 s[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                   _mm512_setzero_ps()};
+    v16 s[4] = {v_zero(), v_zero(), v_zero(), v_zero()};
     for (int64_t i = 0; i < n; i += 64)
         for (int j = 0; j < 4; j++)
-            s[j] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16 * j), _mm512_loadu_ps(y + i + 16 * j),
-                                   s[j]);
-    s[0] = _mm512_add_ps(s[0], s[2]);
-    s[1] = _mm512_add_ps(s[1], s[3]);
-    s[0] = _mm512_add_ps(s[0], s[1]);
-    return _mm512_reduce_add_ps(s[0]);
+            s[j] = v_fmadd(v_load(x + i + 16 * j), v_load(y + i + 16 * j), s[j]);
+    s[0] = v_add(s[0], s[2]);
+    s[1] = v_add(s[1], s[3]);
+    s[0] = v_add(s[0], s[1]);
+    return v_sum(s[0]);
 }
 
 static inline float dot16(const float *x, const float *y, int64_t n) {
-    __m512 s = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16)
-        s = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i), s);
-    return _mm512_reduce_add_ps(s);
+    v16 s = v_zero();
+    for (int64_t i = 0; i < n; i += 16) s = v_fmadd(v_load(x + i), v_load(y + i), s);
+    return v_sum(s);
 }
 
 /* o[d] = dot64(v[.][d], w) for every d at once: v rows [n][hd] as the cache holds them,
@@ -1255,46 +1310,37 @@ static void kqv_dot64(const float *v, const float *w, int64_t n, int64_t hd, flo
     const int64_t used = n < 64 ? n : 64; /* slots past n stay zero: not stored */
     memset(part, 0, sizeof(float) * (size_t)(used * hd));
     for (int64_t s = 0; s < n; s++) {
-        const __m512 ws = _mm512_set1_ps(w[s]);
+        const v16 ws = v_set1(w[s]);
         float *p = part + (s % 64) * hd;
         const float *vr = v + s * hd;
         for (int64_t d = 0; d < hd; d += 16)
-            _mm512_storeu_ps(p + d, _mm512_fmadd_ps(_mm512_loadu_ps(vr + d), ws, _mm512_loadu_ps(p + d)));
+            v_store(p + d, v_fmadd(v_load(vr + d), ws, v_load(p + d)));
     }
-#define P(slot) ((slot) < used ? _mm512_loadu_ps(part + (slot) * hd + d) : _mm512_setzero_ps())
+#define P(slot) ((slot) < used ? v_load(part + (slot) * hd + d) : v_zero())
     for (int64_t d = 0; d < hd; d += 16) {
-        __m512 x[16];
+        v16 x[16];
         for (int l = 0; l < 16; l++) /* accumulators j = 0..3 hold slots 16j + l */
-            x[l] = _mm512_add_ps(_mm512_add_ps(P(l), P(32 + l)), _mm512_add_ps(P(16 + l), P(48 + l)));
-        __m512 t3[8], t6[4];
-        for (int i = 0; i < 8; i++) t3[i] = _mm512_add_ps(x[8 + i], x[i]);
-        for (int i = 0; i < 4; i++) t6[i] = _mm512_add_ps(t3[4 + i], t3[i]);
-        __m512 r = _mm512_add_ps(_mm512_add_ps(t6[0], t6[2]), _mm512_add_ps(t6[1], t6[3]));
-        _mm512_storeu_ps(o + d, r);
+            x[l] = v_add(v_add(P(l), P(32 + l)), v_add(P(16 + l), P(48 + l)));
+        v16 t3[8], t6[4];
+        for (int i = 0; i < 8; i++) t3[i] = v_add(x[8 + i], x[i]);
+        for (int i = 0; i < 4; i++) t6[i] = v_add(t3[4 + i], t3[i]);
+        v_store(o + d, v_add(v_add(t6[0], t6[2]), v_add(t6[1], t6[3])));
     }
 #undef P
 }
 
 /* exp(x): x = n ln2 + b (n rounded, ln2 in two parts), 2^n * p(b), p of degree 5. */
-static inline __m512 exp16(__m512 x) {
-    const __m512 shift = _mm512_set1_ps(0x1.8p23f);
-    const __m512 z = _mm512_fmadd_ps(x, _mm512_set1_ps(0x1.715476p+0f), shift);
-    const __m512 n = _mm512_sub_ps(z, shift);
-    const __m512 b = _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.7f7d1cp-20f),
-                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.62e4p-1f), x));
-    const __m512 b2 = _mm512_mul_ps(b, b);
-    const __m512 hi = _mm512_fmadd_ps(_mm512_set1_ps(0x1.0e4020p-7f), b, _mm512_set1_ps(0x1.573e2ep-5f));
-    const __m512 mid = _mm512_fmadd_ps(_mm512_set1_ps(0x1.555e66p-3f), b, _mm512_set1_ps(0x1.fffdb6p-2f));
-    const __m512 lo = _mm512_fmadd_ps(_mm512_set1_ps(0x1.ffffecp-1f), b, _mm512_set1_ps(1.0f));
-    const __m512 p = _mm512_fmadd_ps(_mm512_fmadd_ps(hi, b2, mid), b2, lo);
-    __m512 r = _mm512_scalef_ps(p, n);
-    const __mmask16 big = _mm512_cmp_ps_mask(_mm512_abs_ps(n), _mm512_set1_ps(192), _CMP_GT_OQ);
-    if (big) {
-        const __mmask16 neg = _mm512_cmp_ps_mask(n, _mm512_setzero_ps(), _CMP_LE_OQ);
-        const __m512 alt = _mm512_mask_blend_ps(neg, _mm512_set1_ps(INFINITY), _mm512_setzero_ps());
-        r = _mm512_mask_blend_ps(big, r, alt);
-    }
-    return r;
+static inline v16 exp16(v16 x) {
+    const v16 shift = v_set1(0x1.8p23f);
+    const v16 z = v_fmadd(x, v_set1(0x1.715476p+0f), shift);
+    const v16 n = v_sub(z, shift);
+    const v16 b = v_fnmadd(n, v_set1(0x1.7f7d1cp-20f), v_fnmadd(n, v_set1(0x1.62e4p-1f), x));
+    const v16 b2 = v_mul(b, b);
+    const v16 hi = v_fmadd(v_set1(0x1.0e4020p-7f), b, v_set1(0x1.573e2ep-5f));
+    const v16 mid = v_fmadd(v_set1(0x1.555e66p-3f), b, v_set1(0x1.fffdb6p-2f));
+    const v16 lo = v_fmadd(v_set1(0x1.ffffecp-1f), b, v_set1(1.0f));
+    const v16 p = v_fmadd(v_fmadd(hi, b2, mid), b2, lo);
+    return v_scale2(p, n);
 }
 
 /* q [t][nh][hd] (rounded to float16 here), k/v caches [kv_heads][max_seq][hd] holding
@@ -1331,9 +1377,9 @@ static void attn_rows(const attn_ctx *c, int64_t g, int64_t r, float *row, float
         for (int64_t s = 0; s < npad; s++) mx = row[s] > mx ? row[s] : mx;
         double sum = 0.0;
         for (int64_t s = 0; s < npad; s += 16) {
-            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + s), _mm512_set1_ps(mx)));
-            _mm512_storeu_ps(w + s, e);
-            sum += (double)_mm512_reduce_add_ps(e);
+            v16 e = exp16(v_sub(v_load(row + s), v_set1(mx)));
+            v_store(w + s, e);
+            sum += (double)v_sum(e);
         }
         const float inv = (float)(1.0 / sum);
         for (int64_t s = 0; s < npad; s++) w[s] = (float)(_Float16)(w[s] * inv);
@@ -1398,32 +1444,18 @@ int mvk_attention(const float *q, int64_t t, int64_t nh, int64_t hd, const float
  * time (n a multiple of 16; rows of gate | up, each `ld` wide, the halves n wide). */
 int mvk_swiglu(const float *gu, int64_t t, int64_t n, int64_t ld, float *out) {
     if (n % 16) return -1;
-    const __m512 one = _mm512_set1_ps(1.0f);
+    const v16 one = v_set1(1.0f);
     for (int64_t r = 0; r < t; r++) {
         const float *x = gu + r * ld, *g = x + n;
         for (int64_t i = 0; i < n; i += 16) {
-            __m512 v = _mm512_loadu_ps(x + i);
-            __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), v));
-            __m512 silu = _mm512_div_ps(v, _mm512_add_ps(one, e));
-            _mm512_storeu_ps(out + r * n + i, _mm512_mul_ps(silu, _mm512_loadu_ps(g + i)));
+            v16 v = v_load(x + i);
+            v16 e = exp16(v_sub(v_zero(), v));
+            v16 silu = v_div(v, v_add(one, e));
+            v_store(out + r * n + i, v_mul(silu, v_load(g + i)));
         }
     }
     return 0;
 }
-#else
-int mvk_swiglu(const float *gu, int64_t t, int64_t n, int64_t ld, float *out) {
-    (void)gu; (void)t; (void)n; (void)ld; (void)out;
-    return -2;
-}
-int mvk_attention(const float *q, int64_t t, int64_t nh, int64_t hd, const float *kc,
-                  const float *vc, int64_t kv_heads, int64_t max_seq, int64_t pos,
-                  int64_t window, float scale, float *out, float *scratch) {
-    (void)q; (void)t; (void)nh; (void)hd; (void)kc; (void)vc; (void)kv_heads; (void)max_seq;
-    (void)pos; (void)window; (void)scale; (void)out; (void)scratch;
-    return -2; /* only the AVX-512 build has it */
-}
-#endif
-
 /* As mvk_rope_neox, for adjacent pairs (2i, 2i + 1): ggml's "normal" rope (llama). */
 void mvk_rope_norm(float *x, int64_t t, int64_t heads, int64_t hd, const float *cs,
                    const float *sn) {
@@ -1541,7 +1573,6 @@ typedef struct {
     int64_t max_seq;
 } mvk_seg;
 
-#ifdef MVK_AVX512
 static __thread float *t_lbuf;
 static __thread size_t t_lcap;
 
@@ -1568,7 +1599,6 @@ static void attn_decode_task(const void *ctx, int64_t i) {
     float *row = t_dbuf, *w = row + b->npad_max, *qh = w + b->npad_max, *part = qh + c->hd;
     attn_rows(c, i % b->nkv, 0, row, w, qh, part);
 }
-#endif
 
 /* The layers over a batch of sequences' rows (segs, in row order, covering h's t rows):
  * every product over all rows at once, each row with its own sequence's row kind
@@ -1579,7 +1609,6 @@ static void attn_decode_task(const void *ctx, int64_t i) {
  * built for this CPU). */
 int mvk_layers_batch(const mvk_dims *d, const mvk_layer *layers, int64_t n_layers, float *h,
                      int64_t t, const mvk_seg *segs, int64_t n_segs) {
-#ifdef MVK_AVX512
     const int64_t hd = d->hd, nh = d->nh, nkv = d->nkv, hid = d->hidden, ffn = d->ffn;
     const int64_t qd = nh * hd, kvd = nkv * hd, ld = qd + 2 * kvd;
     int64_t npad_max = 64, n_dec = 0;
@@ -1677,10 +1706,6 @@ int mvk_layers_batch(const mvk_dims *d, const mvk_layer *layers, int64_t n_layer
         }
     }
     return 0;
-#else
-    (void)d; (void)layers; (void)n_layers; (void)h; (void)t; (void)segs; (void)n_segs;
-    return -2;
-#endif
 }
 
 /* One sequence: mvk_layers_batch with a single segment. */
