@@ -404,7 +404,9 @@ async def test_chat_max_tokens_0_is_until_the_end_not_the_runs_default(runs: Run
     out, err = await asyncio.to_thread(proc.communicate, b"What is 2 + 2?\n", 120)
     assert proc.returncode == 0, err
     text = out.decode()
-    assert "The answer is 4." in text and "stopped by eos" in text, text  # not 2 tokens
+    # The reply's words depend on the kernel (llama.cpp's arithmetic where the CPU has
+    # AVX-512 VNNI, torch's elsewhere); its end does not: the end token, not 2 tokens.
+    assert re.search(r"\b4\b", text) and "stopped by eos" in text, text
     await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=run_id))
     await wait_closed(handle)
 

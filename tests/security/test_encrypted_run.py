@@ -170,6 +170,7 @@ async def test_prompt_and_completion_are_encrypted_at_rest(tmp_path: Path):
                             names.PATCH_PROMPT_STARTS_ACTIVE,
                             names.PATCH_WATCH_ENDS_BEFORE_CLOSE,
                             names.PATCH_RUN_DATASTREAM,
+                            names.PATCH_SHUTDOWN_WAITS_CLOSE,
                         )
                     ]
                     continue

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
-from workers.node.engine import EngineOptions, Stage, load_stage
+from workers.node.engine import EngineOptions, Stage, load_stage, native
 
 SMOLLM = Path(
     os.environ.get(
@@ -25,6 +27,38 @@ ONCE_CONTINUATION = [
     14055, 9018, 30, 1249, 347, 260, 929, 3514, 411, 28, 260, 2240, 2585, 288, 5946, 624, 2798,
 ]  # fmt: skip
 THREADS = 1  # robust on a shared box: OpenMP barriers stall when cores are contended
+
+
+@contextlib.contextmanager
+def native_kernel() -> Iterator[None]:
+    """The engine's own kernel for what runs inside, on any x86-64 CPU: where there is no
+    AVX-512 VNNI, its plain C build (MVP_ENGINE_KERNEL=native: the same bits, slower)
+    instead of the default's torch kernels. llama.cpp's logits are the kernel's property,
+    so they are checked on every CPU. The choice is process-wide: a stage loaded inside
+    must be used and closed inside."""
+    before, threads = os.environ.get(native.ENV_CHOICE), torch.get_num_threads()
+    os.environ[native.ENV_CHOICE] = "native"
+    native.forget()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(native.ENV_CHOICE, None)
+        else:
+            os.environ[native.ENV_CHOICE] = before
+        native.forget()
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def native_stage(path: str, n_layers: int, threads: int = THREADS) -> Iterator[Stage]:
+    """A whole-model stage on the default path with the engine's own kernel (see above)."""
+    with native_kernel():
+        stage = load_stage(path, 0, n_layers, EngineOptions(device="cpu", threads=threads))
+        try:
+            yield stage
+        finally:
+            stage.close()
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ import torch
 from scripts.reference.fidelity import common_prefix
 from workers.node.engine import SamplingParams, Stage, generate
 
+from .conftest import native_stage
 from .llamacpp_facts import logit_mismatches
 
 DATA = Path(__file__).parent / "data" / "hf_reference.json"
@@ -82,7 +83,7 @@ def _agreement(stage: Stage) -> list[tuple[str, int, int]]:
     return rows
 
 
-def test_default_path_reproduces_llamacpps_greedy_text(smollm_default: Stage) -> None:
+def test_default_path_reproduces_llamacpps_greedy_text(smollm_path: str) -> None:
     """Issue 13's bar, on the default path (the engine's own kernel, native.py, in
     llama.cpp's float order: DECISIONS 44): on llama.cpp's greedy reference continuations
     (16 prompts x 32 tokens of prose, facts, code and lists) it keeps every token, where HF
@@ -90,17 +91,19 @@ def test_default_path_reproduces_llamacpps_greedy_text(smollm_default: Stage) ->
     order kept 400; torch's bfloat16 int4 kernel 334."""
     from workers.node.engine.kernels import NativeLinear
 
-    assert isinstance(smollm_default.model.layers[0].qkv, NativeLinear)
-    rows = _agreement(smollm_default)
+    with native_stage(smollm_path, 30) as stage:
+        assert isinstance(stage.model.layers[0].qkv, NativeLinear)
+        rows = _agreement(stage)
     assert [r for r in rows if r[1] < 32] == []
     assert sum(o for _, o, _ in rows) > sum(h for _, _, h in rows)
 
 
-def test_default_path_computes_llamacpps_logits(smollm_default: Stage) -> None:
+def test_default_path_computes_llamacpps_logits(smollm_path: str) -> None:
     """Fed llama.cpp's tokens, every step's top logits equal llama.cpp's recorded ones (to
     their 5 decimals) and its choice is llama.cpp's."""
     llama = json.loads(LLAMA.read_text())["generations"]
-    differ = {g["prompt"]: logit_mismatches(smollm_default, g) for g in llama}
+    with native_stage(smollm_path, 30) as stage:
+        differ = {g["prompt"]: logit_mismatches(stage, g) for g in llama}
     assert {p: d for p, d in differ.items() if d} == {}
 
 

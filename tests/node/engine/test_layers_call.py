@@ -10,6 +10,8 @@ import torch
 from activities.models_store import DEFAULT_BUNDLED, GEMMA3_BUNDLED, fetch_bundled
 from workers.node.engine import EngineOptions, load_stage, native, read_model_facts
 
+from .conftest import native_kernel
+
 PROMPT = [2, 504, 3458, 282, 260, 1345, 28, 2021, 314, 16, 17, 18, 715, 1099, 30, 60, 1, 5]
 
 
@@ -24,6 +26,11 @@ def _greedy_logits(stage, n_decode: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("bundled", [DEFAULT_BUNDLED, GEMMA3_BUNDLED], ids=["smollm2", "gemma3"])
 def test_one_call_layers_are_the_per_op_forward(bundled) -> None:
+    with native_kernel():
+        _one_call_is_the_per_op_forward(bundled)
+
+
+def _one_call_is_the_per_op_forward(bundled: str) -> None:
     if native.library() is None:
         pytest.fail(f"the native kernel did not build here: {native.why_not()}")
     path = str(fetch_bundled(bundled))

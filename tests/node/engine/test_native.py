@@ -11,6 +11,7 @@ build (no AVX-512) must agree with the vectorised one.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,8 @@ import torch
 from workers.node.engine import native
 from workers.node.engine.kernels import NativeLinear, NativePart, native_layout
 from workers.node.engine.quants import KScales
+
+from .conftest import native_kernel
 
 CASES = [
     # rows, K, code bits, group width, zero code (None: mins), activation mode, f16 scales
@@ -33,8 +36,15 @@ CASES = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _native_kernel() -> Iterator[None]:
+    """The kernel's own tests run it on any x86-64 CPU (plain C without AVX-512 VNNI)."""
+    with native_kernel():
+        yield
+
+
 @pytest.fixture(scope="module")
-def lib() -> ctypes.CDLL:
+def lib(_native_kernel: None) -> ctypes.CDLL:
     got = native.library()
     assert got is not None, f"the native kernel did not build here: {native.why_not()}"
     return got
