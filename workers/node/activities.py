@@ -159,22 +159,29 @@ class NodeActivities:
         """Membership: runs for the life of the run, heartbeating; its loss is a fault."""
         cfg = self.cfg
         self._check(inp.run_id, inp.readiness_id)
-        if not FaultInjection.from_env().no_lease_report:
-            await self._run().signal(
-                names.SIGNAL_LEASE_STARTED,
-                LeaseStarted(
-                    run_id=cfg.run_id,
-                    node_id=cfg.node_id,
-                    readiness_id=cfg.readiness_id,
-                    worker_identity=cfg.identity,
-                ),
-            )
+        faults = FaultInjection.from_env()
+        report_at = time.monotonic() + faults.lease_report_delay_s
+        reported = faults.no_lease_report
         self.leases_running += 1
         try:
             while True:
+                if not reported and time.monotonic() >= report_at:
+                    await self._run().signal(
+                        names.SIGNAL_LEASE_STARTED,
+                        LeaseStarted(
+                            run_id=cfg.run_id,
+                            node_id=cfg.node_id,
+                            readiness_id=cfg.readiness_id,
+                            worker_identity=cfg.identity,
+                        ),
+                    )
+                    reported = True
                 activity.heartbeat()
                 self.last_lease_beat = time.monotonic()
-                await asyncio.sleep(inp.heartbeat_every_s)
+                wait = inp.heartbeat_every_s
+                if not reported:
+                    wait = min(wait, max(report_at - time.monotonic(), 0.01))
+                await asyncio.sleep(wait)
         except asyncio.CancelledError:
             return
         finally:

@@ -62,6 +62,9 @@ class FaultInjection:
     exit_before_ready: bool = False
     mute: bool = False
     no_lease_report: bool = False
+    # Membership that comes late: the lease holds its LeaseStarted this long (heartbeating),
+    # so a run stays in readiness while a test acts there.
+    lease_report_delay_s: float = 0.0
     report_identity: str | None = None
     skew_token_out_sequence: bool = False
     text_delay_s: float = 0.0  # a slow node: each piece of text is held this long
@@ -81,6 +84,7 @@ class FaultInjection:
             exit_before_ready=env.get("MVP_FAULT_EXIT_BEFORE_READY") == "1",
             mute=env.get("MVP_FAULT_MUTE") == "1",
             no_lease_report=env.get("MVP_FAULT_NO_LEASE_REPORT") == "1",
+            lease_report_delay_s=float(env.get("MVP_FAULT_LEASE_REPORT_DELAY_S", "0")),
             report_identity=env.get("MVP_FAULT_REPORT_IDENTITY") or None,
             skew_token_out_sequence=env.get("MVP_FAULT_SKEW_OUT_SEQUENCE") == "1",
             text_delay_s=float(env.get("MVP_FAULT_TEXT_DELAY_MS", "0")) / 1000.0,
