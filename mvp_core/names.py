@@ -133,6 +133,7 @@ PATCH_PROMPT_STARTS_ACTIVE = "prompt-starts-active"  # DECISIONS 40
 PATCH_WATCH_ENDS_BEFORE_CLOSE = "watch-ends-before-close"  # DECISIONS 54
 PATCH_RUN_DATASTREAM = "run-datastream"  # DECISIONS 58
 PATCH_SHUTDOWN_WAITS_CLOSE = "shutdown-waits-close"  # DECISIONS 59
+PATCH_CANCEL_BEFORE_CHILD_START = "cancel-before-child-start"  # DECISIONS 61
 
 # --------------------------------------------------------------------------- metrics
 # Our own metrics (OpenTelemetry names; a Prometheus scrape shows them with dots as

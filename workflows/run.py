@@ -142,6 +142,8 @@ class RunWorkflow:
         self._datastream: asyncio.Task[None] | None = None
         self._closing = False  # torn down and every background activity ended: returns next
         self._busy_handlers = 0  # prompt Updates and signal handlers in flight
+        self._started_children: set[str] = set()  # prompt workflows started (this run)
+        self._early_cancels: dict[str, str] = {}  # cancels that came before their start
         self._rolling_over = False
         self._ready_seen = False  # time to prompt-ready recorded
         self._background_cancelled = False
@@ -748,7 +750,11 @@ class RunWorkflow:
             ),
         )
         self._children[wf_id] = child
+        self._started_children.add(wf_id)
         self._show()
+        early = self._early_cancels.pop(wf_id, None)
+        if early is not None:
+            await self._cancel_child(wf_id, early)
         await workflow.wait_condition(lambda: record.active or child.done() or state.stopping)
         if record.active and not child.done() and not start_active:
             await child.signal(names.SIGNAL_PROMPT_ACTIVATE)
@@ -822,6 +828,15 @@ class RunWorkflow:
 
     async def _cancel_child(self, wf_id: str, reason: str) -> None:
         child = self._children.get(wf_id)
+        if (
+            child is None
+            and wf_id not in self._started_children
+            and workflow.patched(names.PATCH_CANCEL_BEFORE_CHILD_START)
+        ):
+            # Admitted (maybe active already) but its PromptWorkflow not started yet: the
+            # cancel is sent once it has started (_serve_prompt), not lost.
+            self._early_cancels.setdefault(wf_id, reason)
+            return
         if child is None or child.done():
             return
         try:
