@@ -99,7 +99,13 @@ class ProviderActivities:
         with datastream_bus.run_context(spec.run_id, spec.node_id, spec.provider.value):
             try:
                 provider = self._provider(spec.provider)
-                return await in_thread(provider.start, spec)
+                handle = await in_thread(provider.start, spec)
+                # Test harness only (MVP_FAULT_START_DELAY_S): the node launched, its start
+                # still in flight this long (heartbeating).
+                delay = harness_faults(spec.run_id).get("MVP_FAULT_START_DELAY_S")
+                if delay:
+                    await heartbeat_for(float(delay), "test delay")
+                return handle
             except (NodeStartFailed, ProviderUnavailable) as err:
                 # A start's error may quote a node's host (an SSH error, a bootstrap's output).
                 _start_failed(spec, node_text(str(err)))

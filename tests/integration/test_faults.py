@@ -138,8 +138,10 @@ async def test_shutdown_during_a_slow_planning_takes_effect_at_once(runs: Runs):
 
 async def test_a_run_cancelled_while_nodes_start_leaves_no_node(runs: Runs, state_dir):
     """`temporal workflow cancel` in provisioning: a start in flight is finished, not
-    abandoned, so teardown knows and stops every node it launched."""
-    handle = await runs.start(507, pipeline_stages=3)
+    abandoned, so teardown knows and stops every node it launched. Each start stays in
+    flight 5 s after its node launched (test-only MVP_FAULT_START_DELAY_S), so the cancel
+    lands in provisioning however slowly the snapshot is polled."""
+    handle = await runs.start(507, pipeline_stages=3, faults={"MVP_FAULT_START_DELAY_S": "5"})
     deadline = time.monotonic() + 60
     while (await snapshot(handle)).phase != RunPhase.PROVISIONING:
         assert time.monotonic() < deadline
