@@ -27,6 +27,9 @@ ONCE_CONTINUATION = [
     14055, 9018, 30, 1249, 347, 260, 929, 3514, 411, 28, 260, 2240, 2585, 288, 5946, 624, 2798,
 ]  # fmt: skip
 THREADS = 1  # robust on a shared box: OpenMP barriers stall when cores are contended
+# A test of llama.cpp's logits over 16 prompts x 32 steps: ~20 s on the AVX-512 kernel,
+# 5-10 minutes in its plain C build (a CPU without AVX-512 VNNI, on a busy machine).
+PLAIN_C_TIMEOUT_S = 1500
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ import torch
 from activities.models_store import BUNDLED, GEMMA3_BUNDLED, fetch_bundled
 from mvp_core.models import ActivationDtype
 from mvp_core.planner import stage_layer_ranges
-from tests.node.engine.conftest import THREADS, native_stage
+from tests.node.engine.conftest import PLAIN_C_TIMEOUT_S, THREADS, native_stage
 from tests.node.test_pipeline import pipeline, reference
 from workers.node.engine import (
     EngineOptions,
@@ -132,6 +132,7 @@ def test_reference_prompts_tokenize_like_llamacpp(tok: Tokenizer) -> None:
 # ---- the forward pass vs llama.cpp ------------------------------------------------------
 
 
+@pytest.mark.timeout(PLAIN_C_TIMEOUT_S)
 def test_compact_path_computes_llamacpps_logits(gemma_path: str) -> None:
     """Issue 13's fidelity bar, and more: the default path sums in llama.cpp's own float
     order (DECISIONS 44), so fed llama.cpp's tokens it chooses llama.cpp's token at every
@@ -145,6 +146,7 @@ def test_compact_path_computes_llamacpps_logits(gemma_path: str) -> None:
     assert {p: d for p, d in differ.items() if d} == {}
 
 
+@pytest.mark.timeout(PLAIN_C_TIMEOUT_S)
 def test_compact_path_greedy_text_equals_llamacpp(gemma_path: str, tok: Tokenizer) -> None:
     """Through generate() and the detokenizer, all 32 tokens (the per-step test covers
     every prompt)."""

@@ -13,7 +13,7 @@ import torch
 from scripts.reference.fidelity import common_prefix
 from workers.node.engine import SamplingParams, Stage, generate
 
-from .conftest import native_stage
+from .conftest import PLAIN_C_TIMEOUT_S, native_stage
 from .llamacpp_facts import logit_mismatches
 
 DATA = Path(__file__).parent / "data" / "hf_reference.json"
@@ -83,6 +83,7 @@ def _agreement(stage: Stage) -> list[tuple[str, int, int]]:
     return rows
 
 
+@pytest.mark.timeout(PLAIN_C_TIMEOUT_S)
 def test_default_path_reproduces_llamacpps_greedy_text(smollm_path: str) -> None:
     """Issue 13's bar, on the default path (the engine's own kernel, native.py, in
     llama.cpp's float order: DECISIONS 44): on llama.cpp's greedy reference continuations
@@ -98,6 +99,7 @@ def test_default_path_reproduces_llamacpps_greedy_text(smollm_path: str) -> None
     assert sum(o for _, o, _ in rows) > sum(h for _, _, h in rows)
 
 
+@pytest.mark.timeout(PLAIN_C_TIMEOUT_S)
 def test_default_path_computes_llamacpps_logits(smollm_path: str) -> None:
     """Fed llama.cpp's tokens, every step's top logits equal llama.cpp's recorded ones (to
     their 5 decimals) and its choice is llama.cpp's."""
