@@ -350,6 +350,15 @@ class RunRequest(_Model):
     default_max_tokens: int | None = Field(default=None, ge=0)
     max_context: int | None = Field(default=None, ge=1)
     prompt_queue_capacity: int = Field(default=8)
+    max_active_prompts: int = Field(
+        default=1,
+        description=(
+            "How many prompts generate at once (DECISIONS 62): 1 is the specs' one active "
+            "prompt; more run side by side on the head node, each with its own KV cache "
+            "slot, every step one forward over all of them. The queue behind them holds "
+            "prompt_queue_capacity - 1 more"
+        ),
+    )
     stream_batch_ms: int = Field(
         default=100,
         ge=25,
@@ -672,6 +681,9 @@ class StageProvision(_Model):
     model_path: str
     tokenizer_path: str
     max_seq_len: int
+    max_active_prompts: int = Field(
+        default=1, ge=1, description="Sequences the stage holds at once (KV cache slots)"
+    )
     rings: list[RingSpec] = Field(default_factory=list)
     readiness_id: str
     engine: EngineSettings = Field(default_factory=EngineSettings)

@@ -135,6 +135,12 @@ class PromptRecord(BaseModel):
     active: bool = False
 
 
+def prompt_limit(queue_capacity: int, max_active: int) -> int:
+    """Prompts a run holds at once (DECISIONS 62): its active ones and the queue behind
+    them, which holds ``queue_capacity - 1`` (with one active prompt: the capacity)."""
+    return queue_capacity + max_active - 1
+
+
 class RunState(BaseModel):
     run_id: int
     nonce: str
@@ -143,7 +149,10 @@ class RunState(BaseModel):
     plan: RunPlan | None = None
     provider_queue: str | None = None
     nodes: list[NodeState] = Field(default_factory=list)
+    # The prompts generating now, in activation order: ``active`` the earliest, then
+    # ``also_active`` (only a run with max_active_prompts > 1 has any: DECISIONS 62).
     active: PromptRecord | None = None
+    also_active: list[PromptRecord] = Field(default_factory=list)
     pending: list[PromptRecord] = Field(default_factory=list)
     lifecycle: list[LifecycleReport] = Field(default_factory=list)
     # Reports ever recorded (``lifecycle`` keeps only the latest prompt reports): an
@@ -487,12 +496,14 @@ class RunState(BaseModel):
         return None
 
     def prompts_in_flight(self) -> int:
-        return len(self.pending) + (1 if self.active is not None else 0)
+        return len(self.pending) + len(self.actives())
+
+    def actives(self) -> list[PromptRecord]:
+        """The prompts generating now, the earliest activated first."""
+        return ([self.active] if self.active is not None else []) + self.also_active
 
     def prompt(self, request_id: int) -> PromptRecord | None:
-        if self.active is not None and self.active.request_id == request_id:
-            return self.active
-        for p in self.pending:
+        for p in (*self.actives(), *self.pending):
             if p.request_id == request_id:
                 return p
         return None
@@ -503,15 +514,26 @@ class RunState(BaseModel):
         self.record(LifecycleKind.PROMPT_ACCEPTED, workflow_id, request_id)
         return record
 
-    def activate_next(self) -> PromptRecord | None:
-        """One active prompt at a time, FIFO; only while prompt-ready."""
-        if self.active is not None or not self.pending or self.stopping or self.suspected_fault:
-            return None
-        if self.phase is not RunPhase.PROMPT_READY and self.phase is not RunPhase.ROLLING_OVER:
+    def may_activate(self, max_active: int = 1) -> bool:
+        """A pending prompt may start generating now: a slot is free, the run is
+        prompt-ready (or rolling over) and not stopping or suspecting a fault."""
+        if len(self.actives()) >= max_active or not self.pending:
+            return False
+        if self.stopping or self.suspected_fault:
+            return False
+        return self.phase in (RunPhase.PROMPT_READY, RunPhase.ROLLING_OVER)
+
+    def activate_next(self, max_active: int = 1) -> PromptRecord | None:
+        """Up to ``max_active`` prompts generate at once, started FIFO; only while
+        prompt-ready."""
+        if not self.may_activate(max_active):
             return None
         record = self.pending.pop(0)
         record.active = True
-        self.active = record
+        if self.active is None:
+            self.active = record
+        else:
+            self.also_active.append(record)
         return record
 
     def remove_pending(self, request_id: int) -> PromptRecord | None:
@@ -523,7 +545,10 @@ class RunState(BaseModel):
     def finish_prompt(self, workflow_id: str, ok: bool, detail: str, request_id: int) -> None:
         """Clear the prompt's state after its one terminal event."""
         if self.active is not None and self.active.workflow_id == workflow_id:
-            self.active = None
+            # The next earliest takes its place (a snapshot's ``active`` is the oldest).
+            self.active = self.also_active.pop(0) if self.also_active else None
+        elif any(p.workflow_id == workflow_id for p in self.also_active):
+            self.also_active = [p for p in self.also_active if p.workflow_id != workflow_id]
         else:
             self.pending = [p for p in self.pending if p.workflow_id != workflow_id]
         if ok:

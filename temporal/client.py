@@ -453,9 +453,9 @@ class RunHandle:
         be used again once its prompt ended)."""
         state = await self.try_snapshot()  # None: a closed run, its prompts are in visibility
         if state is not None:
-            for record in [state.active, *state.pending]:
-                if record is not None and record.request_id == request_id:
-                    return record.workflow_id
+            record = state.prompt(request_id)
+            if record is not None:
+                return record.workflow_id
         prefix = names.prompt_workflow_id(self.run_id, request_id, "")
         query = f"WorkflowType = '{names.PROMPT_WORKFLOW}' AND WorkflowId STARTS_WITH '{prefix}'"
         newest: tuple[Any, str] | None = None

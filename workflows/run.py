@@ -64,7 +64,13 @@ with workflow.unsafe.imports_passed_through():
         WeightsReady,
     )
     from mvp_core.providers import traits
-    from mvp_core.run_state import NODE_CONDITIONS, NodeState, PromptRejection, RunState
+    from mvp_core.run_state import (
+        NODE_CONDITIONS,
+        NodeState,
+        PromptRejection,
+        RunState,
+        prompt_limit,
+    )
     from mvp_core.validation import (
         RunRejectedError,
         describe_invalid,
@@ -469,6 +475,7 @@ class RunWorkflow:
             model_path=state.plan.model_path,
             tokenizer_path=state.plan.tokenizer_path,
             max_seq_len=state.plan.max_seq_len,
+            max_active_prompts=req.max_active_prompts,
             rings=state.plan.rings,
             readiness_id=node.readiness_id,
             engine=req.engine,
@@ -672,7 +679,7 @@ class RunWorkflow:
             await workflow.wait_condition(
                 lambda: (
                     state.stopping
-                    or (state.active is None and bool(state.pending) and not state.suspected_fault)
+                    or state.may_activate(self._request.max_active_prompts)
                     or (workflow.info().is_continue_as_new_suggested() and not self._rolling_over)
                     or (self._rolling_over and state.prompts_in_flight() == 0)
                 )
@@ -690,7 +697,8 @@ class RunWorkflow:
                 self._rolling_over = True
                 self._set_phase(RunPhase.ROLLING_OVER)
                 continue
-            state.activate_next()
+            while state.activate_next(self._request.max_active_prompts) is not None:
+                pass
             self._show()
 
     @workflow.update(name=names.UPDATE_SUBMIT_PROMPT)
@@ -715,11 +723,11 @@ class RunWorkflow:
         # workflow tasks off the time to first token; DECISIONS 40).
         start_active = False
         if (
-            state.active is None
+            state.may_activate(self._request.max_active_prompts)
             and state.pending[:1] == [record]
             and workflow.patched(names.PATCH_PROMPT_STARTS_ACTIVE)
         ):
-            start_active = state.activate_next() is record
+            start_active = state.activate_next(self._request.max_active_prompts) is record
         child = await workflow.start_child_workflow(
             PromptWorkflow.run,
             PromptInput(
@@ -798,7 +806,9 @@ class RunWorkflow:
                 non_retryable=True,
             )
         rejection = self._state.admission_rejection(
-            prompt.request_id, self._request.prompt_queue_capacity, self._rolling_over
+            prompt.request_id,
+            prompt_limit(self._request.prompt_queue_capacity, self._request.max_active_prompts),
+            self._rolling_over,
         )
         if rejection is not None:
             raise ApplicationError(
@@ -1115,7 +1125,7 @@ class RunWorkflow:
         counts = dict.fromkeys(NODE_CONDITIONS, 0)
         for node in state.nodes:
             counts[node.condition()] += 1
-        queued = len(state.pending) + (1 if state.active is not None else 0)
+        queued = state.prompts_in_flight()
         metrics.sink().record_run_gauges(state.run_id, queued, counts)
 
     def _model_name(self) -> str:
@@ -1133,7 +1143,8 @@ class RunWorkflow:
         in the worker and is served by the metadata query, so history is unchanged."""
         state, req = self._state, self._request
         stages = state.plan.stage_count if state.plan is not None else req.pipeline_stages
-        active = f", request {state.active.request_id} active" if state.active else ""
+        ids = [str(p.request_id) for p in state.actives()]
+        active = f", request{'s' if len(ids) > 1 else ''} {', '.join(ids)} active" if ids else ""
         lines = [  # the phase first: the line the Web UI's workflow view shows on top
             f"**phase: {state.phase.value}**",
             f"**run {state.run_id}**: {self._model_name()} in {stages} stage(s), "

@@ -1,11 +1,16 @@
 """The head node tokenizes once and reports what the gateway needs (issue 21): the
 prompt's token count, the tokens behind each piece of text, and a typed refusal of a
 prompt it cannot serve (too long, a chat template that refuses it). The real bundled
-model in direct mode; tests/integration/test_gateway.py drives the same through a run."""
+model in direct mode; tests/integration/test_gateway.py drives the same through a run.
+
+With ``max_active_prompts`` above 1 the stage serves prompts side by side (scheduler.py,
+DECISIONS 62): each prompt's text is its text alone, whatever runs beside it, and a
+cancelled one ends at its next step while the others go on."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -13,9 +18,11 @@ from activities.models_store import DEFAULT_BUNDLED, fetch_bundled
 from mvp_core.errors import ErrorType
 from mvp_core.generation import PromptRefused
 from mvp_core.models import ChatMessage, EngineSettings, LayerRange, StageProvision, SubmitPrompt
-from workers.node.runtime import StageRuntime
+from workers.node.runtime import GenerationResult, StageRuntime
 
 CONTEXT = 64
+SLOTS = 4
+TEXTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "Water boils at"]
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +42,7 @@ def runtime() -> Iterator[StageRuntime]:
         model_path=path,
         tokenizer_path=path,
         max_seq_len=CONTEXT,
+        max_active_prompts=SLOTS,
         readiness_id="r",
         engine=EngineSettings(device="cpu", threads=1, compute_cpus="off", token_path_nice=None),
         run_workflow_id="mvp-run-1",
@@ -91,3 +99,79 @@ def test_a_chat_template_that_refuses_the_conversation_is_a_typed_refusal(
     with pytest.raises(PromptRefused, match="the model has no chat template") as err:
         runtime.encode(chat)
     assert err.value.kind is ErrorType.CHAT_TEMPLATE_REFUSED
+
+
+def _run(
+    runtime: StageRuntime,
+    request_id: int,
+    text: str,
+    max_new: int | None,
+    *,
+    seed: int | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+    on_piece: Callable[[str, int], None] = lambda t, n: None,
+) -> GenerationResult:
+    prompt = SubmitPrompt(
+        request_id=request_id,
+        prompt_text=text,
+        temperature=0.0 if seed is None else 0.9,
+        top_k=40,
+        top_p=0.95,
+        seed=seed,
+    )
+    return runtime.run(prompt, max_new, on_piece, should_stop)
+
+
+def _at_once(runtime: StageRuntime, jobs: list[Callable[[], GenerationResult]]) -> list[object]:
+    """Run ``jobs`` in threads released together; each one's result (or what it raised)."""
+    out: list[object] = [None] * len(jobs)
+    start = threading.Barrier(len(jobs))
+
+    def work(i: int) -> None:
+        start.wait()
+        try:
+            out[i] = jobs[i]()
+        except BaseException as err:
+            out[i] = err
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    return out
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_prompts_side_by_side_give_each_prompts_text_alone(runtime, seeded):
+    def seed(i: int) -> int | None:
+        return 7 + i if seeded else None
+
+    alone = [_run(runtime, i, t, 12, seed=seed(i)) for i, t in enumerate(TEXTS)]
+    together = _at_once(
+        runtime,
+        [lambda i=i, t=t: _run(runtime, i, t, 12, seed=seed(i)) for i, t in enumerate(TEXTS)],
+    )
+    for a, b in zip(alone, together, strict=True):
+        assert isinstance(b, GenerationResult), b
+        assert (b.text, b.tokens, b.stop_reason) == (a.text, a.tokens, a.stop_reason)
+    assert runtime.scheduler is not None and runtime.scheduler.active == 0
+
+
+def test_a_cancelled_prompt_ends_at_its_next_step_and_the_others_finish(runtime):
+    alone = [_run(runtime, i, t, 24) for i, t in enumerate(TEXTS[1:])]
+    cancel = threading.Event()
+
+    def first_piece(text: str, n: int) -> None:
+        cancel.set()  # the victim's first text: cancel it now
+
+    jobs = [
+        lambda: _run(runtime, 9, TEXTS[0], None, should_stop=cancel.is_set, on_piece=first_piece),
+        *[lambda i=i, t=t: _run(runtime, i, t, 24) for i, t in enumerate(TEXTS[1:])],
+    ]
+    victim, *others = _at_once(runtime, jobs)
+    assert isinstance(victim, GenerationResult) and victim.stop_reason == "cancelled"
+    assert victim.tokens < CONTEXT // 2  # long before the context's end
+    for a, b in zip(alone, others, strict=True):
+        assert isinstance(b, GenerationResult) and b.text == a.text and b.tokens == 24

@@ -8,10 +8,16 @@ type, the snapshot, the lifecycle), so the tests hold while the workflow's insid
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
-from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
+from temporalio import activity
+from temporalio.client import (
+    WorkflowExecutionStatus,
+    WorkflowUpdateFailedError,
+    WorkflowUpdateStage,
+)
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
@@ -20,6 +26,8 @@ from mvp_core.errors import ErrorType
 from mvp_core.models import (
     Done,
     Fault,
+    GenerateInput,
+    PromptOutcome,
     RequestShutdown,
     RunOutcome,
     RunOutcomeKind,
@@ -29,6 +37,7 @@ from mvp_core.models import (
 )
 from tests.helpers.fake_cluster import (
     FakeCluster,
+    echo_generate,
     kinds,
     run_failure,
     snapshot,
@@ -335,3 +344,67 @@ async def test_a_prompt_whose_generate_fails_ends_in_its_fault_and_faults_the_ru
     assert kind == ErrorType.RUN_FAULTED
     assert message.startswith("prompt serving: generate on mvp-node-124-1-")
     assert outcome.prompts_faulted == 1
+
+
+async def test_prompts_up_to_max_active_generate_at_once_with_the_queue_behind_them(
+    env: WorkflowEnvironment,
+) -> None:
+    """max_active_prompts (DECISIONS 62): 3 generate at once, the 4th waits its turn in
+    the queue behind them (prompt_queue_capacity - 1 = 1 place), a 5th is QueueFull; each
+    ends with its own text and the queue moves on as one finishes."""
+    started: list[int] = []
+    release: dict[int, asyncio.Event] = {}
+
+    async def gated(inp: GenerateInput) -> PromptOutcome:
+        rid = inp.prompt.request_id
+        started.append(rid)
+        gate = release.setdefault(rid, asyncio.Event())
+        while not gate.is_set():
+            activity.heartbeat()
+            try:
+                await asyncio.wait_for(gate.wait(), 0.05)
+            except TimeoutError:
+                pass
+        return await echo_generate(inp)
+
+    async def until(cond: Any, what: str) -> None:
+        for _ in range(400):
+            if cond():
+                return
+            await asyncio.sleep(0.025)
+        raise AssertionError(f"not seen: {what}")
+
+    async with FakeCluster(env.client, generate=gated).serving():
+        handle = await start_run(env.client, 140, max_active_prompts=3, prompt_queue_capacity=2)
+        await wait_phase(handle, RunPhase.PROMPT_READY)
+        updates = [
+            await handle.start_update(
+                names.UPDATE_SUBMIT_PROMPT,
+                SubmitPrompt(request_id=rid, prompt_text=f"p{rid}", max_tokens=2),
+                wait_for_stage=WorkflowUpdateStage.ACCEPTED,
+                result_type=Done,
+            )
+            for rid in (1, 2, 3, 4)
+        ]
+        await until(lambda: len(started) == 3, "three prompts generating")
+        state = await snapshot(handle)
+        with pytest.raises(WorkflowUpdateFailedError) as full:
+            await handle.execute_update(
+                names.UPDATE_SUBMIT_PROMPT,
+                SubmitPrompt(request_id=5, prompt_text="p5"),
+                result_type=Done,
+            )
+        assert sorted(started) == [1, 2, 3]
+        release.setdefault(2, asyncio.Event()).set()  # one finishes: the 4th starts
+        await until(lambda: 4 in started, "the queued prompt starting")
+        for rid in (1, 3, 4):
+            release.setdefault(rid, asyncio.Event()).set()
+        results = [await u.result() for u in updates]
+        after = await snapshot(handle)
+        await shut_down(handle)
+    assert [p.request_id for p in state.actives()] == [1, 2, 3]
+    assert [p.request_id for p in state.pending] == [4]
+    cause = full.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == ErrorType.PROMPT_QUEUE_FULL
+    assert [r.final_text for r in results] == ["1p", "2p", "3p", "4p"]
+    assert after.prompts_completed == 4 and after.actives() == [] and not after.pending

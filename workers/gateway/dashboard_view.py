@@ -108,7 +108,8 @@ class PromptView(BaseModel):
 
 
 class QueueView(BaseModel):
-    active: str | None = None  # request id (as text, as in PromptView)
+    active: str | None = None  # request id (as text, as in PromptView): the earliest
+    also_active: list[str] = Field(default_factory=list)  # the others generating now
     pending: list[str] = Field(default_factory=list)  # request ids, FIFO order
 
 
@@ -252,6 +253,7 @@ def run_view(
     view.continued = state.continued
     view.queue = QueueView(
         active=str(state.active.request_id) if state.active is not None else None,
+        also_active=[str(p.request_id) for p in state.also_active],
         pending=[str(p.request_id) for p in state.pending],
     )
     view.stages = stage_views(state, logs)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mvp_core.generation import ChatTemplateRefused, PromptRefused, PromptTooLong, StopRule
+from mvp_core.generation import ChatTemplateRefused, PromptRefused, PromptTooLong
 from mvp_core.models import EdgeKind, StageProvision, SubmitPrompt
 from temporal import telemetry
 from workers.node.affinity import Placement, compute_set
@@ -23,11 +23,11 @@ from workers.node.engine import (
     EngineOptions,
     SamplingParams,
     Stage,
-    generate,
     load_stage,
 )
 from workers.node.engine.tokenizer import Tokenizer, TokenizerError
 from workers.node.pipeline import Driver, Endpoint, StageLink
+from workers.node.scheduler import Scheduler
 
 # A token-out record later than this means a stage is stuck: a run fault, never a hang.
 RECORD_TIMEOUT_S = 60.0
@@ -56,7 +56,8 @@ class StageRuntime:
         self.stage = stage
         self.tokenizer = tokenizer
         self.load_s = load_s
-        self.lock = threading.Lock()  # one active prompt on this stage
+        self.scheduler: Scheduler | None = None  # direct mode: the whole model here
+        self._scheduler_lock = threading.Lock()
         self.link: StageLink | None = None
         self.driver: Driver | None = None
         self.group: EdgeGroup | None = None
@@ -105,6 +106,7 @@ class StageRuntime:
             or prov.outbound_edge is None
             or prov.consumer_endpoint is None
         ):
+            self._direct_scheduler()
             on_stage_ready()  # direct mode: no edges to wait for
             return
         self.group = EdgeGroup(f"stage{prov.stage_index}")
@@ -193,11 +195,11 @@ class StageRuntime:
         if on_encoded is not None:
             on_encoded(len(ids))
         text = _TextOut(self.tokenizer, on_text)
-        with self.placement.applied():
-            if self.driver is not None:
+        if self.driver is not None:
+            with self.placement.applied():
                 reason = self._run_pipeline(prompt, ids, max_new_tokens, text, should_stop)
-            else:
-                reason = self._run_direct(prompt, ids, max_new_tokens, text, should_stop)
+        else:  # the scheduler's thread runs on the token path's cores
+            reason = self._run_direct(prompt, ids, max_new_tokens, text, should_stop)
         return GenerationResult(
             text=text.finish(),
             tokens=text.tokens,
@@ -217,43 +219,33 @@ class StageRuntime:
         text: _TextOut,
         should_stop: Callable[[], bool],
     ) -> str:
-        """Generate in this thread; returns why it stopped."""
-        stop_ids = self.stop_ids
-        rule = StopRule(
-            max_new_tokens=max_new_tokens, stop_ids=stop_ids, max_seq_len=self.provision.max_seq_len
-        )
-        # Direct mode samples the time from one token to the next (the whole model's
-        # forward and the sampling; the first: the prefill).
-        timer = telemetry.current().forward_timer(self.provision.stage_index)
-        last = time.perf_counter()
-        with self.lock:
-            try:
-                for n, token in enumerate(
-                    generate(
-                        [self.stage],
-                        ids,
-                        max_new_tokens=max_new_tokens,
-                        max_seq_len=self.provision.max_seq_len,
-                        sampling=sampling_of(prompt),
-                        stop_ids=stop_ids,
-                        should_stop=should_stop,
-                    )
-                ):
-                    if timer is not None:
-                        now = time.perf_counter()
-                        if timer.wants(n == 0):
-                            timer.record(now - last, n == 0)
-                        last = now
-                    rule.accept(token, len(ids) + n + 1)
-                    text.push(token)
-            except ContextOverflow as err:
-                raise PromptTooLong(str(err), prompt_tokens=len(ids)) from None
-        if rule.reason is not None:
-            return rule.reason
-        if should_stop():
-            return "cancelled"
-        # generate() ends by itself at the end token or the end of the context.
-        return "context" if len(ids) + rule.generated >= self.provision.max_seq_len else "eos"
+        """Generate beside the run's other active prompts (scheduler.py); returns why it
+        stopped."""
+        try:
+            return self._direct_scheduler().run(
+                ids,
+                sampling_of(prompt),
+                max_new_tokens=max_new_tokens,
+                on_token=text.push,
+                should_stop=should_stop,
+            )
+        except ContextOverflow as err:
+            raise PromptTooLong(str(err), prompt_tokens=len(ids)) from None
+
+    def _direct_scheduler(self) -> Scheduler:
+        """The stage's scheduler (made once, on joining the run or at the first prompt)."""
+        with self._scheduler_lock:
+            if self.scheduler is None:
+                prov = self.provision
+                self.scheduler = Scheduler(
+                    [self.stage],
+                    slots=prov.max_active_prompts,
+                    max_seq_len=prov.max_seq_len,
+                    stop_ids=self.stop_ids,
+                    placement=self.placement,
+                    forward_timer=telemetry.current().forward_timer(prov.stage_index),
+                )
+            return self.scheduler
 
     def _run_pipeline(
         self,
@@ -277,6 +269,8 @@ class StageRuntime:
         )
 
     def close(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
         if self.link is not None:
             self.link.close()
         if self.group is not None:
