@@ -3,12 +3,17 @@
 Activations cross the edges as float32 (DECISIONS 53): greedy output of 2 and 3 stages
 equals the plain 1-stage output, token for token. A run that opts into float16 equals one
 stage that applies the same float16 rounding at the same split points.
+
+Several prompts share the pipeline at once (DECISIONS 62): each one's tokens are its
+tokens alone, greedy or seeded, a cancelled one leaves the others untouched, and a dead
+stage ends every one of them at once.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,7 +38,13 @@ PROMPTS = [
 
 class Pipeline:
     def __init__(
-        self, path: str, stages: int, max_seq_len: int, hidden: int, **plan: ActivationDtype
+        self,
+        path: str,
+        stages: int,
+        max_seq_len: int,
+        hidden: int,
+        slots: int = 1,
+        **plan: ActivationDtype,
     ) -> None:
         layers = stage_layer_ranges(self._layers(path), stages)
         edges = plan_edges(stages, max_seq_len, hidden, **plan)
@@ -65,6 +76,7 @@ class Pipeline:
                     connect_timeout_s=20,
                     on_ready=self.ready.release,
                     on_fault=self.faults.append,
+                    slots=slots,
                 )
             )
         tin = next(e for e in edges if e.kind is EdgeKind.TOKEN_IN)
@@ -79,6 +91,7 @@ class Pipeline:
             record_timeout_s=30,
             on_ready=self.ready.release,
             on_fault=self.faults.append,
+            slots=slots,
         )
         for link in self.links:
             link.start()
@@ -92,16 +105,30 @@ class Pipeline:
 
         return read_model_facts(path).block_count
 
-    def run(self, request_id: int, ids: list[int], n: int, max_seq_len: int) -> list[int]:
+    def run(
+        self,
+        request_id: int,
+        ids: list[int],
+        n: int,
+        max_seq_len: int,
+        sampling: SamplingParams = SamplingParams(),
+        should_stop: Callable[[], bool] = lambda: False,
+        on_token: Callable[[int], None] = lambda t: None,
+    ) -> list[int]:
         out: list[int] = []
+
+        def take(token: int) -> None:
+            out.append(token)
+            on_token(token)
+
         self.driver.run(
             request_id,
             ids,
-            SamplingParams(),
+            sampling,
             max_new_tokens=n,
             max_seq_len=max_seq_len,
-            on_token=out.append,
-            should_stop=lambda: False,
+            on_token=take,
+            should_stop=should_stop,
         )
         return out
 
@@ -118,10 +145,10 @@ class Pipeline:
 
 @contextmanager
 def pipeline(
-    path: str, stages: int, max_seq_len: int, hidden: int, **plan: ActivationDtype
+    path: str, stages: int, max_seq_len: int, hidden: int, slots: int = 1, **plan: ActivationDtype
 ) -> Iterator[Pipeline]:
     """``plan``: ``activation_dtype=`` for plan_edges (unset: the planner's default)."""
-    p = Pipeline(path, stages, max_seq_len, hidden, **plan)
+    p = Pipeline(path, stages, max_seq_len, hidden, slots, **plan)
     try:
         yield p
     finally:
@@ -204,8 +231,6 @@ def test_context_end_and_request_reuse(smollm: str) -> None:
 
 
 def test_a_dead_stage_fails_the_driver_fast(smollm: str) -> None:
-    import time
-
     with pipeline(smollm, 3, 256, 576) as p:
         assert p.run(1, PROMPTS[0], 4, 256)
         p.groups[1].fail(RuntimeError("middle stage crashed"))
@@ -213,3 +238,110 @@ def test_a_dead_stage_fails_the_driver_fast(smollm: str) -> None:
         with pytest.raises(Exception):  # noqa: B017 - EOF or closed edge, never a hang
             p.run(2, PROMPTS[1], 8, 256)
         assert time.monotonic() - t0 < 2
+
+
+def _at_once(jobs: list[Callable[[], list[int]]]) -> list[list[int] | BaseException]:
+    """``jobs`` in threads released together: each one's tokens, or what it raised."""
+    out: list[list[int] | BaseException] = [[] for _ in jobs]
+    start = threading.Barrier(len(jobs))
+
+    def work(i: int) -> None:
+        start.wait()
+        try:
+            out[i] = jobs[i]()
+        except BaseException as err:
+            out[i] = err
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    return out
+
+
+def _seeded(i: int) -> SamplingParams:
+    return SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=100 + i)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_prompts_at_once_on_a_pipeline_give_each_prompts_tokens_alone(
+    smollm: str, stages: int
+) -> None:
+    greedy = [reference(smollm, ids, 16, (), 256) for ids in PROMPTS]
+    with pipeline(smollm, stages, 256, 576, slots=len(PROMPTS)) as p:
+        seeded = [p.run(rid, ids, 16, 256, _seeded(rid)) for rid, ids in enumerate(PROMPTS)]
+        got_greedy = _at_once(
+            [lambda r=rid, i=ids: p.run(r, i, 16, 256) for rid, ids in enumerate(PROMPTS)]
+        )
+        # Joining in reverse order, a step or so apart, seeded.
+        got_seeded = _at_once(
+            [
+                lambda r=rid, i=ids: (
+                    time.sleep(0.05 * (len(PROMPTS) - r)),
+                    p.run(r, i, 16, 256, _seeded(r)),
+                )[1]
+                for rid, ids in enumerate(PROMPTS)
+            ]
+        )
+        assert not p.faults
+    assert got_greedy == greedy
+    assert got_seeded == seeded
+    assert len({tuple(t) for t in seeded}) == len(PROMPTS)  # they differ: it means something
+
+
+def test_a_cancelled_prompt_on_a_pipeline_leaves_the_others_untouched(smollm: str) -> None:
+    alone = [reference(smollm, ids, 24, (), 256) for ids in PROMPTS[1:]]
+    with pipeline(smollm, 2, 256, 576, slots=len(PROMPTS)) as p:
+        cancel = threading.Event()
+        got = _at_once(
+            [
+                lambda: p.run(
+                    0,
+                    PROMPTS[0],
+                    200,
+                    256,
+                    should_stop=cancel.is_set,
+                    on_token=lambda t: cancel.set(),
+                ),
+                *[lambda r=rid, i=ids: p.run(r, i, 24, 256) for rid, ids in enumerate(PROMPTS)][1:],
+            ]
+        )
+        # Its slot is free again on every stage: a full set of prompts runs once more.
+        again = _at_once(
+            [lambda r=rid, i=ids: p.run(r, i, 24, 256) for rid, ids in enumerate(PROMPTS)]
+        )
+        assert not p.faults
+    victim, *others = got
+    assert victim == [reference(smollm, PROMPTS[0], 1, (), 256)[0]]  # one token, then cancelled
+    assert others == alone
+    assert again[1:] == alone
+
+
+def test_a_dead_stage_ends_every_prompt_on_the_pipeline(smollm: str) -> None:
+    with pipeline(smollm, 3, 256, 576, slots=len(PROMPTS)) as p:
+        started = threading.Barrier(len(PROMPTS) + 1)
+
+        def first(token: int, seen: list[bool]) -> None:
+            if not seen:
+                seen.append(True)
+                started.wait(timeout=60)
+
+        def job(rid: int) -> Callable[[], list[int]]:
+            seen: list[bool] = []
+            return lambda: p.run(rid, PROMPTS[rid], 10_000, 256, on_token=lambda t: first(t, seen))
+
+        results: list[list[int] | BaseException] = []
+        runner = threading.Thread(
+            target=lambda: results.extend(_at_once([job(r) for r in range(len(PROMPTS))]))
+        )
+        runner.start()
+        started.wait(timeout=120)  # every prompt has its first token
+        t0 = time.monotonic()
+        p.groups[1].fail(RuntimeError("middle stage crashed"))
+        runner.join(timeout=60)
+        elapsed = time.monotonic() - t0
+    assert len(results) == len(PROMPTS)
+    assert all(isinstance(r, BaseException) for r in results), results
+    assert elapsed < 10

@@ -1,12 +1,18 @@
 """A node's place in a pipeline: stage links and the head node's driver.
 
-Threads with blocking sockets, next to the engine: per token, a stage receives one record,
-runs its layers and sends one record. Every edge of a node belongs to one EdgeGroup, so
-any error closes all of them and the peers see EOF within milliseconds (DECISIONS 20).
+Threads with blocking sockets, next to the engine. A run's active prompts share the
+pipeline (DECISIONS 62): each record belongs to one prompt (its object id is the
+prompt's request id), a stage holds one KV cache slot per prompt in flight, and it runs
+every record that has come in as one batch (one forward over all their rows, each row
+computed as it is alone), then sends one record per prompt. While stage k works on some
+prompts' tokens, stage k+1 works on others': with several prompts active every stage is
+busy. Every edge of a node belongs to one EdgeGroup, so any error closes all of them
+and the peers see EOF within milliseconds (DECISIONS 20).
 
 Record conventions (CONTRACTS, DECISIONS 19):
 - token-in BEGIN (sequence 0): sampling header + prompt token ids; then one fed-back
-  token per record, sequences 1, 2, ...; ABORT (empty) resets every stage's KV state.
+  token per record, sequences 1, 2, ...; ABORT (empty) frees the prompt's KV cache slot
+  on every stage.
 - activation BEGIN carries the same sampling header ahead of the rows (float32, or float16
   where the run asks for it: the edge's plan says which), so the last stage can sample;
   later records carry the rows only. Sequences mirror token-in.
@@ -17,10 +23,11 @@ Record conventions (CONTRACTS, DECISIONS 19):
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from time import perf_counter
+from time import monotonic, perf_counter
 
 import torch
 
@@ -33,11 +40,13 @@ from workers.node.dataplane import (
     FLAG_EOS,
     SAMPLING_HEADER_LEN,
     DataPlaneServer,
+    EdgeError,
     EdgeGroup,
     EdgeReceiver,
     EdgeSender,
     EdgeSpec,
     EdgeTimeout,
+    RecordHeader,
     SequenceChecker,
     connect_edge,
     decode_activation,
@@ -53,9 +62,11 @@ from workers.node.dataplane import (
 from workers.node.dataplane import SamplingParams as WireSampling
 from workers.node.engine import Sampler, SamplingParams, Stage
 from workers.node.engine.boundary import from_boundary, to_boundary
+from workers.node.engine.session import BatchSession, NoFreeSlot
 
 log = logging.getLogger("mvp.pipeline")
 IDLE_POLL_S = 1.0
+RECORD_READ_S = 5.0  # the rest of a record whose first bytes have come
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,7 @@ class StageLink:
         connect_timeout_s: float,
         on_ready: Callable[[], None],
         on_fault: Callable[[str], None],
+        slots: int = 1,
         sequence_skew: int = 0,
         placement: Placement | None = None,
         forward_timer: ForwardTimer | None = None,
@@ -95,6 +107,7 @@ class StageLink:
         self.consumer = consumer
         self.token = token
         self.max_seq_len = max_seq_len
+        self.slots = slots  # prompts in flight at once: one KV cache slot each
         self.stop_ids = frozenset(stop_ids)
         self.connect_timeout_s = connect_timeout_s
         self.on_ready = on_ready
@@ -142,66 +155,125 @@ class StageLink:
                 self.on_fault(f"{type(first).__name__}: {first}")
 
     def _serve(self, inbound: EdgeReceiver, out: EdgeSender) -> None:
-        stage = self.stage
-        session = stage.new_session(self.max_seq_len)
-        sampler: Sampler | None = None
-        header = b""
-        timer = self.forward_timer
+        session = self.stage.new_batch_session(self.slots, self.max_seq_len)
+        flows: dict[int, _Flow] = {}  # object id -> the prompt's slot, header, sampler
         try:
             while not self._stop.is_set():
                 try:
-                    hdr, payload = inbound.recv(IDLE_POLL_S)
+                    first = inbound.recv(IDLE_POLL_S)
                 except EdgeTimeout as idle:
                     if idle.partial:
                         raise
                     continue
-                if hdr.abort:
-                    session.reset()
-                    if not stage.is_last:
-                        out.send(hdr.object_id, hdr.sequence, b"", FLAG_ABORT)
-                    continue
-                if hdr.begin:
-                    session.reset()
-                t0 = perf_counter() if timer is not None and timer.wants(hdr.begin) else None
-                if stage.is_first:
-                    if hdr.begin:
-                        wire, ids = decode_begin_payload(payload)
-                        header = encode_sampling_header(wire)
-                    else:
-                        ids = decode_tokens(payload)
-                    result = session.forward_tokens(ids)
-                else:
-                    body = memoryview(payload)
-                    if hdr.begin:
-                        header = bytes(body[:SAMPLING_HEADER_LEN])
-                        wire = decode_sampling_header(header)
-                        body = body[SAMPLING_HEADER_LEN:]
-                    assert self.inbound_dtype is not None
-                    rows = decode_activation(body, self.hidden, self.inbound_dtype)
-                    result = session.forward_hidden(from_boundary(stage, torch.from_numpy(rows)))
-                if t0 is not None:
-                    assert timer is not None
-                    timer.record(perf_counter() - t0, hdr.begin)
-                if stage.is_last:
-                    if hdr.begin:
-                        sampler = Sampler(_engine_sampling(decode_sampling_header(header)))
-                    if sampler is None:
-                        raise RuntimeError("token record before the prompt's BEGIN record")
-                    token = sampler.sample(result)
-                    flags = (FLAG_BEGIN if hdr.begin else 0) | (
-                        FLAG_EOS if token in self.stop_ids else 0
-                    )
-                    seq = hdr.sequence + (self.sequence_skew if hdr.sequence else 0)
-                    out.send(hdr.object_id, seq, encode_tokens([token]), flags)
-                else:
-                    assert self.outbound_dtype is not None
-                    act = encode_activation(to_boundary(stage, result, self.outbound_dtype).numpy())
-                    if hdr.begin:
-                        out.send(hdr.object_id, hdr.sequence, header + bytes(act), FLAG_BEGIN)
-                    else:
-                        out.send(hdr.object_id, hdr.sequence, act)
+                # Every record that has come in meanwhile joins this step's batch.
+                records = [first]
+                while len(records) < 4 * self.slots and inbound.ready():
+                    records.append(inbound.recv(RECORD_READ_S))
+                batch: list[_Work] = []
+                for hdr, payload in records:
+                    if hdr.object_id in {w.object_id for w in batch}:
+                        self._step(session, batch, out)  # one record per prompt a step
+                        batch = []
+                    if hdr.abort:
+                        flow = flows.pop(hdr.object_id, None)
+                        if flow is not None:
+                            session.release(flow.slot)
+                        if not self.stage.is_last:
+                            out.send(hdr.object_id, hdr.sequence, b"", FLAG_ABORT)
+                        continue
+                    batch.append(self._work(session, flows, hdr, payload))
+                if batch:
+                    self._step(session, batch, out)
         finally:
             session.close()
+
+    def _work(
+        self,
+        session: BatchSession,
+        flows: dict[int, _Flow],
+        hdr: RecordHeader,
+        payload: bytearray,
+    ) -> _Work:
+        """One record's rows, and its prompt's state (a BEGIN takes a KV cache slot)."""
+        stage = self.stage
+        if hdr.begin:
+            old = flows.pop(hdr.object_id, None)
+            if old is not None:
+                session.release(old.slot)
+            try:
+                slot = session.acquire()
+            except NoFreeSlot:
+                raise RuntimeError(
+                    f"stage [{stage.layer_start},{stage.layer_end}): prompt {hdr.object_id} "
+                    f"begins while all {self.slots} KV cache slots hold a prompt"
+                ) from None
+            flows[hdr.object_id] = _Flow(slot)
+        flow = flows.get(hdr.object_id)
+        if flow is None:
+            raise RuntimeError(f"record for prompt {hdr.object_id} before its BEGIN record")
+        rows: Sequence[int] | torch.Tensor
+        if stage.is_first:
+            if hdr.begin:
+                wire, rows = decode_begin_payload(payload)
+                flow.header = encode_sampling_header(wire)
+            else:
+                rows = decode_tokens(payload)
+        else:
+            body = memoryview(payload)
+            if hdr.begin:
+                flow.header = bytes(body[:SAMPLING_HEADER_LEN])
+                body = body[SAMPLING_HEADER_LEN:]
+            assert self.inbound_dtype is not None
+            act = decode_activation(body, self.hidden, self.inbound_dtype)
+            rows = from_boundary(stage, torch.from_numpy(act))
+        if stage.is_last and hdr.begin:
+            flow.sampler = Sampler(_engine_sampling(decode_sampling_header(flow.header)))
+        return _Work(hdr.object_id, hdr.sequence, hdr.begin, flow, rows)
+
+    def _step(self, session: BatchSession, batch: list[_Work], out: EdgeSender) -> None:
+        """One forward over the batch's rows; one record out per prompt."""
+        stage, timer = self.stage, self.forward_timer
+        prefill = any(w.begin for w in batch)
+        t0 = perf_counter() if timer is not None and timer.wants(prefill) else None
+        result = session.forward([(w.flow.slot, w.rows) for w in batch])
+        if t0 is not None:
+            assert timer is not None
+            timer.record(perf_counter() - t0, prefill)
+        for w in batch:
+            got = result[w.flow.slot]
+            if stage.is_last:
+                if w.flow.sampler is None:
+                    raise RuntimeError(f"token record for prompt {w.object_id} before its BEGIN")
+                token = w.flow.sampler.sample(got)
+                flags = (FLAG_BEGIN if w.begin else 0) | (FLAG_EOS if token in self.stop_ids else 0)
+                seq = w.sequence + (self.sequence_skew if w.sequence else 0)
+                out.send(w.object_id, seq, encode_tokens([token]), flags)
+            else:
+                assert self.outbound_dtype is not None
+                act = encode_activation(to_boundary(stage, got, self.outbound_dtype).numpy())
+                if w.begin:
+                    out.send(w.object_id, w.sequence, w.flow.header + bytes(act), FLAG_BEGIN)
+                else:
+                    out.send(w.object_id, w.sequence, act)
+
+
+@dataclass
+class _Flow:
+    """A prompt on a stage: its KV cache slot, its sampling header (ahead of its first
+    activation rows) and, on the last stage, its sampler."""
+
+    slot: int
+    header: bytes = b""
+    sampler: Sampler | None = None
+
+
+@dataclass
+class _Work:
+    object_id: int
+    sequence: int
+    begin: bool
+    flow: _Flow
+    rows: Sequence[int] | torch.Tensor
 
 
 def _engine_sampling(wire: WireSampling) -> SamplingParams:
@@ -211,7 +283,11 @@ def _engine_sampling(wire: WireSampling) -> SamplingParams:
 
 
 class Driver:
-    """The head node's token endpoints: sends token-in, consumes token-out in order."""
+    """The head node's token endpoints: sends token-in, consumes token-out in order.
+
+    Several prompts run at once (up to ``slots``): each ``run`` sends its own records
+    (object id: its request id) and waits for its own token-out records, which a reader
+    thread hands to it; the sequence rule holds per prompt."""
 
     def __init__(
         self,
@@ -225,6 +301,7 @@ class Driver:
         record_timeout_s: float,
         on_ready: Callable[[], None],
         on_fault: Callable[[str], None],
+        slots: int = 1,
     ) -> None:
         self.server = server
         self.group = group
@@ -238,7 +315,10 @@ class Driver:
         self._token_out = server.expect(token_out, token, check_order=False)
         self._tin: EdgeSender | None = None
         self._tout: EdgeReceiver | None = None
-        self.lock = threading.Lock()  # one prompt at a time on the data plane
+        self._slots = threading.BoundedSemaphore(slots)  # a KV cache slot per prompt
+        self._send_lock = threading.Lock()
+        self._waiting: dict[int, queue.SimpleQueue[_Answer]] = {}
+        self._waiting_lock = threading.Lock()
         self._thread = threading.Thread(target=self._connect, name="driver", daemon=True)
 
     def start(self) -> None:
@@ -257,9 +337,46 @@ class Driver:
                 self.group.add(self._tin)
                 self._tout = self._token_out.result(self.connect_timeout_s)
                 self.group.add(self._tout)
-            self.on_ready()
         except BaseException as err:
             self.on_fault(f"token endpoints: {type(err).__name__}: {err}")
+            return
+        threading.Thread(
+            target=self._read, args=(self._tout,), name="driver-token-out", daemon=True
+        ).start()
+        self.on_ready()
+
+    def _read(self, tout: EdgeReceiver) -> None:
+        """Hand each token-out record to the prompt waiting for it; on a data-plane error
+        every waiting prompt gets it."""
+        try:
+            with self.group.guard():
+                while not self.group.failed:
+                    try:
+                        hdr, payload = tout.recv(IDLE_POLL_S)
+                    except EdgeTimeout as idle:
+                        if idle.partial:
+                            raise
+                        continue
+                    with self._waiting_lock:
+                        waiting = self._waiting.get(hdr.object_id)
+                    if waiting is None:
+                        raise RuntimeError(
+                            f"token-out record for object {hdr.object_id}, which no prompt "
+                            "is waiting for"
+                        )
+                    waiting.put((hdr, payload))
+        except BaseException as err:
+            first = self.group.first_error or err
+            with self._waiting_lock:
+                for waiting in self._waiting.values():
+                    waiting.put(first)
+
+    def _send(self, object_id: int, sequence: int, payload: bytes, flags: int = 0) -> None:
+        tin = self._tin
+        if tin is None:
+            raise RuntimeError("token endpoints are not connected")
+        with self._send_lock:
+            tin.send(object_id, sequence, payload, flags)
 
     def run(
         self,
@@ -272,9 +389,9 @@ class Driver:
         on_token: Callable[[int], None],
         should_stop: Callable[[], bool],
     ) -> str:
-        """Drive one prompt through the pipeline; returns why it stopped."""
-        tin, tout = self._tin, self._tout
-        if tin is None or tout is None:
+        """Drive one prompt through the pipeline beside the others; returns why it
+        stopped."""
+        if self._tin is None or self._tout is None:
             raise RuntimeError("token endpoints are not connected")
         wire = WireSampling(
             request_id=request_id,
@@ -284,33 +401,61 @@ class Driver:
             top_p=sampling.top_p,
             seed=sampling.seed,
         )
-        with self.lock, self.group.guard():
+        answers: queue.SimpleQueue[_Answer] = queue.SimpleQueue()
+        with self._slots:
+            with self._waiting_lock:
+                if request_id in self._waiting:
+                    raise RuntimeError(f"request {request_id} is already on the data plane")
+                self._waiting[request_id] = answers
             seq = 0
-            tin.send(request_id, seq, encode_begin_payload(wire, prompt_ids), FLAG_BEGIN)
-            checker = SequenceChecker()
-            # EOS arrives as the record's flag, so the rule itself needs no stop ids.
-            rule = StopRule(max_new_tokens=max_new_tokens, stop_ids=(), max_seq_len=max_seq_len)
             try:
-                while True:
-                    hdr, payload = tout.recv(self.record_timeout_s)
-                    checker.check(hdr.sequence)
-                    if hdr.object_id != request_id:
-                        raise RuntimeError(
-                            f"token-out record for object {hdr.object_id} while "
-                            f"request {request_id} is active"
-                        )
-                    token = decode_token_out(payload)
-                    if hdr.eos:
-                        return "eos"
-                    on_token(token)
-                    rule.accept(token, len(prompt_ids) + rule.generated + 1)
-                    if rule.reason is not None:
-                        return rule.reason
-                    if should_stop():
-                        return "cancelled"
-                    seq += 1
-                    tin.send(request_id, seq, encode_tokens([token]))
+                with self.group.guard():
+                    self.group.raise_if_failed()
+                    self._send(request_id, seq, encode_begin_payload(wire, prompt_ids), FLAG_BEGIN)
+                    checker = SequenceChecker()
+                    # EOS arrives as the record's flag, so the rule itself needs no stop ids.
+                    rule = StopRule(
+                        max_new_tokens=max_new_tokens, stop_ids=(), max_seq_len=max_seq_len
+                    )
+                    while True:
+                        hdr, payload = self._answer(answers, request_id)
+                        checker.check(hdr.sequence)
+                        token = decode_token_out(payload)
+                        if hdr.eos:
+                            return "eos"
+                        on_token(token)
+                        rule.accept(token, len(prompt_ids) + rule.generated + 1)
+                        if rule.reason is not None:
+                            return rule.reason
+                        if should_stop():
+                            return "cancelled"
+                        seq += 1
+                        self._send(request_id, seq, encode_tokens([token]))
             finally:
+                with self._waiting_lock:
+                    self._waiting.pop(request_id, None)
                 if not self.group.failed:
-                    # Free every stage's KV state for the request (DECISIONS 19).
-                    tin.send(request_id, seq + 1, b"", FLAG_ABORT)
+                    # Free the prompt's KV cache slot on every stage (DECISIONS 19). Its
+                    # token-out record answered, none of its records is in flight.
+                    self._send(request_id, seq + 1, b"", FLAG_ABORT)
+
+    def _answer(self, answers: queue.SimpleQueue[_Answer], request_id: int) -> _Record:
+        deadline = monotonic() + self.record_timeout_s
+        while True:
+            try:
+                got = answers.get(timeout=min(IDLE_POLL_S, max(deadline - monotonic(), 0.0)))
+                break
+            except queue.Empty:
+                self.group.raise_if_failed()  # the reader may have ended before we waited
+                if monotonic() >= deadline:
+                    raise EdgeTimeout(
+                        f"no token-out record for request {request_id} within "
+                        f"{self.record_timeout_s:g} s"
+                    ) from None
+        if isinstance(got, BaseException):
+            raise EdgeError(f"data plane failed: {got}")
+        return got
+
+
+_Record = tuple[RecordHeader, bytearray]
+_Answer = _Record | BaseException

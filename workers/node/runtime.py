@@ -124,6 +124,7 @@ class StageRuntime:
             connect_timeout_s=connect_timeout_s,
             on_ready=on_stage_ready,
             on_fault=on_fault,
+            slots=prov.max_active_prompts,
             sequence_skew=1 if FaultInjection.from_env().skew_token_out_sequence else 0,
             placement=self.placement,
             forward_timer=telemetry.current().forward_timer(prov.stage_index),
@@ -141,6 +142,7 @@ class StageRuntime:
                 record_timeout_s=RECORD_TIMEOUT_S,
                 on_ready=on_endpoints_ready,
                 on_fault=on_fault,
+                slots=prov.max_active_prompts,
             )
         self.link.start()
         if self.driver is not None:

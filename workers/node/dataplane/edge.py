@@ -345,6 +345,19 @@ class EdgeReceiver(_EdgeBase):
             raise exc
         return k
 
+    def ready(self) -> bool:
+        """Whether bytes of a next record (or the peer's close) can be read without
+        waiting: a stage takes every record that has come in as one batch."""
+        if self._end > self._start:
+            return True
+        if self._closed or self._broken is not None:
+            return True  # recv says why
+        try:
+            readable, _, _ = select.select([self._sock], [], [], 0)
+        except (OSError, ValueError):
+            return True
+        return bool(readable)
+
     def recv(self, timeout_s: float) -> tuple[RecordHeader, bytearray]:
         """Next record within `timeout_s` seconds: (validated header, payload).
 
