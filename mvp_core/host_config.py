@@ -202,6 +202,7 @@ class HostConfig(_Frozen):
     gguf_source: LocalGguf | HubGguf | None = Field(default=None, discriminator="kind")
     tokenizer_path: Path | None = None
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    max_active_prompts: int = 1  # [prompt].max_active_prompts (DECISIONS 62)
     dashboard: bool = False
     max_context: int | None = None
     relay: RelayConfig = RelayConfig()
@@ -563,6 +564,7 @@ def resolve_config(
         gguf_source=gguf,
         tokenizer_path=tokenizer,
         max_context=doc.model.max_context,
+        max_active_prompts=doc.prompt.max_active_prompts or 1,
         relay=relay,
         vastai=vastai,
         datastream_frame_log=_path(cwd, frame_log_text) if frame_log_text is not None else None,
@@ -620,6 +622,7 @@ def to_run_request(cfg: HostConfig) -> RunRequest:
             pipeline_stages=cfg.pipeline_stages,
             default_max_tokens=cfg.default_max_tokens,
             max_context=cfg.max_context,
+            max_active_prompts=cfg.max_active_prompts,
         )
     except ValidationError as err:
         raise ConfigError(f"invalid run request: {describe_invalid(err)}") from None

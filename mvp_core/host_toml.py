@@ -342,6 +342,7 @@ class RelayTable(_Frozen):
 
 class PromptTable(_Frozen):
     rpc_addr: Annotated[SocketAddress, BeforeValidator(_then(_rpc_addr))] | None = None
+    max_active_prompts: PositiveU32 | None = None  # ours (DECISIONS 62)
 
 
 class ModelTable(_Frozen):

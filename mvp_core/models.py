@@ -319,6 +319,9 @@ class VastAiSettings(_Model):
     )
 
 
+MAX_ACTIVE_PROMPTS = 32  # KV cache slots per stage; each holds max_seq_len positions
+
+
 class RunRequest(_Model):
     """The typed input of a run (actor spec 4.1)."""
 
@@ -352,6 +355,8 @@ class RunRequest(_Model):
     prompt_queue_capacity: int = Field(default=8)
     max_active_prompts: int = Field(
         default=1,
+        ge=1,
+        le=MAX_ACTIVE_PROMPTS,
         description=(
             "How many prompts generate at once (DECISIONS 62): 1 is the specs' one active "
             "prompt; more run side by side on the head node, each with its own KV cache "

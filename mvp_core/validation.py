@@ -11,7 +11,6 @@ from mvp_core.models import ModelSource, ProviderKind, RunRequest
 from mvp_core.names import run_id_from_workflow_id
 
 MAX_PROMPT_QUEUE = 8
-MAX_ACTIVE_PROMPTS = 32  # KV cache slots per stage; each holds max_seq_len positions
 MAX_ERRORS_SHOWN = 8  # a refusal names at most this many bad fields
 # Environment a run request may not set for its nodes: how they run and what they reach
 # is the provider's (a request could otherwise point a node holding secrets elsewhere).
@@ -93,11 +92,6 @@ def validate_request(request: RunRequest) -> None:
         raise RunRejectedError(
             f"prompt_queue_capacity={request.prompt_queue_capacity} must be between 1 and "
             f"{MAX_PROMPT_QUEUE}"
-        )
-    if not 1 <= request.max_active_prompts <= MAX_ACTIVE_PROMPTS:
-        raise RunRejectedError(
-            f"max_active_prompts={request.max_active_prompts} must be between 1 and "
-            f"{MAX_ACTIVE_PROMPTS}"
         )
     if _sources_set(request.model) != 1:
         raise RunRejectedError(

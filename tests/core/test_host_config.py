@@ -237,6 +237,7 @@ VALID_KEYS = [
         lambda c: c.rpc_bind == SocketAddress(host="0.0.0.0", port=0),
     ),
     ('[prompt]\nrpc_addr = "[::1]:19000"', {}, lambda c: str(c.rpc_bind) == "[::1]:19000"),
+    ("[prompt]\nmax_active_prompts = 8", {}, lambda c: c.max_active_prompts == 8),
     (
         '[model]\ngguf_local_path = "models/m.gguf"',
         _local("/work/run/models/m.gguf"),
@@ -292,6 +293,10 @@ INVALID_KEYS = [
         "invalid runtime.layer_end_exclusive=1.5: expected an integer",
     ),
     ("[runtime]\npipeline_stages = 0", "--pipeline-stages must be greater than 0"),
+    (
+        "[prompt]\nmax_active_prompts = 0",
+        "invalid prompt.max_active_prompts=0: must be greater than 0",
+    ),
     (
         '[runtime]\npipeline_stages = "many"',
         'invalid runtime.pipeline_stages="many": expected an integer',
@@ -996,12 +1001,21 @@ def test_run_request_image_and_gpus_only_when_configured(toml, image, gpus):
     [
         ("[runtime]\nstage_index = 1\n", "runtime.stage_index: a run plans its stages itself"),
         ("[runtime]\nlayer_end_exclusive = 12\n", "runtime.layer_end_exclusive is not supported"),
+        (
+            "[prompt]\nmax_active_prompts = 33\n",
+            "invalid run request: max_active_prompts: Input should be less than or equal to 32",
+        ),
     ],
 )
 def test_run_request_refuses_what_a_run_cannot_honour(toml, message):
     with pytest.raises(ConfigError) as info:
         to_run_request(resolve(toml))
     assert str(info.value).startswith(message)
+
+
+def test_run_request_carries_max_active_prompts():
+    assert to_run_request(resolve()).max_active_prompts == 1
+    assert to_run_request(resolve("[prompt]\nmax_active_prompts = 8\n")).max_active_prompts == 8
 
 
 def test_run_request_for_vastai_carries_the_settings_and_no_secret():

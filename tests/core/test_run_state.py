@@ -19,7 +19,7 @@ from mvp_core.models import (
     WeightsReady,
 )
 from mvp_core.planner import build_plan
-from mvp_core.run_state import NodeState, PromptRejection, RunState
+from mvp_core.run_state import NodeState, PromptRejection, RunState, prompt_limit
 
 RID = "abcd1234-1-0"
 
@@ -264,6 +264,31 @@ def test_one_active_prompt_fifo_and_ids_reusable_after_end():
     nxt = s.activate_next()
     assert nxt is not None and nxt.request_id == 3
     assert s.prompts_completed == 1
+
+
+def test_up_to_max_active_prompts_fifo_with_the_queue_behind_them():
+    """DECISIONS 62: ``max_active`` prompts generate at once, started in admission order;
+    a run holds ``prompt_limit`` prompts in all; the earliest active is ``active``."""
+    s = new_state()
+    bring_to_prompt_ready(s)
+    limit = prompt_limit(2, 3)
+    assert limit == 4 and prompt_limit(8, 1) == 8
+    for i in (5, 3, 9, 4):
+        assert s.admission_rejection(i, limit, False) is None
+        s.admit(i, f"wf-{i}")
+    assert s.admission_rejection(7, limit, False) is PromptRejection.QUEUE_FULL
+    started = [s.activate_next(3) for _ in range(4)]
+    assert [r.request_id if r else None for r in started] == [5, 3, 9, None]
+    assert [p.request_id for p in s.actives()] == [5, 3, 9] and s.active is not None
+    assert [p.request_id for p in s.pending] == [4]
+    assert s.prompt(9) is not None and s.prompt(9) is s.also_active[-1]
+    s.finish_prompt("wf-3", True, "", 3)  # a later one ends first
+    assert [p.request_id for p in s.actives()] == [5, 9]
+    s.finish_prompt("wf-5", True, "", 5)  # the earliest ends: the next is ``active``
+    assert s.active is not None and s.active.request_id == 9 and s.also_active == []
+    nxt = s.activate_next(3)
+    assert nxt is not None and nxt.request_id == 4
+    assert [p.request_id for p in s.actives()] == [9, 4] and s.prompts_in_flight() == 2
 
 
 def test_no_activation_while_stopping():

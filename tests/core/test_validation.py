@@ -13,6 +13,29 @@ from mvp_core.validation import (
 OK = RunRequest(model=ModelSource(bundled="SmolLM2-135M-Instruct.Q4_1"))
 
 
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (0, "max_active_prompts: Input should be greater than or equal to 1"),
+        (33, "max_active_prompts: Input should be less than or equal to 32"),
+        (
+            "8x",
+            "max_active_prompts: Input should be a valid integer, unable to parse string as an integer",
+        ),
+    ],
+)
+def test_max_active_prompts_out_of_range_is_rejected_naming_it(value, message):
+    with pytest.raises(RunRejectedError) as err:
+        parse_request(
+            {"model": {"bundled": "SmolLM2-135M-Instruct.Q4_1"}, "max_active_prompts": value}
+        )
+    assert str(err.value) == f"invalid run request: {message}"
+    assert (
+        parse_request({"model": {"bundled": "x"}, "max_active_prompts": 32}).max_active_prompts
+        == 32
+    )
+
+
 def test_run_id_comes_from_the_workflow_id():
     assert resolve_run_id(OK, "mvp-run-7") == 7
     assert resolve_run_id(OK.model_copy(update={"run_id": 7}), "mvp-run-7") == 7

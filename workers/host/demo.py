@@ -362,6 +362,7 @@ class Demo:
                 model=self.source,
                 pipeline_stages=args.stages,
                 default_max_tokens=args.max_tokens,
+                max_active_prompts=args.max_active_prompts,
                 provider=ProviderKind(args.provider),
             )
         except ValidationError as err:
@@ -604,6 +605,15 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=2,
         help="pipeline stages, one local node process each; 1 = direct mode (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-active-prompts",
+        type=int,
+        default=1,
+        metavar="N",
+        help="prompts the run generates at once (its max_active_prompts, DECISIONS 62; "
+        "mvp-gateway serves many clients with docs/examples/run-serve.json) "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--chat",

@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
 
 from mvp_core import names
-from mvp_core.models import NodeRuntimeReady
+from mvp_core.models import MAX_ACTIVE_PROMPTS, NodeRuntimeReady
 from temporal import telemetry
 from temporal.connect import TemporalConnectError, TemporalSettings, connect
 from workers.node import layout
@@ -173,6 +174,11 @@ async def amain() -> None:
         native_write(faults.native_write)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    # Each active prompt's token loop waits in a thread of the loop's executor (the
+    # default one has min(32, cores + 4): 6 on 2 cores, fewer than a run's prompts).
+    loop.set_default_executor(
+        ThreadPoolExecutor(max_workers=MAX_ACTIVE_PROMPTS + 8, thread_name_prefix="node")
+    )
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     # OTEL_* from the provider host (temporal.telemetry.node_env); off when unset.
@@ -223,7 +229,7 @@ async def amain() -> None:
             acts.stop_stage,
         ],
         identity=cfg.identity,
-        max_concurrent_activities=16,
+        max_concurrent_activities=MAX_ACTIVE_PROMPTS + 8,  # generates, lease, the rest
         graceful_shutdown_timeout=timedelta(seconds=2),
         # Heartbeats carry cancellation back: the SDK's default throttle (0.8 x the
         # heartbeat timeout, 4 s for generate) would let a cancelled prompt run that long.

@@ -1,0 +1,133 @@
+"""Issue 22: a run serves several prompts at once (``max_active_prompts``, DECISIONS 62).
+
+Real runs of the bundled model on local node processes, 1 and 2 stages, 8 prompts active
+at once: each prompt's text is its text alone (greedy and seeded), the run shows them
+generating side by side, and one cancelled mid-stream ends cancelled while the other
+seven finish with their texts. (The queue behind the active prompts:
+tests/workflows/test_run_lifecycle.py.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import pytest
+from temporalio.client import WorkflowExecutionStatus
+
+from mvp_core.models import Done, Fault, RunPhase, ShutdownReason, SubmitPrompt, TextDelta
+from temporal.client import RunHandle
+from tests.integration.conftest import Runs, wait_closed, wait_phase
+
+TEXTS = [
+    "The capital of France is",
+    "Once upon a time",
+    "def fibonacci(n):",
+    "Water boils at",
+    "The largest planet in our solar system is",
+    "In the beginning",
+    "Q: What is 12 times 7?\nA:",
+    "My favourite colour is",
+]
+N = 20  # tokens per prompt
+
+
+def _prompt(rid: int, text: str, seeded: bool) -> SubmitPrompt:
+    if not seeded:
+        return SubmitPrompt(request_id=rid, prompt_text=text, max_tokens=N)
+    return SubmitPrompt(
+        request_id=rid,
+        prompt_text=text,
+        max_tokens=N,
+        temperature=0.8,
+        top_k=40,
+        top_p=0.95,
+        seed=1000 + rid,
+    )
+
+
+async def _max_active(run: RunHandle, done: asyncio.Event, seen: list[int]) -> None:
+    while not done.is_set():
+        with contextlib.suppress(Exception):
+            seen.append(len((await run.snapshot()).actives()))
+        await asyncio.sleep(0.05)
+
+
+async def _texts_at_once(run: RunHandle, prompts: list[SubmitPrompt]) -> tuple[list[Any], int]:
+    finished = asyncio.Event()
+    seen: list[int] = []
+    watcher = asyncio.ensure_future(_max_active(run, finished, seen))
+    try:
+        results = await asyncio.gather(*(run.submit(p) for p in prompts))
+    finally:
+        finished.set()
+        await watcher
+    return list(results), max(seen, default=0)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+async def test_eight_prompts_at_once_give_each_prompts_text_alone(runs: Runs, stages: int):
+    run_id = 2201 + stages
+    handle = await runs.start(
+        run_id,
+        pipeline_stages=stages,
+        max_active_prompts=8,
+        prompt_queue_capacity=2,
+        max_context=512,
+    )
+    await wait_phase(handle, RunPhase.PROMPT_READY, timeout=180)
+    run = RunHandle(runs.client, run_id)
+    for seeded in (False, True):
+        base = 100 if seeded else 0
+        alone = [await run.submit(_prompt(base + i, t, seeded)) for i, t in enumerate(TEXTS)]
+        together, most = await _texts_at_once(
+            run, [_prompt(base + 50 + i, t, seeded) for i, t in enumerate(TEXTS)]
+        )
+        for a, b in zip(alone, together, strict=True):
+            assert isinstance(a, Done) and isinstance(b, Done), (a, b)
+            assert (b.final_text, b.tokens_generated, b.stop_reason) == (
+                a.final_text,
+                a.tokens_generated,
+                a.stop_reason,
+            )
+        assert most >= 2, f"never more than {most} prompt(s) active at once"
+    assert len({d.final_text for d in together}) == len(TEXTS)  # they differ: it means something
+    await run.shutdown_and_wait(ShutdownReason.OPERATOR_REQUESTED)
+    assert await wait_closed(handle) is WorkflowExecutionStatus.COMPLETED
+
+
+async def test_a_cancel_of_one_of_eight_leaves_the_other_seven(runs: Runs):
+    run_id = 2210
+    handle = await runs.start(
+        run_id, pipeline_stages=2, max_active_prompts=8, prompt_queue_capacity=1, max_context=512
+    )
+    await wait_phase(handle, RunPhase.PROMPT_READY, timeout=180)
+    run = RunHandle(runs.client, run_id)
+    alone = [await run.submit(_prompt(i, t, False)) for i, t in enumerate(TEXTS[1:], 1)]
+
+    victim = SubmitPrompt(request_id=40, prompt_text="1, 2, 3, 4, 5,", max_tokens=400)
+    first_text = asyncio.Event()
+    ending: list[Done | Fault] = []
+
+    async def follow() -> None:
+        async for event in run.stream(victim):
+            if isinstance(event, TextDelta):
+                first_text.set()
+            else:
+                ending.append(event)
+
+    streaming = asyncio.ensure_future(follow())
+    others = [
+        asyncio.ensure_future(run.submit(_prompt(i, t, False))) for i, t in enumerate(TEXTS[1:], 1)
+    ]
+    await asyncio.wait_for(first_text.wait(), 120)
+    await run.cancel_prompt(40)
+    await asyncio.wait_for(streaming, 60)
+    results = await asyncio.gather(*others)
+    assert len(ending) == 1 and isinstance(ending[0], Fault) and ending[0].error == "cancelled"
+    for a, b in zip(alone, results, strict=True):
+        assert isinstance(a, Done) and isinstance(b, Done), (a, b)
+        assert b.final_text == a.final_text and b.tokens_generated == N
+    await run.shutdown_and_wait(ShutdownReason.OPERATOR_REQUESTED)
+    assert await wait_closed(handle) is WorkflowExecutionStatus.COMPLETED
