@@ -1,0 +1,409 @@
+"""Serving benchmark (figures, not a test): many concurrent streams through ``mvp-gateway``
+against llama.cpp's own ``llama-server`` with the same number of slots (issue 22).
+
+Everything is local and started here: a dev server, an orchestrator worker, one run per
+``--stages`` value with ``max_active_prompts`` = the largest level, and ``mvp-gateway
+--workflow-id`` as its own process, as a user runs it. For each level c (``--levels``,
+default 1 4 8 16) c greedy streamed completions of ``--tokens`` tokens go out at once
+(distinct prompts), ``--rounds`` times; a "sequential" row sends 8 one after another.
+With ``--llama-server PATH`` (a ``llama-server`` binary built from the llama.cpp sources
+in the llama-cpp-python 0.3.36 sdist, README "Benchmarks"), the same requests go to
+``llama-server -np c -t 2`` on the same GGUF in the same run of this script.
+
+- aggregate tok/s: completion tokens of all streams / wall time of the level
+- TTFT: request sent -> first text (ms), p50 and p95 over every stream of the level
+- ITL: a stream's (last text - first text) / (tokens - 1), p50 and p95 over streams (the
+  run flushes text every ``stream_batch_ms``, so a stream's text comes in batches)
+- control-plane CPU per token: user+system CPU of the dev server, the orchestrator worker
+  and the gateway during the level (from /proc), over its completion tokens
+
+    .venv/bin/python scripts/bench_serve.py [--stages 1 2] [--levels 1 4 8 16]
+        [--tokens 128] [--rounds 2] [--llama-server PATH] [--report docs/benchmarks]
+
+``--report DIR`` writes DIR/serve.md (the table), DIR/serve.json (the figures) and
+DIR/serve.png (aggregate tok/s and TTFT p50 by concurrent streams, per server and stages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import matplotlib
+from openai import AsyncOpenAI
+
+matplotlib.use("Agg")  # before pyplot: files only, no display
+import matplotlib.pyplot as plt
+
+from activities.models_store import DEFAULT_BUNDLED, fetch_bundled
+from mvp_core import names
+from mvp_core.models import RequestShutdown, RunPhase, RunRequest
+from mvp_core.run_state import RunState
+from scripts.bench_gateway import _free_port, _wait_for
+from temporal.client import start_run
+from temporal.connect import connect
+from temporal.devserver import start_dev_server
+from workers.host.embedded import start_worker, stop_process
+
+RUN_ID = 980
+PROMPTS = [
+    "Once upon a time",
+    "The capital of France is",
+    "Here is a short story about a dragon:",
+    "In the morning the baker",
+    "Water boils at",
+    "My favourite book is",
+    "A long time ago in a small village",
+    "Scientists have discovered",
+    "The best way to learn a language is",
+    "On the first day of school",
+    "The history of the city",
+    "When the rain stopped",
+    "The old lighthouse keeper",
+    "Every summer my family",
+    "The recipe calls for",
+    "Deep in the forest",
+]
+SAME_REQUEST = {"repeat_penalty": 1.0}  # llama.cpp's default is 1.1; the gateway ignores it
+LLAMA_THREADS = 2
+SEQUENTIAL = 8
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Stream:
+    ttft_ms: float | None
+    itl_ms: float | None
+    tokens: int
+
+
+@dataclass
+class Level:
+    server: str  # "mvp" or "llama-server"
+    stages: int
+    concurrency: int  # 0: SEQUENTIAL one after another
+    wall_s: float
+    tokens: int
+    aggregate_tok_s: float
+    ttft_p50_ms: float | None
+    ttft_p95_ms: float | None
+    itl_p50_ms: float | None
+    itl_p95_ms: float | None
+    cp_cpu_ms_per_token: float | None  # control plane (dev server, worker, gateway)
+
+
+def _cpu_s(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (after the name)
+    return total / CLK_TCK
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+async def one_stream(oai: AsyncOpenAI, model: str, text: str, tokens: int) -> Stream:
+    start = time.perf_counter()
+    first = last = None
+    used = chunks = 0
+    stream = await oai.completions.create(
+        model=model,
+        prompt=text,
+        max_tokens=tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=SAME_REQUEST,
+    )
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            last = time.perf_counter()
+            first = first or last
+            chunks += 1
+        if chunk.usage is not None:
+            used = chunk.usage.completion_tokens
+    n = used or chunks  # llama-server streams a chunk per token
+    ttft = None if first is None else (first - start) * 1000
+    itl = None
+    if first is not None and last is not None and n > 1 and last > first:
+        itl = (last - first) * 1000 / (n - 1)
+    return Stream(ttft, itl, n)
+
+
+async def level(
+    oai: AsyncOpenAI,
+    model: str,
+    concurrency: int,
+    args: argparse.Namespace,
+    cpu_pids: list[int],
+    *,
+    server: str,
+    stages: int,
+) -> Level:
+    streams: list[Stream] = []
+    wall = 0.0
+    cpu0 = _cpu_s(cpu_pids)
+    for r in range(args.rounds):
+        t0 = time.perf_counter()
+        if concurrency == 0:
+            for i in range(SEQUENTIAL):
+                text = PROMPTS[(r + i) % len(PROMPTS)]
+                streams.append(await one_stream(oai, model, text, args.tokens))
+        else:
+            texts = [PROMPTS[(r + i) % len(PROMPTS)] for i in range(concurrency)]
+            streams += await asyncio.gather(
+                *(one_stream(oai, model, t, args.tokens) for t in texts)
+            )
+        wall += time.perf_counter() - t0
+    cpu = _cpu_s(cpu_pids) - cpu0
+    tokens = sum(s.tokens for s in streams)
+    ttft = [s.ttft_ms for s in streams if s.ttft_ms is not None]
+    itl = [s.itl_ms for s in streams if s.itl_ms is not None]
+    return Level(
+        server=server,
+        stages=stages,
+        concurrency=concurrency,
+        wall_s=wall,
+        tokens=tokens,
+        aggregate_tok_s=tokens / wall if wall > 0 else 0.0,
+        ttft_p50_ms=_pct(ttft, 0.5),
+        ttft_p95_ms=_pct(ttft, 0.95),
+        itl_p50_ms=_pct(itl, 0.5),
+        itl_p95_ms=_pct(itl, 0.95),
+        cp_cpu_ms_per_token=cpu * 1000 / tokens if cpu_pids and tokens else None,
+    )
+
+
+async def bench_run(args: argparse.Namespace, stages: int, tmp: Path) -> list[Level]:
+    """One run of ``stages`` stages through the gateway, every level."""
+    top = max(args.levels)
+    server = start_dev_server(str(tmp / f"t{stages}.db"), log_file=str(tmp / "temporal.log"))
+    worker_log = tmp / f"orchestrator-{stages}.log"
+    worker = start_worker(server.address, tmp, worker_log, {names.REAPER_INTERVAL_ENV: "0"})
+    gateway: subprocess.Popen[bytes] | None = None
+    handle = None
+    run_id = RUN_ID + stages
+    try:
+        await asyncio.to_thread(_wait_for, worker_log, "worker ready", worker, 60)
+        client = await connect(server.address)
+        request = RunRequest.model_validate(
+            {
+                "model": {"bundled": DEFAULT_BUNDLED},
+                "pipeline_stages": stages,
+                "max_active_prompts": top,
+                "prompt_queue_capacity": 8,
+                "max_context": 512,
+            }
+        )
+        handle = await start_run(client, run_id, request)
+        while True:
+            state = await handle.query(names.QUERY_SNAPSHOT, result_type=RunState)
+            if state.phase is RunPhase.PROMPT_READY:
+                break
+            if state.stopping:
+                raise RuntimeError(f"run stopped before prompt-ready: {state.first_fault}")
+            await asyncio.sleep(0.1)
+        port = _free_port()
+        gw_log = tmp / f"gateway-{stages}.log"
+        with open(gw_log, "wb") as sink:
+            gateway = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "workers.gateway.main",
+                    "--workflow-id",
+                    names.run_workflow_id(run_id),
+                    "--listen",
+                    f"127.0.0.1:{port}",
+                    "--log-level",
+                    "warning",
+                ],
+                env={**os.environ, "TEMPORAL_ADDRESS": server.address},
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+            )
+        await asyncio.to_thread(_wait_for, gw_log, "is prompt-ready", gateway, 60)
+        oai = AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600
+        )
+        model = (await oai.models.list()).data[0].id
+        pids = [server.process.pid, worker.pid, gateway.pid]
+        await one_stream(oai, model, PROMPTS[0], 8)  # warm-up
+        out: list[Level] = []
+        for c in [0, *args.levels]:
+            got = await level(oai, model, c, args, pids, server="mvp", stages=stages)
+            print(_row(got), file=sys.stderr, flush=True)
+            out.append(got)
+        await oai.close()
+        return out
+    finally:
+        if gateway is not None:
+            gateway.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                gateway.wait(15)
+        if handle is not None:
+            with contextlib.suppress(Exception):
+                await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=run_id))
+                await asyncio.wait_for(handle.result(), 60)
+        stop_process(worker, 15)
+        server.stop()
+
+
+async def bench_llama(args: argparse.Namespace, tmp: Path) -> list[Level]:
+    """The same levels against ``llama-server -np c`` (a fresh server per level)."""
+    model_path = str(fetch_bundled(DEFAULT_BUNDLED))
+    out: list[Level] = []
+    for c in [0, *args.levels]:
+        slots = max(c, 1)
+        port = _free_port()
+        log = tmp / f"llama-server-{c}.log"
+        with open(log, "wb") as sink:
+            proc = subprocess.Popen(
+                [
+                    args.llama_server,
+                    "-m",
+                    model_path,
+                    "-np",
+                    str(slots),
+                    "-t",
+                    str(LLAMA_THREADS),
+                    "-c",
+                    str(512 * slots),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                ],
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+            )
+        oai = AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    model = (await oai.models.list()).data[0].id
+                    await one_stream(oai, model, PROMPTS[0], 8)  # warm-up
+                    break
+                except Exception:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"llama-server did not start: {log.read_text(errors='replace')[-1500:]}"
+                        ) from None
+                    await asyncio.sleep(0.5)
+            got = await level(oai, model, c, args, [], server="llama-server", stages=1)
+            print(_row(got), file=sys.stderr, flush=True)
+            out.append(got)
+        finally:
+            await oai.close()
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(15)
+    return out
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
+
+
+def _row(lv: Level) -> str:
+    what = f"{SEQUENTIAL} one after another" if lv.concurrency == 0 else f"{lv.concurrency} at once"
+    cpu = "-" if lv.cp_cpu_ms_per_token is None else f"{lv.cp_cpu_ms_per_token:.2f}"
+    return (
+        f"| {lv.server} | {lv.stages} | {what} | {lv.aggregate_tok_s:.1f} | "
+        f"{_ms(lv.ttft_p50_ms)} / {_ms(lv.ttft_p95_ms)} | "
+        f"{lv.itl_p50_ms or 0:.1f} / {lv.itl_p95_ms or 0:.1f} | {cpu} | {lv.tokens} |"
+    )
+
+
+def table(levels: list[Level], args: argparse.Namespace) -> str:
+    lines = [
+        f"SmolLM2-135M Q4_1, {os.cpu_count()} cores, {args.tokens}-token greedy streams, "
+        f"{args.rounds} round(s) per level; engine kernel "
+        f"{os.environ.get('MVP_ENGINE_KERNEL', 'auto')}",
+        "",
+        "| server | stages | streams | aggregate tok/s | TTFT p50 / p95 ms | ITL p50 / p95 ms "
+        "| control-plane CPU ms/token | tokens |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [_row(lv) for lv in levels]
+    return "\n".join(lines)
+
+
+async def bench(args: argparse.Namespace) -> list[Level]:
+    tmp = Path(tempfile.mkdtemp(prefix="mvp-bench-serve-"))
+    print(f"bench state and logs: {tmp}", file=sys.stderr)
+    levels: list[Level] = []
+    for stages in args.stages:
+        levels += await bench_run(args, stages, tmp)
+    if args.llama_server:
+        levels += await bench_llama(args, tmp)
+    return levels
+
+
+def plot(levels: list[Level], path: Path) -> None:
+    """Aggregate tok/s and TTFT p50 against concurrent streams, one line per series."""
+    fig, (rate, ttft) = plt.subplots(1, 2, figsize=(10, 4))
+    series: dict[str, list[Level]] = {}
+    for lv in levels:
+        if lv.concurrency:
+            name = f"{lv.server}, {lv.stages} stage(s)" if lv.server == "mvp" else lv.server
+            series.setdefault(name, []).append(lv)
+    for name, rows in series.items():
+        xs = [r.concurrency for r in rows]
+        rate.plot(xs, [r.aggregate_tok_s for r in rows], marker="o", label=name)
+        ttft.plot(xs, [r.ttft_p50_ms or 0 for r in rows], marker="o", label=name)
+    rate.set(xlabel="concurrent streams", ylabel="aggregate tok/s", title="throughput")
+    ttft.set(xlabel="concurrent streams", ylabel="TTFT p50 (ms)", title="time to first token")
+    for ax in (rate, ttft):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--stages", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8, 16])
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--llama-server", default=None, metavar="PATH")
+    p.add_argument("--report", type=Path, default=None, metavar="DIR")
+    args = p.parse_args()
+    if not 1 <= max(args.levels) <= 32:
+        p.error("--levels: each from 1 to 32 (a run's max_active_prompts)")
+    levels = asyncio.run(bench(args))
+    text = table(levels, args)
+    print(text)
+    if args.report is not None:
+        args.report.mkdir(parents=True, exist_ok=True)
+        (args.report / "serve.md").write_text(f"# Serving many streams\n\n{text}\n")
+        (args.report / "serve.json").write_text(
+            json.dumps([asdict(lv) for lv in levels], indent=2) + "\n"
+        )
+        plot(levels, args.report / "serve.png")
+
+
+if __name__ == "__main__":
+    main()
