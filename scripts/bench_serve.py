@@ -44,15 +44,19 @@ from openai import AsyncOpenAI
 matplotlib.use("Agg")  # before pyplot: files only, no display
 import matplotlib.pyplot as plt
 
-from activities.models_store import DEFAULT_BUNDLED, fetch_bundled
-from mvp_core import names
-from mvp_core.models import RequestShutdown, RunPhase, RunRequest
-from mvp_core.run_state import RunState
-from scripts.bench_gateway import _free_port, _wait_for
-from temporal.client import start_run
-from temporal.connect import connect
-from temporal.devserver import start_dev_server
-from workers.host.embedded import start_worker, stop_process
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: scripts/ and the packages importable
+    sys.path.insert(0, str(REPO))
+
+from activities.models_store import DEFAULT_BUNDLED, fetch_bundled  # noqa: E402
+from mvp_core import names  # noqa: E402
+from mvp_core.models import RequestShutdown, RunPhase, RunRequest  # noqa: E402
+from mvp_core.run_state import RunState  # noqa: E402
+from scripts.bench_gateway import _free_port, _wait_for  # noqa: E402
+from temporal.client import start_run  # noqa: E402
+from temporal.connect import connect  # noqa: E402
+from temporal.devserver import start_dev_server  # noqa: E402
+from workers.host.embedded import start_worker, stop_process  # noqa: E402
 
 RUN_ID = 980
 PROMPTS = [

@@ -131,6 +131,12 @@ class DevServer:
                 self.process.wait(5)
 
 
+# Every prompt of a run is an Update in flight on the run's workflow until it ends; the
+# server refuses more than ``history.maxInFlightUpdates`` at once (10 by default). A run
+# holds up to prompt_queue_capacity + max_active_prompts - 1 = 39 prompts (DECISIONS 62).
+DEV_SERVER_DYNAMIC_CONFIG = {"history.maxInFlightUpdates": "64"}
+
+
 def start_dev_server(
     db_file: str | None = None,
     *,
@@ -217,7 +223,7 @@ def _start(
         cmd += ["--namespace", namespace]
     for key, kind in search_attributes.items():
         cmd += ["--search-attribute", f"{key}={kind}"]
-    for key, value in (dynamic_config or {}).items():
+    for key, value in {**DEV_SERVER_DYNAMIC_CONFIG, **(dynamic_config or {})}.items():
         cmd += ["--dynamic-config-value", f"{key}={value}"]
     # The output goes to the log file, else to an unnamed temporary file: either way an
     # early exit can say why (the server logs at level error, so the file stays small).

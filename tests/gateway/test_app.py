@@ -12,6 +12,7 @@ import httpx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from temporalio.service import RPCError, RPCStatusCode
 
 from mvp_core.errors import ErrorType
 from mvp_core.models import ChatMessage, Done, Fault, SubmitPrompt, TextDelta
@@ -344,6 +345,15 @@ async def test_rejections_and_faults_have_their_status(fake):
         (PromptRejected("RunNotPromptReady", "no"), 503, "run_not_ready"),
         (PromptRejected("InvalidPrompt", "bad"), 400, "invalid_prompt"),
         (PromptRejected("SomethingNew", "?"), 500, "prompt_rejected"),
+        (
+            RPCError(
+                "limit on number of concurrent in-flight updates has been reached (10)",
+                RPCStatusCode.RESOURCE_EXHAUSTED,
+                b"",
+            ),
+            429,
+            "server_limit",
+        ),
         (RuntimeError("server gone"), 503, "run_unreachable"),
     ]
     for exc, status, code in cases:

@@ -197,6 +197,18 @@ class Gateway:
                     raise unavailable(
                         f"run {self.workflow_id} is not running: {err.message}", "run_not_found"
                     ) from None
+                if err.status is RPCStatusCode.RESOURCE_EXHAUSTED:
+                    # The Temporal server's limit on a workflow's Updates in flight (each
+                    # prompt is one until it ends: history.maxInFlightUpdates), or its rate
+                    # limits: overload, as a full queue is.
+                    raise ApiError(
+                        429,
+                        f"the Temporal server takes no more prompts for run {self.workflow_id} "
+                        f"now ({err.message}); retry later",
+                        type="rate_limit_error",
+                        code="server_limit",
+                        retry_after_s=1,
+                    ) from None
                 raise unavailable(
                     f"run {self.workflow_id} is not reachable: {err.message}", "run_unreachable"
                 ) from None
