@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
 HEARTBEAT_EVERY_S = 0.5  # how soon a generate learns it was cancelled
 TEXT_GATHER_S = 0.025  # the finest stream granularity: stream_batch_ms is at least this
+MAX_GATHER_S = 1.0  # the coarsest, however many prompts generate
 
 
 class TextPipe:
@@ -117,6 +118,10 @@ class NodeActivities:
         self.redact = Redactor.from_env(os.environ).redact_text
         self.last_lease_beat = time.monotonic()
         self.leases_running = 0
+        self.generating = 0  # generate activities whose token loop runs
+
+    def _generate_ended(self) -> None:
+        self.generating -= 1
 
     def _run(self) -> WorkflowHandle[Any, Any]:
         return self.client.get_workflow_handle(self.cfg.run_workflow_id)
@@ -313,8 +318,11 @@ class NodeActivities:
             batch_interval=timedelta(milliseconds=inp.stream_batch_ms),
         )
         topic = stream.topic(names.PROMPT_STREAM_TOPIC, type=TextDelta)
-        gather_s = min(1.0, max(TEXT_GATHER_S, inp.stream_batch_ms / 4000))
+        gather_s = min(MAX_GATHER_S, max(TEXT_GATHER_S, inp.stream_batch_ms / 4000))
+        batch_s = inp.stream_batch_ms / 1000
         task = asyncio.ensure_future(asyncio.to_thread(work))
+        self.generating += 1
+        task.add_done_callback(lambda _: self._generate_ended())
         first = True
         first_published: float | None = None  # perf_counter: the first delta went out
         last_beat = 0.0
@@ -339,8 +347,13 @@ class NodeActivities:
                         activity.heartbeat()
                         last_beat = time.monotonic()
                     # Let text gather: the stream flushes every batch interval anyway, and
-                    # each wake-up of this loop takes the GIL from the token loop.
-                    await asyncio.sleep(gather_s)
+                    # each wake-up of this loop takes the GIL from the token loop. With
+                    # several prompts generating, each publishes less often, so the run's
+                    # stream traffic (a signal and workflow tasks per flush) stays about
+                    # that of one prompt (DECISIONS 62).
+                    await asyncio.sleep(
+                        min(MAX_GATHER_S, max(gather_s, batch_s * (self.generating - 1)))
+                    )
             except asyncio.CancelledError:
                 cancel = True
                 try:
