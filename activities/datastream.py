@@ -45,6 +45,7 @@ from activities.datastream_io import Datastream, FrameArchive, LiveSubscribers, 
 from activities.providers.base import NODE_STDERR_FILE, edge_secret, edge_token, state_dir
 from mvp_core import names
 from mvp_core.datastream import LogStream, Redactor
+from mvp_core.edge_auth import text_stream_token
 from mvp_core.host_observe import observe
 from mvp_core.models import DatastreamAddress, RunDatastreamInput
 from mvp_core.run_state import RunState
@@ -89,7 +90,9 @@ class RunStream:
         secrets: list[str] = []
         if inp.nonce:
             with contextlib.suppress(Exception):
-                secrets.append(edge_token(edge_secret(), inp.run_workflow_id, inp.nonce))
+                secret = edge_secret()
+                secrets.append(edge_token(secret, inp.run_workflow_id, inp.nonce))
+                secrets.append(text_stream_token(secret, inp.run_workflow_id, inp.nonce))
         self.archive = FrameArchive(self.dir / ARCHIVE_NAME)
         try:
             self.live = LiveSubscribers(bind_address(inp.run_id), replay_frames=REPLAY_FRAMES)

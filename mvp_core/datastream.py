@@ -356,6 +356,7 @@ SECRET_ENV_NAMES: tuple[str, ...] = (
     "VASTAI_API_KEY",
     "CONTAINER_API_KEY",
     "MVP_EDGE_TOKEN",
+    "MVP_TEXT_TOKEN",
     "MVP_EDGE_SECRET",
     "MVP_PAYLOAD_KEY",
 )

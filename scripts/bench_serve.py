@@ -103,6 +103,7 @@ class Level:
     itl_p50_ms: float | None
     itl_p95_ms: float | None
     cp_cpu_ms_per_token: float | None  # control plane (dev server, worker, gateway)
+    cp_split_ms_per_token: list[float] | None = None  # each of the three
 
 
 def _cpu_s(pids: list[int]) -> float:
@@ -162,6 +163,7 @@ async def level(
     streams: list[Stream] = []
     wall = 0.0
     cpu0 = _cpu_s(cpu_pids)
+    each0 = [_cpu_s([pid]) for pid in cpu_pids]
     for r in range(args.rounds):
         t0 = time.perf_counter()
         if concurrency == 0:
@@ -175,6 +177,7 @@ async def level(
             )
         wall += time.perf_counter() - t0
     cpu = _cpu_s(cpu_pids) - cpu0
+    each = [_cpu_s([pid]) - c0 for pid, c0 in zip(cpu_pids, each0, strict=True)]
     tokens = sum(s.tokens for s in streams)
     ttft = [s.ttft_ms for s in streams if s.ttft_ms is not None]
     itl = [s.itl_ms for s in streams if s.itl_ms is not None]
@@ -190,6 +193,7 @@ async def level(
         itl_p50_ms=_pct(itl, 0.5),
         itl_p95_ms=_pct(itl, 0.95),
         cp_cpu_ms_per_token=cpu * 1000 / tokens if cpu_pids and tokens else None,
+        cp_split_ms_per_token=[c * 1000 / tokens for c in each] if cpu_pids and tokens else None,
     )
 
 
@@ -330,6 +334,8 @@ def _ms(v: float | None) -> str:
 def _row(lv: Level) -> str:
     what = f"{SEQUENTIAL} one after another" if lv.concurrency == 0 else f"{lv.concurrency} at once"
     cpu = "-" if lv.cp_cpu_ms_per_token is None else f"{lv.cp_cpu_ms_per_token:.2f}"
+    if lv.cp_split_ms_per_token:
+        cpu += " (" + " + ".join(f"{c:.1f}" for c in lv.cp_split_ms_per_token) + ")"
     return (
         f"| {lv.server} | {lv.stages} | {what} | {lv.aggregate_tok_s:.1f} | "
         f"{_ms(lv.ttft_p50_ms)} / {_ms(lv.ttft_p95_ms)} | "
@@ -344,7 +350,7 @@ def table(levels: list[Level], args: argparse.Namespace) -> str:
         f"{os.environ.get('MVP_ENGINE_KERNEL', 'auto')}",
         "",
         "| server | stages | streams | aggregate tok/s | TTFT p50 / p95 ms | ITL p50 / p95 ms "
-        "| control-plane CPU ms/token | tokens |",
+        "| control-plane CPU ms/token (dev server + worker + gateway) | tokens |",
         "|---|---|---|---|---|---|---|---|",
     ]
     lines += [_row(lv) for lv in levels]

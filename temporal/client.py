@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -68,6 +69,14 @@ from mvp_core.models import (
 )
 from mvp_core.run_state import RunState
 from mvp_core.web_ui import run_details, run_summary
+from temporal.text_stream import (
+    TextStreamError,
+    TextStreamRefused,
+    TextStreamTarget,
+    host_secret,
+    read_text,
+    target_of,
+)
 from workflows.run import RunWorkflow
 
 T = TypeVar("T")
@@ -89,6 +98,11 @@ NOT_READY_RETRIES = 20
 NOT_READY_PAUSE_S = 0.05
 
 PromptEvents = AsyncGenerator[TextDelta | Done | Fault, None]
+FIRST = asyncio.FIRST_COMPLETED
+# A prompt's result is in while its text stream says nothing: what the head node still
+# sends within this long is read (its end line normally comes before the result).
+DIRECT_GRACE_S = 2.0
+log = logging.getLogger("mvp.client")
 
 
 def _not_ready(err: RPCError) -> bool:
@@ -162,13 +176,18 @@ class RunHandle:
     to a run that exists (or will); :meth:`start` starts one. Cheap: it holds the client,
     the workflow handle and the cancels it has sent."""
 
-    def __init__(self, client: Client, run_id: int) -> None:
+    def __init__(self, client: Client, run_id: int, *, direct_text: bool = True) -> None:
+        """``direct_text``: read prompts' text from the run's head node where this host
+        holds the deployment's edge secret (DECISIONS 63); False: from Temporal only."""
         self.client = client
         self.run_id = run_id
         self.workflow_id = names.run_workflow_id(run_id)
         self._workflow: WorkflowHandle[Any, Any] | None = None
         self._cancelled: set[int] = set()  # request ids this handle has cancelled
         self._background: set[asyncio.Future[Any]] = set()
+        self._secret = host_secret() if direct_text else None
+        self._target: TextStreamTarget | None = None  # the head node's text stream
+        self.direct_streams = 0  # prompts whose text came from the head node to the end
 
     @property
     def workflow(self) -> WorkflowHandle[Any, Any]:
@@ -400,7 +419,7 @@ class RunHandle:
         result_task: asyncio.Future[Any] = asyncio.ensure_future(update.result())
         terminal: Done | Fault | None = None
         try:
-            async for event in self._follow(child_id, result_task, poll_cooldown_ms):
+            async for event in self._events(child_id, result_task, poll_cooldown_ms):
                 if isinstance(event, TextDelta):
                     yield event
                 else:
@@ -421,8 +440,101 @@ class RunHandle:
                     await asyncio.shield(cancel)
             _drop(result_task)
 
+    async def _events(
+        self, child_id: str, result_task: asyncio.Future[Any], poll_cooldown_ms: int, start: int = 0
+    ) -> PromptEvents:
+        """The prompt's text deltas (from the head node where this host can read it
+        directly, else from the prompt workflow's stream), then its terminal event: the
+        stream's, or else the result's, after any text the deltas missed (a Done holds
+        the whole text). ``start``: the deltas already seen of the workflow's stream."""
+        sent: list[str] = []
+        direct_end = False
+        target = await self._text_target() if not result_task.done() else None
+        if target is not None:
+            try:
+                async for delta in self._direct(target, child_id, result_task):
+                    sent.append(delta.text)
+                    yield delta
+                direct_end = True
+                self.direct_streams += 1
+            except TextStreamRefused as err:
+                log.info("%s: text from Temporal from now on: %s", self.workflow_id, err)
+                self._secret = None  # this host's secret is not the run's: never again
+            except TextStreamError as err:
+                log.info("%s: text from Temporal: %s", child_id, err)
+                self._target = None  # asked again next time (the head may have moved)
+        terminal: Done | Fault | None = None
+        if not direct_end:
+            skip = len("".join(sent))
+            async for event in self._follow(child_id, result_task, poll_cooldown_ms, start):
+                if not isinstance(event, TextDelta):
+                    terminal = event
+                    break
+                if skip:
+                    cut = min(skip, len(event.text))
+                    skip -= cut
+                    if cut == len(event.text):
+                        continue
+                    event = event.model_copy(update={"text": event.text[cut:]})
+                sent.append(event.text)
+                yield event
+        result = terminal if terminal is not None else cast(Done | Fault, await result_task)
+        so_far = "".join(sent)
+        if isinstance(result, Done) and result.final_text.startswith(so_far):
+            rest = result.final_text[len(so_far) :]
+            if rest:
+                yield TextDelta(request_id=result.request_id, text=rest)
+        yield result
+
+    async def _text_target(self) -> TextStreamTarget | None:
+        """The run's head node text stream, where this host can read it (cached)."""
+        if self._secret is None:
+            return None
+        if self._target is None:
+            state = await self.try_snapshot()
+            if state is not None:
+                self._target = target_of(state, self.workflow_id, self._secret)
+        return self._target
+
+    async def _direct(
+        self, target: TextStreamTarget, child_id: str, result_task: asyncio.Future[Any]
+    ) -> AsyncGenerator[TextDelta, None]:
+        """The head node's deltas of the prompt until its end line. A prompt that ends
+        without generating (cancelled in the queue, refused) never opens there: once its
+        result is in, what the node still sends within DIRECT_GRACE_S is taken, no more."""
+        deltas = read_text(target, child_id)
+        step: asyncio.Future[TextDelta] | None = None
+        try:
+            while True:
+                step = asyncio.ensure_future(anext(deltas))
+                done, _ = await asyncio.wait({step, result_task}, return_when=FIRST)
+                if step not in done:
+                    done, _ = await asyncio.wait({step}, timeout=DIRECT_GRACE_S)
+                    if step not in done:
+                        step.cancel()
+                        with contextlib.suppress(BaseException):
+                            await step
+                        raise TextStreamError("the prompt ended without its text stream")
+                try:
+                    delta = step.result()
+                except StopAsyncIteration:
+                    return
+                step = None
+                yield delta
+        finally:
+            if step is not None and not step.done():
+                step.cancel()  # the generator runs in it: let it stop before closing it
+                with contextlib.suppress(BaseException):
+                    await step
+            with contextlib.suppress(Exception):
+                await deltas.aclose()
+
     async def _follow(
-        self, child_id: str, result_task: asyncio.Future[Any], poll_cooldown_ms: int
+        self,
+        child_id: str,
+        result_task: asyncio.Future[Any],
+        poll_cooldown_ms: int,
+        start: int = 0,
     ) -> PromptEvents:
         """The events of the prompt workflow's stream up to its terminal event; nothing
         more once the prompt has ended without one reaching the stream."""
@@ -432,6 +544,7 @@ class RunHandle:
             try:
                 async for item in stream.subscribe(
                     [names.PROMPT_STREAM_TOPIC],
+                    from_offset=start,
                     result_type=None,
                     poll_cooldown=timedelta(milliseconds=poll_cooldown_ms),
                 ):
@@ -472,34 +585,18 @@ class RunHandle:
         wf_id = await self.find_prompt(request_id)
         if wf_id is None:
             raise PromptNotFound(f"run {self.run_id} has no prompt {request_id}")
-        stream = WorkflowStreamClient.create(self.client, wf_id)
-        seen: list[str] = []
-        terminal: Done | Fault | None = None
+        result_task = asyncio.ensure_future(self._prompt_terminal(wf_id))
         try:
-            async for item in stream.subscribe(
-                [names.PROMPT_STREAM_TOPIC],
-                from_offset=0,
-                result_type=None,
-                poll_cooldown=timedelta(milliseconds=poll_cooldown_ms),
-            ):
-                event = _EVENT.validate_python(item.data)
-                if isinstance(event, TextDelta):
-                    seen.append(event.text)
-                    yield event
-                else:
-                    terminal = event
-                    break
-        except RPCError:
-            pass  # a stream no longer retained: the prompt's result has its whole text
-        if terminal is None:
-            raw = await self.client.get_workflow_handle(wf_id).result()
-            terminal = PromptOutcome.model_validate(raw).terminal
-            so_far = "".join(seen)
-            if isinstance(terminal, Done) and terminal.final_text.startswith(so_far):
-                rest = terminal.final_text[len(so_far) :]
-                if rest:
-                    yield TextDelta(request_id=request_id, text=rest)
-        yield terminal
+            async for event in self._events(wf_id, result_task, poll_cooldown_ms):
+                yield event
+                if not isinstance(event, TextDelta):
+                    return
+        finally:
+            _drop(result_task)
+
+    async def _prompt_terminal(self, wf_id: str) -> Done | Fault:
+        raw = await self.client.get_workflow_handle(wf_id).result()
+        return PromptOutcome.model_validate(raw).terminal
 
 
 # ---------------------------------------------------------------------- one-off calls

@@ -3,9 +3,6 @@ every provider puts into a node's environment the same way."""
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import hmac
 import json
 import os
 import secrets
@@ -14,6 +11,15 @@ from pathlib import Path
 from typing import Protocol
 
 from mvp_core.datastream import Redactor
+from mvp_core.edge_auth import (
+    EDGE_SECRET_FILE,
+    TEXT_TOKEN_ENV,
+    EdgeSecretError,
+    configured_secret,
+    text_stream_token,
+)
+from mvp_core.edge_auth import edge_token as edge_token  # re-exported: the providers' own
+from mvp_core.edge_auth import state_dir as state_dir
 from mvp_core.models import (
     NodeExited,
     NodeHandle,
@@ -35,7 +41,6 @@ SECRET_ENV_PASSTHROUGH = ("MVP_PAYLOAD_KEY",)
 
 # The edge token (docs/decisions.md 32): derived on the provider's host from a secret that
 # never enters Temporal, and handed to the node in its environment only.
-EDGE_SECRET_ENV = "MVP_EDGE_SECRET"
 EDGE_TOKEN_ENV = "MVP_EDGE_TOKEN"
 
 # Test-only fault injection (docs/decisions.md 31): a provider hands MVP_FAULT_* knobs to
@@ -89,31 +94,17 @@ class Provider(Protocol):
         ...
 
 
-def state_dir() -> Path:
-    """Where providers of this host keep node directories and the host's edge secret."""
-    root = os.environ.get("MVP_STATE_DIR")
-    if root:
-        return Path(root)
-    return (
-        Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"))
-        / "mvp-orchestrator"
-    )
-
-
 def edge_secret() -> bytes:
     """The secret edge tokens are derived from: ``MVP_EDGE_SECRET`` (base64, to share it
     between the hosts whose providers start nodes of one run), else a random per-host
     secret kept in the state directory (mode 0600), made on first use."""
-    configured = os.environ.get(EDGE_SECRET_ENV)
-    if configured:
-        try:
-            raw = base64.b64decode(configured, validate=True)
-        except ValueError:
-            raise ValueError(f"{EDGE_SECRET_ENV} is not valid base64") from None
-        if len(raw) < 16:
-            raise ValueError(f"{EDGE_SECRET_ENV} must hold at least 16 bytes")
-        return raw
-    return _made_once("edge-secret", lambda: secrets.token_bytes(32), 0o600)
+    try:
+        configured = configured_secret()
+    except EdgeSecretError as err:
+        raise ValueError(str(err)) from None
+    if configured is not None:
+        return configured
+    return _made_once(EDGE_SECRET_FILE, lambda: secrets.token_bytes(32), 0o600)
 
 
 def deployment_id() -> str:
@@ -141,13 +132,6 @@ def _made_once(name: str, make: Callable[[], bytes], mode: int) -> bytes:
     with os.fdopen(fd, "wb") as f:
         f.write(fresh)
     return fresh
-
-
-def edge_token(secret: bytes, run_workflow_id: str, nonce: str) -> str:
-    """The token that authenticates one execution's data-plane edges: every node of the
-    execution derives the same one, nothing outside the provider's hosts can."""
-    msg = f"{run_workflow_id}/{nonce}/edges".encode()
-    return hmac.new(secret, msg, hashlib.sha256).hexdigest()[:32]
 
 
 def harness_crash(point: str) -> None:
@@ -226,6 +210,7 @@ def node_environment(
             "MVP_TEMPORAL_NAMESPACE": spec.temporal_namespace,
             "MVP_NODE_DIR": node_dir,
             EDGE_TOKEN_ENV: edge_token(edge_secret(), spec.run_workflow_id, spec.nonce),
+            TEXT_TOKEN_ENV: text_stream_token(edge_secret(), spec.run_workflow_id, spec.nonce),
         }
     )
     return env

@@ -21,6 +21,7 @@ from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureEr
 from temporalio.service import RPCError
 
 from mvp_core import names
+from mvp_core.edge_auth import EDGE_SECRET_ENV
 from mvp_core.models import RunPhase, RunRequest
 from mvp_core.run_state import RunState
 from temporal.connect import connect
@@ -34,6 +35,10 @@ SECRET = "hf_mvpTestSecret_4b1d9e0c7a"
 # The orchestrator worker's edge secret: tests derive each run's edge token from it and
 # check that the token never shows up in Temporal or in logs.
 EDGE_SECRET = base64.b64encode(b"mvp-test-edge-secret-0123456789ab").decode()
+# The tests' own clients share the orchestrator's deployment secret, as a host and a
+# gateway beside it do: their RunHandles read prompts' text from the head node (DECISIONS
+# 63). A test of the Temporal-only path says so (RunHandle(..., direct_text=False)).
+os.environ[EDGE_SECRET_ENV] = EDGE_SECRET
 
 
 def node_processes(state_dir: Path) -> list[psutil.Process]:

@@ -18,7 +18,7 @@ from mvp_core.models import (
     SubmitPrompt,
     TextDelta,
 )
-from temporal.client import PromptRejected, start_prompt, stream_prompt, submit_prompt
+from temporal.client import PromptRejected, RunHandle, start_prompt, stream_prompt, submit_prompt
 from tests.integration.conftest import Runs, snapshot, wait_closed, wait_phase
 
 
@@ -54,7 +54,9 @@ async def test_streaming_64_tokens_arrives_in_several_batches_before_the_termina
 
 async def test_stream_batch_interval_is_the_runs_choice(runs: Runs):
     """stream_batch_ms=1000: the first delta at once, then about one flush a second (the
-    default 100 ms gives a dozen deltas for the same ~1.3 s prompt)."""
+    default 100 ms gives a dozen deltas for the same ~1.3 s prompt), on the prompt
+    workflow's stream (a client that reads the head node directly gets the text as it
+    forms: DECISIONS 63)."""
     handle = await runs.start(
         402,
         stream_batch_ms=1000,
@@ -63,8 +65,9 @@ async def test_stream_batch_interval_is_the_runs_choice(runs: Runs):
     )
     await wait_phase(handle, RunPhase.PROMPT_READY)
     events, arrivals = [], []
-    async for ev in stream_prompt(
-        runs.client, 402, SubmitPrompt(request_id=1, prompt_text="Once upon a time")
+    temporal_only = RunHandle(runs.client, 402, direct_text=False)
+    async for ev in temporal_only.stream(
+        SubmitPrompt(request_id=1, prompt_text="Once upon a time")
     ):
         events.append(ev)
         arrivals.append(time.perf_counter())

@@ -132,3 +132,75 @@ async def test_a_cancel_of_one_of_eight_leaves_the_other_seven(runs: Runs):
         assert (b.final_text, b.tokens_generated) == (a.final_text, a.tokens_generated)
     await run.shutdown_and_wait(ShutdownReason.OPERATOR_REQUESTED)
     assert await wait_closed(handle) is WorkflowExecutionStatus.COMPLETED
+
+
+async def _stream_all(run: RunHandle, prompt: SubmitPrompt) -> tuple[str, list[Done | Fault]]:
+    text, ends = "", []
+    async for event in run.stream(prompt):
+        if isinstance(event, TextDelta):
+            text += event.text
+        else:
+            ends.append(event)
+    return text, ends
+
+
+async def _history_events(run: RunHandle, request_id: int) -> int:
+    wf_id = await run.find_prompt(request_id)
+    assert wf_id is not None
+    return len([e async for e in run.client.get_workflow_handle(wf_id).fetch_history_events()])
+
+
+async def test_text_comes_from_the_head_node_and_history_does_not_grow_with_length(runs: Runs):
+    """DECISIONS 63: a client with the deployment's secret reads a prompt's text from the
+    head node; the prompt's history is then a few events whatever its length, and a
+    Temporal-only client, a re-attach mid-stream and one after the end still get the
+    whole text and one end."""
+    run_id = 2220
+    handle = await runs.start(run_id, pipeline_stages=2, max_context=1024)
+    await wait_phase(handle, RunPhase.PROMPT_READY, timeout=180)
+    run = RunHandle(runs.client, run_id)
+    counting = "1, 2, 3, 4, 5, 6, 7, 8,"  # greedy SmolLM2 counts on and on
+    short = SubmitPrompt(request_id=1, prompt_text=counting, max_tokens=32)
+    long = SubmitPrompt(request_id=2, prompt_text=counting, max_tokens=512)
+    for prompt in (short, long):
+        text, ends = await _stream_all(run, prompt)
+        assert len(ends) == 1 and isinstance(ends[0], Done), ends
+        assert text == ends[0].final_text and ends[0].tokens_generated == prompt.max_tokens
+    assert run.direct_streams == 2
+    short_events, long_events = await _history_events(run, 1), await _history_events(run, 2)
+    assert long_events <= short_events + 10, (short_events, long_events)
+
+    # The same long prompt through Temporal alone: the same text, streamed in many flushes.
+    temporal_only = RunHandle(runs.client, run_id, direct_text=False)
+    again = long.model_copy(update={"request_id": 3})
+    text, ends = await _stream_all(temporal_only, again)
+    assert isinstance(ends[0], Done) and text == ends[0].final_text
+    assert temporal_only.direct_streams == 0
+    assert await _history_events(run, 3) > long_events + 20
+
+    # Re-attach mid-stream (from a direct-capable and a Temporal-only client), then after
+    # the end: the whole text and one end each time.
+    fourth = long.model_copy(update={"request_id": 4, "max_tokens": 200})
+    first_text = asyncio.Event()
+    owner: list[Any] = []
+
+    async def own() -> None:
+        async for event in run.stream(fourth):
+            first_text.set()
+            owner.append(event)
+
+    owning = asyncio.ensure_future(own())
+    await asyncio.wait_for(first_text.wait(), 120)
+    for viewer in (RunHandle(runs.client, run_id), temporal_only):
+        seen = [e async for e in viewer.attach(4)]
+        assert sum(not isinstance(e, TextDelta) for e in seen) == 1
+        assert isinstance(seen[-1], Done)
+        assert "".join(e.text for e in seen if isinstance(e, TextDelta)) == seen[-1].final_text
+    await asyncio.wait_for(owning, 120)
+    late = [e async for e in temporal_only.attach(4)]
+    assert (
+        isinstance(late[-1], Done)
+        and "".join(e.text for e in late if isinstance(e, TextDelta)) == late[-1].final_text
+    )
+    await run.shutdown_and_wait(ShutdownReason.OPERATOR_REQUESTED)
+    assert await wait_closed(handle) is WorkflowExecutionStatus.COMPLETED

@@ -41,6 +41,7 @@ from temporal import telemetry
 from workers.node import layout
 from workers.node.config import FaultInjection, NodeConfig
 from workers.node.dataplane import DataPlaneServer
+from workers.node.textstream import TextHub
 
 if TYPE_CHECKING:
     # The runtime brings the engine and torch (~0.8 s to import): the agent imports it in
@@ -119,6 +120,11 @@ class NodeActivities:
         self.last_lease_beat = time.monotonic()
         self.leases_running = 0
         self.generating = 0  # generate activities whose token loop runs
+        # Prompts' text straight to clients that read it (DECISIONS 63), on the node's
+        # data-plane port, for clients that show the run's text-stream token.
+        self.text = TextHub()
+        if cfg.text_token:
+            server.serve_text(cfg.text_token, self.text.serve)
 
     def _generate_ended(self) -> None:
         self.generating -= 1
@@ -317,32 +323,33 @@ class NodeActivities:
             inp.prompt_workflow_id,
             batch_interval=timedelta(milliseconds=inp.stream_batch_ms),
         )
-        topic = stream.topic(names.PROMPT_STREAM_TOPIC, type=TextDelta)
+        out = _TextOut(
+            self.text,
+            inp.prompt_workflow_id,
+            stream.topic(names.PROMPT_STREAM_TOPIC, type=TextDelta),
+        )
         gather_s = min(MAX_GATHER_S, max(TEXT_GATHER_S, inp.stream_batch_ms / 4000))
         batch_s = inp.stream_batch_ms / 1000
         task = asyncio.ensure_future(asyncio.to_thread(work))
         self.generating += 1
         task.add_done_callback(lambda _: self._generate_ended())
-        first = True
-        first_published: float | None = None  # perf_counter: the first delta went out
         last_beat = 0.0
         published_tokens = 0
         async with stream:
             try:
                 while (text := await pipe.take(quiet_s=1.0)) is not None:
                     if text:
-                        delta = TextDelta(
-                            request_id=request_id,
-                            text=text,
-                            tokens=pipe.tokens_taken - published_tokens,
-                            prompt_tokens=prompt_tokens[0] if first and prompt_tokens else None,
+                        out.put(
+                            TextDelta(
+                                request_id=request_id,
+                                text=text,
+                                tokens=pipe.tokens_taken - published_tokens,
+                                prompt_tokens=prompt_tokens[0]
+                                if out.first_at is None and prompt_tokens
+                                else None,
+                            )
                         )
                         published_tokens = pipe.tokens_taken
-                        # The first delta goes out at once: it is the time to first text.
-                        topic.publish(delta, force_flush=first)
-                        if first:
-                            first_published = time.perf_counter()
-                        first = False
                     if time.monotonic() - last_beat > HEARTBEAT_EVERY_S:
                         activity.heartbeat()
                         last_beat = time.monotonic()
@@ -360,11 +367,14 @@ class NodeActivities:
                     await task
                 except Exception:
                     pass
+                out.end(done=False)
                 await stream.flush()
                 raise
+            first_published = out.first_at
             try:
                 result = await task
             except PromptRefused as err:
+                out.end(done=False)
                 await stream.flush()
                 refused = Fault(
                     request_id=request_id,
@@ -374,6 +384,7 @@ class NodeActivities:
                 )
                 return PromptOutcome(terminal=refused)
             except Exception as err:
+                out.end(done=False)
                 raise ApplicationError(
                     self.redact(
                         f"engine fault on stage {self.cfg.stage_index}: {type(err).__name__}: {err}"
@@ -381,6 +392,9 @@ class NodeActivities:
                     type=ErrorType.ENGINE_FAULT,
                     non_retryable=True,
                 ) from None
+            # A finished prompt's Done carries its whole text: what a direct reader took
+            # need not go to Temporal too; any other end publishes what it owes.
+            out.end(done=result.stop_reason in ("eos", "max_tokens", "context"))
             await stream.flush()
         if result.stop_reason not in ("eos", "max_tokens", "context"):
             return PromptOutcome(terminal=Fault(request_id=request_id, error="cancelled"))
@@ -402,6 +416,7 @@ class NodeActivities:
         cfg = self.cfg
         self._check(cmd.run_id, cmd.readiness_id, cmd.authorized_orchestrator)
         runtime, self.runtime = self.runtime, None
+        self.text.close()
         if runtime is not None:
             await asyncio.to_thread(runtime.close)
         await self._run().signal(
@@ -411,6 +426,50 @@ class NodeActivities:
             ),
         )
         self.stopped.set()
+
+
+class _TextOut:
+    """A prompt's text deltas: each to the head node's text stream at once, and to the
+    prompt workflow's stream (Temporal) only while no client reads it directly; what a
+    direct reader took is owed to Temporal and published in one delta as soon as no one
+    reads directly any more (DECISIONS 63)."""
+
+    def __init__(self, hub: TextHub, key: str, topic: Any) -> None:
+        self.hub, self.key, self.topic = hub, key, topic
+        self.first_at: float | None = None  # perf_counter: the first delta went out
+        self._owed: list[TextDelta] = []
+        hub.open(key)
+
+    def put(self, delta: TextDelta) -> None:
+        first = self.first_at is None
+        if first:
+            self.first_at = time.perf_counter()
+        self.hub.put(self.key, delta)
+        if self.hub.readers(self.key):
+            self._owed.append(delta)
+            return
+        # The first delta goes out at once: it is the time to first text.
+        self.topic.publish(self._settle(delta), force_flush=first)
+
+    def _settle(self, delta: TextDelta | None = None) -> TextDelta:
+        """The owed deltas and ``delta`` as one."""
+        parts = [*self._owed, *([delta] if delta is not None else [])]
+        self._owed = []
+        counts = [p.prompt_tokens for p in parts if p.prompt_tokens is not None]
+        return TextDelta(
+            request_id=parts[0].request_id,
+            text="".join(p.text for p in parts),
+            tokens=sum(p.tokens or 0 for p in parts),
+            prompt_tokens=counts[0] if counts else None,
+        )
+
+    def end(self, *, done: bool) -> None:
+        """No more text: direct readers get the end; an unfinished prompt's owed text
+        goes to Temporal (a finished one's is in its Done)."""
+        self.hub.end(self.key)
+        if self._owed and not done:
+            self.topic.publish(self._settle())
+        self._owed = []
 
 
 def prompt_timing(result: GenerationResult, first_published: float | None) -> PromptTiming | None:

@@ -21,6 +21,7 @@ class NodeConfig:
     identity: str
     # Authenticates this execution's edges; from the provider, never from Temporal.
     edge_token: str = field(default="", repr=False)
+    text_token: str = field(default="", repr=False)  # the text stream's (DECISIONS 63)
     readiness_timeout_s: float = 120.0
     # Longer than a control-plane outage the run rides out (60 s): a node leaves on its
     # own only when its run is closed, or when nothing reached it for this long.
@@ -49,6 +50,7 @@ class NodeConfig:
             address=env.get("TEMPORAL_ADDRESS", "localhost:7233"),
             identity=f"{task_queue}@{socket.gethostname()}:{os.getpid()}",
             edge_token=need("MVP_EDGE_TOKEN"),
+            text_token=env.get("MVP_TEXT_TOKEN", ""),
             lease_silence_s=float(env.get("MVP_LEASE_SILENCE_S", "120")),
         )
 

@@ -27,13 +27,23 @@ import logging
 import select
 import selectors
 import socket
-import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Self, TypeAlias
+
+from mvp_core.edge_auth import (
+    ANSWER,
+    ANSWER_OK,
+    ANSWER_REJECT,
+    ANSWER_RETRY,
+    HELLO,
+    HELLO_MAGIC,
+    MAX_TOKEN_LEN,
+    TEXT_STREAM_EDGE_ID,
+)
 
 from .records import (
     HEADER_LEN,
@@ -61,11 +71,10 @@ __all__ = [
 
 log = logging.getLogger("mvp.dataplane")
 
-HELLO_MAGIC = b"MOH1"
-_HELLO = struct.Struct("<4sIH")
-_ANSWER = struct.Struct("<BH")
-_OK, _RETRY, _REJECT = 0, 1, 2
-MAX_TOKEN_LEN = 1024
+# The handshake (mvp_core.edge_auth, shared with the clients of the text stream).
+_HELLO = HELLO
+_ANSWER = ANSWER
+_OK, _RETRY, _REJECT = ANSWER_OK, ANSWER_RETRY, ANSWER_REJECT
 _RECV_BUF = 64 * 1024
 
 
@@ -500,6 +509,8 @@ class DataPlaneServer:
         self._receivers: list[EdgeReceiver] = []
         self._handshaking: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
+        # The head node's text stream (serve_text): its token and its handler.
+        self._text: tuple[bytes, Callable[[socket.socket, str], None]] | None = None
         self._closing = False
         self._listener = socket.create_server((host, port), backlog=16)
         self._wake_r, self._wake_w = socket.socketpair()
@@ -629,6 +640,33 @@ class DataPlaneServer:
             if not handed:
                 _hard_close(sock)
 
+    def serve_text(self, token: str, handler: Callable[[socket.socket, str], None]) -> None:
+        """Hand every connection that authenticates with ``token`` on the text-stream edge
+        id (mvp_core.edge_auth) to ``handler(sock, peer)``, in its own thread; the socket
+        is closed when the handler returns or the server closes."""
+        if not token:
+            raise ValueError("text-stream token must not be empty")
+        with self._lock:
+            self._text = (token.encode(), handler)
+
+    def _text_stream(self, sock: socket.socket, peer: str, token: bytes) -> bool:
+        with self._lock:
+            served = self._text
+        if served is None:
+            self._answer(sock, _REJECT, "this node serves no text stream")
+            return False
+        if not hmac.compare_digest(token, served[0]):
+            log.warning("text stream: authentication failed: wrong token from %s", peer)
+            self._answer(sock, _REJECT, "authentication failed: wrong text-stream token")
+            return False
+        try:
+            sock.sendall(_ANSWER.pack(_OK, 0))
+            sock.settimeout(None)
+            served[1](sock, peer)
+        except OSError as e:
+            log.debug("text stream to %s ended: %s", peer, e)
+        return False  # closed by the handshake's own clean-up
+
     def _read_hello(
         self, sock: socket.socket, peer: str, deadline: float
     ) -> tuple[int, bytes] | None:
@@ -669,6 +707,8 @@ class DataPlaneServer:
         if hello is None:
             return False
         edge_id, token = hello
+        if edge_id == TEXT_STREAM_EDGE_ID:
+            return self._text_stream(sock, peer, token)
         with self._lock:
             self._changed.wait_for(
                 lambda: edge_id in self._expected or edge_id in self._connected or self._closing,

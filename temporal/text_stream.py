@@ -1,0 +1,120 @@
+"""The client half of a run's text stream (DECISIONS 63): a prompt's text deltas straight
+from the run's head node, beside Temporal (workers/node/textstream.py is the node half).
+
+A client on a host that holds the deployment's edge secret (``MVP_EDGE_SECRET``, or the
+state directory's ``edge-secret``, as the orchestrator worker's providers use it) derives
+the run's text-stream token from the run's snapshot, connects to the head node's
+data-plane port with the data plane's handshake, names the prompt, and reads its deltas.
+Only text comes this way: the prompt's one terminal event is always Temporal's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+from mvp_core.edge_auth import (
+    ANSWER,
+    ANSWER_OK,
+    TEXT_STREAM_EDGE_ID,
+    hello,
+    read_edge_secret,
+    text_stream_token,
+)
+from mvp_core.models import TextDelta
+from mvp_core.run_state import RunState
+
+log = logging.getLogger("mvp.text_stream")
+
+CONNECT_TIMEOUT_S = 5.0
+MAX_LINE = 1 << 22  # a delta's JSON line: the text of one flush
+
+
+class TextStreamError(Exception):
+    """The stream could not be opened or broke off before its end; the message says why."""
+
+
+class TextStreamRefused(TextStreamError):
+    """The head node refused the handshake (this host's secret is not the run's)."""
+
+
+@dataclass(frozen=True)
+class TextStreamTarget:
+    host: str
+    port: int
+    token: str
+
+
+def target_of(state: RunState, run_workflow_id: str, secret: bytes) -> TextStreamTarget | None:
+    """Where the run's head node serves its text stream, and its token; None before the
+    head node has reported its endpoint."""
+    if not state.nodes:
+        return None
+    head = min(state.nodes, key=lambda n: n.stage_index)
+    if head.runtime_ready is None:
+        return None
+    host, sep, port = head.runtime_ready.endpoint.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    token = text_stream_token(secret, run_workflow_id, state.nonce)
+    return TextStreamTarget(host.strip("[]"), int(port), token)
+
+
+def host_secret() -> bytes | None:
+    """This host's edge secret, as a client may read it (None: no direct stream here)."""
+    return read_edge_secret()
+
+
+async def read_text(
+    target: TextStreamTarget, prompt_workflow_id: str, start: int = 0
+) -> AsyncGenerator[TextDelta, None]:
+    """The prompt's deltas from the ``start``-th; returns at the node's end line. Raises
+    TextStreamError when the stream cannot be opened or breaks off before its end."""
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(target.host, target.port, limit=MAX_LINE),
+            CONNECT_TIMEOUT_S,
+        )
+    except (OSError, TimeoutError) as err:
+        raise TextStreamError(f"cannot connect to {target.host}:{target.port}: {err}") from None
+    try:
+        try:
+            writer.write(hello(TEXT_STREAM_EDGE_ID, target.token))
+            await writer.drain()
+            status, size = ANSWER.unpack(
+                await asyncio.wait_for(reader.readexactly(ANSWER.size), CONNECT_TIMEOUT_S)
+            )
+            reason = (await reader.readexactly(size)).decode(errors="replace") if size else ""
+            if status != ANSWER_OK:
+                raise TextStreamRefused(f"the head node refused the text stream: {reason}")
+            request = {"prompt_workflow_id": prompt_workflow_id, "from": start}
+            writer.write(json.dumps(request).encode() + b"\n")
+            await writer.drain()
+        except (OSError, TimeoutError, asyncio.IncompleteReadError) as err:
+            raise TextStreamError(f"text stream handshake failed: {err!r}") from None
+        while True:
+            try:
+                line = await reader.readline()
+            except (OSError, ValueError) as err:  # ValueError: a line past MAX_LINE
+                raise TextStreamError(f"text stream broke off: {err!r}") from None
+            if not line.endswith(b"\n"):
+                raise TextStreamError("text stream closed before its end")
+            try:
+                event = json.loads(line)
+                kind = event.get("type")
+                if kind == "end":
+                    return
+                if kind == "error":
+                    raise TextStreamError(f"the head node: {event.get('error')}")
+                delta = TextDelta.model_validate(event)
+            except (ValueError, AttributeError) as err:
+                raise TextStreamError(f"bad line from the head node: {err}") from None
+            yield delta
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
