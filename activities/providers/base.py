@@ -190,7 +190,7 @@ def node_environment(
             k.startswith(FAULT_PREFIX)
             or k.startswith("MVP_TEST_")
             or k.startswith("TEMPORAL_")
-            or k == EDGE_TOKEN_ENV
+            or k in (EDGE_TOKEN_ENV, TEXT_TOKEN_ENV)
         )
     }
     env.update({k: v for k, v in (host_env or {}).items() if not k.startswith("TEMPORAL_")})
@@ -198,6 +198,7 @@ def node_environment(
     env.update(temporal_env(temporal_address, inline_files=inline_files))
     env.update({k: os.environ[k] for k in SECRET_ENV_PASSTHROUGH if k in os.environ})
     env.update(harness_faults(spec.run_id))
+    secret = edge_secret()  # read once per node (a chaos cell holds starts on this read)
     env.update(
         {
             "MVP_RUN_ID": str(spec.run_id),
@@ -209,8 +210,8 @@ def node_environment(
             "MVP_AUTHORIZED_ORCHESTRATOR": spec.authorized_orchestrator,
             "MVP_TEMPORAL_NAMESPACE": spec.temporal_namespace,
             "MVP_NODE_DIR": node_dir,
-            EDGE_TOKEN_ENV: edge_token(edge_secret(), spec.run_workflow_id, spec.nonce),
-            TEXT_TOKEN_ENV: text_stream_token(edge_secret(), spec.run_workflow_id, spec.nonce),
+            EDGE_TOKEN_ENV: edge_token(secret, spec.run_workflow_id, spec.nonce),
+            TEXT_TOKEN_ENV: text_stream_token(secret, spec.run_workflow_id, spec.nonce),
         }
     )
     return env

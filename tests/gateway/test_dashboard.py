@@ -592,6 +592,24 @@ def test_the_decode_rate_is_the_head_nodes_own_when_it_reports_its_timing():
     assert prompt_view(finished, untimed).tokens_per_s == 33.0
 
 
+def test_a_prompt_whose_text_went_direct_takes_its_ttft_from_the_head_nodes_timing():
+    """No stream signal in its history (DECISIONS 63): its time to first token is the
+    workflow's queue wait plus the head node's encode, prefill and first delta."""
+    from mvp_core.models import PromptTiming
+
+    done = Done(request_id=6, final_text="x", tokens_generated=8, elapsed_ms=400, stop_reason="eos")
+    timing = PromptTiming(encode_ms=3, prefill_ms=120, first_delta_ms=1, decode_tokens_per_s=20)
+    direct = PromptOutcome(terminal=done, timing=timing, queued_ms=50)
+    f = figures(direct, started_ms=0, scheduled_ms=10, first_text_ms=None)
+    assert (f.ttft_ms, f.queued_ms) == (174, 10)
+    # the published text's time wins where there is one
+    f = figures(direct, started_ms=0, scheduled_ms=10, first_text_ms=300)
+    assert f.ttft_ms == 300
+    # and nothing is made up for a prompt without timing
+    f = figures(PromptOutcome(terminal=done), started_ms=0, scheduled_ms=10, first_text_ms=None)
+    assert f.ttft_ms is None
+
+
 async def test_closing_the_viewers_ends_open_streams_at_once_and_refuses_new_ones():
     hub = Hub(ScriptedObserver(), interval_s=0.01)  # type: ignore[arg-type]
     sub = hub.subscribe()

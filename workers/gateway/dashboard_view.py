@@ -66,7 +66,7 @@ class PromptFigures(BaseModel):
     tokens: int | None = None
     elapsed_ms: int | None = None  # the head node's own generation time (Done.elapsed_ms)
     stop_reason: str | None = None
-    ttft_ms: int | None = None  # admission to its first text reaching Temporal
+    ttft_ms: int | None = None  # admission to its first text reaching Temporal or a reader
     queued_ms: int | None = None  # admission to its generation being scheduled
     decode_tokens_per_s: float | None = None  # the head node's decode rate (its timing)
 
@@ -93,6 +93,12 @@ def figures(
             out.ttft_ms = max(0, first_text_ms - started_ms)
         if scheduled_ms is not None:
             out.queued_ms = max(0, scheduled_ms - started_ms)
+    if out.ttft_ms is None and outcome is not None and outcome.timing is not None:
+        # Its text went to its readers directly (DECISIONS 63), not through Temporal:
+        # the workflow's queue wait plus the head node's own encode, prefill, first delta.
+        t = outcome.timing
+        queued = outcome.queued_ms if outcome.queued_ms is not None else out.queued_ms or 0
+        out.ttft_ms = round(queued + t.encode_ms + t.prefill_ms + t.first_delta_ms)
     return out
 
 

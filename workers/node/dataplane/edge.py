@@ -653,6 +653,7 @@ class DataPlaneServer:
         with self._lock:
             served = self._text
         if served is None:
+            log.warning("text stream: rejected connection from %s: this node serves none", peer)
             self._answer(sock, _REJECT, "this node serves no text stream")
             return False
         if not hmac.compare_digest(token, served[0]):
