@@ -197,6 +197,16 @@ async def level(
     )
 
 
+def gateway_env(address: str, tmp: Path, text: str) -> dict[str, str]:
+    """The gateway's environment: beside the worker (its state directory, so its edge
+    secret: prompts' text straight from the head node, DECISIONS 63), or without the
+    secret (text through Temporal)."""
+    env = {k: v for k, v in os.environ.items() if k != "MVP_EDGE_SECRET"}
+    env["TEMPORAL_ADDRESS"] = address
+    env["MVP_STATE_DIR"] = str(tmp if text == "direct" else tmp / "no-secret-here")
+    return env
+
+
 async def bench_run(args: argparse.Namespace, stages: int, tmp: Path) -> list[Level]:
     """One run of ``stages`` stages through the gateway, every level."""
     top = max(args.levels)
@@ -241,7 +251,7 @@ async def bench_run(args: argparse.Namespace, stages: int, tmp: Path) -> list[Le
                     "--log-level",
                     "warning",
                 ],
-                env={**os.environ, "TEMPORAL_ADDRESS": server.address},
+                env=gateway_env(server.address, tmp, args.text),
                 stdout=sink,
                 stderr=subprocess.STDOUT,
             )
@@ -254,7 +264,9 @@ async def bench_run(args: argparse.Namespace, stages: int, tmp: Path) -> list[Le
         await one_stream(oai, model, PROMPTS[0], 8)  # warm-up
         out: list[Level] = []
         for c in [0, *args.levels]:
-            got = await level(oai, model, c, args, pids, server="mvp", stages=stages)
+            got = await level(
+                oai, model, c, args, pids, server=f"mvp ({args.text} text)", stages=stages
+            )
             print(_row(got), file=sys.stderr, flush=True)
             out.append(got)
         await oai.close()
@@ -374,7 +386,9 @@ def plot(levels: list[Level], path: Path) -> None:
     series: dict[str, list[Level]] = {}
     for lv in levels:
         if lv.concurrency:
-            name = f"{lv.server}, {lv.stages} stage(s)" if lv.server == "mvp" else lv.server
+            name = (
+                f"{lv.server}, {lv.stages} stage(s)" if lv.server.startswith("mvp") else lv.server
+            )
             series.setdefault(name, []).append(lv)
     for name, rows in series.items():
         xs = [r.concurrency for r in rows]
@@ -399,6 +413,13 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--llama-server", default=None, metavar="PATH")
+    p.add_argument(
+        "--text",
+        choices=["direct", "temporal"],
+        default="direct",
+        help="how the gateway reads prompts' text: from the head node (beside the worker, "
+        "the default) or through Temporal (a gateway without the deployment's secret)",
+    )
     p.add_argument("--report", type=Path, default=None, metavar="DIR")
     args = p.parse_args()
     if not 1 <= max(args.levels) <= 32:
