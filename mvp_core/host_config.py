@@ -193,6 +193,7 @@ class HostConfig(_Frozen):
     provider: ProviderKind = ProviderKind.PROCESS
     image: str | None = None
     docker_gpus: str | None = None
+    docker_cpus: float | None = None  # [docker].cpus: each node container's CPU limit
     rpc_bind: SocketAddress = SocketAddress(host=DEFAULT_RPC_HOST, port=DEFAULT_RPC_PORT)
     run_id: int = 1
     node_id: int = 1
@@ -555,6 +556,7 @@ def resolve_config(
         provider=provider,
         image=doc.image.node,
         docker_gpus=doc.docker.gpus,
+        docker_cpus=doc.docker.cpus,
         rpc_bind=rpc_bind,
         run_id=1 if r.run_id is None else r.run_id,
         node_id=1 if r.node_id is None else r.node_id,
@@ -609,13 +611,14 @@ def to_run_request(cfg: HostConfig) -> RunRequest:
     worker_image = cfg.image if cfg.provider is ProviderKind.DOCKER else None
     vast = cfg.vastai if cfg.provider is ProviderKind.VASTAI else None
     gpus = (cfg.docker_gpus or None) if cfg.provider is ProviderKind.DOCKER else None
+    cpus = cfg.docker_cpus if cfg.provider is ProviderKind.DOCKER else None
     try:
         request = RunRequest(
             run_id=cfg.run_id,
             node_id=cfg.node_id,
             provider=cfg.provider,
             worker_image=worker_image,
-            docker=DockerSettings(gpus=gpus),
+            docker=DockerSettings(gpus=gpus, cpus=cpus),
             vastai=VastAiRunSettings() if vast is None else vast.run,
             model=model,
             tokenizer=tokenizer,

@@ -35,7 +35,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from mvp_core.models import ProviderKind, VastAiSettings
+from mvp_core.models import MAX_DOCKER_CPUS, ProviderKind, VastAiSettings
 from mvp_core.validation import _GPUS, _IMAGE_REF
 
 ARG_PIPELINE_STAGES = "--pipeline-stages"
@@ -227,6 +227,12 @@ def _gpus(value: str) -> str:
     return value
 
 
+def _docker_cpus(value: float) -> float:
+    if not 0.01 <= value <= MAX_DOCKER_CPUS:
+        raise _problem(_VALUE, f"expected a number of CPUs from 0.01 to {MAX_DOCKER_CPUS:g}", value)
+    return value
+
+
 def _stages(value: int) -> int:
     if value == 0:
         raise _problem(_VALUE, "", whole=f"{ARG_PIPELINE_STAGES} must be greater than 0")
@@ -306,6 +312,7 @@ PositiveU64 = Annotated[int, BeforeValidator(_integer(U64_MAX)), AfterValidator(
 NonNegative = Annotated[float, BeforeValidator(_number), AfterValidator(_not_negative)]
 Fraction = Annotated[float, BeforeValidator(_number), AfterValidator(_fraction)]
 Bool = Annotated[bool, BeforeValidator(_boolean)]
+DockerCpus = Annotated[float, BeforeValidator(_number), AfterValidator(_docker_cpus)]
 Image = Annotated[str, BeforeValidator(_text), AfterValidator(_image)]
 
 
@@ -361,6 +368,7 @@ class DockerTable(_Frozen):
         Annotated[str, BeforeValidator(lambda raw: _string(raw).strip()), AfterValidator(_gpus)]
         | None
     ) = None
+    cpus: DockerCpus | None = None
 
 
 class ObservabilityTable(_Frozen):

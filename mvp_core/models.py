@@ -261,6 +261,9 @@ class EngineSettings(_Model):
     )
 
 
+MAX_DOCKER_CPUS = 1024.0  # docker.cpus: the most one node container may be given
+
+
 class DockerSettings(_Model):
     """Docker provider settings of a run (process spec [docker])."""
 
@@ -271,6 +274,15 @@ class DockerSettings(_Model):
             "GPUs for each node container: 'all', a count ('2'), or device ids "
             "('0,1' or 'GPU-uuid,...'); null or '' = none. A host without a GPU driver for "
             "Docker fails the node's start with nothing left behind"
+        ),
+    )
+    cpus: float | None = Field(
+        default=None,
+        ge=0.01,  # Docker's own least
+        le=MAX_DOCKER_CPUS,
+        description=(
+            "CPUs each node container may use (docker run --cpus: the kernel's CFS quota), "
+            "e.g. 1 or 0.5; null = no limit. A node sizes its threads to it"
         ),
     )
 
@@ -487,6 +499,7 @@ class NodeProvisionSpec(_Model):
     temporal_namespace: str = "default"
     provider: ProviderKind = ProviderKind.PROCESS
     gpus: str | None = None
+    cpus: float | None = None  # docker.cpus: each node container's CPU limit
     vastai: VastAiSettings | None = None
 
 

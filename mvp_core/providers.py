@@ -23,7 +23,7 @@ class ProviderTraits:
     # A provider stop may take this beyond the stop grace (a rented instance's destroy is
     # retried inside the activity on rate limits).
     stop_allowance_s: float
-    # The request's ``docker.gpus`` applies to its nodes.
+    # The request's ``docker`` section (gpus, cpus) applies to its nodes.
     takes_gpus: bool
 
     def host_nodes(self, node_count: int) -> int:
@@ -44,6 +44,9 @@ class ProviderTraits:
 
     def gpus(self, request: RunRequest) -> str | None:
         return (request.docker.gpus or None) if self.takes_gpus else None
+
+    def cpus(self, request: RunRequest) -> float | None:
+        return request.docker.cpus if self.takes_gpus else None
 
 
 TRAITS: dict[ProviderKind, ProviderTraits] = {

@@ -136,6 +136,10 @@ def _validate_provider_settings(request: RunRequest) -> None:
         raise RunRejectedError(
             f"docker.gpus is a docker provider setting; provider is {request.provider.value!r}"
         )
+    if request.docker.cpus is not None and request.provider is not ProviderKind.DOCKER:
+        raise RunRejectedError(
+            f"docker.cpus is a docker provider setting; provider is {request.provider.value!r}"
+        )
 
 
 def _validate_node_env_key(key: str) -> None:

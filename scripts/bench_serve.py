@@ -19,6 +19,11 @@ in the llama-cpp-python 0.3.36 sdist, README "Benchmarks"), the same requests go
 
     .venv/bin/python scripts/bench_serve.py [--stages 1 2] [--levels 1 4 8 16]
         [--tokens 128] [--rounds 2] [--llama-server PATH] [--report docs/benchmarks]
+        [--text direct|temporal] [--provider docker --cpus 1]
+
+``--provider docker --cpus 1`` runs each stage in a container limited to one CPU (the
+Docker daemon at ``DOCKER_HOST``): 2 stages against 1 at 8 streams shows the pipeline
+filled (each stage busy on some prompts while the other works on others).
 
 ``--report DIR`` writes DIR/serve.md (the table), DIR/serve.json (the figures) and
 DIR/serve.png (aggregate tok/s and TTFT p50 by concurrent streams, per server and stages).
@@ -210,7 +215,12 @@ def gateway_env(address: str, tmp: Path, text: str) -> dict[str, str]:
 async def bench_run(args: argparse.Namespace, stages: int, tmp: Path) -> list[Level]:
     """One run of ``stages`` stages through the gateway, every level."""
     top = max(args.levels)
-    server = start_dev_server(str(tmp / f"t{stages}.db"), log_file=str(tmp / "temporal.log"))
+    docker = args.provider == "docker"
+    server = start_dev_server(
+        str(tmp / f"t{stages}.db"),
+        log_file=str(tmp / "temporal.log"),
+        ip="0.0.0.0" if docker else "127.0.0.1",  # containers reach it on their gateway
+    )
     worker_log = tmp / f"orchestrator-{stages}.log"
     worker = start_worker(server.address, tmp, worker_log, {names.REAPER_INTERVAL_ENV: "0"})
     gateway: subprocess.Popen[bytes] | None = None
@@ -226,6 +236,8 @@ async def bench_run(args: argparse.Namespace, stages: int, tmp: Path) -> list[Le
                 "max_active_prompts": top,
                 "prompt_queue_capacity": 8,
                 "max_context": 512,
+                "provider": args.provider,
+                "docker": {"cpus": args.cpus} if docker else {},
             }
         )
         handle = await start_run(client, run_id, request)
@@ -263,10 +275,17 @@ async def bench_run(args: argparse.Namespace, stages: int, tmp: Path) -> list[Le
         pids = [server.process.pid, worker.pid, gateway.pid]
         await one_stream(oai, model, PROMPTS[0], 8)  # warm-up
         out: list[Level] = []
-        for c in [0, *args.levels]:
-            got = await level(
-                oai, model, c, args, pids, server=f"mvp ({args.text} text)", stages=stages
+        label = f"mvp ({args.text} text)"
+        if docker:
+            label = f"mvp ({args.text} text, docker" + (
+                f" --cpus {args.cpus:g})" if args.cpus else ")"
             )
+        for c in [0, *args.levels]:
+            try:
+                got = await level(oai, model, c, args, pids, server=label, stages=stages)
+            except Exception as err:  # a level that fails is reported, the rest skipped
+                print(f"{label}, {stages} stage(s), level {c}: {err!r}", file=sys.stderr)
+                break
             print(_row(got), file=sys.stderr, flush=True)
             out.append(got)
         await oai.close()
@@ -420,8 +439,18 @@ def main() -> None:
         help="how the gateway reads prompts' text: from the head node (beside the worker, "
         "the default) or through Temporal (a gateway without the deployment's secret)",
     )
+    p.add_argument("--provider", choices=["process", "docker"], default="process")
+    p.add_argument(
+        "--cpus",
+        type=float,
+        default=None,
+        help="docker: each node container's CPU limit (docker.cpus), e.g. 1 to see a "
+        "pipeline fill: 2 one-CPU stages against 1",
+    )
     p.add_argument("--report", type=Path, default=None, metavar="DIR")
     args = p.parse_args()
+    if args.cpus is not None and args.provider != "docker":
+        p.error("--cpus is a docker setting: add --provider docker")
     if not 1 <= max(args.levels) <= 32:
         p.error("--levels: each from 1 to 32 (a run's max_active_prompts)")
     levels = asyncio.run(bench(args))

@@ -346,6 +346,7 @@ class RunWorkflow:
             temporal_namespace=workflow.info().namespace,
             provider=req.provider,
             gpus=traits.gpus(req),
+            cpus=traits.cpus(req),
             mounts=sorted({state.plan.model_path, state.plan.tokenizer_path}),
             vastai=traits.vastai(req),
         )

@@ -363,6 +363,7 @@ class DockerProvider:
                 cap_add=["SYS_NICE"],
                 working_dir=NODE_DIR_IN_CONTAINER,
                 device_requests=device_requests(spec.gpus),
+                nano_cpus=None if spec.cpus is None else max(1, round(spec.cpus * 1e9)),
                 log_config=LogConfig(type="json-file", config={"max-size": "20m", "max-file": "2"}),
                 detach=True,
             )

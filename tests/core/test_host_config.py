@@ -261,6 +261,8 @@ VALID_KEYS = [
     ("[model]\nmax_context = 512", {}, lambda c: c.max_context == 512),
     ('[docker]\ngpus = "0,1"', {}, lambda c: c.docker_gpus == "0,1"),
     ('[docker]\ngpus = "all"', {}, lambda c: c.docker_gpus == "all"),
+    ("[docker]\ncpus = 1", {}, lambda c: c.docker_cpus == 1.0),
+    ("[docker]\ncpus = 0.5", {}, lambda c: c.docker_cpus == 0.5),
     ('[docker]\ngpus = ""', {}, lambda c: c.docker_gpus == "" and c.docker_gpus_or_default == ""),
     (
         '[observability]\ndatastream_frame_log = "logs/frames.jsonl"',
@@ -381,6 +383,11 @@ INVALID_KEYS = [
         'invalid docker.gpus="0;rm": use "all", a count, or comma-separated device ids',
     ),
     ("[docker]\ngpus = 2", "invalid docker.gpus=2: expected a string"),
+    (
+        "[docker]\ncpus = 0.0",
+        "invalid docker.cpus=0.0: expected a number of CPUs from 0.01 to 1024",
+    ),
+    ('[docker]\ncpus = "1"', 'invalid docker.cpus="1": expected a number'),
     (
         "[observability]\ndatastream_frame_log = 1",
         "invalid observability.datastream_frame_log=1: expected a string",
@@ -994,6 +1001,12 @@ max_context = 256
 def test_run_request_image_and_gpus_only_when_configured(toml, image, gpus):
     request = to_run_request(resolve(toml))
     assert request.worker_image == image and request.docker.gpus == gpus
+
+
+def test_run_request_cpus_only_for_the_docker_provider():
+    docker = to_run_request(resolve('[provider]\nkind = "docker"\n[docker]\ncpus = 1.5\n'))
+    assert docker.docker.cpus == 1.5
+    assert to_run_request(resolve("[docker]\ncpus = 1\n")).docker.cpus is None
 
 
 @pytest.mark.parametrize(

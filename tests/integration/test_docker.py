@@ -131,7 +131,9 @@ async def test_docker_pipeline_gives_the_process_text_over_container_addresses(
     run_id = base + 1
     # The documented example (2 stages), with the stage count of this case.
     example = json.loads((REPO / "docs" / "examples" / "run-docker.json").read_text())
-    handle = await druns.start(run_id, **{**example, "pipeline_stages": stages})
+    # Each container limited to one CPU (docker.cpus): the same text, one engine thread.
+    limited = {**example, "pipeline_stages": stages, "docker": {"cpus": 1}}
+    handle = await druns.start(run_id, **limited)
     state = await wait_phase(handle, RunPhase.PROMPT_READY)
     assert await greedy(druns.client, run_id) == expected
 
@@ -141,6 +143,7 @@ async def test_docker_pipeline_gives_the_process_text_over_container_addresses(
     envs = [c.attrs["Config"]["Env"] for c in containers.values()]  # type: ignore[attr-defined]
     assert not [e for env in envs for e in env if e.startswith("HF_TOKEN=") or SECRET in e]
     assert all(any(e.startswith("MVP_EDGE_TOKEN=") for e in env) for env in envs)
+    assert all(c.attrs["HostConfig"]["NanoCpus"] == 10**9 for c in containers.values())  # type: ignore[attr-defined]
     net = run_networks(dclient, run_id)[0]
     by_stage = sorted(state.nodes, key=lambda n: n.stage_index)
     endpoints = []
@@ -173,6 +176,7 @@ async def test_docker_pipeline_gives_the_process_text_over_container_addresses(
         log = Path(node.handle.log_path).read_text()
         assert node.handle.log_path.startswith(str(state_dir))
         assert f"node {node.node_id} stopped" in log
+        assert "(1 thread(s))" in log  # its one CPU (docker.cpus), read from its cgroup
 
 
 async def test_a_killed_container_faults_the_prompt_and_run_and_leaves_nothing(

@@ -8,13 +8,46 @@ import threading
 import pytest
 
 from mvp_core.models import EngineSettings
-from workers.node.affinity import Placement, compute_set
+from workers.node.affinity import Placement, compute_set, cpu_quota
+from workers.node.runtime import default_threads
 
 
 def test_auto_leaves_the_first_core_to_the_control_plane() -> None:
     assert compute_set("auto", [0, 1]) == {1}
     assert compute_set("auto", [3, 1, 2]) == {2, 3}
     assert compute_set("auto", [5]) == frozenset()  # one core: nothing to gain, no pinning
+
+
+def test_auto_pins_nothing_for_a_run_that_generates_several_prompts_at_once() -> None:
+    # its stages work at the same time: one shared core set would make them take turns
+    assert compute_set("auto", [0, 1], many=True) == frozenset()
+    assert compute_set([1], [0, 1], many=True) == {1}  # an explicit set is kept
+
+
+@pytest.mark.parametrize(
+    ("files", "quota"),
+    [
+        ({"cpu.max": "100000 100000\n"}, 1.0),
+        ({"cpu.max": "50000 100000\n"}, 0.5),
+        ({"cpu.max": "max 100000\n"}, None),
+        ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2.0),
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+        ({"cpu.max": "garbage"}, None),
+        ({}, None),
+    ],
+)
+def test_cpu_quota_from_cgroup_v2_or_v1(tmp_path, files, quota) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cpu_quota(tmp_path) == quota
+
+
+def test_a_node_with_a_quota_runs_its_whole_cpus_and_others_share_the_host() -> None:
+    assert default_threads(2, 2) == 1 and default_threads(8, 1) == 7
+    assert default_threads(8, 4, quota=2.0) == 2  # its own --cpus 2, whatever else runs
+    assert default_threads(8, 1, quota=0.5) == 1
+    assert default_threads(2, 1, quota=4.0) == 2  # never more than the host's cores
 
 
 def test_off_and_explicit_lists() -> None:

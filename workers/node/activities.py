@@ -226,7 +226,7 @@ class NodeActivities:
                 ) from None
             print(
                 f"stage {cfg.stage_index} loaded layers [{prov.layers.start},{prov.layers.end}) "
-                f"in {runtime.load_s:.2f}s",
+                f"in {runtime.load_s:.2f}s ({runtime.threads} thread(s))",
                 flush=True,
             )
             self.runtime = runtime

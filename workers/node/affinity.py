@@ -31,17 +31,21 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger("mvp.node")
 
 
 def compute_set(
-    setting: str | Sequence[int], available: Sequence[int] | None = None
+    setting: str | Sequence[int], available: Sequence[int] | None = None, *, many: bool = False
 ) -> frozenset[int]:
     """The cores for the token path; empty means "do not pin".
 
-    ``auto``: every available core but the lowest, when there are at least two.
-    ``off``: no pinning. A list: those cores that are available (none available: no pinning).
+    ``auto``: every available core but the lowest, when there are at least two, for a run
+    that generates one prompt at a time; none for one that generates ``many`` at once
+    (DECISIONS 62: its stages work at the same time, and nodes of one host pinned to one
+    shared set would take turns on it). ``off``: no pinning. A list: those cores that are
+    available (none available: no pinning).
     """
     cores = sorted(os.sched_getaffinity(0) if available is None else available)
     if isinstance(setting, str):
@@ -49,10 +53,28 @@ def compute_set(
             raise ValueError(
                 f"compute_cpus must be 'auto', 'off' or a list of cores, not {setting!r}"
             )
-        if setting == "off" or len(cores) < 2:
+        if setting == "off" or len(cores) < 2 or many:
             return frozenset()
         return frozenset(cores[1:])
     return frozenset(c for c in setting if c in cores)
+
+
+def cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """This process's CPU limit in CPUs from its cgroup (v2 ``cpu.max``, v1
+    ``cpu.cfs_quota_us``/``cpu.cfs_period_us``), None without one or where unreadable."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        if quota == "max":
+            return None
+        return int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        q = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        p = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return q / p if q > 0 and p > 0 else None
 
 
 @dataclass(frozen=True)

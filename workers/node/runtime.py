@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from mvp_core.generation import ChatTemplateRefused, PromptRefused, PromptTooLong
 from mvp_core.models import EdgeKind, StageProvision, SubmitPrompt
 from temporal import telemetry
-from workers.node.affinity import Placement, compute_set
+from workers.node.affinity import Placement, compute_set, cpu_quota
 from workers.node.config import FaultInjection
 from workers.node.dataplane import DataPlaneServer, EdgeGroup, EdgeSpec
 from workers.node.engine import (
@@ -56,6 +56,7 @@ class StageRuntime:
         self.stage = stage
         self.tokenizer = tokenizer
         self.load_s = load_s
+        self.threads = 0  # the engine's CPU threads (set by load)
         self.scheduler: Scheduler | None = None  # direct mode: the whole model here
         self._scheduler_lock = threading.Lock()
         self.link: StageLink | None = None
@@ -63,7 +64,10 @@ class StageRuntime:
         self.group: EdgeGroup | None = None
         # The token path's cores, shared by every node of this host (see affinity.py).
         engine = provision.engine
-        self.placement = Placement(compute_set(engine.compute_cpus), engine.token_path_nice)
+        self.placement = Placement(
+            compute_set(engine.compute_cpus, many=provision.max_active_prompts > 1),
+            engine.token_path_nice,
+        )
 
     @classmethod
     def load(cls, provision: StageProvision) -> StageRuntime:
@@ -74,12 +78,15 @@ class StageRuntime:
         opts = EngineOptions(
             device=settings.device,
             precision=settings.precision,
-            threads=settings.threads or default_threads(os.cpu_count() or 1, host_nodes),
+            threads=settings.threads
+            or default_threads(os.cpu_count() or 1, host_nodes, cpu_quota()),
             fp16_split_points=tuple(settings.fp16_split_points),
         )
         stage = load_stage(provision.model_path, provision.layers.start, provision.layers.end, opts)
         tokenizer = Tokenizer.from_gguf(provision.tokenizer_path)
-        return cls(provision, stage, tokenizer, time.perf_counter() - started)
+        runtime = cls(provision, stage, tokenizer, time.perf_counter() - started)
+        runtime.threads = opts.threads or 0
+        return runtime
 
     @property
     def stop_ids(self) -> set[int]:
@@ -307,11 +314,15 @@ class _TextOut:
         return "".join(self._pieces)
 
 
-def default_threads(cores: int, host_nodes: int) -> int:
+def default_threads(cores: int, host_nodes: int, quota: float | None = None) -> int:
     """Nodes on one host share its cores (DECISIONS 20), and one core is left to the
     control plane (Temporal, the orchestrator worker, the node's own event loop): on 2
     cores a 2-thread node decodes at about a third of a 1-thread node's speed, because its
-    OpenMP threads stall behind those processes."""
+    OpenMP threads stall behind those processes. A node with a CPU quota of its own (a
+    container's ``--cpus``, ``docker.cpus``) runs as many threads as the quota has whole
+    CPUs: more would only be throttled."""
+    if quota is not None:
+        return max(1, min(cores, int(quota)))
     return max(1, (cores - 1) // host_nodes) if cores > 1 else 1
 
 
