@@ -2,8 +2,8 @@
 
 Real runs of the bundled model on local node processes, 1 and 2 stages, 8 prompts active
 at once: each prompt's text is its text alone (greedy and seeded), the run shows them
-generating side by side, and one cancelled mid-stream ends cancelled while the other
-seven finish with their texts. (The queue behind the active prompts:
+generating side by side, one cancelled mid-stream ends cancelled while the other
+seven finish with their texts, and a stage killed under eight ends each with one fault. (The queue behind the active prompts:
 tests/workflows/test_run_lifecycle.py.)
 """
 
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 from typing import Any
 
 import pytest
@@ -18,7 +20,7 @@ from temporalio.client import WorkflowExecutionStatus
 
 from mvp_core.models import Done, Fault, RunPhase, ShutdownReason, SubmitPrompt, TextDelta
 from temporal.client import RunHandle
-from tests.integration.conftest import Runs, wait_closed, wait_phase
+from tests.integration.conftest import Runs, run_failure, snapshot, wait_closed, wait_phase
 
 TEXTS = [
     "The capital of France is",
@@ -204,3 +206,43 @@ async def test_text_comes_from_the_head_node_and_history_does_not_grow_with_leng
     )
     await run.shutdown_and_wait(ShutdownReason.OPERATOR_REQUESTED)
     assert await wait_closed(handle) is WorkflowExecutionStatus.COMPLETED
+
+
+@pytest.mark.parametrize("killed_stage", [0, 1])
+async def test_a_stage_killed_while_eight_generate_ends_each_with_one_fault(
+    runs: Runs, killed_stage: int
+):
+    """Kill the head node (its readers' direct streams break: they fall back to Temporal)
+    or the last stage while 8 prompts generate: each of the 8 ends with exactly one fault,
+    the run faults as with one prompt, and the fixture finds no node left."""
+    run_id = 2230 + killed_stage
+    handle = await runs.start(
+        run_id, pipeline_stages=2, max_active_prompts=8, prompt_queue_capacity=1, max_context=512
+    )
+    state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=180)
+    run = RunHandle(runs.client, run_id)
+    started = [asyncio.Event() for _ in TEXTS]
+    seen: list[list[Any]] = [[] for _ in TEXTS]
+
+    async def follow(i: int) -> None:
+        prompt = SubmitPrompt(request_id=60 + i, prompt_text=TEXTS[i], max_tokens=480)
+        async for event in run.stream(prompt):
+            if isinstance(event, TextDelta):
+                started[i].set()
+            seen[i].append(event)
+
+    following = [asyncio.ensure_future(follow(i)) for i in range(len(TEXTS))]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 180)
+    assert all(not f.done() for f in following), "a prompt ended before the kill"
+    victim = next(n for n in state.nodes if n.stage_index == killed_stage)
+    assert victim.handle is not None and victim.handle.pid is not None
+    os.kill(victim.handle.pid, signal.SIGKILL)
+    await asyncio.wait_for(asyncio.gather(*following), 120)
+    for events in seen:
+        ends = [e for e in events if not isinstance(e, TextDelta)]
+        assert len(ends) == 1 and isinstance(ends[0], Fault), ends[-3:]
+    cause = await run_failure(handle)
+    assert cause.startswith("prompt serving"), cause
+    final = await snapshot(handle)
+    assert final.torn_down and all(n.provider_stopped for n in final.nodes)
+    assert [r.kind.value for r in final.lifecycle].count("RunFaulted") == 1
