@@ -311,6 +311,34 @@ def test_the_choice_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) 
     assert native.library() is not None
 
 
+def test_auto_takes_the_avx2_build_for_a_model_of_its_formats_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DECISIONS 64: ``auto`` takes the kernel with AVX-512 VNNI for any model, the AVX2
+    build for a model of Q4_0/Q4_1/Q5_0/Q8_0 matrices alone (the bundled SmolLM2), and
+    torch's kernels otherwise; once made, the choice holds for the process."""
+    simd = native.load(native.build()).mvk_simd()
+    smollm, gemma = frozenset({"Q4_1", "Q8_0"}), frozenset({"Q4_K", "Q6_K", "Q8_0", "Q5_0"})
+    try:
+        monkeypatch.setenv(native.ENV_CHOICE, "auto")
+        native.forget()
+        native.expect_formats(smollm)
+        chosen = native.library()
+        assert (chosen is not None) == (simd in (1, 2)), native.why_not()
+        native.forget()
+        native.expect_formats(gemma)
+        chosen = native.library()
+        assert (chosen is not None) == (simd == 1)
+        if simd == 2:
+            assert "the model has Q4_K, Q6_K" in native.why_not()
+        native.expect_formats(smollm)  # too late: this process has chosen
+        assert native.library() is chosen
+    finally:
+        monkeypatch.undo()
+        native.forget()
+    assert native.library() is not None
+
+
 @pytest.mark.parametrize("variant", [(), ("-DMVK_GENERIC",)], ids=["simd", "plain-c"])
 def test_the_kernel_builds_without_a_warning(tmp_path: Path, variant: tuple[str, ...]) -> None:
     """Both builds of qmm.c compile clean under -Wall -Wextra -Werror: a warning (an

@@ -46,6 +46,23 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
 _why_not = ""
+_formats: frozenset[str] | None = None  # the weight formats of the first model loaded
+
+# What the AVX2 build (mvk_simd() == 2) computes in AVX2: a model whose matrices are all of
+# these runs faster there than on torch's kernels; any other format (Q4_K, Q6_K) would
+# run in plain C.
+AVX2_FORMATS = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q8_0"})
+
+
+def expect_formats(formats: frozenset[str]) -> None:
+    """The weight formats (GGUF type names of the 2-D tensors) of the model this process
+    loads: ``auto`` takes the AVX2 build for a model of AVX2_FORMATS alone. Once the
+    choice is made (the first ``library()``) it holds for the process."""
+    global _formats
+    with _lock:
+        if not _tried:
+            _formats = formats
+
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -191,24 +208,34 @@ def library() -> ctypes.CDLL | None:
             _why_not = str(e)
             log.warning("engine: native kernel unavailable, using torch's: %s", e)
             return None
-        if not lib.mvk_simd():
-            # The plain C build: every sum in the AVX-512 build's order, lane by lane, so
-            # the same bits (llama.cpp's logits) on any x86-64 CPU, but several times
-            # slower than torch's kernels: only when asked for (MVP_ENGINE_KERNEL=native).
+        simd = lib.mvk_simd()
+        if simd == 2 and choice == "auto" and _formats is not None and _formats <= AVX2_FORMATS:
+            log.info(
+                "engine: native kernel, AVX2 (no AVX-512 VNNI; %s)", ", ".join(sorted(_formats))
+            )
+        elif simd != 1:
+            # The plain C build (or the AVX2 one with formats it runs in plain C): every
+            # sum in the AVX-512 build's order, lane by lane, so the same bits (llama.cpp's
+            # logits) on any x86-64 CPU, but several times slower than torch's kernels:
+            # only when asked for (MVP_ENGINE_KERNEL=native).
             if choice == "auto":
-                _why_not = "this CPU has no AVX-512 VNNI (MVP_ENGINE_KERNEL=native: plain C)"
-                log.info("engine: no AVX-512 VNNI; using torch's kernels")
+                why = "this CPU has no AVX-512 VNNI"
+                if simd == 2:
+                    others = sorted((_formats or frozenset()) - AVX2_FORMATS)
+                    why += f" and the model has {', '.join(others) or 'unknown formats'}"
+                _why_not = f"{why} (MVP_ENGINE_KERNEL=native: plain C for those)"
+                log.info("engine: %s; using torch's kernels", why)
                 return None
-            log.info("engine: native kernel in plain C (no AVX-512 VNNI): exact, slower")
+            log.info("engine: native kernel without AVX-512 VNNI: exact, slower")
         _lib = lib
         return _lib
 
 
 def forget() -> None:
     """Drop the cached choice, so the next ``library()`` reads MVP_ENGINE_KERNEL again."""
-    global _lib, _tried, _why_not
+    global _lib, _tried, _why_not, _formats
     with _lock:
-        _lib, _tried, _why_not = None, False, ""
+        _lib, _tried, _why_not, _formats = None, False, "", None
 
 
 def why_not() -> str:

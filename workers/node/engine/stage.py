@@ -166,12 +166,22 @@ def _layer(b: WeightBuilder, cfg: ArchConfig, i: int, ggml: bool) -> LayerWeight
     )
 
 
+def weight_formats(path: str) -> frozenset[str]:
+    """The formats (GGUF type names) of the model's matrices, from its header alone."""
+    f = GGUFFile(path, map_tensors=False)
+    try:
+        return frozenset(t.type_name for t in f.tensors.values() if len(t.shape) == 2)
+    finally:
+        f.close()
+
+
 def load_stage(
     path: str, layer_start: int, layer_end: int, options: EngineOptions = EngineOptions()
 ) -> Stage:
     """Map the GGUF and build layers ``[layer_start, layer_end)`` (end exclusive)."""
     device = resolve_device(options.device)
     if device.type == "cpu":
+        native.expect_formats(weight_formats(path))
         threads = options.threads or os.cpu_count() or 1
         if options.precision == "default" and native.library() is not None:
             # The native kernel's pool does the matrix products; torch's own threads would

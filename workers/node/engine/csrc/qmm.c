@@ -29,11 +29,21 @@
     !defined(MVK_GENERIC)
 #include <immintrin.h>
 #define MVK_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(MVK_GENERIC)
+/* The build without AVX-512 on a CPU with AVX2: the Q4_0/Q4_1/Q5_0/Q8_0 products
+ * (rows_avx2_q0) in AVX2, the same integer sums and the same 8 float lanes as the plain C
+ * (so the same bits); everything else in plain C. */
+#include <immintrin.h>
+#define MVK_AVX2 1
 #endif
 
+/* 1: the AVX-512 VNNI build; 2: the AVX2 build (Q4_0/Q4_1/Q5_0/Q8_0 products in AVX2,
+ * the rest in plain C); 0: plain C. */
 int mvk_simd(void) {
-#ifdef MVK_AVX512
+#if defined(MVK_AVX512)
     return 1;
+#elif defined(MVK_AVX2)
+    return 2;
 #else
     return 0;
 #endif
@@ -706,6 +716,7 @@ static inline float param_q0(const mvk_job *j, const void *p, int64_t n, int64_t
 }
 
 #ifndef MVK_AVX512 /* the build without AVX-512: every row in plain C */
+#ifndef MVK_AVX2
 /* MVK_ARITH_Q0 in plain C: the same lanes, chain and sums as rows_q0. */
 static void rows_generic_q0(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, int tt) {
     const int64_t kp = j->kp, ns = kp / 32;
@@ -737,6 +748,101 @@ static void rows_generic_q0(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0
         }
     }
 }
+
+#endif
+
+#ifdef MVK_AVX2
+/* rows_generic_q0 in AVX2. Lane l of group g sums the 4 products of elements 4l..4l+3
+ * (integers: any order gives the same sum); the 8 lanes are one __m256, each lane's
+ * chain the same fused multiply-adds as the plain C, and the same final sum. */
+static inline __m256i codes32_q0(const mvk_job *j, int64_t at, int64_t r) {
+    if (j->nibble) { /* lanes 2p (low nibbles) and 2p+1 (high) in bytes 64p + 4r.. */
+        const uint8_t *b = j->codes + at * 256 + 4 * r;
+        uint32_t w0, w1, w2, w3;
+        memcpy(&w0, b, 4);
+        memcpy(&w1, b + 64, 4);
+        memcpy(&w2, b + 128, 4);
+        memcpy(&w3, b + 192, 4);
+        const __m128i v = _mm_set_epi32((int)w3, (int)w2, (int)w1, (int)w0);
+        const __m128i m = _mm_set1_epi8(15);
+        const __m128i lo = _mm_and_si128(v, m), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m);
+        return _mm256_set_m128i(_mm_unpackhi_epi32(lo, hi), _mm_unpacklo_epi32(lo, hi));
+    }
+    const uint8_t *b = j->codes + at * 512 + 4 * r; /* lane l in bytes 64l + 4r.. */
+    uint32_t w[8];
+    for (int l = 0; l < 8; l++) memcpy(&w[l], b + 64 * l, 4);
+    return _mm256_set_epi32((int)w[7], (int)w[6], (int)w[5], (int)w[4], (int)w[3], (int)w[2],
+                            (int)w[1], (int)w[0]);
+}
+
+static inline float param_q0_avx2(const mvk_job *j, const void *p, int64_t n, int64_t g) {
+    const int64_t i = ((n / 16) * (j->kp / 32) + g) * 16 + n % 16;
+#ifdef __F16C__
+    if (!j->f32) return _cvtsh_ss(((const uint16_t *)p)[i]); /* exact, as h2f */
+#endif
+    return j->f32 ? ((const float *)p)[i] : h2f(((const uint16_t *)p)[i]);
+}
+
+static void rows_avx2_q0(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, int tt) {
+    const int64_t kp = j->kp, ns = kp / 32;
+    const __m256i ones16 = _mm256_set1_epi16(1);
+    const __m256i ones8 = _mm256_set1_epi8(1);
+    /* 4-bit codes times int8 activations (|q| <= 127) cannot saturate maddubs' int16
+     * pair sums (2 x 15 x 127); wider codes go through int16 products (madd). */
+    const int narrow = j->nibble;
+    for (int64_t n = n0; n < n1; n++) {
+        const int32_t zero = j->zrow ? j->zrow[n] : 0;
+        const __m256i vzero = _mm256_set1_epi32(zero);
+        const int64_t base = (n / 16) * ns, r = n % 16;
+        __m256 acc[TILE];
+        for (int t = 0; t < tt; t++) acc[t] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < ns; g++) { /* a group's codes once, for every row t */
+            const __m256i c = codes32_q0(j, base + g, r);
+            const __m256i ca = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(c));
+            const __m256i cb = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(c, 1));
+            const float scale = param_q0_avx2(j, j->scale, n, g);
+            for (int t = 0; t < tt; t++) {
+                const int64_t tr = t0 + t;
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(j->qx + tr * kp + g * 32));
+                __m256i isum; /* lane l: the sum over elements 4l..4l+3, lanes in order */
+                if (narrow) {
+                    isum = _mm256_madd_epi16(_mm256_maddubs_epi16(c, x), ones16);
+                    if (zero) {
+                        const __m256i xs = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, x), ones16);
+                        isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(vzero, xs));
+                    }
+                } else {
+                    const __m256i xa = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(x));
+                    const __m256i xb = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(x, 1));
+                    isum = _mm256_hadd_epi32(_mm256_madd_epi16(ca, xa), _mm256_madd_epi16(cb, xb));
+                    if (zero) {
+                        const __m256i xs = _mm256_hadd_epi32(_mm256_madd_epi16(xa, ones16),
+                                                             _mm256_madd_epi16(xb, ones16));
+                        isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(vzero, xs));
+                    }
+                    isum = _mm256_permute4x64_epi64(isum, 0xD8); /* 0,1,4,5,2,3,6,7 -> 0..7 */
+                }
+                const float d = scale * j->dxe[tr * kp / 4 + g * 8];
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d), acc[t]);
+            }
+        }
+        for (int t = 0; t < tt; t++) {
+            const int64_t tr = t0 + t;
+            float a[8];
+            _mm256_storeu_ps(a, acc[t]);
+            float r0 = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+            if (!j->zrow) {
+                float summs = 0.0f;
+                for (int64_t g = 0; g < ns; g++)
+                    summs = MVK_SUMMS(summs, param_q0_avx2(j, j->min, n, g), j->s32[tr * ns + g]);
+                r0 += summs;
+            }
+            if (j->add) r0 += j->add[tr * j->ldadd + n];
+            j->y[tr * j->ldy + n] = r0;
+        }
+    }
+}
+#endif
 
 /* MVK_ARITH_Q4K and Q6K in plain C: the same integer sums, chains and lanes. */
 static void rows_generic_k(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, int tt) {
@@ -810,7 +916,11 @@ static void rows_generic_k(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0,
 
 static void rows_generic(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, int tt) {
     if (j->arith == MVK_ARITH_Q0) {
+#ifdef MVK_AVX2
+        rows_avx2_q0(j, n0, n1, t0, tt);
+#else
         rows_generic_q0(j, n0, n1, t0, tt);
+#endif
         return;
     }
     if (j->arith == MVK_ARITH_Q4K || j->arith == MVK_ARITH_Q6K) {
