@@ -331,8 +331,10 @@ async def bench_llama(args: argparse.Namespace, tmp: Path) -> list[Level]:
                 stdout=sink,
                 stderr=subprocess.STDOUT,
             )
+        # retries: llama-server may close a kept-alive connection just as the next
+        # request reuses it ("Server disconnected without sending a response")
         oai = AsyncOpenAI(
-            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=2, timeout=600
         )
         try:
             deadline = time.monotonic() + 120

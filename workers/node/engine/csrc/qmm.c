@@ -783,6 +783,78 @@ static inline float param_q0_avx2(const mvk_job *j, const void *p, int64_t n, in
     return j->f32 ? ((const float *)p)[i] : h2f(((const uint16_t *)p)[i]);
 }
 
+/* 8 rows' float16 (or float32) parameters of one group, from element i on. */
+static inline __m256 params8_avx2(const mvk_job *j, const void *p, int64_t i) {
+    if (j->f32) return _mm256_loadu_ps((const float *)p + i);
+#ifdef __F16C__
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+#else
+    float v[8];
+    for (int r = 0; r < 8; r++) v[r] = h2f(((const uint16_t *)p)[i + r]);
+    return _mm256_loadu_ps(v);
+#endif
+}
+
+/* rows n..n+7 (n % 8 == 0) of a 4-bit Q0 product, one row per float lane: the group's
+ * 16-row block holds, for lanes 2p and 2p+1, each row's 4 codes in 4 bytes at 64p + 4r,
+ * so 8 rows' codes for two lanes are one 32-byte load. Each row's lane sums, chains and
+ * final sum are rows_generic_q0's, lane for lane (vector adds are the same IEEE adds). */
+static void rows8_avx2_q0(const mvk_job *j, int64_t n, int64_t t0, int tt) {
+    const int64_t kp = j->kp, ns = kp / 32, base = (n / 16) * ns, h = (n % 16) / 8;
+    const __m256i m4 = _mm256_set1_epi8(15), ones16 = _mm256_set1_epi16(1);
+    const __m256i ones8 = _mm256_set1_epi8(1);
+    __m256i zv = _mm256_setzero_si256();
+    if (j->zrow) {
+        int64_t z8;
+        memcpy(&z8, j->zrow + n, 8);
+        zv = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(z8));
+    }
+    for (int t = 0; t < tt; t++) {
+        const int64_t tr = t0 + t;
+        const int8_t *q = j->qx + tr * kp;
+        const float *de = j->dxe + tr * kp / 4;
+        __m256 acc[8];
+        for (int l = 0; l < 8; l++) acc[l] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < ns; g++) {
+            const int64_t at = base + g;
+            const uint8_t *b = j->codes + at * 256 + 32 * h;
+            const __m256 d = _mm256_mul_ps(params8_avx2(j, j->scale, at * 16 + 8 * h),
+                                           _mm256_set1_ps(de[g * 8]));
+            for (int p = 0; p < 4; p++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 64 * p));
+                const __m256i lo = _mm256_and_si256(w, m4);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+                int32_t a0, a1;
+                memcpy(&a0, q + g * 32 + 8 * p, 4);
+                memcpy(&a1, q + g * 32 + 8 * p + 4, 4);
+                const __m256i x0 = _mm256_set1_epi32(a0), x1 = _mm256_set1_epi32(a1);
+                __m256i i0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), ones16);
+                __m256i i1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), ones16);
+                if (j->zrow) {
+                    const __m256i s0 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, x0), ones16);
+                    const __m256i s1 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, x1), ones16);
+                    i0 = _mm256_sub_epi32(i0, _mm256_mullo_epi32(zv, s0));
+                    i1 = _mm256_sub_epi32(i1, _mm256_mullo_epi32(zv, s1));
+                }
+                acc[2 * p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), d, acc[2 * p]);
+                acc[2 * p + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), d, acc[2 * p + 1]);
+            }
+        }
+        __m256 r = _mm256_add_ps(
+            _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6])),
+            _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7])));
+        if (!j->zrow) {
+            __m256 summs = _mm256_setzero_ps();
+            for (int64_t g = 0; g < ns; g++)
+                summs = _mm256_fmadd_ps(params8_avx2(j, j->min, (base + g) * 16 + 8 * h),
+                                        _mm256_set1_ps(j->s32[tr * ns + g]), summs);
+            r = _mm256_add_ps(r, summs);
+        }
+        if (j->add) r = _mm256_add_ps(r, _mm256_loadu_ps(j->add + tr * j->ldadd + n));
+        _mm256_storeu_ps(j->y + tr * j->ldy + n, r);
+    }
+}
+
 static void rows_avx2_q0(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, int tt) {
     const int64_t kp = j->kp, ns = kp / 32;
     const __m256i ones16 = _mm256_set1_epi16(1);
@@ -791,6 +863,11 @@ static void rows_avx2_q0(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, i
      * pair sums (2 x 15 x 127); wider codes go through int16 products (madd). */
     const int narrow = j->nibble;
     for (int64_t n = n0; n < n1; n++) {
+        if (narrow && n % 8 == 0 && n + 8 <= n1) { /* 8 rows at once, one per lane */
+            rows8_avx2_q0(j, n, t0, tt);
+            n += 7;
+            continue;
+        }
         const int32_t zero = j->zrow ? j->zrow[n] : 0;
         const __m256i vzero = _mm256_set1_epi32(zero);
         const int64_t base = (n / 16) * ns, r = n % 16;
