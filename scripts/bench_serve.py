@@ -85,6 +85,8 @@ PROMPTS = [
 SAME_REQUEST = {"repeat_penalty": 1.0}  # llama.cpp's default is 1.1; the gateway ignores it
 LLAMA_THREADS = 2
 SEQUENTIAL = 8
+IDLE_S = 10.0
+NOTES: list[str] = []  # lines under the table (the control plane at rest)
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -274,6 +276,18 @@ async def bench_run(args: argparse.Namespace, stages: int, tmp: Path) -> list[Le
         model = (await oai.models.list()).data[0].id
         pids = [server.process.pid, worker.pid, gateway.pid]
         await one_stream(oai, model, PROMPTS[0], 8)  # warm-up
+        # The control plane's cost with nothing generating: pollers, timers, heartbeats
+        # of the run's long-lived activities (a floor under every level's per-token CPU).
+        each0 = [_cpu_s([pid]) for pid in pids]
+        await asyncio.sleep(IDLE_S)
+        rest = [(_cpu_s([pid]) - c0) * 1000 / IDLE_S for pid, c0 in zip(pids, each0, strict=True)]
+        NOTES.append(
+            f"{stages} stage(s), {args.provider}: the control plane at rest (a prompt-ready run, "
+            f"no prompt) uses {sum(rest):.0f} ms CPU per second ("
+            + " + ".join(f"{r:.0f}" for r in rest)
+            + "); a level's per-token figure includes that floor over its wall time."
+        )
+        print(NOTES[-1], file=sys.stderr, flush=True)
         out: list[Level] = []
         label = f"mvp ({args.text} text)"
         if docker:
@@ -387,6 +401,7 @@ def table(levels: list[Level], args: argparse.Namespace) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     lines += [_row(lv) for lv in levels]
+    lines += ["", *NOTES] if NOTES else []
     return "\n".join(lines)
 
 

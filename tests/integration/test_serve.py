@@ -33,6 +33,7 @@ TEXTS = [
     "My favourite colour is",
 ]
 N = 20  # tokens per prompt
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8,"  # greedy SmolLM2 counts on and on
 
 
 def _prompt(rid: int, text: str, seeded: bool) -> SubmitPrompt:
@@ -161,9 +162,8 @@ async def test_text_comes_from_the_head_node_and_history_does_not_grow_with_leng
     handle = await runs.start(run_id, pipeline_stages=2, max_context=1024)
     await wait_phase(handle, RunPhase.PROMPT_READY, timeout=180)
     run = RunHandle(runs.client, run_id)
-    counting = "1, 2, 3, 4, 5, 6, 7, 8,"  # greedy SmolLM2 counts on and on
-    short = SubmitPrompt(request_id=1, prompt_text=counting, max_tokens=32)
-    long = SubmitPrompt(request_id=2, prompt_text=counting, max_tokens=512)
+    short = SubmitPrompt(request_id=1, prompt_text=COUNTING, max_tokens=32)
+    long = SubmitPrompt(request_id=2, prompt_text=COUNTING, max_tokens=512)
     for prompt in (short, long):
         text, ends = await _stream_all(run, prompt)
         assert len(ends) == 1 and isinstance(ends[0], Done), ends
@@ -225,7 +225,9 @@ async def test_a_stage_killed_while_eight_generate_ends_each_with_one_fault(
     seen: list[list[Any]] = [[] for _ in TEXTS]
 
     async def follow(i: int) -> None:
-        prompt = SubmitPrompt(request_id=60 + i, prompt_text=TEXTS[i], max_tokens=480)
+        # greedy SmolLM2 counts on past any cap here: no prompt can end before the kill,
+        # however fast the kernel (some of TEXTS end on their end token)
+        prompt = SubmitPrompt(request_id=60 + i, prompt_text=COUNTING, max_tokens=480)
         async for event in run.stream(prompt):
             if isinstance(event, TextDelta):
                 started[i].set()
