@@ -675,6 +675,9 @@ static void rows_simd_n(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, in
 #endif
 
 static inline float h2f(uint16_t h) {
+#if defined(__F16C__) && (defined(MVK_AVX512) || defined(MVK_AVX2))
+    return _cvtsh_ss(h); /* exact, as the bit manipulation below */
+#endif
     uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023, bits;
     if (e == 0) {
         if (m == 0) {
@@ -716,6 +719,21 @@ static inline float param_q0(const mvk_job *j, const void *p, int64_t n, int64_t
 }
 
 #ifndef MVK_AVX512 /* the build without AVX-512: every row in plain C */
+/* Row n of activation row tr of a Q0 product from its 8 lane sums: their pairing tree,
+ * Q4_1's mins (no zero codes), the added term. */
+static inline void store_row_q0(const mvk_job *j, int64_t n, int64_t tr, const float acc[8]) {
+    const int64_t ns = j->kp / 32;
+    float r = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    if (!j->zrow) {
+        float summs = 0.0f;
+        for (int64_t g = 0; g < ns; g++)
+            summs = MVK_SUMMS(summs, param_q0(j, j->min, n, g), j->s32[tr * ns + g]);
+        r += summs;
+    }
+    if (j->add) r += j->add[tr * j->ldadd + n];
+    j->y[tr * j->ldy + n] = r;
+}
+
 #ifndef MVK_AVX2
 /* MVK_ARITH_Q0 in plain C: the same lanes, chain and sums as rows_q0. */
 static void rows_generic_q0(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, int tt) {
@@ -736,15 +754,7 @@ static void rows_generic_q0(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0
                     acc[l] = fmaf((float)isum, d, acc[l]);
                 }
             }
-            float r = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
-            if (!j->zrow) {
-                float summs = 0.0f;
-                for (int64_t g = 0; g < ns; g++)
-                    summs = MVK_SUMMS(summs, param_q0(j, j->min, n, g), j->s32[tr * ns + g]);
-                r += summs;
-            }
-            if (j->add) r += j->add[tr * j->ldadd + n];
-            j->y[tr * j->ldy + n] = r;
+            store_row_q0(j, n, tr, acc);
         }
     }
 }
@@ -773,14 +783,6 @@ static inline __m256i codes32_q0(const mvk_job *j, int64_t at, int64_t r) {
     for (int l = 0; l < 8; l++) memcpy(&w[l], b + 64 * l, 4);
     return _mm256_set_epi32((int)w[7], (int)w[6], (int)w[5], (int)w[4], (int)w[3], (int)w[2],
                             (int)w[1], (int)w[0]);
-}
-
-static inline float param_q0_avx2(const mvk_job *j, const void *p, int64_t n, int64_t g) {
-    const int64_t i = ((n / 16) * (j->kp / 32) + g) * 16 + n % 16;
-#ifdef __F16C__
-    if (!j->f32) return _cvtsh_ss(((const uint16_t *)p)[i]); /* exact, as h2f */
-#endif
-    return j->f32 ? ((const float *)p)[i] : h2f(((const uint16_t *)p)[i]);
 }
 
 /* 8 rows' float16 (or float32) parameters of one group, from element i on. */
@@ -877,7 +879,7 @@ static void rows_avx2_q0(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, i
             const __m256i c = codes32_q0(j, base + g, r);
             const __m256i ca = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(c));
             const __m256i cb = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(c, 1));
-            const float scale = param_q0_avx2(j, j->scale, n, g);
+            const float scale = param_q0(j, j->scale, n, g);
             for (int t = 0; t < tt; t++) {
                 const int64_t tr = t0 + t;
                 const __m256i x = _mm256_loadu_si256((const __m256i *)(j->qx + tr * kp + g * 32));
@@ -907,15 +909,7 @@ static void rows_avx2_q0(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, i
             const int64_t tr = t0 + t;
             float a[8];
             _mm256_storeu_ps(a, acc[t]);
-            float r0 = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-            if (!j->zrow) {
-                float summs = 0.0f;
-                for (int64_t g = 0; g < ns; g++)
-                    summs = MVK_SUMMS(summs, param_q0_avx2(j, j->min, n, g), j->s32[tr * ns + g]);
-                r0 += summs;
-            }
-            if (j->add) r0 += j->add[tr * j->ldadd + n];
-            j->y[tr * j->ldy + n] = r0;
+            store_row_q0(j, n, tr, a);
         }
     }
 }
