@@ -315,10 +315,12 @@ def test_auto_takes_the_avx2_build_for_a_model_of_its_formats_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """DECISIONS 64: ``auto`` takes the kernel with AVX-512 VNNI for any model, the AVX2
-    build for a model of Q4_0/Q4_1/Q5_0/Q8_0 matrices alone (the bundled SmolLM2), and
-    torch's kernels otherwise; once made, the choice holds for the process."""
+    build for a model of Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K matrices alone (both bundled
+    models), and torch's kernels otherwise (a Q5_K matrix: plain C there); once made, the
+    choice holds for the process."""
     simd = native.load(native.build()).mvk_simd()
-    smollm, gemma = frozenset({"Q4_1", "Q8_0"}), frozenset({"Q4_K", "Q6_K", "Q8_0", "Q5_0"})
+    gemma = frozenset({"Q4_K", "Q6_K", "Q8_0", "Q5_0"})
+    smollm, q5k = frozenset({"Q4_1", "Q8_0"}), frozenset({"Q5_K", "Q6_K"})
     try:
         monkeypatch.setenv(native.ENV_CHOICE, "auto")
         native.forget()
@@ -327,10 +329,13 @@ def test_auto_takes_the_avx2_build_for_a_model_of_its_formats_alone(
         assert (chosen is not None) == (simd in (1, 2)), native.why_not()
         native.forget()
         native.expect_formats(gemma)
+        assert (native.library() is not None) == (simd in (1, 2)), native.why_not()
+        native.forget()
+        native.expect_formats(q5k)
         chosen = native.library()
         assert (chosen is not None) == (simd == 1)
         if simd == 2:
-            assert "the model has Q4_K, Q6_K" in native.why_not()
+            assert "the model has Q5_K" in native.why_not()
         native.expect_formats(smollm)  # too late: this process has chosen
         assert native.library() is chosen
     finally:

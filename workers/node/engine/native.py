@@ -49,9 +49,9 @@ _why_not = ""
 _formats: frozenset[str] | None = None  # the weight formats of the first model loaded
 
 # What the AVX2 build (mvk_simd() == 2) computes in AVX2: a model whose matrices are all of
-# these runs faster there than on torch's kernels; any other format (Q4_K, Q6_K) would
-# run in plain C.
-AVX2_FORMATS = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q8_0"})
+# these runs faster there than on torch's kernels; any other format (Q5_K) would run in
+# plain C.
+AVX2_FORMATS = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"})
 
 
 def expect_formats(formats: frozenset[str]) -> None:
