@@ -2,8 +2,8 @@
 
 (a) Four 1-stage runs on one orchestrator worker, each with a full prompt queue: every
     text must equal what the same prompt gives alone (greedy decode is deterministic),
-    every prompt ends exactly once. (b) 400 short prompts through one run that rolls
-    over (continue-as-new) every ~45-65 prompts: every run of the chain keeps a bounded
+    every prompt ends exactly once. (b) 240 short prompts through one run that rolls
+    over (continue-as-new) every ~33-50 prompts: every run of the chain keeps a bounded
     history, every prompt ends exactly once, and the count carries across the chain.
 
 The figures (prompts/s, history events per prompt, wall time, continue-as-new count, max
@@ -41,16 +41,16 @@ from tests.integration.conftest import (
 )
 
 # The server suggests continue-as-new past this many events: (b) rolls over every
-# ~45-65 prompts (one prompt is ~12-18 run events), (a)'s runs (at most ~400 events: 16
+# ~33-50 prompts (one prompt is ~12-18 run events), (a)'s runs (at most ~400 events: 16
 # prompts and the startup) never do.
-SUGGEST_AT = 800
+SUGGEST_AT = 600
 # A run keeps serving the prompts it admitted before the suggestion (at most IN_FLIGHT
 # here), then continues as new; the last run adds its teardown.
 HISTORY_BOUND = SUGGEST_AT + 250
 IN_FLIGHT = 4
-# 400 by default (six or more runs in the chain); MVP_LOAD_PROMPTS sets another count
+# 240 by default (five or more runs in the chain); MVP_LOAD_PROMPTS sets another count
 # (the figures say which).
-PROMPTS = int(os.environ.get("MVP_LOAD_PROMPTS", "400"))
+PROMPTS = int(os.environ.get("MVP_LOAD_PROMPTS", "240"))
 TEXTS = [
     "The capital of France is",
     "Once upon a time",
