@@ -19,7 +19,7 @@ in the llama-cpp-python 0.3.36 sdist, README "Benchmarks"), the same requests go
 
     .venv/bin/python scripts/bench_serve.py [--stages 1 2] [--levels 1 4 8 16]
         [--tokens 128] [--rounds 2] [--llama-server PATH] [--report docs/benchmarks]
-        [--text direct|temporal] [--provider docker --cpus 1]
+        [--text direct|temporal] [--provider docker --cpus 1] [--threads N]
 
 ``--provider docker --cpus 1`` runs each stage in a container limited to one CPU (the
 Docker daemon at ``DOCKER_HOST``): 2 stages against 1 at 8 streams shows the pipeline
@@ -240,6 +240,7 @@ async def bench_run(args: argparse.Namespace, stages: int, tmp: Path) -> list[Le
                 "max_context": 512,
                 "provider": args.provider,
                 "docker": {"cpus": args.cpus} if docker else {},
+                "engine": {"threads": args.threads} if args.threads else {},
             }
         )
         handle = await start_run(client, run_id, request)
@@ -294,6 +295,8 @@ async def bench_run(args: argparse.Namespace, stages: int, tmp: Path) -> list[Le
             label = f"mvp ({args.text} text, docker" + (
                 f" --cpus {args.cpus:g})" if args.cpus else ")"
             )
+        if args.threads:
+            label = label[:-1] + f", {args.threads} engine thread(s))"
         for c in [0, *args.levels]:
             try:
                 got = await level(oai, model, c, args, pids, server=label, stages=stages)
@@ -463,6 +466,13 @@ def main() -> None:
         default=None,
         help="docker: each node container's CPU limit (docker.cpus), e.g. 1 to see a "
         "pipeline fill: 2 one-CPU stages against 1",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="engine threads per node (engine.threads; default: the node's own choice, "
+        "DECISIONS 20)",
     )
     p.add_argument("--report", type=Path, default=None, metavar="DIR")
     args = p.parse_args()

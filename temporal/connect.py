@@ -30,7 +30,7 @@ from temporalio.converter import DataConverter, DefaultFailureConverterWithEncod
 from temporalio.envconfig import ClientConfigProfile, ClientConfigTLS, DataSource
 from temporalio.service import RPCError, RPCStatusCode, TLSConfig
 
-from temporal import telemetry
+from temporal import core_log, telemetry
 from temporal.codec import EncryptionCodec, codec_from_env
 
 DEFAULT_ADDRESS = "localhost:7233"
@@ -395,6 +395,8 @@ async def connect(
     if tel.runtime is not None:
         kwargs["runtime"] = tel.runtime
         await tel.start_exporter()
+    else:
+        kwargs["runtime"] = core_log.runtime()  # the core's warnings, without bursts
     converter = data_converter or default_data_converter()
     deadline = time.monotonic() + STARTUP_GRACE_S
     while True:

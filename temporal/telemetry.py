@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from mvp_core import metrics, names
+from temporal import core_log
 
 log = logging.getLogger(__name__)
 
@@ -396,7 +397,9 @@ def setup(
 
         tel.meter_provider = MeterProvider(resource=resource, metric_readers=readers)
         tel._buffer = MetricBuffer(100_000)
-        tel.runtime = Runtime(telemetry=TelemetryConfig(metrics=tel._buffer))
+        tel.runtime = Runtime(
+            telemetry=TelemetryConfig(logging=core_log.logging_config(), metrics=tel._buffer)
+        )
         tel._exporter = MetricsExporter(tel._buffer, tel.meter_provider)
     _current = tel
     recorder = tel.recorder()

@@ -1,0 +1,74 @@
+"""The SDK core's warnings (temporal/core_log.py): through Python logging, a repeat said
+once per window with the count held back, and a worker whose server is gone writes a
+line per poller, not a burst per retry (issue 21, item 18)."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from pathlib import Path
+
+from temporal import core_log
+from temporal.core_log import RepeatFilter
+from temporal.devserver import start_dev_server
+from workers.host.embedded import start_worker, stop_process, worker_said_ready
+
+
+def _record(msg: str) -> logging.LogRecord:
+    return logging.LogRecord("temporalio.core", logging.WARNING, __file__, 1, msg, None, None)
+
+
+def test_a_repeat_is_held_back_for_the_window_then_counted() -> None:
+    now = [100.0]
+    f = RepeatFilter(window_s=60, clock=lambda: now[0])
+    first = _record("gRPC call poll_workflow_task_queue retried 6 times")
+    assert f.filter(first)
+    for n in range(7, 30):  # the same warning but for its numbers
+        now[0] += 1
+        assert not f.filter(_record(f"gRPC call poll_workflow_task_queue retried {n} times"))
+    assert f.filter(_record("gRPC call poll_activity_task_queue retried 6 times"))  # another
+    now[0] += 40  # 63 s after the first
+    later = _record("gRPC call poll_workflow_task_queue retried 31 times")
+    assert f.filter(later)
+    assert later.getMessage() == (
+        "gRPC call poll_workflow_task_queue retried 31 times "
+        "(23 more like it in the last 60 s held back)"
+    )
+    now[0] += 61
+    quiet = _record("gRPC call poll_workflow_task_queue retried 32 times")
+    assert f.filter(quiet) and "held back" not in quiet.getMessage()
+
+
+def test_a_long_status_dump_is_cut() -> None:
+    f = RepeatFilter()
+    r = _record("x" * 5000)
+    assert f.filter(r)
+    assert len(r.getMessage()) == core_log.MAX_MESSAGE + 1
+
+
+def test_a_worker_whose_server_is_gone_says_so_once_per_poller(tmp_path: Path) -> None:
+    srv = start_dev_server(str(tmp_path / "t.db"), log_file=str(tmp_path / "temporal.log"))
+    log = tmp_path / "worker.log"
+    worker = start_worker(srv.address, tmp_path, log, {"MVP_REAPER_INTERVAL_S": "0"})
+    try:
+        deadline = time.monotonic() + 120
+        while not worker_said_ready(log):
+            assert worker.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        srv.stop()
+        # The core retries each poll every fraction of a second to a few seconds: wait
+        # for its first warnings, then long enough for a dozen retries more.
+        while "temporalio.core WARNING" not in log.read_text():
+            assert worker.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        time.sleep(15)
+        text = log.read_text()
+    finally:
+        stop_process(worker, 10)
+        srv.stop()
+    core = [line for line in text.splitlines() if "temporalio.core" in line]
+    assert 1 <= len(core) <= 3, core  # one per poller kind (workflow, activity)
+    assert all("poll_" in line and "retried" in line for line in core), core
+    assert "\x1b[" not in text  # no terminal colour codes in a log file
+    assert not re.search(r"^\S*\s*WARN\s", text, re.M), text[-2000:]  # nothing raw on stderr
