@@ -28,7 +28,9 @@ from mvp_core.models import RequestShutdown, RunPhase
 from temporal.devserver import DevServerError, exit_cause, start_dev_server
 from tests.integration.conftest import REPO, Runs, snapshot, wait_closed, wait_phase
 
-EXIT_BOUND_S = 10.0
+# The demo waits RUN_STOP_WAIT_S (6 s) for a teardown, then terminates the run and stops
+# its nodes, the worker and the dev server: bounded, with room for a loaded machine.
+EXIT_BOUND_S = 15.0
 LONG_REPLY = ["--max-tokens", "400"]  # long enough to be interrupted while it streams
 
 
@@ -151,7 +153,12 @@ def assert_interrupted_cleanly(demo: Demo, sig: signal.Signals, began: float, da
     assert took < EXIT_BOUND_S, f"exit took {took:.1f} s:\n{out}\n{err}"
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines == [lines[0]] and lines[0].startswith(f"interrupted by {sig.name}: stopped "), err
-    assert "the run, the orchestrator worker, the dev server" in lines[0], err
+    # The run is torn down within the demo's bound (RUN_STOP_WAIT_S) or, on a loaded
+    # machine, terminated past it with its nodes stopped: either way nothing is left.
+    assert re.search(
+        r"stopped the run( \(terminated: [^)]*\))?, the orchestrator worker, the dev server",
+        lines[0],
+    ), err
     assert leftovers(data_dir) == []
 
 
