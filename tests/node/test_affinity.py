@@ -50,6 +50,16 @@ def test_a_node_with_a_quota_runs_its_whole_cpus_and_others_share_the_host() -> 
     assert default_threads(2, 1, quota=4.0) == 2  # never more than the host's cores
 
 
+def test_the_engines_own_kernel_takes_every_core_torchs_leaves_one() -> None:
+    """DECISIONS 20: torch's OpenMP threads stall behind the control plane, so they leave
+    it a core; the engine's kernel never waits on a preempted thread, so it takes them all
+    (shared among the host's nodes; a quota still caps it)."""
+    assert default_threads(2, 1) == 1 and default_threads(2, 1, native_kernel=True) == 2
+    assert default_threads(8, 2, native_kernel=True) == 4 and default_threads(8, 2) == 3
+    assert default_threads(2, 2, native_kernel=True) == 1
+    assert default_threads(8, 1, quota=2.0, native_kernel=True) == 2
+
+
 def test_off_and_explicit_lists() -> None:
     assert compute_set("off", [0, 1, 2]) == frozenset()
     assert compute_set([2, 7], [0, 1, 2, 3]) == {2}  # cores the node cannot use are dropped

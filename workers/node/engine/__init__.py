@@ -5,7 +5,7 @@ from .config import ModelFacts, read_model_facts
 from .generate import generate
 from .sampling import Sampler, SamplingParams
 from .session import BatchSession, ContextOverflow, NoFreeSlot, StageSession
-from .stage import EngineOptions, Stage, load_stage
+from .stage import EngineOptions, Stage, load_stage, uses_native_kernel
 
 __all__ = [
     "BatchGenerator",
@@ -21,4 +21,5 @@ __all__ = [
     "generate",
     "load_stage",
     "read_model_facts",
+    "uses_native_kernel",
 ]

@@ -175,6 +175,16 @@ def weight_formats(path: str) -> frozenset[str]:
         f.close()
 
 
+def uses_native_kernel(path: str, options: EngineOptions) -> bool:
+    """Whether ``load_stage(path, ..., options)`` runs the engine's own kernel (the CPU,
+    the default precision, and the kernel built and chosen for the model's formats:
+    native.library). Decides the process's kernel choice if nothing had yet."""
+    if options.precision != "default" or resolve_device(options.device).type != "cpu":
+        return False
+    native.expect_formats(weight_formats(path))
+    return native.library() is not None
+
+
 def load_stage(
     path: str, layer_start: int, layer_end: int, options: EngineOptions = EngineOptions()
 ) -> Stage:
