@@ -46,6 +46,9 @@ from tests.integration.conftest import (
 from tests.integration.test_reaper import sweep
 
 PROMPT = "The capital of France is"
+# Prompt-ready of a run of containers: each node loads its stage under its own CPU quota,
+# and CI may share the machine with other work; a bound on liveness, not on speed.
+READY_S = 240.0
 CREATED = {"label": [f"{LABEL_CREATED_BY}={CREATED_BY}"]}
 
 
@@ -118,13 +121,14 @@ async def shutdown(handle: object) -> RunOutcome:
     return RunOutcome.model_validate(await handle.result())  # type: ignore[attr-defined]
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("stages", [2, 3])
 async def test_docker_pipeline_gives_the_process_text_over_container_addresses(
     druns: Runs, dclient: docker.DockerClient, stages: int, state_dir: Path
 ):
     base = 2900 + 10 * stages
     process = await druns.start(base, pipeline_stages=stages, max_context=512)
-    await wait_phase(process, RunPhase.PROMPT_READY)
+    await wait_phase(process, RunPhase.PROMPT_READY, timeout=READY_S)
     expected = await greedy(druns.client, base)
     await shutdown(process)
 
@@ -134,7 +138,7 @@ async def test_docker_pipeline_gives_the_process_text_over_container_addresses(
     # Each container limited to one CPU (docker.cpus): the same text, one engine thread.
     limited = {**example, "pipeline_stages": stages, "docker": {"cpus": 1}}
     handle = await druns.start(run_id, **limited)
-    state = await wait_phase(handle, RunPhase.PROMPT_READY)
+    state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=READY_S)
     assert await greedy(druns.client, run_id) == expected
 
     containers = {c.labels["mvp.node-id"]: c for c in run_containers(dclient, run_id)}  # type: ignore[attr-defined]
@@ -288,14 +292,15 @@ async def test_a_worker_killed_between_create_and_start_leaves_exactly_one_conta
         server.stop()
 
 
+@pytest.mark.timeout(600)
 async def test_the_reaper_removes_a_terminated_runs_containers_and_network_only(
     druns: Runs, dclient: docker.DockerClient
 ):
     gone_id, live_id = 2961, 2962
     gone = await druns.start(gone_id, pipeline_stages=2, provider="docker")
     live = await druns.start(live_id, provider="docker")
-    gone_state = await wait_phase(gone, RunPhase.PROMPT_READY)
-    await wait_phase(live, RunPhase.PROMPT_READY)
+    gone_state = await wait_phase(gone, RunPhase.PROMPT_READY, timeout=READY_S)
+    await wait_phase(live, RunPhase.PROMPT_READY, timeout=READY_S)
 
     # Two runs, two networks: a container of one cannot reach a node of the other, even
     # at its advertised address (the daemon isolates bridge networks).
@@ -312,7 +317,7 @@ async def test_the_reaper_removes_a_terminated_runs_containers_and_network_only(
     await wait_closed(gone)
     # Nothing tears them down; their nodes leave by their dead-man switch (the run is
     # closed), which works inside containers too, but the containers stay.
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 90
     while {c.status for c in run_containers(dclient, gone_id)} != {"exited"}:  # type: ignore[attr-defined]
         assert time.monotonic() < deadline, [c.status for c in run_containers(dclient, gone_id)]  # type: ignore[attr-defined]
         await asyncio.sleep(0.3)
