@@ -216,7 +216,8 @@ async def run_datastream(inp: RunDatastreamInput) -> None:
         finally:
             # Cancelled (the run recorded RunTornDown) or failing: the last of it first.
             with contextlib.suppress(BaseException):
-                await asyncio.wait_for(asyncio.shield(_step(rs, handle)), 5.0)
+                async with asyncio.timeout(5.0):
+                    await asyncio.shield(_step(rs, handle))
             await asyncio.to_thread(rs.close)
 
 

@@ -351,7 +351,8 @@ async def bench(args: argparse.Namespace) -> Result:
         if handle is not None:
             with contextlib.suppress(Exception):
                 await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=RUN_ID))
-                await asyncio.wait_for(handle.result(), 60)
+                async with asyncio.timeout(60):
+                    await handle.result()
         stop_process(worker, 15)
         server.stop()
 

@@ -319,7 +319,8 @@ async def shutdown(cfgs: list[Config], timeout_s: float = 90.0) -> list[str]:
     for cfg in cfgs:
         if cfg.handle is not None:
             try:
-                await asyncio.wait_for(cfg.handle.result(), timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    await cfg.handle.result()
             except Exception as err:
                 cause = getattr(err, "cause", None)
                 problems.append(f"run {cfg.run_id} ({cfg.stages} stages): {err}: {cause or ''}")

@@ -315,7 +315,8 @@ async def bench_run(args: argparse.Namespace, stages: int, tmp: Path) -> list[Le
         if handle is not None:
             with contextlib.suppress(Exception):
                 await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=run_id))
-                await asyncio.wait_for(handle.result(), 60)
+                async with asyncio.timeout(60):
+                    await handle.result()
         stop_process(worker, 15)
         server.stop()
 

@@ -371,12 +371,10 @@ class RunHandle:
             return
         self._cancelled.add(request_id)
         with contextlib.suppress(RPCError, TimeoutError):
-            await asyncio.wait_for(
-                self.workflow.signal(
+            async with asyncio.timeout(CANCEL_TIMEOUT_S):
+                await self.workflow.signal(
                     names.SIGNAL_CANCEL_PROMPT, CancelPrompt(request_id=request_id)
-                ),
-                CANCEL_TIMEOUT_S,
-            )
+                )
 
     def _spawn(self, work: Awaitable[Any]) -> asyncio.Future[Any]:
         task = asyncio.ensure_future(work)
@@ -388,7 +386,8 @@ class RunHandle:
         """A stream cancelled while its admission was in flight: the run may admit the
         prompt all the same; if it does, cancel it."""
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.shield(admit), ADMIT_WAIT_S)
+            async with asyncio.timeout(ADMIT_WAIT_S):
+                await asyncio.shield(admit)
         if admit.done() and not admit.cancelled() and admit.exception() is None:
             await self.cancel_prompt(request_id)
         else:

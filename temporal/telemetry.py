@@ -217,7 +217,8 @@ class Telemetry:
         if self._exporter_task is not None:
             await self._exporter.shutdown()
             try:
-                await asyncio.wait_for(self._exporter_task, 5)
+                async with asyncio.timeout(5):
+                    await self._exporter_task
             except (TimeoutError, asyncio.CancelledError, Exception):
                 pass
             self._exporter_task = None

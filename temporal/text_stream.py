@@ -75,19 +75,17 @@ async def read_text(
     """The prompt's deltas from the ``start``-th; returns at the node's end line. Raises
     TextStreamError when the stream cannot be opened or breaks off before its end."""
     try:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(target.host, target.port, limit=MAX_LINE),
-            CONNECT_TIMEOUT_S,
-        )
+        async with asyncio.timeout(CONNECT_TIMEOUT_S):
+            reader, writer = await asyncio.open_connection(target.host, target.port, limit=MAX_LINE)
     except (OSError, TimeoutError) as err:
         raise TextStreamError(f"cannot connect to {target.host}:{target.port}: {err}") from None
     try:
         try:
             writer.write(hello(TEXT_STREAM_EDGE_ID, target.token))
             await writer.drain()
-            status, size = ANSWER.unpack(
-                await asyncio.wait_for(reader.readexactly(ANSWER.size), CONNECT_TIMEOUT_S)
-            )
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                answer = await reader.readexactly(ANSWER.size)
+            status, size = ANSWER.unpack(answer)
             reason = (await reader.readexactly(size)).decode(errors="replace") if size else ""
             if status != ANSWER_OK:
                 raise TextStreamRefused(f"the head node refused the text stream: {reason}")

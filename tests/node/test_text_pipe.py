@@ -37,3 +37,27 @@ async def test_each_take_counts_the_tokens_of_the_text_taken():
     pipe.put("d", 4)
     pipe.close()
     assert await pipe.take(quiet_s=1) == "d" and pipe.tokens_taken == 4
+
+
+async def test_a_cancel_that_comes_with_text_is_never_swallowed():
+    """The generate activity learns of its cancellation once, as a CancelledError at
+    whatever it awaits; arriving in the same turn as the engine's text, it must still
+    surface (asyncio.wait_for on Python 3.11 returned the text instead, and the cancelled
+    prompt ran to its end)."""
+    loop = asyncio.get_running_loop()
+    for spins in range(6):  # every position of the cancel against the wake-up
+        for _ in range(20):
+            pipe = TextPipe(loop)
+            take = asyncio.ensure_future(pipe.take(quiet_s=5))
+            await asyncio.sleep(0)  # take is waiting
+            pipe.put("x")  # the engine thread's wake-up, scheduled on the loop
+            for _ in range(spins):
+                await asyncio.sleep(0)
+            if take.done():
+                continue  # the text was taken before the cancel: nothing to lose
+            take.cancel()
+            try:
+                await take
+            except asyncio.CancelledError:
+                continue
+            raise AssertionError(f"a cancel {spins} loop turn(s) after the text was lost")

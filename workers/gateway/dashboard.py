@@ -462,7 +462,8 @@ class Hub:
             return True
         changed = self._changed
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(changed.wait(), within_s)
+            async with asyncio.timeout(within_s):
+                await changed.wait()
         return self.version > seen and self.latest is not None
 
     async def _poll(self) -> None:

@@ -204,7 +204,8 @@ class Gateway:
             if self.signals > 1:
                 server.force_exit = True
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(serving, SERVER_STOP_S)
+                async with asyncio.timeout(SERVER_STOP_S):
+                    await serving
             stopping.cancel()
         if closed.done():
             raise GatewayError(await self._ended(handle))
@@ -261,7 +262,8 @@ class Gateway:
     async def _ended(self, handle: RunHandle) -> str:
         wid = handle.workflow_id
         try:
-            result = await asyncio.wait_for(handle.workflow.result(), 10)
+            async with asyncio.timeout(10):
+                result = await handle.workflow.result()
         except WorkflowFailureError as err:
             cause = getattr(err.cause, "message", None) or str(err.cause or err)
             return f"run {wid} ended: {cause}"

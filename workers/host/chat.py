@@ -23,6 +23,7 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Awaitable
 from typing import Any
 
 from temporalio.client import Client
@@ -234,7 +235,7 @@ def run_turn(loop: asyncio.AbstractEventLoop, chat: Chat | RpcChat, text: str) -
     request_id = chat.in_flight
     if request_id is not None:
         with contextlib.suppress(RPCError, TimeoutError):
-            loop.run_until_complete(asyncio.wait_for(chat.cancel(request_id), 5))
+            loop.run_until_complete(_within(chat.cancel(request_id), 5))
         print(f"\ncancelled request {request_id}", flush=True)
     return False
 
@@ -350,6 +351,11 @@ def main() -> None:
     sys.stdout.flush()  # (SafeStreams: they never raise)
     sys.stderr.flush()
     os._exit(code)
+
+
+async def _within(work: Awaitable[None], seconds: float) -> None:
+    async with asyncio.timeout(seconds):
+        await work
 
 
 async def _cancel_rest() -> None:

@@ -490,7 +490,8 @@ class Demo:
         deadline = time.monotonic() + wait_s
         outcome: RunOutcome | None = None
         try:
-            torn_down = await asyncio.wait_for(handle.shutdown_and_wait(reason), wait_s)
+            async with asyncio.timeout(wait_s):
+                torn_down = await handle.shutdown_and_wait(reason)
             log.info("%s torn down: %s", handle.workflow_id, torn_down.outcome.value)
             outcome = torn_down
         except (TimeoutError, WorkflowUpdateRPCTimeoutOrCancelledError):
@@ -504,7 +505,8 @@ class Demo:
             with contextlib.suppress(RPCError):
                 await handle.request_shutdown(reason)
         try:
-            await asyncio.wait_for(handle.workflow.result(), max(deadline - time.monotonic(), 0.5))
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0.5)):
+                await handle.workflow.result()
             self.stopped.append("the run")
         except WorkflowFailureError as err:
             self._end_line()

@@ -646,9 +646,8 @@ class Host:
             self.rpc = None
         self.stream.bootstrap(BootstrapPhase.SHUTDOWN, BootstrapStatus.STARTED)
         try:
-            outcome = await asyncio.wait_for(
-                handle.shutdown_and_wait(self.stop_reason), SHUTDOWN_WAIT_S
-            )
+            async with asyncio.timeout(SHUTDOWN_WAIT_S):
+                outcome = await handle.shutdown_and_wait(self.stop_reason)
         except (
             WorkflowUpdateFailedError,
             WorkflowUpdateRPCTimeoutOrCancelledError,
@@ -659,13 +658,15 @@ class Host:
                 err, TimeoutError | WorkflowUpdateRPCTimeoutOrCancelledError
             ):
                 with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await asyncio.wait_for(asyncio.shield(closed), 10)
+                    async with asyncio.timeout(10):
+                        await asyncio.shield(closed)
                 if closed.done():
                     return self._closed_code(closed)
             raise HostError(f"the run did not shut down: {err}") from None
         # The run is closing; its result says whether the provider stopped every node.
         with contextlib.suppress(asyncio.CancelledError, Exception):
-            await asyncio.wait_for(asyncio.shield(closed), 30)
+            async with asyncio.timeout(30):
+                await asyncio.shield(closed)
         if closed.done():
             return self._closed_code(closed)
         self.stream.bootstrap(

@@ -125,7 +125,8 @@ class PromptRpcServer:
         await asyncio.gather(*self._handlers, return_exceptions=True)
         if self._server is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 2)
+                async with asyncio.timeout(2):
+                    await self._server.wait_closed()
 
     # ------------------------------------------------------------------ connections
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -91,8 +91,11 @@ class TextPipe:
     async def take(self, quiet_s: float) -> str | None:
         """The text since the last take ("" after ``quiet_s`` without text); None at the end.
         ``tokens_taken`` then counts the tokens of all the text taken."""
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the inner result
+        # when a cancel comes in the same turn, and the activity's one cancel is lost.
         try:
-            await asyncio.wait_for(self._ready.wait(), quiet_s)
+            async with asyncio.timeout(quiet_s):
+                await self._ready.wait()
         except TimeoutError:
             return ""
         with self._lock:
@@ -350,6 +353,8 @@ class NodeActivities:
                             )
                         )
                         published_tokens = pipe.tokens_taken
+                    if activity.is_cancelled():  # its CancelledError, should it be lost
+                        raise asyncio.CancelledError
                     if time.monotonic() - last_beat > HEARTBEAT_EVERY_S:
                         activity.heartbeat()
                         last_beat = time.monotonic()

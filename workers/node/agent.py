@@ -89,7 +89,8 @@ async def report_ready(
             stop.set()
             return
         try:
-            await asyncio.wait_for(acts.acked.wait(), timeout=delay)
+            async with asyncio.timeout(delay):
+                await acts.acked.wait()
         except TimeoutError:
             delay = min(delay * 2, 5.0)
 

@@ -109,10 +109,10 @@ async def run_worker(stop: asyncio.Event) -> None:
     stopping.cancel()
     # Bounded: with Temporal unreachable, a worker's shutdown would wait on its pollers.
     try:
-        await asyncio.wait_for(
-            asyncio.gather(shared.shutdown(), local.shutdown(), *running, return_exceptions=True),
-            SHUTDOWN_DEADLINE_S,
-        )
+        async with asyncio.timeout(SHUTDOWN_DEADLINE_S):
+            await asyncio.gather(
+                shared.shutdown(), local.shutdown(), *running, return_exceptions=True
+            )
     except TimeoutError:
         log.warning("workers did not stop in %.0f s (Temporal unreachable?)", SHUTDOWN_DEADLINE_S)
     for task in running:
