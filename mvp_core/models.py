@@ -855,6 +855,14 @@ class GenerateInput(_Model):
     stream_batch_ms: int = 100
 
 
+class StopGenerateInput(_Model):
+    """A cancelled prompt's stop, pushed to its head node (DECISIONS 65)."""
+
+    run_id: int
+    readiness_id: str
+    prompt_workflow_id: str
+
+
 class PromptStatus(StrEnum):
     """How a prompt ended, as its workflow's result and search attribute show it."""
 

@@ -44,6 +44,7 @@ ACT_NODE_RUNTIME_READY_ACK = "node.runtime_ready_ack"
 ACT_NODE_LEASE = "node.lease"
 ACT_NODE_PROVISION_STAGE = "node.provision_stage"
 ACT_NODE_GENERATE = "node.generate"
+ACT_NODE_STOP_GENERATE = "node.stop_generate"
 ACT_NODE_STOP_STAGE = "node.stop_stage"
 
 # Orchestrator activities.
@@ -134,6 +135,7 @@ PATCH_WATCH_ENDS_BEFORE_CLOSE = "watch-ends-before-close"  # DECISIONS 54
 PATCH_RUN_DATASTREAM = "run-datastream"  # DECISIONS 58
 PATCH_SHUTDOWN_WAITS_CLOSE = "shutdown-waits-close"  # DECISIONS 59
 PATCH_CANCEL_BEFORE_CHILD_START = "cancel-before-child-start"  # DECISIONS 61
+PATCH_STOP_GENERATE = "stop-generate"  # DECISIONS 65
 
 # --------------------------------------------------------------------------- metrics
 # Our own metrics (OpenTelemetry names; a Prometheus scrape shows them with dots as

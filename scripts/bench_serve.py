@@ -41,10 +41,12 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import matplotlib
 from openai import AsyncOpenAI
+from temporalio.client import Client
 
 matplotlib.use("Agg")  # before pyplot: files only, no display
 import matplotlib.pyplot as plt
@@ -55,7 +57,7 @@ if str(REPO) not in sys.path:  # run as a script: scripts/ and the packages impo
 
 from activities.models_store import DEFAULT_BUNDLED, fetch_bundled  # noqa: E402
 from mvp_core import names  # noqa: E402
-from mvp_core.models import RequestShutdown, RunPhase, RunRequest  # noqa: E402
+from mvp_core.models import PromptOutcome, RequestShutdown, RunPhase, RunRequest  # noqa: E402
 from mvp_core.run_state import RunState  # noqa: E402
 from scripts.bench_gateway import _free_port, _wait_for  # noqa: E402
 from temporal.client import start_run  # noqa: E402
@@ -111,6 +113,9 @@ class Level:
     itl_p95_ms: float | None
     cp_cpu_ms_per_token: float | None  # control plane (dev server, worker, gateway)
     cp_split_ms_per_token: list[float] | None = None  # each of the three
+    # Medians over the level's prompts (their PromptOutcome): queued in the run, tokenize,
+    # encode end -> first token (joining the batch and the prefill), first token -> text out.
+    ttft_split_ms: list[float] | None = None
 
 
 def _cpu_s(pids: list[int]) -> float:
@@ -166,9 +171,11 @@ async def level(
     *,
     server: str,
     stages: int,
+    client: Client | None = None,
 ) -> Level:
     streams: list[Stream] = []
     wall = 0.0
+    started = datetime.now(UTC)
     cpu0 = _cpu_s(cpu_pids)
     each0 = [_cpu_s([pid]) for pid in cpu_pids]
     for r in range(args.rounds):
@@ -188,7 +195,7 @@ async def level(
     tokens = sum(s.tokens for s in streams)
     ttft = [s.ttft_ms for s in streams if s.ttft_ms is not None]
     itl = [s.itl_ms for s in streams if s.itl_ms is not None]
-    return Level(
+    lv = Level(
         server=server,
         stages=stages,
         concurrency=concurrency,
@@ -201,7 +208,36 @@ async def level(
         itl_p95_ms=_pct(itl, 0.95),
         cp_cpu_ms_per_token=cpu * 1000 / tokens if cpu_pids and tokens else None,
         cp_split_ms_per_token=[c * 1000 / tokens for c in each] if cpu_pids and tokens else None,
+        ttft_split_ms=None if client is None else await ttft_split(client, started),
     )
+    return lv
+
+
+TTFT_PARTS = ("queued", "encode", "prefill", "first delta")
+
+
+async def ttft_split(client: Client, since: datetime) -> list[float] | None:
+    """The medians of where the head node says the prompts' first-token time went, from
+    the results of the prompt workflows started since ``since`` (the rest of the TTFT is
+    admission: the gateway, the run's Update, the prompt workflow's start and the generate
+    activity's dispatch)."""
+    parts: list[list[float]] = [[] for _ in TTFT_PARTS]
+    stamp = since.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    query = f"WorkflowType = '{names.PROMPT_WORKFLOW}' AND StartTime > '{stamp}'"
+    async for wf in client.list_workflows(query):
+        with contextlib.suppress(Exception):
+            got = await client.get_workflow_handle(wf.id, result_type=PromptOutcome).result()
+            if got.timing is not None and got.queued_ms is not None:
+                t = got.timing
+                for acc, v in zip(
+                    parts,
+                    (got.queued_ms, t.encode_ms, t.prefill_ms, t.first_delta_ms),
+                    strict=True,
+                ):
+                    acc.append(v)
+    if not parts[0]:
+        return None
+    return [_pct(p, 0.5) or 0.0 for p in parts]
 
 
 def gateway_env(address: str, tmp: Path, text: str) -> dict[str, str]:
@@ -299,11 +335,24 @@ async def bench_run(args: argparse.Namespace, stages: int, tmp: Path) -> list[Le
             label = label[:-1] + f", {args.threads} engine thread(s))"
         for c in [0, *args.levels]:
             try:
-                got = await level(oai, model, c, args, pids, server=label, stages=stages)
+                got = await level(
+                    oai, model, c, args, pids, server=label, stages=stages, client=client
+                )
             except Exception as err:  # a level that fails is reported, the rest skipped
                 print(f"{label}, {stages} stage(s), level {c}: {err!r}", file=sys.stderr)
                 break
             print(_row(got), file=sys.stderr, flush=True)
+            if got.ttft_split_ms is not None:
+                what = f"{got.concurrency} at once" if got.concurrency else "one after another"
+                NOTES.append(
+                    f"{stages} stage(s), {what}: TTFT p50 {_ms(got.ttft_p50_ms)} ms; medians of "
+                    + ", ".join(
+                        f"{n} {v:.0f}" for n, v in zip(TTFT_PARTS, got.ttft_split_ms, strict=True)
+                    )
+                    + " ms (the rest is admission: the gateway, the Update, the prompt "
+                    "workflow's start, the activity's dispatch)."
+                )
+                print(NOTES[-1], file=sys.stderr, flush=True)
             out.append(got)
         await oai.close()
         return out

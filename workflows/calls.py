@@ -32,6 +32,7 @@ with workflow.unsafe.imports_passed_through():
         RunPlan,
         RunTimeouts,
         StageProvision,
+        StopGenerateInput,
         StopNodeInput,
         StopNodeResult,
         StopRun,
@@ -75,6 +76,8 @@ GENERATE_TIMEOUT = timedelta(hours=6)
 GENERATE_RETRY = RetryPolicy(
     maximum_attempts=1
 )  # a retry would publish the text twice (DECISIONS 11)
+STOP_GENERATE_WITHIN = timedelta(seconds=10)
+STOP_GENERATE_RETRY = RetryPolicy(maximum_attempts=3, initial_interval=timedelta(milliseconds=200))
 REAPER_HEARTBEAT = timedelta(seconds=10)
 # A host whose workers are all gone never takes the listing: the sweep fails instead of
 # waiting, and the schedule's next sweep tries again.
@@ -270,6 +273,21 @@ def generate(inp: GenerateInput, queue: str, heartbeat_s: float, summary: str) -
         heartbeat_timeout=_seconds(heartbeat_s),
         retry_policy=GENERATE_RETRY,
         cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+    )
+
+
+def stop_generate(inp: StopGenerateInput, queue: str, summary: str) -> Any:
+    """A cancelled prompt's stop, straight to the head node: its generate stops at the next
+    step, not at the next heartbeat's answer (DECISIONS 65). Bounded: a node that is gone
+    leaves the generate's own cancel and heartbeat timeout to end it."""
+    return workflow.start_activity(
+        names.ACT_NODE_STOP_GENERATE,
+        inp,
+        result_type=bool,
+        task_queue=queue,
+        summary=summary,
+        schedule_to_close_timeout=STOP_GENERATE_WITHIN,
+        retry_policy=STOP_GENERATE_RETRY,
     )
 
 

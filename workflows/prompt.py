@@ -23,6 +23,7 @@ with workflow.unsafe.imports_passed_through():
         PromptInput,
         PromptOutcome,
         PromptStatus,
+        StopGenerateInput,
     )
     from workflows import calls
 
@@ -45,7 +46,12 @@ def heartbeat_lost(err: ActivityError) -> bool:
     return isinstance(cause, TimeoutError_) and cause.type == TimeoutType.HEARTBEAT
 
 
-@workflow.defn(name=names.PROMPT_WORKFLOW)
+# Outside the SDK's sandbox: a run starts one of these per prompt, and each start in the
+# sandbox costs ~12 ms of the worker's CPU (re-importing this module in a fresh sandbox;
+# scripts/bench_serve.py's control-plane figures). What the sandbox guards is held here by
+# the import contract (workflows import only the core and temporalio) and the replay tests;
+# the long-lived RunWorkflow keeps it (DECISIONS 65).
+@workflow.defn(name=names.PROMPT_WORKFLOW, sandboxed=False)
 class PromptWorkflow:
     @workflow.init
     def __init__(self, inp: PromptInput) -> None:
@@ -94,8 +100,20 @@ class PromptWorkflow:
             f"generate request {request_id} on {where} (run {inp.run_id})",
         )
         await workflow.wait_condition(lambda: handle.done() or self._cancel_reason is not None)
+        stop = None
         if not handle.done():
-            handle.cancel()
+            handle.cancel()  # reaches the node with its next heartbeat's answer
+            if workflow.patched(names.PATCH_STOP_GENERATE):
+                # ... and this at once: the slot is free at the engine's next step.
+                stop = calls.stop_generate(
+                    StopGenerateInput(
+                        run_id=inp.run_id,
+                        readiness_id=inp.readiness_id,
+                        prompt_workflow_id=workflow.info().workflow_id,
+                    ),
+                    inp.head_task_queue,
+                    f"stop request {request_id} on {where} (run {inp.run_id})",
+                )
         try:
             outcome = await handle
         except ActivityError as err:
@@ -114,10 +132,19 @@ class PromptWorkflow:
                     else f"prompt serving: generate on {inp.head_task_queue} failed: {reason}",
                     status=PromptStatus.FAULTED,
                 )
+        if stop is not None:
+            try:
+                await stop  # ended with the generate, or bounded (a node gone)
+            except ActivityError as err:
+                workflow.logger.info("stop of request %d: %s", request_id, failure_cause(err))
         if outcome.terminal.type == "fault" and outcome.status is PromptStatus.DONE:
-            # A prompt-local fault from the node (too long, cancelled by the node).
-            cancelled = self._cancel_reason is not None or outcome.terminal.error == "cancelled"
-            outcome.status = PromptStatus.CANCELLED if cancelled else PromptStatus.FAULTED
+            # A prompt-local fault from the node (too long, or stopped: then it says why).
+            if self._cancel_reason is not None:
+                outcome = self._cancelled(request_id)
+            elif outcome.terminal.error == "cancelled":
+                outcome.status = PromptStatus.CANCELLED
+            else:
+                outcome.status = PromptStatus.FAULTED
         return self._finish(outcome)
 
     def _cancelled(self, request_id: int) -> PromptOutcome:

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from temporalio.client import WorkflowExecutionStatus
 
+from mvp_core import names
 from mvp_core.models import Done, Fault, RunPhase, ShutdownReason, SubmitPrompt, TextDelta
 from temporal.client import RunHandle
 from tests.integration.conftest import Runs, run_failure, snapshot, wait_closed, wait_phase
@@ -130,6 +131,9 @@ async def test_a_cancel_of_one_of_eight_leaves_the_other_seven(runs: Runs):
     await asyncio.wait_for(streaming, 60)
     results = await asyncio.gather(*others)
     assert len(ending) == 1 and isinstance(ending[0], Fault) and ending[0].error == "cancelled"
+    # The cancel was pushed to the head node, which answered (True: it stopped the
+    # generate; False: the heartbeat's answer had stopped it first).
+    assert len(await _stop_results(run, 40)) == 1
     for a, b in zip(alone, results, strict=True):
         assert isinstance(a, Done) and isinstance(b, Done), (a, b)
         assert (b.final_text, b.tokens_generated) == (a.final_text, a.tokens_generated)
@@ -145,6 +149,25 @@ async def _stream_all(run: RunHandle, prompt: SubmitPrompt) -> tuple[str, list[D
         else:
             ends.append(event)
     return text, ends
+
+
+async def _stop_results(run: RunHandle, request_id: int) -> list[bool]:
+    """What each node.stop_generate of the prompt returned (True: it stopped a generate)."""
+    wf_id = await run.find_prompt(request_id)
+    assert wf_id is not None
+    handle = run.client.get_workflow_handle(wf_id)
+    stops, results = set(), []
+    async for e in handle.fetch_history_events():
+        scheduled = e.activity_task_scheduled_event_attributes
+        if e.HasField("activity_task_scheduled_event_attributes"):
+            if scheduled.activity_type.name == names.ACT_NODE_STOP_GENERATE:
+                stops.add(e.event_id)
+        elif e.HasField("activity_task_completed_event_attributes"):
+            done = e.activity_task_completed_event_attributes
+            if done.scheduled_event_id in stops:
+                payload = done.result.payloads[0]
+                results.append(await run.client.data_converter.decode([payload], [bool]))
+    return [r[0] for r in results]
 
 
 async def _history_events(run: RunHandle, request_id: int) -> int:

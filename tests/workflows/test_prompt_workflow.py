@@ -5,6 +5,7 @@ name on a head queue of the test's own."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,6 +25,7 @@ from mvp_core.models import (
     PromptInput,
     PromptOutcome,
     PromptStatus,
+    StopGenerateInput,
     SubmitPrompt,
 )
 from workflows.prompt import PromptWorkflow
@@ -38,12 +40,21 @@ class Head:
     def __init__(self) -> None:
         self.calls: list[int] = []
         self.fail: ApplicationError | None = None
+        self.until_stopped = False  # generate runs (without heartbeats) until stopped
+        self.generating: dict[str, asyncio.Event] = {}
+        self.stops: list[str] = []
 
     @activity.defn(name=names.ACT_NODE_GENERATE)
     async def generate(self, inp: GenerateInput) -> PromptOutcome:
         self.calls.append(inp.prompt.request_id)
         if self.fail is not None:
             raise self.fail
+        if self.until_stopped:
+            stopped = self.generating[inp.prompt_workflow_id] = asyncio.Event()
+            await stopped.wait()
+            return PromptOutcome(
+                terminal=Fault(request_id=inp.prompt.request_id, error="cancelled")
+            )
         text = inp.prompt.prompt_text[::-1]
         return PromptOutcome(
             terminal=Done(
@@ -55,13 +66,21 @@ class Head:
             )
         )
 
+    @activity.defn(name=names.ACT_NODE_STOP_GENERATE)
+    async def stop_generate(self, inp: StopGenerateInput) -> bool:
+        self.stops.append(inp.prompt_workflow_id)
+        stopped = self.generating.get(inp.prompt_workflow_id)
+        if stopped is not None:
+            stopped.set()
+        return stopped is not None
+
 
 @pytest.fixture
 async def head(env: WorkflowEnvironment) -> AsyncIterator[Head]:
     fake = Head()
     async with (
         Worker(env.client, task_queue=names.ORCHESTRATOR_TASK_QUEUE, workflows=[PromptWorkflow]),
-        Worker(env.client, task_queue=HEAD, activities=[fake.generate]),
+        Worker(env.client, task_queue=HEAD, activities=[fake.generate, fake.stop_generate]),
     ):
         yield fake
 
@@ -122,6 +141,25 @@ async def test_a_prompt_cancelled_before_its_turn_never_generates(
     assert outcome.terminal == Fault(request_id=3, error="client went away")
     assert outcome.status is PromptStatus.CANCELLED
     assert head.calls == []
+    assert await status_of(handle) == "cancelled"
+
+
+async def test_a_cancel_mid_generate_is_pushed_to_the_head_node(
+    env: WorkflowEnvironment, head: Head
+) -> None:
+    """The generate learns of its cancel from the stop pushed to its node, not only from
+    a heartbeat's answer (this fake never heartbeats: without the push it would run until
+    its heartbeat timed out)."""
+    head.until_stopped = True
+    handle = await start(env, 4, active=True)
+    while handle.id not in head.generating:
+        await asyncio.sleep(0.01)
+    await handle.signal(names.SIGNAL_PROMPT_CANCEL, "client went away")
+    async with asyncio.timeout(30):  # without the push: until its heartbeat timeout
+        outcome = PromptOutcome.model_validate(await handle.result())
+    assert head.stops == [handle.id] and head.generating[handle.id].is_set()
+    assert outcome.terminal == Fault(request_id=4, error="client went away")
+    assert outcome.status is PromptStatus.CANCELLED
     assert await status_of(handle) == "cancelled"
 
 

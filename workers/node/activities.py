@@ -6,6 +6,7 @@ import asyncio
 import os
 import threading
 import time
+from collections import OrderedDict
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,7 @@ from mvp_core.models import (
     StageProvision,
     StageReady,
     StageStopped,
+    StopGenerateInput,
     StopRun,
     TextDelta,
     TokenEndpointsReady,
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
     from workers.node.runtime import GenerationResult, StageRuntime
 
 HEARTBEAT_EVERY_S = 0.5  # how soon a generate learns it was cancelled
+MAX_EARLY_STOPS = 256  # stops remembered for generates not started yet
 TEXT_GATHER_S = 0.025  # the finest stream granularity: stream_batch_ms is at least this
 MAX_GATHER_S = 1.0  # the coarsest, however many prompts generate
 
@@ -123,14 +126,40 @@ class NodeActivities:
         self.last_lease_beat = time.monotonic()
         self.leases_running = 0
         self.generating = 0  # generate activities whose token loop runs
+        # Prompt workflow id -> its generate's stop (DECISIONS 65); and stops that came
+        # before their generate (bounded: a generate that never comes leaves no trace).
+        self._stops: dict[str, threading.Event] = {}
+        self._early_stops: OrderedDict[str, None] = OrderedDict()
         # Prompts' text straight to clients that read it (DECISIONS 63), on the node's
         # data-plane port, for clients that show the run's text-stream token.
         self.text = TextHub()
         if cfg.text_token:
             server.serve_text(cfg.text_token, self.text.serve)
 
-    def _generate_ended(self) -> None:
+    def _generate_ended(self, key: str, stopped: threading.Event) -> None:
         self.generating -= 1
+        if self._stops.get(key) is stopped:
+            del self._stops[key]
+
+    @activity.defn(name=names.ACT_NODE_STOP_GENERATE)
+    async def stop_generate(self, inp: StopGenerateInput) -> bool:
+        """Stop a cancelled prompt's generate at the engine's next step (DECISIONS 65):
+        True when it was running here. One that has not started yet ends as soon as it
+        does."""
+        self._check(inp.run_id, inp.readiness_id)
+        stopped = self._stops.get(inp.prompt_workflow_id)
+        activity.logger.info(
+            "stop %s: %s",
+            inp.prompt_workflow_id,
+            "its generate stops" if stopped is not None else "no generate running here",
+        )
+        if stopped is not None:
+            stopped.set()
+            return True
+        self._early_stops[inp.prompt_workflow_id] = None
+        while len(self._early_stops) > MAX_EARLY_STOPS:
+            self._early_stops.popitem(last=False)
+        return False
 
     def _run(self) -> WorkflowHandle[Any, Any]:
         return self.client.get_workflow_handle(self.cfg.run_workflow_id)
@@ -298,11 +327,13 @@ class NodeActivities:
                 type=ErrorType.STAGE_NOT_READY,
                 non_retryable=True,
             )
+        key = inp.prompt_workflow_id
+        if key in self._early_stops:
+            self._early_stops.pop(key)
+            return PromptOutcome(terminal=Fault(request_id=request_id, error="cancelled"))
         pipe = TextPipe(asyncio.get_running_loop())
-        cancel = False
-
-        def should_stop() -> bool:
-            return cancel
+        stopped = threading.Event()
+        should_stop = stopped.is_set
 
         delay = FaultInjection.from_env().text_delay_s
 
@@ -335,7 +366,8 @@ class NodeActivities:
         batch_s = inp.stream_batch_ms / 1000
         task = asyncio.ensure_future(asyncio.to_thread(work))
         self.generating += 1
-        task.add_done_callback(lambda _: self._generate_ended())
+        self._stops[key] = stopped
+        task.add_done_callback(lambda _: self._generate_ended(key, stopped))
         last_beat = 0.0
         published_tokens = 0
         async with stream:
@@ -367,7 +399,7 @@ class NodeActivities:
                         min(MAX_GATHER_S, max(gather_s, batch_s * (self.generating - 1)))
                     )
             except asyncio.CancelledError:
-                cancel = True
+                stopped.set()
                 try:
                     await task
                 except Exception:
