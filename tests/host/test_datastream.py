@@ -594,3 +594,18 @@ def test_a_forwarded_frame_keeps_its_identity_and_is_redacted_again() -> None:
         assert getattr(passed, field) == original[field], field
     assert passed.seq == 1  # only the publish sequence is the host's
     assert b"sk-live-please-hide" not in passed.payload and b"[redacted]" in passed.payload
+
+
+def test_the_host_reads_the_snapshot_rarely_once_it_follows_a_ready_runs_datastream():
+    """Past prompt-ready, a host that follows the run's datastream needs the snapshot only
+    to see a new datastream address; before, or publishing for itself, it reads it often."""
+    from types import SimpleNamespace
+
+    from workers.host.main import FOLLOW_POLL_S, POLL_S, watch_interval
+
+    live, ended = SimpleNamespace(done=False), SimpleNamespace(done=True)
+    assert watch_interval(True, False, live) == FOLLOW_POLL_S > POLL_S
+    assert watch_interval(False, False, live) == POLL_S
+    assert watch_interval(True, True, live) == POLL_S
+    assert watch_interval(True, False, ended) == POLL_S
+    assert watch_interval(True, False, None) == POLL_S

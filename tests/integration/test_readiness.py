@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 from mvp_core import names
 from mvp_core.models import NodeRuntimeReady, RunPhase
@@ -50,7 +49,6 @@ async def test_forged_and_stale_reports_do_not_advance_and_log_lines_and_ports_n
 
 
 async def test_no_prompt_ready_when_poller_identity_does_not_match(runs: Runs):
-    t0 = time.monotonic()
     handle = await runs.start(
         302, faults={"MVP_FAULT_REPORT_IDENTITY": "someone-else@host:1"}, **FAST
     )
@@ -58,7 +56,10 @@ async def test_no_prompt_ready_when_poller_identity_does_not_match(runs: Runs):
     # a real mismatch verdict naming the poller seen, not the check's retries running out
     assert "route owner" in cause and "expected poller 'someone-else@host:1'" in cause, cause
     assert "saw ['mvp-node-302-1-" in cause, cause
-    assert time.monotonic() - t0 < 12, "the mismatch must not wait for the readiness deadline"
+    # The route check's own verdict, not the readiness deadline (which would say what did
+    # not happen, or time the check out). No wall-clock bound: on a loaded machine the
+    # start and the teardown around it take their time (a CI run took 13 s against 12).
+    assert "did not" not in cause and "timed out" not in cause.lower(), cause
     state = await snapshot(handle)
     assert not any(r.kind.value == "RunReady" for r in state.lifecycle)
     assert state.torn_down

@@ -100,6 +100,9 @@ PROG = "mvp-orchestrator"
 log = logging.getLogger("mvp.host")
 STOP_WORDS = frozenset({"stop", "shutdown", "quit"})
 POLL_S = 0.25
+# Past prompt-ready, a host following the run's datastream reads the snapshot only to see
+# a new datastream address (its activity restarted): this often (DECISIONS 58).
+FOLLOW_POLL_S = 2.0
 DATASTREAM_WAIT_S = 30.0  # a run that tells no datastream address by then has none
 FORWARD_CATCH_UP_S = 5.0  # how long the host waits for a run record to come through
 FORWARD_END_WAIT_S = 10.0  # how long the run's datastream may take to end after the run
@@ -478,11 +481,13 @@ class Host:
     # itself, as before: polling the snapshot and tailing the node logs.
     async def _watch(self, handle: RunHandle) -> None:
         started = time.monotonic()
+        ready = False
         while True:
             cur = await self._poll(handle)
             if not self.self_publish and cur is not None:
                 self._follow_datastream(cur, started)
-            await asyncio.sleep(POLL_S)
+            ready = ready or (cur is not None and cur.phase is RunPhase.PROMPT_READY)
+            await asyncio.sleep(watch_interval(ready, self.self_publish, self.forwarder))
 
     def _follow_datastream(self, cur: RunState, started: float) -> None:
         fwd = self.forwarder
@@ -714,6 +719,15 @@ class Host:
             "config_path": str(cfg.config_path) if cfg.config_path else None,
             "frame_log": str(cfg.datastream_frame_log) if cfg.datastream_frame_log else None,
         }
+
+
+def watch_interval(ready: bool, self_publish: bool, forwarder: Forwarder | None) -> float:
+    """How soon the host reads the run's snapshot again: often on the way to prompt-ready
+    (the prompt RPC waits for it) and while the host publishes what it observes itself;
+    past prompt-ready, while it follows the run's own datastream, only often enough to see
+    a new datastream address."""
+    following = not self_publish and forwarder is not None and not forwarder.done
+    return FOLLOW_POLL_S if ready and following else POLL_S
 
 
 def _fetch_in_thread(
