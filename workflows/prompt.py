@@ -12,7 +12,7 @@ from datetime import datetime
 from temporalio import workflow
 from temporalio.common import SearchAttributeKey
 from temporalio.contrib.workflow_streams import WorkflowStream
-from temporalio.exceptions import ActivityError, ApplicationError, TimeoutType
+from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, TimeoutType
 from temporalio.exceptions import TimeoutError as TimeoutError_
 
 with workflow.unsafe.imports_passed_through():
@@ -133,10 +133,15 @@ class PromptWorkflow:
                     status=PromptStatus.FAULTED,
                 )
         if stop is not None:
+            if not stop.done():
+                # The generate has ended: its stop has nothing left to do (and a node that
+                # is gone would hold it to its bound, past the run's drain of its prompts).
+                stop.cancel()
             try:
-                await stop  # ended with the generate, or bounded (a node gone)
+                await stop
             except ActivityError as err:
-                workflow.logger.info("stop of request %d: %s", request_id, failure_cause(err))
+                if not isinstance(err.cause, CancelledError):
+                    workflow.logger.info("stop of request %d: %s", request_id, failure_cause(err))
         if outcome.terminal.type == "fault" and outcome.status is PromptStatus.DONE:
             # A prompt-local fault from the node (too long, or stopped: then it says why).
             if self._cancel_reason is not None:
