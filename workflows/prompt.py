@@ -48,7 +48,7 @@ def heartbeat_lost(err: ActivityError) -> bool:
 
 # Outside the SDK's sandbox: a run starts one of these per prompt, and each start in the
 # sandbox costs ~12 ms of the worker's CPU (re-importing this module in a fresh sandbox;
-# scripts/bench_serve.py's control-plane figures). What the sandbox guards is held here by
+# scripts/bench_control_plane.py). What the sandbox guards is held here by
 # the import contract (workflows import only the core and temporalio) and the replay tests;
 # the long-lived RunWorkflow keeps it (DECISIONS 65).
 @workflow.defn(name=names.PROMPT_WORKFLOW, sandboxed=False)

@@ -50,7 +50,9 @@ if TYPE_CHECKING:
     # the background at boot (``preload_runtime``) while it connects and reports ready.
     from workers.node.runtime import GenerationResult, StageRuntime
 
-HEARTBEAT_EVERY_S = 0.5  # how soon a generate learns it was cancelled
+# How often a generate hands the SDK a heartbeat; the SDK sends at most one per the node
+# worker's throttle (2 s, workers/node/agent.py). A cancel's stop is pushed (DECISIONS 65).
+HEARTBEAT_EVERY_S = 0.5
 MAX_EARLY_STOPS = 256  # stops remembered for generates not started yet
 TEXT_GATHER_S = 0.025  # the finest stream granularity: stream_batch_ms is at least this
 MAX_GATHER_S = 1.0  # the coarsest, however many prompts generate
