@@ -438,12 +438,22 @@ class ScriptedObserver:
     def __init__(self) -> None:
         self.phase = "accepted"
         self.calls = 0
+        self.idled = 0
 
     async def observe(self) -> Observation:
         self.calls += 1
         run = RunView(workflow_id="mvp-run-7", run_id=7, served=True, status="running")
         run.phase = self.phase
         return Observation(served="mvp-run-7", runs=[run])
+
+    async def pace(self, interval_s: float) -> None:
+        await asyncio.sleep(interval_s)
+
+    def idle(self) -> None:
+        self.idled += 1
+
+    async def aclose(self) -> None:
+        pass
 
 
 async def _next_data(gen: Any) -> dict[str, Any]:
@@ -472,6 +482,7 @@ async def test_a_stream_sends_a_frame_only_when_the_observation_changed():
     assert hub.version == 2
     await gen.aclose()
     assert hub.streams == 0 and not hub.polling and hub.latest is None
+    assert scripted.idled == 1  # no page open: the datastream is not followed
 
 
 async def test_a_stream_ends_after_its_lifetime_and_streams_are_bounded():

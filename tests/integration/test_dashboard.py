@@ -117,6 +117,21 @@ async def test_the_page_follows_a_run_that_starts_serves_and_stops(
         assert cells[4].endswith(("ms", " s")) and cells[6] == "max_tokens", cells
         logs = "\n".join(await card_text(page, ".log pre"))
         assert "stage 0 loaded layers" in logs and "stage 1 loaded layers" in logs, logs
+        # The log lines and the run's events come from the run's datastream (DECISIONS
+        # 58), followed from the address its snapshot tells.
+        sources = await page.locator(f"{CARD} .log .src").evaluate_all(
+            "els => els.map(e => e.dataset.source)"
+        )
+        assert sources == ["datastream", "datastream"], sources
+        where = await card_text(page, ".events .where")
+        assert where and where[0].startswith("following the run's datastream at "), where
+        await shows(page, f'{CARD} .events li[data-channel="mvp.orch.lifecycle"]')
+        await page.wait_for_function(
+            "([sel, rid]) => [...document.querySelectorAll(sel)]"
+            ".some(li => li.textContent.includes('PromptCompleted prompt ' + rid))",
+            arg=[f"{CARD} .events li", request_id],
+            timeout=15_000,
+        )
         await page.wait_for_timeout(600)  # the log tails of the prompt's end
         await page.screenshot(path=str(shots / "serving.png"), full_page=True)
 
@@ -124,6 +139,14 @@ async def test_the_page_follows_a_run_that_starts_serves_and_stops(
         assert await wait_closed(handle) is WorkflowExecutionStatus.COMPLETED
         await shows(page, f'{CARD}[data-status="completed"][data-phase="torn_down"]')
         await shows(page, f"{CARD} tr.stage", every="stopped")
+        # The run's datastream ended with it; what it said stays on the page.
+        await page.wait_for_function(
+            "sel => (document.querySelector(sel) || {}).textContent?.endsWith(' ended')",
+            arg=f"{CARD} .events .where",
+            timeout=15_000,
+        )
+        events = "\n".join(await card_text(page, ".events li"))
+        assert "RunTornDown" in events, events
         await page.screenshot(path=str(shots / "stopped.png"), full_page=True)
         seen: list[str] = await page.evaluate("window.__seen")
 

@@ -50,6 +50,7 @@ from mvp_core import names
 from mvp_core.datastream import Redactor
 from mvp_core.models import NodeHandle, PromptOutcome
 from mvp_core.run_state import RunState
+from workers.gateway.dashboard_feed import DatastreamFeed
 from workers.gateway.dashboard_view import (
     RECENT_PROMPTS,
     LogTail,
@@ -72,6 +73,10 @@ log = logging.getLogger("mvp.gateway.dashboard")
 
 INTERVAL_S = 0.5  # how often the served run is read while a page is open
 OTHERS_EVERY_S = 3.0  # how often other open runs are listed and read
+# While the served run's datastream is followed, its frames say when to read the run
+# again; without one for this long, it is read anyway (a change the datastream does not
+# carry: the prompt queue between admissions).
+FOLLOWED_EVERY_S = 2.0
 MAX_OTHER_RUNS = 7
 MAX_STREAMS = 16  # open event streams at once; more are a 503
 STREAM_LIFETIME_S = 300.0  # then the stream ends and the browser reconnects
@@ -282,12 +287,14 @@ class Observer:
         run_id: int,
         *,
         logs: LocalLogs | None = None,
+        feed: DatastreamFeed | None = None,
         others: bool = True,
     ) -> None:
         self.source = source
         self.run_id = run_id
         self.workflow_id = names.run_workflow_id(run_id)
         self.logs = logs or LocalLogs()
+        self.feed = feed or DatastreamFeed(self.logs.hostname, self.logs.redactor)
         self.others = others
         self._last: dict[str, RunState] = {}
         self._closed: dict[str, tuple[str | None, RunState]] = {}  # frozen: (execution, state)
@@ -298,6 +305,7 @@ class Observer:
         self._others_due = 0.0
 
     async def observe(self) -> Observation:
+        self.feed.changed.clear()  # a frame from now on asks for the next observation
         served = await self.run(self.workflow_id, served=True)
         if self.others and time.monotonic() >= self._others_due:
             self._others_due = time.monotonic() + OTHERS_EVERY_S
@@ -350,7 +358,10 @@ class Observer:
             )
         await self._learn_figures(state)
         logs = await asyncio.to_thread(self.logs.tails, state)
-        return run_view(
+        if served:
+            self.feed.follow(state.datastream)
+            logs |= self.feed.tails()  # a node the datastream has lines of: those
+        view = run_view(
             workflow_id,
             run_id,
             status,
@@ -360,6 +371,27 @@ class Observer:
             logs=logs,
             note=clip(note) if note else None,
         )
+        if served:
+            view.events = self.feed.events()
+            view.datastream = self.feed.status()
+        return view
+
+    async def pace(self, interval_s: float) -> None:
+        """Until the next observation: ``interval_s``, or, while the served run's
+        datastream is followed, its next frame (at least ``interval_s`` apart, at most
+        ``FOLLOWED_EVERY_S``: the datastream says when the run changed)."""
+        await asyncio.sleep(interval_s)
+        if self.feed.live and not self.feed.changed.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, FOLLOWED_EVERY_S - interval_s)):
+                    await self.feed.changed.wait()
+
+    def idle(self) -> None:
+        """No page is open: stop following the datastream (a page that opens resumes)."""
+        self.feed.pause()
+
+    async def aclose(self) -> None:
+        await self.feed.aclose()
 
     async def _learn_figures(self, state: RunState) -> None:
         wanted = [
@@ -441,6 +473,7 @@ class Hub:
             self._task.cancel()
             self._task = None
             self.latest = None  # the next page waits for a fresh frame
+            self.observer.idle()
 
     @property
     def polling(self) -> bool:
@@ -479,7 +512,7 @@ class Hub:
                 if text != failure:
                     log.warning("dashboard observation failed: %s", text)
                 failure = text
-            await asyncio.sleep(self.interval_s)
+            await self.observer.pace(self.interval_s)
 
     async def aclose(self) -> None:
         task, self._task = self._task, None
@@ -487,6 +520,7 @@ class Hub:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        await self.observer.aclose()
 
 
 class Subscription:

@@ -45,6 +45,17 @@ class LogTail(BaseModel):
 
     lines: list[str] = Field(default_factory=list)
     note: str | None = None
+    # Where they were read: the run's datastream (its node log channels, with the node's
+    # stderr and its provider's progress), or the node's log file on this host.
+    source: Literal["datastream", "file"] = "file"
+
+
+class FeedEvent(BaseModel):
+    """One of the run's events from its datastream, as the page shows it."""
+
+    at_ms: int  # when the datastream published it (epoch ms)
+    channel: str  # e.g. mvp.orch.bootstrap
+    text: str
 
 
 class StageView(BaseModel):
@@ -137,6 +148,10 @@ class RunView(BaseModel):
     queue: QueueView = Field(default_factory=QueueView)
     stages: list[StageView] = Field(default_factory=list)
     recent: list[PromptView] = Field(default_factory=list)
+    # The served run's last datastream events, oldest first, and where its datastream is
+    # followed from (or why it is not).
+    events: list[FeedEvent] = Field(default_factory=list)
+    datastream: str | None = None
     note: str | None = None  # why what is shown may be stale or missing
 
 

@@ -1,0 +1,229 @@
+"""The dashboard follows the served run's datastream (issue 21 defect 10, DECISIONS 58):
+a real ``LiveSubscribers`` server fed by a real ``Datastream``, as the run's datastream
+activity makes them, and the dashboard's ``Observer`` over a scripted Temporal source."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+import workers.gateway.dashboard as dashboard
+from activities.datastream_io import Datastream, LiveSubscribers
+from mvp_core import datastream as ds
+from mvp_core.models import DatastreamAddress, LifecycleKind, LifecycleReport
+from mvp_core.run_state import RunState
+from tests.gateway.test_dashboard import HOST, SECRET, FakeSource, serving_state
+from workers.gateway.dashboard import LocalLogs, Observer
+from workers.gateway.dashboard_feed import DatastreamFeed, event_text, node_of_log_channel
+
+RUN = 7
+# A secret only the gateway knows, in no shape the stream's own patterns catch: the feed
+# redacts with the gateway's secrets too.
+GATEWAY_SECRET = "correct horse battery staple"
+
+
+@pytest.fixture
+async def stream() -> AsyncIterator[tuple[Datastream, LiveSubscribers]]:
+    live = LiveSubscribers("127.0.0.1:0", replay_frames=1000)
+    stream = Datastream(run_id=RUN, node_id=0, sinks=[live], summary_interval_s=None)
+    try:
+        yield stream, live
+    finally:
+        await asyncio.to_thread(stream.close, 2.0)
+
+
+def with_datastream(address: str, host: str = HOST) -> RunState:
+    state = serving_state()
+    state.datastream = DatastreamAddress(
+        run_id=RUN, address=address, archive="/nowhere/frames.jsonl", host=host
+    )
+    return state
+
+
+def watched(src: FakeSource) -> Observer:
+    feed = DatastreamFeed(HOST, ds.Redactor([SECRET, GATEWAY_SECRET]), reconnect_s=0.05)
+    return Observer(src, RUN, logs=LocalLogs(hostname=HOST), feed=feed, others=False)  # type: ignore[arg-type]
+
+
+async def until(what: Callable[[], Any], label: str, timeout_s: float = 10.0) -> None:
+    """Wait for ``what()`` to be true: the feed reads on the event loop, so each check
+    yields to it; bounded, so a feed that never reads fails with what it waited for."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not what():
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"never: {label}") from None
+
+
+def publish_start(stream: Datastream) -> None:
+    stream.publish(
+        ds.CHANNEL_BOOTSTRAP,
+        ds.orch_bootstrap(ds.BootstrapPhase.PROVIDER_START, ds.BootstrapStatus.STARTED, RUN, 2),
+    )
+    stream.publish(
+        ds.CHANNEL_PROVISIONING_EVENTS,
+        ds.provision_event(RUN, 2, ds.ProvisionEventKind.PROVISION_START, "process"),
+    )
+    stream.publish(
+        ds.node_log_channel(2, ds.LogStream.PROVIDER),
+        ds.log_line(RUN, 2, ds.LogStream.PROVIDER, "renting offer 17"),
+    )
+    stream.publish(
+        ds.node_log_channel(2, ds.LogStream.STDOUT),
+        ds.log_line(RUN, 2, ds.LogStream.STDOUT, "stage 0 loaded layers [0,15) in 1.50s"),
+    )
+    stream.publish(
+        ds.node_log_channel(2, ds.LogStream.STDERR),
+        ds.log_line(RUN, 2, ds.LogStream.STDERR, f"warning: {GATEWAY_SECRET} and {SECRET}"),
+    )
+    report = LifecycleReport(kind=LifecycleKind.RUN_READY, run_id=RUN, detail="2 stage(s)")
+    stream.publish(ds.CHANNEL_LIFECYCLE, ds.lifecycle_record(report, 3))
+
+
+async def test_the_served_runs_log_lines_and_events_come_from_its_datastream(
+    stream: Any, monkeypatch: pytest.MonkeyPatch
+):
+    ds_stream, live = stream
+    monkeypatch.setattr(dashboard, "FOLLOWED_EVERY_S", 60.0)
+    publish_start(ds_stream)
+    src = FakeSource()
+    src.status["mvp-run-7"] = ("running", "e")
+    src.states["mvp-run-7"] = with_datastream(live.address)
+    obs = watched(src)
+    try:
+        await obs.observe()  # learns the address and starts following it
+        await until(lambda: obs.feed.frames >= 6, "the stream's first frames read")
+        view = (await obs.observe()).runs[0]
+        assert view.datastream == f"following the run's datastream at {live.address}"
+        node2 = next(s for s in view.stages if s.node_id == 2)
+        assert node2.log is not None and node2.log.source == "datastream"
+        assert node2.log.lines == [
+            "[provider] renting offer 17",
+            "stage 0 loaded layers [0,15) in 1.50s",
+            "[stderr] warning: [redacted] and [redacted]",
+        ], node2.log.lines
+        # Node 3 has no datastream lines: its log file is read as before (none here).
+        node3 = next(s for s in view.stages if s.node_id == 3)
+        assert node3.log is not None and node3.log.source == "file"
+        assert [e.text for e in view.events] == [
+            "node 2 provider_start started",
+            "node 2 ProvisionStart (process)",
+            "RunReady: 2 stage(s)",
+        ]
+        assert all(e.at_ms > 0 for e in view.events)
+        assert SECRET not in view.model_dump_json()
+        assert GATEWAY_SECRET not in view.model_dump_json()
+
+        # A new frame is what wakes the poller: pace() returns on it, long before the
+        # followed run's idle interval (made a minute here).
+        obs.feed.changed.clear()
+        pacing = asyncio.ensure_future(obs.pace(0.01))
+        await asyncio.sleep(0.05)
+        assert not pacing.done()
+        ds_stream.publish(
+            ds.node_log_channel(2, ds.LogStream.STDOUT),
+            ds.log_line(RUN, 2, ds.LogStream.STDOUT, "prompt 11 done"),
+        )
+        await asyncio.wait_for(pacing, 10)
+        view = (await obs.observe()).runs[0]
+        assert next(s for s in view.stages if s.node_id == 2).log.lines[-1] == "prompt 11 done"  # type: ignore[union-attr]
+
+        # No page open: the feed stops; a page that opens again gets the stream's replay,
+        # not the lines twice.
+        obs.idle()
+        await until(lambda: not obs.feed.live, "the feed paused")
+        frames_before = obs.feed.frames
+        await obs.observe()
+        await until(lambda: obs.feed.live and obs.feed.frames >= frames_before, "resumed")
+        lines = (await obs.observe()).runs[0].stages[0].log.lines  # type: ignore[union-attr]
+        assert lines.count("prompt 11 done") == 1, lines
+
+        # The stream closes with the run: what was read stays, and the page says it ended.
+        await asyncio.to_thread(ds_stream.close, 2.0)
+        await until(lambda: obs.feed.ended, "the stream's end seen")
+        view = (await obs.observe()).runs[0]
+        assert view.datastream == f"the run's datastream at {live.address} ended"
+        assert view.stages[0].log is not None and view.stages[0].log.source == "datastream"
+    finally:
+        await obs.aclose()
+
+
+async def test_a_datastream_elsewhere_or_unreachable_is_a_note_and_files_stay(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    src = FakeSource()
+    src.status["mvp-run-7"] = ("running", "e")
+    src.states["mvp-run-7"] = with_datastream("127.0.0.1:9", host="another-host")
+    obs = watched(src)
+    try:
+        view = (await obs.observe()).runs[0]
+        assert view.datastream == (
+            "the run's datastream is on host another-host: not readable from here"
+        )
+        assert not obs.feed.live and all(
+            s.log is None or s.log.source == "file" for s in view.stages
+        )
+        # On this host but nobody listening (the activity gone): a note, retried later.
+        src.states["mvp-run-7"] = with_datastream("127.0.0.1:9")
+        await obs.observe()
+        await until(lambda: obs.feed.note is not None and "cannot follow" in obs.feed.note, "note")
+        view = (await obs.observe()).runs[0]
+        assert view.datastream is not None and view.datastream.startswith(
+            "cannot follow the run's datastream at 127.0.0.1:9"
+        )
+        # Without a live feed the poller keeps its own pace (no frame will wake it).
+        monkeypatch.setattr(dashboard, "FOLLOWED_EVERY_S", 60.0)
+        await asyncio.wait_for(obs.pace(0.01), 5)
+    finally:
+        await obs.aclose()
+
+
+async def test_other_runs_are_not_followed():
+    src = FakeSource()
+    src.running = ["mvp-run-9"]
+    src.status["mvp-run-9"] = ("running", "e")
+    src.states["mvp-run-9"] = with_datastream("127.0.0.1:9")
+    src.states["mvp-run-9"].run_id = 9
+    src.status["mvp-run-7"] = ("running", "e")
+    src.states["mvp-run-7"] = serving_state()
+    feed = DatastreamFeed(HOST, ds.Redactor([SECRET]))
+    obs = Observer(src, RUN, logs=LocalLogs(hostname=HOST), feed=feed)  # type: ignore[arg-type]
+    observed = await obs.observe()
+    assert [r.workflow_id for r in observed.runs] == ["mvp-run-7", "mvp-run-9"]
+    assert observed.runs[1].datastream is None and observed.runs[1].events == []
+    assert feed.address is None and observed.runs[0].datastream == (
+        "the run has told no datastream yet"
+    )
+
+
+def test_event_lines_and_log_channels():
+    assert node_of_log_channel("mvp.provisioning.logs.node.12.stderr") == 12
+    assert node_of_log_channel("mvp.provisioning.logs.node.x.stderr") is None
+    assert node_of_log_channel(ds.CHANNEL_LIFECYCLE) is None
+    boot = ds.orch_bootstrap(
+        ds.BootstrapPhase.WEIGHTS_LOADED, ds.BootstrapStatus.READY, RUN, 3, {"ms": 12}
+    )
+    assert event_text(ds.CHANNEL_BOOTSTRAP, boot) == 'node 3 weights_loaded ready: {"ms":12}'
+    health = ds.orch_bootstrap(ds.BootstrapPhase.DATASTREAM, ds.BootstrapStatus.OBSERVED, RUN, 0)
+    assert event_text(ds.CHANNEL_BOOTSTRAP, health) is None  # the stream's own health
+    member = ds.membership_record(RUN, 3, ds.MembershipState.DEAD)
+    assert event_text(ds.CHANNEL_MEMBERSHIP, member) == "node 3 Dead"
+    failed = ds.provision_event(
+        RUN, 3, ds.ProvisionEventKind.PROVISION_FAILED, "vastai", "HTTP 500"
+    )
+    assert event_text(ds.CHANNEL_PROVISIONING_EVENTS, failed) == (
+        "node 3 ProvisionFailed (vastai): HTTP 500"
+    )
+    assert event_text(ds.CHANNEL_LIFECYCLE, "not a record") is None
+    assert event_text("mvp.unknown", {"type": "OrchLifecycle"}) is None
+
+
+def test_a_frame_that_is_not_json_or_has_no_channel_is_skipped():
+    feed = DatastreamFeed(HOST, ds.Redactor([SECRET]))
+    for raw in (b"not json\n", b'{"payload": {}}\n', b'{"channel": "x"}\n', b"[1]\n"):
+        feed.absorb(raw)
+    assert feed.frames == 0 and feed.tails() == {} and feed.events() == []
