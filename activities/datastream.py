@@ -17,7 +17,7 @@ the ``temporal`` CLI, the demo):
 - publishes what the run's ``snapshot`` shows changing (``mvp_core.host_observe``:
   lifecycle, bootstrap phases, provisioning events, membership, stage routes);
 - tails each node's log files that this host has (``node.log`` stdout, ``node.err``
-  stderr) into ``mvp.provisioning.logs.node.<id>.<stdout|stderr>``;
+  stderr, written live by the process and Docker providers) into ``mvp.provisioning.logs.node.<id>.<stdout|stderr>``;
 - drains the in-process bus (``activities/datastream_bus.py``) where the provider
   activities put their progress (provider log lines) and ``ProvisionFailed`` events.
 
@@ -48,6 +48,7 @@ from mvp_core.datastream import LogStream, Redactor
 from mvp_core.edge_auth import text_stream_token
 from mvp_core.host_observe import observe
 from mvp_core.models import DatastreamAddress, RunDatastreamInput
+from mvp_core.providers import traits
 from mvp_core.run_state import RunState
 
 log = logging.getLogger("mvp.datastream")
@@ -64,7 +65,7 @@ POLL_IDLE_S = 2.0
 REPLAY_FRAMES = 20_000
 ARCHIVE_NAME = "frames.jsonl"
 OBSERVED_NAME = "observed.json"
-STDERR_NAME = NODE_STDERR_FILE  # beside a node's node.log (its stdout), process provider
+STDERR_NAME = NODE_STDERR_FILE  # beside a node's node.log (its stdout): process, Docker
 
 
 def run_dir(run_id: int) -> Path:
@@ -163,7 +164,7 @@ class RunStream:
             if handle is None or not handle.log_path:
                 continue
             files = [(LogStream.STDOUT, Path(handle.log_path))]
-            if handle.provider.value == "process":
+            if traits(handle.provider).live_logs:
                 files.append((LogStream.STDERR, stderr_path(handle.log_path)))
             for which, path in files:
                 key = (node.node_id, which.value)

@@ -25,6 +25,9 @@ class ProviderTraits:
     stop_allowance_s: float
     # The request's ``docker`` section (gpus, cpus) applies to its nodes.
     takes_gpus: bool
+    # Its nodes' stdout and stderr are written apart as they run, on the worker's host
+    # (``node.log`` and ``node.err``); otherwise one log arrives when the node stops.
+    live_logs: bool
 
     def host_nodes(self, node_count: int) -> int:
         """How many of the run's nodes share one host (and so its cores)."""
@@ -51,13 +54,25 @@ class ProviderTraits:
 
 TRAITS: dict[ProviderKind, ProviderTraits] = {
     ProviderKind.PROCESS: ProviderTraits(
-        ProviderKind.PROCESS, rented_hosts=False, stop_allowance_s=30.0, takes_gpus=False
+        ProviderKind.PROCESS,
+        rented_hosts=False,
+        stop_allowance_s=30.0,
+        takes_gpus=False,
+        live_logs=True,
     ),
     ProviderKind.DOCKER: ProviderTraits(
-        ProviderKind.DOCKER, rented_hosts=False, stop_allowance_s=30.0, takes_gpus=True
+        ProviderKind.DOCKER,
+        rented_hosts=False,
+        stop_allowance_s=30.0,
+        takes_gpus=True,
+        live_logs=True,
     ),
     ProviderKind.VASTAI: ProviderTraits(
-        ProviderKind.VASTAI, rented_hosts=True, stop_allowance_s=150.0, takes_gpus=False
+        ProviderKind.VASTAI,
+        rented_hosts=True,
+        stop_allowance_s=150.0,
+        takes_gpus=False,
+        live_logs=False,
     ),
 }
 

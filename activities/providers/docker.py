@@ -29,6 +29,7 @@ import re
 import socket
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from docker.models.networks import Network
 from docker.types import DeviceRequest, LogConfig, Mount
 
 from activities.providers.base import (
+    NODE_STDERR_FILE,
     NodeStartFailed,
     ProviderUnavailable,
     deployment_id,
@@ -84,6 +86,7 @@ _Filters = dict[str, str | list[str] | bool]
 # What a daemon that stopped answering raises: docker-py's errors, and requests' own
 # (a connection refused on a cached client).
 _DOCKER_ERRORS: tuple[type[Exception], ...] = (DockerException, requests.RequestException)
+_PUMP_ERRORS: tuple[type[Exception], ...] = (*_DOCKER_ERRORS, OSError)
 _RESOURCE_NAME = re.compile(r"mvp-[0-9]{1,20}-[0-9]{1,20}-[0-9a-f]{8}")
 
 
@@ -116,11 +119,63 @@ def _explain(err: Exception) -> str:
     return str(text).strip()[:500]
 
 
+class LogPump:
+    """A node container's output, written as it runs: stdout to ``node.log``, stderr to
+    ``node.err`` in the node's directory on this host (as the process provider's nodes
+    write theirs), so the run's datastream, the dashboard and fault texts see it live and
+    apart. One thread per stream follows the daemon's log API from the container's start
+    (the files are rewritten from the start by a pump of a later worker) and ends when the
+    container stops or goes."""
+
+    def __init__(self, client: docker.DockerClient, container_id: str, node_dir: Path) -> None:
+        node_dir.mkdir(parents=True, exist_ok=True)
+        self.threads = [
+            threading.Thread(
+                target=self._pump,
+                args=(client, container_id, node_dir / name, which),
+                name=f"docker-logs-{container_id[:12]}-{which}",
+                daemon=True,
+            )
+            for name, which in (("node.log", "stdout"), (NODE_STDERR_FILE, "stderr"))
+        ]
+        for t in self.threads:
+            t.start()
+
+    @staticmethod
+    def _pump(client: docker.DockerClient, container_id: str, path: Path, which: str) -> None:
+        try:
+            chunks = client.api.logs(
+                container_id,
+                stdout=which == "stdout",
+                stderr=which == "stderr",
+                stream=True,
+                follow=True,
+            )
+            with open(path, "wb") as out:
+                for chunk in chunks:
+                    out.write(chunk)
+                    out.flush()
+        except _PUMP_ERRORS:
+            return  # the container went, or the daemon: what was written stays
+
+    def alive(self) -> bool:
+        return any(t.is_alive() for t in self.threads)
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait (bounded) for both streams to end; whether they did."""
+        deadline = time.monotonic() + timeout_s
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not self.alive()
+
+
 class DockerProvider:
     def __init__(self, *, host: str | None = None) -> None:
         self.host = host or socket.gethostname()
         self.deployment = deployment_id()
         self._client: docker.DockerClient | None = None
+        self._pumps: dict[str, LogPump] = {}  # by resource name: this worker's
+        self._pumps_lock = threading.Lock()
 
     # ------------------------------------------------------------------ daemon
     def client(self) -> docker.DockerClient:
@@ -309,6 +364,7 @@ class DockerProvider:
                 self._remove_network_if_unused(spec.run_id, spec.nonce[:8])
                 raise NodeStartFailed(self._start_error(spec, err)) from None
         existing.reload()
+        self._pump_logs(existing, resource)
         address = existing.attrs["NetworkSettings"]["Networks"].get(net.name, {}).get("IPAddress")
         return NodeHandle(
             run_id=spec.run_id,
@@ -393,17 +449,40 @@ class DockerProvider:
     def _find(self, handle: NodeHandle) -> list[Container]:
         return self._containers(f"{LABEL_RESOURCE}={handle.resource_name}")
 
+    def _pump_logs(self, container: Container, resource: str) -> None:
+        """Write the container's output to its node directory as it runs (``LogPump``);
+        one pump per container in this worker."""
+        with self._pumps_lock:
+            pump = self._pumps.get(resource)
+            if pump is not None and pump.alive():
+                return
+            for name in [r for r, p in self._pumps.items() if not p.alive()]:
+                del self._pumps[name]
+            self._pumps[resource] = LogPump(
+                self.client(), str(container.id), self._node_dir(resource)
+            )
+
     def _save_logs(self, container: Container) -> None:
+        """Once the container stopped: its output complete in ``node.log`` and
+        ``node.err``. A pump of this worker has it (its streams end with the container);
+        without one (a worker that did not start it) the daemon's copy is written."""
         resource = container.labels.get(LABEL_RESOURCE, "")
         if not _RESOURCE_NAME.fullmatch(resource):
             return  # a label we did not write: never a path of its choosing
-        try:
-            logs = container.logs(stdout=True, stderr=True)
-        except _DOCKER_ERRORS:
+        with self._pumps_lock:
+            pump = self._pumps.pop(resource, None)
+        if pump is not None and pump.join(5.0):
             return
         node_dir = self._node_dir(resource)
         node_dir.mkdir(parents=True, exist_ok=True)
-        (node_dir / "node.log").write_bytes(logs)
+        for name, stdout in (("node.log", True), (NODE_STDERR_FILE, False)):
+            try:
+                logs = container.logs(stdout=stdout, stderr=not stdout)
+            except _DOCKER_ERRORS:
+                return
+            tmp = node_dir / (name + ".tmp")
+            tmp.write_bytes(logs)
+            os.replace(tmp, node_dir / name)
 
     def _remove(self, container: Container, grace_s: float) -> None:
         """Stop (SIGTERM, then SIGKILL after ``grace_s``) and remove; gone is success."""

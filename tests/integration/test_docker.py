@@ -28,10 +28,11 @@ from mvp_core.models import (
     RunPhase,
     SubmitPrompt,
 )
-from temporal.client import submit_prompt
+from temporal.client import RunHandle, submit_prompt
 from temporal.connect import connect
 from temporal.devserver import start_dev_server
 from tests.helpers.dockerd import Dockerd
+from tests.helpers.runs import node_output
 from tests.integration.conftest import (
     REPO,
     SECRET,
@@ -44,6 +45,7 @@ from tests.integration.conftest import (
     wait_phase,
 )
 from tests.integration.test_reaper import sweep
+from workers.host.follow import read_archive
 
 PROMPT = "The capital of France is"
 # Prompt-ready of a run of containers: each node loads its stage under its own CPU quota,
@@ -171,16 +173,42 @@ async def test_docker_pipeline_gives_the_process_text_over_container_addresses(
             conns,
         )
 
+    # Each container's output is on the provider's host as it runs, stdout and stderr
+    # apart (node.log, node.err), as a process node's: the run's datastream carries both
+    # live (issue 21 defect 10; they used to arrive, merged, when the container stopped).
+    found = await RunHandle(druns.client, run_id).datastream(wait_s=30)
+    assert found is not None
+    for node in by_stage:
+        assert node.handle is not None and node.handle.log_path is not None
+        assert node.handle.log_path.startswith(str(state_dir))
+        out = Path(node.handle.log_path).read_text()
+        err = Path(node.handle.log_path).with_name("node.err").read_text()
+        assert "serving" in out and " INFO " not in out, out[-2000:]
+        assert " INFO " in err and "serving" not in err, err[-2000:]
+        channels = {f"mvp.provisioning.logs.node.{node.node_id}.{s}" for s in ("stdout", "stderr")}
+        await until_archived(Path(found.archive), channels)
+
     outcome = await shutdown(handle)
     assert outcome.outcome.value == "operator_stopped"
     assert run_containers(dclient, run_id) == [] and run_networks(dclient, run_id) == []
     # Each container's output outlives it, in the node's log on the provider's host.
     for node in by_stage:
-        assert node.handle is not None and node.handle.log_path is not None
-        log = Path(node.handle.log_path).read_text()
-        assert node.handle.log_path.startswith(str(state_dir))
+        assert node.handle is not None
+        log = node_output(node.handle.log_path)
         assert f"node {node.node_id} stopped" in log
         assert "(1 thread(s))" in log  # its one CPU (docker.cpus), read from its cgroup
+
+
+async def until_archived(archive: Path, channels: set[str], timeout_s: float = 30) -> None:
+    """Wait until the run's frame archive has a frame on each of ``channels``."""
+    deadline = time.monotonic() + timeout_s
+    seen: set[str] = set()
+    while time.monotonic() < deadline:
+        seen = {f["channel"] for f in read_archive(archive)} if archive.exists() else set()
+        if channels <= seen:
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"the datastream never carried {sorted(channels - seen)}")
 
 
 async def test_a_killed_container_faults_the_prompt_and_run_and_leaves_nothing(
