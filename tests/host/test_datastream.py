@@ -538,7 +538,7 @@ def test_a_stuck_sink_drops_and_reports_and_close_is_bounded() -> None:
     assert summaries[0]["detail"]["final"] is False
     t0 = time.monotonic()
     ds.close(timeout_s=0.3)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 15  # bounded, not the stalled sink's 30 s
     final = collect.records("mvp.orch.bootstrap")[-1]
     assert final["detail"]["final"] is True and final["detail"]["drops"]["stalled"] == 4_990
     assert ds.drops["stalled"] > 4_990  # what was still queued at close is lost too

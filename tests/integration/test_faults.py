@@ -130,7 +130,8 @@ async def test_shutdown_during_a_slow_planning_takes_effect_at_once(runs: Runs):
     t0 = time.monotonic()
     await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN)
     outcome = RunOutcome.model_validate(await handle.result())
-    assert time.monotonic() - t0 < 5, time.monotonic() - t0
+    # At once, not when the 120 s planning ends (the bound is loose for a loaded machine).
+    assert time.monotonic() - t0 < 30, time.monotonic() - t0
     assert outcome.outcome.value == "operator_stopped"
     kinds = [r.kind.value for r in outcome.lifecycle]
     assert "RunProvisioningStarted" not in kinds and kinds[-1] == "RunTornDown"
