@@ -41,6 +41,7 @@ LOG_LINES = 12  # per node
 EVENTS = 32  # the run's last events
 LINE_CHARS = 240
 RECONNECT_S = 5.0  # after a stream that could not be reached
+YIELD_EVERY = 256  # frames read between two turns given back to the event loop
 READ_LIMIT = 4 * 1024 * 1024  # the longest frame line read (a datastream frame is < 1 MiB)
 _STREAM_TAG = {"Stdout": "", "Stderr": "[stderr] ", "Provider": "[provider] "}
 
@@ -222,6 +223,10 @@ class DatastreamFeed:
                     break
                 if line.endswith(b"\n"):
                     self.absorb(line)
+                if self.frames % YIELD_EVERY == 0:
+                    # A replay of thousands of buffered frames never holds the gateway's
+                    # event loop (its completions stream on it) for long.
+                    await asyncio.sleep(0)
             self.ended = True
         except OSError as err:
             self.note = clip(f"the run's datastream at {address} broke: {err}")
