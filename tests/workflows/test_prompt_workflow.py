@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from temporalio import activity
+from temporalio.api.enums.v1 import EventType
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
@@ -43,6 +44,7 @@ class Head:
         self.until_stopped = False  # generate runs (without heartbeats) until stopped
         self.generating: dict[str, asyncio.Event] = {}
         self.stops: list[str] = []
+        self.stop_answers = True  # False: a stop reaches the engine, its answer never comes
 
     @activity.defn(name=names.ACT_NODE_GENERATE)
     async def generate(self, inp: GenerateInput) -> PromptOutcome:
@@ -72,6 +74,8 @@ class Head:
         stopped = self.generating.get(inp.prompt_workflow_id)
         if stopped is not None:
             stopped.set()
+        if not self.stop_answers:
+            await asyncio.Event().wait()  # the node went before it answered: until cancelled
         return stopped is not None
 
 
@@ -161,6 +165,35 @@ async def test_a_cancel_mid_generate_is_pushed_to_the_head_node(
     assert outcome.terminal == Fault(request_id=4, error="client went away")
     assert outcome.status is PromptStatus.CANCELLED
     assert await status_of(handle) == "cancelled"
+
+
+async def test_a_stop_left_unanswered_is_cancelled_once_the_generate_ended(
+    env: WorkflowEnvironment, head: Head
+) -> None:
+    """The generate ends (its engine got the stop) but the stop's answer never comes (the
+    head node went): the prompt ends with its generate, the stop cancelled, not awaited
+    to its bound (which the time-skipping server would otherwise reach at once)."""
+    head.until_stopped = True
+    head.stop_answers = False
+    handle = await start(env, 5, active=True)
+    while handle.id not in head.generating:
+        await asyncio.sleep(0.01)
+    await handle.signal(names.SIGNAL_PROMPT_CANCEL, "client went away")
+    outcome = PromptOutcome.model_validate(await handle.result())
+    assert outcome.terminal == Fault(request_id=5, error="client went away")
+    assert head.stops == [handle.id]
+    history = await handle.fetch_history()
+    stop_ids = {
+        e.event_id
+        for e in history.events
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+        and e.activity_task_scheduled_event_attributes.activity_type.name
+        == names.ACT_NODE_STOP_GENERATE
+    }
+    assert len(stop_ids) == 1, stop_ids
+    kinds = [e.event_type for e in history.events]
+    assert EventType.EVENT_TYPE_ACTIVITY_TASK_CANCEL_REQUESTED in kinds
+    assert EventType.EVENT_TYPE_ACTIVITY_TASK_TIMED_OUT not in kinds, kinds
 
 
 async def test_a_failed_generate_faults_the_prompt_and_reports_a_run_fault(
