@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import pytest
@@ -312,13 +313,40 @@ def test_read_deadline_mid_record_breaks_edge(server) -> None:
     try:
         bad.sendall(raw_header(extent=8, flags=FLAG_BEGIN) + b"\0\0")  # payload short by 6
         with pytest.raises(EdgeTimeout) as info:
-            receiver.recv(0.1)
+            receiver.recv(0.1, rest_s=0.1)
         assert info.value.partial and receiver.closed
         with pytest.raises(EdgeClosed):
             receiver.recv(0.1)
         assert_peer_sees_eof(bad)
     finally:
         bad.close()
+
+
+@pytest.mark.parametrize("split", [10, 40 + 3], ids=["in-the-header", "in-the-payload"])
+def test_a_record_that_starts_at_the_end_of_an_idle_wait_gets_its_rest_s(
+    server, split: int
+) -> None:
+    """A busy run's stage broke its edge: its idle wait (1 s) ended while a record was
+    half-read ("read deadline missed in the middle of a record"). The idle timeout is for
+    a record to begin; once it has, the rest has ``rest_s``."""
+    server.expect(ACT, TOKEN)
+    peer = rogue(server, ACT.edge_id)
+    receiver = server.wait_inbound(2, 2.0)
+    record = raw_header(extent=8, flags=FLAG_BEGIN) + b"\1\2\3\4\5\6\7\x08"
+    try:
+        peer.sendall(record[:split])
+        got: list[Any] = []
+        reader = threading.Thread(target=lambda: got.append(receiver.recv(0.2, rest_s=30.0)))
+        reader.start()
+        time.sleep(0.6)  # past the idle wait: the record began within it
+        peer.sendall(record[split:])
+        reader.join(30)
+        assert got, "the record was not read"
+        header, payload = got[0]
+        assert header.extent == 8 and bytes(payload) == b"\1\2\3\4\5\6\7\x08"
+        assert not receiver.closed
+    finally:
+        peer.close()
 
 
 def _stage(server: DataPlaneServer, down: DataPlaneServer):

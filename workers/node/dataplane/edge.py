@@ -76,6 +76,9 @@ _HELLO = HELLO
 _ANSWER = ANSWER
 _OK, _RETRY, _REJECT = ANSWER_OK, ANSWER_RETRY, ANSWER_REJECT
 _RECV_BUF = 64 * 1024
+# Once a record's first bytes have come, the rest may take this long (its sender was
+# descheduled mid-send on a busy host, a large record crosses in many segments).
+RECORD_REST_S = 5.0
 
 
 class EdgeError(Exception):
@@ -367,18 +370,31 @@ class EdgeReceiver(_EdgeBase):
             return True
         return bool(readable)
 
-    def recv(self, timeout_s: float) -> tuple[RecordHeader, bytearray]:
-        """Next record within `timeout_s` seconds: (validated header, payload).
+    def recv(
+        self, timeout_s: float, rest_s: float = RECORD_REST_S
+    ) -> tuple[RecordHeader, bytearray]:
+        """Next record: (validated header, payload). A record that has not begun within
+        `timeout_s` seconds is a clean EdgeTimeout (the edge stays usable); once its first
+        bytes are here, the rest has `rest_s` more seconds (at least), else the edge
+        breaks (partial EdgeTimeout). An idle wait is often short (a loop that checks for
+        its stop): a record that starts at its end must not break the edge.
 
         The payload is a fresh bytearray (numpy can view it without a copy). A RecordError
         (bad header, out-of-order sequence) is logged and closes the edge and its group.
         """
         self._check_usable()
-        deadline = time.monotonic() + timeout_s
+        now = time.monotonic()
+        deadline = now + timeout_s
+        started = self._end > self._start  # bytes of this record came with the last one
+        if started:
+            deadline = max(deadline, now + rest_s)
         while self._end - self._start < HEADER_LEN:
             if self._start == self._end:
                 self._start = self._end = 0
-            self._end += self._fill(deadline, None, partial=self._end > self._start)
+            self._end += self._fill(deadline, None, partial=started)
+            if not started:
+                started = True
+                deadline = max(deadline, time.monotonic() + rest_s)
         try:
             header = decode_header(self._view[self._start : self._start + HEADER_LEN], self.spec)
             if self._order is not None:
