@@ -65,6 +65,15 @@ class PromptRejection(StrEnum):
     ROLLING_OVER = ErrorType.RUN_ROLLING_OVER.value
 
 
+_REJECTION_TEXT = {
+    PromptRejection.NOT_PROMPT_READY: "the run is not prompt-ready",
+    PromptRejection.SHUTTING_DOWN: "the run is shutting down",
+    PromptRejection.DUPLICATE_REQUEST_ID: "a prompt with this request_id is active or pending",
+    PromptRejection.QUEUE_FULL: "the prompt queue is full",
+    PromptRejection.ROLLING_OVER: "the run is rolling over (continue-as-new); retry shortly",
+}
+
+
 class NodeCondition(StrEnum):
     """Where a node is (NodeState.condition)."""
 
@@ -494,6 +503,18 @@ class RunState(BaseModel):
         if self.prompts_in_flight() >= capacity:
             return PromptRejection.QUEUE_FULL
         return None
+
+    def rejection_text(self, rejection: PromptRejection, request_id: int) -> str:
+        """The rejection's message: its type, what it means here, and the run's facts. A
+        run that is prompt-ready but confirming a fault (its grace) says which, not only
+        "not prompt-ready" beside "phase prompt_ready"."""
+        text = _REJECTION_TEXT[rejection]
+        if rejection is PromptRejection.NOT_PROMPT_READY and self.suspected_fault:
+            text = f"the run is faulting ({self.suspected_fault})"
+        return (
+            f"{rejection.value}: {text} (request_id {request_id}, run {self.run_id}, "
+            f"phase {self.phase.value})"
+        )
 
     def prompts_in_flight(self) -> int:
         return len(self.pending) + len(self.actives())

@@ -813,8 +813,7 @@ class RunWorkflow:
         )
         if rejection is not None:
             raise ApplicationError(
-                f"{rejection.value}: {_REJECTION_TEXT[rejection]} (request_id {prompt.request_id},"
-                f" run {self._state.run_id}, phase {self._state.phase.value})",
+                self._state.rejection_text(rejection, prompt.request_id),
                 type=rejection.value,
                 non_retryable=rejection is not PromptRejection.ROLLING_OVER,
             )
@@ -1171,14 +1170,6 @@ _SIGNALS: dict[str, tuple[type[BaseModel], Any]] = {
     names.SIGNAL_TOKEN_ENDPOINTS_READY: (TokenEndpointsReady, RunWorkflow.token_endpoints_ready),
     names.SIGNAL_STAGE_STOPPED: (StageStopped, RunWorkflow.stage_stopped),
     names.SIGNAL_DATASTREAM_ADDRESS: (DatastreamAddress, RunWorkflow.datastream_address),
-}
-
-_REJECTION_TEXT = {
-    PromptRejection.NOT_PROMPT_READY: "the run is not prompt-ready",
-    PromptRejection.SHUTTING_DOWN: "the run is shutting down",
-    PromptRejection.DUPLICATE_REQUEST_ID: "a prompt with this request_id is active or pending",
-    PromptRejection.QUEUE_FULL: "the prompt queue is full",
-    PromptRejection.ROLLING_OVER: "the run is rolling over (continue-as-new); retry shortly",
 }
 
 

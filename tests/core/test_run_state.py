@@ -164,6 +164,12 @@ def test_stage_fault_report_faults_the_run_only_when_it_matches():
     # a survivor's report is suspected first: the grace may find the node that really died
     assert s.first_fault is None and "oom" in (s.suspected_fault or "")
     assert s.admission_rejection(1, 8, False) is PromptRejection.NOT_PROMPT_READY
+    # The rejection says why, not "not prompt-ready ... phase prompt_ready" (a busy CI run
+    # saw that contradiction for prompts sent during a fault's grace).
+    assert s.rejection_text(PromptRejection.NOT_PROMPT_READY, 1) == (
+        f"RunNotPromptReady: the run is faulting ({s.suspected_fault}) "
+        f"(request_id 1, run 7, phase {s.phase.value})"
+    )
     assert s.confirm_suspected()
     assert "oom" in (s.first_fault or "")
 
@@ -226,6 +232,9 @@ def test_membership_loss_names_the_phase():
 def test_prompt_queue_admission_rules():
     s = new_state()
     assert s.admission_rejection(1, 8, False) is PromptRejection.NOT_PROMPT_READY
+    assert s.rejection_text(PromptRejection.NOT_PROMPT_READY, 1) == (
+        "RunNotPromptReady: the run is not prompt-ready (request_id 1, run 7, phase accepted)"
+    )
     bring_to_prompt_ready(s)
     for i in range(8):
         assert s.admission_rejection(i, 8, False) is None

@@ -22,7 +22,7 @@ from mvp_core.models import (
     RunPhase,
     SubmitPrompt,
 )
-from temporal.client import start_prompt, submit_prompt
+from temporal.client import PromptRejected, start_prompt, submit_prompt
 from tests.helpers.runs import node_output
 from tests.integration.conftest import (
     Runs,
@@ -209,14 +209,22 @@ async def test_token_sequence_violation_inside_a_live_run_faults_it_cleanly(runs
     first = await start_prompt(
         runs.client, 830, SubmitPrompt(request_id=1, prompt_text="Once upon a time", max_tokens=8)
     )
-    queued = await start_prompt(
-        runs.client, 830, SubmitPrompt(request_id=2, prompt_text="Hi", max_tokens=4)
-    )
+    try:
+        queued = await start_prompt(
+            runs.client, 830, SubmitPrompt(request_id=2, prompt_text="Hi", max_tokens=4)
+        )
+    except PromptRejected as err:
+        # The first prompt's fault came first (its first token is enough): the run says
+        # it is faulting and why (waiting out the fault's grace), or that it is shutting
+        # down (the grace is over); a busy CI run got here.
+        assert "the run is faulting (" in str(err) or "shutting down" in str(err), err
+        queued = None
     result = await first.result()
     assert isinstance(result, Fault)
-    # while the fault waits out its grace (no node died), the queued prompt is not started
-    # and ends with a Fault when the run faults: exactly one terminal event
-    assert (await queued.result()).type == "fault"
+    if queued is not None:
+        # while the fault waits out its grace (no node died), the queued prompt is not
+        # started and ends with a Fault when the run faults: exactly one terminal event
+        assert (await queued.result()).type == "fault"
     cause = await run_failure(handle)
     assert "sequence violation" in cause, cause
     # The first fault to arrive may be the driver's or a peer stage seeing its edge close;
