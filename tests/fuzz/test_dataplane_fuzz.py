@@ -648,7 +648,9 @@ def _authenticate(
 def _timed_recv(receiver: EdgeReceiver) -> tuple[Any, float]:
     t0 = time.monotonic()
     try:
-        result: Any = receiver.recv(READ_DEADLINE_S)
+        # The rest of a begun record gets the same short deadline here (the edge's own
+        # tests cover the longer rest a record gets once it has begun, RECORD_REST_S).
+        result: Any = receiver.recv(READ_DEADLINE_S, rest_s=READ_DEADLINE_S)
     except (RecordError, EdgeTimeout, EdgeClosed) as e:
         result = e
     elapsed = time.monotonic() - t0
