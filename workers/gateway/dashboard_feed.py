@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import os
 import socket
 import time
@@ -34,8 +33,6 @@ from activities.datastream_io import parse_address
 from mvp_core import datastream as ds
 from mvp_core.models import DatastreamAddress
 from workers.gateway.dashboard_view import FeedEvent, LogTail, clip
-
-log = logging.getLogger("mvp.gateway.dashboard")
 
 LOG_LINES = 12  # per node
 EVENTS = 32  # the run's last events
@@ -110,7 +107,6 @@ class DatastreamFeed:
         self.hostname = hostname or socket.gethostname()
         self.redactor = redactor or ds.Redactor.from_env(os.environ)
         self.log_lines = log_lines
-        self.events_kept = events
         self.reconnect_s = reconnect_s
         self.address: str | None = None  # the stream followed (or last tried)
         self.live = False  # connected now
