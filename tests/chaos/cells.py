@@ -79,9 +79,10 @@ SLOW_TEXT = {"MVP_FAULT_TEXT_DELAY_MS": "20"}
 LONG_PROMPT = ("Once upon a time", 160)
 RESTART_HEARTBEAT_S = 20.0  # server-restart@generation's generate heartbeat timeout
 STOP_DELAY_S = 4  # orch-kill@teardown: each node's stop activity waits this long first
-# The readiness cells: each node's LeaseStarted comes 6 s late, so the run stays in
-# readiness well past its nodes' NodeRuntimeReady, however slowly the snapshot is polled.
-LATE_LEASES = {"MVP_FAULT_LEASE_REPORT_DELAY_S": "6"}
+# The readiness cells hold every node's LeaseStarted until the cell opens the gate
+# (Scope.held_leases), so the run stays in readiness, with its nodes' NodeRuntimeReady in
+# its state, however slowly the machine runs. (A 6 s hold from each lease's start was
+# missed on a loaded machine: the snapshot polls saw nothing of the ~5 s left of it.)
 
 STOPPED = "completed RunOutcome operator_stopped"
 TERMINATED = "terminated; nodes exit by dead-man switch"
@@ -232,6 +233,14 @@ class Scope:
             census.close()
         if self.own_server is not None:
             self.own_server.stop()
+
+    def held_leases(self) -> dict[str, str]:
+        """Faults for a run whose nodes' leases report LeaseStarted only once
+        :meth:`open_leases` is called: the run cannot leave readiness before that."""
+        return {"MVP_FAULT_LEASE_GATE": str(self.dir / "leases-open")}
+
+    def open_leases(self) -> None:
+        (self.dir / "leases-open").touch()
 
     def live_orchestrators(self) -> list[OrchestratorProcess]:
         return [o for o in self.orchestrators if o.proc is not None and o.proc.poll() is None]
@@ -821,6 +830,7 @@ async def _orch_kill_polled(
     orch.kill9()
     res.fault_at = time.monotonic()
     res.notes.append(f"killed at {phase.value}: {progress(state)}")
+    sc.open_leases()  # a run held in readiness (the readiness cell) may go on now
     await sc.orchestrator("b")
     after = await until_phase(handle, RunPhase.PROMPT_READY, timeout=120)
     _same_pids(res, state, after)
@@ -836,7 +846,7 @@ async def orch_kill_readiness(sc: Scope, res: Result) -> None:
         1203,
         RunPhase.READINESS,
         lambda s: any(n.runtime_ready for n in s.nodes),
-        LATE_LEASES,
+        sc.held_leases(),
     )
 
 
@@ -924,9 +934,10 @@ def _victim_ready(stage_index: int, phase: RunPhase) -> Callable[[RunState], boo
 def _node_kill(stage_index: int, phase: RunPhase, run_id: int) -> CellFn:
     async def cell(sc: Scope, res: Result) -> None:
         await sc.orchestrator("a")
+        # In readiness the leases stay held: the run can only leave it by the kill's fault.
         faults = {
             RunPhase.PROMPT_READY: SLOW_TEXT,
-            RunPhase.READINESS: LATE_LEASES,
+            RunPhase.READINESS: sc.held_leases(),
         }.get(phase)
         handle = await sc.start_run(run_id, 3, faults)
         probe: Probe | None = None

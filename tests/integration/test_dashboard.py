@@ -75,6 +75,15 @@ async def card_text(page: Page, selector: str) -> list[str]:
     return texts
 
 
+async def row_cells(page: Page, selector: str) -> list[list[str]]:
+    """Each matching table row's cells, by the DOM (a row's innerText has tabs between its
+    cells only when the browser has laid it out: a loaded machine once gave them joined)."""
+    rows: list[list[str]] = await page.locator(f"{CARD} {selector}").evaluate_all(
+        "rows => rows.map(r => Array.from(r.cells).map(c => c.textContent.trim()))"
+    )
+    return rows
+
+
 async def test_the_page_follows_a_run_that_starts_serves_and_stops(
     client: Client, runs: Runs, tmp_path: Path
 ):
@@ -94,11 +103,11 @@ async def test_the_page_follows_a_run_that_starts_serves_and_stops(
         await shows(page, f'{CARD}[data-phase="prompt_ready"]', timeout_s=120)
         await shows(page, f"{CARD} tr.stage", every="ready")
         # Each stage: its node, its layers, this host, its state.
-        rows = await card_text(page, "tr.stage")
+        rows = await row_cells(page, "tr.stage")
         host = socket.gethostname()
         assert len(rows) == 2, rows
-        assert rows[0].split("\t")[:4] == ["0", "2", "[0, 15)", host], rows
-        assert rows[1].split("\t")[:4] == ["1", "3", "[15, 30)", host], rows
+        assert rows[0][:4] == ["0", "2", "[0, 15)", host], rows
+        assert rows[1][:4] == ["1", "3", "[15, 30)", host], rows
 
         async with httpx.AsyncClient(base_url=url, timeout=60) as http:
             r = await http.post(
@@ -111,7 +120,7 @@ async def test_the_page_follows_a_run_that_starts_serves_and_stops(
         assert body["usage"]["completion_tokens"] == TOKENS
         prompt_row = f'{CARD} tr.prompt[data-request="{request_id}"]'
         await shows(page, f"{prompt_row}[data-figures]")
-        cells = (await page.locator(prompt_row).inner_text()).split("\t")
+        (cells,) = await row_cells(page, f'tr.prompt[data-request="{request_id}"]')
         assert cells[:3] == [request_id, "done", str(TOKENS)], cells
         assert float(cells[3]) > 0, cells  # tokens/s
         assert cells[4].endswith(("ms", " s")) and cells[6] == "max_tokens", cells

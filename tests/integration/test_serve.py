@@ -10,7 +10,6 @@ tests/workflows/test_run_lifecycle.py.)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 from typing import Any
@@ -19,7 +18,15 @@ import pytest
 from temporalio.client import WorkflowExecutionStatus
 
 from mvp_core import names
-from mvp_core.models import Done, Fault, RunPhase, ShutdownReason, SubmitPrompt, TextDelta
+from mvp_core.models import (
+    Done,
+    Fault,
+    LifecycleKind,
+    RunPhase,
+    ShutdownReason,
+    SubmitPrompt,
+    TextDelta,
+)
 from temporal.client import RunHandle
 from tests.integration.conftest import Runs, run_failure, snapshot, wait_closed, wait_phase
 
@@ -52,23 +59,24 @@ def _prompt(rid: int, text: str, seeded: bool) -> SubmitPrompt:
     )
 
 
-async def _max_active(run: RunHandle, done: asyncio.Event, seen: list[int]) -> None:
-    while not done.is_set():
-        with contextlib.suppress(Exception):
-            seen.append(len((await run.snapshot()).actives()))
-        await asyncio.sleep(0.05)
-
-
 async def _texts_at_once(run: RunHandle, prompts: list[SubmitPrompt]) -> tuple[list[Any], int]:
-    finished = asyncio.Event()
-    seen: list[int] = []
-    watcher = asyncio.ensure_future(_max_active(run, finished, seen))
-    try:
-        results = await asyncio.gather(*(run.submit(p) for p in prompts))
-    finally:
-        finished.set()
-        await watcher
-    return list(results), max(seen, default=0)
+    """The prompts' terminals, sent all at once, and the most of them in flight at once by
+    the run's own ordered record (its lifecycle's PromptAccepted and PromptCompleted or
+    PromptFaulted reports; with max_active_prompts >= their number, a prompt in flight is
+    a prompt generating). Not by polling the snapshot meanwhile: on a loaded machine no
+    poll answered while the prompts ran."""
+    results = await asyncio.gather(*(run.submit(p) for p in prompts))
+    ids = {p.request_id for p in prompts}
+    in_flight = most = 0
+    for report in (await run.snapshot()).lifecycle:
+        if report.request_id not in ids:
+            continue
+        if report.kind is LifecycleKind.PROMPT_ACCEPTED:
+            in_flight += 1
+            most = max(most, in_flight)
+        elif report.kind in (LifecycleKind.PROMPT_COMPLETED, LifecycleKind.PROMPT_FAULTED):
+            in_flight -= 1
+    return list(results), most
 
 
 @pytest.mark.parametrize("stages", [1, 2])

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 # How often a generate hands the SDK a heartbeat; the SDK sends at most one per the node
 # worker's throttle (2 s, workers/node/agent.py). A cancel's stop is pushed (DECISIONS 65).
 HEARTBEAT_EVERY_S = 0.5
+LEASE_GATE_POLL_S = 0.1  # a held-back lease report (fault injection) looks this often
 MAX_EARLY_STOPS = 256  # stops remembered for generates not started yet
 TEXT_GATHER_S = 0.025  # the finest stream granularity: stream_batch_ms is at least this
 MAX_GATHER_S = 1.0  # the coarsest, however many prompts generate
@@ -205,12 +206,11 @@ class NodeActivities:
         cfg = self.cfg
         self._check(inp.run_id, inp.readiness_id)
         faults = FaultInjection.from_env()
-        report_at = time.monotonic() + faults.lease_report_delay_s
-        reported = faults.no_lease_report
+        gate, reported = faults.lease_gate, faults.no_lease_report
         self.leases_running += 1
         try:
             while True:
-                if not reported and time.monotonic() >= report_at:
+                if not reported and (gate is None or await asyncio.to_thread(os.path.exists, gate)):
                     await self._run().signal(
                         names.SIGNAL_LEASE_STARTED,
                         LeaseStarted(
@@ -225,7 +225,7 @@ class NodeActivities:
                 self.last_lease_beat = time.monotonic()
                 wait = inp.heartbeat_every_s
                 if not reported:
-                    wait = min(wait, max(report_at - time.monotonic(), 0.01))
+                    wait = min(wait, LEASE_GATE_POLL_S)
                 await asyncio.sleep(wait)
         except asyncio.CancelledError:
             return

@@ -64,9 +64,9 @@ class FaultInjection:
     exit_before_ready: bool = False
     mute: bool = False
     no_lease_report: bool = False
-    # Membership that comes late: the lease holds its LeaseStarted this long (heartbeating),
-    # so a run stays in readiness while a test acts there.
-    lease_report_delay_s: float = 0.0
+    # Membership held back: the lease sends LeaseStarted only once this file exists
+    # (heartbeating meanwhile), so a run stays in readiness until the test opens the gate.
+    lease_gate: str | None = None
     report_identity: str | None = None
     skew_token_out_sequence: bool = False
     text_delay_s: float = 0.0  # a slow node: each piece of text is held this long
@@ -86,7 +86,7 @@ class FaultInjection:
             exit_before_ready=env.get("MVP_FAULT_EXIT_BEFORE_READY") == "1",
             mute=env.get("MVP_FAULT_MUTE") == "1",
             no_lease_report=env.get("MVP_FAULT_NO_LEASE_REPORT") == "1",
-            lease_report_delay_s=float(env.get("MVP_FAULT_LEASE_REPORT_DELAY_S", "0")),
+            lease_gate=env.get("MVP_FAULT_LEASE_GATE") or None,
             report_identity=env.get("MVP_FAULT_REPORT_IDENTITY") or None,
             skew_token_out_sequence=env.get("MVP_FAULT_SKEW_OUT_SEQUENCE") == "1",
             text_delay_s=float(env.get("MVP_FAULT_TEXT_DELAY_MS", "0")) / 1000.0,
