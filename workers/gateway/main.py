@@ -254,10 +254,11 @@ class Gateway:
     async def _closed(self, handle: RunHandle) -> None:
         """Returns when the run has closed (a Temporal outage is waited out)."""
         while True:
-            with contextlib.suppress(RPCError):
-                if await handle.is_closed():
-                    return
-            await asyncio.sleep(WATCH_EVERY_S)
+            try:
+                await handle.wait_closed()
+                return
+            except RPCError:
+                await asyncio.sleep(WATCH_EVERY_S)
 
     async def _ended(self, handle: RunHandle) -> str:
         wid = handle.workflow_id
