@@ -5,7 +5,7 @@ activity makes them, and the dashboard's ``Observer`` over a scripted Temporal s
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from typing import Any
 
 import pytest
@@ -16,7 +16,7 @@ from mvp_core import datastream as ds
 from mvp_core.models import DatastreamAddress, LifecycleKind, LifecycleReport
 from mvp_core.run_state import RunState
 from tests.gateway.test_dashboard import HOST, SECRET, FakeSource, serving_state
-from workers.gateway.dashboard import LocalLogs, Observer
+from workers.gateway.dashboard import LocalLogs, LogTail, Observer
 from workers.gateway.dashboard_feed import DatastreamFeed, event_text, node_of_log_channel
 
 RUN = 7
@@ -43,9 +43,22 @@ def with_datastream(address: str, host: str = HOST) -> RunState:
     return state
 
 
+class CountedLogs(LocalLogs):
+    """LocalLogs that remember which nodes' files they were asked for."""
+
+    def __init__(self) -> None:
+        super().__init__(hostname=HOST)
+        self.read: list[int] = []
+
+    def tails(self, state: RunState, skip: Collection[int] = ()) -> dict[int, LogTail]:
+        got = super().tails(state, skip)
+        self.read += got
+        return got
+
+
 def watched(src: FakeSource) -> Observer:
     feed = DatastreamFeed(HOST, ds.Redactor([SECRET, GATEWAY_SECRET]), reconnect_s=0.05)
-    return Observer(src, RUN, logs=LocalLogs(hostname=HOST), feed=feed, others=False)  # type: ignore[arg-type]
+    return Observer(src, RUN, logs=CountedLogs(), feed=feed, others=False)  # type: ignore[arg-type]
 
 
 async def until(what: Callable[[], Any], label: str, timeout_s: float = 10.0) -> None:
@@ -97,7 +110,12 @@ async def test_the_served_runs_log_lines_and_events_come_from_its_datastream(
     try:
         await obs.observe()  # learns the address and starts following it
         await until(lambda: obs.feed.frames >= 6, "the stream's first frames read")
+        logs = obs.logs
+        assert isinstance(logs, CountedLogs)
+        logs.read.clear()
         view = (await obs.observe()).runs[0]
+        # The node the stream has lines of: its log file is not read at all.
+        assert logs.read == [3], logs.read
         assert view.datastream == f"following the run's datastream at {live.address}"
         node2 = next(s for s in view.stages if s.node_id == 2)
         assert node2.log is not None and node2.log.source == "datastream"

@@ -27,7 +27,7 @@ import os
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Collection, Iterable
 from datetime import timedelta
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Protocol
@@ -238,8 +238,14 @@ class LocalLogs:
         self.redactor = redactor or Redactor.from_env(os.environ)
         self._cache: dict[str, tuple[int, int, LogTail]] = {}
 
-    def tails(self, state: RunState) -> dict[int, LogTail]:
-        return {n.node_id: self.tail(n.handle) for n in state.nodes if n.handle is not None}
+    def tails(self, state: RunState, skip: Collection[int] = ()) -> dict[int, LogTail]:
+        """Each node's tail, but for the nodes in ``skip`` (whose lines come from elsewhere:
+        the run's datastream)."""
+        return {
+            n.node_id: self.tail(n.handle)
+            for n in state.nodes
+            if n.handle is not None and n.node_id not in skip
+        }
 
     def tail(self, handle: NodeHandle) -> LogTail:
         if handle.log_path is None:
@@ -357,10 +363,12 @@ class Observer:
                 workflow_id, run_id, status, None, served=served, figures_of={}, logs={}, note=note
             )
         await self._learn_figures(state)
-        logs = await asyncio.to_thread(self.logs.tails, state)
+        streamed: dict[int, LogTail] = {}
         if served:
             self.feed.follow(state.datastream)
-            logs |= self.feed.tails()  # a node the datastream has lines of: those
+            streamed = self.feed.tails()  # a node the datastream has lines of: those
+        logs = await asyncio.to_thread(self.logs.tails, state, streamed.keys())
+        logs |= streamed
         view = run_view(
             workflow_id,
             run_id,
