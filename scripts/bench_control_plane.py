@@ -10,6 +10,9 @@ once: so the figures are the control plane's own, with no model in the way.
   workflow's definition in this process only)
 - dev server CPU per activity heartbeat (an activity heartbeating every 60 ms, throttle
   50 ms, against the same activity heartbeating never)
+- a prompt admitted by an Update on a long-lived parent, 8 at once (as the run admits
+  them): through a child PromptWorkflow that schedules the generate (the run's way), and
+  with the parent scheduling the generate itself; CPU per prompt and wall time per 8
 
 CPU is user+system from /proc, less the server's CPU at rest over the same time.
 
@@ -95,6 +98,79 @@ class BenchBeats:
         )
 
 
+@workflow.defn(name="BenchAdmit", sandboxed=False)
+class BenchAdmit:
+    """A parent that admits prompts by Update, as RunWorkflow does: ``child`` starts a
+    PromptWorkflow per prompt (the run's way), ``activity`` schedules the generate itself."""
+
+    def __init__(self) -> None:
+        self._done = False
+
+    @workflow.run
+    async def run(self) -> None:
+        await workflow.wait_condition(lambda: self._done)
+
+    @workflow.signal
+    def finish(self) -> None:
+        self._done = True
+
+    @workflow.update
+    async def submit(self, mode: str, request_id: int) -> None:
+        prompt = SubmitPrompt(request_id=request_id, prompt_text="hi")
+        key = f"{workflow.info().workflow_id}-prompt-{request_id}"
+        if mode == "child":
+            await workflow.execute_child_workflow(
+                PromptWorkflow.run,
+                PromptInput(
+                    run_id=1,
+                    readiness_id="bench",
+                    prompt=prompt,
+                    max_new_tokens=1,
+                    head_task_queue=HEAD,
+                    head_node_id=1,
+                    start_active=True,
+                ),
+                id=key,
+                static_summary=f"prompt {request_id}",
+            )
+            return
+        await workflow.execute_activity(
+            names.ACT_NODE_GENERATE,
+            GenerateInput(
+                run_id=1,
+                readiness_id="bench",
+                prompt_workflow_id=key,
+                prompt=prompt,
+                max_new_tokens=1,
+            ),
+            task_queue=HEAD,
+            start_to_close_timeout=timedelta(minutes=5),
+            heartbeat_timeout=timedelta(seconds=5),
+        )
+
+
+ADMIT_MODES = {
+    "child": "admitted by an Update, through a child PromptWorkflow (as the run does)",
+    "activity": "admitted by an Update, the parent scheduling the generate itself",
+}
+
+
+async def admissions(client: Client, queue: str, mode: str, count: int) -> float:
+    """``count`` prompts in waves of 8 Updates at once; the mean wall seconds of a wave."""
+    handle = await client.start_workflow(
+        BenchAdmit.run, id=f"bench-admit-{uuid.uuid4().hex}", task_queue=queue
+    )
+    waves = max(1, count // 8)
+    t0 = time.perf_counter()
+    for wave in range(waves):
+        await asyncio.gather(
+            *(handle.execute_update(BenchAdmit.submit, args=[mode, wave * 8 + i]) for i in range(8))
+        )
+    took = (time.perf_counter() - t0) / waves
+    await handle.signal(BenchAdmit.finish)
+    return took
+
+
 def _sandbox(cls: type, on: bool) -> None:
     """Run ``cls`` in the sandbox or not, whatever its ``@workflow.defn`` says (this
     process only: the SDK keeps the flag on the class's definition)."""
@@ -168,6 +244,7 @@ async def bench(args: argparse.Namespace) -> None:
         ]
         per_prompt: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in runners}
         per_beat: list[float] = []
+        per_admit: dict[str, list[tuple[float, float, float]]] = {m: [] for m in ADMIT_MODES}
         head = Worker(
             client,
             task_queue=HEAD,
@@ -183,7 +260,7 @@ async def bench(args: argparse.Namespace) -> None:
                     orch = Worker(
                         client,
                         task_queue=queue,
-                        workflows=[PromptWorkflow, BenchBeats],
+                        workflows=[PromptWorkflow, BenchBeats, BenchAdmit],
                         workflow_runner=runner,
                     )
                     async with orch:
@@ -196,6 +273,19 @@ async def bench(args: argparse.Namespace) -> None:
                             none, _ = await meter.measure(beats(client, queue, 0, 8))
                             some, _ = await meter.measure(beats(client, queue, args.beats, 8))
                             per_beat.append((some - none) * 1000 / (8 * args.beats))
+                            for mode in ADMIT_MODES:
+                                await admissions(client, queue, mode, 8)  # warm-up
+                                run = asyncio.ensure_future(
+                                    admissions(client, queue, mode, args.prompts)
+                                )
+                                server_s, own_s = await meter.measure(run)
+                                per_admit[mode].append(
+                                    (
+                                        server_s * 1000 / args.prompts,
+                                        own_s * 1000 / args.prompts,
+                                        run.result() * 1000,
+                                    )
+                                )
         print(
             f"| part | dev server ms CPU | worker process ms CPU |\n|---|---|---|"
             f"\n| heartbeat (one) | {statistics.median(per_beat):.2f} | - |"
@@ -204,6 +294,13 @@ async def bench(args: argparse.Namespace) -> None:
             s = statistics.median(g[0] for g in got)
             w = statistics.median(g[1] for g in got)
             print(f"| prompt workflow {name} (start, generate, result) | {s:.1f} | {w:.1f} |")
+        print(
+            "\n| a prompt, 8 at once | dev server ms CPU | worker process ms CPU "
+            "| wall ms per 8 |\n|---|---|---|---|"
+        )
+        for mode, got3 in per_admit.items():
+            s, w, wall = (statistics.median(g[k] for g in got3) for k in range(3))
+            print(f"| {ADMIT_MODES[mode]} | {s:.1f} | {w:.1f} | {wall:.0f} |")
         print(
             f"({args.rounds} round(s), medians; {args.prompts} prompts at once, 8 workflows "
             f"heartbeating {args.beats} times; the worker process also runs the client and "
