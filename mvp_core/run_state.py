@@ -163,6 +163,9 @@ class RunState(BaseModel):
     active: PromptRecord | None = None
     also_active: list[PromptRecord] = Field(default_factory=list)
     pending: list[PromptRecord] = Field(default_factory=list)
+    # The most prompts generating at once so far in this run (carried across
+    # continue-as-new): how far max_active_prompts was used.
+    most_active: int = 0
     lifecycle: list[LifecycleReport] = Field(default_factory=list)
     # Reports ever recorded (``lifecycle`` keeps only the latest prompt reports): an
     # observer tells new reports by it, not by the list's length.
@@ -555,6 +558,7 @@ class RunState(BaseModel):
             self.active = record
         else:
             self.also_active.append(record)
+        self.most_active = max(self.most_active, len(self.actives()))
         return record
 
     def remove_pending(self, request_id: int) -> PromptRecord | None:

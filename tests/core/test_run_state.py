@@ -286,8 +286,10 @@ def test_up_to_max_active_prompts_fifo_with_the_queue_behind_them():
         assert s.admission_rejection(i, limit, False) is None
         s.admit(i, f"wf-{i}")
     assert s.admission_rejection(7, limit, False) is PromptRejection.QUEUE_FULL
+    assert s.most_active == 0
     started = [s.activate_next(3) for _ in range(4)]
     assert [r.request_id if r else None for r in started] == [5, 3, 9, None]
+    assert s.most_active == 3
     assert [p.request_id for p in s.actives()] == [5, 3, 9] and s.active is not None
     assert [p.request_id for p in s.pending] == [4]
     assert s.prompt(9) is not None and s.prompt(9) is s.also_active[-1]
@@ -298,6 +300,7 @@ def test_up_to_max_active_prompts_fifo_with_the_queue_behind_them():
     nxt = s.activate_next(3)
     assert nxt is not None and nxt.request_id == 4
     assert [p.request_id for p in s.actives()] == [9, 4] and s.prompts_in_flight() == 2
+    assert s.most_active == 3  # the high-water mark stays
 
 
 def test_no_activation_while_stopping():
