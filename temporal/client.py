@@ -235,9 +235,11 @@ class RunHandle:
     async def wait_closed(self) -> None:
         """Returns once the run has closed, however it ended (through its continue-as-new
         chain): one long poll of its close event that the server holds (~20 s a round), not
-        a describe a second. RPCError when the server cannot be asked."""
+        a describe a second. RPCError when the server cannot be asked. Each call starts at
+        the run's latest execution (a handle pinned to the first would walk the chain from
+        a run that may be past retention after an outage)."""
         try:
-            await self.workflow.result()
+            await self.client.get_workflow_handle(self.workflow_id).result()
         except RPCError:
             raise
         except Exception:  # failed, terminated, cancelled, timed out: closed all the same

@@ -65,6 +65,9 @@ async def test_it_returns_at_the_close_of_the_chain_not_at_its_continue_as_new(
         await _started(client, run, queue, hops=1)
         first = (await run.workflow.describe()).run_id
         closed = asyncio.ensure_future(run.wait_closed())
+        # Its long poll on the first run first (were it late, it would poll the second
+        # run and the test would only be weaker, never fail for it).
+        await asyncio.sleep(0.5)
         await run.workflow.signal(Chain.next)
         while (await run.workflow.describe()).run_id == first:  # the next run is up
             await asyncio.sleep(0.05)
