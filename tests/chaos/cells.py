@@ -838,8 +838,9 @@ async def _orch_kill_polled(
 
 
 async def orch_kill_readiness(sc: Scope, res: Result) -> None:
-    # Once a node has reported NodeRuntimeReady: the barrier's activities (route check,
-    # ack) and the leases are then under way.
+    # Once a node has reported NodeRuntimeReady: the leases are then under way, their
+    # LeaseStarted held back until the kill (the barrier waits on the head's membership;
+    # its route checks and acks run under the second orchestrator).
     await _orch_kill_polled(
         sc,
         res,
