@@ -98,6 +98,19 @@ class BenchBeats:
         )
 
 
+def _prompt_input(request_id: int) -> PromptInput:
+    """A one-token prompt for the head stand-in, active from its start."""
+    return PromptInput(
+        run_id=1,
+        readiness_id="bench",
+        prompt=SubmitPrompt(request_id=request_id, prompt_text="hi"),
+        max_new_tokens=1,
+        head_task_queue=HEAD,
+        head_node_id=1,
+        start_active=True,
+    )
+
+
 @workflow.defn(name="BenchAdmit", sandboxed=False)
 class BenchAdmit:
     """A parent that admits prompts by Update, as RunWorkflow does: ``child`` starts a
@@ -116,20 +129,11 @@ class BenchAdmit:
 
     @workflow.update
     async def submit(self, mode: str, request_id: int) -> None:
-        prompt = SubmitPrompt(request_id=request_id, prompt_text="hi")
         key = f"{workflow.info().workflow_id}-prompt-{request_id}"
         if mode == "child":
             await workflow.execute_child_workflow(
                 PromptWorkflow.run,
-                PromptInput(
-                    run_id=1,
-                    readiness_id="bench",
-                    prompt=prompt,
-                    max_new_tokens=1,
-                    head_task_queue=HEAD,
-                    head_node_id=1,
-                    start_active=True,
-                ),
+                _prompt_input(request_id),
                 id=key,
                 static_summary=f"prompt {request_id}",
             )
@@ -140,7 +144,7 @@ class BenchAdmit:
                 run_id=1,
                 readiness_id="bench",
                 prompt_workflow_id=key,
-                prompt=prompt,
+                prompt=SubmitPrompt(request_id=request_id, prompt_text="hi"),
                 max_new_tokens=1,
             ),
             task_queue=HEAD,
@@ -200,15 +204,7 @@ async def prompts(client: Client, queue: str, count: int) -> None:
     async def one(i: int) -> None:
         handle = await client.start_workflow(
             PromptWorkflow.run,
-            PromptInput(
-                run_id=1,
-                readiness_id="bench",
-                prompt=SubmitPrompt(request_id=i, prompt_text="hi"),
-                max_new_tokens=1,
-                head_task_queue=HEAD,
-                head_node_id=1,
-                start_active=True,
-            ),
+            _prompt_input(i),
             id=f"bench-prompt-{uuid.uuid4().hex}",
             task_queue=queue,
         )
