@@ -7,6 +7,7 @@ not only the moments the test looked. Screenshots go to ``$MVP_DASHBOARD_SCREENS
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 from pathlib import Path
@@ -97,8 +98,15 @@ async def test_the_page_follows_a_run_that_starts_serves_and_stops(
         # Before the run exists the page says so.
         await shows(page, f'{CARD}[data-status="not_found"]')
 
+        # The prompt's text after its first piece is held until the page has shown it
+        # generating (a loaded machine once generated all of it between two reads).
+        gate = tmp_path / "text-open"
         handle = await runs.start(
-            RUN, pipeline_stages=2, max_context=512, default_max_tokens=TOKENS
+            RUN,
+            pipeline_stages=2,
+            max_context=512,
+            default_max_tokens=TOKENS,
+            faults={"MVP_FAULT_TEXT_GATE": str(gate)},
         )
         await shows(page, f'{CARD}[data-phase="prompt_ready"]', timeout_s=120)
         await shows(page, f"{CARD} tr.stage", every="ready")
@@ -109,14 +117,29 @@ async def test_the_page_follows_a_run_that_starts_serves_and_stops(
         assert rows[0][:4] == ["0", "2", "[0, 15)", host], rows
         assert rows[1][:4] == ["1", "3", "[15, 30)", host], rows
 
-        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-            r = await http.post(
-                "/v1/completions",
-                json={"model": MODEL, "prompt": COUNTING, "max_tokens": TOKENS, "temperature": 0},
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            sent = asyncio.ensure_future(
+                http.post(
+                    "/v1/completions",
+                    json={
+                        "model": MODEL,
+                        "prompt": COUNTING,
+                        "max_tokens": TOKENS,
+                        "temperature": 0,
+                    },
+                )
             )
+            try:
+                await shows(page, f'{CARD} .queue:not([data-active=""])', timeout_s=60)
+                active = await page.locator(f"{CARD} .queue").get_attribute("data-active")
+                gate.touch()
+                r = await sent
+            finally:
+                sent.cancel()
         assert r.status_code == 200, r.text
         body = r.json()
         request_id = body["id"].rsplit("-", 1)[1]
+        assert active == request_id, (active, body["id"])
         assert body["usage"]["completion_tokens"] == TOKENS
         prompt_row = f'{CARD} tr.prompt[data-request="{request_id}"]'
         await shows(page, f"{prompt_row}[data-figures]")

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 # worker's throttle (2 s, workers/node/agent.py). A cancel's stop is pushed (DECISIONS 65).
 HEARTBEAT_EVERY_S = 0.5
 LEASE_GATE_POLL_S = 0.1  # a held-back lease report (fault injection) looks this often
+TEXT_GATE_POLL_S = 0.05  # held text (fault injection) looks for its gate this often
 MAX_EARLY_STOPS = 256  # stops remembered for generates not started yet
 TEXT_GATHER_S = 0.025  # the finest stream granularity: stream_batch_ms is at least this
 MAX_GATHER_S = 1.0  # the coarsest, however many prompts generate
@@ -337,13 +339,7 @@ class NodeActivities:
         stopped = threading.Event()
         should_stop = stopped.is_set
 
-        delay = FaultInjection.from_env().text_delay_s
-
-        def delayed(piece: str, tokens: int) -> None:
-            time.sleep(delay)
-            pipe.put(piece, tokens)
-
-        on_text = delayed if delay > 0 else pipe.put
+        on_text = _held_text(FaultInjection.from_env(), pipe.put, stopped)
         prompt_tokens: list[int] = []  # set once, by the engine thread, before any text
 
         def work():  # type: ignore[no-untyped-def]
@@ -465,6 +461,28 @@ class NodeActivities:
             ),
         )
         self.stopped.set()
+
+
+def _held_text(
+    faults: FaultInjection, put: Callable[[str, int], None], stopped: threading.Event
+) -> Callable[[str, int], None]:
+    """The engine's text callback, with the test-only faults that hold text: each piece
+    ``text_delay_s``, and every piece after the first until ``text_gate`` exists."""
+    delay, gate = faults.text_delay_s, faults.text_gate
+    if delay <= 0 and gate is None:
+        return put
+    pieces = 0
+
+    def held(piece: str, tokens: int) -> None:  # the engine's thread
+        nonlocal pieces
+        pieces += 1
+        time.sleep(delay)
+        while gate is not None and pieces > 1 and not os.path.exists(gate):
+            if stopped.wait(TEXT_GATE_POLL_S):
+                break
+        put(piece, tokens)
+
+    return held
 
 
 class _TextOut:

@@ -70,6 +70,9 @@ class FaultInjection:
     report_identity: str | None = None
     skew_token_out_sequence: bool = False
     text_delay_s: float = 0.0  # a slow node: each piece of text is held this long
+    # A held prompt: every piece of text after the first waits until this file exists (a
+    # test observes a prompt while it generates, however fast or loaded the machine).
+    text_gate: str | None = None
     # A slow network (benchmarks): peers reach this node's data-plane listener through a
     # delay line adding this much one way (workers/node/dataplane/delay_proxy.py).
     edge_delay_s: float = 0.0
@@ -90,6 +93,7 @@ class FaultInjection:
             report_identity=env.get("MVP_FAULT_REPORT_IDENTITY") or None,
             skew_token_out_sequence=env.get("MVP_FAULT_SKEW_OUT_SEQUENCE") == "1",
             text_delay_s=float(env.get("MVP_FAULT_TEXT_DELAY_MS", "0")) / 1000.0,
+            text_gate=env.get("MVP_FAULT_TEXT_GATE") or None,
             edge_delay_s=float(env.get("MVP_FAULT_EDGE_DELAY_MS", "0")) / 1000.0,
             native_write=env.get("MVP_FAULT_NATIVE_WRITE") or None,
         )
