@@ -45,6 +45,7 @@ from mvp_core.models import (
     DockerSettings,
     HubModel,
     ModelSource,
+    PromptHost,
     ProviderKind,
     RunRequest,
     hub_file_problem,
@@ -204,6 +205,7 @@ class HostConfig(_Frozen):
     tokenizer_path: Path | None = None
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_active_prompts: int = 1  # [prompt].max_active_prompts (DECISIONS 62)
+    prompt_host: PromptHost = PromptHost.WORKFLOW  # [prompt].host (DECISIONS 66)
     dashboard: bool = False
     max_context: int | None = None
     relay: RelayConfig = RelayConfig()
@@ -567,6 +569,7 @@ def resolve_config(
         tokenizer_path=tokenizer,
         max_context=doc.model.max_context,
         max_active_prompts=doc.prompt.max_active_prompts or 1,
+        prompt_host=doc.prompt.host or PromptHost.WORKFLOW,
         relay=relay,
         vastai=vastai,
         datastream_frame_log=_path(cwd, frame_log_text) if frame_log_text is not None else None,
@@ -626,6 +629,7 @@ def to_run_request(cfg: HostConfig) -> RunRequest:
             default_max_tokens=cfg.default_max_tokens,
             max_context=cfg.max_context,
             max_active_prompts=cfg.max_active_prompts,
+            prompt_host=cfg.prompt_host,
         )
     except ValidationError as err:
         raise ConfigError(f"invalid run request: {describe_invalid(err)}") from None

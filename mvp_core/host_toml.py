@@ -35,7 +35,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from mvp_core.models import MAX_DOCKER_CPUS, ProviderKind, VastAiSettings
+from mvp_core.models import MAX_DOCKER_CPUS, PromptHost, ProviderKind, VastAiSettings
 from mvp_core.validation import _GPUS, _IMAGE_REF
 
 ARG_PIPELINE_STAGES = "--pipeline-stages"
@@ -286,6 +286,10 @@ def _relay_mode(value: str) -> RelayMode:
     return _member(RelayMode, value, "relay.mode")
 
 
+def _prompt_host(value: str) -> PromptHost:
+    return _member(PromptHost, value, "prompt.host")
+
+
 def _relay_url(value: str) -> str:
     if any(c.isspace() for c in value):
         raise _problem(_VALUE, "a URL has no whitespace", value)
@@ -350,6 +354,7 @@ class RelayTable(_Frozen):
 class PromptTable(_Frozen):
     rpc_addr: Annotated[SocketAddress, BeforeValidator(_then(_rpc_addr))] | None = None
     max_active_prompts: PositiveU32 | None = None  # ours (DECISIONS 62)
+    host: Annotated[PromptHost, BeforeValidator(_then(_prompt_host))] | None = None  # ours (66)
 
 
 class ModelTable(_Frozen):

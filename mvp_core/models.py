@@ -184,6 +184,18 @@ class RunTimeouts(_Model):
     generate_heartbeat_s: float = Field(default=5.0, gt=0, le=_DAY_S)
 
 
+class PromptHost(StrEnum):
+    """Where a run serves its prompts (DECISIONS 66)."""
+
+    # A child PromptWorkflow per prompt: its own history, text stream (Temporal's, for
+    # clients that cannot read the head node), search attribute and Web UI row.
+    WORKFLOW = "workflow"
+    # In the run's own submit_prompt Update: no workflow per prompt, a fifth of the
+    # control plane's CPU per prompt; the text only from the head node (else the whole
+    # text with the terminal event), a finished prompt kept by the run for re-attach.
+    RUN = "run"
+
+
 class ActivationDtype(StrEnum):
     """How the hidden state crosses a pipeline edge (CONTRACTS "Data-plane records",
     DECISIONS 53): float32 as the stage computed it, so N stages compute the 1-stage
@@ -374,6 +386,15 @@ class RunRequest(_Model):
             "prompt; more run side by side on the head node, each with its own KV cache "
             "slot, every step one forward over all of them. The queue behind them holds "
             "prompt_queue_capacity - 1 more"
+        ),
+    )
+    prompt_host: PromptHost = Field(
+        default=PromptHost.WORKFLOW,
+        description=(
+            "Where prompts are served (DECISIONS 66): 'workflow', a child PromptWorkflow "
+            "per prompt (its own history, Temporal text stream and Web UI row); 'run', in "
+            "the run's own Update, at a fifth of the control plane's CPU per prompt, text "
+            "only from the head node"
         ),
     )
     stream_batch_ms: int = Field(
@@ -853,6 +874,9 @@ class GenerateInput(_Model):
     prompt: SubmitPrompt
     max_new_tokens: int | None
     stream_batch_ms: int = 100
+    # False: a run-hosted prompt (no workflow stream): its text goes to the head node's
+    # direct readers only, and to Temporal with its terminal event (DECISIONS 66).
+    temporal_text: bool = True
 
 
 class StopGenerateInput(_Model):
@@ -896,6 +920,16 @@ class PromptOutcome(_Model):
     timing: PromptTiming | None = None
     # Set by the prompt workflow: admission (its start) to activation, workflow time.
     queued_ms: float | None = Field(default=None, ge=0)
+
+
+class ServedPrompt(_Model):
+    """A run-hosted prompt that ended (DECISIONS 66): kept by its run, a bounded number of
+    them, so that a client can re-attach after its end and the dashboard read its figures."""
+
+    workflow_id: str  # the prompt's key: the id its PromptWorkflow would have had
+    outcome: PromptOutcome
+    admitted_ms: int  # epoch ms, workflow time: the Update admitted it
+    stop: list[str] = Field(default_factory=list)  # its stop strings (a re-attach cuts there)
 
 
 class PromptInput(_Model):

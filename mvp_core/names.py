@@ -20,6 +20,8 @@ SIGNAL_REQUEST_SHUTDOWN = "request_shutdown"
 SIGNAL_CANCEL_PROMPT = "cancel_prompt"
 UPDATE_SHUTDOWN_AND_WAIT = "request_shutdown_and_wait"
 QUERY_SNAPSHOT = "snapshot"
+# A run-hosted prompt's end, by its key (DECISIONS 66).
+QUERY_PROMPT_SERVED = "prompt_served"
 
 # Node reports (signals from node agents to the run).
 SIGNAL_NODE_RUNTIME_READY = "node_runtime_ready"

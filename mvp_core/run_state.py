@@ -22,6 +22,7 @@ from mvp_core.models import (
     NodeHandle,
     NodeRuntimeReady,
     NodeRuntimeReadyAck,
+    PromptHost,
     RunOutcome,
     RunOutcomeKind,
     RunPhase,
@@ -142,6 +143,8 @@ class PromptRecord(BaseModel):
     request_id: int
     workflow_id: str
     active: bool = False
+    # A run-hosted prompt's Update (DECISIONS 66): a client re-attaching waits on it.
+    update_id: str | None = None
 
 
 def prompt_limit(queue_capacity: int, max_active: int) -> int:
@@ -157,6 +160,9 @@ class RunState(BaseModel):
     phase: RunPhase = RunPhase.ACCEPTED
     plan: RunPlan | None = None
     provider_queue: str | None = None
+    # Where the run serves its prompts (DECISIONS 66): a client reads a run-hosted
+    # prompt's text from the head node only, and its end from the run.
+    prompt_host: PromptHost = PromptHost.WORKFLOW
     nodes: list[NodeState] = Field(default_factory=list)
     # The prompts generating now, in activation order: ``active`` the earliest, then
     # ``also_active`` (only a run with max_active_prompts > 1 has any: DECISIONS 62).
@@ -532,8 +538,10 @@ class RunState(BaseModel):
                 return p
         return None
 
-    def admit(self, request_id: int, workflow_id: str) -> PromptRecord:
-        record = PromptRecord(request_id=request_id, workflow_id=workflow_id)
+    def admit(
+        self, request_id: int, workflow_id: str, update_id: str | None = None
+    ) -> PromptRecord:
+        record = PromptRecord(request_id=request_id, workflow_id=workflow_id, update_id=update_id)
         self.pending.append(record)
         self.record(LifecycleKind.PROMPT_ACCEPTED, workflow_id, request_id)
         return record

@@ -57,12 +57,19 @@ if str(REPO) not in sys.path:  # run as a script: scripts/ and the packages impo
 
 from activities.models_store import DEFAULT_BUNDLED, fetch_bundled  # noqa: E402
 from mvp_core import names  # noqa: E402
-from mvp_core.models import PromptOutcome, RequestShutdown, RunPhase, RunRequest  # noqa: E402
+from mvp_core.models import (  # noqa: E402
+    PromptOutcome,
+    RequestShutdown,
+    RunPhase,
+    RunRequest,
+    ServedPrompt,
+)
 from mvp_core.run_state import RunState  # noqa: E402
 from scripts.bench_gateway import _free_port, _wait_for  # noqa: E402
 from temporal.client import start_run  # noqa: E402
 from temporal.connect import connect  # noqa: E402
 from temporal.devserver import start_dev_server  # noqa: E402
+from workers.gateway.dashboard_view import finished_prompts  # noqa: E402
 from workers.host.embedded import start_worker, stop_process  # noqa: E402
 
 RUN_ID = 980
@@ -208,7 +215,11 @@ async def level(
         itl_p95_ms=_pct(itl, 0.95),
         cp_cpu_ms_per_token=cpu * 1000 / tokens if cpu_pids and tokens else None,
         cp_split_ms_per_token=[c * 1000 / tokens for c in each] if cpu_pids and tokens else None,
-        ttft_split_ms=None if client is None else await ttft_split(client, started),
+        ttft_split_ms=None
+        if client is None
+        else await ttft_split(
+            client, started, args.prompt_host, names.run_workflow_id(RUN_ID + stages)
+        ),
     )
     return lv
 
@@ -216,25 +227,47 @@ async def level(
 TTFT_PARTS = ("queued", "encode", "prefill", "first delta")
 
 
-async def ttft_split(client: Client, since: datetime) -> list[float] | None:
-    """The medians of where the head node says the prompts' first-token time went, from
-    the results of the prompt workflows started since ``since`` (the rest of the TTFT is
-    admission: the gateway, the run's Update, the prompt workflow's start and the generate
-    activity's dispatch)."""
-    parts: list[list[float]] = [[] for _ in TTFT_PARTS]
+async def _outcomes(
+    client: Client, since: datetime, prompt_host: str, run_wf_id: str
+) -> list[PromptOutcome]:
+    """The outcomes of the prompts admitted since ``since``: their prompt workflows'
+    results, or what the run kept of its run-hosted ones (DECISIONS 66)."""
+    got: list[PromptOutcome] = []
+    if prompt_host == "run":
+        run = client.get_workflow_handle(run_wf_id)
+        state = await run.query(names.QUERY_SNAPSHOT, result_type=RunState)
+        since_ms = since.timestamp() * 1000
+        for rid in {p.request_id for p in finished_prompts(state, 64)}:
+            with contextlib.suppress(Exception):
+                served = await run.query(names.QUERY_PROMPT_SERVED, rid, result_type=ServedPrompt)
+                if isinstance(served, ServedPrompt) and served.admitted_ms >= since_ms:
+                    got.append(served.outcome)
+        return got
     stamp = since.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     query = f"WorkflowType = '{names.PROMPT_WORKFLOW}' AND StartTime > '{stamp}'"
     async for wf in client.list_workflows(query):
         with contextlib.suppress(Exception):
-            got = await client.get_workflow_handle(wf.id, result_type=PromptOutcome).result()
-            if got.timing is not None and got.queued_ms is not None:
-                t = got.timing
-                for acc, v in zip(
-                    parts,
-                    (got.queued_ms, t.encode_ms, t.prefill_ms, t.first_delta_ms),
-                    strict=True,
-                ):
-                    acc.append(v)
+            got.append(await client.get_workflow_handle(wf.id, result_type=PromptOutcome).result())
+    return got
+
+
+async def ttft_split(
+    client: Client, since: datetime, prompt_host: str, run_wf_id: str
+) -> list[float] | None:
+    """The medians of where the head node says the prompts' first-token time went, from
+    the outcomes of the prompts admitted since ``since`` (the rest of the TTFT is
+    admission: the gateway, the run's Update, the prompt workflow's start where there is
+    one, and the generate activity's dispatch)."""
+    parts: list[list[float]] = [[] for _ in TTFT_PARTS]
+    for got in await _outcomes(client, since, prompt_host, run_wf_id):
+        if got.timing is not None and got.queued_ms is not None:
+            t = got.timing
+            for acc, v in zip(
+                parts,
+                (got.queued_ms, t.encode_ms, t.prefill_ms, t.first_delta_ms),
+                strict=True,
+            ):
+                acc.append(v)
     if not parts[0]:
         return None
     return [_pct(p, 0.5) or 0.0 for p in parts]
@@ -272,6 +305,7 @@ async def bench_run(args: argparse.Namespace, stages: int, tmp: Path) -> list[Le
                 "model": {"bundled": DEFAULT_BUNDLED},
                 "pipeline_stages": stages,
                 "max_active_prompts": top,
+                "prompt_host": args.prompt_host,
                 "prompt_queue_capacity": 8,
                 "max_context": 512,
                 "provider": args.provider,
@@ -333,6 +367,8 @@ async def bench_run(args: argparse.Namespace, stages: int, tmp: Path) -> list[Le
             )
         if args.threads:
             label = label[:-1] + f", {args.threads} engine thread(s))"
+        if args.prompt_host == "workflow":
+            label = label[:-1] + ", a prompt workflow each)"
         for c in [0, *args.levels]:
             try:
                 got = await level(
@@ -510,6 +546,13 @@ def main() -> None:
         "the default) or through Temporal (a gateway without the deployment's secret)",
     )
     p.add_argument("--provider", choices=["process", "docker"], default="process")
+    p.add_argument(
+        "--prompt-host",
+        choices=["workflow", "run"],
+        default="run",
+        help="where the run serves its prompts (prompt_host, DECISIONS 66): in the run's "
+        "own Update (the default here: the serving examples' choice) or a PromptWorkflow each",
+    )
     p.add_argument(
         "--cpus",
         type=float,

@@ -31,6 +31,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
@@ -58,11 +59,13 @@ from mvp_core.models import (
     Done,
     Fault,
     PromptEvent,
+    PromptHost,
     PromptOutcome,
     RequestShutdown,
     RunOutcome,
     RunPhase,
     RunRequest,
+    ServedPrompt,
     ShutdownReason,
     SubmitPrompt,
     TextDelta,
@@ -187,6 +190,7 @@ class RunHandle:
         self._background: set[asyncio.Future[Any]] = set()
         self._secret = host_secret() if direct_text else None
         self._target: TextStreamTarget | None = None  # the head node's text stream
+        self._prompt_host: PromptHost | None = None  # where the run serves prompts
         self.direct_streams = 0  # prompts whose text came from the head node to the end
 
     @property
@@ -471,7 +475,7 @@ class RunHandle:
                 log.info("%s: text from Temporal: %s", child_id, err)
                 self._target = None  # asked again next time (the head may have moved)
         terminal: Done | Fault | None = None
-        if not direct_end:
+        if not direct_end and not await self._hosts_prompts():
             skip = len("".join(sent))
             async for event in self._follow(child_id, result_task, poll_cooldown_ms, start):
                 if not isinstance(event, TextDelta):
@@ -500,8 +504,19 @@ class RunHandle:
         if self._target is None:
             state = await self.try_snapshot()
             if state is not None:
+                self._prompt_host = state.prompt_host
                 self._target = target_of(state, self.workflow_id, self._secret)
         return self._target
+
+    async def _hosts_prompts(self) -> bool:
+        """The run serves its prompts itself (DECISIONS 66): they have no workflow, so no
+        Temporal text stream (their text comes from the head node or with their end)."""
+        if self._prompt_host is None:
+            state = await self.try_snapshot()
+            if state is None:
+                return False
+            self._prompt_host = state.prompt_host
+        return self._prompt_host is PromptHost.RUN
 
     async def _direct(
         self, target: TextStreamTarget, child_id: str, result_task: asyncio.Future[Any]
@@ -568,42 +583,95 @@ class RunHandle:
                 await asyncio.sleep(0.02)
 
     async def find_prompt(self, request_id: int) -> str | None:
-        """The workflow id of this run's prompt ``request_id``: one in flight from the
-        run's own snapshot, else the newest finished one from visibility (a request id can
-        be used again once its prompt ended)."""
-        state = await self.try_snapshot()  # None: a closed run, its prompts are in visibility
+        """The workflow id (a run-hosted prompt: its key) of this run's prompt
+        ``request_id``: one in flight from the run's own snapshot, else the newest finished
+        one (a request id can be used again once its prompt ended)."""
+        found = await self.locate(request_id)
+        return found.workflow_id if found is not None else None
+
+    async def locate(self, request_id: int) -> PromptLocation | None:
+        """Where prompt ``request_id`` is: in flight (the snapshot), finished in a
+        PromptWorkflow (visibility), or finished in the run itself (the run's query)."""
+        state = await self.try_snapshot()  # None: a closed run
         if state is not None:
+            self._prompt_host = state.prompt_host
             record = state.prompt(request_id)
+            hosted = state.prompt_host is PromptHost.RUN
             if record is not None:
-                return record.workflow_id
+                return PromptLocation(record.workflow_id, hosted, update_id=record.update_id)
+            if hosted:
+                return await self._served(request_id)
         prefix = names.prompt_workflow_id(self.run_id, request_id, "")
         query = f"WorkflowType = '{names.PROMPT_WORKFLOW}' AND WorkflowId STARTS_WITH '{prefix}'"
         newest: tuple[Any, str] | None = None
         async for wf in self.client.list_workflows(query):
             if newest is None or wf.start_time > newest[0]:
                 newest = (wf.start_time, wf.id)
-        return newest[1] if newest else None
+        if newest is not None:
+            return PromptLocation(newest[1])
+        return await self._served(request_id) if state is None else None
+
+    async def _served(self, request_id: int) -> PromptLocation | None:
+        """The newest run-hosted prompt ``request_id`` that ended, as the run keeps it
+        (DECISIONS 66; a closed run answers too, while a worker replays it)."""
+        try:
+            served = await self.workflow.query(
+                names.QUERY_PROMPT_SERVED,
+                request_id,
+                result_type=ServedPrompt,
+                rpc_timeout=QUERY_TIMEOUT,
+            )
+        except (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError) as err:
+            log.info("%s: no served prompt %d: %s", self.workflow_id, request_id, err)
+            return None
+        if not isinstance(served, ServedPrompt):
+            return None
+        return PromptLocation(served.workflow_id, True, served=served)
 
     async def attach(self, request_id: int, *, poll_cooldown_ms: int = 20) -> PromptEvents:
         """Re-attach to a prompt, running or finished, from any client: the whole text so
         far, then the rest as it is generated, then its one terminal event. Raises
         PromptNotFound when the run never admitted ``request_id``. A viewer: leaving it
         early cancels nothing."""
-        wf_id = await self.find_prompt(request_id)
-        if wf_id is None:
+        found = await self.locate(request_id)
+        if found is None:
             raise PromptNotFound(f"run {self.run_id} has no prompt {request_id}")
-        result_task = asyncio.ensure_future(self._prompt_terminal(wf_id))
+        ended = self._hosted_terminal(found) if found.hosted else self._prompt_terminal(found)
+        result_task = asyncio.ensure_future(ended)
         try:
-            async for event in self._events(wf_id, result_task, poll_cooldown_ms):
+            async for event in self._events(found.workflow_id, result_task, poll_cooldown_ms):
                 yield event
                 if not isinstance(event, TextDelta):
                     return
         finally:
             _drop(result_task)
 
-    async def _prompt_terminal(self, wf_id: str) -> Done | Fault:
-        raw = await self.client.get_workflow_handle(wf_id).result()
+    async def _prompt_terminal(self, found: PromptLocation) -> Done | Fault:
+        raw = await self.client.get_workflow_handle(found.workflow_id).result()
         return PromptOutcome.model_validate(raw).terminal
+
+    async def _hosted_terminal(self, found: PromptLocation) -> Done | Fault:
+        """A run-hosted prompt's end: kept by the run, or its Update's result (waited on,
+        as its submitter waits)."""
+        if found.served is not None:
+            return found.served.outcome.terminal
+        if found.update_id is not None:
+            update = self.workflow.get_update_handle_for(RunWorkflow.submit_prompt, found.update_id)
+            try:
+                return cast(Done | Fault, await update.result())
+            except WorkflowUpdateFailedError as err:
+                raise PromptNotFound(f"prompt {found.workflow_id}: {err.cause or err}") from None
+        raise PromptNotFound(f"prompt {found.workflow_id} has no Update to wait on")
+
+
+@dataclass(frozen=True)
+class PromptLocation:
+    """A prompt located by its request id (RunHandle.locate)."""
+
+    workflow_id: str
+    hosted: bool = False  # served by the run itself (DECISIONS 66)
+    update_id: str | None = None  # a hosted one in flight: its Update
+    served: ServedPrompt | None = None  # a hosted one that ended
 
 
 # ---------------------------------------------------------------------- one-off calls

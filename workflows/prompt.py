@@ -1,13 +1,17 @@
-"""PromptWorkflow: one prompt, hosting the stream its text deltas travel through.
+"""A prompt's serving (PromptServing), and PromptWorkflow, the workflow that hosts one.
 
-Started by the run at admission (so a client can subscribe while the prompt waits),
-activated by the run when it is this prompt's turn, then it schedules the generate
-activity on the head node's queue and returns the terminal event.
+A PromptWorkflow is started by the run at admission (so a client can subscribe while the
+prompt waits), activated by the run when it is this prompt's turn, then it schedules the
+generate activity on the head node's queue and returns the terminal event. A run whose
+``prompt_host`` is ``run`` serves each prompt in its own Update instead, with the same
+PromptServing (DECISIONS 66).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
+from typing import Any
 
 from temporalio import workflow
 from temporalio.common import SearchAttributeKey
@@ -46,60 +50,84 @@ def heartbeat_lost(err: ActivityError) -> bool:
     return isinstance(cause, TimeoutError_) and cause.type == TimeoutType.HEARTBEAT
 
 
-# Outside the SDK's sandbox: a run starts one of these per prompt, and each start in the
-# sandbox costs ~12 ms of the worker's CPU (re-importing this module in a fresh sandbox;
-# scripts/bench_control_plane.py). What the sandbox guards is held here by
-# the import contract (workflows import only the core and temporalio) and the replay tests;
-# the long-lived RunWorkflow keeps it (DECISIONS 65).
-@workflow.defn(name=names.PROMPT_WORKFLOW, sandboxed=False)
-class PromptWorkflow:
-    @workflow.init
-    def __init__(self, inp: PromptInput) -> None:
-        self._stream = WorkflowStream()
-        self._activated = False
-        self._activated_at: datetime | None = None  # workflow time: the prompt's turn came
-        self._cancel_reason: str | None = None
+class PromptServing:
+    """One prompt's serving, wherever it is hosted (DECISIONS 66): wait for its turn,
+    schedule the generate activity on the head node, push a cancel's stop there, and
+    make its one outcome. Its PromptWorkflow runs it, or its run's Update does."""
+
+    def __init__(
+        self,
+        inp: PromptInput,
+        key: str,
+        *,
+        temporal_text: bool = True,
+        turn: Callable[[], bool] | None = None,
+    ) -> None:
+        self.inp = inp
+        self.key = key  # the generate's key on the head node (its workflow id)
+        self.temporal_text = temporal_text
+        self.turn = turn  # the host says the prompt's turn has come (else: activate())
+        self.activated = False
+        self.activated_at: datetime | None = None  # workflow time: the prompt's turn came
+        self.cancel_reason: str | None = None
         # Ids only (never the prompt's text): the Web UI's details line.
-        self._label = f"run {inp.run_id} · request {inp.prompt.request_id}"
+        self.label = f"run {inp.run_id} · request {inp.prompt.request_id}"
 
-    @workflow.signal(name=names.SIGNAL_PROMPT_ACTIVATE)
     def activate(self) -> None:
-        if not self._activated:
-            self._activated_at = workflow.now()
-        self._activated = True
+        if not self.activated:
+            self.activated_at = workflow.now()
+        self.activated = True
 
-    @workflow.signal(name=names.SIGNAL_PROMPT_CANCEL)
     def cancel(self, reason: str) -> None:
-        if self._cancel_reason is None:
-            self._cancel_reason = reason or "cancelled"
+        if self.cancel_reason is None:
+            self.cancel_reason = reason or "cancelled"
 
-    @workflow.run
-    async def run(self, inp: PromptInput) -> PromptOutcome:
+    def _turn_came(self) -> bool:
+        return self.turn is not None and self.turn()
+
+    def cancelled(self) -> PromptOutcome:
+        return PromptOutcome(
+            terminal=Fault(
+                request_id=self.inp.prompt.request_id, error=self.cancel_reason or "cancelled"
+            ),
+            status=PromptStatus.CANCELLED,
+        )
+
+    async def serve(self, *, details: bool = True) -> PromptOutcome:
+        """Until the prompt's outcome (``details``: say how it goes in the Web UI's details
+        line of the workflow running it)."""
+        inp = self.inp
         request_id = inp.prompt.request_id
         where = f"node {inp.head_node_id}" if inp.head_node_id is not None else "the head node"
         if inp.start_active:
-            self.activate()  # next in line at admission: no activation signal comes
-        workflow.set_current_details(f"{self._label}: queued, waiting for its turn")
-        await workflow.wait_condition(lambda: self._activated or self._cancel_reason is not None)
-        if self._cancel_reason is not None:
-            return self._finish(self._cancelled(request_id))
-        workflow.set_current_details(
-            f"{self._label}: generating on {where} (at most {_limit(inp.max_new_tokens)} tokens)"
+            self.activate()  # next in line at admission: no activation comes
+        if details:
+            workflow.set_current_details(f"{self.label}: queued, waiting for its turn")
+        await workflow.wait_condition(
+            lambda: self.activated or self.cancel_reason is not None or self._turn_came()
         )
+        if self.cancel_reason is not None:
+            return self.cancelled()
+        self.activate()
+        if details:
+            workflow.set_current_details(
+                f"{self.label}: generating on {where} (at most {_limit(inp.max_new_tokens)} tokens)"
+            )
         handle = calls.generate(
             GenerateInput(
                 run_id=inp.run_id,
                 readiness_id=inp.readiness_id,
-                prompt_workflow_id=workflow.info().workflow_id,
+                prompt_workflow_id=self.key,
                 prompt=inp.prompt,
                 max_new_tokens=inp.max_new_tokens,
                 stream_batch_ms=inp.stream_batch_ms,
+                temporal_text=self.temporal_text,
             ),
             inp.head_task_queue,
             inp.generate_heartbeat_s,
             f"generate request {request_id} on {where} (run {inp.run_id})",
         )
-        await workflow.wait_condition(lambda: handle.done() or self._cancel_reason is not None)
+        await workflow.wait_condition(lambda: handle.done() or self.cancel_reason is not None)
         stop = None
         if not handle.done():
             handle.cancel()  # reaches the node with its next heartbeat's answer
@@ -109,16 +137,16 @@ class PromptWorkflow:
                     StopGenerateInput(
                         run_id=inp.run_id,
                         readiness_id=inp.readiness_id,
-                        prompt_workflow_id=workflow.info().workflow_id,
+                        prompt_workflow_id=self.key,
                     ),
                     inp.head_task_queue,
                     f"stop request {request_id} on {where} (run {inp.run_id})",
                 )
         try:
-            outcome = await handle
+            outcome: PromptOutcome = await handle
         except ActivityError as err:
-            if self._cancel_reason is not None:
-                outcome = self._cancelled(request_id)
+            if self.cancel_reason is not None:
+                outcome = self.cancelled()
             else:
                 reason = failure_cause(err)
                 outcome = PromptOutcome(
@@ -133,38 +161,85 @@ class PromptWorkflow:
                     status=PromptStatus.FAULTED,
                 )
         if stop is not None:
-            if not stop.done():
-                # The generate has ended: its stop has nothing left to do (and a node that
-                # is gone would hold it to its bound, past the run's drain of its prompts).
-                stop.cancel()
-            try:
-                await stop
-            except ActivityError as err:
-                if not isinstance(err.cause, CancelledError):
-                    workflow.logger.info("stop of request %d: %s", request_id, failure_cause(err))
+            await self._stopped(stop)
         if outcome.terminal.type == "fault" and outcome.status is PromptStatus.DONE:
             # A prompt-local fault from the node (too long, or stopped: then it says why).
-            if self._cancel_reason is not None:
-                outcome = self._cancelled(request_id)
+            if self.cancel_reason is not None:
+                outcome = self.cancelled()
             elif outcome.terminal.error == "cancelled":
                 outcome.status = PromptStatus.CANCELLED
             else:
                 outcome.status = PromptStatus.FAULTED
-        return self._finish(outcome)
+        return outcome
 
-    def _cancelled(self, request_id: int) -> PromptOutcome:
-        return PromptOutcome(
-            terminal=Fault(request_id=request_id, error=self._cancel_reason or "cancelled"),
-            status=PromptStatus.CANCELLED,
-        )
+    async def _stopped(self, stop: workflow.ActivityHandle[Any]) -> None:
+        """The pushed stop's end, once the generate has ended."""
+        if not stop.done():
+            # The generate has ended: its stop has nothing left to do (and a node that
+            # is gone would hold it to its bound, past the run's drain of its prompts).
+            stop.cancel()
+        try:
+            await stop
+        except ActivityError as err:
+            if not isinstance(err.cause, CancelledError):
+                workflow.logger.info(
+                    "stop of request %d: %s", self.inp.prompt.request_id, failure_cause(err)
+                )
+
+    def ended(self, outcome: PromptOutcome, admitted_at: datetime) -> PromptOutcome:
+        """The outcome with its queue wait (``admitted_at`` to its turn), its metrics
+        recorded (mvp_core.metrics: nothing while replaying, nothing with metrics off)."""
+        if self.activated_at is not None:
+            queued = self.activated_at - admitted_at
+            outcome.queued_ms = max(0.0, queued.total_seconds() * 1000)
+        record_metrics(outcome)
+        return outcome
+
+
+def record_metrics(outcome: PromptOutcome) -> None:
+    """A prompt's metrics: how it ended, and for a finished one its time to first token
+    (queue wait + the head node's encode, prefill and first delta) and decode rate."""
+    timing = outcome.timing
+    if timing is None or outcome.terminal.type != "done":
+        metrics.sink().record_prompt(outcome.status.value)
+        return
+    queued = outcome.queued_ms or 0.0
+    metrics.sink().record_prompt(
+        outcome.status.value,
+        ttft_ms=queued + timing.encode_ms + timing.prefill_ms + timing.first_delta_ms,
+        tokens_per_s=timing.decode_tokens_per_s,
+    )
+
+
+# Outside the SDK's sandbox: a run starts one of these per prompt, and each start in the
+# sandbox costs ~12 ms of the worker's CPU (re-importing this module in a fresh sandbox;
+# scripts/bench_control_plane.py). What the sandbox guards is held here by
+# the import contract (workflows import only the core and temporalio) and the replay tests;
+# the long-lived RunWorkflow keeps it (DECISIONS 65).
+@workflow.defn(name=names.PROMPT_WORKFLOW, sandboxed=False)
+class PromptWorkflow:
+    @workflow.init
+    def __init__(self, inp: PromptInput) -> None:
+        self._stream = WorkflowStream()
+        self._serving = PromptServing(inp, workflow.info().workflow_id)
+
+    @workflow.signal(name=names.SIGNAL_PROMPT_ACTIVATE)
+    def activate(self) -> None:
+        self._serving.activate()
+
+    @workflow.signal(name=names.SIGNAL_PROMPT_CANCEL)
+    def cancel(self, reason: str) -> None:
+        self._serving.cancel(reason)
+
+    @workflow.run
+    async def run(self, inp: PromptInput) -> PromptOutcome:
+        outcome = await self._serving.serve()
+        return self._finish(outcome)
 
     def _finish(self, outcome: PromptOutcome) -> PromptOutcome:
         """Publish the one terminal event, and show how the prompt ended: its result, its
         search attribute (MvpPromptStatus), its details line in the Web UI, and its metrics."""
-        if self._activated_at is not None:
-            queued = self._activated_at - workflow.info().start_time
-            outcome.queued_ms = max(0.0, queued.total_seconds() * 1000)
-        self._record(outcome)
+        self._serving.ended(outcome, workflow.info().start_time)
         self._stream.topic(names.PROMPT_STREAM_TOPIC).publish(outcome.terminal)
         workflow.upsert_search_attributes([STATUS_KEY.value_set(outcome.status.value)])
         terminal = outcome.terminal
@@ -172,23 +247,8 @@ class PromptWorkflow:
             detail = f"done: {terminal.tokens_generated} tokens ({terminal.stop_reason})"
         else:
             detail = f"{outcome.status.value}: {terminal.error}"
-        workflow.set_current_details(f"{self._label}: {detail}"[:400])
+        workflow.set_current_details(f"{self._serving.label}: {detail}"[:400])
         return outcome
-
-    def _record(self, outcome: PromptOutcome) -> None:
-        """The prompt's metrics (nothing while the workflow replays, nothing at all with
-        metrics off: mvp_core.metrics): how it ended, and for a finished one its time to first token (queue wait
-        + the head node's encode, prefill and first delta) and decode rate."""
-        timing = outcome.timing
-        if timing is None or outcome.terminal.type != "done":
-            metrics.sink().record_prompt(outcome.status.value)
-            return
-        queued = outcome.queued_ms or 0.0
-        metrics.sink().record_prompt(
-            outcome.status.value,
-            ttft_ms=queued + timing.encode_ms + timing.prefill_ms + timing.first_delta_ms,
-            tokens_per_s=timing.decode_tokens_per_s,
-        )
 
 
 def _limit(max_new_tokens: int | None) -> str:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from temporalio import workflow
 from temporalio.common import RawValue, SearchAttributeKey
 from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
@@ -39,6 +40,7 @@ with workflow.unsafe.imports_passed_through():
         NodeRuntimeReady,
         NodeRuntimeReadyAck,
         PreparePlanInput,
+        PromptHost,
         PromptInput,
         PromptOutcome,
         PromptStatus,
@@ -50,6 +52,7 @@ with workflow.unsafe.imports_passed_through():
         RunPhase,
         RunPlan,
         RunRequest,
+        ServedPrompt,
         ShutdownReason,
         StageFault,
         StageProvision,
@@ -67,6 +70,7 @@ with workflow.unsafe.imports_passed_through():
     from mvp_core.run_state import (
         NODE_CONDITIONS,
         NodeState,
+        PromptRecord,
         PromptRejection,
         RunState,
         prompt_limit,
@@ -79,7 +83,7 @@ with workflow.unsafe.imports_passed_through():
         validate_request,
     )
     from workflows import calls
-    from workflows.prompt import PromptWorkflow, failure_cause, heartbeat_lost
+    from workflows.prompt import PromptServing, PromptWorkflow, failure_cause, heartbeat_lost
 
 PHASE_KEY = SearchAttributeKey.for_keyword(names.SEARCH_ATTRIBUTE_PHASE)
 HANDLERS_DRAIN = timedelta(seconds=30)
@@ -91,6 +95,9 @@ CULPRIT_GRACE = timedelta(seconds=2)
 # heartbeat) is scheduled again; membership is lost only if no lease starts in this time.
 LEASE_RECOVERY = timedelta(seconds=30)
 PROMPT_DRAIN_S = 5.0  # beyond a generate's heartbeat timeout, for its prompt to end
+# A run-hosted prompt's end is kept for re-attach and the dashboard (DECISIONS 66): the
+# latest this many, carried across continue-as-new.
+SERVED_KEPT = 32
 
 
 class RunCarry(BaseModel):
@@ -99,6 +106,10 @@ class RunCarry(BaseModel):
     model_config = ConfigDict(extra="forbid")
     request: RunRequest
     state: RunState
+    served: list[ServedPrompt] = Field(default_factory=list)  # run-hosted prompts' ends
+
+
+_CARRY_KEYS = frozenset(RunCarry.model_fields)
 
 
 def _decode_start(start: RawValue) -> RunRequest | RunCarry:
@@ -108,7 +119,7 @@ def _decode_start(start: RawValue) -> RunRequest | RunCarry:
         raw = workflow.payload_converter().from_payload(start.payload)
     except Exception:
         raise RunRejectedError("invalid run request: the input is not JSON") from None
-    if not (isinstance(raw, dict) and raw.keys() == {"request", "state"}):
+    if not (isinstance(raw, dict) and {"request", "state"} <= raw.keys() <= _CARRY_KEYS):
         return parse_request(raw)
     try:
         return RunCarry.model_validate(raw)
@@ -142,7 +153,9 @@ class RunWorkflow:
         self._carry = carry
         self._request = request
         self._traits = traits(request.provider)
-        self._children: dict[str, Any] = {}
+        self._children: dict[str, Any] = {}  # prompt workflows open
+        self._hosted: dict[str, PromptServing] = {}  # run-hosted prompts open (DECISIONS 66)
+        self._served: OrderedDict[str, ServedPrompt] = OrderedDict()  # ... that ended
         self._leases: dict[int, asyncio.Task[None]] = {}
         self._watch: asyncio.Task[None] | None = None
         self._datastream: asyncio.Task[None] | None = None
@@ -157,6 +170,7 @@ class RunWorkflow:
         self._grace: asyncio.Task[None] | None = None
         if carry is not None:
             self._state = carry.state
+            self._served = OrderedDict((p.workflow_id, p) for p in carry.served[-SERVED_KEPT:])
             self._state.continued += 1
             # Serving resumes at once; leases restart in run() (DECISIONS 13).
             self._state.phase = RunPhase.PROMPT_READY
@@ -173,6 +187,7 @@ class RunWorkflow:
             run_id=run_id if run_id >= 0 else (request.run_id or 0),
             nonce=nonce,
             authorized_orchestrator=f"{workflow.info().workflow_id}/{nonce[:8]}",
+            prompt_host=request.prompt_host,
         )
 
     # ------------------------------------------------------------------ run
@@ -207,7 +222,8 @@ class RunWorkflow:
             await self._cancel_background()
             await self._stop_datastream()  # the continued run starts its own
             workflow.continue_as_new(
-                RunCarry(request=self._request, state=state), task_timeout=WORKFLOW_TASK_TIMEOUT
+                RunCarry(request=self._request, state=state, served=list(self._served.values())),
+                task_timeout=WORKFLOW_TASK_TIMEOUT,
             )
         await asyncio.shield(asyncio.ensure_future(self._teardown()))
         await self._stop_datastream()  # after RunTornDown: it publishes it, then closes
@@ -711,13 +727,15 @@ class RunWorkflow:
             self._busy_handlers -= 1
 
     async def _serve_prompt(self, args: Sequence[Any]) -> PromptTerminal:
-        """Admit the prompt, start its PromptWorkflow, activate it in its turn, and
-        return its one terminal event."""
+        """Admit the prompt, serve it in its turn (its PromptWorkflow, or this run itself:
+        DECISIONS 66), and return its one terminal event."""
         state = self._state
         prompt = self._prompt_of(args)
         update_id = (workflow.current_update_info() or _NoUpdate()).id
         wf_id = names.prompt_workflow_id(state.run_id, prompt.request_id, _safe(update_id))
-        record = state.admit(prompt.request_id, wf_id)
+        hosted = state.prompt_host is PromptHost.RUN
+        record = state.admit(prompt.request_id, wf_id, update_id if hosted else None)
+        admitted_at = workflow.now()
         head = state.head()
         # Next in line: the prompt is active from its start, so its workflow schedules
         # the generate activity in its first task instead of waiting for a signal (two
@@ -729,21 +747,63 @@ class RunWorkflow:
             and workflow.patched(names.PATCH_PROMPT_STARTS_ACTIVE)
         ):
             start_active = state.activate_next(self._request.max_active_prompts) is record
+        max_new = effective_max_tokens(prompt.max_tokens, self._request.default_max_tokens)
+        inp = PromptInput(
+            run_id=state.run_id,
+            readiness_id=head.readiness_id,
+            prompt=prompt,
+            max_new_tokens=max_new,
+            head_task_queue=head.task_queue,
+            head_node_id=head.node_id,
+            generate_heartbeat_s=self._request.timeouts.generate_heartbeat_s,
+            stream_batch_ms=self._request.stream_batch_ms,
+            start_active=start_active,
+        )
+        if hosted:
+            outcome = await self._host_prompt(inp, wf_id, record, admitted_at)
+        else:
+            outcome = await self._prompt_workflow(inp, wf_id, record, head)
+        ok = outcome.terminal.type == "done"
+        state.finish_prompt(
+            wf_id, ok, "" if ok else getattr(outcome.terminal, "error", ""), prompt.request_id
+        )
+        self._show()
+        if outcome.run_fault is not None:
+            # The head's driver saw its pipeline fail: maybe a peer died (the watch names it).
+            self._suspect(outcome.run_fault)
+        return outcome.terminal
+
+    async def _host_prompt(
+        self, inp: PromptInput, wf_id: str, record: PromptRecord, admitted_at: datetime
+    ) -> PromptOutcome:
+        """Serve the prompt in this Update (DECISIONS 66): no workflow of its own, its text
+        to the head node's direct readers only, its end kept for a re-attach."""
+        serving = PromptServing(inp, wf_id, temporal_text=False, turn=lambda: record.active)
+        self._hosted[wf_id] = serving
+        self._show()
+        try:
+            outcome = serving.ended(await serving.serve(details=False), admitted_at)
+        finally:
+            self._hosted.pop(wf_id, None)
+        self._served[wf_id] = ServedPrompt(
+            workflow_id=wf_id,
+            outcome=outcome,
+            admitted_ms=int(admitted_at.timestamp() * 1000),
+            stop=list(inp.prompt.stop),
+        )
+        while len(self._served) > SERVED_KEPT:
+            self._served.popitem(last=False)
+        return outcome
+
+    async def _prompt_workflow(
+        self, inp: PromptInput, wf_id: str, record: PromptRecord, head: NodeState
+    ) -> PromptOutcome:
+        """Serve the prompt in a child PromptWorkflow of its own."""
+        state = self._state
+        prompt = inp.prompt
         child = await workflow.start_child_workflow(
             PromptWorkflow.run,
-            PromptInput(
-                run_id=state.run_id,
-                readiness_id=head.readiness_id,
-                prompt=prompt,
-                max_new_tokens=effective_max_tokens(
-                    prompt.max_tokens, self._request.default_max_tokens
-                ),
-                head_task_queue=head.task_queue,
-                head_node_id=head.node_id,
-                generate_heartbeat_s=self._request.timeouts.generate_heartbeat_s,
-                stream_batch_ms=self._request.stream_batch_ms,
-                start_active=start_active,
-            ),
+            inp,
             id=wf_id,
             task_queue=names.ORCHESTRATOR_TASK_QUEUE,
             parent_close_policy=workflow.ParentClosePolicy.ABANDON,
@@ -754,7 +814,7 @@ class RunWorkflow:
             static_details=(
                 f"run {state.run_id} · request {prompt.request_id} · "
                 f"{'chat' if prompt.chat else 'completion'} · max tokens "
-                f"{effective_max_tokens(prompt.max_tokens, self._request.default_max_tokens)} · "
+                f"{inp.max_new_tokens} · "
                 f"head node {head.node_id} (stage {head.stage_index})"
             ),
         )
@@ -765,7 +825,7 @@ class RunWorkflow:
         if early is not None:
             await self._cancel_child(wf_id, early)
         await workflow.wait_condition(lambda: record.active or child.done() or state.stopping)
-        if record.active and not child.done() and not start_active:
+        if record.active and not child.done() and not inp.start_active:
             await child.signal(names.SIGNAL_PROMPT_ACTIVATE)
         elif state.stopping and not child.done():
             await self._cancel_child(wf_id, "run is shutting down")
@@ -780,15 +840,7 @@ class RunWorkflow:
                 status=PromptStatus.FAULTED,
             )
         self._children.pop(wf_id, None)
-        ok = outcome.terminal.type == "done"
-        state.finish_prompt(
-            wf_id, ok, "" if ok else getattr(outcome.terminal, "error", ""), prompt.request_id
-        )
-        self._show()
-        if outcome.run_fault is not None:
-            # The head's driver saw its pipeline fail: maybe a peer died (the watch names it).
-            self._suspect(outcome.run_fault)
-        return outcome.terminal
+        return outcome
 
     @submit_prompt.validator
     def _validate_prompt(self, *args: Any) -> None:
@@ -837,6 +889,10 @@ class RunWorkflow:
         return self._cancel_child(record.workflow_id, "cancelled")
 
     async def _cancel_child(self, wf_id: str, reason: str) -> None:
+        hosted = self._hosted.get(wf_id)
+        if hosted is not None:
+            hosted.cancel(reason)
+            return
         child = self._children.get(wf_id)
         if (
             child is None
@@ -988,6 +1044,15 @@ class RunWorkflow:
             return
         self._state.datastream = report
 
+    @workflow.query(name=names.QUERY_PROMPT_SERVED)
+    def prompt_served(self, request_id: int) -> ServedPrompt | None:
+        """The latest run-hosted prompt ``request_id`` that ended, while the run keeps it
+        (DECISIONS 66); None for one still open, one of a PromptWorkflow, or one too old."""
+        for served in reversed(self._served.values()):
+            if served.outcome.terminal.request_id == request_id:
+                return served
+        return None
+
     @workflow.query(name=names.QUERY_SNAPSHOT)
     def snapshot(self) -> RunState:
         """The run's state; the full execution nonce stays inside (its first 8 characters,
@@ -1000,7 +1065,7 @@ class RunWorkflow:
         state = self._state
         self._set_phase(RunPhase.TEARING_DOWN)
         state.record(LifecycleKind.RUN_TEARING_DOWN, state.first_fault or (state.shutdown or ""))
-        for wf_id in list(self._children):
+        for wf_id in [*self._hosted, *self._children]:
             await self._cancel_child(
                 wf_id,
                 "run is shutting down"
@@ -1100,11 +1165,13 @@ class RunWorkflow:
         t = self._request.timeouts
         try:
             await workflow.wait_condition(
-                lambda: not self._children, timeout=t.generate_heartbeat_s + PROMPT_DRAIN_S
+                lambda: not self._children and not self._hosted,
+                timeout=t.generate_heartbeat_s + PROMPT_DRAIN_S,
             )
         except TimeoutError:
             self._state.stop_error(
-                f"prompt(s) {sorted(self._children)} had no terminal event in time"
+                f"prompt(s) {sorted([*self._hosted, *self._children])} had no terminal "
+                "event in time"
             )
 
     def _set_phase(self, phase: RunPhase) -> None:

@@ -238,6 +238,8 @@ VALID_KEYS = [
     ),
     ('[prompt]\nrpc_addr = "[::1]:19000"', {}, lambda c: str(c.rpc_bind) == "[::1]:19000"),
     ("[prompt]\nmax_active_prompts = 8", {}, lambda c: c.max_active_prompts == 8),
+    ('[prompt]\nhost = "run"', {}, lambda c: c.prompt_host.value == "run"),
+    ("", {}, lambda c: c.prompt_host.value == "workflow"),
     (
         '[model]\ngguf_local_path = "models/m.gguf"',
         _local("/work/run/models/m.gguf"),
@@ -299,6 +301,7 @@ INVALID_KEYS = [
         "[prompt]\nmax_active_prompts = 0",
         "invalid prompt.max_active_prompts=0: must be greater than 0",
     ),
+    ('[prompt]\nhost = "child"', 'unsupported prompt.host "child"; use workflow or run'),
     (
         '[runtime]\npipeline_stages = "many"',
         'invalid runtime.pipeline_stages="many": expected an integer',

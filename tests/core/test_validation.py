@@ -36,6 +36,15 @@ def test_max_active_prompts_out_of_range_is_rejected_naming_it(value, message):
     )
 
 
+def test_prompt_host_is_workflow_or_run_and_a_bad_one_is_named():
+    ok = {"model": {"bundled": "SmolLM2-135M-Instruct.Q4_1"}}
+    assert parse_request(ok).prompt_host.value == "workflow"
+    assert parse_request({**ok, "prompt_host": "run"}).prompt_host.value == "run"
+    with pytest.raises(RunRejectedError) as err:
+        parse_request({**ok, "prompt_host": "thread"})
+    assert "prompt_host" in str(err.value) and "'workflow' or 'run'" in str(err.value)
+
+
 def test_run_id_comes_from_the_workflow_id():
     assert resolve_run_id(OK, "mvp-run-7") == 7
     assert resolve_run_id(OK.model_copy(update={"run_id": 7}), "mvp-run-7") == 7

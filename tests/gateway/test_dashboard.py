@@ -25,10 +25,12 @@ from mvp_core.models import (
     ModelFacts,
     NodeHandle,
     NodeRuntimeReady,
+    PromptHost,
     PromptOutcome,
     PromptStatus,
     ProviderKind,
     RunPhase,
+    ServedPrompt,
     ShutdownReason,
 )
 from mvp_core.planner import build_plan
@@ -53,6 +55,7 @@ from workers.gateway.dashboard_view import (
     figures,
     finished_prompts,
     run_view,
+    served_figures,
     stage_state,
 )
 from workers.gateway.wire import ApiError
@@ -361,6 +364,14 @@ class FakeSource:
             raise SourceError("no history")
         return self.figs[workflow_id]
 
+    async def served_figures(
+        self, run_workflow_id: str, request_id: int, key: str
+    ) -> PromptFigures:
+        self.calls.append(("served", key))
+        if key not in self.figs:
+            raise SourceError("no longer kept by its run")
+        return self.figs[key]
+
     def count(self, what: str, workflow_id: str | None = None) -> int:
         return sum(1 for c in self.calls if c[0] == what and workflow_id in (None, c[1]))
 
@@ -410,6 +421,38 @@ async def test_the_observer_follows_a_run_from_absent_to_closed():
     src.status["mvp-run-7"] = ("running", "exec-2")
     src.states["mvp-run-7"] = RunState(run_id=7, nonce="n", authorized_orchestrator="o")
     assert (await obs.observe()).runs[0].phase == "accepted"
+
+
+async def test_a_run_hosted_prompts_figures_come_from_its_run_not_a_history():
+    """DECISIONS 66: a run that serves its prompts itself has no prompt workflows: their
+    figures come from what the run kept (served_figures), each read once."""
+    src = FakeSource()
+    state = serving_state()
+    state.prompt_host = PromptHost.RUN
+    src.status["mvp-run-7"] = ("running", "exec-1")
+    src.states["mvp-run-7"] = state
+    src.figs["mvp-run-7-prompt-11-a"] = PromptFigures(
+        status=PromptStatus.DONE, tokens=8, elapsed_ms=100
+    )
+    obs = observer(src, others=False)
+    for _ in range(3):
+        view = (await obs.observe()).runs[0]
+    assert view.recent[0].tokens_per_s == 80.0
+    assert src.count("served", "mvp-run-7-prompt-11-a") == 1 and src.count("figures") == 0
+
+
+def test_a_run_hosted_prompts_figures_are_its_queue_wait_and_the_head_nodes_timing():
+    from mvp_core.models import PromptTiming
+
+    done = Done(request_id=6, final_text="x", tokens_generated=8, elapsed_ms=400, stop_reason="eos")
+    timing = PromptTiming(encode_ms=3, prefill_ms=120, first_delta_ms=1, decode_tokens_per_s=20)
+    served = ServedPrompt(
+        workflow_id="k",
+        outcome=PromptOutcome(terminal=done, timing=timing, queued_ms=50),
+        admitted_ms=1_000,
+    )
+    f = served_figures(served)
+    assert (f.ttft_ms, f.queued_ms, f.tokens, f.decode_tokens_per_s) == (174, 50, 8, 20)
 
 
 async def test_other_open_runs_come_from_visibility_without_the_served_one():

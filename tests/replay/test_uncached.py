@@ -72,7 +72,11 @@ async def uncached(tmp_path: Path) -> AsyncIterator[tuple[Runs, Path, Path]]:
         srv.stop()
 
 
-async def test_a_two_stage_run_serves_streams_cancels_and_stops_replaying_every_task(uncached):
+@pytest.mark.parametrize("host", ["workflow", "run"])
+async def test_a_two_stage_run_serves_streams_cancels_and_stops_replaying_every_task(
+    uncached, host: str
+):
+    """Prompts in PromptWorkflows, and served by the run itself (DECISIONS 66)."""
     runs, state_dir, log_dir = uncached
     client = runs.client
     # Each piece of text held 20 ms: the long prompt is surely active when it is cancelled.
@@ -83,6 +87,7 @@ async def test_a_two_stage_run_serves_streams_cancels_and_stops_replaying_every_
         pipeline_stages=2,
         default_max_tokens=8,
         max_context=2048,
+        prompt_host=host,
         faults={"MVP_FAULT_TEXT_DELAY_MS": "20"},
     )
     await wait_phase(handle, RunPhase.PROMPT_READY, timeout=120)

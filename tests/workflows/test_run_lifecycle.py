@@ -24,6 +24,7 @@ from temporalio.testing import WorkflowEnvironment
 from mvp_core import names
 from mvp_core.errors import ErrorType
 from mvp_core.models import (
+    CancelPrompt,
     Done,
     Fault,
     GenerateInput,
@@ -32,6 +33,7 @@ from mvp_core.models import (
     RunOutcome,
     RunOutcomeKind,
     RunPhase,
+    ServedPrompt,
     StageFault,
     SubmitPrompt,
 )
@@ -346,12 +348,14 @@ async def test_a_prompt_whose_generate_fails_ends_in_its_fault_and_faults_the_ru
     assert outcome.prompts_faulted == 1
 
 
+@pytest.mark.parametrize("host", ["workflow", "run"])
 async def test_prompts_up_to_max_active_generate_at_once_with_the_queue_behind_them(
-    env: WorkflowEnvironment,
+    env: WorkflowEnvironment, host: str
 ) -> None:
     """max_active_prompts (DECISIONS 62): 3 generate at once, the 4th waits its turn in
     the queue behind them (prompt_queue_capacity - 1 = 1 place), a 5th is QueueFull; each
-    ends with its own text and the queue moves on as one finishes."""
+    ends with its own text and the queue moves on as one finishes. The same whether each
+    prompt has its workflow or the run serves it (DECISIONS 66)."""
     started: list[int] = []
     release: dict[int, asyncio.Event] = {}
 
@@ -375,7 +379,9 @@ async def test_prompts_up_to_max_active_generate_at_once_with_the_queue_behind_t
         raise AssertionError(f"not seen: {what}")
 
     async with FakeCluster(env.client, generate=gated).serving():
-        handle = await start_run(env.client, 140, max_active_prompts=3, prompt_queue_capacity=2)
+        handle = await start_run(
+            env.client, 140, max_active_prompts=3, prompt_queue_capacity=2, prompt_host=host
+        )
         await wait_phase(handle, RunPhase.PROMPT_READY)
         updates = [
             await handle.start_update(
@@ -408,3 +414,52 @@ async def test_prompts_up_to_max_active_generate_at_once_with_the_queue_behind_t
     assert isinstance(cause, ApplicationError) and cause.type == ErrorType.PROMPT_QUEUE_FULL
     assert [r.final_text for r in results] == ["1p", "2p", "3p", "4p"]
     assert after.prompts_completed == 4 and after.actives() == [] and not after.pending
+
+
+async def test_run_hosted_prompts_cancelled_queued_and_at_shutdown_end_once_and_are_kept(
+    env: WorkflowEnvironment,
+) -> None:
+    """DECISIONS 66: a run-hosted prompt cancelled in the queue never generates; one
+    generating when the run shuts down ends cancelled; each has one end, which the run
+    keeps (``prompt_served``). (That no prompt workflow starts: the integration test, on a
+    server with visibility.)"""
+    started: list[int] = []
+
+    async def held(inp: GenerateInput) -> PromptOutcome:
+        assert inp.temporal_text is False
+        started.append(inp.prompt.request_id)
+        while True:  # until cancelled (the run's shutdown)
+            activity.heartbeat()
+            await asyncio.sleep(0.05)
+
+    async with FakeCluster(env.client, generate=held).serving():
+        handle = await start_run(env.client, 141, prompt_queue_capacity=3, prompt_host="run")
+        await wait_phase(handle, RunPhase.PROMPT_READY)
+        updates = [
+            await handle.start_update(
+                names.UPDATE_SUBMIT_PROMPT,
+                SubmitPrompt(request_id=rid, prompt_text=f"p{rid}"),
+                wait_for_stage=WorkflowUpdateStage.ACCEPTED,
+                result_type=Fault,
+            )
+            for rid in (1, 2)
+        ]
+        for _ in range(400):
+            if started:
+                break
+            await asyncio.sleep(0.025)
+        await handle.signal(names.SIGNAL_CANCEL_PROMPT, CancelPrompt(request_id=2))
+        queued = await updates[1].result()
+        kept = await handle.query(names.QUERY_PROMPT_SERVED, 2, result_type=ServedPrompt)
+        state = await snapshot(handle)
+        await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown())
+        active = await updates[0].result()
+        outcome: RunOutcome = await handle.result()
+        none = await handle.query(names.QUERY_PROMPT_SERVED, 9, result_type=ServedPrompt)
+    assert started == [1]
+    assert queued == Fault(request_id=2, error="cancelled")
+    assert kept.outcome.terminal == queued and kept.outcome.status.value == "cancelled"
+    assert state.prompt_host.value == "run" and [p.request_id for p in state.actives()] == [1]
+    assert state.actives()[0].update_id == updates[0].id
+    assert active.request_id == 1 and active.error == "run is shutting down"
+    assert outcome.prompts_faulted == 2 and none is None

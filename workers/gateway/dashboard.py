@@ -48,7 +48,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from mvp_core import names
 from mvp_core.datastream import Redactor
-from mvp_core.models import NodeHandle, PromptOutcome
+from mvp_core.models import NodeHandle, PromptHost, PromptOutcome, ServedPrompt
 from mvp_core.run_state import RunState
 from workers.gateway.dashboard_feed import DatastreamFeed
 from workers.gateway.dashboard_view import (
@@ -62,6 +62,7 @@ from workers.gateway.dashboard_view import (
     figures,
     finished_prompts,
     run_view,
+    served_figures,
 )
 from workers.gateway.streaming import EventStream
 from workers.gateway.wire import ApiError
@@ -124,6 +125,12 @@ class RunSource(Protocol):
         ...
 
     async def prompt_figures(self, workflow_id: str) -> PromptFigures: ...
+
+    async def served_figures(
+        self, run_workflow_id: str, request_id: int, key: str
+    ) -> PromptFigures:
+        """A run-hosted prompt's figures (DECISIONS 66), from what its run kept of it."""
+        ...
 
 
 class TemporalSource:
@@ -188,6 +195,24 @@ class TemporalSource:
             scheduled_ms=times.scheduled_ms,
             first_text_ms=times.first_text_ms,
         )
+
+    async def served_figures(
+        self, run_workflow_id: str, request_id: int, key: str
+    ) -> PromptFigures:
+        try:
+            served = await self.client.get_workflow_handle(run_workflow_id).query(
+                names.QUERY_PROMPT_SERVED,
+                request_id,
+                result_type=ServedPrompt,
+                rpc_timeout=QUERY_TIMEOUT,
+            )
+        except RPCError as err:
+            raise SourceError(f"prompt {key}: {err.message}") from None
+        except (WorkflowQueryFailedError, WorkflowQueryRejectedError) as err:
+            raise SourceError(f"prompt {key}: {err}") from None
+        if not isinstance(served, ServedPrompt) or served.workflow_id != key:
+            raise SourceError(f"prompt {key}: no longer kept by its run")
+        return served_figures(served)
 
 
 class HistoryTimes:
@@ -362,7 +387,7 @@ class Observer:
             return run_view(
                 workflow_id, run_id, status, None, served=served, figures_of={}, logs={}, note=note
             )
-        await self._learn_figures(state)
+        await self._learn_figures(workflow_id, state)
         streamed: dict[int, LogTail] = {}
         if served:
             self.feed.follow(state.datastream)
@@ -401,7 +426,7 @@ class Observer:
     async def aclose(self) -> None:
         await self.feed.aclose()
 
-    async def _learn_figures(self, state: RunState) -> None:
+    async def _learn_figures(self, run_workflow_id: str, state: RunState) -> None:
         wanted = [
             p.workflow_id
             for p in finished_prompts(state, RECENT_PROMPTS)
@@ -411,9 +436,12 @@ class Observer:
         ]
         if not wanted:
             return
-        results = await asyncio.gather(
-            *(self.source.prompt_figures(w) for w in wanted), return_exceptions=True
-        )
+        if state.prompt_host is PromptHost.RUN:
+            rid = {p.workflow_id: p.request_id for p in finished_prompts(state, RECENT_PROMPTS)}
+            reads = [self.source.served_figures(run_workflow_id, rid[w], w) for w in wanted]
+        else:
+            reads = [self.source.prompt_figures(w) for w in wanted]
+        results = await asyncio.gather(*reads, return_exceptions=True)
         for wid, result in zip(wanted, results, strict=True):
             if isinstance(result, PromptFigures):
                 self._figures[wid] = result

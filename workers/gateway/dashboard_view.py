@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from mvp_core.models import LifecycleKind, PromptOutcome, PromptStatus
+from mvp_core.models import LifecycleKind, PromptOutcome, PromptStatus, ServedPrompt
 from mvp_core.run_state import NodeCondition, NodeState, RunState
 
 RECENT_PROMPTS = 8  # finished prompts shown per run, newest last
@@ -111,6 +111,18 @@ def figures(
         queued = outcome.queued_ms if outcome.queued_ms is not None else out.queued_ms or 0
         out.ttft_ms = round(queued + t.encode_ms + t.prefill_ms + t.first_delta_ms)
     return out
+
+
+def served_figures(served: ServedPrompt) -> PromptFigures:
+    """A run-hosted prompt's figures (DECISIONS 66): its outcome, its admission time and
+    its queue wait as its run measured them."""
+    queued = served.outcome.queued_ms
+    return figures(
+        served.outcome,
+        started_ms=served.admitted_ms,
+        scheduled_ms=None if queued is None else served.admitted_ms + round(queued),
+        first_text_ms=None,
+    )
 
 
 class PromptView(BaseModel):

@@ -56,6 +56,7 @@ from mvp_core.models import (
     Fault,
     HubModel,
     ModelSource,
+    PromptHost,
     ProviderKind,
     RunOutcome,
     RunRequest,
@@ -363,6 +364,7 @@ class Demo:
                 pipeline_stages=args.stages,
                 default_max_tokens=args.max_tokens,
                 max_active_prompts=args.max_active_prompts,
+                prompt_host=PromptHost(args.prompt_host),
                 provider=ProviderKind(args.provider),
             )
         except ValidationError as err:
@@ -615,6 +617,14 @@ def parser() -> argparse.ArgumentParser:
         metavar="N",
         help="prompts the run generates at once (its max_active_prompts, DECISIONS 62; "
         "mvp-gateway serves many clients with docs/examples/run-serve.json) "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--prompt-host",
+        choices=[h.value for h in PromptHost],
+        default=PromptHost.WORKFLOW.value,
+        help="where the run serves its prompts (DECISIONS 66): a PromptWorkflow each, or "
+        "in the run's own Update at a fifth of the control plane's CPU per prompt "
         "(default: %(default)s)",
     )
     p.add_argument(

@@ -350,10 +350,14 @@ class NodeActivities:
             finally:
                 pipe.close()
 
-        stream = WorkflowStreamClient.create(
-            activity.client(),
-            inp.prompt_workflow_id,
-            batch_interval=timedelta(milliseconds=inp.stream_batch_ms),
+        stream: WorkflowStreamClient | _NoTemporalText = (
+            WorkflowStreamClient.create(
+                activity.client(),
+                inp.prompt_workflow_id,
+                batch_interval=timedelta(milliseconds=inp.stream_batch_ms),
+            )
+            if inp.temporal_text
+            else _NoTemporalText()  # a run-hosted prompt: no workflow stream (DECISIONS 66)
         )
         out = _TextOut(
             self.text,
@@ -483,6 +487,27 @@ def _held_text(
         put(piece, tokens)
 
     return held
+
+
+class _NoTemporalText:
+    """The Temporal side of a run-hosted prompt's text: none. Its direct readers get every
+    delta from the head node; a client that cannot read there gets the whole text with
+    the terminal event (DECISIONS 66)."""
+
+    def topic(self, name: str, *, type: Any = None) -> _NoTemporalText:
+        return self
+
+    def publish(self, item: Any, *, force_flush: bool = False) -> None:
+        pass
+
+    async def flush(self) -> None:
+        pass
+
+    async def __aenter__(self) -> _NoTemporalText:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        pass
 
 
 class _TextOut:

@@ -1,0 +1,220 @@
+"""Issue 22, DECISIONS 66: a run whose ``prompt_host`` is ``run`` serves each prompt in its
+own ``submit_prompt`` Update, with no PromptWorkflow.
+
+Real 2-stage runs of the bundled model on local node processes, 8 prompts active at once:
+each prompt's text is its text alone, no prompt workflow is ever started, a cancel of one
+of eight ends it cancelled while the other seven finish, a client that cannot read the
+head node gets the whole text with one end, a re-attach mid-stream and after the end gets
+the whole text and one end, the run's history grows by the same few events per prompt
+whatever its length, and a head node killed under eight ends each with one fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from typing import Any
+
+import httpx
+from temporalio.client import WorkflowExecutionStatus
+
+from mvp_core import names
+from mvp_core.models import Done, Fault, RunPhase, ShutdownReason, SubmitPrompt, TextDelta
+from temporal.client import RunHandle
+from tests.integration.conftest import Runs, run_failure, snapshot, wait_closed, wait_phase
+from tests.integration.test_gateway import serve
+from tests.integration.test_serve import COUNTING, TEXTS, _prompt, _stream_all
+from workers.gateway.attach import _update_stops
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+
+HOSTED: dict[str, Any] = {
+    "pipeline_stages": 2,
+    "max_active_prompts": 8,
+    "prompt_queue_capacity": 2,
+    "max_context": 1024,
+    "prompt_host": "run",
+}
+
+
+async def _prompt_workflows(run: RunHandle) -> int:
+    prefix = names.prompt_workflow_id(run.run_id, 0, "").rsplit("-", 2)[0]
+    query = f"WorkflowType = '{names.PROMPT_WORKFLOW}' AND WorkflowId STARTS_WITH '{prefix}-'"
+    return len([wf async for wf in run.client.list_workflows(query)])
+
+
+async def _run_events(run: RunHandle) -> int:
+    return len([e async for e in run.workflow.fetch_history_events()])
+
+
+async def test_a_run_hosted_prompt_is_served_streamed_cancelled_and_re_attached(runs: Runs):
+    run_id = 2240
+    handle = await runs.start(run_id, **HOSTED)
+    state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=180)
+    assert state.prompt_host.value == "run"
+    run = RunHandle(runs.client, run_id)
+
+    # 8 at once: each prompt's text alone, greedy and seeded.
+    greedy: list[Done | Fault] = []
+    for seeded in (False, True):
+        base = 100 if seeded else 0
+        alone = [await run.submit(_prompt(base + i, t, seeded)) for i, t in enumerate(TEXTS)]
+        together = await asyncio.gather(
+            *(run.submit(_prompt(base + 50 + i, t, seeded)) for i, t in enumerate(TEXTS))
+        )
+        for a, b in zip(alone, together, strict=True):
+            assert isinstance(a, Done) and isinstance(b, Done), (a, b)
+            assert (b.final_text, b.tokens_generated) == (a.final_text, a.tokens_generated)
+        greedy = greedy or list(together)
+    assert (await run.snapshot()).most_active >= 2
+
+    # The run's history per prompt does not grow with the prompt's length, streamed from
+    # the head node or not.
+    temporal_only = RunHandle(runs.client, run_id, direct_text=False)
+    growth = []
+    for rid, (reader, tokens) in enumerate(
+        [(run, 32), (run, 512), (temporal_only, 32), (temporal_only, 512)], 200
+    ):
+        before = await _run_events(run)
+        prompt = SubmitPrompt(request_id=rid, prompt_text=COUNTING, max_tokens=tokens)
+        text, ends = await _stream_all(reader, prompt)
+        # A client that cannot read the head node: the whole text, with its one end.
+        assert len(ends) == 1 and isinstance(ends[0], Done), ends
+        assert text == ends[0].final_text and ends[0].tokens_generated == tokens
+        growth.append(await _run_events(run) - before)
+    assert run.direct_streams >= 2 and temporal_only.direct_streams == 0
+    assert max(growth) - min(growth) <= 6, growth
+
+    # Cancel one of eight mid-stream: it ends cancelled, the other seven finish.
+    victim = SubmitPrompt(request_id=40, prompt_text="1, 2, 3, 4, 5,", max_tokens=900)
+    first_text = asyncio.Event()
+    ending: list[Done | Fault] = []
+
+    async def follow() -> None:
+        async for event in run.stream(victim):
+            if isinstance(event, TextDelta):
+                first_text.set()
+            else:
+                ending.append(event)
+
+    streaming = asyncio.ensure_future(follow())
+    others = [
+        asyncio.ensure_future(run.submit(_prompt(i, t, False))) for i, t in enumerate(TEXTS[1:], 1)
+    ]
+    await asyncio.wait_for(first_text.wait(), 120)
+    await run.cancel_prompt(40)
+    await asyncio.wait_for(streaming, 60)
+    assert len(ending) == 1 and isinstance(ending[0], Fault) and ending[0].error == "cancelled"
+    for i, b in enumerate(await asyncio.gather(*others), 1):
+        g = greedy[i]
+        assert isinstance(b, Done) and isinstance(g, Done), (b, g)
+        assert (b.final_text, b.tokens_generated) == (g.final_text, g.tokens_generated)
+
+    # Re-attach mid-stream (a direct-capable and a Temporal-only client), then after the
+    # end: the whole text and one end each time.
+    never = "\u2603never"
+    fourth = SubmitPrompt(request_id=4, prompt_text=COUNTING, max_tokens=300, stop=[never])
+    started = asyncio.Event()
+    owner: list[Any] = []
+
+    async def own() -> None:
+        async for event in run.stream(fourth):
+            started.set()
+            owner.append(event)
+
+    owning = asyncio.ensure_future(own())
+    await asyncio.wait_for(started.wait(), 120)
+    # In flight: located by its Update, whose input (in the run's history) has its stops.
+    found = await run.locate(4)
+    assert found is not None and found.hosted and found.served is None and found.update_id
+    assert await _update_stops(runs.client, run.workflow_id, found.update_id) == [never]
+    for viewer in (RunHandle(runs.client, run_id), temporal_only):
+        seen = [e async for e in viewer.attach(4)]
+        assert sum(not isinstance(e, TextDelta) for e in seen) == 1
+        assert isinstance(seen[-1], Done)
+        assert "".join(e.text for e in seen if isinstance(e, TextDelta)) == seen[-1].final_text
+    await asyncio.wait_for(owning, 120)
+    for viewer in (RunHandle(runs.client, run_id), temporal_only):
+        late = [e async for e in viewer.attach(4)]
+        assert isinstance(late[-1], Done) and late[-1] == owner[-1]
+        assert "".join(e.text for e in late if isinstance(e, TextDelta)) == late[-1].final_text
+
+    await _through_the_gateway(runs, run_id)
+    assert await _prompt_workflows(run) == 0
+    await run.shutdown_and_wait(ShutdownReason.OPERATOR_REQUESTED)
+    assert await wait_closed(handle) is WorkflowExecutionStatus.COMPLETED
+    # A closed run still answers for its last prompts (a worker replays it).
+    late = [e async for e in RunHandle(runs.client, run_id).attach(4)]
+    assert late[-1] == owner[-1]
+
+
+async def _through_the_gateway(runs: Runs, run_id: int) -> None:
+    """mvp-gateway's re-attach (GET /v1/completions/{id}) of a run-hosted completion, mid
+    stream and after its end, cut at the request's stop strings as the original was."""
+    async with (
+        serve(runs.client, run_id) as url,
+        httpx.AsyncClient(base_url=url, timeout=120) as http,
+    ):
+        body = {"model": MODEL, "prompt": COUNTING, "max_tokens": 200, "temperature": 0}
+        whole = (await http.post("/v1/completions", json=body)).json()
+        text = whole["choices"][0]["text"]
+        stop = " " + text.split()[6]  # a word some way in
+        cut = text[: text.index(stop)]
+        stopped = (await http.post("/v1/completions", json={**body, "stop": [stop]})).json()
+        assert stopped["choices"][0]["text"] == cut, stopped
+        again = (await http.get(f"/v1/completions/{stopped['id']}")).json()
+        assert again["choices"][0]["text"] == cut and again["choices"][0]["finish_reason"] == "stop"
+
+        original: list[str] = []
+        ident = ""
+        async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+            lines = resp.aiter_lines()
+            async for line in lines:
+                if line.startswith("data: {"):
+                    event = json.loads(line[6:])
+                    ident = event["id"]
+                    original.append(event["choices"][0]["text"])
+                    if len(original) >= 2:
+                        break  # mid-generation: the viewer comes now
+            viewer = await http.get(f"/v1/completions/{ident}")  # waits for the end
+            async for line in lines:
+                if line.startswith("data: {"):
+                    original.append(json.loads(line[6:])["choices"][0]["text"])
+        viewed = viewer.json()
+        assert viewed["choices"][0]["text"] == "".join(original) == text, viewed
+
+
+async def test_a_head_killed_while_eight_run_hosted_prompts_generate_ends_each_once(
+    runs: Runs,
+):
+    run_id = 2241
+    handle = await runs.start(run_id, **{**HOSTED, "prompt_queue_capacity": 1})
+    state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=180)
+    run = RunHandle(runs.client, run_id)
+    started = [asyncio.Event() for _ in TEXTS]
+    seen: list[list[Any]] = [[] for _ in TEXTS]
+
+    async def follow(i: int) -> None:
+        prompt = SubmitPrompt(request_id=60 + i, prompt_text=COUNTING, max_tokens=900)
+        async for event in run.stream(prompt):
+            if isinstance(event, TextDelta):
+                started[i].set()
+            seen[i].append(event)
+
+    following = [asyncio.ensure_future(follow(i)) for i in range(len(TEXTS))]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 180)
+    assert all(not f.done() for f in following), "a prompt ended before the kill"
+    head = next(n for n in state.nodes if n.stage_index == 0)
+    assert head.handle is not None and head.handle.pid is not None
+    os.kill(head.handle.pid, signal.SIGKILL)
+    await asyncio.wait_for(asyncio.gather(*following), 120)
+    for events in seen:
+        ends = [e for e in events if not isinstance(e, TextDelta)]
+        assert len(ends) == 1 and isinstance(ends[0], Fault), ends[-3:]
+    cause = await run_failure(handle)
+    assert "node" in cause or cause.startswith("prompt serving"), cause
+    final = await snapshot(handle)
+    assert final.torn_down and all(n.provider_stopped for n in final.nodes)
+    assert [r.kind.value for r in final.lifecycle].count("RunFaulted") == 1
