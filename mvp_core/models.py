@@ -842,6 +842,11 @@ class Fault(_Model):
     prompt_tokens: int | None = Field(
         default=None, ge=0, description="With PromptTooLong: the prompt's tokens"
     )
+    text: str | None = Field(
+        default=None,
+        description="A run-hosted prompt stopped before its end (DECISIONS 66): the text it "
+        "had generated, which no workflow stream holds",
+    )
 
 
 PromptTerminal = Annotated[Done | Fault, Field(discriminator="type")]

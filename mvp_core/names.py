@@ -22,6 +22,7 @@ UPDATE_SHUTDOWN_AND_WAIT = "request_shutdown_and_wait"
 QUERY_SNAPSHOT = "snapshot"
 # A run-hosted prompt's end, by its key (DECISIONS 66).
 QUERY_PROMPT_SERVED = "prompt_served"
+QUERY_PROMPT_STOPS = "prompt_stops"  # ... and the stop strings of one in flight or kept
 
 # Node reports (signals from node agents to the run).
 SIGNAL_NODE_RUNTIME_READY = "node_runtime_ready"

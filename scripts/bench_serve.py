@@ -62,11 +62,10 @@ from mvp_core.models import (  # noqa: E402
     RequestShutdown,
     RunPhase,
     RunRequest,
-    ServedPrompt,
 )
 from mvp_core.run_state import RunState  # noqa: E402
 from scripts.bench_gateway import _free_port, _wait_for  # noqa: E402
-from temporal.client import start_run  # noqa: E402
+from temporal.client import RunHandle, start_run  # noqa: E402
 from temporal.connect import connect  # noqa: E402
 from temporal.devserver import start_dev_server  # noqa: E402
 from workers.gateway.dashboard_view import finished_prompts  # noqa: E402
@@ -234,13 +233,14 @@ async def _outcomes(
     results, or what the run kept of its run-hosted ones (DECISIONS 66)."""
     got: list[PromptOutcome] = []
     if prompt_host == "run":
-        run = client.get_workflow_handle(run_wf_id)
-        state = await run.query(names.QUERY_SNAPSHOT, result_type=RunState)
+        run_id = names.run_id_from_workflow_id(run_wf_id) or 0
+        run = RunHandle(client, run_id, direct_text=False)
+        state = await run.snapshot()
         since_ms = since.timestamp() * 1000
         for rid in {p.request_id for p in finished_prompts(state, 64)}:
             with contextlib.suppress(Exception):
-                served = await run.query(names.QUERY_PROMPT_SERVED, rid, result_type=ServedPrompt)
-                if isinstance(served, ServedPrompt) and served.admitted_ms >= since_ms:
+                served = await run.served(rid)
+                if served is not None and served.admitted_ms >= since_ms:
                     got.append(served.outcome)
         return got
     stamp = since.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
@@ -385,8 +385,9 @@ async def bench_run(args: argparse.Namespace, stages: int, tmp: Path) -> list[Le
                     + ", ".join(
                         f"{n} {v:.0f}" for n, v in zip(TTFT_PARTS, got.ttft_split_ms, strict=True)
                     )
-                    + " ms (the rest is admission: the gateway, the Update, the prompt "
-                    "workflow's start, the activity's dispatch)."
+                    + " ms (the rest is admission: the gateway, the Update, "
+                    + ("" if args.prompt_host == "run" else "the prompt workflow's start, ")
+                    + "the activity's dispatch)."
                 )
                 print(NOTES[-1], file=sys.stderr, flush=True)
             out.append(got)

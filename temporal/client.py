@@ -141,6 +141,10 @@ class PromptNotFound(LookupError):
     """No prompt of that request id was ever admitted by the run."""
 
 
+class PromptUnavailable(Exception):
+    """The run could not say where a prompt is now (no worker has it): try again."""
+
+
 class RunNotOpen(Exception):
     """The run does not exist, cannot be described, or has ended (the message says which)."""
 
@@ -491,8 +495,10 @@ class RunHandle:
                 yield event
         result = terminal if terminal is not None else cast(Done | Fault, await result_task)
         so_far = "".join(sent)
-        if isinstance(result, Done) and result.final_text.startswith(so_far):
-            rest = result.final_text[len(so_far) :]
+        # A Done holds the whole text; a run-hosted prompt's Fault what it had (DECISIONS 66).
+        whole = result.final_text if isinstance(result, Done) else result.text
+        if whole is not None and whole.startswith(so_far):
+            rest = whole[len(so_far) :]
             if rest:
                 yield TextDelta(request_id=result.request_id, text=rest)
         yield result
@@ -591,14 +597,18 @@ class RunHandle:
 
     async def locate(self, request_id: int) -> PromptLocation | None:
         """Where prompt ``request_id`` is: in flight (the snapshot), finished in a
-        PromptWorkflow (visibility), or finished in the run itself (the run's query)."""
-        state = await self.try_snapshot()  # None: a closed run
+        PromptWorkflow (visibility), or finished in the run itself (the run's query).
+        None: the run answered and has no such prompt; PromptUnavailable: it could not
+        answer now (no worker has it: try again)."""
+        state = await self.try_snapshot()  # None: a closed run, or one no worker has now
         if state is not None:
             self._prompt_host = state.prompt_host
             record = state.prompt(request_id)
             hosted = state.prompt_host is PromptHost.RUN
             if record is not None:
-                return PromptLocation(record.workflow_id, hosted, update_id=record.update_id)
+                return PromptLocation(
+                    record.workflow_id, request_id, hosted, update_id=record.update_id
+                )
             if hosted:
                 return await self._served(request_id)
         prefix = names.prompt_workflow_id(self.run_id, request_id, "")
@@ -608,25 +618,37 @@ class RunHandle:
             if newest is None or wf.start_time > newest[0]:
                 newest = (wf.start_time, wf.id)
         if newest is not None:
-            return PromptLocation(newest[1])
+            return PromptLocation(newest[1], request_id)
         return await self._served(request_id) if state is None else None
 
     async def _served(self, request_id: int) -> PromptLocation | None:
+        served = await self.served(request_id)
+        if served is None:
+            return None
+        return PromptLocation(served.workflow_id, request_id, True, served=served)
+
+    async def served(self, request_id: int) -> ServedPrompt | None:
         """The newest run-hosted prompt ``request_id`` that ended, as the run keeps it
-        (DECISIONS 66; a closed run answers too, while a worker replays it)."""
+        (DECISIONS 66; a closed run answers too, while a worker replays it); None: not
+        kept. PromptUnavailable: the run cannot answer now."""
+        served = await self._ask(names.QUERY_PROMPT_SERVED, request_id, ServedPrompt)
+        return served if isinstance(served, ServedPrompt) else None
+
+    async def hosted_stops(self, request_id: int) -> list[str]:
+        """The stop strings of run-hosted prompt ``request_id`` (in flight or kept)."""
+        stops = await self._ask(names.QUERY_PROMPT_STOPS, request_id, list[str])
+        return list(stops) if isinstance(stops, list) else []
+
+    async def _ask(self, query: str, request_id: int, result_type: Any) -> Any:
+        """One of the run's prompt queries; PromptUnavailable when the run cannot answer."""
         try:
-            served = await self.workflow.query(
-                names.QUERY_PROMPT_SERVED,
-                request_id,
-                result_type=ServedPrompt,
-                rpc_timeout=QUERY_TIMEOUT,
+            return await self.workflow.query(
+                query, request_id, result_type=result_type, rpc_timeout=QUERY_TIMEOUT
             )
         except (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError) as err:
-            log.info("%s: no served prompt %d: %s", self.workflow_id, request_id, err)
-            return None
-        if not isinstance(served, ServedPrompt):
-            return None
-        return PromptLocation(served.workflow_id, True, served=served)
+            raise PromptUnavailable(
+                f"run {self.run_id} cannot say where prompt {request_id} is now: {err}"
+            ) from None
 
     async def attach(self, request_id: int, *, poll_cooldown_ms: int = 20) -> PromptEvents:
         """Re-attach to a prompt, running or finished, from any client: the whole text so
@@ -661,7 +683,14 @@ class RunHandle:
                 return cast(Done | Fault, await update.result())
             except WorkflowUpdateFailedError as err:
                 raise PromptNotFound(f"prompt {found.workflow_id}: {err.cause or err}") from None
-        raise PromptNotFound(f"prompt {found.workflow_id} has no Update to wait on")
+            except RPCError as err:
+                if err.status is not RPCStatusCode.NOT_FOUND:
+                    raise
+                # Ended, and the run continued as new since: what it kept of the prompt.
+        served = await self._served(found.request_id)
+        if served is None or served.served is None or served.workflow_id != found.workflow_id:
+            raise PromptNotFound(f"prompt {found.workflow_id}: no longer kept by its run")
+        return served.served.outcome.terminal
 
 
 @dataclass(frozen=True)
@@ -669,6 +698,7 @@ class PromptLocation:
     """A prompt located by its request id (RunHandle.locate)."""
 
     workflow_id: str
+    request_id: int
     hosted: bool = False  # served by the run itself (DECISIONS 66)
     update_id: str | None = None  # a hosted one in flight: its Update
     served: ServedPrompt | None = None  # a hosted one that ended

@@ -85,10 +85,13 @@ class PromptServing:
     def _turn_came(self) -> bool:
         return self.turn is not None and self.turn()
 
-    def cancelled(self) -> PromptOutcome:
+    def cancelled(self, text: str | None = None) -> PromptOutcome:
+        """The cancel's outcome (``text``: what a run-hosted prompt had generated)."""
         return PromptOutcome(
             terminal=Fault(
-                request_id=self.inp.prompt.request_id, error=self.cancel_reason or "cancelled"
+                request_id=self.inp.prompt.request_id,
+                error=self.cancel_reason or "cancelled",
+                text=text,
             ),
             status=PromptStatus.CANCELLED,
         )
@@ -165,7 +168,7 @@ class PromptServing:
         if outcome.terminal.type == "fault" and outcome.status is PromptStatus.DONE:
             # A prompt-local fault from the node (too long, or stopped: then it says why).
             if self.cancel_reason is not None:
-                outcome = self.cancelled()
+                outcome = self.cancelled(outcome.terminal.text)
             elif outcome.terminal.error == "cancelled":
                 outcome.status = PromptStatus.CANCELLED
             else:

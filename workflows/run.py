@@ -96,8 +96,10 @@ CULPRIT_GRACE = timedelta(seconds=2)
 LEASE_RECOVERY = timedelta(seconds=30)
 PROMPT_DRAIN_S = 5.0  # beyond a generate's heartbeat timeout, for its prompt to end
 # A run-hosted prompt's end is kept for re-attach and the dashboard (DECISIONS 66): the
-# latest this many, carried across continue-as-new.
+# latest this many, their texts this many characters in all (they are carried across
+# continue-as-new, one payload under the server's 2 MB limit), the latest one always.
 SERVED_KEPT = 32
+SERVED_TEXT_KEPT = 256 * 1024
 
 
 class RunCarry(BaseModel):
@@ -782,18 +784,40 @@ class RunWorkflow:
         self._hosted[wf_id] = serving
         self._show()
         try:
-            outcome = serving.ended(await serving.serve(details=False), admitted_at)
+            outcome = await serving.serve(details=False)
+        except workflow.NondeterminismError:
+            raise
+        except Exception as err:  # a defect in serving (a result it cannot read): this prompt
+            outcome = PromptOutcome(
+                terminal=Fault(
+                    request_id=inp.prompt.request_id, error=f"prompt serving failed: {err}"
+                ),
+                run_fault=f"prompt serving: prompt {wf_id} failed",
+                status=PromptStatus.FAULTED,
+            )
         finally:
             self._hosted.pop(wf_id, None)
-        self._served[wf_id] = ServedPrompt(
-            workflow_id=wf_id,
-            outcome=outcome,
-            admitted_ms=int(admitted_at.timestamp() * 1000),
-            stop=list(inp.prompt.stop),
+        serving.ended(outcome, admitted_at)
+        self._keep_served(
+            ServedPrompt(
+                workflow_id=wf_id,
+                outcome=outcome,
+                admitted_ms=int(admitted_at.timestamp() * 1000),
+                stop=list(inp.prompt.stop),
+            )
         )
-        while len(self._served) > SERVED_KEPT:
-            self._served.popitem(last=False)
         return outcome
+
+    def _keep_served(self, served: ServedPrompt) -> None:
+        """Keep ``served`` as the latest, within SERVED_KEPT and SERVED_TEXT_KEPT."""
+        self._served.pop(served.workflow_id, None)
+        self._served[served.workflow_id] = served
+        text = sum(_text_size(p) for p in self._served.values())
+        while len(self._served) > 1 and (
+            len(self._served) > SERVED_KEPT or text > SERVED_TEXT_KEPT
+        ):
+            _, dropped = self._served.popitem(last=False)
+            text -= _text_size(dropped)
 
     async def _prompt_workflow(
         self, inp: PromptInput, wf_id: str, record: PromptRecord, head: NodeState
@@ -1053,6 +1077,16 @@ class RunWorkflow:
                 return served
         return None
 
+    @workflow.query(name=names.QUERY_PROMPT_STOPS)
+    def prompt_stops(self, request_id: int) -> list[str] | None:
+        """The stop strings of run-hosted prompt ``request_id``, in flight or kept (a
+        re-attach cuts its text where the original response was); None if unknown."""
+        for serving in reversed(self._hosted.values()):
+            if serving.inp.prompt.request_id == request_id:
+                return list(serving.inp.prompt.stop)
+        served = self.prompt_served(request_id)
+        return None if served is None else served.stop
+
     @workflow.query(name=names.QUERY_SNAPSHOT)
     def snapshot(self) -> RunState:
         """The run's state; the full execution nonce stays inside (its first 8 characters,
@@ -1242,6 +1276,12 @@ _SIGNALS: dict[str, tuple[type[BaseModel], Any]] = {
 
 class _NoUpdate:
     id = "noupdate"
+
+
+def _text_size(served: ServedPrompt) -> int:
+    terminal = served.outcome.terminal
+    text = terminal.final_text if terminal.type == "done" else terminal.text
+    return len(text or "")
 
 
 def _abandon(task: asyncio.Task[Any]) -> None:

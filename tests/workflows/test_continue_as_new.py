@@ -24,6 +24,7 @@ from mvp_core.models import (
     RunOutcome,
     RunOutcomeKind,
     RunPhase,
+    ServedPrompt,
     SubmitPrompt,
 )
 from temporal.connect import default_data_converter
@@ -67,18 +68,25 @@ async def _submit(client: Client, run_id: int, request_id: int) -> Done:
             assert cause.type == ErrorType.RUN_ROLLING_OVER, cause  # retry shortly
 
 
+@pytest.mark.parametrize(("run_id", "host"), [(301, "workflow"), (302, "run")])
 async def test_a_run_continues_as_new_on_the_same_nodes_and_loses_no_prompt(
-    low_threshold: WorkflowEnvironment,
+    low_threshold: WorkflowEnvironment, run_id: int, host: str
 ) -> None:
+    """Prompts in PromptWorkflows or served by the run (DECISIONS 66: the ends it keeps
+    cross over with it)."""
     client = low_threshold.client
     async with FakeCluster(client).serving() as cluster:
-        handle = await start_run(client, 301)
+        handle = await start_run(client, run_id, prompt_host=host)
         await wait_phase(handle, RunPhase.PROMPT_READY)
-        latest = client.get_workflow_handle(names.run_workflow_id(301))
+        latest = client.get_workflow_handle(names.run_workflow_id(run_id))
         for i in range(8):
-            done = await _submit(client, 301, i)
+            done = await _submit(client, run_id, i)
             assert done.final_text == f"p{i}"[::-1]
         state = await snapshot(latest)
+        kept = [
+            await latest.query(names.QUERY_PROMPT_SERVED, i, result_type=ServedPrompt)
+            for i in range(8)
+        ]
         await latest.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown())
         outcome = RunOutcome.model_validate(await latest.result())
     assert state.continued >= 1, state.continued
@@ -90,3 +98,9 @@ async def test_a_run_continues_as_new_on_the_same_nodes_and_loses_no_prompt(
     assert cluster.nodes[1].leases >= 2
     assert outcome.outcome is RunOutcomeKind.OPERATOR_STOPPED
     assert outcome.prompts_completed == 8
+    if host == "run":  # each end kept, across the rollovers
+        assert [k.outcome.terminal.final_text for k in kept if k is not None] == [
+            f"p{i}"[::-1] for i in range(8)
+        ]
+    else:
+        assert kept == [None] * 8

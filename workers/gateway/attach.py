@@ -27,12 +27,10 @@ from typing import TYPE_CHECKING, Any, cast
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
-from mvp_core import names
-from mvp_core.models import Done, Fault, PromptInput, SubmitPrompt, TextDelta
-from temporal.client import PromptNotFound, RunHandle
+from mvp_core.models import Done, Fault, PromptInput, TextDelta
+from temporal.client import PromptNotFound, PromptUnavailable, RunHandle
 from workers.gateway.stops import StopMatcher, cut_at_stop
 from workers.gateway.streaming import EventStream
 from workers.gateway.wire import SSE_DONE, ApiError, sse
@@ -71,18 +69,16 @@ def finish_of(terminal: Done | Fault) -> tuple[str | None, dict[str, Any]]:
     return None, {"mvp_status": status, "mvp_error": terminal.error}
 
 
-async def original_stops(client: Client, run_id: int, request_id: int) -> list[str]:
+async def original_stops(client: Client, run: RunHandle, request_id: int) -> list[str]:
     """The stop strings of the request behind prompt ``request_id``: its workflow's input
-    (``PromptInput.prompt.stop``), a run-hosted one's Update input or what the run kept
-    of it (DECISIONS 66); none when the prompt cannot be read back."""
+    (``PromptInput.prompt.stop``), or for a run-hosted one what its run holds of it
+    (DECISIONS 66); none when the prompt cannot be read back."""
     try:
-        found = await RunHandle(client, run_id).locate(request_id)
+        found = await run.locate(request_id)
         if found is None:
             return []
-        if found.served is not None:
-            return list(found.served.stop)
         if found.hosted:
-            return await _update_stops(client, names.run_workflow_id(run_id), found.update_id)
+            return await run.hosted_stops(request_id)
         wf_id = found.workflow_id
         async for event in client.get_workflow_handle(wf_id).fetch_history_events(page_size=1):
             payloads = event.workflow_execution_started_event_attributes.input.payloads
@@ -90,22 +86,6 @@ async def original_stops(client: Client, run_id: int, request_id: int) -> list[s
             return list(cast(PromptInput, inp).prompt.stop)
     except Exception as err:  # an old prompt's input, a history no longer retained
         log.warning("stop strings of prompt %d: %s: %s", request_id, type(err).__name__, err)
-    return []
-
-
-async def _update_stops(client: Client, run_wf_id: str, update_id: str | None) -> list[str]:
-    """The stop strings of a run-hosted prompt in flight: its Update's input, as the run's
-    history holds it."""
-    if update_id is None:
-        return []
-    async for event in client.get_workflow_handle(run_wf_id).fetch_history_events():
-        if event.event_type != EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED:
-            continue
-        request = event.workflow_execution_update_accepted_event_attributes.accepted_request
-        if request.meta.update_id != update_id:
-            continue
-        (prompt,) = await client.data_converter.decode(request.input.args.payloads, [SubmitPrompt])
-        return list(cast(SubmitPrompt, prompt).stop)
     return []
 
 
@@ -170,7 +150,11 @@ async def retrieve(request: Request, gateway: Gateway, *, chat: bool) -> Respons
         first = await anext(events)
     except PromptNotFound:
         raise not_found(f"No completion found with id '{ident}'") from None
-    stops = await original_stops(gateway.client, gateway.run_id, request_id)
+    except PromptUnavailable as err:
+        raise ApiError(
+            503, str(err), type="server_error", code="run_unavailable", retry_after_s=1
+        ) from None
+    stops = await original_stops(gateway.client, gateway.run, request_id)
     head = {"id": ident, "created": int(time.time()), "model": served.id}
     if request.query_params.get("stream", "").lower() in ("1", "true"):
 

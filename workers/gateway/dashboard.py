@@ -48,8 +48,9 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from mvp_core import names
 from mvp_core.datastream import Redactor
-from mvp_core.models import NodeHandle, PromptHost, PromptOutcome, ServedPrompt
+from mvp_core.models import NodeHandle, PromptHost, PromptOutcome
 from mvp_core.run_state import RunState
+from temporal.client import PromptUnavailable, RunHandle
 from workers.gateway.dashboard_feed import DatastreamFeed
 from workers.gateway.dashboard_view import (
     RECENT_PROMPTS,
@@ -199,18 +200,12 @@ class TemporalSource:
     async def served_figures(
         self, run_workflow_id: str, request_id: int, key: str
     ) -> PromptFigures:
+        run_id = names.run_id_from_workflow_id(run_workflow_id) or 0
         try:
-            served = await self.client.get_workflow_handle(run_workflow_id).query(
-                names.QUERY_PROMPT_SERVED,
-                request_id,
-                result_type=ServedPrompt,
-                rpc_timeout=QUERY_TIMEOUT,
-            )
-        except RPCError as err:
-            raise SourceError(f"prompt {key}: {err.message}") from None
-        except (WorkflowQueryFailedError, WorkflowQueryRejectedError) as err:
+            served = await RunHandle(self.client, run_id, direct_text=False).served(request_id)
+        except PromptUnavailable as err:
             raise SourceError(f"prompt {key}: {err}") from None
-        if not isinstance(served, ServedPrompt) or served.workflow_id != key:
+        if served is None or served.workflow_id != key:
             raise SourceError(f"prompt {key}: no longer kept by its run")
         return served_figures(served)
 

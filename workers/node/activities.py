@@ -436,7 +436,11 @@ class NodeActivities:
             out.end(done=result.stop_reason in ("eos", "max_tokens", "context"))
             await stream.flush()
         if result.stop_reason not in ("eos", "max_tokens", "context"):
-            return PromptOutcome(terminal=Fault(request_id=request_id, error="cancelled"))
+            # A run-hosted prompt's text so far goes with its end: no stream holds it.
+            text = None if inp.temporal_text else result.text
+            return PromptOutcome(
+                terminal=Fault(request_id=request_id, error="cancelled", text=text)
+            )
         telemetry.note_prompt_end(result.tokens, result.stop_reason)  # on RunActivity's span
         return PromptOutcome(
             terminal=Done(
