@@ -77,6 +77,7 @@ class Pipeline:
                     on_ready=self.ready.release,
                     on_fault=self.faults.append,
                     slots=slots,
+                    depth=stages,
                 )
             )
         tin = next(e for e in edges if e.kind is EdgeKind.TOKEN_IN)
@@ -286,6 +287,12 @@ def test_prompts_at_once_on_a_pipeline_give_each_prompts_tokens_alone(
             ]
         )
         assert not p.faults
+        # A step runs at most a 1/stages share of the prompts in flight: the others are
+        # on the other stages meanwhile (the pipeline kept full).
+        share = -(-len(PROMPTS) // stages)
+        assert all(1 <= link.largest_batch <= share for link in p.links), [
+            link.largest_batch for link in p.links
+        ]
     assert got_greedy == greedy
     assert got_seeded == seeded
     assert len({tuple(t) for t in seeded}) == len(PROMPTS)  # they differ: it means something

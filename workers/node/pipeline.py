@@ -3,10 +3,11 @@
 Threads with blocking sockets, next to the engine. A run's active prompts share the
 pipeline (DECISIONS 62): each record belongs to one prompt (its object id is the
 prompt's request id), a stage holds one KV cache slot per prompt in flight, and it runs
-every record that has come in as one batch (one forward over all their rows, each row
-computed as it is alone), then sends one record per prompt. While stage k works on some
-prompts' tokens, stage k+1 works on others': with several prompts active every stage is
-busy. Every edge of a node belongs to one EdgeGroup, so any error closes all of them
+the records that have come in as one batch (one forward over all their rows, each row
+computed as it is alone), then sends one record per prompt. A batch takes at most a
+1/N share of the prompts in flight on an N-stage pipeline (the rest wait their turn), so
+the prompts go round in N groups: while stage k works on one group's tokens, stage k+1
+works on another's, and with N or more prompts active every stage is busy. Every edge of a node belongs to one EdgeGroup, so any error closes all of them
 and the peers see EOF within milliseconds (DECISIONS 20).
 
 Record conventions (CONTRACTS, DECISIONS 19):
@@ -25,6 +26,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from time import monotonic, perf_counter
@@ -94,11 +96,16 @@ class StageLink:
         on_ready: Callable[[], None],
         on_fault: Callable[[str], None],
         slots: int = 1,
+        depth: int = 1,
         sequence_skew: int = 0,
         placement: Placement | None = None,
         forward_timer: ForwardTimer | None = None,
     ) -> None:
         self.stage = stage
+        # The pipeline's stages: a step takes at most 1/depth of the prompts in flight,
+        # so that the others are on the other stages meanwhile (every stage busy).
+        self.depth = max(1, depth)
+        self.largest_batch = 0  # the most prompts one step has run (a test reads it)
         self.forward_timer = forward_timer  # None: telemetry off, nothing per token
         self.placement = placement or Placement()  # token-path cores and priority
         self.sequence_skew = sequence_skew  # fault injection: break the token-out order
@@ -157,23 +164,28 @@ class StageLink:
     def _serve(self, inbound: EdgeReceiver, out: EdgeSender) -> None:
         session = self.stage.new_batch_session(self.slots, self.max_seq_len)
         flows: dict[int, _Flow] = {}  # object id -> the prompt's slot, header, sampler
+        backlog: deque[tuple[RecordHeader, bytearray]] = deque()  # come in, not yet run
         try:
             while not self._stop.is_set():
-                try:
-                    first = inbound.recv(IDLE_POLL_S)
-                except EdgeTimeout as idle:
-                    if idle.partial:
-                        raise
-                    continue
-                # Every record that has come in meanwhile joins this step's batch.
-                records = [first]
-                while len(records) < 4 * self.slots and inbound.ready():
-                    records.append(inbound.recv(RECORD_READ_S))
+                if not backlog:
+                    try:
+                        backlog.append(inbound.recv(IDLE_POLL_S))
+                    except EdgeTimeout as idle:
+                        if idle.partial:
+                            raise
+                        continue
+                while len(backlog) < 4 * self.slots and inbound.ready():
+                    backlog.append(inbound.recv(RECORD_READ_S))
+                # A step runs one record per prompt, of at most a 1/depth share of the
+                # prompts in flight: the rest run on the other stages meanwhile.
+                prompts = flows.keys() | {hdr.object_id for hdr, _ in backlog}
+                share = max(1, -(-len(prompts) // self.depth))
                 batch: list[_Work] = []
-                for hdr, payload in records:
+                while backlog and len(batch) < share:
+                    hdr, payload = backlog[0]
                     if hdr.object_id in {w.object_id for w in batch}:
-                        self._step(session, batch, out)  # one record per prompt a step
-                        batch = []
+                        break
+                    backlog.popleft()
                     if hdr.abort:
                         flow = flows.pop(hdr.object_id, None)
                         if flow is not None:
@@ -233,6 +245,7 @@ class StageLink:
     def _step(self, session: BatchSession, batch: list[_Work], out: EdgeSender) -> None:
         """One forward over the batch's rows; one record out per prompt."""
         stage, timer = self.stage, self.forward_timer
+        self.largest_batch = max(self.largest_batch, len(batch))
         prefill = any(w.begin for w in batch)
         t0 = perf_counter() if timer is not None and timer.wants(prefill) else None
         result = session.forward([(w.flow.slot, w.rows) for w in batch])

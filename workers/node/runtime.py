@@ -139,6 +139,7 @@ class StageRuntime:
             on_ready=on_stage_ready,
             on_fault=on_fault,
             slots=prov.max_active_prompts,
+            depth=prov.stage_count,
             sequence_skew=1 if FaultInjection.from_env().skew_token_out_sequence else 0,
             placement=self.placement,
             forward_timer=telemetry.current().forward_timer(prov.stage_index),
