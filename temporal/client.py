@@ -619,7 +619,14 @@ class RunHandle:
                 newest = (wf.start_time, wf.id)
         if newest is not None:
             return PromptLocation(newest[1], request_id)
-        return await self._served(request_id) if state is None else None
+        if state is not None:
+            return None
+        try:  # a closed run that served its prompts itself answers for its last ones
+            return await self._served(request_id)
+        except PromptUnavailable:
+            if self._prompt_host is PromptHost.RUN:
+                raise  # it may well have it: say so, not "no such prompt"
+            return None
 
     async def _served(self, request_id: int) -> PromptLocation | None:
         served = await self.served(request_id)
@@ -645,7 +652,13 @@ class RunHandle:
             return await self.workflow.query(
                 query, request_id, result_type=result_type, rpc_timeout=QUERY_TIMEOUT
             )
-        except (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError) as err:
+        except RPCError as err:
+            if err.status is RPCStatusCode.NOT_FOUND:
+                return None  # no such run
+            raise PromptUnavailable(
+                f"run {self.run_id} cannot say where prompt {request_id} is now: {err}"
+            ) from None
+        except (WorkflowQueryFailedError, WorkflowQueryRejectedError) as err:
             raise PromptUnavailable(
                 f"run {self.run_id} cannot say where prompt {request_id} is now: {err}"
             ) from None
@@ -685,7 +698,7 @@ class RunHandle:
                 raise PromptNotFound(f"prompt {found.workflow_id}: {err.cause or err}") from None
             except RPCError as err:
                 if err.status is not RPCStatusCode.NOT_FOUND:
-                    raise
+                    raise PromptUnavailable(f"prompt {found.workflow_id}: {err}") from None
                 # Ended, and the run continued as new since: what it kept of the prompt.
         served = await self._served(found.request_id)
         if served is None or served.served is None or served.workflow_id != found.workflow_id:

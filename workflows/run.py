@@ -97,9 +97,10 @@ LEASE_RECOVERY = timedelta(seconds=30)
 PROMPT_DRAIN_S = 5.0  # beyond a generate's heartbeat timeout, for its prompt to end
 # A run-hosted prompt's end is kept for re-attach and the dashboard (DECISIONS 66): the
 # latest this many, their texts this many characters in all (they are carried across
-# continue-as-new, one payload under the server's 2 MB limit), the latest one always.
+# continue-as-new: one payload, under the server's 512 KB warning even at 4 bytes a
+# character), the latest one always.
 SERVED_KEPT = 32
-SERVED_TEXT_KEPT = 256 * 1024
+SERVED_TEXT_KEPT = 96 * 1024
 
 
 class RunCarry(BaseModel):
@@ -785,12 +786,12 @@ class RunWorkflow:
         self._show()
         try:
             outcome = await serving.serve(details=False)
-        except workflow.NondeterminismError:
-            raise
-        except Exception as err:  # a defect in serving (a result it cannot read): this prompt
+        except Exception as err:  # a defect in serving it: this prompt ends, then the run
             outcome = PromptOutcome(
                 terminal=Fault(
-                    request_id=inp.prompt.request_id, error=f"prompt serving failed: {err}"
+                    request_id=inp.prompt.request_id,
+                    # The type only: an error's text may quote what the prompt generated.
+                    error=f"prompt serving failed: {type(err).__name__}",
                 ),
                 run_fault=f"prompt serving: prompt {wf_id} failed",
                 status=PromptStatus.FAULTED,

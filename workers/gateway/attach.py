@@ -84,6 +84,8 @@ async def original_stops(client: Client, run: RunHandle, request_id: int) -> lis
             payloads = event.workflow_execution_started_event_attributes.input.payloads
             (inp,) = await client.data_converter.decode(payloads, [PromptInput])
             return list(cast(PromptInput, inp).prompt.stop)
+    except PromptUnavailable:
+        raise  # without its stops the text could run past them: the caller's 503
     except Exception as err:  # an old prompt's input, a history no longer retained
         log.warning("stop strings of prompt %d: %s: %s", request_id, type(err).__name__, err)
     return []
@@ -154,7 +156,13 @@ async def retrieve(request: Request, gateway: Gateway, *, chat: bool) -> Respons
         raise ApiError(
             503, str(err), type="server_error", code="run_unavailable", retry_after_s=1
         ) from None
-    stops = await original_stops(gateway.client, gateway.run, request_id)
+    try:
+        stops = await original_stops(gateway.client, gateway.run, request_id)
+    except PromptUnavailable as err:
+        await events.aclose()
+        raise ApiError(
+            503, str(err), type="server_error", code="run_unavailable", retry_after_s=1
+        ) from None
     head = {"id": ident, "created": int(time.time()), "model": served.id}
     if request.query_params.get("stream", "").lower() in ("1", "true"):
 

@@ -200,7 +200,9 @@ class TemporalSource:
     async def served_figures(
         self, run_workflow_id: str, request_id: int, key: str
     ) -> PromptFigures:
-        run_id = names.run_id_from_workflow_id(run_workflow_id) or 0
+        run_id = names.run_id_from_workflow_id(run_workflow_id)
+        if run_id is None:
+            raise SourceError(f"prompt {key}: {run_workflow_id} is not a run's workflow id")
         try:
             served = await RunHandle(self.client, run_id, direct_text=False).served(request_id)
         except PromptUnavailable as err:
