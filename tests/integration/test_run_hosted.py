@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 from typing import Any
 
 import httpx
@@ -23,9 +21,9 @@ from temporalio.client import WorkflowExecutionStatus
 from mvp_core import names
 from mvp_core.models import Done, Fault, RunPhase, ShutdownReason, SubmitPrompt, TextDelta
 from temporal.client import RunHandle
-from tests.integration.conftest import Runs, run_failure, snapshot, wait_closed, wait_phase
+from tests.integration.conftest import Runs, wait_closed, wait_phase
 from tests.integration.test_gateway import serve
-from tests.integration.test_serve import COUNTING, TEXTS, _prompt, _stream_all
+from tests.integration.test_serve import COUNTING, TEXTS, _prompt, _stream_all, kill_under_eight
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
@@ -195,32 +193,6 @@ async def _through_the_gateway(runs: Runs, run_id: int) -> None:
 async def test_a_head_killed_while_eight_run_hosted_prompts_generate_ends_each_once(
     runs: Runs,
 ):
-    run_id = 2241
-    handle = await runs.start(run_id, **{**HOSTED, "prompt_queue_capacity": 1})
-    state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=180)
-    run = RunHandle(runs.client, run_id)
-    started = [asyncio.Event() for _ in TEXTS]
-    seen: list[list[Any]] = [[] for _ in TEXTS]
-
-    async def follow(i: int) -> None:
-        prompt = SubmitPrompt(request_id=60 + i, prompt_text=COUNTING, max_tokens=900)
-        async for event in run.stream(prompt):
-            if isinstance(event, TextDelta):
-                started[i].set()
-            seen[i].append(event)
-
-    following = [asyncio.ensure_future(follow(i)) for i in range(len(TEXTS))]
-    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 180)
-    assert all(not f.done() for f in following), "a prompt ended before the kill"
-    head = next(n for n in state.nodes if n.stage_index == 0)
-    assert head.handle is not None and head.handle.pid is not None
-    os.kill(head.handle.pid, signal.SIGKILL)
-    await asyncio.wait_for(asyncio.gather(*following), 120)
-    for events in seen:
-        ends = [e for e in events if not isinstance(e, TextDelta)]
-        assert len(ends) == 1 and isinstance(ends[0], Fault), ends[-3:]
-    cause = await run_failure(handle)
+    request = {**HOSTED, "prompt_queue_capacity": 1}
+    cause = await kill_under_eight(runs, 2241, 0, max_tokens=900, **request)
     assert "node" in cause or cause.startswith("prompt serving"), cause
-    final = await snapshot(handle)
-    assert final.torn_down and all(n.provider_stopped for n in final.nodes)
-    assert [r.kind.value for r in final.lifecycle].count("RunFaulted") == 1

@@ -223,10 +223,25 @@ async def test_a_stage_killed_while_eight_generate_ends_each_with_one_fault(
     """Kill the head node (its readers' direct streams break: they fall back to Temporal)
     or the last stage while 8 prompts generate: each of the 8 ends with exactly one fault,
     the run faults as with one prompt, and the fixture finds no node left."""
-    run_id = 2230 + killed_stage
-    handle = await runs.start(
-        run_id, pipeline_stages=2, max_active_prompts=8, prompt_queue_capacity=1, max_context=512
+    cause = await kill_under_eight(
+        runs,
+        2230 + killed_stage,
+        killed_stage,
+        pipeline_stages=2,
+        max_active_prompts=8,
+        prompt_queue_capacity=1,
+        max_context=512,
     )
+    assert cause.startswith("prompt serving"), cause
+
+
+async def kill_under_eight(
+    runs: Runs, run_id: int, killed_stage: int, *, max_tokens: int = 480, **request: Any
+) -> str:
+    """Start run ``run_id`` (``request``), stream 8 counting prompts, kill -9 the node of
+    ``killed_stage`` while all 8 generate: each ends with exactly one fault, the run
+    faults once and is torn down with every node stopped. Returns the run's fault."""
+    handle = await runs.start(run_id, **request)
     state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=180)
     run = RunHandle(runs.client, run_id)
     started = [asyncio.Event() for _ in TEXTS]
@@ -235,7 +250,7 @@ async def test_a_stage_killed_while_eight_generate_ends_each_with_one_fault(
     async def follow(i: int) -> None:
         # greedy SmolLM2 counts on past any cap here: no prompt can end before the kill,
         # however fast the kernel (some of TEXTS end on their end token)
-        prompt = SubmitPrompt(request_id=60 + i, prompt_text=COUNTING, max_tokens=480)
+        prompt = SubmitPrompt(request_id=60 + i, prompt_text=COUNTING, max_tokens=max_tokens)
         async for event in run.stream(prompt):
             if isinstance(event, TextDelta):
                 started[i].set()
@@ -252,7 +267,7 @@ async def test_a_stage_killed_while_eight_generate_ends_each_with_one_fault(
         ends = [e for e in events if not isinstance(e, TextDelta)]
         assert len(ends) == 1 and isinstance(ends[0], Fault), ends[-3:]
     cause = await run_failure(handle)
-    assert cause.startswith("prompt serving"), cause
     final = await snapshot(handle)
     assert final.torn_down and all(n.provider_stopped for n in final.nodes)
     assert [r.kind.value for r in final.lifecycle].count("RunFaulted") == 1
+    return cause
