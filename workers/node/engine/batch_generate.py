@@ -11,8 +11,8 @@ Batch invariance: a sequence's tokens are a function of its own prompt, paramete
 chunk size only, never of what runs beside it or when it joined. Its chunks are cut from
 its own prompt (fixed boundaries, never a step's shared token budget), every kernel gives
 a row the sums its own sequence's product gives it (qmm.c mvk_layers_batch), and its
-sampler is its own (sampling.Sampler: one generator per sequence, advanced once per
-token it samples). With ``chunk_size`` at least the prompt's length, a sequence's tokens
+sampler is its own (sampling.Sampler: a token's draw is a function of the sequence's seed
+and the token's index). With ``chunk_size`` at least the prompt's length, a sequence's tokens
 are generate.generate's (llama.cpp's logits, its prompt one ubatch). Shorter chunks
 change no sums on Q4_0/Q4_1/Q5_0/Q8_0 models (SmolLM2: the same tokens); on Q4_K/Q6_K ones
 a chunk boundary moves some of llama.cpp's row-count-dependent sums (as a different

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -18,28 +19,48 @@ class SamplingParams:
     seed: int | None = None
 
 
-class Sampler:
-    """Stateful: one generator per request, so a seed fixes the whole sequence."""
+_MASK64 = (1 << 64) - 1
 
-    def __init__(self, params: SamplingParams) -> None:
+
+def draw_seed(seed: int, index: int) -> int:
+    """The generator's seed for the ``index``-th sampled token of a request seeded ``seed``:
+    splitmix64 of the pair, so neighbouring seeds and indices give unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+class Sampler:
+    """One per request. The ``index``-th token it samples depends on the logits, the
+    parameters, the seed and ``index`` only, never on the draws before it: the generator
+    is reseeded from (seed, index) for every token. So a sequence that is re-prefilled
+    with its prompt and the tokens it already has (stage recovery) continues with a
+    Sampler made at ``index=len(generated)`` and samples exactly what it would have.
+    Without a seed one is drawn at random once (``seed`` says which)."""
+
+    def __init__(self, params: SamplingParams, index: int = 0) -> None:
         if params.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if params.top_k < 0:
             raise ValueError("top_k must be >= 0")
         if not 0.0 < params.top_p <= 1.0:
             raise ValueError("top_p must be in (0, 1]")
+        if index < 0:
+            raise ValueError("index must be >= 0")
         self.params = params
+        self.seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self.index = index
         self._gen = torch.Generator()
-        if params.seed is None:
-            self._gen.seed()
-        else:
-            self._gen.manual_seed(params.seed)
 
     def sample(self, logits: torch.Tensor) -> int:
         p = self.params
+        index = self.index
+        self.index += 1
         logits = logits.detach().float().view(-1).cpu()
         if p.temperature == 0.0:
             return int(torch.argmax(logits))
+        self._gen.manual_seed(draw_seed(self.seed, index))
         logits = logits / p.temperature
         if p.top_k and p.top_k < logits.numel():
             values, indices = torch.topk(logits, p.top_k)
