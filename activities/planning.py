@@ -74,6 +74,7 @@ async def plan_run(inp: PreparePlanInput) -> RunPlan:
             model_path=model_path,
             tokenizer_path=tokenizer_path,
             activation_dtype=inp.activation_dtype,
+            layer_split=inp.layer_split,
         )
     except (PlanningError, ModelSourceError) as err:
         raise ApplicationError(

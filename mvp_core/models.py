@@ -196,6 +196,16 @@ class PromptHost(StrEnum):
     RUN = "run"
 
 
+class LayerSplit(StrEnum):
+    """How the planner gives a pipeline's stages their layers (DECISIONS 67)."""
+
+    # CONTRACTS "Run planner": stage i of N gets layers floor(L*i/N) .. floor(L*(i+1)/N).
+    EVEN = "even"
+    # Contiguous ranges that even out the stages' work per token: each layer's weights
+    # (multiply-accumulates per token) and the output head's on the last stage.
+    BALANCED = "balanced"
+
+
 class ActivationDtype(StrEnum):
     """How the hidden state crosses a pipeline edge (CONTRACTS "Data-plane records",
     DECISIONS 53): float32 as the stage computed it, so N stages compute the 1-stage
@@ -374,6 +384,15 @@ class RunRequest(_Model):
             "links and changes the greedy text (docs/models.md)"
         ),
     )
+    layer_split: LayerSplit = Field(
+        default=LayerSplit.EVEN,
+        description=(
+            "How a pipeline's stages get their layers (DECISIONS 67): 'even', the same "
+            "number each (CONTRACTS); 'balanced', contiguous ranges with even work per "
+            "token, the output head counted on the last stage, so no stage holds the "
+            "pipeline back when many prompts keep every stage busy"
+        ),
+    )
     default_max_tokens: int | None = Field(default=None, ge=0)
     max_context: int | None = Field(default=None, ge=1)
     prompt_queue_capacity: int = Field(default=8)
@@ -442,6 +461,10 @@ class ModelFacts(_Model):
     embedding_length: int
     context_length: int
     eos_token_id: int | None = None
+    # Work per token from the tensor table (multiply-accumulates: weight elements): per
+    # layer, and the output head's. None where the facts did not come from a GGUF file.
+    layer_work: list[int] | None = None
+    output_work: int | None = None
 
 
 class LayerRange(_Model):
@@ -607,6 +630,7 @@ class PreparePlanInput(_Model):
     pipeline_stages: int
     max_context: int | None
     activation_dtype: ActivationDtype = ActivationDtype.FLOAT32
+    layer_split: LayerSplit = LayerSplit.EVEN
     provider: ProviderKind = ProviderKind.PROCESS
     gpus: str | None = None
     vastai: VastAiSettings | None = None

@@ -10,6 +10,7 @@ from mvp_core.models import (
     EdgeKind,
     EdgePlan,
     LayerRange,
+    LayerSplit,
     ModelFacts,
     RingSpec,
     RunPlan,
@@ -22,6 +23,7 @@ RECORD_HEADER_BYTES = 40
 # prompt tokens. Keep in step with workers.node.dataplane.records.SAMPLING_HEADER_BYTES.
 SAMPLING_HEADER_BYTES = 40
 MAX_RING_BYTES = 1 << 32
+MAX_BALANCED_SEARCH = 2_000_000  # stages x layers^2: 16 stages of 350 layers, about 1 s
 
 
 class PlanningError(ValueError):
@@ -41,6 +43,64 @@ def stage_layer_ranges(layer_count: int, stages: int) -> list[LayerRange]:
         LayerRange(start=layer_count * i // stages, end=layer_count * (i + 1) // stages)
         for i in range(stages)
     ]
+
+
+def balanced_layer_ranges(layer_work: list[int], output_work: int, stages: int) -> list[LayerRange]:
+    """Contiguous ranges, one or more layers each, whose largest stage work (its layers'
+    work, plus ``output_work`` on the last stage) is the least any split allows: the
+    slowest stage sets a full pipeline's pace (DECISIONS 67). Of those splits, the one
+    with the least sum of squared stage work (the others as even as the largest allows),
+    and of those the one whose stages end earliest."""
+    n = len(layer_work)
+    if stages <= 0:
+        raise PlanningError("--pipeline-stages must be greater than 0")
+    if stages > n:
+        raise PlanningError(
+            f"--pipeline-stages={stages} exceeds GGUF layer count {n}; choose N <= {n}"
+        )
+    if stages * n * n > MAX_BALANCED_SEARCH:
+        raise PlanningError(
+            f"layer_split 'balanced': {stages} stages of {n} layers is past the planner's "
+            f"search bound (stages x layers^2 <= {MAX_BALANCED_SEARCH:,}); use 'even'"
+        )
+    prefix = [0]
+    for w in layer_work:
+        prefix.append(prefix[-1] + w)
+
+    def cost(a: int, b: int) -> int:  # layers [a, b)
+        return prefix[b] - prefix[a] + (output_work if b == n else 0)
+
+    def ends(i: int, k: int) -> range:  # where a stage from layer i may end, k stages left
+        return range(i + 1, n - k + 2)
+
+    # most[k][i]: the least largest stage work of layers [i, n) in k stages.
+    inf = float("inf")
+    most: list[list[float]] = [[inf] * (n + 1) for _ in range(stages + 1)]
+    most[0][n] = 0
+    for k in range(1, stages + 1):
+        for i in range(n - k, -1, -1):
+            most[k][i] = min(max(cost(i, j), most[k - 1][j]) for j in ends(i, k))
+    limit = most[stages][0]
+    # squares[k][i]: the least sum of squares of [i, n) in k stages of at most ``limit``.
+    squares: list[list[float]] = [[inf] * (n + 1) for _ in range(stages + 1)]
+    squares[0][n] = 0
+    for k in range(1, stages + 1):
+        for i in range(n - k, -1, -1):
+            squares[k][i] = min(
+                (cost(i, j) ** 2 + squares[k - 1][j] for j in ends(i, k) if cost(i, j) <= limit),
+                default=inf,
+            )
+    ranges, start = [], 0
+    for k in range(stages, 0, -1):
+        end = next(
+            j
+            for j in ends(start, k)
+            if cost(start, j) <= limit
+            and cost(start, j) ** 2 + squares[k - 1][j] == squares[k][start]
+        )
+        ranges.append(LayerRange(start=start, end=end))
+        start = end
+    return ranges
 
 
 def stage_node_id(base_node_id: int, stage_index: int, stage_count: int) -> int:
@@ -137,13 +197,26 @@ def build_plan(
     model_path: str,
     tokenizer_path: str,
     activation_dtype: ActivationDtype = ActivationDtype.FLOAT32,
+    layer_split: LayerSplit = LayerSplit.EVEN,
 ) -> RunPlan:
     """Commit the execution shape of a run from locally inspected model facts."""
     if facts.block_count <= 0:
         raise PlanningError(f"GGUF {model_path} declares {facts.block_count} layers")
     if facts.embedding_length <= 0:
         raise PlanningError(f"GGUF {model_path} declares embedding length {facts.embedding_length}")
-    ranges = stage_layer_ranges(facts.block_count, stage_count)
+    ranges = stage_layer_ranges(facts.block_count, stage_count)  # also checks the count
+    if layer_split is LayerSplit.BALANCED and stage_count > 1:
+        if facts.layer_work is None or facts.output_work is None:
+            raise PlanningError(
+                f"layer_split 'balanced' needs each layer's tensors in {model_path}'s "
+                "tensor table; use 'even'"
+            )
+        if len(facts.layer_work) != facts.block_count:
+            raise PlanningError(
+                f"GGUF {model_path}: work figures for {len(facts.layer_work)} layers, "
+                f"{facts.block_count} declared"
+            )
+        ranges = balanced_layer_ranges(facts.layer_work, facts.output_work, stage_count)
     max_seq_len = max_seq_len_for(facts, max_context)
     stages = [
         StagePlan(

@@ -306,6 +306,7 @@ async def bench_run(args: argparse.Namespace, stages: int, tmp: Path) -> list[Le
                 "pipeline_stages": stages,
                 "max_active_prompts": top,
                 "prompt_host": args.prompt_host,
+                "layer_split": args.layer_split,
                 "prompt_queue_capacity": 8,
                 "max_context": 512,
                 "provider": args.provider,
@@ -553,6 +554,14 @@ def main() -> None:
         default="run",
         help="where the run serves its prompts (prompt_host, DECISIONS 66): in the run's "
         "own Update (the default here: the serving examples' choice) or a PromptWorkflow each",
+    )
+    p.add_argument(
+        "--layer-split",
+        choices=["even", "balanced"],
+        default="balanced",
+        help="how the stages get their layers (layer_split, DECISIONS 67): the same number "
+        "each, or even work per token with the output head counted (the default here: the "
+        "pipeline serving example's choice)",
     )
     p.add_argument(
         "--cpus",

@@ -279,6 +279,7 @@ class RunWorkflow:
                         pipeline_stages=req.pipeline_stages,
                         max_context=req.max_context,
                         activation_dtype=req.activation_dtype,
+                        layer_split=req.layer_split,
                         provider=req.provider,
                         gpus=self._traits.gpus(req),
                         vastai=self._traits.vastai(req),

@@ -79,6 +79,21 @@ def test_planner_facts(tmp_path: Path) -> None:
         facts.embedding_length
         == gguf.GGUFReader(model.path).get_field("qwen2.embedding_length").contents()
     )
+    # The work per token the balanced split weighs, from gguf's own reading of the table.
+    reader = gguf.GGUFReader(model.path)
+    shapes = {t.name: int(t.n_elements) for t in reader.tensors if len(t.shape) > 1}
+    assert facts.layer_work == [
+        sum(n for name, n in shapes.items() if name.startswith(f"blk.{i}.")) for i in range(3)
+    ]
+    assert facts.output_work == shapes.get("output.weight", shapes["token_embd.weight"])
+    assert all(facts.layer_work) and facts.output_work
+
+
+def test_planner_facts_without_a_tensor_table_have_no_work_figures(tmp_path: Path) -> None:
+    _write(tmp_path / "m.gguf", {"general.architecture": "llama", "llama.block_count": 4,
+                                 "llama.embedding_length": 8, "llama.context_length": 16})  # fmt: skip
+    facts = read_model_facts(str(tmp_path / "m.gguf"))
+    assert (facts.block_count, facts.layer_work, facts.output_work) == (4, None, None)
 
 
 def test_planner_facts_errors_name_the_file_and_key(tmp_path: Path) -> None:

@@ -2,8 +2,14 @@ import itertools
 
 import pytest
 
-from mvp_core.models import ActivationDtype, EdgeKind, ModelFacts, RunRequest
-from mvp_core.planner import PlanningError, build_plan, stage_layer_ranges, stage_node_id
+from mvp_core.models import ActivationDtype, EdgeKind, LayerSplit, ModelFacts, RunRequest
+from mvp_core.planner import (
+    PlanningError,
+    balanced_layer_ranges,
+    build_plan,
+    stage_layer_ranges,
+    stage_node_id,
+)
 
 FACTS = ModelFacts(
     architecture="llama",
@@ -130,3 +136,72 @@ def test_ring_overflow_is_a_planning_error():
 def test_node_ids():
     assert stage_node_id(5, 0, 1) == 5
     assert [stage_node_id(5, i, 3) for i in range(3)] == [6, 7, 8]
+
+
+def _brute(work: list[int], out: int, n: int) -> int:
+    """The least largest stage work over every contiguous split (small cases)."""
+    layers = len(work)
+    best = None
+    for cuts in itertools.combinations(range(1, layers), n - 1):
+        bounds = [0, *cuts, layers]
+        most = max(
+            sum(work[a:b]) + (out if b == layers else 0) for a, b in itertools.pairwise(bounds)
+        )
+        best = most if best is None else min(best, most)
+    assert best is not None
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_balanced_split_is_contiguous_and_its_slowest_stage_is_the_least_possible(seed):
+    import random
+
+    rng = random.Random(seed)
+    layers = rng.randint(1, 12)
+    work = [rng.randint(1, 50) for _ in range(layers)]
+    out = rng.choice([0, rng.randint(1, 200)])
+    n = rng.randint(1, layers)
+    ranges = balanced_layer_ranges(work, out, n)
+    assert len(ranges) == n and ranges[0].start == 0 and ranges[-1].end == layers
+    assert all(r.end > r.start for r in ranges)
+    for a, b in itertools.pairwise(ranges):
+        assert a.end == b.start
+    most = max(sum(work[r.start : r.end]) + (out if r.end == layers else 0) for r in ranges)
+    assert most == _brute(work, out, n)
+
+
+def test_a_balanced_split_counts_the_output_head_on_the_last_stage():
+    # SmolLM2's figures: 30 equal layers, the output head 8 layers' worth.
+    facts = FACTS.model_copy(update={"layer_work": [3_538_944] * 30, "output_work": 28_311_552})
+    ranges = [
+        s.layers
+        for s in build_plan(
+            run_id=7, orchestrator_node_id=0, base_node_id=1, stage_count=2, max_context=None,
+            facts=facts, model_path="/m.gguf", tokenizer_path="/m.gguf",
+            layer_split=LayerSplit.BALANCED,
+        ).stages
+    ]  # fmt: skip
+    assert [(r.start, r.end) for r in ranges] == [(0, 19), (19, 30)]
+    # Where the head alone outweighs the rest, the other stages still share theirs evenly.
+    assert [(r.start, r.end) for r in balanced_layer_ranges([1] * 18, 30, 3)] == [
+        (0, 8), (8, 17), (17, 18)
+    ]  # fmt: skip
+    # The default stays the contract's even split, figures or not.
+    even = build_plan(
+        run_id=7, orchestrator_node_id=0, base_node_id=1, stage_count=2, max_context=None,
+        facts=facts, model_path="/m.gguf", tokenizer_path="/m.gguf",
+    )  # fmt: skip
+    assert [(s.layers.start, s.layers.end) for s in even.stages] == [(0, 15), (15, 30)]
+
+
+def test_a_balanced_split_without_figures_or_past_the_bound_is_a_planning_error():
+    with pytest.raises(PlanningError, match="layer_split 'balanced' needs each layer's tensors"):
+        build_plan(
+            run_id=7, orchestrator_node_id=0, base_node_id=1, stage_count=2, max_context=None,
+            facts=FACTS, model_path="/m.gguf", tokenizer_path="/m.gguf",
+            layer_split=LayerSplit.BALANCED,
+        )  # fmt: skip
+    with pytest.raises(PlanningError, match="past the planner's search bound"):
+        balanced_layer_ranges([1] * 1000, 0, 4)
+    with pytest.raises(PlanningError, match="exceeds GGUF layer count 3"):
+        balanced_layer_ranges([1] * 3, 0, 4)

@@ -1,3 +1,6 @@
+import json
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
@@ -43,6 +46,20 @@ def test_prompt_host_is_workflow_or_run_and_a_bad_one_is_named():
     with pytest.raises(RunRejectedError) as err:
         parse_request({**ok, "prompt_host": "thread"})
     assert "prompt_host" in str(err.value) and "'workflow' or 'run'" in str(err.value)
+
+
+def test_layer_split_is_even_or_balanced_and_a_bad_one_is_named():
+    ok = {"model": {"bundled": "SmolLM2-135M-Instruct.Q4_1"}}
+    assert parse_request(ok).layer_split.value == "even"
+    assert parse_request({**ok, "layer_split": "balanced"}).layer_split.value == "balanced"
+    with pytest.raises(RunRejectedError) as err:
+        parse_request({**ok, "layer_split": "by-memory"})
+    assert "layer_split" in str(err.value) and "'even' or 'balanced'" in str(err.value)
+
+
+@pytest.mark.parametrize("example", sorted(Path(__file__).parents[2].glob("docs/examples/*.json")))
+def test_the_shipped_run_requests_are_valid(example: Path):
+    parse_request(json.loads(example.read_text()))
 
 
 def test_run_id_comes_from_the_workflow_id():

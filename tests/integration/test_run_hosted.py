@@ -33,6 +33,7 @@ HOSTED: dict[str, Any] = {
     "prompt_queue_capacity": 2,
     "max_context": 1024,
     "prompt_host": "run",
+    "layer_split": "balanced",  # DECISIONS 67: the output head weighs 8 layers here
 }
 
 
@@ -51,6 +52,8 @@ async def test_a_run_hosted_prompt_is_served_streamed_cancelled_and_re_attached(
     handle = await runs.start(run_id, **HOSTED)
     state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=180)
     assert state.prompt_host.value == "run"
+    assert state.plan is not None
+    assert [(s.layers.start, s.layers.end) for s in state.plan.stages] == [(0, 19), (19, 30)]
     run = RunHandle(runs.client, run_id)
 
     # 8 at once: each prompt's text alone, greedy and seeded.

@@ -13,19 +13,20 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+from activities.gguf_facts import read_model_facts
 from activities.models_store import DEFAULT_BUNDLED, fetch_bundled
 from mvp_core.models import ActivationDtype, EdgeKind
-from mvp_core.planner import plan_edges, stage_layer_ranges
+from mvp_core.planner import balanced_layer_ranges, plan_edges, stage_layer_ranges
 from tests.node.engine.tiny_models import TinyModel, TinySpec
 from workers.node.dataplane import DataPlaneServer, EdgeGroup, EdgeSpec
 from workers.node.engine import EngineOptions, SamplingParams, generate, load_stage
-from workers.node.pipeline import Driver, Endpoint, StageLink
+from workers.node.pipeline import Driver, Endpoint, ResumeDiverged, StageLink
 
 PROMPTS = [
     [6403, 1980, 253, 655],  # "Once upon a time"
@@ -44,9 +45,15 @@ class Pipeline:
         max_seq_len: int,
         hidden: int,
         slots: int = 1,
+        balanced: bool = False,
         **plan: ActivationDtype,
     ) -> None:
         layers = stage_layer_ranges(self._layers(path), stages)
+        if balanced:  # DECISIONS 67, from the file's own work figures
+            facts = read_model_facts(path)
+            assert facts.layer_work is not None and facts.output_work is not None
+            layers = balanced_layer_ranges(facts.layer_work, facts.output_work, stages)
+            assert layers != stage_layer_ranges(self._layers(path), stages)
         edges = plan_edges(stages, max_seq_len, hidden, **plan)
         self.faults: list[str] = []
         self.ready = threading.Semaphore(0)
@@ -115,6 +122,7 @@ class Pipeline:
         sampling: SamplingParams = SamplingParams(),
         should_stop: Callable[[], bool] = lambda: False,
         on_token: Callable[[int], None] = lambda t: None,
+        resume: Sequence[int] = (),
     ) -> list[int]:
         out: list[int] = []
 
@@ -130,6 +138,7 @@ class Pipeline:
             max_seq_len=max_seq_len,
             on_token=take,
             should_stop=should_stop,
+            resume=resume,
         )
         return out
 
@@ -146,10 +155,16 @@ class Pipeline:
 
 @contextmanager
 def pipeline(
-    path: str, stages: int, max_seq_len: int, hidden: int, slots: int = 1, **plan: ActivationDtype
+    path: str,
+    stages: int,
+    max_seq_len: int,
+    hidden: int,
+    slots: int = 1,
+    balanced: bool = False,
+    **plan: ActivationDtype,
 ) -> Iterator[Pipeline]:
     """``plan``: ``activation_dtype=`` for plan_edges (unset: the planner's default)."""
-    p = Pipeline(path, stages, max_seq_len, hidden, slots, **plan)
+    p = Pipeline(path, stages, max_seq_len, hidden, slots, balanced, **plan)
     try:
         yield p
     finally:
@@ -185,9 +200,9 @@ def smollm() -> str:
     return str(fetch_bundled(DEFAULT_BUNDLED))
 
 
-@pytest.mark.parametrize("stages", [2, 3])
-def test_smollm_pipeline_equals_one_stage(smollm: str, stages: int) -> None:
-    with pipeline(smollm, stages, 256, 576) as p:
+@pytest.mark.parametrize(("stages", "balanced"), [(2, False), (3, False), (2, True)])
+def test_smollm_pipeline_equals_one_stage(smollm: str, stages: int, balanced: bool) -> None:
+    with pipeline(smollm, stages, 256, 576, balanced=balanced) as p:
         for rid, ids in enumerate(PROMPTS):
             assert p.run(rid, ids, 32, 256) == reference(smollm, ids, 32, (), 256), rid
         assert not p.faults
@@ -352,3 +367,39 @@ def test_a_dead_stage_ends_every_prompt_on_the_pipeline(smollm: str) -> None:
     assert len(results) == len(PROMPTS)
     assert all(isinstance(r, BaseException) for r in results), results
     assert elapsed < 10
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_resumed_prompt_continues_with_the_undisturbed_tokens(smollm: str, stages: int) -> None:
+    """Stage recovery's promise, on the data plane: a prompt re-driven on a fresh slot
+    with the tokens it already had (fed back one record each, as the first time) goes on
+    with exactly the tokens an undisturbed run gives: greedy and seeded, resumed early,
+    midway and one short of the end, beside another prompt."""
+    with pipeline(smollm, stages, 256, 576, slots=2) as p:
+        for params in (SamplingParams(), _seeded(3)):
+            whole = p.run(1, PROMPTS[1], 20, 256, params)
+            assert len(whole) == 20
+            for k in (1, 9, 19):
+                jobs = [
+                    lambda s=params, r=whole[:k]: p.run(1, PROMPTS[1], 20, 256, s, resume=r),
+                    lambda: p.run(2, PROMPTS[2], 12, 256),
+                ]
+                resumed, other = _at_once(jobs)
+                assert resumed == whole[k:], (params, k)
+                assert other == p.run(2, PROMPTS[2], 12, 256)
+        assert not p.faults
+
+
+def test_a_resume_that_diverges_is_named_and_frees_its_slot(smollm: str) -> None:
+    with pipeline(smollm, 2, 256, 576) as p:
+        whole = p.run(1, PROMPTS[0], 8, 256)
+        wrong = [*whole[:3], (whole[3] + 1) % 49152]
+        with pytest.raises(
+            ResumeDiverged, match=r"where the first run gave token .* \(generated token 4 of the 4"
+        ):
+            p.run(1, PROMPTS[0], 8, 256, resume=wrong)
+        # The one slot is free again, and the pipeline serves as before.
+        assert p.run(1, PROMPTS[0], 8, 256) == whole
+        with pytest.raises(ValueError, match="seed"):
+            p.run(2, PROMPTS[0], 8, 256, SamplingParams(temperature=0.7), resume=whole[:2])
+        assert not p.faults

@@ -295,6 +295,10 @@ def _engine_sampling(wire: WireSampling) -> SamplingParams:
     )
 
 
+class ResumeDiverged(RuntimeError):
+    """A resumed prompt's pipeline did not give back a token it had generated before."""
+
+
 class Driver:
     """The head node's token endpoints: sends token-in, consumes token-out in order.
 
@@ -401,11 +405,21 @@ class Driver:
         max_seq_len: int,
         on_token: Callable[[int], None],
         should_stop: Callable[[], bool],
+        resume: Sequence[int] = (),
     ) -> str:
         """Drive one prompt through the pipeline beside the others; returns why it
-        stopped."""
+        stopped.
+
+        ``resume``: the tokens the prompt already generated on an earlier pipeline (stage
+        recovery). They are fed back as they were the first time, one record each, so
+        every stage computes the rows it computed then, and each answer must be the
+        recorded token again (a seeded sampler draws as a function of seed and index):
+        ResumeDiverged where one is not. They count toward ``max_new_tokens`` and do not
+        go to ``on_token``: only the tokens after them do."""
         if self._tin is None or self._tout is None:
             raise RuntimeError("token endpoints are not connected")
+        if resume and sampling.temperature > 0 and sampling.seed is None:
+            raise ValueError("a sampled prompt resumes only with the seed it first ran with")
         wire = WireSampling(
             request_id=request_id,
             max_new_tokens=max_new_tokens or 0,
@@ -434,9 +448,13 @@ class Driver:
                         hdr, payload = self._answer(answers, request_id)
                         checker.check(hdr.sequence)
                         token = decode_token_out(payload)
-                        if hdr.eos:
+                        if seq < len(resume):
+                            if hdr.eos or token != resume[seq]:
+                                break  # this prompt's fault, not the pipeline's: below
+                        elif hdr.eos:
                             return "eos"
-                        on_token(token)
+                        else:
+                            on_token(token)
                         rule.accept(token, len(prompt_ids) + rule.generated + 1)
                         if rule.reason is not None:
                             return rule.reason
@@ -444,6 +462,12 @@ class Driver:
                             return "cancelled"
                         seq += 1
                         self._send(request_id, seq, encode_tokens([token]))
+                got = "the end of generation" if hdr.eos else f"token {token}"
+                raise ResumeDiverged(
+                    f"request {request_id} resumed: the pipeline gave {got} where the first "
+                    f"run gave token {resume[seq]} (generated token {seq + 1} of the "
+                    f"{len(resume)} resumed)"
+                )
             finally:
                 with self._waiting_lock:
                     self._waiting.pop(request_id, None)
