@@ -464,3 +464,35 @@ async def test_a_reattached_completion_is_cut_at_the_original_stop_strings():
     out = await _viewed([*deltas, cancelled], [])
     assert "".join(x for x in out if isinstance(x, str)) == "one two three four"
     assert (out[-1].reason, out[-1].extra["mvp_status"]) == (None, "cancelled")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_retrieve_whose_run_stops_answering_midway_is_a_503_not_a_broken_stream(
+    fake, monkeypatch: pytest.MonkeyPatch, stream: bool
+):
+    """A re-attach that loses its run after the first text (a run between workers, a
+    server restart): the client is told to ask again (503 and Retry-After, or the same
+    error as the stream's last event), never a 500 or a stream cut without an end."""
+    from temporal.client import PromptUnavailable
+    from workers.gateway import attach
+
+    async def events(request_id: int, **kw: Any) -> AsyncIterator[Any]:
+        yield TextDelta(request_id=request_id, text="Once upon", tokens=2)
+        raise PromptUnavailable(f"prompt {request_id}: the run did not answer")
+
+    async def no_stops(*args: Any) -> list[str]:
+        return []
+
+    gw = fake.http._transport.app.state.gateway
+    monkeypatch.setattr(gw.run, "attach", events)
+    monkeypatch.setattr(attach, "original_stops", no_stops)
+    r = await fake.http.get("/v1/completions/cmpl-5-7", params={"stream": str(stream).lower()})
+    if not stream:
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["code"] == "run_unavailable"
+        assert "did not answer" in r.json()["error"]["message"]
+        return
+    assert r.status_code == 200
+    got = _events(r)
+    assert got[0]["choices"][0]["text"] == "Once upon"
+    assert got[-1]["error"]["code"] == "run_unavailable" and "[DONE]" not in got

@@ -153,16 +153,12 @@ async def retrieve(request: Request, gateway: Gateway, *, chat: bool) -> Respons
     except PromptNotFound:
         raise not_found(f"No completion found with id '{ident}'") from None
     except PromptUnavailable as err:
-        raise ApiError(
-            503, str(err), type="server_error", code="run_unavailable", retry_after_s=1
-        ) from None
+        raise _unavailable(err) from None
     try:
         stops = await original_stops(gateway.client, gateway.run, request_id)
     except PromptUnavailable as err:
         await events.aclose()
-        raise ApiError(
-            503, str(err), type="server_error", code="run_unavailable", retry_after_s=1
-        ) from None
+        raise _unavailable(err) from None
     head = {"id": ident, "created": int(time.time()), "model": served.id}
     if request.query_params.get("stream", "").lower() in ("1", "true"):
 
@@ -178,6 +174,8 @@ async def retrieve(request: Request, gateway: Gateway, *, chat: bool) -> Respons
                 pieces.append(item)
             else:
                 end = item
+    except PromptUnavailable as err:  # the run stopped answering midway: ask again later
+        raise _unavailable(err) from None
     finally:
         await events.aclose()
     assert end is not None
@@ -230,5 +228,13 @@ async def _chunks(
             else:
                 yield chunk(None, item.reason, item.extra)
         yield SSE_DONE
+    except PromptUnavailable as err:
+        # Headers are gone: the error travels as an event (the openai client raises it),
+        # and a retrieve later gives the whole text again.
+        yield sse(_unavailable(err).body())
     finally:
         await events.aclose()
+
+
+def _unavailable(err: PromptUnavailable) -> ApiError:
+    return ApiError(503, str(err), type="server_error", code="run_unavailable", retry_after_s=1)
