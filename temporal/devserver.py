@@ -41,6 +41,36 @@ def _listening(port: int) -> bool:
         return False
 
 
+def _listener_is(pid: int, port: int) -> bool | None:
+    """Whether process ``pid`` holds the socket listening on TCP ``port`` (Linux /proc);
+    None where this cannot be told here. A free port handed to the server can be taken
+    by another process first: then something listens there, but not our server."""
+    inodes: set[str] = set()
+    try:
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            if not os.path.exists(table):
+                continue
+            with open(table) as fh:
+                next(fh, None)
+                for line in fh:
+                    f = line.split()
+                    if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(f[9])
+        if not inodes:
+            return False
+        fds = f"/proc/{pid}/fd"
+        for fd in os.listdir(fds):
+            try:
+                target = os.readlink(f"{fds}/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in inodes:
+                return True
+        return False
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def dev_server_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The dev server's environment: this process's, without ``OTEL_*``.
 
@@ -258,8 +288,8 @@ def _start(
                     + _hint(cause, db_file, port),
                     cause,
                 )
-            if _listening(port):
-                break
+            if _listening(port) and _listener_is(proc.pid, port) is not False:
+                break  # ours: another process that took the port first is not
             time.sleep(0.1)
         else:
             proc.kill()

@@ -54,7 +54,9 @@ def test_a_worker_whose_server_is_gone_says_so_once_per_poller(tmp_path: Path) -
     try:
         deadline = time.monotonic() + 120
         while not worker_said_ready(log):
-            assert worker.poll() is None and time.monotonic() < deadline, log.read_text()
+            assert worker.poll() is None and time.monotonic() < deadline, log.read_text() + _tail(
+                tmp_path / "temporal.log"
+            )
             time.sleep(0.2)
         srv.stop()
         # The core retries each poll every fraction of a second to a few seconds: wait
@@ -72,3 +74,8 @@ def test_a_worker_whose_server_is_gone_says_so_once_per_poller(tmp_path: Path) -
     assert all("poll_" in line and "retried" in line for line in core), core
     assert "\x1b[" not in text  # no terminal colour codes in a log file
     assert not re.search(r"^\S*\s*WARN\s", text, re.M), text[-2000:]  # nothing raw on stderr
+
+
+def _tail(path: Path) -> str:
+    """The dev server's last words, for a failure's message."""
+    return "\nthe dev server's log: " + (path.read_text()[-2000:] if path.exists() else "(none)")

@@ -1,0 +1,60 @@
+"""The dev server launcher (temporal/devserver.py) under port races: a free port it hands
+the server can be taken by another process first (four shards of this suite start
+servers, nodes and proxies at once). Then something listens there, but not the server:
+the launcher must not take that for its server being ready."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from temporal import devserver
+from temporal.devserver import _listener_is, start_dev_server
+
+HOLD = (
+    "import socket, sys, time\n"
+    "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+    "print(s.getsockname()[1], flush=True); time.sleep(120)\n"
+)
+
+
+@pytest.fixture
+def foreign_port() -> Iterator[int]:
+    """A port another process listens on."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        yield int(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_listener_of_a_port_is_known_by_its_process(foreign_port: int) -> None:
+    own = socket.socket()
+    own.bind(("127.0.0.1", 0))
+    own.listen()
+    with own:
+        port = own.getsockname()[1]
+        assert _listener_is(os.getpid(), port) is True
+        assert _listener_is(os.getpid(), foreign_port) is False
+
+
+def test_a_port_taken_before_the_server_binds_it_is_not_its_readiness(
+    foreign_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ports = iter([foreign_port])
+    real = devserver.free_port
+    # The first free port handed out is taken by then; later ones are really free.
+    monkeypatch.setattr(devserver, "free_port", lambda: next(ports, None) or real())
+    srv = start_dev_server(None)
+    try:
+        assert srv.port != foreign_port
+        assert srv.process.poll() is None and _listener_is(srv.process.pid, srv.port)
+    finally:
+        srv.stop()
