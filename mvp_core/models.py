@@ -871,6 +871,9 @@ class Fault(_Model):
         description="A run-hosted prompt stopped before its end (DECISIONS 66): the text it "
         "had generated, which no workflow stream holds",
     )
+    tokens_generated: int | None = Field(
+        default=None, ge=0, description="With text: the tokens the text holds"
+    )
 
 
 PromptTerminal = Annotated[Done | Fault, Field(discriminator="type")]

@@ -463,12 +463,14 @@ class RunHandle:
         stream's, or else the result's, after any text the deltas missed (a Done holds
         the whole text). ``start``: the deltas already seen of the workflow's stream."""
         sent: list[str] = []
+        tokens = 0  # ... and the generated tokens they held
         direct_end = False
         target = await self._text_target() if not result_task.done() else None
         if target is not None:
             try:
                 async for delta in self._direct(target, child_id, result_task):
                     sent.append(delta.text)
+                    tokens += delta.tokens or 0
                     yield delta
                 direct_end = True
                 self.direct_streams += 1
@@ -492,6 +494,7 @@ class RunHandle:
                         continue
                     event = event.model_copy(update={"text": event.text[cut:]})
                 sent.append(event.text)
+                tokens += event.tokens or 0
                 yield event
         result = terminal if terminal is not None else cast(Done | Fault, await result_task)
         so_far = "".join(sent)
@@ -500,7 +503,11 @@ class RunHandle:
         if whole is not None and whole.startswith(so_far):
             rest = whole[len(so_far) :]
             if rest:
-                yield TextDelta(request_id=result.request_id, text=rest)
+                # The tokens it holds, so that a usage summed from the deltas is whole.
+                total = result.tokens_generated or 0
+                yield TextDelta(
+                    request_id=result.request_id, text=rest, tokens=max(0, total - tokens)
+                )
         yield result
 
     async def _text_target(self) -> TextStreamTarget | None:

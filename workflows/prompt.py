@@ -85,13 +85,15 @@ class PromptServing:
     def _turn_came(self) -> bool:
         return self.turn is not None and self.turn()
 
-    def cancelled(self, text: str | None = None) -> PromptOutcome:
-        """The cancel's outcome (``text``: what a run-hosted prompt had generated)."""
+    def cancelled(self, text: str | None = None, tokens: int | None = None) -> PromptOutcome:
+        """The cancel's outcome (``text``: what a run-hosted prompt had generated, in
+        ``tokens`` tokens)."""
         return PromptOutcome(
             terminal=Fault(
                 request_id=self.inp.prompt.request_id,
                 error=self.cancel_reason or "cancelled",
                 text=text,
+                tokens_generated=tokens,
             ),
             status=PromptStatus.CANCELLED,
         )
@@ -168,7 +170,7 @@ class PromptServing:
         if outcome.terminal.type == "fault" and outcome.status is PromptStatus.DONE:
             # A prompt-local fault from the node (too long, or stopped: then it says why).
             if self.cancel_reason is not None:
-                outcome = self.cancelled(outcome.terminal.text)
+                outcome = self.cancelled(outcome.terminal.text, outcome.terminal.tokens_generated)
             elif outcome.terminal.error == "cancelled":
                 outcome.status = PromptStatus.CANCELLED
             else:

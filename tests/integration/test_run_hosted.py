@@ -92,11 +92,13 @@ async def test_a_run_hosted_prompt_is_served_streamed_cancelled_and_re_attached(
     first_text = asyncio.Event()
     ending: list[Done | Fault] = []
     victim_text: list[str] = []
+    victim_tokens: list[int] = []
 
     async def follow() -> None:
         async for event in run.stream(victim):
             if isinstance(event, TextDelta):
                 victim_text.append(event.text)
+                victim_tokens.append(event.tokens or 0)
                 first_text.set()
             else:
                 ending.append(event)
@@ -112,8 +114,13 @@ async def test_a_run_hosted_prompt_is_served_streamed_cancelled_and_re_attached(
     # Its text so far travels with its end (no stream holds it): a client that cannot
     # read the head node gets it after the end too.
     assert ending[0].text and ending[0].text == "".join(victim_text)
+    # With the tokens it holds, so that a usage summed from the deltas is whole.
+    assert ending[0].tokens_generated == sum(victim_tokens) > 0
     late_cancel = [e async for e in temporal_only.attach(40)]
-    assert late_cancel == [TextDelta(request_id=40, text=ending[0].text), ending[0]]
+    assert late_cancel == [
+        TextDelta(request_id=40, text=ending[0].text, tokens=ending[0].tokens_generated),
+        ending[0],
+    ]
     for i, b in enumerate(await asyncio.gather(*others), 1):
         g = greedy[i]
         assert isinstance(b, Done) and isinstance(g, Done), (b, g)
@@ -173,6 +180,9 @@ async def _through_the_gateway(runs: Runs, run_id: int) -> None:
         assert stopped["choices"][0]["text"] == cut, stopped
         again = (await http.get(f"/v1/completions/{stopped['id']}")).json()
         assert again["choices"][0]["text"] == cut and again["choices"][0]["finish_reason"] == "stop"
+        # Its tokens: at least those the original counted to the stop (the cancel that the
+        # stop string sent lands a token or two later), never 0.
+        assert again["usage"]["completion_tokens"] >= stopped["usage"]["completion_tokens"] > 0
 
         original: list[str] = []
         ident = ""

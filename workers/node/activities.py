@@ -439,7 +439,12 @@ class NodeActivities:
             # A run-hosted prompt's text so far goes with its end: no stream holds it.
             text = None if inp.temporal_text else result.text
             return PromptOutcome(
-                terminal=Fault(request_id=request_id, error="cancelled", text=text)
+                terminal=Fault(
+                    request_id=request_id,
+                    error="cancelled",
+                    text=text,
+                    tokens_generated=None if text is None else result.tokens,
+                )
             )
         telemetry.note_prompt_end(result.tokens, result.stop_reason)  # on RunActivity's span
         return PromptOutcome(
