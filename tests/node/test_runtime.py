@@ -10,7 +10,7 @@ cancelled one ends at its next step while the others go on."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
@@ -110,6 +110,7 @@ def _run(
     seed: int | None = None,
     should_stop: Callable[[], bool] = lambda: False,
     on_piece: Callable[[str, int], None] = lambda t, n: None,
+    resume: Sequence[int] = (),
 ) -> GenerationResult:
     prompt = SubmitPrompt(
         request_id=request_id,
@@ -119,7 +120,7 @@ def _run(
         top_p=0.95,
         seed=seed,
     )
-    return runtime.run(prompt, max_new, on_piece, should_stop)
+    return runtime.run(prompt, max_new, on_piece, should_stop, resume=resume)
 
 
 def _at_once(runtime: StageRuntime, jobs: list[Callable[[], GenerationResult]]) -> list[object]:
@@ -175,3 +176,23 @@ def test_a_cancelled_prompt_ends_at_its_next_step_and_the_others_finish(runtime)
     assert victim.tokens < CONTEXT // 2  # long before the context's end
     for a, b in zip(alone, others, strict=True):
         assert isinstance(b, GenerationResult) and b.text == a.text and b.tokens == 24
+
+
+@pytest.mark.parametrize("seed", [None, 11])
+def test_a_resumed_prompt_gives_the_undisturbed_text_and_streams_only_what_is_new(runtime, seed):
+    """Stage recovery (issue 23), on the head's runtime: a prompt run again with the
+    tokens it had goes on as if undisturbed; the result holds the whole text and count,
+    and its text stream only what its reader has not had."""
+    text = "Once upon a time"
+    whole = _run(runtime, 1, text, 24, seed=seed)
+    assert len(whole.token_ids) == whole.tokens == 24
+    k = 9
+    pieces: list[tuple[str, int]] = []
+    resumed = _run(runtime, 2, text, 24, seed=seed, resume=whole.token_ids[:k],
+                   on_piece=lambda t, n: pieces.append((t, n)))  # fmt: skip
+    assert (resumed.text, resumed.tokens, resumed.token_ids) == (
+        whole.text, whole.tokens, whole.token_ids,
+    )  # fmt: skip
+    streamed = "".join(t for t, _ in pieces)
+    assert streamed and whole.text.endswith(streamed) and len(streamed) < len(whole.text)
+    assert pieces[0][1] > k and pieces[-1][1] == 24

@@ -10,7 +10,7 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from mvp_core.generation import ChatTemplateRefused, PromptRefused, PromptTooLong
@@ -46,6 +46,7 @@ class GenerationResult:
     encoded_at: float = 0.0
     first_token_at: float | None = None
     started_at: float = 0.0
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # resumed ones first
 
 
 class StageRuntime:
@@ -202,21 +203,27 @@ class StageRuntime:
         on_text: Callable[[str, int], None],
         should_stop: Callable[[], bool],
         on_encoded: Callable[[int], None] | None = None,
+        resume: Sequence[int] = (),
     ) -> GenerationResult:
         """Generate in this thread (in-process, or over the pipeline when this node is the
         head of one); ``on_encoded`` gets the prompt's token count once it is encoded,
-        ``on_text`` each complete piece of text with the count of tokens generated so far."""
+        ``on_text`` each complete piece of text with the count of tokens generated so far.
+
+        ``resume``: the tokens this prompt generated before, elsewhere (stage recovery):
+        the generation goes on after them with the tokens an undisturbed run gives, their
+        text is the result's but goes to ``on_text`` no more (its reader has it)."""
         started = time.perf_counter()
         ids = self.encode(prompt)
         encoded = time.perf_counter()
         if on_encoded is not None:
             on_encoded(len(ids))
         text = _TextOut(self.tokenizer, on_text)
+        text.prime(resume)
         if self.driver is not None:
             with self.placement.applied():
-                reason = self._run_pipeline(prompt, ids, max_new_tokens, text, should_stop)
+                reason = self._run_pipeline(prompt, ids, max_new_tokens, text, should_stop, resume)
         else:  # the scheduler's thread runs on the token path's cores
-            reason = self._run_direct(prompt, ids, max_new_tokens, text, should_stop)
+            reason = self._run_direct(prompt, ids, max_new_tokens, text, should_stop, resume)
         return GenerationResult(
             text=text.finish(),
             tokens=text.tokens,
@@ -226,6 +233,7 @@ class StageRuntime:
             encoded_at=encoded,
             first_token_at=text.first_at,
             started_at=started,
+            token_ids=text.ids,
         )
 
     def _run_direct(
@@ -235,6 +243,7 @@ class StageRuntime:
         max_new_tokens: int | None,
         text: _TextOut,
         should_stop: Callable[[], bool],
+        resume: Sequence[int],
     ) -> str:
         """Generate beside the run's other active prompts (scheduler.py); returns why it
         stopped."""
@@ -245,6 +254,7 @@ class StageRuntime:
                 max_new_tokens=max_new_tokens,
                 on_token=text.push,
                 should_stop=should_stop,
+                resume=resume,
             )
         except ContextOverflow as err:
             raise PromptTooLong(str(err), prompt_tokens=len(ids)) from None
@@ -271,6 +281,7 @@ class StageRuntime:
         max_new_tokens: int | None,
         text: _TextOut,
         should_stop: Callable[[], bool],
+        resume: Sequence[int],
     ) -> str:
         """The head's driver runs the token loop over the data plane (DECISIONS 19);
         returns why it stopped."""
@@ -283,6 +294,7 @@ class StageRuntime:
             max_seq_len=self.provision.max_seq_len,
             on_token=text.push,
             should_stop=should_stop,
+            resume=resume,
         )
 
     def close(self) -> None:
@@ -303,6 +315,7 @@ class _TextOut:
         self._decoder = tokenizer.incremental_decoder()
         self._on_text = on_text
         self._pieces: list[str] = []
+        self.ids: list[int] = []  # the generated tokens
         self.tokens = 0
         self.first_at: float | None = None  # perf_counter of the first token
 
@@ -311,9 +324,20 @@ class _TextOut:
             self._pieces.append(piece)
             self._on_text(piece, self.tokens)
 
+    def prime(self, tokens: Sequence[int]) -> None:
+        """Tokens generated before (a resumed prompt): their text is the result's, and
+        goes to ``on_text`` no more."""
+        for token in tokens:
+            self.ids.append(token)
+            self.tokens += 1
+            piece = self._decoder.push(token)
+            if piece:
+                self._pieces.append(piece)
+
     def push(self, token: int) -> None:
-        if self.tokens == 0:
+        if self.first_at is None:
             self.first_at = time.perf_counter()
+        self.ids.append(token)
         self.tokens += 1
         self._emit(self._decoder.push(token))
 

@@ -48,6 +48,7 @@ class _Job:
     max_new_tokens: int | None
     on_token: Callable[[int], None]
     should_stop: Callable[[], bool]
+    resume: Sequence[int] = ()
     done: threading.Event = field(default_factory=threading.Event)
     reason: str | None = None
     error: BaseException | None = None
@@ -96,10 +97,13 @@ class Scheduler:
         max_new_tokens: int | None,
         on_token: Callable[[int], None],
         should_stop: Callable[[], bool],
+        resume: Sequence[int] = (),
     ) -> str:
         """Generate for one sequence beside the others; returns why it stopped. Raises
-        what the engine raised for it (ContextOverflow: the prompt does not fit)."""
-        job = _Job(list(prompt_ids), sampling, max_new_tokens, on_token, should_stop)
+        what the engine raised for it (ContextOverflow: the prompt does not fit).
+        ``resume``: tokens it generated before (BatchGenerator.add), not passed to
+        ``on_token`` again."""
+        job = _Job(list(prompt_ids), sampling, max_new_tokens, on_token, should_stop, resume)
         with self._cond:
             if self._closed:
                 raise SchedulerClosed("the stage is stopped")
@@ -176,6 +180,7 @@ class Scheduler:
                     sampling=job.sampling,
                     max_new_tokens=job.max_new_tokens,
                     stop_ids=self.stop_ids,
+                    resume=job.resume,
                 )
             except Exception as err:  # ContextOverflow, a bad prompt: this one only
                 job.finish(error=err)

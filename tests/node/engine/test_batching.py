@@ -19,7 +19,7 @@ from activities.models_store import GEMMA3_BUNDLED, fetch_bundled
 from tests.node.engine.conftest import ONCE_CONTINUATION, ONCE_UPON_A_TIME, THREADS
 from workers.node.engine import EngineOptions, SamplingParams, Stage, generate, load_stage
 from workers.node.engine.batch_generate import BatchGenerator, Finish
-from workers.node.engine.session import NoFreeSlot
+from workers.node.engine.session import ContextOverflow, NoFreeSlot
 from workers.node.engine.tokenizer import Tokenizer
 
 CHUNK = 8
@@ -267,3 +267,38 @@ def test_batch_session_rows_equal_stage_sessions(model: Model) -> None:
         b0.forward([(1, [1])])
     b0.close()
     b1.close()
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_a_resumed_sequence_goes_on_with_its_undisturbed_tokens(
+    model: Model, sampling: str
+) -> None:
+    """Stage recovery (issue 23): a sequence run again on fresh KV caches with the tokens
+    it already had (its prompt prefilled in the same chunks, those tokens fed one a step
+    as the first time, no events for them) goes on with exactly the tokens it gave alone:
+    beside the others, on 2 stages, greedy and seeded, both models (Q4_K's row-count-
+    dependent sums too: the rows are the first run's rows)."""
+    alone = _alone(model, sampling)
+    g = _gen(model, model.stages[2])
+    want: dict[Hashable, list[int]] = {}
+    for i, prompt in enumerate(model.prompts):
+        k = min(len(alone[i]) - 1, 1 + 2 * i)
+        assert g.add(
+            i, prompt, sampling=SAMPLINGS[sampling](i), max_new_tokens=NEW_TOKENS[model.name],
+            stop_ids=STOPS[model.name], resume=alone[i][:k],
+        )  # fmt: skip
+        want[i] = alone[i][k:]
+    assert g.run() == want
+    g.close()
+
+
+def test_a_resume_that_cannot_be_exact_or_does_not_fit_is_refused(smollm: Model) -> None:
+    g = _gen(smollm, smollm.stages[1], slots=2)
+    with pytest.raises(ValueError, match="seed"):
+        g.add(0, smollm.prompts[0], sampling=SamplingParams(temperature=0.5), resume=[5])
+    with pytest.raises(ContextOverflow, match="resumed"):
+        g.add(0, smollm.prompts[0], resume=[5] * MAX_SEQ)
+    # Nothing left to generate: it does not join.
+    assert not g.add(0, smollm.prompts[0], max_new_tokens=3, resume=[5, 6, 7])
+    assert g.active == []
+    g.close()

@@ -68,6 +68,7 @@ class _Seq:
     fed: int = 0  # prompt tokens fed
     pending: int | None = None  # the last sampled token, to feed next
     generated: list[int] = field(default_factory=list)
+    replay: list[int] = field(default_factory=list)  # tokens it had: fed, not sampled
 
 
 class BatchGenerator:
@@ -128,12 +129,18 @@ class BatchGenerator:
         max_new_tokens: int | None = None,
         stop_ids: Collection[int] = (),
         stop_when: Callable[[Sequence[int]], bool] | None = None,
+        resume: Sequence[int] = (),
     ) -> bool:
         """Join ``seq_id`` (its first chunk runs in the next step). ``stop_when`` is asked
         after each emitted token with the tokens so far (a text-level stop string); True
         ends the sequence, that token emitted. Returns False where ``max_new_tokens`` is
         0 (nothing to do: it does not join). Raises NoFreeSlot, ContextOverflow (the
-        prompt alone does not fit), ValueError (an empty prompt, a known id)."""
+        prompt alone does not fit), ValueError (an empty prompt, a known id).
+
+        ``resume``: the tokens the sequence already generated elsewhere (stage recovery).
+        They are fed one a step after the prompt, as they were the first time, without
+        events, and count toward ``max_new_tokens``; the sampler then draws at the index
+        it would have reached, so the tokens after them are the undisturbed ones."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already running")
         if not prompt_ids:
@@ -142,8 +149,15 @@ class BatchGenerator:
             raise ContextOverflow(
                 f"prompt of {len(prompt_ids)} tokens exceeds max_seq_len {self.max_seq_len}"
             )
+        if len(prompt_ids) + len(resume) > self.max_seq_len:
+            raise ContextOverflow(
+                f"prompt of {len(prompt_ids)} tokens and {len(resume)} resumed exceed "
+                f"max_seq_len {self.max_seq_len}"
+            )
+        if resume and sampling.temperature > 0 and sampling.seed is None:
+            raise ValueError("a sampled sequence resumes only with the seed it first ran with")
         sampler = Sampler(sampling)
-        if max_new_tokens is not None and max_new_tokens <= 0:
+        if max_new_tokens is not None and max_new_tokens <= len(resume):
             return False
         if self.free_slots == 0:
             raise NoFreeSlot(f"all {self.sessions[0].slots} slots hold a sequence")
@@ -151,7 +165,7 @@ class BatchGenerator:
         assert len(slots) == 1, "the stages' sessions hand out slots in step"
         self._seqs[seq_id] = _Seq(
             seq_id, slots.pop(), list(prompt_ids), sampler, frozenset(stop_ids),
-            max_new_tokens, stop_when,
+            max_new_tokens, stop_when, replay=list(resume),
         )  # fmt: skip
         return True
 
@@ -193,6 +207,11 @@ class BatchGenerator:
                 q.fed += len(f)
                 if q.fed < len(q.prompt):
                     continue
+            if len(q.generated) < len(q.replay):  # resumed: the token it had, no event
+                q.pending = q.replay[len(q.generated)]
+                q.generated.append(q.pending)
+                q.sampler.index += 1  # the draw this token took the first time
+                continue
             ev = self._sample(q, out[q.slot])
             if ev.finish is not None:
                 self._leave(q)
