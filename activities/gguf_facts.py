@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 from typing import Any
 
-from mvp_core.gguf_header import GGUFHeader, parse_header
+from mvp_core.gguf_header import GGUFHeader, TensorInfo, parse_header
 from mvp_core.models import ModelFacts
 from mvp_core.planner import PlanningError
 
@@ -52,20 +53,35 @@ def read_model_facts(path: str) -> ModelFacts:
     )
 
 
+_LAYER_TENSOR = re.compile(r"blk\.([0-9]{1,6})\..+", re.ASCII)
+MAX_WORK = 1 << 62  # past this a tensor's shape is not a model's: no figures
+
+
+def _elements(info: TensorInfo) -> int | None:
+    """A matrix's elements (2 to 4 dimensions, each below 2**40); None for anything else
+    (a vector, or a shape no model has: the file is untrusted)."""
+    if not 2 <= len(info.shape) <= 4 or any(not 0 < d < 1 << 40 for d in info.shape):
+        return None
+    return info.n_elements
+
+
 def _work(header: GGUFHeader, blocks: int) -> tuple[list[int] | None, int | None]:
-    """Multiply-accumulates per token: each layer's matrices (``blk.<i>.*``, 2 or more
+    """Multiply-accumulates per token: each layer's matrices (``blk.<i>.*``, 2 to 4
     dimensions; norms and biases are noise), and the output head's (``output.weight``, or
-    the tied ``token_embd.weight``). None where the table does not say (no such tensors)."""
+    the tied ``token_embd.weight``). None where the table does not say (a layer without
+    matrices, no head) or says what no model does."""
     if not 0 < blocks <= len(header.tensors):  # each layer has tensors: else no figures
         return None, None
     layers = [0] * blocks
     for name, info in header.tensors.items():
-        parts = name.split(".")
-        if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit() and len(info.shape) > 1:
-            i = int(parts[1])
-            if i < blocks:
-                layers[i] += info.n_elements
+        m = _LAYER_TENSOR.fullmatch(name)
+        if m is None or int(m.group(1)) >= blocks:
+            continue
+        n = _elements(info)
+        if n is not None:
+            layers[int(m.group(1))] += n
     head = header.tensors.get("output.weight") or header.tensors.get("token_embd.weight")
-    if not all(layers) or head is None:
+    head_work = None if head is None else _elements(head)
+    if not all(layers) or head_work is None or max(*layers, head_work) > MAX_WORK:
         return None, None
-    return layers, head.n_elements
+    return layers, head_work

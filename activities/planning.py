@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 
@@ -64,7 +65,8 @@ async def plan_run(inp: PreparePlanInput) -> RunPlan:
             await in_thread(resolve_model, inp.tokenizer) if inp.tokenizer else model_path
         )
         facts = await in_thread(read_model_facts, model_path)
-        return build_plan(
+        plan = functools.partial(
+            build_plan,
             run_id=inp.run_id,
             orchestrator_node_id=inp.orchestrator_node_id,
             base_node_id=inp.node_id,
@@ -76,6 +78,7 @@ async def plan_run(inp: PreparePlanInput) -> RunPlan:
             activation_dtype=inp.activation_dtype,
             layer_split=inp.layer_split,
         )
+        return await in_thread(plan)  # a balanced split's search: up to about a second
     except (PlanningError, ModelSourceError) as err:
         raise ApplicationError(
             str(err), type=ErrorType.PLANNING_ERROR, non_retryable=True

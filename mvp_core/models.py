@@ -462,7 +462,8 @@ class ModelFacts(_Model):
     context_length: int
     eos_token_id: int | None = None
     # Work per token from the tensor table (multiply-accumulates: weight elements): per
-    # layer, and the output head's. None where the facts did not come from a GGUF file.
+    # layer, and the output head's. None where the facts did not come from a GGUF file, or
+    # its tensor table lacks a layer's matrices or the head (or shows no model's shapes).
     layer_work: list[int] | None = None
     output_work: int | None = None
 

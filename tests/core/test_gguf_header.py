@@ -111,3 +111,29 @@ def test_planner_facts_errors_name_the_file_and_key(tmp_path: Path) -> None:
         read_model_facts(str(path))
     with pytest.raises(PlanningError, match=r"cannot read GGUF metadata of .*missing\.gguf"):
         read_model_facts(str(tmp_path / "missing.gguf"))
+
+
+def test_work_figures_from_a_table_no_model_has_are_left_out_not_a_crash() -> None:
+    """The tensor table is untrusted: names that only look like a layer's, shapes of many
+    or huge dimensions give no figures (so no balanced split), never an error or a hang."""
+    from activities.gguf_facts import _work
+    from mvp_core.gguf_header import GGUFHeader, TensorInfo
+
+    def header(**shapes: tuple[int, ...]) -> GGUFHeader:
+        tensors = {
+            name.replace("_", "."): TensorInfo(name.replace("_", "."), shape, 0, 0)
+            for name, shape in shapes.items()
+        }
+        return GGUFHeader(3, {}, tensors)
+
+    ok = header(blk_0_w=(4, 8), blk_1_w=(4, 8), blk_1_n=(8,), output_weight=(16, 8))
+    assert _work(ok, 2) == ([32, 32], 128)
+    # A digit that int() refuses, a layer number past the count, an 8,000-digit one.
+    odd = {"blk.\u2460.w": (4, 8), "blk.7.w": (4, 8), "blk." + "9" * 8000 + ".w": (4, 8)}
+    table = GGUFHeader(3, {}, {**ok.tensors, **{n: TensorInfo(n, s, 0, 0) for n, s in odd.items()}})
+    assert _work(table, 2) == ([32, 32], 128)
+    # A million dimensions, or one past 2**40: not a matrix of any model.
+    huge = header(blk_0_w=(2,) * 1_000_000, blk_1_w=(4, 8), output_weight=(16, 8))
+    assert _work(huge, 2) == (None, None)
+    assert _work(header(blk_0_w=(4, 1 << 41), output_weight=(16, 8)), 1) == (None, None)
+    assert _work(header(blk_0_w=(4, 8)), 1) == (None, None)  # no head
