@@ -504,9 +504,11 @@ class RunHandle:
             rest = whole[len(so_far) :]
             if rest:
                 # The tokens it holds, so that a usage summed from the deltas is whole.
-                total = result.tokens_generated or 0
+                total = result.tokens_generated  # None: a node that does not say
                 yield TextDelta(
-                    request_id=result.request_id, text=rest, tokens=max(0, total - tokens)
+                    request_id=result.request_id,
+                    text=rest,
+                    tokens=None if total is None else max(0, total - tokens),
                 )
         yield result
 

@@ -402,4 +402,7 @@ def test_a_resume_that_diverges_is_named_and_frees_its_slot(smollm: str) -> None
         assert p.run(1, PROMPTS[0], 8, 256) == whole
         with pytest.raises(ValueError, match="seed"):
             p.run(2, PROMPTS[0], 8, 256, SamplingParams(temperature=0.7), resume=whole[:2])
+        with pytest.raises(ValueError, match="more than max_new_tokens 2"):
+            p.run(2, PROMPTS[0], 2, 256, resume=whole[:3])
+        assert p.run(2, PROMPTS[0], 3, 256, resume=whole[:3]) == []  # it had them all
         assert not p.faults

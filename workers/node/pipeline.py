@@ -420,6 +420,12 @@ class Driver:
             raise RuntimeError("token endpoints are not connected")
         if resume and sampling.temperature > 0 and sampling.seed is None:
             raise ValueError("a sampled prompt resumes only with the seed it first ran with")
+        if max_new_tokens is not None and len(resume) > max_new_tokens:
+            raise ValueError(
+                f"{len(resume)} tokens resumed, more than max_new_tokens {max_new_tokens}"
+            )
+        if max_new_tokens is not None and len(resume) == max_new_tokens:
+            return "max_tokens"  # it had all it asked for
         wire = WireSampling(
             request_id=request_id,
             max_new_tokens=max_new_tokens or 0,

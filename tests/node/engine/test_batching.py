@@ -298,6 +298,8 @@ def test_a_resume_that_cannot_be_exact_or_does_not_fit_is_refused(smollm: Model)
         g.add(0, smollm.prompts[0], sampling=SamplingParams(temperature=0.5), resume=[5])
     with pytest.raises(ContextOverflow, match="resumed"):
         g.add(0, smollm.prompts[0], resume=[5] * MAX_SEQ)
+    with pytest.raises(ValueError, match="more than max_new_tokens 2"):
+        g.add(0, smollm.prompts[0], max_new_tokens=2, resume=[5, 6, 7])
     # Nothing left to generate: it does not join.
     assert not g.add(0, smollm.prompts[0], max_new_tokens=3, resume=[5, 6, 7])
     assert g.active == []

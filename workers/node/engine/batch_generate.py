@@ -156,6 +156,10 @@ class BatchGenerator:
             )
         if resume and sampling.temperature > 0 and sampling.seed is None:
             raise ValueError("a sampled sequence resumes only with the seed it first ran with")
+        if max_new_tokens is not None and len(resume) > max_new_tokens:
+            raise ValueError(
+                f"{len(resume)} tokens resumed, more than max_new_tokens {max_new_tokens}"
+            )
         sampler = Sampler(sampling)
         if max_new_tokens is not None and max_new_tokens <= len(resume):
             return False
