@@ -558,10 +558,10 @@ def main() -> None:
     p.add_argument(
         "--layer-split",
         choices=["even", "balanced"],
-        default="balanced",
+        default="even",
         help="how the stages get their layers (layer_split, DECISIONS 67): the same number "
-        "each, or even work per token with the output head counted (the default here: the "
-        "pipeline serving example's choice)",
+        "each (the default, as docs/benchmarks/serve.md's tables ran), or even work per "
+        "token with the output head counted (the pipeline serving example's choice)",
     )
     p.add_argument(
         "--cpus",
