@@ -178,7 +178,11 @@ async def test_text_comes_from_the_head_node_and_history_does_not_grow_with_leng
         assert text == ends[0].final_text and ends[0].tokens_generated == prompt.max_tokens
     assert run.direct_streams == 2
     short_events, long_events = await _history_events(run, 1), await _history_events(run, 2)
-    assert long_events <= short_events + 10, (short_events, long_events)
+    # Text made before the client's direct read connects goes through Temporal (so that a
+    # Temporal-only client is never starved): on a loaded host that is a few flushes of 4
+    # events, however long the prompt (a busy CI run: 12 and 24 events). Growing with the
+    # length would be a flush per 100 ms of its 512 tokens: over a hundred events more.
+    assert long_events <= short_events + 40, (short_events, long_events)
 
     # The same long prompt through Temporal alone: the same text, streamed in many flushes.
     temporal_only = RunHandle(runs.client, run_id, direct_text=False)
@@ -186,7 +190,7 @@ async def test_text_comes_from_the_head_node_and_history_does_not_grow_with_leng
     text, ends = await _stream_all(temporal_only, again)
     assert isinstance(ends[0], Done) and text == ends[0].final_text
     assert temporal_only.direct_streams == 0
-    assert await _history_events(run, 3) > long_events + 20
+    assert await _history_events(run, 3) > long_events + 40
 
     # Re-attach mid-stream (from a direct-capable and a Temporal-only client), then after
     # the end: the whole text and one end each time.
