@@ -402,13 +402,26 @@ class NodeActivities:
                     )
             except asyncio.CancelledError:
                 stopped.set()
+                ended: GenerationResult | None = None
                 try:
-                    await task
+                    ended = await task
                 except Exception:
                     pass
                 out.end(done=False)
                 await stream.flush()
-                raise
+                if inp.temporal_text or ended is None:
+                    raise
+                # A run-hosted prompt's text so far goes with its end (no stream holds it):
+                # the cancel is answered with the cancelled outcome (the run waits for the
+                # generate's end), whichever came first, this cancel or the pushed stop.
+                return PromptOutcome(
+                    terminal=Fault(
+                        request_id=request_id,
+                        error="cancelled",
+                        text=ended.text,
+                        tokens_generated=ended.tokens,
+                    )
+                )
             first_published = out.first_at
             try:
                 result = await task
