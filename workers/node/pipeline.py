@@ -64,6 +64,7 @@ from workers.node.dataplane import (
 from workers.node.dataplane import SamplingParams as WireSampling
 from workers.node.engine import Sampler, SamplingParams, Stage
 from workers.node.engine.boundary import from_boundary, to_boundary
+from workers.node.engine.sampling import check_resume
 from workers.node.engine.session import BatchSession, NoFreeSlot
 
 log = logging.getLogger("mvp.pipeline")
@@ -418,12 +419,7 @@ class Driver:
         go to ``on_token``: only the tokens after them do."""
         if self._tin is None or self._tout is None:
             raise RuntimeError("token endpoints are not connected")
-        if resume and sampling.temperature > 0 and sampling.seed is None:
-            raise ValueError("a sampled prompt resumes only with the seed it first ran with")
-        if max_new_tokens is not None and len(resume) > max_new_tokens:
-            raise ValueError(
-                f"{len(resume)} tokens resumed, more than max_new_tokens {max_new_tokens}"
-            )
+        check_resume(len(resume), sampling, max_new_tokens)
         if max_new_tokens is not None and len(resume) == max_new_tokens:
             return "max_tokens"  # it had all it asked for
         wire = WireSampling(

@@ -32,7 +32,7 @@ import torch
 from mvp_core.models import ActivationDtype
 
 from .boundary import from_boundary, to_boundary
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, check_resume
 from .session import BatchRow, BatchSession, ContextOverflow, NoFreeSlot
 from .stage import Stage
 
@@ -154,12 +154,7 @@ class BatchGenerator:
                 f"prompt of {len(prompt_ids)} tokens and {len(resume)} resumed exceed "
                 f"max_seq_len {self.max_seq_len}"
             )
-        if resume and sampling.temperature > 0 and sampling.seed is None:
-            raise ValueError("a sampled sequence resumes only with the seed it first ran with")
-        if max_new_tokens is not None and len(resume) > max_new_tokens:
-            raise ValueError(
-                f"{len(resume)} tokens resumed, more than max_new_tokens {max_new_tokens}"
-            )
+        check_resume(len(resume), sampling, max_new_tokens)
         sampler = Sampler(sampling)
         if max_new_tokens is not None and max_new_tokens <= len(resume):
             return False

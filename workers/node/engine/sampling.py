@@ -22,6 +22,15 @@ class SamplingParams:
 _MASK64 = (1 << 64) - 1
 
 
+def check_resume(resumed: int, params: SamplingParams, max_new_tokens: int | None) -> None:
+    """A resume that cannot give the first run's tokens raises ValueError: a sampled one
+    without its seed, or one that had more tokens than it may generate."""
+    if resumed and params.temperature > 0 and params.seed is None:
+        raise ValueError("a sampled prompt resumes only with the seed it first ran with")
+    if max_new_tokens is not None and resumed > max_new_tokens:
+        raise ValueError(f"{resumed} tokens resumed, more than max_new_tokens {max_new_tokens}")
+
+
 def draw_seed(seed: int, index: int) -> int:
     """The generator's seed for the ``index``-th sampled token of a request seeded ``seed``:
     splitmix64 of the pair, so neighbouring seeds and indices give unrelated streams."""
