@@ -414,14 +414,7 @@ class NodeActivities:
                 # A run-hosted prompt's text so far goes with its end (no stream holds it):
                 # the cancel is answered with the cancelled outcome (the run waits for the
                 # generate's end), whichever came first, this cancel or the pushed stop.
-                return PromptOutcome(
-                    terminal=Fault(
-                        request_id=request_id,
-                        error="cancelled",
-                        text=ended.text,
-                        tokens_generated=ended.tokens,
-                    )
-                )
+                return _cancelled(request_id, ended)
             first_published = out.first_at
             try:
                 result = await task
@@ -450,15 +443,7 @@ class NodeActivities:
             await stream.flush()
         if result.stop_reason not in ("eos", "max_tokens", "context"):
             # A run-hosted prompt's text so far goes with its end: no stream holds it.
-            text = None if inp.temporal_text else result.text
-            return PromptOutcome(
-                terminal=Fault(
-                    request_id=request_id,
-                    error="cancelled",
-                    text=text,
-                    tokens_generated=None if text is None else result.tokens,
-                )
-            )
+            return _cancelled(request_id, None if inp.temporal_text else result)
         telemetry.note_prompt_end(result.tokens, result.stop_reason)  # on RunActivity's span
         return PromptOutcome(
             terminal=Done(
@@ -574,6 +559,19 @@ class _TextOut:
         if self._owed and not done:
             self.topic.publish(self._settle())
         self._owed = []
+
+
+def _cancelled(request_id: int, result: GenerationResult | None) -> PromptOutcome:
+    """A stopped prompt's end; with ``result``, the text it had and its tokens (a
+    run-hosted prompt's: no stream holds them)."""
+    return PromptOutcome(
+        terminal=Fault(
+            request_id=request_id,
+            error="cancelled",
+            text=None if result is None else result.text,
+            tokens_generated=None if result is None else result.tokens,
+        )
+    )
 
 
 def prompt_timing(result: GenerationResult, first_published: float | None) -> PromptTiming | None:
