@@ -196,6 +196,31 @@ class PromptHost(StrEnum):
     RUN = "run"
 
 
+class NodeLossPolicy(StrEnum):
+    """What a run does when a node is lost while it serves (DECISIONS 68)."""
+
+    FAIL = "fail"  # the specs' fail-stop: the run faults and tears down
+    REPLACE = "replace"  # a new node takes the lost one's layers; prompts continue
+
+
+class RecoverySettings(_Model):
+    """The bound on stage recovery (``on_node_loss: "replace"``, DECISIONS 68)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    max_replacements: int = Field(
+        default=3, ge=1, le=100, description="Replacements allowed within window_s"
+    )
+    window_s: float = Field(
+        default=3600.0, gt=0, le=_DAY_S, description="The window max_replacements counts in"
+    )
+    replacement_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        le=_DAY_S,
+        description="From a loss to the run prompt-ready again: past it the run faults",
+    )
+
+
 class LayerSplit(StrEnum):
     """How the planner gives a pipeline's stages their layers (DECISIONS 67)."""
 
@@ -426,6 +451,16 @@ class RunRequest(_Model):
             "server: larger batches cost the host less CPU, smaller ones stream smoother"
         ),
     )
+    on_node_loss: NodeLossPolicy = Field(
+        default=NodeLossPolicy.FAIL,
+        description=(
+            "When a node is lost while the run serves (DECISIONS 68): 'fail', the specs' "
+            "fail-stop; 'replace', a new node through the same provider takes its layers, "
+            "the pipeline is wired anew and the prompts in flight continue with the same "
+            "text, within the bound of 'recovery'"
+        ),
+    )
+    recovery: RecoverySettings = Field(default_factory=RecoverySettings)
     timeouts: RunTimeouts = Field(default_factory=RunTimeouts)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     node_env: dict[str, str] = Field(
@@ -693,10 +728,17 @@ class WeightsReady(_Model):
     readiness_id: str = ""
 
 
+# A report about a stage's data plane names the pipeline it was about (``epoch``: 0 the
+# first, one more after each stage recovery), so a report of a pipeline the run has
+# replaced moves nothing (DECISIONS 68).
+_EPOCH = Field(default=0, ge=0, description="The pipeline the report is about (DECISIONS 68)")
+
+
 class StageReady(_Model):
     run_id: int
     stage_index: int
     readiness_id: str = ""
+    epoch: int = _EPOCH
 
 
 class StageFault(_Model):
@@ -704,6 +746,7 @@ class StageFault(_Model):
     stage_index: int
     reason: str
     readiness_id: str = ""
+    epoch: int = _EPOCH
 
 
 class TokenEndpointsReady(_Model):
@@ -712,6 +755,7 @@ class TokenEndpointsReady(_Model):
     run_id: int
     node_id: int
     readiness_id: str
+    epoch: int = _EPOCH
 
 
 class StageStopped(_Model):
@@ -752,6 +796,19 @@ class StageProvision(_Model):
     readiness_id: str
     engine: EngineSettings = Field(default_factory=EngineSettings)
     run_workflow_id: str
+    epoch: int = Field(
+        default=0,
+        ge=0,
+        description="The pipeline this provision wires (DECISIONS 68): a stage that has its "
+        "weights and gets a later epoch keeps them and joins the new pipeline's edges",
+    )
+    recovery_wait_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=_DAY_S,
+        description="Head only, a run that replaces lost nodes: how long a prompt whose "
+        "pipeline was lost waits for the next one to continue on; None: it faults at once",
+    )
 
 
 class StopRun(_Model):
@@ -852,6 +909,12 @@ class Done(_Model):
         ge=0,
         description="The prompt's tokens as the head node encoded them (None: a node that "
         "did not report them)",
+    )
+    recoveries: int = Field(
+        default=0,
+        ge=0,
+        description="Stage recoveries the prompt went through (DECISIONS 68): each a pause, "
+        "the text the same as an undisturbed run's",
     )
 
 
@@ -993,6 +1056,11 @@ class LifecycleKind(StrEnum):
     PROMPT_COMPLETED = "PromptCompleted"
     PROMPT_FAULTED = "PromptFaulted"
     RUN_OPERATOR_STOPPED = "RunOperatorStopped"
+    # Stage recovery (DECISIONS 68): a node lost, its replacement starting, the run
+    # prompt-ready again on the new pipeline.
+    STAGE_LOST = "StageLost"
+    STAGE_REPLACING = "StageReplacing"
+    STAGE_RECOVERED = "StageRecovered"
     RUN_FAULTED = "RunFaulted"
     RUN_TEARING_DOWN = "RunTearingDown"
     RUN_TORN_DOWN = "RunTornDown"
@@ -1012,6 +1080,7 @@ class RunPhase(StrEnum):
     READINESS = "readiness"
     STAGE_PROVISIONING = "stage_provisioning"
     PROMPT_READY = "prompt_ready"
+    RECOVERING = "recovering"  # a lost node is being replaced (DECISIONS 68)
     ROLLING_OVER = "rolling_over"
     TEARING_DOWN = "tearing_down"
     TORN_DOWN = "torn_down"

@@ -165,6 +165,25 @@ def plan_edges(
     return edges
 
 
+EPOCH_SHIFT = 16  # an edge id is u32: the plan's id in the low bits, the epoch above
+
+
+def epoch_edges(edges: list[EdgePlan], epoch: int) -> list[EdgePlan]:
+    """The plan's edges for pipeline ``epoch`` (DECISIONS 68): the same edges under ids of
+    their own, so that nothing of an earlier pipeline (a record in flight, a node that was
+    replaced) can connect to or be taken for an edge of this one. Epoch 0 is the plan."""
+    if epoch == 0:
+        return list(edges)
+    return [e.model_copy(update={"edge_id": (epoch << EPOCH_SHIFT) | e.edge_id}) for e in edges]
+
+
+def epoch_rings(rings: list[RingSpec], epoch: int) -> list[RingSpec]:
+    """The plan's rings under their edges' ids for pipeline ``epoch``."""
+    if epoch == 0:
+        return list(rings)
+    return [r.model_copy(update={"edge_id": (epoch << EPOCH_SHIFT) | r.edge_id}) for r in rings]
+
+
 def plan_rings(edges: list[EdgePlan], max_seq_len: int, hidden: int) -> list[RingSpec]:
     """Ring capacities: activation ``40 + max_seq_len*hidden*b`` (alignment 64), token
     ``40 + max_seq_len*4`` (alignment 8), plus the sampling header on token-in."""

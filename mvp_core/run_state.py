@@ -12,6 +12,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, Field
 
+from mvp_core import names
 from mvp_core.errors import ErrorType
 from mvp_core.models import (
     DatastreamAddress,
@@ -20,9 +21,11 @@ from mvp_core.models import (
     LifecycleKind,
     LifecycleReport,
     NodeHandle,
+    NodeLossPolicy,
     NodeRuntimeReady,
     NodeRuntimeReadyAck,
     PromptHost,
+    RecoverySettings,
     RunOutcome,
     RunOutcomeKind,
     RunPhase,
@@ -38,6 +41,8 @@ from mvp_core.models import (
 MAX_PROMPT_REPORTS = 256
 MAX_IGNORED_KEPT = 16  # the latest ignored inputs described in the snapshot (all are counted)
 MAX_LATER_FAULTS = 8
+MAX_RECOVERIES_KEPT = 16  # the latest stage recoveries described in the snapshot
+_SERVING = (RunPhase.PROMPT_READY, RunPhase.RECOVERING, RunPhase.ROLLING_OVER)
 _PROMPT_REPORTS = frozenset(
     {LifecycleKind.PROMPT_ACCEPTED, LifecycleKind.PROMPT_COMPLETED, LifecycleKind.PROMPT_FAULTED}
 )
@@ -147,6 +152,24 @@ class PromptRecord(BaseModel):
     update_id: str | None = None
 
 
+class StageRecovery(BaseModel):
+    """One lost node and its replacement (DECISIONS 68), with the instants of each step
+    in milliseconds since the epoch, workflow time (None: not reached)."""
+
+    stage_index: int
+    lost_node_id: int
+    detail: str  # how the loss was seen: the provider watch, or the lease
+    lost_at_ms: int  # the run learnt of the loss
+    new_node_id: int | None = None
+    started_at_ms: int | None = None  # the replacement node's start was asked for
+    joined_at_ms: int | None = None  # ... it passed the readiness barrier (ack)
+    ready_at_ms: int | None = None  # the run is prompt-ready again on the new pipeline
+    epoch: int | None = None  # the pipeline the replacement joined
+
+    def seconds(self, since: int | None, until: int | None) -> float | None:
+        return None if since is None or until is None else round((until - since) / 1000, 3)
+
+
 def prompt_limit(queue_capacity: int, max_active: int) -> int:
     """Prompts a run holds at once (DECISIONS 62): its active ones and the queue behind
     them, which holds ``queue_capacity - 1`` (with one active prompt: the capacity)."""
@@ -191,6 +214,17 @@ class RunState(BaseModel):
     token_endpoints_stopped: bool = False
     # The run's datastream (its activity's last DatastreamAddress; None before one came).
     datastream: DatastreamAddress | None = None
+    # Stage recovery (DECISIONS 68): the policy, the pipeline's epoch (one more per
+    # recovery; data-plane reports of an earlier one move nothing), the losses waiting for
+    # their replacement, the one being replaced, the latest done, and the nodes replaced.
+    node_loss: NodeLossPolicy = NodeLossPolicy.FAIL
+    recovery_bound: RecoverySettings = Field(default_factory=RecoverySettings)
+    epoch: int = 0
+    lost: list[StageRecovery] = Field(default_factory=list)
+    recovering: StageRecovery | None = None
+    recoveries: list[StageRecovery] = Field(default_factory=list)
+    recoveries_done: int = 0
+    replaced_nodes: list[NodeState] = Field(default_factory=list)
 
     # ------------------------------------------------------------------ lifecycle
     def record(self, kind: LifecycleKind, detail: str = "", request_id: int | None = None) -> bool:
@@ -396,11 +430,18 @@ class RunState(BaseModel):
         node.weights_ready = True
         return True
 
+    def _stale(self, kind: str, epoch: int) -> bool:
+        """A data-plane report of a pipeline other than the run's (one a recovery replaced)."""
+        if epoch == self.epoch:
+            return False
+        self.ignore(kind, f"a report of pipeline epoch {epoch}; the run's is {self.epoch}")
+        return True
+
     def on_stage_ready(self, report: StageReady) -> bool:
         node = self._match(
             "stage_ready", report.run_id, None, report.stage_index, report.readiness_id
         )
-        if node is None:
+        if node is None or self._stale("stage_ready", report.epoch):
             return False
         if not node.stage_provisioned:
             return self.ignore("stage_ready", f"stage {node.stage_index} was not provisioned")
@@ -412,7 +453,11 @@ class RunState(BaseModel):
         node = self._match(
             "stage_fault", report.run_id, None, report.stage_index, report.readiness_id
         )
-        if node is None:
+        if node is None or self._stale("stage_fault", report.epoch):
+            return False
+        if self.lost or self.recovering is not None:
+            # A survivor seeing the lost node's edges close: the loss explains it.
+            self.ignore("stage_fault", f"stage {report.stage_index}, during stage recovery")
             return False
         self.suspect(f"{self.phase_word()}: stage {report.stage_index} fault: {report.reason}")
         return True
@@ -421,7 +466,7 @@ class RunState(BaseModel):
         node = self._match(
             "token_endpoints_ready", report.run_id, report.node_id, 0, report.readiness_id
         )
-        if node is None:
+        if node is None or self._stale("token_endpoints_ready", report.epoch):
             return False
         if not node.stage_provisioned:
             return self.ignore("token_endpoints_ready", "the head stage was not provisioned")
@@ -441,25 +486,141 @@ class RunState(BaseModel):
         node.stage_stopped = True
         return True
 
-    def on_lease_lost(self, node_id: int, detail: str) -> None:
-        """Membership loss: a startup fault before prompt-ready, a run fault after."""
+    def on_lease_lost(self, node_id: int, detail: str, at_ms: int = 0) -> None:
+        """Membership loss: a startup fault before prompt-ready; while serving, a run
+        fault, or the node's replacement (DECISIONS 68)."""
         node = self.node(node_id)
         if node is None:
+            self._replaced_gone(node_id, exited=False)
             return
         node.lease_lost = True
         if not self.stopping:
-            self.fault(f"{self.phase_word()}: membership lost for node {node_id}: {detail}")
+            self._lose(node, f"membership lost for node {node_id}: {detail}", at_ms)
 
-    def on_node_exited(self, node_id: int, detail: str) -> None:
+    def on_node_exited(self, node_id: int, detail: str, at_ms: int = 0) -> None:
         node = self.node(node_id)
         if node is None:
+            self._replaced_gone(node_id, exited=True)
             return
         node.exited = True
         if not self.stopping:
-            self.fault(f"{self.phase_word()}: node {node_id} exited: {detail}")
+            self._lose(node, f"node {node_id} exited: {detail}", at_ms)
+
+    def _replaced_gone(self, node_id: int, *, exited: bool) -> None:
+        for node in self.replaced_nodes:
+            if node.node_id == node_id:
+                if exited:
+                    node.exited = True
+                else:
+                    node.lease_lost = True
+
+    def _lose(self, node: NodeState, detail: str, at_ms: int) -> None:
+        """A node is lost while the run is not stopping: its replacement is queued when the
+        run's policy and bound allow one, else the run faults (the specs' fail-stop)."""
+        where = self.phase_word()
+        reason = f"{where}: {detail}"
+        if self.node_loss is not NodeLossPolicy.REPLACE or self.phase not in _SERVING:
+            self.fault(reason)
+            return
+        if any(r.lost_node_id == node.node_id for r in self.lost):
+            return  # seen already (the watch and the lease both report it)
+        if self.lost or self.recovering is not None:
+            self.fault(f"{reason} (while stage {self._recovering_stage()} was being replaced)")
+            return
+        bound = self.recovery_bound
+        since = at_ms - int(bound.window_s * 1000)
+        recent = sum(1 for r in self.recoveries if r.lost_at_ms >= since)
+        if recent >= bound.max_replacements:
+            self.fault(
+                f"{reason} (no replacement left: {bound.max_replacements} within "
+                f"{bound.window_s:g} s)"
+            )
+            return
+        self.lost.append(
+            StageRecovery(
+                stage_index=node.stage_index,
+                lost_node_id=node.node_id,
+                detail=_clip(detail),
+                lost_at_ms=at_ms,
+            )
+        )
+        if self.suspected_fault is not None:
+            # What a survivor reported (its edge to the lost node closed) is explained.
+            if len(self.later_faults) < MAX_LATER_FAULTS:
+                self.later_faults.append(self.suspected_fault)
+            self.suspected_fault = None
+        self.phase = RunPhase.RECOVERING
+        self.record(LifecycleKind.STAGE_LOST, f"stage {node.stage_index}: {_clip(detail)}")
+
+    def _recovering_stage(self) -> int:
+        first = self.recovering or self.lost[0]
+        return first.stage_index
+
+    def begin_replacement(self, at_ms: int) -> tuple[NodeState, NodeState]:
+        """The next lost node's replacement: (the lost node, its replacement). The lost
+        node leaves the run's nodes (its reports are ignored from now on: it never rejoins)
+        and a node with a new id, task queue and readiness id takes its stage."""
+        rec = self.lost.pop(0)
+        index = next(i for i, n in enumerate(self.nodes) if n.node_id == rec.lost_node_id)
+        lost = self.nodes[index]
+        new_id = max(n.node_id for n in (*self.nodes, *self.replaced_nodes)) + 1
+        node = NodeState(
+            node_id=new_id,
+            stage_index=lost.stage_index,
+            task_queue=names.node_task_queue(self.run_id, new_id, self.nonce),
+            readiness_id=f"{self.nonce[:8]}-{new_id}-{lost.stage_index}",
+        )
+        self.nodes[index] = node
+        self.replaced_nodes.append(lost)
+        if self.plan is not None:
+            stage = self.plan.stages[lost.stage_index]
+            self.plan.stages[lost.stage_index] = stage.model_copy(update={"node_id": new_id})
+        rec.new_node_id, rec.started_at_ms = new_id, at_ms
+        self.recovering = rec
+        self.record(
+            LifecycleKind.STAGE_REPLACING,
+            f"stage {lost.stage_index}: node {new_id} replaces node {lost.node_id}",
+        )
+        return lost, node
+
+    def replacement_joined(self, at_ms: int) -> None:
+        if self.recovering is not None:
+            self.recovering.joined_at_ms = at_ms
+
+    def next_epoch(self) -> int:
+        """A new pipeline: every stage wires its edges again and reports ready anew."""
+        self.epoch += 1
+        for node in self.nodes:
+            node.weights_ready = node.stage_ready = False
+        self.token_endpoints_ready = False
+        if self.recovering is not None:
+            self.recovering.epoch = self.epoch
+        return self.epoch
+
+    def recovered(self, at_ms: int, phase: RunPhase = RunPhase.PROMPT_READY) -> None:
+        """The run is prompt-ready again on the new pipeline."""
+        rec, self.recovering = self.recovering, None
+        if rec is None:
+            return
+        rec.ready_at_ms = at_ms
+        self.recoveries.append(rec)
+        del self.recoveries[:-MAX_RECOVERIES_KEPT]
+        self.recoveries_done += 1
+        # Replaced nodes stay described while their stop may be owed, the latest always.
+        kept = self.replaced_nodes[-MAX_RECOVERIES_KEPT:]
+        self.replaced_nodes = [
+            n for n in self.replaced_nodes if not n.provider_stopped or n in kept
+        ]
+        if not self.lost:
+            self.phase = phase
+        self.record(
+            LifecycleKind.STAGE_RECOVERED,
+            f"stage {rec.stage_index} on node {rec.new_node_id} (pipeline {rec.epoch}), "
+            f"{rec.seconds(rec.lost_at_ms, at_ms)} s after the loss",
+        )
 
     def phase_word(self) -> str:
-        if self.phase is RunPhase.PROMPT_READY or self.phase is RunPhase.ROLLING_OVER:
+        if self.phase in _SERVING:
             return "prompt serving"
         return f"startup ({self.phase.value})"
 
@@ -501,7 +662,7 @@ class RunState(BaseModel):
             # A shutdown (or a fault) was asked for, though the phase may not show it yet
             # (in the same workflow task): say so, not "not prompt-ready".
             return PromptRejection.SHUTTING_DOWN
-        if self.phase is not RunPhase.PROMPT_READY or self.suspected_fault:
+        if self.phase not in (RunPhase.PROMPT_READY, RunPhase.RECOVERING) or self.suspected_fault:
             if rolling_over or self.phase is RunPhase.ROLLING_OVER:
                 return PromptRejection.ROLLING_OVER
             return PromptRejection.NOT_PROMPT_READY
@@ -604,6 +765,6 @@ class RunState(BaseModel):
         reported back) may still have been launched, and is stopped by its name."""
         return [
             n
-            for n in self.nodes
+            for n in (*self.nodes, *self.replaced_nodes)
             if (n.start_attempted or n.handle is not None) and not n.provider_stopped
         ]

@@ -36,6 +36,7 @@ with workflow.unsafe.imports_passed_through():
         LifecycleKind,
         NodeExited,
         NodeHandle,
+        NodeLossPolicy,
         NodeProvisionSpec,
         NodeRuntimeReady,
         NodeRuntimeReadyAck,
@@ -66,6 +67,7 @@ with workflow.unsafe.imports_passed_through():
         WatchNodesInput,
         WeightsReady,
     )
+    from mvp_core.planner import epoch_edges, epoch_rings
     from mvp_core.providers import traits
     from mvp_core.run_state import (
         NODE_CONDITIONS,
@@ -91,6 +93,9 @@ WORKFLOW_TASK_TIMEOUT = timedelta(seconds=names.WORKFLOW_TASK_TIMEOUT_S)
 # A survivor's fault report (an edge its dead peer closed) waits this long for the
 # provider watch (0.5 s polls) to name the node that died: the first fault names it.
 CULPRIT_GRACE = timedelta(seconds=2)
+# ... and longer where the run replaces lost nodes (DECISIONS 68): a rented instance's
+# status is polled every 5 s, and a loss the watch names is replaced, not fatal.
+REPLACE_CULPRIT_GRACE = timedelta(seconds=10)
 # A lease that failed while its node lives (a control-plane outage outlasting the lease
 # heartbeat) is scheduled again; membership is lost only if no lease starts in this time.
 LEASE_RECOVERY = timedelta(seconds=30)
@@ -161,6 +166,8 @@ class RunWorkflow:
         self._served: OrderedDict[str, ServedPrompt] = OrderedDict()  # ... that ended
         self._leases: dict[int, asyncio.Task[None]] = {}
         self._watch: asyncio.Task[None] | None = None
+        self._old_watches: list[asyncio.Task[None]] = []  # replaced by a wider watch
+        self._recovery: asyncio.Task[None] | None = None  # replacing lost nodes
         self._datastream: asyncio.Task[None] | None = None
         self._closing = False  # torn down and every background activity ended: returns next
         self._busy_handlers = 0  # prompt Updates and signal handlers in flight
@@ -191,6 +198,8 @@ class RunWorkflow:
             nonce=nonce,
             authorized_orchestrator=f"{workflow.info().workflow_id}/{nonce[:8]}",
             prompt_host=request.prompt_host,
+            node_loss=request.on_node_loss,
+            recovery_bound=request.recovery,
         )
 
     # ------------------------------------------------------------------ run
@@ -221,6 +230,7 @@ class RunWorkflow:
             state.request_shutdown(ShutdownReason.HOST_REQUESTED)
         except Exception as err:
             state.fault(f"{state.phase_word()}: {_describe(err)}")
+        await self._stop_recovery()
         if action == "continue_as_new":
             await self._cancel_background()
             await self._stop_datastream()  # the continued run starts its own
@@ -396,18 +406,22 @@ class RunWorkflow:
         for node in state.nodes:
             self._start_lease(node, req.timeouts.readiness_s)
         for node in state.nodes:
-            await self._wait(
-                lambda n=node: n.runtime_ready is not None,
-                deadline,
-                f"node {node.node_id} did not report NodeRuntimeReady",
-            )
-            await self._wait(
-                lambda n=node: n.lease_started,
-                deadline,
-                f"node {node.node_id} lease never started (membership)",
-            )
-            await self._check_route(node, deadline)
-            await self._ack(node)
+            await self._join(node, deadline)
+
+    async def _join(self, node: NodeState, deadline: datetime) -> None:
+        """The node's readiness barrier: its runtime report, its lease, its route, its ack."""
+        await self._wait(
+            lambda: node.runtime_ready is not None,
+            deadline,
+            f"node {node.node_id} did not report NodeRuntimeReady",
+        )
+        await self._wait(
+            lambda: node.lease_started,
+            deadline,
+            f"node {node.node_id} lease never started (membership)",
+        )
+        await self._check_route(node, deadline)
+        await self._ack(node)
 
     async def _provision_stages(self) -> None:
         self._set_phase(RunPhase.STAGE_PROVISIONING)
@@ -416,8 +430,14 @@ class RunWorkflow:
             await self._provision_stage(node)
 
     async def _await_prompt_ready(self) -> None:
-        state = self._state
         deadline = workflow.now() + timedelta(seconds=self._request.timeouts.readiness_s)
+        await self._await_stages_ready(deadline)
+        self._set_phase(RunPhase.PROMPT_READY)
+        self._state.record(LifecycleKind.RUN_READY)
+
+    async def _await_stages_ready(self, deadline: datetime) -> None:
+        """Every stage ready on the run's pipeline, and the head's token endpoints."""
+        state = self._state
         for node in state.nodes:
             await self._wait(
                 lambda n=node: n.stage_ready,
@@ -432,10 +452,8 @@ class RunWorkflow:
             )
         if not state.prompt_ready_allowed():
             raise _Stopping() if state.stopping else RuntimeError("prompt-ready facts incomplete")
-        self._set_phase(RunPhase.PROMPT_READY)
-        state.record(LifecycleKind.RUN_READY)
 
-    async def _check_route(self, node: NodeState, deadline: Any) -> None:
+    async def _check_route(self, node: NodeState, deadline: datetime) -> None:
         assert node.runtime_ready is not None
         remaining = max((deadline - workflow.now()).total_seconds(), 1.0)
         check: RouteCheck = await self._guard(
@@ -477,6 +495,7 @@ class RunWorkflow:
         state, req = self._state, self._request
         assert state.plan is not None
         stage = state.plan.stages[node.stage_index]
+        replace = req.on_node_loss is NodeLossPolicy.REPLACE
         provision = StageProvision(
             run_id=state.run_id,
             authorized_orchestrator=state.authorized_orchestrator,
@@ -489,7 +508,7 @@ class RunWorkflow:
             consumer_endpoint=self._consumer(node.stage_index),
             driver_edges=[
                 e
-                for e in state.plan.edges
+                for e in epoch_edges(state.plan.edges, state.epoch)
                 if node.stage_index == 0 and (e.src_stage is None or e.dst_stage is None)
             ],
             model_name=state.plan.model_facts.name,
@@ -497,10 +516,14 @@ class RunWorkflow:
             tokenizer_path=state.plan.tokenizer_path,
             max_seq_len=state.plan.max_seq_len,
             max_active_prompts=req.max_active_prompts,
-            rings=state.plan.rings,
+            rings=epoch_rings(state.plan.rings, state.epoch),
             readiness_id=node.readiness_id,
             engine=req.engine,
             run_workflow_id=workflow.info().workflow_id,
+            epoch=state.epoch,
+            recovery_wait_s=req.recovery.replacement_timeout_s
+            if replace and node.stage_index == 0
+            else None,
         )
         node.stage_provisioned = True
         await self._guard(
@@ -522,7 +545,7 @@ class RunWorkflow:
     def _edge(self, *, src: int | None = None, dst: int | None = None) -> EdgePlan | None:
         """The stage's outbound (src) or inbound (dst) edge of the committed plan."""
         assert self._state.plan is not None
-        for edge in self._state.plan.edges:
+        for edge in epoch_edges(self._state.plan.edges, self._state.epoch):
             if src is not None and edge.src_stage == src:
                 return edge
             if dst is not None and edge.dst_stage == dst:
@@ -578,7 +601,8 @@ class RunWorkflow:
                         continue
                 break
             if not self._background_cancelled:
-                state.on_lease_lost(node.node_id, detail)
+                state.on_lease_lost(node.node_id, detail, _now_ms())
+                self._recover_lost()
 
         self._leases[node.node_id] = asyncio.ensure_future(lease())
 
@@ -609,9 +633,86 @@ class RunWorkflow:
                     return
                 if self._watch_cancelled:
                     return
-                state.on_node_exited(exited.node_id, exited.detail)
+                state.on_node_exited(exited.node_id, exited.detail, _now_ms())
+                self._recover_lost()
 
         self._watch = asyncio.ensure_future(watch())
+
+    def _widen_watch(self) -> None:
+        """Watch the run's nodes as they are now (a replacement joined): the watch in
+        flight ends, one over every node starts."""
+        if self._watch is not None:
+            self._old_watches.append(self._watch)
+            self._watch.cancel()
+            self._watch = None
+        self._start_watch()
+
+    # ------------------------------------------------------------------ stage recovery
+    def _recover_lost(self) -> None:
+        """Replace the nodes the run has lost (DECISIONS 68), one after another."""
+        if self._state.lost and self._recovery is None and not self._state.stopping:
+            self._recovery = asyncio.ensure_future(self._recover())
+
+    async def _recover(self) -> None:
+        state = self._state
+        self._set_phase(RunPhase.RECOVERING)
+        try:
+            while state.lost and not state.stopping:
+                await self._replace()
+        except _Stopping:
+            pass
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            rec = state.recovering
+            stage = f"stage {rec.stage_index}" if rec is not None else "a stage"
+            state.fault(f"prompt serving: recovery of {stage} failed: {_describe(err)}")
+        finally:
+            self._recovery = None
+
+    async def _replace(self) -> None:
+        """Stop what is left of the lost node, start its replacement through the same
+        provider, take it through the readiness barrier, wire every stage into a new
+        pipeline (the survivors keep their weights) and return to prompt-ready. The head
+        node holds its prompts in flight meanwhile and continues them on the new pipeline."""
+        state, req = self._state, self._request
+        lost, node = state.begin_replacement(_now_ms())
+        self._show()
+        deadline = workflow.now() + timedelta(seconds=req.recovery.replacement_timeout_s)
+        lease = self._leases.pop(lost.node_id, None)
+        if lease is not None:
+            lease.cancel()  # its end is no news now: the node is out of the run
+        await self._stop_node(lost)  # a rental is destroyed, never left billing
+        if state.stopping:
+            raise _Stopping()
+        await self._start_node(node)
+        if state.stopping:
+            raise _Stopping()
+        self._widen_watch()
+        self._start_lease(node, req.recovery.replacement_timeout_s)
+        await self._join(node, deadline)
+        state.replacement_joined(_now_ms())
+        state.next_epoch()
+        self._show()
+        # The replacement loads its layers while the survivors wire the new edges.
+        await asyncio.gather(*(self._provision_stage(n) for n in state.nodes))
+        await self._await_stages_ready(deadline)
+        serving = RunPhase.ROLLING_OVER if self._rolling_over else RunPhase.PROMPT_READY
+        state.recovered(_now_ms(), serving)
+        if not state.lost:
+            self._set_phase(serving)
+
+    async def _stop_recovery(self) -> None:
+        """The run ends: a replacement in flight stops where it is (a start in flight
+        runs to its end, so that teardown knows the node it may have launched)."""
+        task = self._recovery
+        if task is None:
+            return
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, _Stopping):
+            pass
 
     def _start_datastream(self) -> None:
         """The run's datastream activity (DECISIONS 58), on the provider queue beside the
@@ -653,6 +754,9 @@ class RunWorkflow:
             self._watch_cancelled = True
             tasks.append(self._watch)
             self._watch = None
+        if watch:
+            tasks += self._old_watches
+            self._old_watches = []
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -701,26 +805,37 @@ class RunWorkflow:
                 lambda: (
                     state.stopping
                     or state.may_activate(self._request.max_active_prompts)
-                    or (workflow.info().is_continue_as_new_suggested() and not self._rolling_over)
-                    or (self._rolling_over and state.prompts_in_flight() == 0)
+                    or (self._roll_over_now() and not self._rolling_over)
+                    or (self._rolling_over and self._rolled_over())
                 )
             )
             if state.stopping:
                 return "stop"
-            if self._rolling_over and state.prompts_in_flight() == 0:
+            if self._rolling_over and self._rolled_over():
                 await workflow.wait_condition(
                     lambda: workflow.all_handlers_finished() or state.stopping
                 )
                 if state.stopping:
                     return "stop"
                 return "continue_as_new"
-            if workflow.info().is_continue_as_new_suggested() and not self._rolling_over:
+            if self._roll_over_now() and not self._rolling_over:
                 self._rolling_over = True
                 self._set_phase(RunPhase.ROLLING_OVER)
                 continue
             while state.activate_next(self._request.max_active_prompts) is not None:
                 pass
             self._show()
+
+    def _recovering(self) -> bool:
+        return bool(self._state.lost) or self._state.recovering is not None
+
+    def _roll_over_now(self) -> bool:
+        """Time to continue as new (the server suggests it), unless a stage is being
+        replaced: the recovery finishes first."""
+        return workflow.info().is_continue_as_new_suggested() and not self._recovering()
+
+    def _rolled_over(self) -> bool:
+        return self._state.prompts_in_flight() == 0 and not self._recovering()
 
     @workflow.update(name=names.UPDATE_SUBMIT_PROMPT)
     async def submit_prompt(self, *args: Any) -> PromptTerminal:
@@ -1031,14 +1146,20 @@ class RunWorkflow:
             return
         state = self._state
 
+        grace = CULPRIT_GRACE
+        if self._request.on_node_loss is NodeLossPolicy.REPLACE:
+            grace = REPLACE_CULPRIT_GRACE
+
         async def confirm() -> None:
             try:
                 await workflow.wait_condition(
-                    lambda: state.stopping, timeout=CULPRIT_GRACE.total_seconds()
+                    lambda: state.stopping or state.suspected_fault is None,
+                    timeout=grace.total_seconds(),
                 )
             except TimeoutError:
                 pass
             state.confirm_suspected()
+            self._grace = None  # a later suspicion has a grace of its own
 
         self._grace = asyncio.ensure_future(confirm())
 
@@ -1284,6 +1405,11 @@ def _text_size(served: ServedPrompt) -> int:
     terminal = served.outcome.terminal
     text = terminal.final_text if terminal.type == "done" else terminal.text
     return len(text or "")
+
+
+def _now_ms() -> int:
+    """Workflow time, in milliseconds since the epoch."""
+    return int(workflow.now().timestamp() * 1000)
 
 
 def _abandon(task: asyncio.Task[Any]) -> None:

@@ -266,6 +266,8 @@ class NodeActivities:
                 flush=True,
             )
             self.runtime = runtime
+        elif prov.epoch > self.runtime.provision.epoch:
+            await self._rewire(self.runtime, prov)
         await self._run().signal(
             names.SIGNAL_WEIGHTS_READY,
             WeightsReady(
@@ -277,8 +279,32 @@ class NodeActivities:
         )
         self.weights_reported.set()
 
+    async def _rewire(self, runtime: StageRuntime, prov: StageProvision) -> None:
+        """Stage recovery (DECISIONS 68): join the run's new pipeline with the weights this
+        stage holds; its prompts in flight (on the head) go on there."""
+        old = runtime.provision.epoch
+        try:
+            await asyncio.to_thread(
+                runtime.rewire, prov, self.server, **self._pipeline_reports(prov.epoch)
+            )
+        except ValueError as err:
+            raise ApplicationError(
+                self.redact(f"node {self.cfg.node_id}: {err}"),
+                type=ErrorType.STAGE_REJECTED,
+                non_retryable=True,
+            ) from None
+        print(
+            f"stage {self.cfg.stage_index} left pipeline {old} for pipeline {prov.epoch} "
+            "(weights kept)",
+            flush=True,
+        )
+
     def _join_data_plane(self, runtime: StageRuntime) -> None:
         """StageReady when both edges connect (at once in direct mode); faults by signal."""
+        runtime.attach_pipeline(self.server, **self._pipeline_reports(runtime.provision.epoch))
+
+    def _pipeline_reports(self, epoch: int) -> dict[str, Any]:
+        """The data plane's reports to the run, each naming pipeline ``epoch``."""
         cfg, loop = self.cfg, asyncio.get_running_loop()
 
         def send(signal_name: str, report: BaseModel) -> None:
@@ -292,32 +318,38 @@ class NodeActivities:
 
             asyncio.run_coroutine_threadsafe(deliver(), loop)
 
-        runtime.attach_pipeline(
-            self.server,
-            edge_token=cfg.edge_token,
-            connect_timeout_s=cfg.readiness_timeout_s,
-            on_stage_ready=lambda: send(
+        return {
+            "edge_token": cfg.edge_token,
+            "connect_timeout_s": cfg.readiness_timeout_s,
+            "on_stage_ready": lambda: send(
                 names.SIGNAL_STAGE_READY,
                 StageReady(
-                    run_id=cfg.run_id, stage_index=cfg.stage_index, readiness_id=cfg.readiness_id
+                    run_id=cfg.run_id,
+                    stage_index=cfg.stage_index,
+                    readiness_id=cfg.readiness_id,
+                    epoch=epoch,
                 ),
             ),
-            on_endpoints_ready=lambda: send(
+            "on_endpoints_ready": lambda: send(
                 names.SIGNAL_TOKEN_ENDPOINTS_READY,
                 TokenEndpointsReady(
-                    run_id=cfg.run_id, node_id=cfg.node_id, readiness_id=cfg.readiness_id
+                    run_id=cfg.run_id,
+                    node_id=cfg.node_id,
+                    readiness_id=cfg.readiness_id,
+                    epoch=epoch,
                 ),
             ),
-            on_fault=lambda reason: send(
+            "on_fault": lambda reason: send(
                 names.SIGNAL_STAGE_FAULT,
                 StageFault(
                     run_id=cfg.run_id,
                     stage_index=cfg.stage_index,
                     reason=self.redact(reason),
                     readiness_id=cfg.readiness_id,
+                    epoch=epoch,
                 ),
             ),
-        )
+        }
 
     @activity.defn(name=names.ACT_NODE_GENERATE)
     async def generate(self, inp: GenerateInput) -> PromptOutcome:
@@ -453,6 +485,7 @@ class NodeActivities:
                 elapsed_ms=result.elapsed_ms,
                 stop_reason=result.stop_reason,
                 prompt_tokens=result.prompt_tokens,
+                recoveries=result.recoveries,
             ),
             timing=prompt_timing(result, first_published),
         )

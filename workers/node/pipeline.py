@@ -134,6 +134,10 @@ class StageLink:
     def start(self) -> None:
         self._thread.start()
 
+    def close_soon(self) -> None:
+        """Stop without a fault report; its edges closing next end the thread."""
+        self._stop.set()
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)

@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from mvp_core.generation import ChatTemplateRefused, PromptRefused, PromptTooLong
 from mvp_core.models import EdgeKind, StageProvision, SubmitPrompt
 from temporal import telemetry
 from workers.node.affinity import Placement, compute_set, cpu_quota
 from workers.node.config import FaultInjection
-from workers.node.dataplane import DataPlaneServer, EdgeGroup, EdgeSpec
+from workers.node.dataplane import DataPlaneServer, EdgeClosed, EdgeError, EdgeGroup, EdgeSpec
 from workers.node.engine import (
     ContextOverflow,
     EngineOptions,
@@ -47,6 +49,7 @@ class GenerationResult:
     first_token_at: float | None = None
     started_at: float = 0.0
     token_ids: list[int] = dataclasses.field(default_factory=list)  # resumed ones first
+    recoveries: int = 0  # pipelines lost under it and replaced (stage recovery)
 
 
 class StageRuntime:
@@ -65,6 +68,12 @@ class StageRuntime:
         self.link: StageLink | None = None
         self.driver: Driver | None = None
         self.group: EdgeGroup | None = None
+        # Stage recovery (DECISIONS 68): the pipeline's epoch whose token endpoints are
+        # connected; prompts whose pipeline was lost wait on this for the next one.
+        self._pipeline = threading.Condition()
+        self._ready_epoch = -1
+        self._ready_driver: Driver | None = None  # that pipeline's driver
+        self._closed = False
         # The token path's cores, shared by every node of this host (see affinity.py).
         engine = provision.engine
         self.placement = Placement(
@@ -116,6 +125,15 @@ class StageRuntime:
         """Join the data plane: expect the inbound edge, connect the outbound one."""
         self.placement.confine_others()  # before the token-path threads start
         prov = self.provision
+        epoch = prov.epoch
+
+        def endpoints_ready() -> None:
+            with self._pipeline:
+                if epoch > self._ready_epoch:
+                    self._ready_epoch, self._ready_driver = epoch, driver
+                self._pipeline.notify_all()
+            on_endpoints_ready()
+
         if (
             prov.inbound_edge is None
             or prov.outbound_edge is None
@@ -148,7 +166,7 @@ class StageRuntime:
         if prov.driver_edges:
             token_in = next(e for e in prov.driver_edges if e.kind is EdgeKind.TOKEN_IN)
             token_out = next(e for e in prov.driver_edges if e.kind is EdgeKind.TOKEN_OUT)
-            self.driver = Driver(
+            self.driver = driver = Driver(
                 server=server,
                 group=self.group,
                 token_in=EdgeSpec.from_plan(token_in),
@@ -156,13 +174,48 @@ class StageRuntime:
                 token=edge_token,
                 connect_timeout_s=connect_timeout_s,
                 record_timeout_s=RECORD_TIMEOUT_S,
-                on_ready=on_endpoints_ready,
+                on_ready=endpoints_ready,
                 on_fault=on_fault,
                 slots=prov.max_active_prompts,
             )
         self.link.start()
         if self.driver is not None:
             self.driver.start()
+
+    def detach_pipeline(self) -> None:
+        """Leave the pipeline (its edges close; a new one is wired next: stage recovery).
+        The weights stay; prompts the head drives wait for the next pipeline."""
+        link, group = self.link, self.group
+        self.link = self.driver = self.group = None
+        if link is not None:
+            link.close_soon()
+        if group is not None:
+            group.fail(EdgeClosed(f"stage {self.provision.stage_index}: pipeline replaced"))
+            group.close()
+        if link is not None:
+            link.close()
+
+    def rewire(
+        self,
+        provision: StageProvision,
+        server: DataPlaneServer,
+        **attach: Any,
+    ) -> None:
+        """Join pipeline ``provision.epoch`` with the layers already loaded."""
+        old = self.provision
+        if (
+            provision.layers != old.layers
+            or provision.model_path != old.model_path
+            or provision.max_seq_len != old.max_seq_len
+            or provision.max_active_prompts != old.max_active_prompts
+        ):
+            raise ValueError(
+                f"pipeline {provision.epoch} asks stage {old.stage_index} for other layers or "
+                f"another model than it holds (layers [{old.layers.start},{old.layers.end}))"
+            )
+        self.detach_pipeline()
+        self.provision = provision
+        self.attach_pipeline(server, **attach)
 
     def encode(self, prompt: SubmitPrompt) -> list[int]:
         """The prompt's token ids (a chat prompt rendered with the model's template first);
@@ -219,9 +272,12 @@ class StageRuntime:
             on_encoded(len(ids))
         text = _TextOut(self.tokenizer, on_text)
         text.prime(resume)
-        if self.driver is not None:
+        recoveries = 0
+        if self.provision.driver_edges:
             with self.placement.applied():
-                reason = self._run_pipeline(prompt, ids, max_new_tokens, text, should_stop, resume)
+                reason, recoveries = self._run_pipeline(
+                    prompt, ids, max_new_tokens, text, should_stop
+                )
         else:  # the scheduler's thread runs on the token path's cores
             reason = self._run_direct(prompt, ids, max_new_tokens, text, should_stop, resume)
         return GenerationResult(
@@ -234,6 +290,7 @@ class StageRuntime:
             first_token_at=text.first_at,
             started_at=started,
             token_ids=text.ids,
+            recoveries=recoveries,
         )
 
     def _run_direct(
@@ -281,23 +338,62 @@ class StageRuntime:
         max_new_tokens: int | None,
         text: _TextOut,
         should_stop: Callable[[], bool],
-        resume: Sequence[int],
-    ) -> str:
+    ) -> tuple[str, int]:
         """The head's driver runs the token loop over the data plane (DECISIONS 19);
-        returns why it stopped."""
-        assert self.driver is not None
-        return self.driver.run(
-            prompt.request_id,
-            ids,
-            sampling_of(prompt),
-            max_new_tokens=max_new_tokens,
-            max_seq_len=self.provision.max_seq_len,
-            on_token=text.push,
-            should_stop=should_stop,
-            resume=resume,
-        )
+        returns why it stopped, and how many lost pipelines the prompt outlived.
+
+        A run that replaces lost nodes (``recovery_wait_s``, DECISIONS 68) keeps the
+        prompt when its pipeline is lost: it waits for the next one and goes on there
+        with the tokens it has (re-fed, each checked), so its text is the undisturbed
+        run's. A sampled prompt without a seed gets one here, for its resume to draw the
+        same tokens."""
+        sampling = sampling_of(prompt)
+        wait_s = self.provision.recovery_wait_s
+        if wait_s is not None and sampling.temperature > 0 and sampling.seed is None:
+            sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
+        recoveries = 0
+        while True:
+            with self._pipeline:
+                driver, epoch = self._ready_driver, self._ready_epoch
+            try:
+                if driver is None:
+                    raise EdgeError("the head's token endpoints are not connected")
+                reason = driver.run(
+                    prompt.request_id,
+                    ids,
+                    sampling,
+                    max_new_tokens=max_new_tokens,
+                    max_seq_len=self.provision.max_seq_len,
+                    on_token=text.push,
+                    should_stop=should_stop,
+                    resume=list(text.ids),
+                )
+                return reason, recoveries
+            except EdgeError:
+                if wait_s is None or should_stop():
+                    raise
+                if not self._next_pipeline(epoch, wait_s, should_stop):
+                    if should_stop():
+                        return "cancelled", recoveries
+                    raise
+                recoveries += 1
+
+    def _next_pipeline(self, epoch: int, wait_s: float, should_stop: Callable[[], bool]) -> bool:
+        """Wait until a pipeline after ``epoch`` has its token endpoints connected: False
+        when none came within ``wait_s``, the prompt was stopped, or the stage closed."""
+        deadline = time.monotonic() + wait_s
+        with self._pipeline:
+            while self._ready_epoch <= epoch and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0 or should_stop():
+                    return False
+                self._pipeline.wait(min(left, 0.5))
+            return not self._closed
 
     def close(self) -> None:
+        with self._pipeline:
+            self._closed = True
+            self._pipeline.notify_all()
         if self.scheduler is not None:
             self.scheduler.close()
         if self.link is not None:

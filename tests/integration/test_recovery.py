@@ -1,0 +1,181 @@
+"""Issue 23: stage recovery (``on_node_loss: "replace"``, DECISIONS 68).
+
+Real runs of the bundled model on local node processes, 3 stages, 4 prompts generating at
+once: a stage's node killed with kill -9 mid-generation is replaced through the provider,
+the pipeline is wired anew (the survivors keep their weights) and every prompt completes
+with exactly the text of an undisturbed run, streamed without a gap or a repeat, with one
+terminal event each; the run is prompt-ready again, the old node never rejoins and the
+fixture finds no node left. A loss past the bound faults the run as fail-stop does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+from temporalio.client import WorkflowExecutionStatus
+
+from mvp_core.models import (
+    Done,
+    Fault,
+    LifecycleKind,
+    RunPhase,
+    ShutdownReason,
+    SubmitPrompt,
+    TextDelta,
+)
+from mvp_core.run_state import RunState
+from temporal.client import RunHandle
+from tests.integration.conftest import Runs, run_failure, snapshot, wait_closed, wait_phase
+
+MAX_TOKENS = 160
+# Each piece of text held 10 ms on the head node: no prompt can end before the kill,
+# however fast the machine.
+SLOW_TEXT = {"MVP_FAULT_TEXT_DELAY_MS": "10"}
+
+
+def _prompts(base: int) -> list[SubmitPrompt]:
+    """Two greedy prompts and two seeded sampled ones, each counting on past any cap here
+    (SmolLM2 keeps counting, sampled too): every prompt is in flight at the kill."""
+    greedy = [
+        SubmitPrompt(request_id=base + i, prompt_text=text, max_tokens=MAX_TOKENS)
+        for i, text in enumerate(["1, 2, 3, 4, 5,", "100, 101, 102, 103,"])
+    ]
+    sampled = [
+        SubmitPrompt(
+            request_id=base + 2 + i,
+            prompt_text=text,
+            max_tokens=MAX_TOKENS,
+            temperature=0.8,
+            top_k=40,
+            top_p=0.95,
+            seed=7 + i,
+        )
+        for i, text in enumerate(["2, 4, 6, 8, 10,", "10, 20, 30, 40,"])
+    ]
+    return greedy + sampled
+
+
+def _request(**extra: Any) -> dict[str, Any]:
+    return {
+        "pipeline_stages": 3,
+        "max_active_prompts": 4,
+        "prompt_queue_capacity": 2,
+        "max_context": 512,
+        "on_node_loss": "replace",
+        **extra,
+    }
+
+
+async def _stream(
+    run: RunHandle, prompt: SubmitPrompt, started: asyncio.Event
+) -> tuple[str, list[Done | Fault]]:
+    text, ends = "", []
+    async for event in run.stream(prompt):
+        if isinstance(event, TextDelta):
+            text += event.text
+            started.set()
+        else:
+            ends.append(event)
+    return text, ends
+
+
+async def _kill_and_recover(
+    runs: Runs, run_id: int, killed_stage: int
+) -> tuple[RunHandle, RunState, float]:
+    """Serve 4 prompts undisturbed, then the same 4 again with ``killed_stage``'s node
+    killed once all 4 stream: each ends Done with the undisturbed text, streamed whole."""
+    handle = await runs.start(run_id, faults=SLOW_TEXT, **_request())
+    state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=180)
+    run = RunHandle(runs.client, run_id)
+    undisturbed = await asyncio.gather(*(run.submit(p) for p in _prompts(10)))
+    assert all(isinstance(d, Done) for d in undisturbed), undisturbed
+
+    started = [asyncio.Event() for _ in range(4)]
+    following = [
+        asyncio.ensure_future(_stream(run, p, e))
+        for p, e in zip(_prompts(20), started, strict=True)
+    ]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 180)
+    assert all(not f.done() for f in following), "a prompt ended before the kill"
+    victim = next(n for n in state.nodes if n.stage_index == killed_stage)
+    assert victim.handle is not None and victim.handle.pid is not None
+    os.kill(victim.handle.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    results = await asyncio.wait_for(asyncio.gather(*following), 240)
+    for before, (streamed, ends) in zip(undisturbed, results, strict=True):
+        assert len(ends) == 1 and isinstance(ends[0], Done), ends
+        done = ends[0]
+        assert isinstance(before, Done)
+        assert (done.final_text, done.tokens_generated, done.stop_reason) == (
+            before.final_text,
+            before.tokens_generated,
+            before.stop_reason,
+        )
+        assert streamed == done.final_text  # no gap, no repeat
+        assert done.recoveries == 1
+    after = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=60)
+    assert after.recoveries_done == 1 and after.epoch == 1 and not after.stopping
+    rec = after.recoveries[-1]
+    assert rec.stage_index == killed_stage and rec.lost_node_id == victim.node_id
+    assert rec.ready_at_ms is not None and rec.joined_at_ms is not None
+    new = next(n for n in after.nodes if n.stage_index == killed_stage)
+    assert new.node_id == rec.new_node_id != victim.node_id
+    old = next(n for n in after.replaced_nodes if n.node_id == victim.node_id)
+    assert old.provider_stopped and old.exited
+    kinds = [r.kind for r in after.lifecycle]
+    for kind in (
+        LifecycleKind.STAGE_LOST,
+        LifecycleKind.STAGE_REPLACING,
+        LifecycleKind.STAGE_RECOVERED,
+    ):
+        assert kinds.count(kind) == 1, kinds
+    assert LifecycleKind.RUN_FAULTED not in kinds
+    return run, after, killed_at
+
+
+@pytest.mark.parametrize("killed_stage", [1, 2])
+async def test_a_killed_stage_is_replaced_and_every_prompt_ends_with_its_text(
+    runs: Runs, killed_stage: int
+):
+    run_id = 2301 + killed_stage
+    run, _, _ = await _kill_and_recover(runs, run_id, killed_stage)
+    # Served on the new pipeline as before, and a queue kept through it.
+    again = await run.submit(_prompts(30)[0])
+    assert isinstance(again, Done) and again.recoveries == 0
+    await run.shutdown_and_wait(ShutdownReason.OPERATOR_REQUESTED)
+    handle = runs.handles[-1]
+    assert await wait_closed(handle) is WorkflowExecutionStatus.COMPLETED
+    final = await snapshot(handle)
+    assert all(n.provider_stopped for n in (*final.nodes, *final.replaced_nodes))
+
+
+async def test_a_loss_past_the_bound_faults_the_run(runs: Runs):
+    """One replacement allowed: the second loss is the run's fault, as fail-stop."""
+    run_id = 2310
+    handle = await runs.start(
+        run_id, **_request(pipeline_stages=2, recovery={"max_replacements": 1})
+    )
+    state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=180)
+    victim = next(n for n in state.nodes if n.stage_index == 1)
+    assert victim.handle is not None and victim.handle.pid is not None
+    os.kill(victim.handle.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while True:
+        after = await snapshot(handle)
+        if after.recoveries_done == 1 and after.phase is RunPhase.PROMPT_READY:
+            break
+        assert time.monotonic() < deadline and not after.stopping, after.first_fault
+        await asyncio.sleep(0.2)
+    new = next(n for n in after.nodes if n.stage_index == 1)
+    assert new.handle is not None and new.handle.pid is not None
+    os.kill(new.handle.pid, signal.SIGKILL)
+    cause = await run_failure(handle)
+    assert f"node {new.node_id} exited" in cause and "no replacement left" in cause, cause
+    final = await snapshot(handle)
+    assert final.torn_down
+    assert all(n.provider_stopped for n in (*final.nodes, *final.replaced_nodes))
