@@ -973,6 +973,12 @@ class GenerateInput(_Model):
     # False: a run-hosted prompt (no workflow stream): its text goes to the head node's
     # direct readers only, and to Temporal with its terminal event (DECISIONS 66).
     temporal_text: bool = True
+    # Stage recovery (DECISIONS 68): heartbeat the tokens so far (GenerateCheckpoint);
+    # go on after ``resume``, the tokens generated on a head that was lost, with the text
+    # from token ``text_from`` on (what the prompt's readers lack; None: after resume).
+    checkpoint: bool = False
+    resume: list[int] = Field(default_factory=list, max_length=1_048_576)
+    text_from: int | None = Field(default=None, ge=0)
 
 
 class StopGenerateInput(_Model):
@@ -1039,6 +1045,27 @@ class PromptInput(_Model):
     stream_batch_ms: int = 100
     # Next in line at admission: generate at once, without waiting for activation.
     start_active: bool = False
+    # Stage recovery (DECISIONS 68): a prompt whose head node is lost goes on, on the
+    # replacement head, from its last checkpoint, for at most recovery_wait_s.
+    on_node_loss: NodeLossPolicy = NodeLossPolicy.FAIL
+    recovery_wait_s: float = Field(default=300.0, gt=0, le=_DAY_S)
+
+
+class PromptHead(_Model):
+    """The run to its prompts, in a stage recovery of the head (DECISIONS 68): the head
+    node is lost (``ready`` False), or its replacement serves (``ready`` True)."""
+
+    node_id: int
+    task_queue: str
+    readiness_id: str
+    ready: bool
+
+
+class GenerateCheckpoint(_Model):
+    """A generate's heartbeat details where the run replaces lost nodes (DECISIONS 68):
+    the tokens the prompt has generated so far, to go on from should its head be lost."""
+
+    tokens: list[int] = Field(default_factory=list, max_length=1_048_576)
 
 
 # --------------------------------------------------------------------------- lifecycle

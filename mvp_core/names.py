@@ -38,6 +38,7 @@ SIGNAL_DATASTREAM_ADDRESS = "datastream_address"
 # Prompt workflow signals.
 SIGNAL_PROMPT_ACTIVATE = "activate"
 SIGNAL_PROMPT_CANCEL = "cancel"
+SIGNAL_PROMPT_HEAD = "head"  # the head node lost, or its replacement (DECISIONS 68)
 
 # Stream topic carrying PromptEvent items of one prompt.
 PROMPT_STREAM_TOPIC = "prompt"

@@ -23,15 +23,22 @@ with workflow.unsafe.imports_passed_through():
     from mvp_core import metrics, names
     from mvp_core.models import (
         Fault,
+        GenerateCheckpoint,
         GenerateInput,
+        NodeLossPolicy,
+        PromptHead,
         PromptInput,
         PromptOutcome,
         PromptStatus,
         StopGenerateInput,
+        TextDelta,
     )
     from workflows import calls
 
 STATUS_KEY = SearchAttributeKey.for_keyword(names.SEARCH_ATTRIBUTE_PROMPT)
+# A generate whose heartbeats stopped, in a run that replaces lost nodes: how long its
+# prompt waits for the run to say its head node is lost (the provider watch names it).
+HEAD_LOSS_NEWS = 10.0
 
 
 def failure_cause(err: BaseException) -> str:
@@ -62,11 +69,18 @@ class PromptServing:
         *,
         temporal_text: bool = True,
         turn: Callable[[], bool] | None = None,
+        published_tokens: Callable[[], int] | None = None,
     ) -> None:
         self.inp = inp
         self.key = key  # the generate's key on the head node (its workflow id)
         self.temporal_text = temporal_text
         self.turn = turn  # the host says the prompt's turn has come (else: activate())
+        # The generated tokens whose text the prompt's stream holds (None: no stream).
+        self.published_tokens = published_tokens
+        # Stage recovery of the head (DECISIONS 68): the run says the head is lost, then
+        # which node serves instead.
+        self.head_lost = False
+        self.head_moves = 0
         self.activated = False
         self.activated_at: datetime | None = None  # workflow time: the prompt's turn came
         self.cancel_reason: str | None = None
@@ -81,6 +95,23 @@ class PromptServing:
     def cancel(self, reason: str) -> None:
         if self.cancel_reason is None:
             self.cancel_reason = reason or "cancelled"
+
+    def move_head(self, head: PromptHead) -> None:
+        """The run's news of the head node: lost, or its replacement serving."""
+        if not head.ready:
+            self.head_lost = True
+            return
+        if head.task_queue == self.inp.head_task_queue:
+            return
+        self.inp = self.inp.model_copy(
+            update={
+                "head_task_queue": head.task_queue,
+                "readiness_id": head.readiness_id,
+                "head_node_id": head.node_id,
+            }
+        )
+        self.head_lost = False
+        self.head_moves += 1
 
     def _turn_came(self) -> bool:
         return self.turn is not None and self.turn()
@@ -102,8 +133,6 @@ class PromptServing:
         """Until the prompt's outcome (``details``: say how it goes in the Web UI's details
         line of the workflow running it)."""
         inp = self.inp
-        request_id = inp.prompt.request_id
-        where = f"node {inp.head_node_id}" if inp.head_node_id is not None else "the head node"
         if inp.start_active:
             self.activate()  # next in line at admission: no activation comes
         if details:
@@ -114,6 +143,44 @@ class PromptServing:
         if self.cancel_reason is not None:
             return self.cancelled()
         self.activate()
+        resume: list[int] = []
+        text_from: int | None = None
+        recoveries = 0
+        while True:
+            outcome, lost = await self._generate(resume, text_from, details)
+            if lost is None:
+                break
+            # The head node was lost (DECISIONS 68): on from the tokens its last
+            # heartbeat held, on the replacement head, once the run has one.
+            if len(lost) > len(resume):
+                resume = lost
+            if not await self._new_head():
+                if self.cancel_reason is None:
+                    outcome = PromptOutcome(
+                        terminal=Fault(
+                            request_id=inp.prompt.request_id,
+                            error="prompt serving fault: the head node was lost and no "
+                            f"replacement served within {inp.recovery_wait_s:g} s",
+                        ),
+                        status=PromptStatus.FAULTED,
+                    )
+                break
+            recoveries += 1
+            text_from = self.published_tokens() if self.published_tokens is not None else None
+        if recoveries and outcome.terminal.type == "done":
+            outcome.terminal.recoveries += recoveries
+        return outcome
+
+    async def _generate(
+        self, resume: list[int], text_from: int | None, details: bool
+    ) -> tuple[PromptOutcome, list[int] | None]:
+        """One generate on the head node: the outcome, and with a head that was lost in a
+        run that replaces lost nodes, the tokens of its last checkpoint (else None)."""
+        inp = self.inp
+        request_id = inp.prompt.request_id
+        where = f"node {inp.head_node_id}" if inp.head_node_id is not None else "the head node"
+        replace = inp.on_node_loss is NodeLossPolicy.REPLACE
+        moves = self.head_moves  # the run's news of the head from here on
         if details:
             workflow.set_current_details(
                 f"{self.label}: generating on {where} (at most {_limit(inp.max_new_tokens)} tokens)"
@@ -127,6 +194,9 @@ class PromptServing:
                 max_new_tokens=inp.max_new_tokens,
                 stream_batch_ms=inp.stream_batch_ms,
                 temporal_text=self.temporal_text,
+                checkpoint=replace,
+                resume=resume,
+                text_from=text_from,
             ),
             inp.head_task_queue,
             inp.generate_heartbeat_s,
@@ -147,11 +217,15 @@ class PromptServing:
                     inp.head_task_queue,
                     f"stop request {request_id} on {where} (run {inp.run_id})",
                 )
+        lost: list[int] | None = None
         try:
             outcome: PromptOutcome = await handle
         except ActivityError as err:
             if self.cancel_reason is not None:
                 outcome = self.cancelled()
+            elif replace and heartbeat_lost(err) and await self._head_was_lost(moves):
+                lost = _checkpoint(err)
+                outcome = self.cancelled()  # replaced by the resumed generate's
             else:
                 reason = failure_cause(err)
                 outcome = PromptOutcome(
@@ -167,15 +241,41 @@ class PromptServing:
                 )
         if stop is not None:
             await self._stopped(stop)
-        if outcome.terminal.type == "fault" and outcome.status is PromptStatus.DONE:
+        terminal = outcome.terminal
+        if isinstance(terminal, Fault) and outcome.status is PromptStatus.DONE:
             # A prompt-local fault from the node (too long, or stopped: then it says why).
             if self.cancel_reason is not None:
-                outcome = self.cancelled(outcome.terminal.text, outcome.terminal.tokens_generated)
-            elif outcome.terminal.error == "cancelled":
+                outcome = self.cancelled(terminal.text, terminal.tokens_generated)
+            elif terminal.error == "cancelled":
                 outcome.status = PromptStatus.CANCELLED
             else:
                 outcome.status = PromptStatus.FAULTED
-        return outcome
+        return outcome, lost
+
+    async def _head_was_lost(self, moves: int) -> bool:
+        """The run says the head node is lost (or has replaced it since the generate
+        started: ``moves``), within HEAD_LOSS_NEWS: a generate whose heartbeats stopped
+        with its node alive (the control plane away) is no loss."""
+        try:
+            await workflow.wait_condition(
+                lambda: self.head_lost or self.head_moves > moves or self.cancel_reason is not None,
+                timeout=HEAD_LOSS_NEWS,
+            )
+        except TimeoutError:
+            return False
+        return (self.head_lost or self.head_moves > moves) and self.cancel_reason is None
+
+    async def _new_head(self) -> bool:
+        """Wait for the replacement head (at most the run's recovery bound): True once
+        it serves, False on a cancel or when none came."""
+        try:
+            await workflow.wait_condition(
+                lambda: not self.head_lost or self.cancel_reason is not None,
+                timeout=self.inp.recovery_wait_s,
+            )
+        except TimeoutError:
+            return False
+        return self.cancel_reason is None
 
     async def _stopped(self, stop: workflow.ActivityHandle[Any]) -> None:
         """The pushed stop's end, once the generate has ended."""
@@ -226,7 +326,9 @@ class PromptWorkflow:
     @workflow.init
     def __init__(self, inp: PromptInput) -> None:
         self._stream = WorkflowStream()
-        self._serving = PromptServing(inp, workflow.info().workflow_id)
+        self._serving = PromptServing(
+            inp, workflow.info().workflow_id, published_tokens=self._published_tokens
+        )
 
     @workflow.signal(name=names.SIGNAL_PROMPT_ACTIVATE)
     def activate(self) -> None:
@@ -235,6 +337,25 @@ class PromptWorkflow:
     @workflow.signal(name=names.SIGNAL_PROMPT_CANCEL)
     def cancel(self, reason: str) -> None:
         self._serving.cancel(reason)
+
+    @workflow.signal(name=names.SIGNAL_PROMPT_HEAD)
+    def head(self, head: PromptHead) -> None:
+        self._serving.move_head(head)
+
+    def _published_tokens(self) -> int:
+        """The generated tokens whose text this prompt's stream holds: a generate resumed
+        on a new head publishes from there on, so its readers get no text twice."""
+        converter = workflow.payload_converter()
+        tokens = 0
+        # The stream's own log (the SDK has no public read of it inside the workflow).
+        for item in getattr(self._stream, "_log", []):
+            try:
+                delta = converter.from_payload(item.data, TextDelta)
+            except Exception:
+                continue
+            if isinstance(delta, TextDelta):
+                tokens += delta.tokens or 0
+        return tokens
 
     @workflow.run
     async def run(self, inp: PromptInput) -> PromptOutcome:
@@ -254,6 +375,18 @@ class PromptWorkflow:
             detail = f"{outcome.status.value}: {terminal.error}"
         workflow.set_current_details(f"{self._serving.label}: {detail}"[:400])
         return outcome
+
+
+def _checkpoint(err: ActivityError) -> list[int]:
+    """The tokens of a generate's last heartbeat (GenerateCheckpoint); [] without one."""
+    cause = err.cause
+    details = getattr(cause, "last_heartbeat_details", None) or ()
+    for item in details:
+        try:
+            return GenerateCheckpoint.model_validate(item).tokens
+        except Exception:
+            continue
+    return []
 
 
 def _limit(max_new_tokens: int | None) -> str:

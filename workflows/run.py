@@ -41,6 +41,7 @@ with workflow.unsafe.imports_passed_through():
         NodeRuntimeReady,
         NodeRuntimeReadyAck,
         PreparePlanInput,
+        PromptHead,
         PromptHost,
         PromptInput,
         PromptOutcome,
@@ -678,6 +679,8 @@ class RunWorkflow:
         state, req = self._state, self._request
         lost, node = state.begin_replacement(_now_ms())
         self._show()
+        if node.stage_index == 0:
+            await self._tell_prompts(node, ready=False)  # they wait for the new head
         deadline = workflow.now() + timedelta(seconds=req.recovery.replacement_timeout_s)
         lease = self._leases.pop(lost.node_id, None)
         if lease is not None:
@@ -698,9 +701,30 @@ class RunWorkflow:
         await asyncio.gather(*(self._provision_stage(n) for n in state.nodes))
         await self._await_stages_ready(deadline)
         serving = RunPhase.ROLLING_OVER if self._rolling_over else RunPhase.PROMPT_READY
+        if node.stage_index == 0:
+            await self._tell_prompts(node, ready=True)  # ... which serves them now
         state.recovered(_now_ms(), serving)
         if not state.lost:
             self._set_phase(serving)
+
+    async def _tell_prompts(self, head: NodeState, *, ready: bool) -> None:
+        """Every open prompt learns that the head node is lost, or which node serves it
+        now: one generating goes on there from its last checkpoint, one waiting goes there."""
+        news = PromptHead(
+            node_id=head.node_id,
+            task_queue=head.task_queue,
+            readiness_id=head.readiness_id,
+            ready=ready,
+        )
+        for serving in self._hosted.values():
+            serving.move_head(news)
+        for wf_id, child in list(self._children.items()):
+            if child.done():
+                continue
+            try:
+                await child.signal(names.SIGNAL_PROMPT_HEAD, news)
+            except Exception:
+                workflow.logger.info("head news to %s not delivered", wf_id)
 
     async def _stop_recovery(self) -> None:
         """The run ends: a replacement in flight stops where it is (a start in flight
@@ -850,6 +874,14 @@ class RunWorkflow:
         DECISIONS 66), and return its one terminal event."""
         state = self._state
         prompt = self._prompt_of(args)
+        if (
+            self._request.on_node_loss is NodeLossPolicy.REPLACE
+            and prompt.temperature > 0
+            and prompt.seed is None
+        ):
+            # Its seed is drawn here, recorded in its input: a resume on a replacement
+            # head node draws the same tokens (DECISIONS 68).
+            prompt = prompt.model_copy(update={"seed": workflow.random().getrandbits(63)})
         update_id = (workflow.current_update_info() or _NoUpdate()).id
         wf_id = names.prompt_workflow_id(state.run_id, prompt.request_id, _safe(update_id))
         hosted = state.prompt_host is PromptHost.RUN
@@ -877,6 +909,8 @@ class RunWorkflow:
             generate_heartbeat_s=self._request.timeouts.generate_heartbeat_s,
             stream_batch_ms=self._request.stream_batch_ms,
             start_active=start_active,
+            on_node_loss=self._request.on_node_loss,
+            recovery_wait_s=self._request.recovery.replacement_timeout_s,
         )
         if hosted:
             outcome = await self._host_prompt(inp, wf_id, record, admitted_at)

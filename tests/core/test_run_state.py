@@ -7,9 +7,11 @@ from mvp_core.models import (
     LifecycleKind,
     ModelFacts,
     NodeHandle,
+    NodeLossPolicy,
     NodeRuntimeReady,
     NodeRuntimeReadyAck,
     ProviderKind,
+    RecoverySettings,
     RunOutcomeKind,
     RunPhase,
     ShutdownReason,
@@ -390,3 +392,114 @@ def test_untrusted_reasons_are_clipped_in_state():
     assert len(s.ignored[-1].kind) == 64 and len(s.ignored[-1].reason) == 500
     s.fault("z" * 100_000)
     assert s.first_fault is not None and len(s.first_fault) == 500
+
+
+# ---------------------------------------------------------------------- stage recovery
+def replacing_state(max_replacements: int = 2) -> RunState:
+    """A prompt-ready run that replaces lost nodes (DECISIONS 68), at most
+    ``max_replacements`` within an hour."""
+    s = new_state()
+    s.node_loss = NodeLossPolicy.REPLACE
+    s.recovery_bound = RecoverySettings(max_replacements=max_replacements, window_s=3600)
+    bring_to_prompt_ready(s)
+    s.phase = RunPhase.PROMPT_READY
+    return s
+
+
+def test_a_lost_node_is_queued_for_replacement_not_a_fault():
+    s = replacing_state()
+    s.nodes[0].start_attempted = True
+    s.suspect("prompt serving: stage 0 fault: EdgeClosed: peer closed")
+    s.on_node_exited(1, "exit code -9", at_ms=1_000)
+    assert s.first_fault is None and s.suspected_fault is None  # the loss explains it
+    assert s.phase is RunPhase.RECOVERING and [r.lost_node_id for r in s.lost] == [1]
+    assert not s.may_activate(4)  # nothing is dispatched while the stage is lost ...
+    assert s.admission_rejection(5, 8, False) is None  # ... but prompts are still queued
+    s.on_lease_lost(1, "heartbeat timeout", at_ms=1_500)  # the same loss, seen twice
+    assert len(s.lost) == 1 and s.first_fault is None
+    lost, node = s.begin_replacement(2_000)
+    assert (lost.node_id, node.node_id, node.stage_index) == (1, 2, 0)
+    assert node.task_queue == "mvp-node-7-2-abcd1234" and node.readiness_id != lost.readiness_id
+    assert s.nodes == [node] and s.replaced_nodes == [lost]
+    assert s.plan is not None and s.plan.stages[0].node_id == 2
+    # The lost node never rejoins: its reports match no node of the run.
+    assert not s.on_stage_ready(StageReady(run_id=7, stage_index=0, readiness_id=RID))
+    assert s.nodes_to_stop() == [lost]  # its provider stop is still owed
+    node.start_attempted = True
+    assert s.nodes_to_stop() == [node, lost]
+    assert s.next_epoch() == 1 and not node.stage_ready and not s.token_endpoints_ready
+    s.recovered(9_000)
+    assert s.phase is RunPhase.PROMPT_READY and s.recovering is None
+    rec = s.recoveries[-1]
+    assert (rec.stage_index, rec.lost_node_id, rec.new_node_id, rec.epoch) == (0, 1, 2, 1)
+    assert rec.seconds(rec.lost_at_ms, rec.ready_at_ms) == 8.0
+    kinds = [r.kind for r in s.lifecycle]
+    assert kinds[-3:] == [
+        LifecycleKind.STAGE_LOST,
+        LifecycleKind.STAGE_REPLACING,
+        LifecycleKind.STAGE_RECOVERED,
+    ]
+
+
+def test_reports_of_an_earlier_pipeline_move_nothing():
+    s = replacing_state()
+    s.on_node_exited(1, "gone", at_ms=0)
+    s.begin_replacement(1)
+    new_rid = s.nodes[0].readiness_id
+    s.nodes[0].stage_provisioned = True
+    s.next_epoch()
+    assert not s.on_stage_ready(StageReady(run_id=7, stage_index=0, readiness_id=new_rid))
+    assert not s.nodes[0].stage_ready and "epoch 0" in s.ignored[-1].reason
+    assert s.on_stage_ready(StageReady(run_id=7, stage_index=0, readiness_id=new_rid, epoch=1))
+    fault = StageFault(run_id=7, stage_index=0, reason="EdgeClosed", readiness_id=new_rid)
+    assert not s.on_stage_fault(fault) and s.suspected_fault is None
+
+
+def test_a_loss_past_the_bound_or_during_a_recovery_faults_the_run():
+    s = replacing_state(max_replacements=1)
+    s.on_node_exited(1, "gone", at_ms=0)
+    s.begin_replacement(1)
+    s.recovered(2)
+    s.on_node_exited(2, "gone again", at_ms=10_000)
+    assert s.first_fault is not None and "no replacement left: 1 within 3600 s" in s.first_fault
+    assert s.first_fault.startswith("prompt serving: node 2 exited")
+
+    s = replacing_state(max_replacements=1)
+    s.on_node_exited(1, "gone", at_ms=0)
+    s.begin_replacement(1)
+    s.recovered(2)
+    s.on_node_exited(2, "gone again", at_ms=3_600_001)  # the first is out of the window
+    assert s.first_fault is None and s.lost
+
+    s = replacing_state(max_replacements=5)
+    s.on_node_exited(1, "gone", at_ms=0)
+    s.begin_replacement(1)
+    s.on_node_exited(2, "the replacement died", at_ms=5)
+    assert s.first_fault is not None and "while stage 0 was being replaced" in s.first_fault
+
+
+def test_fail_policy_startup_losses_and_stopping_runs_never_replace():
+    s = new_state()
+    bring_to_prompt_ready(s)
+    s.phase = RunPhase.PROMPT_READY
+    s.on_node_exited(1, "gone", at_ms=0)
+    assert s.first_fault == "prompt serving: node 1 exited: gone" and not s.lost
+    s = replacing_state()
+    s.phase = RunPhase.STAGE_PROVISIONING
+    s.on_node_exited(1, "gone", at_ms=0)
+    assert s.first_fault is not None and not s.lost
+    s = replacing_state()
+    s.request_shutdown(ShutdownReason.OPERATOR_REQUESTED)
+    s.on_node_exited(1, "gone", at_ms=0)
+    assert s.first_fault is None and not s.lost and s.nodes[0].exited
+
+
+def test_epoch_edges_have_ids_of_their_own():
+    from mvp_core.planner import epoch_edges, plan_edges
+
+    edges = plan_edges(3, 64, 576)
+    assert epoch_edges(edges, 0) == edges
+    again = epoch_edges(edges, 2)
+    assert [e.edge_id & 0xFFFF for e in again] == [e.edge_id for e in edges]
+    assert not {e.edge_id for e in again} & {e.edge_id for e in edges}
+    assert all(e.edge_id < 2**32 for e in again)

@@ -138,7 +138,7 @@ async def _kill_and_recover(
     return run, after, killed_at
 
 
-@pytest.mark.parametrize("killed_stage", [1, 2])
+@pytest.mark.parametrize("killed_stage", [0, 1, 2])
 async def test_a_killed_stage_is_replaced_and_every_prompt_ends_with_its_text(
     runs: Runs, killed_stage: int
 ):

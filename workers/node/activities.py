@@ -24,6 +24,7 @@ from mvp_core.generation import PromptRefused
 from mvp_core.models import (
     Done,
     Fault,
+    GenerateCheckpoint,
     GenerateInput,
     LeaseInput,
     LeaseStarted,
@@ -373,11 +374,19 @@ class NodeActivities:
 
         on_text = _held_text(FaultInjection.from_env(), pipe.put, stopped)
         prompt_tokens: list[int] = []  # set once, by the engine thread, before any text
+        generated: list[int] = []  # the tokens so far (the engine thread appends)
 
         def work():  # type: ignore[no-untyped-def]
             try:
                 return runtime.run(
-                    inp.prompt, inp.max_new_tokens, on_text, should_stop, prompt_tokens.append
+                    inp.prompt,
+                    inp.max_new_tokens,
+                    on_text,
+                    should_stop,
+                    prompt_tokens.append,
+                    resume=inp.resume,
+                    text_from=inp.text_from,
+                    generated=generated,
                 )
             finally:
                 pipe.close()
@@ -403,7 +412,8 @@ class NodeActivities:
         self._stops[key] = stopped
         task.add_done_callback(lambda _: self._generate_ended(key, stopped))
         last_beat = 0.0
-        published_tokens = 0
+        # A resumed prompt's readers have the text of its first tokens (DECISIONS 68).
+        published_tokens = len(inp.resume) if inp.text_from is None else inp.text_from
         async with stream:
             try:
                 while (text := await pipe.take(quiet_s=1.0)) is not None:
@@ -422,7 +432,7 @@ class NodeActivities:
                     if activity.is_cancelled():  # its CancelledError, should it be lost
                         raise asyncio.CancelledError
                     if time.monotonic() - last_beat > HEARTBEAT_EVERY_S:
-                        activity.heartbeat()
+                        _beat(inp, generated)
                         last_beat = time.monotonic()
                     # Let text gather: the stream flushes every batch interval anyway, and
                     # each wake-up of this loop takes the GIL from the token loop. With
@@ -505,6 +515,15 @@ class NodeActivities:
             ),
         )
         self.stopped.set()
+
+
+def _beat(inp: GenerateInput, generated: list[int]) -> None:
+    """The generate's heartbeat; where the run replaces lost nodes, with the tokens so
+    far, for the prompt to go on from should this node be lost (DECISIONS 68)."""
+    if inp.checkpoint:
+        activity.heartbeat(GenerateCheckpoint(tokens=list(generated)))
+    else:
+        activity.heartbeat()
 
 
 def _held_text(

@@ -257,6 +257,8 @@ class StageRuntime:
         should_stop: Callable[[], bool],
         on_encoded: Callable[[int], None] | None = None,
         resume: Sequence[int] = (),
+        text_from: int | None = None,
+        generated: list[int] | None = None,
     ) -> GenerationResult:
         """Generate in this thread (in-process, or over the pipeline when this node is the
         head of one); ``on_encoded`` gets the prompt's token count once it is encoded,
@@ -264,13 +266,18 @@ class StageRuntime:
 
         ``resume``: the tokens this prompt generated before, elsewhere (stage recovery):
         the generation goes on after them with the tokens an undisturbed run gives, their
-        text is the result's but goes to ``on_text`` no more (its reader has it)."""
+        text is the result's but goes to ``on_text`` no more (its reader has it).
+        ``text_from``: the generated tokens whose text the reader has (None: the resumed
+        ones): the text of every token after them goes to ``on_text``, resumed or new.
+        ``generated``: a list the generated tokens are appended to as they come."""
         started = time.perf_counter()
         ids = self.encode(prompt)
         encoded = time.perf_counter()
         if on_encoded is not None:
             on_encoded(len(ids))
-        text = _TextOut(self.tokenizer, on_text)
+        text = _TextOut(
+            self.tokenizer, on_text, len(resume) if text_from is None else text_from, generated
+        )
         text.prime(resume)
         recoveries = 0
         if self.provision.driver_edges:
@@ -407,28 +414,34 @@ class _TextOut:
     """Generated tokens -> text: each complete piece goes to ``on_text`` as it forms, and
     the whole is kept for the terminal event."""
 
-    def __init__(self, tokenizer: Tokenizer, on_text: Callable[[str, int], None]) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        on_text: Callable[[str, int], None],
+        quiet: int = 0,
+        ids: list[int] | None = None,
+    ) -> None:
         self._decoder = tokenizer.incremental_decoder()
         self._on_text = on_text
         self._pieces: list[str] = []
-        self.ids: list[int] = []  # the generated tokens
+        self._quiet = quiet  # the text of the first ``quiet`` tokens, the reader has it
+        self.ids: list[int] = ids if ids is not None else []  # the generated tokens
         self.tokens = 0
         self.first_at: float | None = None  # perf_counter of the first token
 
     def _emit(self, piece: str) -> None:
         if piece:
             self._pieces.append(piece)
-            self._on_text(piece, self.tokens)
+            if self.tokens > self._quiet:
+                self._on_text(piece, self.tokens)
 
     def prime(self, tokens: Sequence[int]) -> None:
         """Tokens generated before (a resumed prompt): their text is the result's, and
-        goes to ``on_text`` no more."""
+        goes to ``on_text`` only past what the reader has."""
         for token in tokens:
             self.ids.append(token)
             self.tokens += 1
-            piece = self._decoder.push(token)
-            if piece:
-                self._pieces.append(piece)
+            self._emit(self._decoder.push(token))
 
     def push(self, token: int) -> None:
         if self.first_at is None:
