@@ -19,10 +19,12 @@ from typing import Any
 import pytest
 from temporalio.client import WorkflowExecutionStatus
 
+from mvp_core import names
 from mvp_core.models import (
     Done,
     Fault,
     LifecycleKind,
+    RunOutcome,
     RunPhase,
     ShutdownReason,
     SubmitPrompt,
@@ -179,3 +181,40 @@ async def test_a_loss_past_the_bound_faults_the_run(runs: Runs):
     final = await snapshot(handle)
     assert final.torn_down
     assert all(n.provider_stopped for n in (*final.nodes, *final.replaced_nodes))
+
+
+async def test_a_replacement_that_fails_faults_the_run_cleanly(runs: Runs):
+    """The replacement node dies before it is ready: the run faults as fail-stop does,
+    naming it, and stops every node, the lost one and both replacements' included."""
+    run_id = 2311
+    handle = await runs.start(run_id, **_request(pipeline_stages=2))
+    state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=180)
+    runs.set_faults(run_id, {"MVP_FAULT_EXIT_BEFORE_READY": "1"})  # nodes started from now
+    victim = next(n for n in state.nodes if n.stage_index == 1)
+    assert victim.handle is not None and victim.handle.pid is not None
+    os.kill(victim.handle.pid, signal.SIGKILL)
+    cause = await run_failure(handle)
+    assert "while stage 1 was being replaced" in cause or "recovery of stage 1" in cause, cause
+    final = await snapshot(handle)
+    assert final.torn_down and final.recoveries_done == 0
+    assert all(n.provider_stopped for n in (*final.nodes, *final.replaced_nodes))
+    kinds = [r.kind for r in final.lifecycle]
+    assert (
+        LifecycleKind.STAGE_RECOVERED not in kinds and kinds.count(LifecycleKind.RUN_FAULTED) == 1
+    )
+
+
+async def test_a_node_lost_while_the_run_stops_is_not_replaced(runs: Runs):
+    run_id = 2312
+    handle = await runs.start(run_id, **_request(pipeline_stages=2, timeouts={"stop_grace_s": 1}))
+    state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=180)
+    await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN)
+    victim = next(n for n in state.nodes if n.stage_index == 1)
+    assert victim.handle is not None and victim.handle.pid is not None
+    os.kill(victim.handle.pid, signal.SIGKILL)
+    outcome = RunOutcome.model_validate(await handle.result())
+    assert outcome.outcome.value == "operator_stopped" and outcome.first_fault is None, outcome
+    kinds = [r.kind for r in outcome.lifecycle]
+    assert LifecycleKind.STAGE_LOST not in kinds and LifecycleKind.STAGE_REPLACING not in kinds
+    final = await snapshot(handle)
+    assert len(final.nodes) == 2 and not final.replaced_nodes
