@@ -26,8 +26,10 @@ from mvp_core.models import (
     ProviderKind,
     RunOutcome,
     RunPhase,
+    ShutdownReason,
     SubmitPrompt,
 )
+from mvp_core.run_state import NodeState
 from temporal.client import RunHandle, submit_prompt
 from temporal.connect import connect
 from temporal.devserver import start_dev_server
@@ -45,6 +47,7 @@ from tests.integration.conftest import (
     wait_phase,
 )
 from tests.integration.test_reaper import sweep
+from tests.integration.test_recovery import kill_and_recover
 from workers.host.follow import read_archive
 
 PROMPT = "The capital of France is"
@@ -251,6 +254,32 @@ async def test_a_killed_container_faults_the_prompt_and_run_and_leaves_nothing(
     assert time.monotonic() - t0 < 15, time.monotonic() - t0
     assert cause.startswith("prompt serving"), cause
     assert (await snapshot(handle)).torn_down
+    assert run_containers(dclient, run_id) == [] and run_networks(dclient, run_id) == []
+
+
+async def test_a_killed_container_is_replaced_and_its_prompts_end_with_their_text(
+    druns: Runs, dclient: docker.DockerClient
+):
+    """on_node_loss "replace" (DECISIONS 68): the tail's container killed under 2 streaming
+    prompts; a new container on the run's network takes its layers, both prompts end with
+    the undisturbed text, and the killed container is removed."""
+    run_id = 2933
+
+    def kill(node: NodeState) -> None:
+        victim = next(
+            c
+            for c in run_containers(dclient, run_id)
+            if c.labels["mvp.node-id"] == str(node.node_id)  # type: ignore[attr-defined]
+        )
+        victim.kill()  # type: ignore[attr-defined]
+
+    run, after, _ = await kill_and_recover(
+        druns, run_id, 1, kill, prompts=2, pipeline_stages=2, provider="docker"
+    )
+    lost = after.replaced_nodes[-1].node_id
+    ids = {c.labels["mvp.node-id"] for c in run_containers(dclient, run_id)}  # type: ignore[attr-defined]
+    assert str(lost) not in ids and ids == {str(n.node_id) for n in after.nodes}, ids
+    await run.shutdown_and_wait(ShutdownReason.OPERATOR_REQUESTED)
     assert run_containers(dclient, run_id) == [] and run_networks(dclient, run_id) == []
 
 

@@ -14,6 +14,7 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -30,7 +31,7 @@ from mvp_core.models import (
     SubmitPrompt,
     TextDelta,
 )
-from mvp_core.run_state import RunState
+from mvp_core.run_state import NodeState, RunState
 from temporal.client import RunHandle
 from tests.integration.conftest import Runs, run_failure, snapshot, wait_closed, wait_phase
 
@@ -86,27 +87,37 @@ async def _stream(
     return text, ends
 
 
-async def _kill_and_recover(
-    runs: Runs, run_id: int, killed_stage: int
+def kill_process(node: NodeState) -> None:
+    assert node.handle is not None and node.handle.pid is not None
+    os.kill(node.handle.pid, signal.SIGKILL)
+
+
+async def kill_and_recover(
+    runs: Runs,
+    run_id: int,
+    killed_stage: int,
+    kill: Callable[[NodeState], None] = kill_process,
+    prompts: int = 4,
+    **request: Any,
 ) -> tuple[RunHandle, RunState, float]:
-    """Serve 4 prompts undisturbed, then the same 4 again with ``killed_stage``'s node
-    killed once all 4 stream: each ends Done with the undisturbed text, streamed whole."""
-    handle = await runs.start(run_id, faults=SLOW_TEXT, **_request())
+    """Serve ``prompts`` prompts undisturbed, then the same again with ``killed_stage``'s
+    node killed (``kill``) once all stream: each ends Done with the undisturbed text,
+    streamed whole, and the run is prompt-ready again on a new node."""
+    handle = await runs.start(run_id, faults=SLOW_TEXT, **_request(**request))
     state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=180)
     run = RunHandle(runs.client, run_id)
-    undisturbed = await asyncio.gather(*(run.submit(p) for p in _prompts(10)))
+    undisturbed = await asyncio.gather(*(run.submit(p) for p in _prompts(10)[:prompts]))
     assert all(isinstance(d, Done) for d in undisturbed), undisturbed
 
-    started = [asyncio.Event() for _ in range(4)]
+    started = [asyncio.Event() for _ in range(prompts)]
     following = [
         asyncio.ensure_future(_stream(run, p, e))
-        for p, e in zip(_prompts(20), started, strict=True)
+        for p, e in zip(_prompts(20)[:prompts], started, strict=True)
     ]
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 180)
     assert all(not f.done() for f in following), "a prompt ended before the kill"
     victim = next(n for n in state.nodes if n.stage_index == killed_stage)
-    assert victim.handle is not None and victim.handle.pid is not None
-    os.kill(victim.handle.pid, signal.SIGKILL)
+    kill(victim)
     killed_at = time.monotonic()
     results = await asyncio.wait_for(asyncio.gather(*following), 240)
     for before, (streamed, ends) in zip(undisturbed, results, strict=True):
@@ -145,7 +156,7 @@ async def test_a_killed_stage_is_replaced_and_every_prompt_ends_with_its_text(
     runs: Runs, killed_stage: int
 ):
     run_id = 2301 + killed_stage
-    run, _, _ = await _kill_and_recover(runs, run_id, killed_stage)
+    run, _, _ = await kill_and_recover(runs, run_id, killed_stage)
     # Served on the new pipeline as before, and a queue kept through it.
     again = await run.submit(_prompts(30)[0])
     assert isinstance(again, Done) and again.recoveries == 0

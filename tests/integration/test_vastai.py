@@ -39,9 +39,11 @@ from mvp_core.models import (
     ProviderKind,
     RunOutcome,
     RunPhase,
+    ShutdownReason,
     SubmitPrompt,
     VastAiSettings,
 )
+from mvp_core.run_state import NodeState
 from temporal.client import submit_prompt
 from temporal.connect import connect
 from temporal.devserver import DevServer, start_dev_server
@@ -63,6 +65,7 @@ from tests.integration.conftest import (
     wait_phase,
 )
 from tests.integration.test_reaper import sweep
+from tests.integration.test_recovery import kill_and_recover
 
 PROMPT = "The capital of France is"
 API_KEY = "vast-test-key-6d1f0c9a2b7e4d35"
@@ -356,6 +359,38 @@ async def test_two_stage_run_on_two_rented_instances_serves_the_process_text(vas
     )
     assert report.workflows >= 2 and report.log_files >= 2
     assert not report.findings, report.findings
+
+
+async def test_an_instance_that_exits_is_destroyed_and_replaced_by_a_new_rental(vast: Vast):
+    """on_node_loss "replace" (DECISIONS 68): the tail's instance exits under 2 streaming
+    prompts (its container killed on the host): the run destroys it (no billing left),
+    rents a new instance for its layers, and both prompts end with the undisturbed text."""
+    run_id = 3103
+
+    def kill(node: NodeState) -> None:
+        assert node.handle is not None and node.handle.instance_id is not None
+        record = vast.standin.record(node.handle.instance_id)
+        assert record.container_id is not None
+        vast.standin.docker.containers.get(record.container_id).kill()
+
+    run, after, _ = await kill_and_recover(
+        vast.runs,
+        run_id,
+        1,
+        kill,
+        prompts=2,
+        pipeline_stages=2,
+        provider="vastai",
+        vastai=vast_settings(),
+        engine={"threads": 1},
+    )
+    lost = after.replaced_nodes[-1]
+    assert lost.handle is not None and lost.handle.instance_id is not None
+    assert vast.standin.record(lost.handle.instance_id).destroyed_at is not None
+    live = {r.id for r in vast.standin.left_behind()}
+    assert live == {n.handle.instance_id for n in after.nodes if n.handle is not None}
+    await run.shutdown_and_wait(ShutdownReason.OPERATOR_REQUESTED)
+    assert vast.standin.left_behind() == []
 
 
 # ---------------------------------------------------------------------------- failures
