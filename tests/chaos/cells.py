@@ -86,6 +86,7 @@ STOP_DELAY_S = 4  # orch-kill@teardown: each node's stop activity waits this lon
 
 STOPPED = "completed RunOutcome operator_stopped"
 TERMINATED = "terminated; nodes exit by dead-man switch"
+REPLACED = "node replaced; the prompt ends Done with the undisturbed text; prompt-ready; " + STOPPED
 
 
 def faulted(node: str) -> str:
@@ -932,7 +933,10 @@ def _victim_ready(stage_index: int, phase: RunPhase) -> Callable[[RunState], boo
     return ready
 
 
-def _node_kill(stage_index: int, phase: RunPhase, run_id: int) -> CellFn:
+def _node_kill(stage_index: int, phase: RunPhase, run_id: int, replace: bool = False) -> CellFn:
+    """Kill stage ``stage_index``'s node in ``phase``; ``replace``: in a run whose policy
+    replaces lost nodes (DECISIONS 68), which it does once it serves, not in startup."""
+
     async def cell(sc: Scope, res: Result) -> None:
         await sc.orchestrator("a")
         # In readiness the leases stay held: the run can only leave it by the kill's fault.
@@ -940,7 +944,8 @@ def _node_kill(stage_index: int, phase: RunPhase, run_id: int) -> CellFn:
             RunPhase.PROMPT_READY: SLOW_TEXT,
             RunPhase.READINESS: sc.held_leases(),
         }.get(phase)
-        handle = await sc.start_run(run_id, 3, faults)
+        policy = {"on_node_loss": "replace"} if replace else {}
+        handle = await sc.start_run(run_id, 3, faults, **policy)
         probe: Probe | None = None
         if phase is RunPhase.PROMPT_READY:
             await until_phase(handle, RunPhase.PROMPT_READY)
@@ -957,6 +962,9 @@ def _node_kill(stage_index: int, phase: RunPhase, run_id: int) -> CellFn:
             f"{victim.runtime_ready is not None}, acked {victim.acked}, stage provisioned "
             f"{victim.stage_provisioned}, weights {victim.weights_ready}"
         )
+        if replace and probe is not None:
+            await _recovered(sc, res, handle, run_id, probe, victim.node_id)
+            return
         word = "prompt serving" if phase is RunPhase.PROMPT_READY else f"startup ({phase.value})"
         await judge(
             sc,
@@ -971,6 +979,40 @@ def _node_kill(stage_index: int, phase: RunPhase, run_id: int) -> CellFn:
         )
 
     return cell
+
+
+async def _recovered(
+    sc: Scope, res: Result, handle: WorkflowHandle[Any, Any], run_id: int, probe: Probe, lost: int
+) -> None:
+    """The replace column at generation: the prompt completes with the text the same
+    prompt gets on the recovered run, the lost node replaced once, then operator stop."""
+    await probe.wait(120)
+    state = await until_phase(
+        handle, RunPhase.PROMPT_READY, timeout=120, extra=lambda s: s.recoveries_done >= 1
+    )
+    res.recovered_s = None if probe.done_at is None else probe.done_at - _need(res.fault_at)
+    if state.recoveries_done != 1 or [r.lost_node_id for r in state.recoveries] != [lost]:
+        res.problem(f"recoveries {[(r.lost_node_id, r.new_node_id) for r in state.recoveries]}")
+    if any(n.node_id == lost for n in state.nodes):
+        res.problem(f"node {lost} is still one of the run's nodes")
+    rec = state.recoveries[-1] if state.recoveries else None
+    if rec is not None:
+        res.notes.append(
+            f"node {lost} replaced by node {rec.new_node_id}: joined "
+            f"{rec.seconds(rec.lost_at_ms, rec.joined_at_ms)} s, prompt-ready "
+            f"{rec.seconds(rec.lost_at_ms, rec.ready_at_ms)} s after the loss"
+        )
+    again = await sc.prompt(run_id, 3, *LONG_PROMPT)
+    await again.wait(120)
+    first, second = probe.result, again.result
+    if not (isinstance(first, Done) and isinstance(second, Done)):
+        res.problem(f"prompts 1 and 3: {first!r:.120} / {second!r:.120}")
+    elif (first.final_text, first.recoveries) != (second.final_text, 1):
+        res.problem(
+            f"prompt 1 ({first.recoveries} recoveries) is not the undisturbed text: "
+            f"{first.final_text[:60]!r} / {second.final_text[:60]!r}"
+        )
+    await serve_and_stop(sc, res, handle, run_id, 2, prompts={1: "done", 3: "done"})
 
 
 async def server_restart_prompt_ready(sc: Scope, res: Result) -> None:
@@ -1181,31 +1223,37 @@ def _cells() -> list[Cell]:
             "3-stage run, operator stop, killed in tearing_down once all StageStopped are in",
         ),
     ]
-    run_id = 1211
+    run_ids = {False: 1211, True: 1251}  # the replace column's runs: 1251 on
     for phase, word in (
         (RunPhase.READINESS, "readiness"),
         (RunPhase.STAGE_PROVISIONING, "stage_provisioning"),
         (RunPhase.PROMPT_READY, "generation"),
     ):
-        for index, who in enumerate(("head", "middle", "last")):
-            how = (
-                "3-stage run, killed after the first text delta (MVP_FAULT_TEXT_DELAY_MS=20)"
-                if phase is RunPhase.PROMPT_READY
-                else "3-stage run, snapshot polled every 30 ms; readiness: once the victim"
-                " reported NodeRuntimeReady; stage provisioning: while its stage loads"
-            )
-            cells.append(
-                Cell(
-                    f"node-kill:{who}@{word}",
-                    f"kill -9 {who} node",
-                    word,
-                    faulted(who),
-                    120,
-                    _node_kill(index, phase, run_id),
-                    how,
+        for replace in (False, True):
+            for index, who in enumerate(("head", "middle", "last")):
+                how = (
+                    "3-stage run, killed after the first text delta (MVP_FAULT_TEXT_DELAY_MS=20)"
+                    if phase is RunPhase.PROMPT_READY
+                    else "3-stage run, snapshot polled every 30 ms; readiness: once the victim"
+                    " reported NodeRuntimeReady; stage provisioning: while its stage loads"
                 )
-            )
-            run_id += 1
+                expected = faulted(who)
+                if replace:
+                    how += '; on_node_loss "replace"'
+                    if phase is RunPhase.PROMPT_READY:
+                        expected = REPLACED
+                cells.append(
+                    Cell(
+                        f"node-kill:{who}@{word}" + ("+replace" if replace else ""),
+                        f"kill -9 {who} node",
+                        word,
+                        expected,
+                        120 if not replace else 180,
+                        _node_kill(index, phase, run_ids[replace], replace),
+                        how,
+                    )
+                )
+                run_ids[replace] += 1
     cells += [
         Cell(
             "server-restart@prompt_ready",
