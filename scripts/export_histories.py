@@ -263,6 +263,46 @@ async def continue_as_new(ctx: Ctx) -> WorkflowHandle[Any, Any]:
     return handle
 
 
+async def recovered(ctx: Ctx) -> WorkflowHandle[Any, Any]:
+    """Stage recovery (DECISIONS 68), 3 stages: the middle node killed while 2 prompts
+    stream, then the head while one does; each replaced, every prompt Done."""
+    run_id = 3107
+    handle = await ctx.start(
+        run_id,
+        faults={"MVP_FAULT_TEXT_DELAY_MS": "20"},
+        pipeline_stages=3,
+        max_active_prompts=2,
+        max_context=256,
+        on_node_loss="replace",
+    )
+    for stage, prompts in ((1, 2), (0, 1)):
+        state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=120)
+        first = [asyncio.Event() for _ in range(prompts)]
+
+        async def one(rid: int, started: asyncio.Event) -> Done | Fault:
+            prompt = SubmitPrompt(request_id=rid, prompt_text="1, 2, 3, 4,", max_tokens=48)
+            async for ev in stream_prompt(ctx.client, run_id, prompt):
+                started.set()
+                if not isinstance(ev, TextDelta):
+                    return ev
+            raise RuntimeError("no terminal event")
+
+        results = [asyncio.ensure_future(one(10 * stage + i, e)) for i, e in enumerate(first)]
+        async with asyncio.timeout(120):
+            await asyncio.gather(*(e.wait() for e in first))
+        victim = next(n for n in state.nodes if n.stage_index == stage)
+        check(victim.handle is not None and victim.handle.pid is not None, "victim pid")
+        assert victim.handle is not None and victim.handle.pid is not None
+        os.kill(victim.handle.pid, signal.SIGKILL)
+        for r in await asyncio.gather(*results):
+            check(isinstance(r, Done) and r.recoveries == 1, f"stage {stage} loss: {r}")
+    state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=120)
+    check(state.recoveries_done == 2, f"recoveries {state.recoveries_done}")
+    await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=run_id))
+    await stopped(handle)
+    return handle
+
+
 Scenario = Callable[[Ctx], Awaitable[WorkflowHandle[Any, Any]]]
 MAIN: dict[str, Scenario] = {
     "direct": direct,
@@ -271,6 +311,7 @@ MAIN: dict[str, Scenario] = {
     "faulted": faulted,
     "cancelled": cancelled,
     "malformed": malformed,
+    "recovered": recovered,
 }
 ROLLING: dict[str, Scenario] = {"continue_as_new": continue_as_new}
 

@@ -4,8 +4,8 @@ A change to RunWorkflow or PromptWorkflow that would break a run in flight (a co
 added, removed or reordered against what the history recorded) fails here, before a
 deployment meets a live run. The histories come from real runs (real dev server, real
 nodes) covering each way a run goes: direct and two-stage serving, RunRejected,
-RunFaulted by a killed node, cancels (active and pending), malformed signals, and a
-continue-as-new chain.
+RunFaulted by a killed node, cancels (active and pending), malformed signals, a
+continue-as-new chain, and stage recovery (a middle and then a head node replaced).
 
 Re-export (one command, ~1-2 min, replaces ``tests/histories/<scenario>/``)::
 
@@ -42,6 +42,7 @@ SCENARIOS = [
     "cancelled",
     "malformed",
     "continue_as_new",
+    "recovered",
 ]
 # The workers' converter (pydantic payloads) without a payload key: the histories are
 # exported in plaintext, and replay needs only the payload and failure converters.
