@@ -33,14 +33,15 @@ _PHASE_OF_KIND = {
 def _node(prev: RunState | None, node_id: int) -> NodeState | None:
     if prev is None:
         return None
-    return next((n for n in prev.nodes if n.node_id == node_id), None)
+    return next((n for n in (*prev.nodes, *prev.replaced_nodes) if n.node_id == node_id), None)
 
 
 def observe(prev: RunState | None, cur: RunState, provider: str) -> list[Record]:
     """The records that tell what changed from ``prev`` (None: nothing seen yet) to ``cur``."""
     run_id = cur.run_id
     nodes: list[Record] = []
-    for node in cur.nodes:
+    # A node replaced in a stage recovery (DECISIONS 68) is still told: its exit, its stop.
+    for node in (*cur.nodes, *cur.replaced_nodes):
         nodes += _observe_node(run_id, node, _node(prev, node.node_id), provider, cur.stopping)
     runs: list[Record] = []
     for index, report in _new_reports(prev, cur):
@@ -77,6 +78,9 @@ _KIND_RANK = {
     "PromptAccepted": 10.5,
     "PromptCompleted": 10.5,
     "PromptFaulted": 10.5,
+    "StageLost": 10.6,
+    "StageReplacing": 10.7,
+    "StageRecovered": 10.8,
     "RunOperatorStopped": 12.0,
     "RunFaulted": 12.0,
     "RunTearingDown": 13.0,

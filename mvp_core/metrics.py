@@ -23,6 +23,8 @@ class RunMetrics(Protocol):
         self, status: str, ttft_ms: float | None = None, tokens_per_s: float | None = None
     ) -> None: ...
 
+    def record_recovery(self, run_id: int, stage_index: int, elapsed_ms: float) -> None: ...
+
 
 class _Off:
     """Metrics off: every record is dropped."""
@@ -36,6 +38,9 @@ class _Off:
     def record_prompt(
         self, status: str, ttft_ms: float | None = None, tokens_per_s: float | None = None
     ) -> None:
+        return None
+
+    def record_recovery(self, run_id: int, stage_index: int, elapsed_ms: float) -> None:
         return None
 
 

@@ -150,4 +150,5 @@ METRIC_NODES = "mvp.run.nodes"  # gauge by state: the run's nodes in each state
 METRIC_TTFT = "mvp.prompt.time_to_first_token"  # histogram, ms: admitted to first text
 METRIC_TOKENS_PER_S = "mvp.prompt.decode_tokens_per_second"  # histogram: one prompt's rate
 METRIC_PROMPTS = "mvp.prompt.ended"  # counter by status
+METRIC_RECOVERY = "mvp.run.stage_recovery_time"  # histogram, ms: a loss to prompt-ready
 METRIC_STAGE_FORWARD = "mvp.stage.forward_time"  # histogram, ms, by stage and phase

@@ -300,6 +300,11 @@ class Recorder:
         self.prompts = meter.create_counter(
             names.METRIC_PROMPTS, unit="{prompt}", description="Prompts ended, by status"
         )
+        self.recovery = meter.create_histogram(
+            names.METRIC_RECOVERY,
+            unit="ms",
+            description="A stage recovery: the node's loss to prompt-ready again",
+        )
 
     def record_prompt_ready(self, run_id: int, elapsed_ms: float) -> None:
         self.prompt_ready.record(elapsed_ms, {"run_id": run_id})
@@ -308,6 +313,9 @@ class Recorder:
         self.queue_depth.set(queued, {"run_id": run_id})
         for state, count in nodes.items():
             self.nodes.set(count, {"run_id": run_id, "state": state})
+
+    def record_recovery(self, run_id: int, stage_index: int, elapsed_ms: float) -> None:
+        self.recovery.record(elapsed_ms, {"run_id": run_id, "stage": stage_index})
 
     def record_prompt(
         self, status: str, ttft_ms: float | None = None, tokens_per_s: float | None = None

@@ -704,6 +704,10 @@ class RunWorkflow:
         if node.stage_index == 0:
             await self._tell_prompts(node, ready=True)  # ... which serves them now
         state.recovered(_now_ms(), serving)
+        rec = state.recoveries[-1]
+        took = rec.seconds(rec.lost_at_ms, rec.ready_at_ms)
+        if took is not None:
+            metrics.sink().record_recovery(state.run_id, rec.stage_index, took * 1000)
         if not state.lost:
             self._set_phase(serving)
 

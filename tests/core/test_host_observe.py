@@ -94,3 +94,38 @@ def test_nothing_is_published_twice_and_a_trimmed_lifecycle_still_yields_new_rep
     fresh = [r for c, r in observe(before, cur, "process") if c == ds.CHANNEL_LIFECYCLE]
     assert [(r["kind"], r["request_id"]) for r in fresh] == [("PromptCompleted", 999)]
     assert fresh[0]["index"] == cur.lifecycle_recorded - 1
+
+
+def test_a_stage_recovery_tells_the_lost_node_the_replacement_and_the_steps():
+    """DECISIONS 68: the lost node's exit and stop, the new node's start, the lifecycle's
+    StageLost / StageReplacing / StageRecovered, even when one poll sees it all."""
+    from mvp_core.models import NodeLossPolicy, RunPhase
+
+    s = state()
+    s.node_loss = NodeLossPolicy.REPLACE
+    s.phase = RunPhase.PROMPT_READY
+    s.nodes.append(node(start_attempted=True, lease_started=True, handle=_handle(1)))
+    before = s.model_copy(deep=True)
+    s.on_node_exited(1, "exit code -9", at_ms=1)
+    lost, new = s.begin_replacement(2)
+    new.start_attempted = True
+    lost.provider_stopped = True
+    s.next_epoch()
+    s.recovered(3)
+    records = observe(before, s, "process")
+    kinds = [r["kind"] for c, r in records if c == ds.CHANNEL_LIFECYCLE]
+    assert kinds == ["StageLost", "StageReplacing", "StageRecovered"]
+    events = [
+        (r["event"]["node_id"], r["event"]["kind"])
+        for c, r in records
+        if c == ds.CHANNEL_PROVISIONING_EVENTS
+    ]
+    assert (1, "ProvisionFailed") in events and (1, "NodeStopped") in events
+    assert (new.node_id, "ProvisionStart") in events
+    assert observe(s, s, "process") == []  # nothing twice
+
+
+def _handle(node_id: int) -> NodeHandle:
+    return NodeHandle(
+        run_id=7, node_id=node_id, provider=ProviderKind.PROCESS, host="h", resource_name="r"
+    )

@@ -739,3 +739,29 @@ async def test_the_prompt_table_fits_its_card_at_1400_px():
         assert t["right"] <= t["inner"] + 0.5, t  # inside the card's padding
         assert t["scroll"] <= t["parent"] + 0.5, t  # nothing cut off inside its column
     assert badges and set(badges) == {1}  # a status badge keeps to one line
+
+
+def test_a_stage_recovery_shows_while_it_runs_and_after():
+    """DECISIONS 68: the stage being replaced and how far, then each recovery's times;
+    the stage row shows the replacement node."""
+    from mvp_core.models import NodeLossPolicy
+
+    state = serving_state()
+    state.node_loss = NodeLossPolicy.REPLACE
+    state.on_node_exited(2, "exit code -9", at_ms=10_000)
+    view = run_view("mvp-run-7", 7, "running", state, served=True, figures_of={}, logs={})
+    assert view.phase == "recovering" and view.recovering is not None
+    assert "node 2 lost" in view.recovering
+    _, new = state.begin_replacement(10_500)
+    view = run_view("mvp-run-7", 7, "running", state, served=True, figures_of={}, logs={})
+    assert view.recovering is not None and f"node {new.node_id} replacing node 2" in view.recovering
+    row = view.stages[new.stage_index]
+    assert row.node_id == new.node_id and row.state == "planned"
+    state.replacement_joined(14_000)
+    state.next_epoch()
+    state.recovered(17_250)
+    view = run_view("mvp-run-7", 7, "running", state, served=True, figures_of={}, logs={})
+    assert view.recovering is None and view.recoveries_done == 1 and view.phase == "prompt_ready"
+    (rec,) = view.recoveries
+    assert (rec.stage_index, rec.lost_node_id, rec.new_node_id) == (new.stage_index, 2, new.node_id)
+    assert (rec.joined_s, rec.ready_s) == (4.0, 7.25)

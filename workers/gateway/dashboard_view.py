@@ -136,6 +136,18 @@ class PromptView(BaseModel):
     error: str | None = None
 
 
+class RecoveryView(BaseModel):
+    """One stage recovery (DECISIONS 68): the lost node, its replacement, and the seconds
+    from the loss to the replacement joining and to prompt-ready again."""
+
+    stage_index: int
+    lost_node_id: int
+    new_node_id: int | None
+    detail: str
+    joined_s: float | None = None
+    ready_s: float | None = None
+
+
 class QueueView(BaseModel):
     active: str | None = None  # request id (as text, as in PromptView): the earliest
     also_active: list[str] = Field(default_factory=list)  # the others generating now
@@ -157,6 +169,9 @@ class RunView(BaseModel):
     prompts_completed: int = 0
     prompts_faulted: int = 0
     continued: int = 0
+    recoveries_done: int = 0  # stage recoveries (DECISIONS 68)
+    recovering: str | None = None  # the stage being replaced now, and how far it is
+    recoveries: list[RecoveryView] = Field(default_factory=list)  # the latest, oldest first
     queue: QueueView = Field(default_factory=QueueView)
     stages: list[StageView] = Field(default_factory=list)
     recent: list[PromptView] = Field(default_factory=list)
@@ -284,6 +299,19 @@ def run_view(
     view.prompts_completed = state.prompts_completed
     view.prompts_faulted = state.prompts_faulted
     view.continued = state.continued
+    view.recoveries_done = state.recoveries_done
+    view.recoveries = [
+        RecoveryView(
+            stage_index=r.stage_index,
+            lost_node_id=r.lost_node_id,
+            new_node_id=r.new_node_id,
+            detail=clip(r.detail),
+            joined_s=r.seconds(r.lost_at_ms, r.joined_at_ms),
+            ready_s=r.seconds(r.lost_at_ms, r.ready_at_ms),
+        )
+        for r in state.recoveries[-RECENT_RECOVERIES:]
+    ]
+    view.recovering = recovering_text(state)
     view.queue = QueueView(
         active=str(state.active.request_id) if state.active is not None else None,
         also_active=[str(p.request_id) for p in state.also_active],
@@ -295,6 +323,23 @@ def run_view(
         for p in finished_prompts(state)
     ]
     return view
+
+
+RECENT_RECOVERIES = 4
+
+
+def recovering_text(state: RunState) -> str | None:
+    """The stage recovery under way, in words (None: none)."""
+    rec = state.recovering or (state.lost[0] if state.lost else None)
+    if rec is None:
+        return None
+    if rec.new_node_id is None:
+        return f"stage {rec.stage_index}: node {rec.lost_node_id} lost, its replacement next"
+    step = "loading and wiring the pipeline" if rec.joined_at_ms else "starting"
+    return (
+        f"stage {rec.stage_index}: node {rec.new_node_id} replacing node "
+        f"{rec.lost_node_id} ({step})"
+    )
 
 
 def clip(text: str | None, limit: int = MAX_TEXT) -> str:
