@@ -45,6 +45,7 @@ from mvp_core.models import (
     DockerSettings,
     HubModel,
     ModelSource,
+    NodeLossPolicy,
     PromptHost,
     ProviderKind,
     RunRequest,
@@ -201,6 +202,7 @@ class HostConfig(_Frozen):
     stage_index: int = 0
     layer_end_exclusive: int | None = None
     pipeline_stages: int = 1
+    on_node_loss: NodeLossPolicy = NodeLossPolicy.FAIL  # [runtime].on_node_loss (DECISIONS 68)
     gguf_source: LocalGguf | HubGguf | None = Field(default=None, discriminator="kind")
     tokenizer_path: Path | None = None
     default_max_tokens: int = DEFAULT_MAX_TOKENS
@@ -565,6 +567,7 @@ def resolve_config(
         stage_index=r.stage_index or 0,
         layer_end_exclusive=r.layer_end_exclusive,
         pipeline_stages=stages,
+        on_node_loss=r.on_node_loss or NodeLossPolicy.FAIL,
         gguf_source=gguf,
         tokenizer_path=tokenizer,
         max_context=doc.model.max_context,
@@ -626,6 +629,7 @@ def to_run_request(cfg: HostConfig) -> RunRequest:
             model=model,
             tokenizer=tokenizer,
             pipeline_stages=cfg.pipeline_stages,
+            on_node_loss=cfg.on_node_loss,
             default_max_tokens=cfg.default_max_tokens,
             max_context=cfg.max_context,
             max_active_prompts=cfg.max_active_prompts,

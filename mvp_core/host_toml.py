@@ -35,7 +35,13 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from mvp_core.models import MAX_DOCKER_CPUS, PromptHost, ProviderKind, VastAiSettings
+from mvp_core.models import (
+    MAX_DOCKER_CPUS,
+    NodeLossPolicy,
+    PromptHost,
+    ProviderKind,
+    VastAiSettings,
+)
 from mvp_core.validation import _GPUS, _IMAGE_REF
 
 ARG_PIPELINE_STAGES = "--pipeline-stages"
@@ -286,6 +292,10 @@ def _relay_mode(value: str) -> RelayMode:
     return _member(RelayMode, value, "relay.mode")
 
 
+def _node_loss(value: str) -> NodeLossPolicy:
+    return _member(NodeLossPolicy, value, "runtime.on_node_loss")
+
+
 def _prompt_host(value: str) -> PromptHost:
     return _member(PromptHost, value, "prompt.host")
 
@@ -336,6 +346,8 @@ class RuntimeTable(_Frozen):
     pipeline_stages: (
         Annotated[int, BeforeValidator(_integer(U32_MAX)), AfterValidator(_stages)] | None
     ) = None
+    # ours (DECISIONS 68): what a node lost while the run serves does to it
+    on_node_loss: Annotated[NodeLossPolicy, BeforeValidator(_then(_node_loss))] | None = None
 
 
 class ProviderTable(_Frozen):

@@ -239,6 +239,8 @@ VALID_KEYS = [
     ('[prompt]\nrpc_addr = "[::1]:19000"', {}, lambda c: str(c.rpc_bind) == "[::1]:19000"),
     ("[prompt]\nmax_active_prompts = 8", {}, lambda c: c.max_active_prompts == 8),
     ('[prompt]\nhost = "run"', {}, lambda c: c.prompt_host.value == "run"),
+    ('[runtime]\non_node_loss = "replace"', {}, lambda c: c.on_node_loss.value == "replace"),
+    ("", {}, lambda c: c.on_node_loss.value == "fail"),
     ("", {}, lambda c: c.prompt_host.value == "workflow"),
     (
         '[model]\ngguf_local_path = "models/m.gguf"',
@@ -302,6 +304,10 @@ INVALID_KEYS = [
         "invalid prompt.max_active_prompts=0: must be greater than 0",
     ),
     ('[prompt]\nhost = "child"', 'unsupported prompt.host "child"; use workflow or run'),
+    (
+        '[runtime]\non_node_loss = "retry"',
+        'unsupported runtime.on_node_loss "retry"; use fail or replace',
+    ),
     (
         '[runtime]\npipeline_stages = "many"',
         'invalid runtime.pipeline_stages="many": expected an integer',
@@ -974,6 +980,7 @@ def test_run_request_carries_the_configured_values():
 run_id = 42
 node_id = 7
 pipeline_stages = 2
+on_node_loss = "replace"
 [model]
 gguf_local_path = "m.gguf"
 tokenizer_local_path = "/t/tokenizer.gguf"
@@ -985,6 +992,7 @@ max_context = 256
     assert request.model == ModelSource(path="/work/run/m.gguf")
     assert request.tokenizer == ModelSource(path="/t/tokenizer.gguf")
     assert request.max_context == 256
+    assert request.on_node_loss.value == "replace"
 
 
 @pytest.mark.parametrize(

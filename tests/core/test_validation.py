@@ -233,3 +233,18 @@ def test_bad_vastai_numbers_are_rejected_naming_the_field(bad, message):
     with pytest.raises(ValidationError) as info:
         RunRequest.model_validate(raw)
     assert describe_invalid(info.value).startswith(message)
+
+
+def test_every_example_run_request_is_valid_and_the_serving_ones_replace_lost_nodes():
+    import json
+    from pathlib import Path
+
+    from mvp_core.models import NodeLossPolicy, RunRequest
+
+    examples = Path(__file__).resolve().parents[2] / "docs" / "examples"
+    found = sorted(examples.glob("run-*.json"))
+    assert len(found) >= 5
+    for path in found:
+        request = RunRequest.model_validate(json.loads(path.read_text()))
+        if path.name.startswith("run-serve"):
+            assert request.on_node_loss is NodeLossPolicy.REPLACE, path.name  # DECISIONS 68

@@ -151,12 +151,17 @@ async def kill_and_recover(
     return run, after, killed_at
 
 
-@pytest.mark.parametrize("killed_stage", [0, 1, 2])
+@pytest.mark.parametrize(
+    ("killed_stage", "prompt_host"),
+    [(0, "workflow"), (1, "workflow"), (2, "workflow"), (0, "run"), (1, "run")],
+)
 async def test_a_killed_stage_is_replaced_and_every_prompt_ends_with_its_text(
-    runs: Runs, killed_stage: int
+    runs: Runs, killed_stage: int, prompt_host: str
 ):
-    run_id = 2301 + killed_stage
-    run, _, _ = await kill_and_recover(runs, run_id, killed_stage)
+    """Head, middle and last node of 3, with prompts in workflows of their own and
+    served by the run itself (DECISIONS 66)."""
+    run_id = 2301 + killed_stage + (5 if prompt_host == "run" else 0)
+    run, _, _ = await kill_and_recover(runs, run_id, killed_stage, prompt_host=prompt_host)
     # Served on the new pipeline as before, and a queue kept through it.
     again = await run.submit(_prompts(30)[0])
     assert isinstance(again, Done) and again.recoveries == 0
