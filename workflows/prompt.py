@@ -202,7 +202,19 @@ class PromptServing:
             inp.generate_heartbeat_s,
             f"generate request {request_id} on {where} (run {inp.run_id})",
         )
-        await workflow.wait_condition(lambda: handle.done() or self.cancel_reason is not None)
+        def head_gone() -> bool:
+            return replace and (self.head_lost or self.head_moves > moves)
+
+        await workflow.wait_condition(
+            lambda: handle.done() or self.cancel_reason is not None or head_gone()
+        )
+        if not handle.done() and self.cancel_reason is None:
+            # The run says the head node is lost (DECISIONS 68): its generate is left to
+            # its heartbeat timeout, and the prompt goes on on the replacement head from
+            # the text its stream holds (regenerated there: the same tokens).
+            handle.add_done_callback(_retrieve)
+            handle.cancel()
+            return self.cancelled(), []
         stop = None
         if not handle.done():
             handle.cancel()  # reaches the node with its next heartbeat's answer
@@ -375,6 +387,13 @@ class PromptWorkflow:
             detail = f"{outcome.status.value}: {terminal.error}"
         workflow.set_current_details(f"{self._serving.label}: {detail}"[:400])
         return outcome
+
+
+def _retrieve(task: Any) -> None:
+    """Take a left generate's end (its heartbeat timeout): unread, it would be logged as
+    "Task exception was never retrieved"."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _checkpoint(err: ActivityError) -> list[int]:
