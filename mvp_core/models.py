@@ -581,6 +581,8 @@ class NodeProvisionSpec(_Model):
     gpus: str | None = None
     cpus: float | None = None  # docker.cpus: each node container's CPU limit
     vastai: VastAiSettings | None = None
+    # A replacement (DECISIONS 68): machines to rent elsewhere than, where an offer allows.
+    avoid_machines: list[int] = Field(default_factory=list, max_length=64)
 
 
 class NodeHandle(_Model):
@@ -596,6 +598,7 @@ class NodeHandle(_Model):
     container_id: str | None = None
     address: str | None = Field(default=None, description="The node's own network address")
     instance_id: int | None = Field(default=None, description="Vast.ai instance (contract) id")
+    machine_id: int | None = Field(default=None, description="Vast.ai: the instance's machine")
 
 
 class ProviderResource(_Model):

@@ -103,7 +103,7 @@ def _kill(node: NodeState, provider: str) -> None:
         import docker
 
         client = docker.from_env()
-        client.containers.get(node.handle.resource_name).kill()
+        client.containers.get(node.handle.container_id or node.handle.resource_name).kill()
         client.close()
         return
     assert node.handle.pid is not None

@@ -202,6 +202,7 @@ class PromptServing:
             inp.generate_heartbeat_s,
             f"generate request {request_id} on {where} (run {inp.run_id})",
         )
+
         def head_gone() -> bool:
             return replace and (self.head_lost or self.head_moves > moves)
 

@@ -350,7 +350,7 @@ class RunWorkflow:
                 if state.stopping:
                     raise _Stopping()
 
-    async def _start_node(self, node: NodeState) -> None:
+    async def _start_node(self, node: NodeState, avoid_machines: Sequence[int] = ()) -> None:
         state, req, traits = self._state, self._request, self._traits
         assert state.plan is not None and state.provider_queue is not None
         host_nodes = traits.host_nodes(len(state.nodes))
@@ -380,6 +380,7 @@ class RunWorkflow:
             cpus=traits.cpus(req),
             mounts=sorted({state.plan.model_path, state.plan.tokenizer_path}),
             vastai=traits.vastai(req),
+            avoid_machines=list(avoid_machines),
         )
         # Neither abandoned on shutdown nor cancelled with the workflow: a start in
         # flight may launch its node, which teardown must then know about to stop it.
@@ -688,7 +689,8 @@ class RunWorkflow:
         await self._stop_node(lost)  # a rental is destroyed, never left billing
         if state.stopping:
             raise _Stopping()
-        await self._start_node(node)
+        machine = lost.handle.machine_id if lost.handle is not None else None
+        await self._start_node(node, [machine] if machine is not None else [])
         if state.stopping:
             raise _Stopping()
         self._widen_watch()

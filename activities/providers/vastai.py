@@ -252,6 +252,7 @@ class _Record:
     instance_id: int
     label: str
     offer_id: int | None = None
+    machine_id: int | None = None  # the host machine of the offer
     public_ip: str | None = None
     ssh_port: int | None = None
     ssh_user: str = "root"
@@ -529,6 +530,7 @@ class VastAiProvider:
             resource_name=label,
             address=record.public_ip,
             instance_id=record.instance_id,
+            machine_id=record.machine_id,
         )
 
     def _adopt(self, spec: NodeProvisionSpec, label: str) -> _Record | None:
@@ -618,7 +620,12 @@ class VastAiProvider:
                     f"vastai node {spec.node_id}: no offer matches the run's filters "
                     f"({len(tried)} tried)"
                 )
+            # A replacement goes to another machine than the node it replaces, where an
+            # offer allows (DECISIONS 68); the cheapest first otherwise.
+            candidates.sort(key=lambda o: o.get("machine_id") in spec.avoid_machines)
             offer = int(candidates[0]["id"])
+            machine = candidates[0].get("machine_id")
+            machine_id = machine if isinstance(machine, int) else None
             log.info("%s: trying offer %s (%d candidate(s))", label, offer, len(candidates))
             t0 = time.monotonic()
             try:
@@ -662,7 +669,7 @@ class VastAiProvider:
                     # No contract in the answer: whether it rented is unknown; ask by label.
                     adopted = self._adopt(spec, label)
                     if adopted is not None:
-                        adopted.offer_id = offer
+                        adopted.offer_id, adopted.machine_id = offer, machine_id
                         self._save(adopted)
                         return adopted
                     tried.add(offer)
@@ -676,7 +683,9 @@ class VastAiProvider:
             contract = made.get("new_contract") if isinstance(made, dict) else None
             if not isinstance(contract, int):
                 raise NodeStartFailed(f"vastai node {spec.node_id}: create answered {made!r}"[:300])
-            record = _Record(instance_id=contract, label=label, offer_id=offer)
+            record = _Record(
+                instance_id=contract, label=label, offer_id=offer, machine_id=machine_id
+            )
             harness_crash("created")  # the worker dies before the record
             self._save(record)
             phases["create"] = phases.get("create", 0.0) + time.monotonic() - t0

@@ -387,6 +387,9 @@ async def test_an_instance_that_exits_is_destroyed_and_replaced_by_a_new_rental(
     lost = after.replaced_nodes[-1]
     assert lost.handle is not None and lost.handle.instance_id is not None
     assert vast.standin.record(lost.handle.instance_id).destroyed_at is not None
+    new = next(n for n in after.nodes if n.stage_index == 1)
+    assert new.handle is not None and new.handle.machine_id is not None
+    assert new.handle.machine_id != lost.handle.machine_id  # another machine where it can
     live = {r.id for r in vast.standin.left_behind()}
     assert live == {n.handle.instance_id for n in after.nodes if n.handle is not None}
     await run.shutdown_and_wait(ShutdownReason.OPERATOR_REQUESTED)
