@@ -208,7 +208,7 @@ class RecoverySettings(_Model):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     max_replacements: int = Field(
-        default=3, ge=1, le=100, description="Replacements allowed within window_s"
+        default=3, ge=1, le=16, description="Replacements allowed within window_s"
     )
     window_s: float = Field(
         default=3600.0, gt=0, le=_DAY_S, description="The window max_replacements counts in"

@@ -455,8 +455,9 @@ class RunState(BaseModel):
         )
         if node is None or self._stale("stage_fault", report.epoch):
             return False
-        if self.lost or self.recovering is not None:
-            # A survivor seeing the lost node's edges close: the loss explains it.
+        if self.lost or (self.recovering is not None and self.recovering.epoch is None):
+            # A survivor seeing the lost node's edges close: the loss explains it. (A fault
+            # of the new pipeline, once it is wired, is one.)
             self.ignore("stage_fault", f"stage {report.stage_index}, during stage recovery")
             return False
         self.suspect(f"{self.phase_word()}: stage {report.stage_index} fault: {report.reason}")

@@ -69,7 +69,7 @@ class PromptServing:
         *,
         temporal_text: bool = True,
         turn: Callable[[], bool] | None = None,
-        published_tokens: Callable[[], int] | None = None,
+        published_tokens: Callable[[], int | None] | None = None,
     ) -> None:
         self.inp = inp
         self.key = key  # the generate's key on the head node (its workflow id)
@@ -96,13 +96,24 @@ class PromptServing:
         if self.cancel_reason is None:
             self.cancel_reason = reason or "cancelled"
 
-    def move_head(self, head: PromptHead) -> None:
-        """The run's news of the head node: lost, or its replacement serving."""
+    def move_head(self, head: PromptHead) -> bool:
+        """The run's news of the head node: lost, or its replacement serving. Only in a run
+        that replaces lost nodes, and only a node of this run's (its task queue and
+        readiness id as the run names them): False, and nothing changes, otherwise."""
+        inp = self.inp
+        nonce8 = inp.readiness_id.split("-", 1)[0]
+        if (
+            inp.on_node_loss is not NodeLossPolicy.REPLACE
+            or head.task_queue != names.node_task_queue(inp.run_id, head.node_id, nonce8)
+            or head.readiness_id != f"{nonce8}-{head.node_id}-0"
+        ):
+            return False
         if not head.ready:
             self.head_lost = True
-            return
-        if head.task_queue == self.inp.head_task_queue:
-            return
+            return True
+        if head.task_queue == inp.head_task_queue:
+            self.head_lost = False
+            return True
         self.inp = self.inp.model_copy(
             update={
                 "head_task_queue": head.task_queue,
@@ -112,6 +123,7 @@ class PromptServing:
         )
         self.head_lost = False
         self.head_moves += 1
+        return True
 
     def _turn_came(self) -> bool:
         return self.turn is not None and self.turn()
@@ -166,7 +178,19 @@ class PromptServing:
                     )
                 break
             recoveries += 1
-            text_from = self.published_tokens() if self.published_tokens is not None else None
+            text_from = None
+            if self.published_tokens is not None:
+                text_from = self.published_tokens()
+                if text_from is None:
+                    outcome = PromptOutcome(
+                        terminal=Fault(
+                            request_id=inp.prompt.request_id,
+                            error="prompt serving fault: the head node was lost and its "
+                            "stream cannot say which text its readers have",
+                        ),
+                        status=PromptStatus.FAULTED,
+                    )
+                    break
         if recoveries and outcome.terminal.type == "done":
             outcome.terminal.recoveries += recoveries
         return outcome
@@ -353,15 +377,20 @@ class PromptWorkflow:
 
     @workflow.signal(name=names.SIGNAL_PROMPT_HEAD)
     def head(self, head: PromptHead) -> None:
-        self._serving.move_head(head)
+        if not self._serving.move_head(head):
+            workflow.logger.warning("ignored head news for another run or policy: %s", head)
 
-    def _published_tokens(self) -> int:
+    def _published_tokens(self) -> int | None:
         """The generated tokens whose text this prompt's stream holds: a generate resumed
-        on a new head publishes from there on, so its readers get no text twice."""
+        on a new head publishes from there on, so its readers get no text twice. None
+        where the stream cannot say (its log is the SDK's own: no public read of it
+        inside the workflow)."""
         converter = workflow.payload_converter()
         tokens = 0
-        # The stream's own log (the SDK has no public read of it inside the workflow).
-        for item in getattr(self._stream, "_log", []):
+        log = getattr(self._stream, "_log", None)
+        if not isinstance(log, list):
+            return None
+        for item in log:
             try:
                 delta = converter.from_payload(item.data, TextDelta)
             except Exception:

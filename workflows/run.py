@@ -97,6 +97,9 @@ CULPRIT_GRACE = timedelta(seconds=2)
 # ... and longer where the run replaces lost nodes (DECISIONS 68): a rented instance's
 # status is polled every 5 s, and a loss the watch names is replaced, not fatal.
 REPLACE_CULPRIT_GRACE = timedelta(seconds=10)
+# A prompt (and the head holding one) waits this much longer than the run's bound on a
+# recovery: the run, not a prompt, decides that a recovery failed (it then tears down).
+RECOVERY_SLACK_S = 60.0
 # A lease that failed while its node lives (a control-plane outage outlasting the lease
 # heartbeat) is scheduled again; membership is lost only if no lease starts in this time.
 LEASE_RECOVERY = timedelta(seconds=30)
@@ -168,6 +171,7 @@ class RunWorkflow:
         self._leases: dict[int, asyncio.Task[None]] = {}
         self._watch: asyncio.Task[None] | None = None
         self._old_watches: list[asyncio.Task[None]] = []  # replaced by a wider watch
+        self._watch_gen = 0  # the watch loop that is the run's (a wider one ends the others)
         self._recovery: asyncio.Task[None] | None = None  # replacing lost nodes
         self._datastream: asyncio.Task[None] | None = None
         self._closing = False  # torn down and every background activity ended: returns next
@@ -523,7 +527,7 @@ class RunWorkflow:
             engine=req.engine,
             run_workflow_id=workflow.info().workflow_id,
             epoch=state.epoch,
-            recovery_wait_s=req.recovery.replacement_timeout_s
+            recovery_wait_s=_slack(req.recovery.replacement_timeout_s)
             if replace and node.stage_index == 0
             else None,
         )
@@ -616,9 +620,11 @@ class RunWorkflow:
         state = self._state
         assert state.provider_queue is not None
         queue = state.provider_queue
+        self._watch_gen += 1
+        gen = self._watch_gen
 
         async def watch() -> None:
-            while True:
+            while gen == self._watch_gen:
                 handles = [n.handle for n in state.nodes if n.handle is not None and not n.exited]
                 if not handles:
                     return
@@ -635,6 +641,7 @@ class RunWorkflow:
                     return
                 if self._watch_cancelled:
                     return
+                # A watch a wider one replaced may still report the exit it saw.
                 state.on_node_exited(exited.node_id, exited.detail, _now_ms())
                 self._recover_lost()
 
@@ -678,15 +685,23 @@ class RunWorkflow:
         pipeline (the survivors keep their weights) and return to prompt-ready. The head
         node holds its prompts in flight meanwhile and continues them on the new pipeline."""
         state, req = self._state, self._request
+        lost_at = state.lost[0].lost_at_ms
         lost, node = state.begin_replacement(_now_ms())
         self._show()
+        # The bound runs from the loss, as the prompts' and the head's own waits do.
+        deadline = workflow.now() + timedelta(
+            seconds=req.recovery.replacement_timeout_s - (_now_ms() - lost_at) / 1000
+        )
         if node.stage_index == 0:
             await self._tell_prompts(node, ready=False)  # they wait for the new head
-        deadline = workflow.now() + timedelta(seconds=req.recovery.replacement_timeout_s)
         lease = self._leases.pop(lost.node_id, None)
         if lease is not None:
             lease.cancel()  # its end is no news now: the node is out of the run
-        await self._stop_node(lost)  # a rental is destroyed, never left billing
+        if not await self._stop_node(lost):  # a rental is destroyed, never left billing
+            lost.provider_stopped = False  # teardown tries again
+            raise RuntimeError(
+                f"node {lost.node_id} could not be stopped: {state.first_stop_error}"
+            )
         if state.stopping:
             raise _Stopping()
         machine = lost.handle.machine_id if lost.handle is not None else None
@@ -712,6 +727,22 @@ class RunWorkflow:
             metrics.sink().record_recovery(state.run_id, rec.stage_index, took * 1000)
         if not state.lost:
             self._set_phase(serving)
+
+    def _head_news(self, inp: PromptInput) -> PromptHead | None:
+        """What a prompt admitted with ``inp`` has not heard of its head: that it is being
+        replaced, or which node serves instead (None: nothing)."""
+        state = self._state
+        rec = state.recovering
+        head = state.head()
+        replacing = rec is not None and rec.stage_index == 0
+        if not replacing and head.task_queue == inp.head_task_queue:
+            return None
+        return PromptHead(
+            node_id=head.node_id,
+            task_queue=head.task_queue,
+            readiness_id=head.readiness_id,
+            ready=not replacing,
+        )
 
     async def _tell_prompts(self, head: NodeState, *, ready: bool) -> None:
         """Every open prompt learns that the head node is lost, or which node serves it
@@ -820,6 +851,11 @@ class RunWorkflow:
     # ------------------------------------------------------------------ serving
     def _resume(self) -> None:
         """After continue-as-new: leases, the watch and the datastream start again at once."""
+        state = self._state
+        if state.lost or state.recovering is not None:
+            # Never carried (a run does not continue as new while it recovers): a carry
+            # that has one cannot be finished here.
+            state.fault("prompt serving: a stage recovery was cut off by continue-as-new")
         self._start_datastream()
         for node in self._state.nodes:
             self._start_lease(node, self._request.timeouts.lease_heartbeat_s * 3)
@@ -847,6 +883,8 @@ class RunWorkflow:
                 )
                 if state.stopping:
                     return "stop"
+                if self._recovering():
+                    continue  # a node was lost meanwhile: its recovery first
                 return "continue_as_new"
             if self._roll_over_now() and not self._rolling_over:
                 self._rolling_over = True
@@ -916,7 +954,7 @@ class RunWorkflow:
             stream_batch_ms=self._request.stream_batch_ms,
             start_active=start_active,
             on_node_loss=self._request.on_node_loss,
-            recovery_wait_s=self._request.recovery.replacement_timeout_s,
+            recovery_wait_s=_slack(self._request.recovery.replacement_timeout_s),
         )
         if hosted:
             outcome = await self._host_prompt(inp, wf_id, record, admitted_at)
@@ -927,7 +965,7 @@ class RunWorkflow:
             wf_id, ok, "" if ok else getattr(outcome.terminal, "error", ""), prompt.request_id
         )
         self._show()
-        if outcome.run_fault is not None:
+        if outcome.run_fault is not None and not self._recovering():
             # The head's driver saw its pipeline fail: maybe a peer died (the watch names it).
             self._suspect(outcome.run_fault)
         return outcome.terminal
@@ -1002,6 +1040,9 @@ class RunWorkflow:
         self._children[wf_id] = child
         self._started_children.add(wf_id)
         self._show()
+        news = self._head_news(inp)
+        if news is not None:  # its head was replaced, or is being, since it was admitted
+            await child.signal(names.SIGNAL_PROMPT_HEAD, news)
         early = self._early_cancels.pop(wf_id, None)
         if early is not None:
             await self._cancel_child(wf_id, early)
@@ -1329,8 +1370,10 @@ class RunWorkflow:
                 f"StopRun stage {node.stage_index} (node {node.node_id}): {failure_cause(err)}"
             )
 
-    async def _stop_node(self, node: NodeState) -> None:
+    async def _stop_node(self, node: NodeState) -> bool:
+        """The provider stop of ``node``: False where it failed (a node that may still run)."""
         state, t = self._state, self._request.timeouts
+        stopped = True
         assert state.provider_queue is not None
         handle = node.handle or NodeHandle(  # a start that never reported back
             run_id=state.run_id,
@@ -1347,14 +1390,17 @@ class RunWorkflow:
                 f"provider stop node {node.node_id} (stage {node.stage_index})",
             )
             if result.error is not None:
+                stopped = False
                 state.stop_error(
                     f"provider stop node {node.node_id}: {result.error}", provider=True
                 )
         except ActivityError as err:
+            stopped = False
             state.stop_error(
                 f"provider stop node {node.node_id}: {failure_cause(err)}", provider=True
             )
         node.provider_stopped = True
+        return stopped
 
     async def _drain_prompts(self) -> None:
         """Every admitted prompt has its one terminal event before RunTornDown. A prompt
@@ -1445,6 +1491,11 @@ def _text_size(served: ServedPrompt) -> int:
     terminal = served.outcome.terminal
     text = terminal.final_text if terminal.type == "done" else terminal.text
     return len(text or "")
+
+
+def _slack(bound_s: float) -> float:
+    """A prompt's wait for a recovery: the run's bound and RECOVERY_SLACK_S (at most a day)."""
+    return min(bound_s + RECOVERY_SLACK_S, 86_400.0)
 
 
 def _now_ms() -> int:

@@ -452,7 +452,11 @@ def test_reports_of_an_earlier_pipeline_move_nothing():
     assert not s.nodes[0].stage_ready and "epoch 0" in s.ignored[-1].reason
     assert s.on_stage_ready(StageReady(run_id=7, stage_index=0, readiness_id=new_rid, epoch=1))
     fault = StageFault(run_id=7, stage_index=0, reason="EdgeClosed", readiness_id=new_rid)
-    assert not s.on_stage_fault(fault) and s.suspected_fault is None
+    assert not s.on_stage_fault(fault) and s.suspected_fault is None  # of pipeline 0
+    # A fault of the new pipeline, once it is wired, is one (the grace, then the fault).
+    new = fault.model_copy(update={"epoch": 1, "reason": "EdgeAuthError: rejected"})
+    assert s.on_stage_fault(new) and s.suspected_fault is not None
+    assert "EdgeAuthError" in s.suspected_fault
 
 
 def test_a_loss_past_the_bound_or_during_a_recovery_faults_the_run():

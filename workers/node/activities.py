@@ -284,11 +284,17 @@ class NodeActivities:
         """Stage recovery (DECISIONS 68): join the run's new pipeline with the weights this
         stage holds; its prompts in flight (on the head) go on there."""
         old = runtime.provision.epoch
-        try:
-            await asyncio.to_thread(
+        task = asyncio.ensure_future(
+            asyncio.to_thread(
                 runtime.rewire, prov, self.server, **self._pipeline_reports(prov.epoch)
             )
-        except ValueError as err:
+        )
+        while not task.done():
+            activity.heartbeat("rewiring")
+            await asyncio.wait({task}, timeout=2)
+        try:
+            task.result()
+        except (ValueError, RuntimeError) as err:
             raise ApplicationError(
                 self.redact(f"node {self.cfg.node_id}: {err}"),
                 type=ErrorType.STAGE_REJECTED,

@@ -138,9 +138,11 @@ class StageLink:
         """Stop without a fault report; its edges closing next end the thread."""
         self._stop.set()
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """Stop, and wait up to ``timeout_s`` for the thread: False if it still runs."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=timeout_s)
+        return not self._thread.is_alive()
 
     def _main(self) -> None:
         self.placement.adopt()

@@ -35,6 +35,9 @@ from workers.node.scheduler import Scheduler
 
 # A token-out record later than this means a stage is stuck: a run fault, never a hang.
 RECORD_TIMEOUT_S = 60.0
+# A stage leaving its pipeline waits this long for its thread's step in flight to end:
+# two pipelines never run the stage's layers at once (they share its buffers).
+DETACH_WAIT_S = 120.0
 
 
 @dataclass
@@ -192,8 +195,11 @@ class StageRuntime:
         if group is not None:
             group.fail(EdgeClosed(f"stage {self.provision.stage_index}: pipeline replaced"))
             group.close()
-        if link is not None:
-            link.close()
+        if link is not None and not link.close(DETACH_WAIT_S):
+            raise RuntimeError(
+                f"stage {self.provision.stage_index}: its step in flight did not end within "
+                f"{DETACH_WAIT_S:g} s; the stage cannot join a new pipeline"
+            )
 
     def rewire(
         self,
