@@ -273,7 +273,7 @@ async def test_a_killed_container_is_replaced_and_its_prompts_end_with_their_tex
         )
         victim.kill()  # type: ignore[attr-defined]
 
-    run, after, _ = await kill_and_recover(
+    run, after = await kill_and_recover(
         druns, run_id, 1, kill, prompts=2, pipeline_stages=2, provider="docker"
     )
     lost = after.replaced_nodes[-1].node_id

@@ -373,7 +373,7 @@ async def test_an_instance_that_exits_is_destroyed_and_replaced_by_a_new_rental(
         assert record.container_id is not None
         vast.standin.docker.containers.get(record.container_id).kill()
 
-    run, after, _ = await kill_and_recover(
+    run, after = await kill_and_recover(
         vast.runs,
         run_id,
         1,
