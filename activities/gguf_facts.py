@@ -7,6 +7,7 @@ import os
 import re
 from typing import Any
 
+from mvp_core.engine_support import unsupported_architecture, unsupported_types
 from mvp_core.gguf_header import GGUFHeader, TensorInfo, parse_header
 from mvp_core.models import ModelFacts
 from mvp_core.planner import PlanningError
@@ -30,6 +31,12 @@ def read_model_facts(path: str) -> ModelFacts:
     arch = meta.get("general.architecture")
     if not isinstance(arch, str):
         raise PlanningError(f"GGUF {path} has no general.architecture")
+    # What the engine lacks is named here, before any node starts (issue 24).
+    why = unsupported_architecture(arch) or unsupported_types(
+        (t.name, t.ggml_type, t.type_name) for t in header.tensors.values()
+    )
+    if why is not None:
+        raise PlanningError(f"GGUF {path}: {why}")
 
     def need(key: str) -> int:
         value: Any = meta.get(f"{arch}.{key}")

@@ -6,6 +6,7 @@ import struct
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
@@ -137,3 +138,46 @@ def test_work_figures_from_a_table_no_model_has_are_left_out_not_a_crash() -> No
     assert _work(huge, 2) == (None, None)
     assert _work(header(blk_0_w=(4, 1 << 41), output_weight=(16, 8)), 1) == (None, None)
     assert _work(header(blk_0_w=(4, 8)), 1) == (None, None)  # no head
+
+
+def test_planning_names_an_architecture_or_tensor_type_the_engine_lacks(tmp_path: Path) -> None:
+    """Issue 24: what the engine cannot run is a planning error naming it, before any
+    node starts (it was a weight-load fault on the node)."""
+    path = tmp_path / "phi.gguf"
+    _write(
+        path,
+        {
+            "general.architecture": "phi2",
+            "phi2.block_count": 2,
+            "phi2.embedding_length": 64,
+            "phi2.context_length": 128,
+        },
+    )
+    with pytest.raises(
+        PlanningError, match=r"architecture 'phi2' is not supported by the engine \(supported: "
+    ):
+        read_model_facts(str(path))
+
+    path = tmp_path / "q51.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key in ("block_count", "embedding_length", "context_length"):
+        w.add_uint32(f"llama.{key}", 64 if key != "block_count" else 1)
+    # Q5_1: 24 bytes a block of 32; Q8_1 too (neither is the engine's).
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((64, 48), np.uint8), raw_dtype=QT.Q5_1)
+    w.add_tensor("blk.0.attn_k.weight", np.zeros((64, 48), np.uint8), raw_dtype=QT.Q5_1)
+    w.add_tensor("token_embd.weight", np.zeros((64, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(PlanningError) as err:
+        read_model_facts(str(path))
+    assert "tensor type(s) not supported by the engine: Q5_1 (2 tensor(s): " in str(err.value)
+    assert "blk.0.attn_q.weight" in str(err.value) and "token_embd" not in str(err.value)
+
+
+def test_the_core_s_table_is_the_engine_s() -> None:
+    from mvp_core.engine_support import SUPPORTED_TENSOR_TYPES
+    from workers.node.engine.quants import SUPPORTED_TYPES
+
+    assert {int(t) for t in SUPPORTED_TYPES} == SUPPORTED_TENSOR_TYPES

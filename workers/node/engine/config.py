@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 from gguf.constants import Keys
 
+from mvp_core.engine_support import SUPPORTED_ARCHITECTURES
+
 from .gguf_reader import GGUFError, GGUFFile, LazyArray
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 # llama.cpp rotates adjacent pairs for llama-family GGUFs (the converter permuted q/k
 # rows for that) and the two halves of each head ("NEOX") for qwen2/qwen3/gemma3.
 _NEOX_ARCHITECTURES = frozenset({"qwen2", "qwen3", "gemma3"})
