@@ -105,6 +105,10 @@ FIRST = asyncio.FIRST_COMPLETED
 # A prompt's result is in while its text stream says nothing: what the head node still
 # sends within this long is read (its end line normally comes before the result).
 DIRECT_GRACE_S = 2.0
+# A run-hosted prompt's direct stream that broke (its head node lost, DECISIONS 68) is
+# read again from the replacement head, at most this many times, while the prompt runs.
+DIRECT_RESUMES = 3
+NEW_HEAD_POLL_S = 0.3
 log = logging.getLogger("mvp.client")
 
 
@@ -466,9 +470,14 @@ class RunHandle:
         tokens = 0  # ... and the generated tokens they held
         direct_end = False
         target = await self._text_target() if not result_task.done() else None
-        if target is not None:
+        resumes = 0
+        while target is not None:
+            skip = len("".join(sent))  # a new head's stream starts from the first text
             try:
-                async for delta in self._direct(target, child_id, result_task):
+                async for got in self._direct(target, child_id, result_task):
+                    delta, skip = _cut(got, skip)
+                    if delta is None:
+                        continue
                     sent.append(delta.text)
                     tokens += delta.tokens or 0
                     yield delta
@@ -478,8 +487,17 @@ class RunHandle:
                 log.info("%s: text from Temporal from now on: %s", self.workflow_id, err)
                 self._secret = None  # this host's secret is not the run's: never again
             except TextStreamError as err:
-                log.info("%s: text from Temporal: %s", child_id, err)
                 self._target = None  # asked again next time (the head may have moved)
+                if resumes < DIRECT_RESUMES and await self._hosts_prompts():
+                    # A run-hosted prompt has no Temporal stream: its text goes on from
+                    # the replacement head, should its head be replaced (DECISIONS 68).
+                    resumes += 1
+                    target = await self._new_head(target, result_task)
+                    if target is not None:
+                        log.info("%s: text from the new head: %s", child_id, err)
+                        continue
+                log.info("%s: text from Temporal: %s", child_id, err)
+            break
         terminal: Done | Fault | None = None
         if not direct_end and not await self._hosts_prompts():
             skip = len("".join(sent))
@@ -487,12 +505,10 @@ class RunHandle:
                 if not isinstance(event, TextDelta):
                     terminal = event
                     break
-                if skip:
-                    cut = min(skip, len(event.text))
-                    skip -= cut
-                    if cut == len(event.text):
-                        continue
-                    event = event.model_copy(update={"text": event.text[cut:]})
+                delta, skip = _cut(event, skip)
+                if delta is None:
+                    continue
+                event = delta
                 sent.append(event.text)
                 tokens += event.tokens or 0
                 yield event
@@ -511,6 +527,21 @@ class RunHandle:
                     tokens=None if total is None else max(0, total - tokens),
                 )
         yield result
+
+    async def _new_head(
+        self, old: TextStreamTarget, result_task: asyncio.Future[Any]
+    ) -> TextStreamTarget | None:
+        """The head node's text stream once another node is the head (a stage recovery
+        replaced it); None if the prompt ends first."""
+        while not result_task.done():
+            state = await self.try_snapshot()
+            if state is not None and self._secret is not None:
+                target = target_of(state, self.workflow_id, self._secret)
+                if target is not None and (target.host, target.port) != (old.host, old.port):
+                    self._target = target
+                    return target
+            await asyncio.wait({result_task}, timeout=NEW_HEAD_POLL_S)
+        return None
 
     async def _text_target(self) -> TextStreamTarget | None:
         """The run's head node text stream, where this host can read it (cached)."""
@@ -753,6 +784,17 @@ async def start_prompt(
 ) -> WorkflowUpdateHandle[Any]:
     """:meth:`RunHandle.start_prompt`."""
     return await RunHandle(client, run_id).start_prompt(prompt)
+
+
+def _cut(delta: TextDelta, skip: int) -> tuple[TextDelta | None, int]:
+    """``delta`` less the first ``skip`` characters, which the reader has from another
+    stream (None: all of it), and what is left to skip."""
+    if not skip:
+        return delta, 0
+    cut = min(skip, len(delta.text))
+    if cut == len(delta.text):
+        return None, skip - cut
+    return delta.model_copy(update={"text": delta.text[cut:]}), skip - cut
 
 
 async def submit_prompt(client: Client, run_id: int, prompt: SubmitPrompt) -> Done | Fault:

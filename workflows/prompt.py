@@ -178,7 +178,9 @@ class PromptServing:
                     )
                 break
             recoveries += 1
-            text_from = None
+            # No stream (a run-hosted prompt): the new head's text stream carries the
+            # whole text, and a direct reader skips what it has (temporal/client.py).
+            text_from = 0
             if self.published_tokens is not None:
                 text_from = self.published_tokens()
                 if text_from is None:

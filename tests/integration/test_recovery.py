@@ -201,7 +201,13 @@ async def test_killed_nodes_are_replaced_one_after_another_and_prompts_keep_thei
     run_id = 2301 if prompt_host == "workflow" else 2305
     handle, run = await start_replacing(runs, run_id, prompt_host=prompt_host)
     for i, stage in enumerate(kills):
+        direct = run.direct_streams
         await kill_once(run, handle, stage, base=20 + 1000 * i)
+        if prompt_host == "run":
+            # Each prompt's text was read from the head node to its end: after a head
+            # loss, from the replacement head (temporal/client.py), not in one piece at
+            # the end.
+            assert run.direct_streams - direct == 4, run.direct_streams
     # Served on the last pipeline as before.
     prompt = _prompts(30)[0]
     again = await run.submit(prompt)
