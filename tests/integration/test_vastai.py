@@ -612,6 +612,12 @@ async def test_a_terminated_run_s_instance_destroys_itself(vast: Vast):
     await wait_closed(handle)
     took = await wait_ledger_empty(vast.standin, 120)
     print(f"\nself-destroy after terminate: {took:.1f} s")
+    # Nobody stops the provider's tunnel of a terminated run: it ends when its ssh sees
+    # the instance gone, at the latest after ServerAliveInterval x ServerAliveCountMax
+    # (15 s); the fixture then finds none.
+    deadline = time.monotonic() + 45
+    while tunnel_processes(vast.identity) and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
 
 
 async def test_the_reaper_destroys_a_terminated_run_s_instances_on_its_own(vast: Vast):
