@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import threading
 import time
@@ -248,10 +249,7 @@ class NodeActivities:
                 non_retryable=True,
             )
         if self.runtime is None:
-            task = asyncio.ensure_future(asyncio.to_thread(_load_runtime, prov))
-            while not task.done():
-                activity.heartbeat("loading")
-                await asyncio.wait({task}, timeout=2)
+            task = await _heartbeating("loading", _load_runtime, prov)
             try:
                 runtime = task.result()
                 self._join_data_plane(runtime)
@@ -284,14 +282,10 @@ class NodeActivities:
         """Stage recovery (DECISIONS 68): join the run's new pipeline with the weights this
         stage holds; its prompts in flight (on the head) go on there."""
         old = runtime.provision.epoch
-        task = asyncio.ensure_future(
-            asyncio.to_thread(
-                runtime.rewire, prov, self.server, **self._pipeline_reports(prov.epoch)
-            )
+        rewire = functools.partial(
+            runtime.rewire, prov, self.server, **self._pipeline_reports(prov.epoch)
         )
-        while not task.done():
-            activity.heartbeat("rewiring")
-            await asyncio.wait({task}, timeout=2)
+        task = await _heartbeating("rewiring", rewire)
         try:
             task.result()
         except (ValueError, RuntimeError) as err:
@@ -521,6 +515,16 @@ class NodeActivities:
             ),
         )
         self.stopped.set()
+
+
+async def _heartbeating(detail: str, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+    """Run ``fn(*args)`` in a thread, heartbeating ``detail`` every 2 s until it ends;
+    returns its finished task (its result or its exception)."""
+    task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    while not task.done():
+        activity.heartbeat(detail)
+        await asyncio.wait({task}, timeout=2)
+    return task
 
 
 def _beat(inp: GenerateInput, generated: list[int]) -> None:
