@@ -239,7 +239,7 @@ class PromptServing:
             # The run says the head node is lost (DECISIONS 68): its generate is left to
             # its heartbeat timeout, and the prompt goes on on the replacement head from
             # the text its stream holds (regenerated there: the same tokens).
-            handle.add_done_callback(_retrieve)
+            handle.add_done_callback(retrieve)
             handle.cancel()
             return self.cancelled(), []
         stop = None
@@ -421,9 +421,10 @@ class PromptWorkflow:
         return outcome
 
 
-def _retrieve(task: Any) -> None:
-    """Take a left generate's end (its heartbeat timeout): unread, it would be logged as
-    "Task exception was never retrieved"."""
+def retrieve(task: Any) -> None:
+    """Take the end of an activity the workflow no longer waits for (a cancel, or a left
+    generate's heartbeat timeout): unread, it would be logged as "Task exception was
+    never retrieved"."""
     if not task.cancelled():
         task.exception()
 

@@ -86,7 +86,13 @@ with workflow.unsafe.imports_passed_through():
         validate_request,
     )
     from workflows import calls
-    from workflows.prompt import PromptServing, PromptWorkflow, failure_cause, heartbeat_lost
+    from workflows.prompt import (
+        PromptServing,
+        PromptWorkflow,
+        failure_cause,
+        heartbeat_lost,
+        retrieve,
+    )
 
 PHASE_KEY = SearchAttributeKey.for_keyword(names.SEARCH_ATTRIBUTE_PHASE)
 HANDLERS_DRAIN = timedelta(seconds=30)
@@ -1507,13 +1513,8 @@ def _abandon(task: asyncio.Task[Any]) -> None:
     """Cancel an activity the run no longer waits for. Its end (``ActivityError:
     Activity cancelled``) is taken here: left unread, the task's garbage collection
     logged it as "Task exception was never retrieved" in the worker's log."""
-    task.add_done_callback(_retrieve)
+    task.add_done_callback(retrieve)
     task.cancel()
-
-
-def _retrieve(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
 
 
 def _safe(update_id: str) -> str:
