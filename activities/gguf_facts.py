@@ -7,7 +7,11 @@ import os
 import re
 from typing import Any
 
-from mvp_core.engine_support import unsupported_architecture, unsupported_types
+from mvp_core.engine_support import (
+    unsupported_architecture,
+    unsupported_rope,
+    unsupported_types,
+)
 from mvp_core.gguf_header import GGUFHeader, TensorInfo, parse_header
 from mvp_core.models import ModelFacts
 from mvp_core.planner import PlanningError
@@ -32,8 +36,10 @@ def read_model_facts(path: str) -> ModelFacts:
     if not isinstance(arch, str):
         raise PlanningError(f"GGUF {path} has no general.architecture")
     # What the engine lacks is named here, before any node starts (issue 24).
-    why = unsupported_architecture(arch) or unsupported_types(
-        (t.name, t.ggml_type, t.type_name) for t in header.tensors.values()
+    why = (
+        unsupported_architecture(arch)
+        or unsupported_types((t.name, t.ggml_type, t.type_name) for t in header.tensors.values())
+        or unsupported_rope(arch, meta, header.tensors)
     )
     if why is not None:
         raise PlanningError(f"GGUF {path}: {why}")

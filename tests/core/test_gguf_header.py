@@ -162,9 +162,9 @@ def test_planning_names_an_architecture_or_tensor_type_the_engine_lacks(tmp_path
     w = gguf.GGUFWriter(str(path), "llama")
     for key in ("block_count", "embedding_length", "context_length"):
         w.add_uint32(f"llama.{key}", 64 if key != "block_count" else 1)
-    # Q5_1: 24 bytes a block of 32; Q8_1 too (neither is the engine's).
-    w.add_tensor("blk.0.attn_q.weight", np.zeros((64, 48), np.uint8), raw_dtype=QT.Q5_1)
-    w.add_tensor("blk.0.attn_k.weight", np.zeros((64, 48), np.uint8), raw_dtype=QT.Q5_1)
+    # IQ4_NL: 18 bytes a block of 32 (not the engine's).
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((64, 36), np.uint8), raw_dtype=QT.IQ4_NL)
+    w.add_tensor("blk.0.attn_k.weight", np.zeros((64, 36), np.uint8), raw_dtype=QT.IQ4_NL)
     w.add_tensor("token_embd.weight", np.zeros((64, 64), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -172,7 +172,7 @@ def test_planning_names_an_architecture_or_tensor_type_the_engine_lacks(tmp_path
     w.close()
     with pytest.raises(PlanningError) as err:
         read_model_facts(str(path))
-    assert "tensor type(s) not supported by the engine: Q5_1 (2 tensor(s): " in str(err.value)
+    assert "tensor type(s) not supported by the engine: IQ4_NL (2 tensor(s): " in str(err.value)
     assert "blk.0.attn_q.weight" in str(err.value) and "token_embd" not in str(err.value)
 
 

@@ -15,7 +15,10 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
-BLOCK = {QT.Q4_0: 32, QT.Q4_1: 32, QT.Q8_0: 32, QT.Q4_K: 256, QT.Q5_K: 256, QT.Q6_K: 256}
+BLOCK = {
+    QT.Q4_0: 32, QT.Q4_1: 32, QT.Q5_0: 32, QT.Q5_1: 32, QT.Q8_0: 32,
+    QT.Q4_K: 256, QT.Q5_K: 256, QT.Q6_K: 256,
+}  # fmt: skip
 _K_BYTES = {QT.Q4_K: 144, QT.Q5_K: 176, QT.Q6_K: 210}
 
 
@@ -40,6 +43,10 @@ class TinySpec:
     seed: int = 0
     context_length: int = 128
     extra_kv: dict[str, int] = field(default_factory=dict)
+    # a SentencePiece vocabulary of ``vocab`` tokens, so that llama.cpp loads the file
+    # (scripts/reference/arch_logits.py); the engine's forward never reads it
+    llamacpp_vocab: bool = False
+    sliding_window: int = 0  # gemma3: attention.sliding_window (0: not written)
 
 
 def _random_k_blocks(qtype: QT, n_blocks: int, rng: np.random.Generator, amp: float) -> np.ndarray:
@@ -71,6 +78,18 @@ def quantize(values: np.ndarray, qtype: QT, rng: np.random.Generator) -> np.ndar
         blocks = _random_k_blocks(qtype, rows * cols // 256, rng, amp)
         return blocks.reshape(rows, -1)
     return np.asarray(quants.quantize(values.astype(np.float32), qtype))
+
+
+def spm_vocab(size: int) -> tuple[list[str], list[float], list[int]]:
+    """<unk>, <s>, </s>, the 256 byte tokens, <|endoftext|> (llama.cpp looks it up in a
+    phi3 vocabulary), then plain pieces up to ``size`` tokens."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["<|endoftext|>"]
+    types = [2, 3, 3] + [6] * 256 + [3]
+    while len(tokens) < size:
+        tokens.append(f"\u2581w{len(tokens)}")
+        types.append(1)
+    scores = [0.0] * 260 + [-float(i) for i in range(size - 260)]
+    return tokens[:size], scores[:size], types[:size]
 
 
 def dequant(arr: np.ndarray, qtype: QT, shape: tuple[int, ...]) -> np.ndarray:
@@ -105,6 +124,15 @@ class TinyModel:
             writer.add_string(f"{arch}.rope.scaling.type", "linear")
             writer.add_float32(f"{arch}.rope.scaling.factor", spec.rope_scaling_factor)
         writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
+        if spec.llamacpp_vocab:
+            tokens, scores, types = spm_vocab(spec.vocab)
+            writer.add_tokenizer_model("llama")
+            writer.add_token_list(tokens)
+            writer.add_token_scores(scores)
+            writer.add_token_types(types)
+            writer.add_uint32("tokenizer.ggml.bos_token_id", 1)
+        if spec.sliding_window:
+            writer.add_uint32(f"{arch}.attention.sliding_window", spec.sliding_window)
         for k, v in spec.extra_kv.items():
             writer.add_uint32(k, v)
 
@@ -141,21 +169,31 @@ class TinyModel:
         for i in range(spec.n_layers):
             p = f"blk.{i}."
             add_norm(p + "attn_norm.weight", h)
-            add(p + "attn_q.weight", (qd, h), spec.qtype)
-            add(p + "attn_k.weight", (kvd, h), spec.qtype)
-            add(p + "attn_v.weight", (kvd, h), spec.qtype)
+            if arch == "phi3":  # fused q/k/v rows and gate/up rows
+                add(p + "attn_qkv.weight", (qd + 2 * kvd, h), spec.qtype)
+            else:
+                add(p + "attn_q.weight", (qd, h), spec.qtype)
+                add(p + "attn_k.weight", (kvd, h), spec.qtype)
+                add(p + "attn_v.weight", (kvd, h), spec.qtype)
             if arch == "qwen2":
                 add(p + "attn_q.bias", (qd,), QT.F32, 0.2)
                 add(p + "attn_k.bias", (kvd,), QT.F32, 0.2)
                 add(p + "attn_v.bias", (kvd,), QT.F32, 0.2)
-            if arch == "qwen3":
+            if arch in ("qwen3", "gemma3"):
                 add_norm(p + "attn_q_norm.weight", hd)
                 add_norm(p + "attn_k_norm.weight", hd)
             add(p + "attn_output.weight", (h, qd), spec.qtype)
+            if arch == "gemma3":
+                add_norm(p + "post_attention_norm.weight", h)
             add_norm(p + "ffn_norm.weight", h)
-            add(p + "ffn_gate.weight", (spec.ffn, h), spec.qtype)
-            add(p + "ffn_up.weight", (spec.ffn, h), spec.qtype)
+            if arch == "phi3":
+                add(p + "ffn_up.weight", (2 * spec.ffn, h), spec.qtype)
+            else:
+                add(p + "ffn_gate.weight", (spec.ffn, h), spec.qtype)
+                add(p + "ffn_up.weight", (spec.ffn, h), spec.qtype)
             add(p + "ffn_down.weight", (h, spec.ffn), spec.qtype)
+            if arch == "gemma3":
+                add_norm(p + "post_ffw_norm.weight", h)
         add_norm("output_norm.weight", h)
         if not spec.tied:
             add("output.weight", (spec.vocab, h), spec.qtype)
@@ -167,7 +205,7 @@ class TinyModel:
     # ----- reference forward (float64 numpy) -----
 
     def _rms(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        return x / np.sqrt((x * x).mean(-1, keepdims=True) + self.spec.eps) * w
+        return np.asarray(x / np.sqrt((x * x).mean(-1, keepdims=True) + self.spec.eps) * w)
 
     def _rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """x [T, heads, hd]; llama.cpp 'normal' rope for llama, NEOX for qwen."""
@@ -193,6 +231,8 @@ class TinyModel:
 
     def hidden_after(self, ids: list[int], n_layers: int) -> np.ndarray:
         s, w = self.spec, self.w
+        if s.arch not in ("llama", "qwen2", "qwen3"):  # gemma3, phi3: llama.cpp's record
+            raise NotImplementedError(f"no numpy reference for {s.arch}")
         t = len(ids)
         x = w["token_embd.weight"][ids]
         pos = np.arange(t, dtype=np.float64)
@@ -232,4 +272,4 @@ class TinyModel:
         """Logits of the last position."""
         x = self.hidden_after(ids, self.spec.n_layers)[-1]
         head = self.w.get("output.weight", self.w["token_embd.weight"])
-        return self._rms(x, self.w["output_norm.weight"]) @ head.T
+        return np.asarray(self._rms(x, self.w["output_norm.weight"]) @ head.T)

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 
 from gguf.constants import Keys
 
-from mvp_core.engine_support import SUPPORTED_ARCHITECTURES
+from mvp_core.engine_support import SUPPORTED_ARCHITECTURES, unsupported_rope
 
 from .gguf_reader import GGUFError, GGUFFile, LazyArray
 
 # llama.cpp rotates adjacent pairs for llama-family GGUFs (the converter permuted q/k
 # rows for that) and the two halves of each head ("NEOX") for qwen2/qwen3/gemma3.
-_NEOX_ARCHITECTURES = frozenset({"qwen2", "qwen3", "gemma3"})
+_NEOX_ARCHITECTURES = frozenset({"qwen2", "qwen3", "gemma3", "phi3"})
 
 
 @dataclass(frozen=True)
@@ -113,12 +113,13 @@ def arch_config(f: GGUFFile) -> ArchConfig:
     value_dim = int(f.arch_key(Keys.Attention.VALUE_LENGTH, head_dim))
     if value_dim != head_dim:
         raise GGUFError(f"{f.path}: key_length {head_dim} != value_length {value_dim}")
-    scale = 1.0
     scaling_type = str(f.arch_key(Keys.Rope.SCALING_TYPE, "none"))
+    why = unsupported_rope(arch, {f"{arch}.rope.scaling.type": scaling_type}, f.tensors)
+    if why is not None:
+        raise GGUFError(f"{f.path}: {why}")
+    scale = 1.0
     if scaling_type == "linear":
         scale = 1.0 / float(f.arch_key(Keys.Rope.SCALING_FACTOR, 1.0))
-    elif scaling_type not in ("none", ""):
-        raise GGUFError(f"{f.path}: rope scaling {scaling_type!r} is not supported")
     return ArchConfig(
         architecture=arch,
         n_layers=need(Keys.LLM.BLOCK_COUNT),

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,15 @@ from .config import ArchConfig
 from .gguf_reader import GGUFError, GGUFFile
 from .kernels import Linear, NativeLinear
 from .loader import Part, WeightBuilder
-from .model import RopeTables, Segment, attend, batch_forward, head_logits, native_products
+from .model import (
+    RopeTables,
+    Segment,
+    attend,
+    batch_forward,
+    float32_inverse_sqrt,
+    head_logits,
+    native_products,
+)
 
 ARCHITECTURE = "gemma3"
 SWA_PATTERN = 6  # llama.cpp: every 6th layer (i % 6 == 5) is global
@@ -72,7 +81,7 @@ def gemma3_params(f: GGUFFile, cfg: ArchConfig) -> Gemma3Params:
     scale_dim = cfg.hidden // cfg.n_head if cfg.n_layers == 62 else cfg.head_dim
     return Gemma3Params(
         sliding_window=window,
-        attention_scale=1.0 / math.sqrt(scale_dim),
+        attention_scale=float32_inverse_sqrt(scale_dim),
         embedding_scale=math.sqrt(cfg.hidden),
         final_logit_softcap=float(f.get(softcap_key, 0.0) or 0.0),
     )
@@ -272,11 +281,17 @@ class Gemma3StageModel:
                 window if lw.local else 0, f16,
             )  # fmt: skip
             h = h + norm(lw.wo(attn), lw.post_attn_norm, eps)
-            gu = lw.gate_up(h if lw.ffn_fused else _rms_norm(h, lw.ffn_norm, eps))
+            x = h if lw.ffn_fused else _rms_norm(h, lw.ffn_norm, eps)
+            # the model's last layer keeps only the output row, as llama.cpp does
+            kinds = None
+            native_ffn = isinstance(lw.gate_up, NativeLinear) and isinstance(lw.down, NativeLinear)
+            if self.layer_start + i == cfg.n_layers - 1 and t > 1 and native_ffn:
+                kinds = native.feed_forward_rows(t)
+            gu = lw.gate_up(x) if kinds is None else cast(NativeLinear, lw.gate_up)(x, None, kinds)
             act = native.geglu(gu, cfg.ffn) if f16 else None
             if act is None:
                 act = _gelu(gu[:, : cfg.ffn]) * gu[:, cfg.ffn :]
-            ffn = lw.down(act)
+            ffn = lw.down(act) if kinds is None else cast(NativeLinear, lw.down)(act, None, kinds)
             h = h + norm(ffn, lw.post_ffn_norm, eps)
         return h
 
@@ -317,6 +332,7 @@ class Gemma3StageModel:
                     lw.post_ffn_norm, geglu=True,
                     window=self.params.sliding_window if lw.local else 0,
                     round_scale=BOUNDARY_SCALE if i in self.round_before else 0.0,
+                    out_last=self.layer_start + i == cfg.n_layers - 1,
                 )
             )  # fmt: skip
         self._layers = native.Layers(

@@ -429,6 +429,7 @@ class NativePart:
     mode: int  # how activations are quantised for it (native.Q8_*_ACT)
     f16_exact: bool  # its scales and offsets are float16 values (not K-format products)
     kscales: KScales | None = None  # Q4_K / Q6_K: the format's own scales
+    repacked: bool = False  # Q4_0 that llama.cpp repacks (8x8) and sums block by block
 
 
 @dataclass(frozen=True)
@@ -441,8 +442,9 @@ class NativeLayout:
     zero: int
     mode: int
     kp: int  # K padded (the kernel's row length)
-    # native.ARITH_Q0: llama.cpp's own float order for Q4_0/Q4_1/Q5_0/Q8_0 (qmm.c), with
-    # each row's zero code (None: Q4_1's mins); else native.ARITH_GROUPS.
+    # native.ARITH_Q0 / ARITH_Q0R: llama.cpp's own float order for Q4_0/Q4_1/Q5_0/Q8_0
+    # (qmm.c; Q0R: its repacked Q4_0), with each row's zero code (None: Q4_1's mins);
+    # else native.ARITH_GROUPS.
     arith: int = 0
     zrow: torch.Tensor | None = None
     # native.ARITH_Q4K / ARITH_Q6K: the parts' KScales stacked (sc, mins, d, dmin)
@@ -554,7 +556,8 @@ def native_layout(
         offsets.append(o.to(dtype))
     arith, zrow, zg, zlist = native.ARITH_GROUPS, None, None, []
     if q0:
-        arith = native.ARITH_Q0
+        # llama.cpp's repacked Q4_0 sums per block (qmm.c MVK_ARITH_Q0R)
+        arith = native.ARITH_Q0R if all(p.repacked for p in parts) else native.ARITH_Q0
         if parts[0].zero is not None:
             zrow = torch.cat(
                 [torch.full((p.q.shape[0],), int(p.zero or 0), dtype=torch.uint8) for p in parts]

@@ -39,6 +39,7 @@ from .quants import (
     Q4_1,
     Q4_K,
     Q5_0,
+    Q5_1,
     Q5_K,
     Q6_K,
     Q8_0,
@@ -55,7 +56,7 @@ from .quants import (
 # Rows converted per step: bounds the temporary memory of large matrices (the head).
 _CHUNK_ROWS = 4096
 # Formats with a separate minimum per group: their zeros get the bf16 residual correction.
-_WITH_MINS = frozenset({Q4_1, Q4_K, Q5_K})
+_WITH_MINS = frozenset({Q4_1, Q5_1, Q4_K, Q5_K})
 # Zero correction for those formats (kernels.int4_rows). Off by default: on SmolLM2 Q4_1 it
 # did not change the logit error measurably (mean max|diff| vs float32 0.280 -> 0.276) and
 # costs ~9% decode speed; it lowers a single matmul's error by ~15-25% for Q4_K/Q5_K.
@@ -78,12 +79,13 @@ _NATIVE: dict[int, tuple[int, int | None, int, bool]] = {
     Q5_0: (5, 16, native.Q8_0_ACT, True),
     Q8_0: (8, 128, native.Q8_0_ACT, True),
     Q4_1: (4, None, native.Q8_1_ACT, True),
+    Q5_1: (5, None, native.Q8_1_ACT, True),
     Q4_K: (4, None, native.Q8_K_ACT, False),
     Q5_K: (5, None, native.Q8_K_ACT, False),
     Q6_K: (6, 32, native.Q8_K_ACT, False),
 }
 _HEAD_TENSORS = frozenset({"output.weight", "token_embd.weight"})
-_LLAMACPP_ORDER = frozenset({"gemma3", "llama"})
+_LLAMACPP_ORDER = frozenset({"gemma3", "llama", "phi3", "qwen2", "qwen3"})
 
 
 @dataclass(frozen=True)
@@ -212,7 +214,12 @@ class WeightBuilder:
                             ks.d[p],
                             None if ks.dmin is None else ks.dmin[p],
                         )
-                pieces.append(NativePart(q, scale, offset, width, zero, mode, exact16, ks))
+                # llama.cpp repacks every Q4_0 matrix of a product whose rows come in
+                # eights (repack.cpp), a tied head's too (its own copy of the embedding)
+                repacked = t == Q4_0 and self.llamacpp_order and shape[0] % 8 == 0
+                pieces.append(
+                    NativePart(q, scale, offset, width, zero, mode, exact16, ks, repacked)
+                )
         layout = native_layout(pieces, bits, self.llamacpp_order)
         if layout is None:
             return None

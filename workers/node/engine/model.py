@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -48,6 +49,7 @@ class RopeTables:
 
     def __init__(self, cfg: ArchConfig, freq_factors: torch.Tensor | None, device: torch.device):
         half = cfg.rope_dim // 2
+        self.freq_factors = freq_factors  # Llama 3's rope_freqs (native.Rope takes them too)
         exponents = torch.arange(half, dtype=torch.float64) * 2.0 / cfg.rope_dim
         inv_freq = cfg.rope_base ** (-exponents)
         if freq_factors is not None:
@@ -78,6 +80,12 @@ class RopeTables:
         r[idx + rot // 2, idx] = -half
         r[idx, idx + rot // 2] = half
         return r
+
+
+def float32_inverse_sqrt(n: int) -> float:
+    """``1.0f / sqrtf(float(n))`` as llama.cpp's graphs compute an attention scale: in
+    float32 (1 / sqrt(n) in double, rounded to float32, is an ulp off for some n: 96)."""
+    return float(np.float32(1.0) / np.sqrt(np.float32(n)))
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:
@@ -129,7 +137,9 @@ class StageModel:
             lw.ffn_fused = lw.gate_up.fuse_norm(lw.ffn_norm, cfg.eps)
             lw.attn_norm = lw.attn_norm * root_h
             lw.ffn_norm = lw.ffn_norm * root_h
-            if lw.q_norm is not None and lw.k_norm is not None:
+            # ggml_order: qwen3's q/k norms as ggml computes them (native.rms_norm), with
+            # the file's weights; else _rms_norm's pre-scaled ones
+            if lw.q_norm is not None and lw.k_norm is not None and not ggml_order:
                 lw.q_norm, lw.k_norm = lw.q_norm * root_d, lw.k_norm * root_d
         # The native head applies the output norm itself, as ggml computes it (which keeps
         # llama.cpp's int8 activation codes: a 1-ulp change of an input can move one).
@@ -151,11 +161,17 @@ class StageModel:
         # permutation): rope, attention and SwiGLU as ggml computes them.
         lib = native.library() if device.type == "cpu" else None
         self.native_rope: native.Rope | None = None
-        self.kq_scale = 1.0 / math.sqrt(cfg.head_dim) if ggml_order else 1.0
+        # Phi-3 (fused q/k/v rows, the scale not in them) scales q after the rope under
+        # ggml_order, as llama.cpp does, else the scores
+        phi3 = cfg.architecture == "phi3"
+        scale = float32_inverse_sqrt(cfg.head_dim)
+        self.q_scale = scale if ggml_order and phi3 else 0.0
+        self.kq_scale = scale if ggml_order != phi3 else 1.0
         if ggml_order and lib is not None:
             self.native_rope = native.Rope(
-                lib, cfg.rope_base, cfg.rope_linear_scale, cfg.head_dim, cfg.rope_neox
-            )
+                lib, cfg.rope_base, cfg.rope_linear_scale, cfg.head_dim, cfg.rope_neox,
+                None if rope.freq_factors is None else rope.freq_factors.cpu(),
+            )  # fmt: skip
         self._layers: native.Layers | None = None
         self._layers_tried = False
 
@@ -185,21 +201,23 @@ class StageModel:
             mask = torch.arange(end, device=h.device).view(1, -1) > q_pos  # [T, S] True = hidden
         nh, nkv, hd, rot = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.rope_dim
         qkd = cfg.q_dim + cfg.kv_dim
-        ch, cd = self.c_hidden, self.c_head
+        ch = self.c_hidden
         f16 = self.attention_f16
         for i, lw in enumerate(self.layers):
             if i in self.round_before:
                 h = h.half().float()
             qkv = lw.qkv(h if lw.attn_fused else _rms_norm(h, lw.attn_norm, ch))
             qk = qkv[:, :qkd].view(t, nh + nkv, hd)
+            ggml = self.native_rope is not None
             if lw.q_norm is not None and lw.k_norm is not None:
                 qk = torch.cat(
-                    [_rms_norm(qk[:, :nh], lw.q_norm, cd), _rms_norm(qk[:, nh:], lw.k_norm, cd)],
+                    [self._qk_norm(qk[:, :nh], lw.q_norm), self._qk_norm(qk[:, nh:], lw.k_norm)],
                     dim=1,
                 )  # fmt: skip
-            ggml = self.native_rope is not None
             if self.native_rope is not None:
                 qk = self.native_rope.apply_(qk.contiguous(), pos)
+                if self.q_scale:
+                    qk[:, :nh] *= self.q_scale
             elif rot_matrix is not None:
                 qk = torch.mm(qk.view(nh + nkv, hd), rot_matrix).view(1, nh + nkv, hd)
             else:
@@ -208,12 +226,29 @@ class StageModel:
                 qk, qkv[:, qkd:], k_cache[i], v_cache[i], pos, 0, mask, f16, 0, ggml, self.kq_scale
             )  # fmt: skip
             h = lw.wo(attn, h)
-            gu = lw.gate_up(h if lw.ffn_fused else _rms_norm(h, lw.ffn_norm, ch))
+            x = h if lw.ffn_fused else _rms_norm(h, lw.ffn_norm, ch)
+            kinds = self._ffn_rows(i, t, lw)
+            gu = lw.gate_up(x) if kinds is None else cast(NativeLinear, lw.gate_up)(x, None, kinds)
             act = native.swiglu(gu, cfg.ffn) if ggml else None
             if act is None:
                 act = F.silu(gu[:, : cfg.ffn]) * gu[:, cfg.ffn :]
-            h = lw.down(act, h)
+            h = lw.down(act, h) if kinds is None else cast(NativeLinear, lw.down)(act, h, kinds)
         return h
+
+    def _ffn_rows(self, i: int, t: int, lw: LayerWeights) -> torch.Tensor | None:
+        """Row kinds for layer i's feed-forward products (None: as a product of t rows):
+        the model's last layer keeps only the last row, as llama.cpp does."""
+        last = self.layer_start + i == self.cfg.n_layers - 1
+        native_ffn = isinstance(lw.gate_up, NativeLinear) and isinstance(lw.down, NativeLinear)
+        return native.feed_forward_rows(t) if last and t > 1 and native_ffn else None
+
+    def _qk_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """qwen3's per-head RMS norm of q or k [T, heads, head_dim]."""
+        if self.native_rope is not None:  # ggml's order (the file's weights)
+            out = native.rms_norm(x, w, self.cfg.eps)
+            if out is not None:
+                return out
+        return _rms_norm(x, w, self.c_head)
 
     def forward_batch(self, h: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         """Several sequences' rows at once (``batch_forward``)."""
@@ -240,12 +275,14 @@ class StageModel:
         plans = []
         for i, lw in enumerate(self.layers):
             products = native_products(lw)
-            if products is None or lw.q_norm is not None:
+            if products is None:
                 return None
             plans.append(
                 native.LayerPlan(
-                    *products, rope,
+                    *products, rope, lw.q_norm, lw.k_norm,
                     kq_scale=self.kq_scale, round_scale=1.0 if i in self.round_before else 0.0,
+                    qkv_bias=cast(NativeLinear, lw.qkv).bias, q_scale=self.q_scale,
+                    out_last=self.layer_start + i == cfg.n_layers - 1,
                 )
             )  # fmt: skip
         self._layers = native.Layers(
@@ -301,12 +338,15 @@ def batch_forward(
 
 def native_products(lw: Any) -> tuple[Any, Any, Any, Any] | None:
     """A layer's qkv, wo, gate_up and down as the native kernel's weights (for
-    native.Layers), or None unless all four are native products without biases and the
-    kernel applies the attention and FFN norms itself."""
+    native.Layers), or None unless all four are native products without biases (but
+    qkv's: native.LayerPlan.qkv_bias) and the kernel applies the attention and FFN norms
+    itself."""
     lins = (lw.qkv, lw.wo, lw.gate_up, lw.down)
     if not (lw.attn_fused and lw.ffn_fused):
         return None
-    if not all(isinstance(x, NativeLinear) and x.bias is None for x in lins):
+    if not all(isinstance(x, NativeLinear) for x in lins):
+        return None
+    if any(x.bias is not None for x in lins[1:]):
         return None
     qkv, wo, gate_up, down = cast(tuple[NativeLinear, ...], lins)
     return qkv._weights, wo._weights, gate_up._weights, down._weights

@@ -51,7 +51,7 @@ _formats: frozenset[str] | None = None  # the weight formats of the first model 
 # What the AVX2 build (mvk_simd() == 2) computes in AVX2: a model whose matrices are all of
 # these runs faster there than on torch's kernels; any other format (Q5_K) would run in
 # plain C.
-AVX2_FORMATS = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"})
+AVX2_FORMATS = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"})
 
 
 def expect_formats(formats: frozenset[str]) -> None:
@@ -165,7 +165,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib.mvk_set_threads.restype = _C
     lib.mvk_simd.argtypes = []
     lib.mvk_simd.restype = _C
-    lib.mvk_rope_cache.argtypes = [ctypes.c_float, ctypes.c_float, _I, _I, _I, _P, _P]
+    lib.mvk_rope_cache.argtypes = [ctypes.c_float, ctypes.c_float, _P, _I, _I, _I, _P, _P]
     lib.mvk_rope_cache.restype = None
     lib.mvk_rope_neox.argtypes = [_P, _I, _I, _I, _P, _P]
     lib.mvk_rope_neox.restype = None
@@ -238,6 +238,15 @@ def forget() -> None:
         _lib, _tried, _why_not, _formats = None, False, "", None
 
 
+def use(lib: ctypes.CDLL) -> None:
+    """Make an explicitly built and loaded kernel (``load(build(out, flags))``) the
+    process's, in place of ``library()``'s choice: tests and benchmarks run another build
+    (plain C, AVX2) through the whole engine. ``forget()`` undoes it."""
+    global _lib, _tried, _why_not
+    with _lock:
+        _lib, _tried, _why_not = lib, True, ""
+
+
 def why_not() -> str:
     return _why_not
 
@@ -251,7 +260,7 @@ def set_threads(n: int) -> None:
 # How activations are quantised (qmm.c): llama.cpp's vec_dot_type of each weight format.
 Q8_0_ACT, Q8_1_ACT, Q8_K_ACT = 0, 1, 2
 # qmm.c MVK_ARITH_*: how a row's float sum is formed (see there)
-ARITH_GROUPS, ARITH_Q0, ARITH_Q4K, ARITH_Q6K = 0, 1, 2, 3
+ARITH_GROUPS, ARITH_Q0, ARITH_Q4K, ARITH_Q6K, ARITH_Q0R = 0, 1, 2, 3, 4
 
 
 class Weights(ctypes.Structure):
@@ -318,9 +327,16 @@ class Rope:
     unpermuted q/k); tables [positions, head_dim / 2], grown on demand."""
 
     def __init__(
-        self, lib: ctypes.CDLL, base: float, freq_scale: float, head_dim: int, neox: bool = True
-    ) -> None:
+        self, lib: ctypes.CDLL, base: float, freq_scale: float, head_dim: int, neox: bool = True,
+        freq_factors: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
         self.lib, self.base, self.freq_scale, self.head_dim = lib, base, freq_scale, head_dim
+        # Llama 3's rope_freqs: [head_dim / 2] float32 divisors of each pair's angle
+        self.freq_factors = (
+            None if freq_factors is None else freq_factors.float().contiguous()[: head_dim // 2]
+        )
+        if self.freq_factors is not None and self.freq_factors.numel() != head_dim // 2:
+            raise ValueError("native rope: rope_freqs needs head_dim / 2 factors")
         self._rotate = lib.mvk_rope_neox if neox else lib.mvk_rope_norm
         self.cos = torch.empty(0, head_dim // 2)
         self.sin = torch.empty(0, head_dim // 2)
@@ -334,8 +350,9 @@ class Rope:
             return
         n = max(n, 2 * have, 64)
         cos, sin = torch.empty(n, self.head_dim // 2), torch.empty(n, self.head_dim // 2)
+        ff = None if self.freq_factors is None else self.freq_factors.data_ptr()
         self.lib.mvk_rope_cache(
-            self.base, self.freq_scale, self.head_dim, 0, n, cos.data_ptr(), sin.data_ptr()
+            self.base, self.freq_scale, ff, self.head_dim, 0, n, cos.data_ptr(), sin.data_ptr()
         )
         self._retired += [self.cos, self.sin]
         self.cos, self.sin = cos, sin
@@ -440,6 +457,9 @@ class LayerSpec(ctypes.Structure):
         ("window", ctypes.c_int64),
         ("kq_scale", ctypes.c_float),
         ("round_scale", ctypes.c_float),
+        ("qkv_bias", ctypes.c_void_p),
+        ("q_scale", ctypes.c_float),
+        ("out_last", ctypes.c_int32),
     ]
 
 
@@ -456,6 +476,16 @@ class Dims(ctypes.Structure):
 
 # qmm.c MVK_ROW_*: a row's share of llama.cpp's row-count-dependent sums
 ROW_PER64, ROW_TILED = 1, 2
+
+
+def feed_forward_rows(t: int) -> torch.Tensor:
+    """Row kinds of the model's last layer's feed-forward products over a prompt's ``t``
+    rows: llama.cpp keeps only the last row after the attention (ggml_get_rows of the
+    output rows), so that row's products are one-row products (qmm.c mvk_layer.out_last);
+    the other rows' results are never used."""
+    kinds = segment_kinds([t])
+    kinds[-1] = 0
+    return kinds
 
 
 def segment_kinds(lengths: list[int]) -> torch.Tensor:
@@ -503,6 +533,9 @@ class LayerPlan:
     window: int = 0
     kq_scale: float = 1.0
     round_scale: float = 0.0
+    qkv_bias: torch.Tensor | None = None  # Qwen 2's q/k/v biases
+    q_scale: float = 0.0  # q *= q_scale after the rope (Phi-3); 0: none
+    out_last: bool = False  # the model's last layer (feed-forward_rows)
 
 
 class Layers:
@@ -520,8 +553,8 @@ class Layers:
         for spec, p in zip(self.specs, plans, strict=True):
             spec.qkv, spec.wo = ctypes.addressof(p.qkv), ctypes.addressof(p.wo)
             spec.gate_up, spec.down = ctypes.addressof(p.gate_up), ctypes.addressof(p.down)
-            spec.q_norm = spec.k_norm = spec.post_attn = spec.post_ffn = None
-            for name in ("q_norm", "k_norm", "post_attn", "post_ffn"):
+            spec.q_norm = spec.k_norm = spec.post_attn = spec.post_ffn = spec.qkv_bias = None
+            for name in ("q_norm", "k_norm", "post_attn", "post_ffn", "qkv_bias"):
                 v = getattr(p, name)
                 if v is not None:
                     v = v.float().contiguous()
@@ -530,6 +563,7 @@ class Layers:
             spec.neox = int(p.rope._rotate is lib.mvk_rope_neox)
             spec.geglu, spec.window = int(p.geglu), p.window
             spec.kq_scale, spec.round_scale = p.kq_scale, p.round_scale
+            spec.q_scale, spec.out_last = p.q_scale, int(p.out_last)
         self._tables: list[tuple[int, int]] = []
 
     def _ensure_tables(self, end: int) -> None:

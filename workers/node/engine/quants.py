@@ -26,11 +26,12 @@ from .gguf_reader import GGML_TYPES, GGUFError
 _T = GGMLQuantizationType
 F32, F16, BF16 = int(_T.F32), int(_T.F16), int(_T.BF16)
 Q4_0, Q4_1, Q5_0, Q8_0 = int(_T.Q4_0), int(_T.Q4_1), int(_T.Q5_0), int(_T.Q8_0)
+Q5_1 = int(_T.Q5_1)
 Q4_K, Q5_K, Q6_K = int(_T.Q4_K), int(_T.Q5_K), int(_T.Q6_K)
 
-SUPPORTED_TYPES = frozenset({F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K})
+SUPPORTED_TYPES = frozenset({F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K})
 # Formats expressible as 32-wide affine groups, with the bit width of their codes.
-AFFINE_BITS: dict[int, int] = {Q4_0: 4, Q4_1: 4, Q4_K: 4, Q8_0: 8, Q5_K: 5, Q5_0: 5}
+AFFINE_BITS: dict[int, int] = {Q4_0: 4, Q4_1: 4, Q4_K: 4, Q8_0: 8, Q5_K: 5, Q5_0: 5, Q5_1: 5}
 
 
 @dataclass(frozen=True)
@@ -73,12 +74,13 @@ def _nibbles_q4(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([qs & 15, qs >> 4], dim=1)
 
 
-def _q5_0_codes(b: torch.Tensor) -> torch.Tensor:
-    """Q5_0 (d f16, qh u32, qs[16]): element j has the low nibble of qs[j] and bit j of qh,
-    element j + 16 the high nibble and bit j + 16."""
-    qh = b[:, 2:6].contiguous().view(torch.int32)  # little-endian, as ggml reads it
+def _q5_codes(b: torch.Tensor, at: int) -> torch.Tensor:
+    """Q5_0 (d f16, qh u32, qs[16]; ``at`` 2) and Q5_1 (d, m f16, qh, qs; ``at`` 4):
+    element j has the low nibble of qs[j] and bit j of qh, element j + 16 the high nibble
+    and bit j + 16."""
+    qh = b[:, at : at + 4].contiguous().view(torch.int32)  # little-endian, as ggml reads it
     bits = ((qh >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8) << 4
-    return _nibbles_q4(b[:, 6:22]) | bits
+    return _nibbles_q4(b[:, at + 4 : at + 20]) | bits
 
 
 def _affine_blocks(
@@ -93,7 +95,9 @@ def _affine_blocks(
         return _nibbles_q4(b[:, 4:20]), _f16(b, 0), _f16(b, 2)
     if ggml_type == Q5_0:
         d = _f16(b, 0)
-        return _q5_0_codes(b), d, -16.0 * d
+        return _q5_codes(b, 2), d, -16.0 * d
+    if ggml_type == Q5_1:
+        return _q5_codes(b, 4), _f16(b, 0), _f16(b, 2)
     if ggml_type == Q8_0:
         d = _f16(b, 0)
         q = (b[:, 2:34].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)

@@ -117,15 +117,12 @@ class Stage:
 def _ggml_order(b: WeightBuilder, cfg: ArchConfig) -> bool:
     """Whether the llama-family stage computes attention as ggml does (StageModel's
     ggml_order): products in llama.cpp's order, the native kernel built, whole-head rope
-    from the base alone, no q/k norms."""
-    names = b.f.tensors
+    from the base (and Llama 3's rope_freqs)."""
     return (
         b.llamacpp_order
         and native.library() is not None
         and cfg.rope_dim == cfg.head_dim
         and cfg.head_dim % 16 == 0  # native.attention's vectors
-        and "rope_freqs.weight" not in names
-        and "blk.0.attn_q_norm.weight" not in names
     )
 
 
@@ -137,31 +134,39 @@ def _layer(b: WeightBuilder, cfg: ArchConfig, i: int, ggml: bool) -> LayerWeight
     # computed as ggml does it (``ggml``): there the scale multiplies the scores and the
     # rope rotates adjacent pairs, because both change float16 roundings and the order of
     # q.k's sums.
-    scale = 1.0 if ggml else 1.0 / math.sqrt(cfg.head_dim)
+    # Phi-3's fused q/k/v rows (NEOX: no permutation) keep the scale out of q: it
+    # multiplies q after the rope (ggml) or the scores (StageModel.q_scale / kq_scale).
+    fused = p + "attn_qkv.weight" in names
+    scale = 1.0 if ggml or fused else 1.0 / math.sqrt(cfg.head_dim)
     has_q_norm = p + "attn_q_norm.weight" in names
     q_norm = b.vector(p + "attn_q_norm.weight") * scale if has_q_norm else None
     qkv_bias = None
     if p + "attn_q.bias" in names:
         qkv_bias = [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"]
+    if fused:
+        qkv_parts = [Part(p + "attn_qkv.weight")]
+    else:
+        qkv_parts = [
+            Part(
+                p + "attn_q.weight",
+                None if ggml else rope_permutation(cfg, cfg.n_head),
+                1.0 if has_q_norm else scale,
+            ),
+            Part(p + "attn_k.weight", None if ggml else rope_permutation(cfg, cfg.n_kv_head)),
+            Part(p + "attn_v.weight"),
+        ]
+    # Phi-3's ffn_up holds the gate rows, then the up rows (ggml's swiglu halves)
+    gate_up = [Part(p + "ffn_up.weight")]
+    if p + "ffn_gate.weight" in names:
+        gate_up = [Part(p + "ffn_gate.weight"), Part(p + "ffn_up.weight")]
     return LayerWeights(
         attn_norm=b.vector(p + "attn_norm.weight"),
-        qkv=b.linear(
-            [
-                Part(
-                    p + "attn_q.weight",
-                    None if ggml else rope_permutation(cfg, cfg.n_head),
-                    1.0 if has_q_norm else scale,
-                ),
-                Part(p + "attn_k.weight", None if ggml else rope_permutation(cfg, cfg.n_kv_head)),
-                Part(p + "attn_v.weight"),
-            ],
-            qkv_bias,
-        ),
+        qkv=b.linear(qkv_parts, qkv_bias),
         q_norm=q_norm,
         k_norm=b.optional_vector(p + "attn_k_norm.weight"),
         wo=b.linear([Part(p + "attn_output.weight")]),
         ffn_norm=b.vector(p + "ffn_norm.weight"),
-        gate_up=b.linear([Part(p + "ffn_gate.weight"), Part(p + "ffn_up.weight")]),
+        gate_up=b.linear(gate_up),
         down=b.linear([Part(p + "ffn_down.weight")]),
     )
 
@@ -236,7 +241,7 @@ def _llama_stage_model(
     layer_end: int,
     options: EngineOptions,
 ) -> tuple[StageModel, Embedding | None]:
-    """The llama-family stage (llama, mistral, qwen2, qwen3)."""
+    """The llama-family stage (llama, mistral, qwen2, qwen3, phi3)."""
     device = b.device
     with torch.inference_mode():
         ggml = _ggml_order(b, cfg)

@@ -247,8 +247,15 @@ static inline uint8_t seg_kind(int64_t i, int64_t t) {
  *                     int8 sub-scales, less 32 x the sub-scaled sums of sub-blocks 2l,
  *                     2l+1), one fused multiply-add each, then hsum_float_8. A product of
  *                     8 rows or more: its tiled K-quant GEMM instead, which adds
- *                     fma(d * isum, dx, acc) per 256-block (ggml-cpu/tiled). */
-enum { MVK_ARITH_GROUPS = 0, MVK_ARITH_Q0 = 1, MVK_ARITH_Q4K = 2, MVK_ARITH_Q6K = 3 };
+ *                     fma(d * isum, dx, acc) per 256-block (ggml-cpu/tiled).
+ *   MVK_ARITH_Q0R     llama.cpp's repacked Q4_0 x Q8_0 (q4_0_8x8 gemv and gemm, which it
+ *                     uses for every Q4_0 matrix of a product whose rows come in eights,
+ *                     a tied head's copy of the embedding too): per
+ *                     block of 32 the whole integer sum, one fused multiply-add by
+ *                     d * dx, block by block; the same for any number of rows. */
+enum { MVK_ARITH_GROUPS = 0, MVK_ARITH_Q0 = 1, MVK_ARITH_Q4K = 2, MVK_ARITH_Q6K = 3,
+       MVK_ARITH_Q0R = 4 };
+static inline int arith_q0(int arith) { return arith == MVK_ARITH_Q0 || arith == MVK_ARITH_Q0R; }
 
 #define TILE 4
 #ifndef MVK_SUMMS
@@ -469,6 +476,62 @@ static inline __attribute__((always_inline)) void q0_tile(const mvk_job *j, int6
     }
 }
 
+/* MVK_ARITH_Q0R on q0_tile's layout: each block's 8 lane sums added as integers (exact),
+ * then one fused multiply-add per block. */
+static inline __attribute__((always_inline)) void q0r_tile(const mvk_job *j, int64_t G,
+                                                           int64_t t0, const int T) {
+    const int64_t kp = j->kp, ns = kp / 32;
+    const int nib = j->nibble, f32 = j->f32, zeroed = j->zrow != NULL;
+    const uint8_t *wg = j->codes + G * ns * (nib ? 256 : 512);
+    const int64_t sbase = G * ns * 16;
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    __m512i zb = _mm512_setzero_si512();
+    if (zeroed)
+        zb = _mm512_mullo_epi32(
+            _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(j->zrow + 16 * G))),
+            _mm512_set1_epi32(0x01010101));
+    const int zi = zeroed && j->zg ? j->zg[G] : -1;
+    const int32_t *corr = zi >= 0 ? j->corr + (zi * j->t_rows + t0) * (kp / 4) : NULL;
+    __m512 acc[Q0_MAXT];
+    _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < ns; b++) {
+        const __m512 sc = scales16(j->scale, sbase + 16 * b, 0xffff, f32);
+        __m512i w[8];
+        if (nib) {
+            _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
+                const __m512i v = _mm512_loadu_si512(wg + b * 256 + 64 * c);
+                w[2 * c] = _mm512_and_si512(v, low4);
+                w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            }
+        } else {
+            _Pragma("GCC unroll 8") for (int l = 0; l < 8; l++) w[l] = _mm512_loadu_si512(wg + b * 512 + 64 * l);
+        }
+        _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {
+            const int64_t e0 = (t0 + t) * kp + 32 * b;
+            __m512i i = _mm512_setzero_si512();
+            if (corr) {
+                int32_t c0 = 0;
+                for (int l = 0; l < 8; l++) c0 += corr[t * (kp / 4) + 8 * b + l];
+                i = _mm512_set1_epi32(c0);
+            }
+            _Pragma("GCC unroll 8") for (int l = 0; l < 8; l++) {
+                i = _mm512_dpbusd_epi32(i, w[l], bcast4(j->qx + e0 + 4 * l));
+                if (zeroed && !corr) i = _mm512_dpbusd_epi32(i, zb, bcast4(j->nq + e0 + 4 * l));
+            }
+            const __m512 dd = _mm512_mul_ps(sc, _mm512_set1_ps(j->dxe[(t0 + t) * kp / 4 + 8 * b]));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), dd, acc[t]);
+        }
+    }
+    const int64_t r0 = 16 * G, left = j->n - r0;
+    const __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+    _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {
+        __m512 r = acc[t];
+        const int64_t tr = t0 + t;
+        if (j->add) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, j->add + tr * j->ldadd + r0));
+        _mm512_mask_storeu_ps(j->y + tr * j->ldy + r0, m, r);
+    }
+}
+
 /* MVK_ARITH_Q4K on the interleaved layout (rows_q0's, codes per sub-block of 32; ksc and
  * kmin [G][sub-block][16] uint8, kd and kdmin [G][256-block][16] float32): per sub-block
  * the 16 rows' integer dot products, times their 6-bit scales; the mins' terms from the
@@ -657,6 +720,8 @@ static void rows_q0(const mvk_job *j, int64_t n0, int64_t n1) {
                 MVK_BY_TK(q4k_tile, tt, kind != 0)
             } else if (j->arith == MVK_ARITH_Q6K) {
                 MVK_BY_TK(q6k_tile, tt, kind != 0)
+            } else if (j->arith == MVK_ARITH_Q0R) {
+                MVK_BY_T(q0r_tile, tt)
             } else {
                 MVK_BY_T(q0_tile, tt)
             }
@@ -732,6 +797,29 @@ static inline void store_row_q0(const mvk_job *j, int64_t n, int64_t tr, const f
     }
     if (j->add) r += j->add[tr * j->ldadd + n];
     j->y[tr * j->ldy + n] = r;
+}
+
+/* MVK_ARITH_Q0R in plain C (the AVX2 build's too): q0r_tile's sums and chain. */
+static void rows_generic_q0r(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, int tt) {
+    const int64_t kp = j->kp, ns = kp / 32;
+    for (int64_t n = n0; n < n1; n++) {
+        const int32_t zero = j->zrow ? j->zrow[n] : 0;
+        for (int t = 0; t < tt; t++) {
+            const int64_t tr = t0 + t;
+            const int8_t *q = j->qx + tr * kp;
+            const float *de = j->dxe + tr * kp / 4;
+            float acc = 0.0f;
+            for (int64_t g = 0; g < ns; g++) {
+                const float d = param_q0(j, j->scale, n, g) * de[g * 8];
+                int32_t isum = 0;
+                for (int64_t k = g * 32; k < g * 32 + 32; k++)
+                    isum += (code_q0(j, n, k) - zero) * (int32_t)q[k];
+                acc = fmaf((float)isum, d, acc);
+            }
+            if (j->add) acc += j->add[tr * j->ldadd + n];
+            j->y[tr * j->ldy + n] = acc;
+        }
+    }
 }
 
 #ifndef MVK_AVX2
@@ -871,6 +959,49 @@ static void rows8_avx2_q0(const mvk_job *j, int64_t n, int64_t t0, int tt) {
         }
         if (j->add) r = _mm256_add_ps(r, _mm256_loadu_ps(j->add + tr * j->ldadd + n));
         _mm256_storeu_ps(j->y + tr * j->ldy + n, r);
+    }
+}
+
+/* MVK_ARITH_Q0R (4-bit codes with a zero code: Q4_0) for rows n..n+7, one row per float
+ * lane: rows8_avx2_q0's lane sums added as integers per block, then one fused
+ * multiply-add per block (rows_generic_q0r's chain). */
+static void rows8_avx2_q0r(const mvk_job *j, int64_t n, int64_t t0, int tt) {
+    const int64_t kp = j->kp, ns = kp / 32, base = (n / 16) * ns, h = (n % 16) / 8;
+    const __m256i m4 = _mm256_set1_epi8(15), ones16 = _mm256_set1_epi16(1);
+    const __m256i ones8 = _mm256_set1_epi8(1);
+    int64_t z8;
+    memcpy(&z8, j->zrow + n, 8);
+    const __m256i zv = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(z8));
+    for (int t = 0; t < tt; t++) {
+        const int64_t tr = t0 + t;
+        const int8_t *q = j->qx + tr * kp;
+        const float *de = j->dxe + tr * kp / 4;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t g = 0; g < ns; g++) {
+            const int64_t at = base + g;
+            const __m256 d = _mm256_mul_ps(params8_avx2(j, j->scale, at * 16 + 8 * h),
+                                           _mm256_set1_ps(de[g * 8]));
+            const uint8_t *b = j->codes + at * 256 + 32 * h;
+            __m256i isum = _mm256_setzero_si256();
+            for (int p = 0; p < 4; p++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 64 * p));
+                const __m256i lo = _mm256_and_si256(w, m4);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+                int32_t a0, a1;
+                memcpy(&a0, q + g * 32 + 8 * p, 4);
+                memcpy(&a1, q + g * 32 + 8 * p + 4, 4);
+                const __m256i x0 = _mm256_set1_epi32(a0), x1 = _mm256_set1_epi32(a1);
+                const __m256i i0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), ones16);
+                const __m256i i1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), ones16);
+                const __m256i s0 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, x0), ones16);
+                const __m256i s1 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, x1), ones16);
+                isum = _mm256_add_epi32(isum, _mm256_add_epi32(i0, i1));
+                isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(zv, _mm256_add_epi32(s0, s1)));
+            }
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), d, acc);
+        }
+        if (j->add) acc = _mm256_add_ps(acc, _mm256_loadu_ps(j->add + tr * j->ldadd + n));
+        _mm256_storeu_ps(j->y + tr * j->ldy + n, acc);
     }
 }
 
@@ -1114,6 +1245,21 @@ static void rows8_avx2_k(const mvk_job *j, int64_t n, int64_t t0, int tt) {
 #endif
 
 static void rows_generic(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, int tt) {
+    if (j->arith == MVK_ARITH_Q0R) {
+#ifdef MVK_AVX2
+        for (int64_t n = n0; n < n1; n++) {
+            if (j->nibble && j->zrow && n % 8 == 0 && n + 8 <= n1) { /* 8 rows at once */
+                rows8_avx2_q0r(j, n, t0, tt);
+                n += 7;
+            } else {
+                rows_generic_q0r(j, n, n + 1, t0, tt);
+            }
+        }
+#else
+        rows_generic_q0r(j, n0, n1, t0, tt);
+#endif
+        return;
+    }
     if (j->arith == MVK_ARITH_Q0) {
 #ifdef MVK_AVX2
         rows_avx2_q0(j, n0, n1, t0, tt);
@@ -1179,7 +1325,7 @@ static void rows_generic(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, i
 
 static void run_rows(const mvk_job *j, int64_t n0, int64_t n1) {
 #ifdef MVK_AVX512
-    if (j->arith == MVK_ARITH_Q0 || j->arith == MVK_ARITH_Q4K || j->arith == MVK_ARITH_Q6K) {
+    if (arith_q0(j->arith) || j->arith == MVK_ARITH_Q4K || j->arith == MVK_ARITH_Q6K) {
         rows_q0(j, n0, n1);
         return;
     }
@@ -1458,7 +1604,7 @@ static void prep_task(const void *ctx, int64_t i) {
 int mvk_linear_rows(const mvk_weights *w, const float *x, int64_t t_rows, int64_t k_in,
                     int64_t ldx, float *y, const float *add, int64_t ldadd, const uint8_t *rowk) {
     const int64_t kp = w->kp;
-    const int q0 = w->arith == MVK_ARITH_Q0 && w->zrow != NULL;
+    const int q0 = arith_q0(w->arith) && w->zrow != NULL;
     size_t need = (size_t)t_rows * (size_t)(kp + (kp / 4 + kp / 16 + kp / 32) * 4) + 64;
     if (q0) need += (size_t)t_rows * (size_t)kp + 64;
     const int nz = q0 && w->zg ? w->nz : 0;
@@ -1505,14 +1651,16 @@ int mvk_linear(const mvk_weights *w, const float *x, int64_t t_rows, int64_t k_i
  * (theta *= powf(base, -2/n_dims)), then cosf/sinf of freq_scale * theta; the rotation of
  * a pair (x0, x1) is fma(x0, c, -(x1 * s)), fma(x0, s, x1 * c), the contraction ggml's
  * compiled x0*c - x1*s and x0*s + x1*c come to (checked against its outputs). */
-void mvk_rope_cache(float base, float freq_scale, int64_t n_dims, int64_t pos0, int64_t npos,
-                    float *cs, float *sn) {
+void mvk_rope_cache(float base, float freq_scale, const float *ff, int64_t n_dims, int64_t pos0,
+                    int64_t npos, float *cs, float *sn) {
+    /* ff: Llama 3's rope_freqs factors [n_dims / 2], each pair's angle divided by its own
+     * (NULL: none), as ggml_rope_cache_init divides theta */
     const float theta_scale = powf(base, -2.0f / (float)n_dims);
     const int64_t h = n_dims / 2;
     for (int64_t p = 0; p < npos; p++) {
         float theta = (float)(pos0 + p);
         for (int64_t i = 0; i < h; i++) {
-            const float t = freq_scale * theta;
+            const float t = freq_scale * (ff ? theta / ff[i] : theta);
             cs[p * h + i] = cosf(t);
             sn[p * h + i] = sinf(t);
             theta *= theta_scale;
@@ -1605,14 +1753,19 @@ static inline float v_sum(v16 a) { /* _mm512_reduce_add_ps: halves, quarters, pa
  * 16-lane accumulator per output). exp is the same polynomial as ggml_v_expf (AVX-512),
  * written out here; the softmax sums 16-element partial sums in double as ggml does. */
 static inline float dot64(const float *x, const float *y, int64_t n) {
+    const int64_t np = n & ~(int64_t)63; /* ggml_vec_dot_f16: whole steps of 64 in SIMD */
     v16 s[4] = {v_zero(), v_zero(), v_zero(), v_zero()};
-    for (int64_t i = 0; i < n; i += 64)
+    for (int64_t i = 0; i < np; i += 64)
         for (int j = 0; j < 4; j++)
             s[j] = v_fmadd(v_load(x + i + 16 * j), v_load(y + i + 16 * j), s[j]);
     s[0] = v_add(s[0], s[2]);
     s[1] = v_add(s[1], s[3]);
     s[0] = v_add(s[0], s[1]);
-    return v_sum(s[0]);
+    const float r = v_sum(s[0]);
+    if (np == n) return r;
+    double acc = r; /* the leftovers (a head dim of 96: 32), float products summed in double */
+    for (int64_t i = np; i < n; i++) acc += (double)(x[i] * y[i]);
+    return (float)acc;
 }
 
 static inline float dot16(const float *x, const float *y, int64_t n) {
@@ -1863,8 +2016,9 @@ void mvk_geglu(const float *gu, int64_t t, int64_t n, int64_t ld, float *out) {
  * A stage's decoder layers in one foreign call (model.py / gemma3.py forward() compute
  * the same ops, one torch or foreign call each): a decode step is otherwise dispatch-
  * bound. Per layer, as ggml computes it:
- *   qkv = W_qkv(rms_norm(h))                     (the norm fused in the product)
- *   q, k = rms_norm per head (q_norm, k_norm; Gemma), then rope (the layer's tables)
+ *   qkv = W_qkv(rms_norm(h)) [+ qkv_bias]        (the norm fused in the product; Qwen 2)
+ *   q, k = rms_norm per head (q_norm, k_norm; Gemma, Qwen 3), then rope (the layer's
+ *   tables); q_scale != 0: q *= q_scale after the rope (Phi-3's ggml_scale)
  *   the cache gets k and v rounded to float16; attn = mvk_attention(q, window, kq_scale)
  *   h += W_o(attn)           or, with post_attn: h += rms_norm(W_o(attn), post_attn)
  *   gu = W_gate_up(rms_norm(h)); act = swiglu(gu) or geglu(gu)
@@ -1878,6 +2032,12 @@ typedef struct {
     int32_t neox, geglu;
     int64_t window;
     float kq_scale, round_scale;
+    const float *qkv_bias; /* NULL: none */
+    float q_scale;         /* 0: none */
+    /* the model's last layer: llama.cpp keeps only the output row (the last of each
+     * sequence) after the attention (ggml_get_rows), so its feed-forward products are
+     * one-row products there (row kind 0) */
+    int32_t out_last;
 } mvk_layer;
 
 typedef struct {
@@ -1959,7 +2119,7 @@ int mvk_layers_batch(const mvk_dims *d, const mvk_layer *layers, int64_t n_layer
             const float inv = 1.0f / L->round_scale;
             for (int64_t e = 0; e < t * hid; e++) h[e] = f16r(h[e] * L->round_scale) * inv;
         }
-        if (mvk_linear_rows(L->qkv, h, t, hid, hid, qkv, NULL, 0, rowk) != 0) return -1;
+        if (mvk_linear_rows(L->qkv, h, t, hid, hid, qkv, L->qkv_bias, 0, rowk) != 0) return -1;
         for (int64_t r = 0; r < t; r++) {
             const float *src = qkv + r * ld;
             float *dst = qk + r * (qd + kvd);
@@ -1987,6 +2147,8 @@ int mvk_layers_batch(const mvk_dims *d, const mvk_layer *layers, int64_t n_layer
                         vci[(g * ms + p) * hd + e] = f16r(vr[g * hd + e]);
                     }
                 memcpy(q + r * qd, qk + r * (qd + kvd), sizeof(float) * (size_t)qd);
+                if (L->q_scale != 0.0f)
+                    for (int64_t e = 0; e < qd; e++) q[r * qd + e] *= L->q_scale;
             }
             if (S->t == 1) {
                 const int64_t np = (pos + 1 + 63) / 64 * 64;
@@ -2012,6 +2174,8 @@ int mvk_layers_batch(const mvk_dims *d, const mvk_layer *layers, int64_t n_layer
         } else if (mvk_linear_rows(L->wo, att, t, qd, qd, h, h, hid, rowk) != 0) {
             return -1;
         }
+        if (L->out_last)
+            for (int64_t s = 0; s < n_segs; s++) rowk[segs[s].row0 + segs[s].t - 1] = 0;
         if (mvk_linear_rows(L->gate_up, h, t, hid, hid, gu, NULL, 0, rowk) != 0) return -1;
         if (L->geglu)
             mvk_geglu(gu, t, ffn, 2 * ffn, act);
