@@ -1,17 +1,20 @@
 """Benchmark the stage engine (not a test): load time, RSS, prefill and decode tok/s.
 
     .venv/bin/python scripts/bench_engine.py [--models smollm2,gemma3 | --model M.gguf]
-        [--threads 1,2] [--rounds 3] [--tokens 64] [--only engine1,engine2,engine3,llama_cpp]
-        [--json OUT]
+        [--threads 1,2] [--rounds 3] [--tokens 64]
+        [--only engine1,engine2,engine3,llama_bench,llama_cpp] [--stage-rss 1,2,3] [--json OUT]
 
 By default: both bundled models (SmolLM2 135M Q4_1, Gemma 3 270M Q4_K_M), at 1 and 2
 threads, the engine as 1, 2 and 3 stages in one process (float16 between stages) side by
-side with llama-cpp-python when it is installed, in interleaved rounds (every
-configuration once per round, in a rotated order, so drifting machine load hits all
-alike). Printed per model and thread count: medians over the rounds, and each engine
-configuration's paired ratio to llama.cpp (the median of its per-round ratios), then the
-engine at its best thread count against llama.cpp at its own best. HF transformers
-(float32) joins with ``--only ...,hf``.
+side with llama.cpp: its C++ ``llama-bench`` (the native build, where it is built: set
+LLAMA_BENCH to it or put it on PATH; docs/benchmarks/engine.md says how) and
+llama-cpp-python when it is installed, in interleaved rounds (every configuration once
+per round, in a rotated order, so drifting machine load hits all alike). Printed per
+model and thread count: medians over the rounds, and each engine configuration's paired
+ratio to each llama.cpp (the median of its per-round ratios), then the engine at its best
+thread count against llama.cpp at its own best. HF transformers (float32) joins with
+``--only ...,hf``. Then every stage of a 1-, 2- and 3-stage split alone in a process, as
+a node runs it: its RSS against its weights and KV cache.
 
 Each configuration runs in a fresh subprocess so RSS is measured above that process's own
 baseline (after imports, before loading weights; DECISIONS 24); the engine's with
@@ -24,6 +27,8 @@ import argparse
 import gc
 import json
 import os
+import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -130,6 +135,84 @@ def run_engine(
     }
 
 
+def run_stage_memory(
+    model: str, index: int, n_stages: int, tokens: int, ids: list[int]
+) -> dict[str, Any]:
+    """One stage of an n-stage split alone in this process, as a node runs it: its RSS
+    above the process's baseline (after imports) once it has loaded its layers, run the
+    prompt and ``tokens`` decode steps, against its own tensors' bytes and its KV cache's
+    (float32, allocated for the prompt and the decode)."""
+    import torch
+
+    from workers.node.engine import EngineOptions, load_stage, read_model_facts
+    from workers.node.engine.gguf_reader import GGUFFile
+
+    facts = read_model_facts(model)
+    n = facts.block_count
+    a, b = n * index // n_stages, n * (index + 1) // n_stages
+    gc.collect()
+    base = _rss()
+    stage = load_stage(model, a, b, EngineOptions(device="cpu", threads=1))
+    f = GGUFFile(model, map_tensors=False)
+    weights = sum(f.tensors[nm].n_bytes for nm in stage.tensor_names_loaded)
+    max_seq = len(ids) + tokens + 8
+    session = stage.new_session(max_seq)
+    cfg = stage.cfg
+    kv = 2 * (b - a) * cfg.n_kv_head * max_seq * cfg.head_dim * 4
+    with torch.inference_mode():
+        if stage.is_first:
+            session.forward_tokens(ids)
+            for _ in range(tokens):
+                session.forward_tokens([ids[-1]])
+        else:
+            gen = torch.Generator().manual_seed(0)
+            session.forward_hidden(torch.randn(len(ids), cfg.hidden, generator=gen))
+            for _ in range(tokens):
+                session.forward_hidden(torch.randn(1, cfg.hidden, generator=gen))
+    gc.collect()
+    rss = _rss() - base
+    return {
+        "stage": index,
+        "stages": n_stages,
+        "layers": f"{a}-{b - 1}",
+        "weights_mb": weights / 2**20,
+        "kv_mb": kv / 2**20,
+        "rss_mb": rss / 2**20,
+        "overhead_mb": (rss - weights - kv) / 2**20,
+    }
+
+
+def stage_memory(model: str, splits: list[int], tokens: int) -> list[dict[str, Any]]:
+    """Every stage of each n-stage split, each in its own process (run_stage_memory)."""
+    ids = _prompt_ids(model)
+    rows = []
+    for n in splits:
+        for i in range(n):
+            cmd = [sys.executable, __file__, "--model", model, "--tokens", str(tokens), "--threads", "1",
+                   "--one", f"stage:{i}:{n}", "--ids", json.dumps(ids)]  # fmt: skip
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode != 0 or not lines:
+                err = (proc.stderr.strip().splitlines() or ["?"])[-1]
+                raise RuntimeError(f"stage {i} of {n}: {err}")
+            rows.append({"model": Path(model).name, **json.loads(lines[-1][7:])})
+    return rows
+
+
+def summarize_memory(rows: list[dict[str, Any]]) -> list[str]:
+    out = ["\nPer-stage RSS (each stage alone in a process, above its baseline after imports)"]
+    head = (f"{'model':34} {'split':>5} {'layers':>7} {'weights MB':>10} {'KV MB':>6} "
+            f"{'RSS MB':>7} {'RSS - weights - KV':>18}")  # fmt: skip
+    out += [head, "-" * len(head)]
+    for r in rows:
+        out.append(
+            f"{r['model']:34} {r['stage'] + 1:>2}/{r['stages']:<2} {r['layers']:>7} "
+            f"{r['weights_mb']:10.1f} {r['kv_mb']:6.1f} {r['rss_mb']:7.1f} "
+            f"{r['overhead_mb']:15.1f} MB"
+        )
+    return out
+
+
 def run_llama_cpp(model: str, threads: int, tokens: int, ids: list[int]) -> dict[str, Any]:
     import llama_cpp
 
@@ -166,6 +249,43 @@ def run_llama_cpp(model: str, threads: int, tokens: int, ids: list[int]) -> dict
         "rss_mb": rss / 2**20,
         "prefill_tps": len(ids) / prefill_s,
         "decode_tps": len(times) / sum(times),
+    }
+
+
+def llama_bench_path() -> str | None:
+    """llama.cpp's C++ ``llama-bench`` (its native build: see docs/benchmarks/engine.md):
+    $LLAMA_BENCH, else on PATH."""
+    found = os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench")
+    return found if found and os.access(found, os.X_OK) else None
+
+
+def run_llama_bench(model: str, threads: int, tokens: int, ids: list[int]) -> dict[str, Any]:
+    """The C++ llama-bench, as a user of llama.cpp's best build measures it: prefill of the
+    prompt's length (pp), then decode of ``tokens`` after that many positions (tg at depth
+    len(ids), as the engine decodes after its prompt), 3 repetitions each after its own
+    warm-up; RSS is the peak of its processes (no baseline to subtract: it is C++)."""
+    exe = llama_bench_path()
+    if exe is None:
+        raise RuntimeError("llama-bench not found (set LLAMA_BENCH; docs/benchmarks/engine.md)")
+    n = len(ids)
+
+    def one(extra: list[str]) -> dict[str, Any]:
+        cmd = [exe, "-m", model, "-t", str(threads), "-r", "3", "-o", "json", *extra]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True)
+        rows: list[dict[str, Any]] = json.loads(proc.stdout)
+        return rows[0]
+
+    pp = one(["-p", str(n), "-n", "0"])
+    tg = one(["-p", "0", "-n", str(tokens), "-d", str(n)])
+    peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return {
+        "name": f"llama-bench {pp.get('build_commit', '?')}",
+        "load_s": float("nan"),
+        "rss_mb": peak_kb / 1024,
+        "prefill_tps": float(pp["avg_ts"]),
+        "decode_tps": float(tg["avg_ts"]),
+        "flash_attn": pp.get("flash_attn"),
+        "repack": pp.get("repack"),
     }
 
 
@@ -208,10 +328,15 @@ def run_hf(model: str, threads: int, tokens: int, ids: list[int]) -> dict[str, A
 def _child(args: argparse.Namespace) -> None:
     ids = json.loads(args.ids)
     kind = args.one
-    if kind.startswith("engine"):
+    if kind.startswith("stage:"):
+        _, i, n = kind.split(":")
+        res = run_stage_memory(args.model, int(i), int(n), args.tokens, ids)
+    elif kind.startswith("engine"):
         res = run_engine(args.model, int(kind[6:]), args.threads, args.tokens, ids)
     elif kind == "llama_cpp":
         res = run_llama_cpp(args.model, args.threads, args.tokens, ids)
+    elif kind == "llama_bench":
+        res = run_llama_bench(args.model, args.threads, args.tokens, ids)
     else:
         res = run_hf(args.model, args.threads, args.tokens, ids)
     print("RESULT " + json.dumps(res))
@@ -228,15 +353,16 @@ def bench(model: str, threads: int, tokens: int, only: list[str]) -> dict[str, A
     )
     # As the process provider starts nodes: OpenMP threads that spin while they wait stall
     # behind every other process of a busy machine (torch's and llama.cpp's alike).
-    # llama.cpp runs with its own default (active OpenMP waits: its best on an idle
-    # machine; 2 threads measured 18 tok/s passive against 50 active on SmolLM2).
+    # llama.cpp (llama-cpp-python and llama-bench) runs with its own default (active
+    # OpenMP waits: its best on an idle machine; 2 threads measured 18 tok/s passive
+    # against 50 active on SmolLM2, llama-bench 52 against 135).
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     for kind in only:
         cmd = [sys.executable, __file__, "--model", model, "--threads", str(threads),
                "--tokens", str(tokens), "--one", kind, "--ids", json.dumps(ids)]  # fmt: skip
         run_env = dict(env)
-        if kind != "llama_cpp":
+        if kind not in ("llama_cpp", "llama_bench"):
             run_env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         proc = subprocess.run(cmd, capture_output=True, text=True, env=run_env, timeout=900)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -295,19 +421,27 @@ def paired(
     return {"tokens": tokens, "rounds": rounds, "runs": runs, "skipped": skipped}
 
 
+# References an engine row is paired with: (kind, column label)
+REFERENCES = (("llama_bench", "bench"), ("llama_cpp", "py"))
+
+
 def summarize(result: dict[str, Any]) -> list[str]:
-    """Medians per (model, threads, kind), paired ratios against llama.cpp, best threads."""
+    """Medians per (model, threads, kind), paired ratios against each llama.cpp reference
+    present (the C++ llama-bench, llama-cpp-python), best threads against best threads."""
     runs = result["runs"]
     out: list[str] = []
     by: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     for r in runs:
         by.setdefault((r["model"], r["threads"], r["kind"]), []).append(r)
+    refs = [(k, label) for k, label in REFERENCES if any(r["kind"] == k for r in runs)]
     for model in dict.fromkeys(r["model"] for r in runs):
         out.append(
             f"\n{model}: medians of {result['rounds']} rounds, {result['tokens']} decode tokens"
         )
-        head = (f"{'configuration':26} {'thr':>3} {'load s':>7} {'RSS MB':>7} "
-                f"{'prefill t/s':>11} {'decode t/s':>10} {'prefill/llama':>13} {'decode/llama':>12}")  # fmt: skip
+        head = f"{'configuration':26} {'thr':>3} {'load s':>7} {'RSS MB':>7} "
+        head += f"{'prefill t/s':>11} {'decode t/s':>10}"
+        for _, label in refs:
+            head += f" {'pre/' + label:>9} {'dec/' + label:>9}"
         out += [head, "-" * len(head)]
         best: dict[tuple[str, str], tuple[float, int]] = {}
         for (m, t, kind), rows in by.items():
@@ -315,30 +449,34 @@ def summarize(result: dict[str, Any]) -> list[str]:
                 continue
             dec = _median([x["decode_tps"] for x in rows])
             pre = _median([x["prefill_tps"] for x in rows])
-            ratios = ["", ""]
-            ref = {x["round"]: x for x in by.get((m, t, "llama_cpp"), [])}
-            if kind != "llama_cpp" and ref:
+            line = (
+                f"{rows[0]['name']:26} {t:3d} {_median([x['load_s'] for x in rows]):7.2f} "
+                f"{_median([x['rss_mb'] for x in rows]):7.1f} {pre:11.1f} {dec:10.1f}"
+            )
+            for ref_kind, _ in refs:
+                cells = ["", ""]
+                ref = {x["round"]: x for x in by.get((m, t, ref_kind), [])}
                 pairs = [(x, ref[x["round"]]) for x in rows if x["round"] in ref]
-                if pairs:
+                if kind not in dict(REFERENCES) and pairs:
                     rp = _median([a["prefill_tps"] / b["prefill_tps"] for a, b in pairs])
                     rd = _median([a["decode_tps"] / b["decode_tps"] for a, b in pairs])
-                    ratios = [f"{rp:.2f}x", f"{rd:.2f}x"]
-            out.append(
-                f"{rows[0]['name']:26} {t:3d} {_median([x['load_s'] for x in rows]):7.2f} "
-                f"{_median([x['rss_mb'] for x in rows]):7.1f} {pre:11.1f} {dec:10.1f} "
-                f"{ratios[0]:>13} {ratios[1]:>12}"
-            )
+                    cells = [f"{rp:.2f}x", f"{rd:.2f}x"]
+                line += f" {cells[0]:>9} {cells[1]:>9}"
+            out.append(line)
             for what, v in (("decode", dec), ("prefill", pre)):
                 if v > best.get((kind, what), (0.0, 0))[0]:
                     best[(kind, what)] = (v, t)
         for kind in dict.fromkeys(k for k, _ in best):
-            if kind == "llama_cpp" or ("llama_cpp", "decode") not in best:
+            if kind in dict(REFERENCES):
                 continue
-            parts = []
-            for what in ("decode", "prefill"):
-                (v, t), (lv, lt) = best[(kind, what)], best[("llama_cpp", what)]
-                parts.append(f"{what} {v:.1f} ({t} thr) vs {lv:.1f} ({lt} thr) = {v / lv:.2f}x")
-            out.append(f"best threads, {kind} vs llama.cpp: " + "; ".join(parts))
+            for ref_kind, _ in refs:
+                if (ref_kind, "decode") not in best:
+                    continue
+                parts = []
+                for what in ("decode", "prefill"):
+                    (v, t), (lv, lt) = best[(kind, what)], best[(ref_kind, what)]
+                    parts.append(f"{what} {v:.1f} ({t} thr) vs {lv:.1f} ({lt} thr) = {v / lv:.2f}x")
+                out.append(f"best threads, {kind} vs {ref_kind}: " + "; ".join(parts))
     for kind, why in result["skipped"].items():
         out.append(f"{kind}: skipped ({why})")
     return out
@@ -353,7 +491,11 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64, help="decode tokens per run")
-    ap.add_argument("--only", default="engine1,engine2,engine3,llama_cpp")
+    ap.add_argument("--only", default="engine1,engine2,engine3,llama_bench,llama_cpp")
+    ap.add_argument(
+        "--stage-rss", default="1,2,3",
+        help="splits whose every stage's RSS is measured alone in a process ('' for none)",
+    )  # fmt: skip
     ap.add_argument("--json", type=Path, help="also write every run here")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--ids", help=argparse.SUPPRESS)
@@ -367,6 +509,12 @@ def main() -> None:
     threads = [int(t) for t in args.threads.split(",")]
     result = paired(models, threads, args.rounds, args.tokens, args.only.split(","))
     print("\n".join(summarize(result)))
+    splits = [int(x) for x in args.stage_rss.split(",") if x]
+    if splits:
+        result["stage_memory"] = [
+            row for m in models for row in stage_memory(m, splits, args.tokens)
+        ]
+        print("\n".join(summarize_memory(result["stage_memory"])))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
 

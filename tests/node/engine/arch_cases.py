@@ -70,17 +70,36 @@ SHAPES: dict[str, TinySpec] = {
 }  # fmt: skip
 
 
+# Files of several formats, as llama.cpp's quantiser writes them: a fused product then
+# holds rows of two formats (q and k in one, v in another), each summed in its own order.
+_K_M = {"attn_v": QT.Q6_K, "ffn_down": QT.Q6_K, "output": QT.Q6_K}
+MIXES: dict[str, tuple[str, QT, dict[str, QT]]] = {
+    "llama-Q4_K_M": ("llama", QT.Q4_K, _K_M),
+    "qwen3-Q4_K_M": ("qwen3", QT.Q4_K, _K_M),
+    "llama3-Q4_K_M": ("llama3", QT.Q4_K, _K_M),
+    # Gemma 3 270M's own mix: Q5_0 q/k/gate/up, Q8_0 v, Q4_K output projection, Q6_K down
+    "gemma3-mix": ("gemma3", QT.Q5_0, {
+        "attn_v": QT.Q8_0, "attn_output": QT.Q4_K, "ffn_down": QT.Q6_K, "token_embd": QT.Q6_K,
+    }),
+    # repacked Q4_0 beside vec_dot Q8_0 in one q/k/v, and a Q6_K head
+    "mistral-Q4_0-mix": ("mistral", QT.Q4_0, {"attn_v": QT.Q8_0, "output": QT.Q6_K}),
+}  # fmt: skip
+
+
 def case_names() -> list[str]:
-    return [f"{shape}-{t.name}" for shape in SHAPES for t in TYPES]
+    return [f"{shape}-{t.name}" for shape in SHAPES for t in TYPES] + list(MIXES)
 
 
 def spec_of(case: str) -> TinySpec:
-    shape, type_name = case.rsplit("-", 1)
-    qtype = QT[type_name]
+    if case in MIXES:
+        shape, qtype, overrides = MIXES[case]
+    else:
+        shape, type_name = case.rsplit("-", 1)
+        qtype, overrides = QT[type_name], {}
     seed = int.from_bytes(hashlib.sha256(case.encode()).digest()[:4], "little")
     return dataclasses.replace(
         SHAPES[shape], vocab=320, llamacpp_vocab=True, context_length=CONTEXT,
-        qtype=qtype, embd_type=qtype, seed=seed,
+        qtype=qtype, embd_type=qtype, seed=seed, overrides=overrides,
     )  # fmt: skip
 
 

@@ -9,7 +9,8 @@ last position's logits each time. The engine is fed llama.cpp's own tokens and m
 
 * bit for bit llama.cpp's logits, at every step, where it claims llama.cpp's order:
   every architecture in the formats whose products the native kernel sums as ggml does
-  (EXACT);
+  (EXACT), and files that mix them as llama.cpp's quantiser does (arch_cases.MIXES: a
+  q/k/v of Q4_K and Q6_K rows);
 * elsewhere (Q5_K, F16 and BF16, which the engine multiplies group by group or in float32):
   logits within BOUND of llama.cpp's in relative norm at every step, and llama.cpp's
   greedy token wherever llama.cpp's own margin over the engine's pick is more than
@@ -128,7 +129,8 @@ def test_a_stage_split_gives_the_same_logits(
     np.testing.assert_array_equal(np.stack(rows), arrays[case])
 
 
-# One case per exact format, the architectures in rotation: the kernel's other builds.
+# One case per exact format, the architectures in rotation, and two mixed files: the
+# kernel's other builds.
 _ACROSS = [
     f"{shape}-{qtype.name}"
     for shape, qtype in zip(
@@ -136,7 +138,7 @@ _ACROSS = [
         [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q6_K],
         strict=True,
     )
-]
+] + ["llama-Q4_K_M", "mistral-Q4_0-mix"]
 
 
 @pytest.mark.parametrize(

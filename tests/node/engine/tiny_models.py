@@ -47,6 +47,9 @@ class TinySpec:
     # (scripts/reference/arch_logits.py); the engine's forward never reads it
     llamacpp_vocab: bool = False
     sliding_window: int = 0  # gemma3: attention.sliding_window (0: not written)
+    # another type for some matrices, by name without "blk.N." and ".weight" (a Q4_K_M
+    # file's attn_v and ffn_down in Q6_K): {"attn_v": QT.Q6_K, "output": QT.Q6_K}
+    overrides: dict[str, QT] = field(default_factory=dict)
 
 
 def _random_k_blocks(qtype: QT, n_blocks: int, rng: np.random.Generator, amp: float) -> np.ndarray:
@@ -143,6 +146,7 @@ class TinyModel:
                 writer.add_tensor(name, data)
                 self.w[name] = data.astype(np.float64)
                 return
+            qtype = spec.overrides.get(name.split(".")[-2], qtype)
             data = quantize(values, qtype, rng)
             self.w[name] = dequant(data, qtype, shape)
             if data.dtype == np.uint8:

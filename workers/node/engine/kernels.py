@@ -322,38 +322,28 @@ class NativeLinear(Linear):
     def __init__(
         self,
         lib: object,
-        layout: NativeLayout,
+        layout: NativeLayout | list[NativeLayout],
         out_features: int,
         in_features: int,
         bias: torch.Tensor | None,
+        rows: list[int] | None = None,
     ) -> None:
+        """``layout``: one, or several (``rows`` each, in order) whose formats sum in
+        different orders (qmm.c mvk_weights.next: one product, each part in its own)."""
         self.lib = lib
-        self.layout = layout
+        self.layouts = layout if isinstance(layout, list) else [layout]
+        self.layout = self.layouts[0]
         self.out_features = out_features
         self.in_features = in_features
-        self.kp = layout.kp
+        self.kp = self.layout.kp
         self.bias = bias
-        self._weights = Weights(
-            layout.codes.data_ptr(),
-            layout.scale.data_ptr(),
-            None if layout.offset is None else layout.offset.data_ptr(),
-            out_features,
-            self.kp,
-            int(layout.nibble),
-            layout.sub,
-            layout.zero,
-            layout.mode,
-            int(layout.scale.dtype == torch.float32),
-            0,
-        )
-        self._weights.arith = layout.arith
-        for name in ("zrow", "ksc", "kmin", "kd", "kdmin", "zg"):
-            t = getattr(layout, name)
-            if t is not None:
-                setattr(self._weights, name, t.data_ptr())
-        for i, z in enumerate(layout.zlist):
-            self._weights.zlist[i] = z
-        self._weights.nz = len(layout.zlist)
+        counts = rows if rows is not None else [out_features]
+        if len(counts) != len(self.layouts) or sum(counts) != out_features:
+            raise ValueError("native product: the parts' rows do not add up")
+        self._chain = [_weights(lay, n) for lay, n in zip(self.layouts, counts, strict=True)]
+        for a, b in zip(self._chain, self._chain[1:], strict=False):
+            a.next = ctypes.addressof(b)
+        self._weights = self._chain[0]
         self._ref = ctypes.byref(self._weights)
         self._call = cast(Any, lib).mvk_linear
         self._call_rows = cast(Any, lib).mvk_linear_rows
@@ -363,8 +353,9 @@ class NativeLinear(Linear):
         # In C, as ggml computes it (mean of squares in double); one foreign call instead
         # of four torch ops per norm, the decode loop being dispatch-bound.
         self._norm = weight.float().contiguous()
-        self._weights.norm = self._norm.data_ptr()
-        self._weights.eps = eps
+        for w in self._chain:
+            w.norm = self._norm.data_ptr()
+            w.eps = eps
         return True
 
     def __call__(
@@ -410,10 +401,37 @@ class NativeLinear(Linear):
 
     @property
     def nbytes(self) -> int:
-        lay = self.layout
-        n = lay.codes.nbytes + lay.scale.nbytes
-        n += 0 if lay.offset is None else lay.offset.nbytes
+        n = 0
+        for lay in self.layouts:
+            n += lay.codes.nbytes + lay.scale.nbytes
+            n += 0 if lay.offset is None else lay.offset.nbytes
         return n + (0 if self.bias is None else self.bias.nbytes)
+
+
+def _weights(layout: NativeLayout, n: int) -> Weights:
+    """qmm.c's mvk_weights of one layout of ``n`` rows (the tensors stay the layout's)."""
+    w = Weights(
+        layout.codes.data_ptr(),
+        layout.scale.data_ptr(),
+        None if layout.offset is None else layout.offset.data_ptr(),
+        n,
+        layout.kp,
+        int(layout.nibble),
+        layout.sub,
+        layout.zero,
+        layout.mode,
+        int(layout.scale.dtype == torch.float32),
+        0,
+    )
+    w.arith = layout.arith
+    for name in ("zrow", "ksc", "kmin", "kd", "kdmin", "zg"):
+        t = getattr(layout, name)
+        if t is not None:
+            setattr(w, name, t.data_ptr())
+    for i, z in enumerate(layout.zlist):
+        w.zlist[i] = z
+    w.nz = len(layout.zlist)
+    return w
 
 
 @dataclass(frozen=True)

@@ -186,44 +186,58 @@ class WeightBuilder:
         if lib is None:
             return None
         k = shapes[0][1]
-        bits = max(_NATIVE[t][0] for t in types)
-        pieces: list[NativePart] = []
+        # Parts whose formats llama.cpp sums in different orders (a Q4_K_M q/k/v: Q4_K q
+        # and k, Q6_K v) become consecutive parts of one product, each its own layout.
+        runs: list[tuple[tuple[object, ...], list[NativePart], list[int], int]] = []
         for part, shape, t in zip(parts, shapes, types, strict=True):
-            row_bytes = self.f.tensors[part.name].n_bytes // shape[0]
-            for _, raw in self._chunks(part, shape):
-                n = raw.numel() // row_bytes
-                g = q6_k_groups(raw, (n, k)) if t == Q6_K else affine_groups(raw, t, (n, k))
-                width = 16 if t == Q6_K else 32
-                q, scale, offset = g.q, g.scale * part.row_scale, g.offset * part.row_scale
+            repacked = t == Q4_0 and self.llamacpp_order and shape[0] % 8 == 0
+            family = _family(t, repacked) if self.llamacpp_order else ()
+            if not runs or runs[-1][0] != family:
+                runs.append((family, [], [], 0))
+            fam, run_pieces, run_types, run_rows = runs[-1]
+            run_types.append(t)
+            runs[-1] = (fam, run_pieces, run_types, run_rows + shape[0])
+            run_pieces.extend(self._native_pieces(part, shape, t, k, repacked))
+        layouts = []
+        for _, run_pieces, run_types, _ in runs:
+            bits = max(_NATIVE[t][0] for t in run_types)
+            layout = native_layout(run_pieces, bits, self.llamacpp_order)
+            if layout is None:
+                return None
+            layouts.append(layout)
+        rows = [r for *_, r in runs]
+        return NativeLinear(lib, layouts, sum(s[0] for s in shapes), k, bias, rows)
+
+    def _native_pieces(
+        self, part: Part, shape: tuple[int, ...], t: int, k: int, repacked: bool
+    ) -> Iterator[NativePart]:
+        """One matrix's rows as the native kernel's pieces (row chunks)."""
+        row_bytes = self.f.tensors[part.name].n_bytes // shape[0]
+        for _, raw in self._chunks(part, shape):
+            n = raw.numel() // row_bytes
+            g = q6_k_groups(raw, (n, k)) if t == Q6_K else affine_groups(raw, t, (n, k))
+            width = 16 if t == Q6_K else 32
+            q, scale, offset = g.q, g.scale * part.row_scale, g.offset * part.row_scale
+            if part.perm is not None:
+                q, scale, offset = q[part.perm], scale[part.perm], offset[part.perm]
+            _, zero, mode, f16_scales = _NATIVE[t]
+            # a power-of-two row scale keeps float16 scales float16 values
+            pow2 = math.frexp(part.row_scale)[0] == 0.5
+            exact16 = f16_scales and pow2
+            ks = None
+            if t in (Q4_K, Q6_K) and pow2:  # their own integer arithmetic (qmm.c)
+                ks = k_scales(raw, t, (n, k))
+                dmin = None if ks.dmin is None else ks.dmin * part.row_scale
+                ks = KScales(ks.sc, ks.mins, ks.d * part.row_scale, dmin)
                 if part.perm is not None:
-                    q, scale, offset = q[part.perm], scale[part.perm], offset[part.perm]
-                _, zero, mode, f16_scales = _NATIVE[t]
-                # a power-of-two row scale keeps float16 scales float16 values
-                pow2 = math.frexp(part.row_scale)[0] == 0.5
-                exact16 = f16_scales and pow2
-                ks = None
-                if t in (Q4_K, Q6_K) and pow2:  # their own integer arithmetic (qmm.c)
-                    ks = k_scales(raw, t, (n, k))
-                    dmin = None if ks.dmin is None else ks.dmin * part.row_scale
-                    ks = KScales(ks.sc, ks.mins, ks.d * part.row_scale, dmin)
-                    if part.perm is not None:
-                        p = part.perm
-                        ks = KScales(
-                            ks.sc[p],
-                            None if ks.mins is None else ks.mins[p],
-                            ks.d[p],
-                            None if ks.dmin is None else ks.dmin[p],
-                        )
-                # llama.cpp repacks every Q4_0 matrix of a product whose rows come in
-                # eights (repack.cpp), a tied head's too (its own copy of the embedding)
-                repacked = t == Q4_0 and self.llamacpp_order and shape[0] % 8 == 0
-                pieces.append(
-                    NativePart(q, scale, offset, width, zero, mode, exact16, ks, repacked)
-                )
-        layout = native_layout(pieces, bits, self.llamacpp_order)
-        if layout is None:
-            return None
-        return NativeLinear(lib, layout, sum(s[0] for s in shapes), k, bias)
+                    p = part.perm
+                    ks = KScales(
+                        ks.sc[p],
+                        None if ks.mins is None else ks.mins[p],
+                        ks.d[p],
+                        None if ks.dmin is None else ks.dmin[p],
+                    )
+            yield NativePart(q, scale, offset, width, zero, mode, exact16, ks, repacked)
 
     def _chunks(self, part: Part, shape: tuple[int, ...]) -> Iterator[tuple[int, torch.Tensor]]:
         """(row offset, raw bytes) of row chunks; a permuted part comes whole."""
@@ -306,6 +320,17 @@ class WeightBuilder:
                 w[row0 + r : row0 + r + n] = m.to(self.device)
             row0 += shape[0]
         return DenseLinear(w, bias)
+
+
+def _family(ggml_type: int, repacked: bool) -> tuple[object, ...]:
+    """Formats that one native layout sums in llama.cpp's order together: the vec_dot
+    formats of one activation quantisation (Q5_0 and Q8_0; Q4_1 and Q5_1), llama.cpp's
+    repacked Q4_0, and each K format on its own."""
+    if ggml_type == Q4_0 and repacked:
+        return ("q4_0 repacked",)
+    if ggml_type in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0):
+        return ("vec_dot", _NATIVE[ggml_type][2])
+    return ("k", ggml_type)
 
 
 def _bits(ggml_type: int) -> int:

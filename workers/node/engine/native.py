@@ -289,6 +289,7 @@ class Weights(ctypes.Structure):
         ("zg", ctypes.c_void_p),
         ("zlist", ctypes.c_int32 * 4),
         ("nz", ctypes.c_int32),
+        ("next", ctypes.c_void_p),
     ]
 
 

@@ -1525,6 +1525,9 @@ typedef struct {
     const int8_t *zg;    /* MVK_ARITH_Q0: see mvk_job (NULL: every group the -q product) */
     int32_t zlist[4];    /* the zero codes zg indexes */
     int32_t nz;
+    /* the product's next rows, in another format (a fused q/k/v of Q4_K and Q6_K rows:
+     * each format's rows summed in its own llama.cpp order); NULL: none */
+    const void *next;
 } mvk_weights;
 
 /* RMS norm as ggml computes it: the mean of squares summed in double, x * (1/sqrt(mean +
@@ -1600,9 +1603,10 @@ static void prep_task(const void *ctx, int64_t i) {
     prep_rows(c, 8 * i, 8 * i + 8 < c->t_rows ? 8 * i + 8 : c->t_rows);
 }
 
-/* As mvk_linear, row r's sums of kind rowk[r] (MVK_ROW_*; NULL: a product of t_rows). */
-int mvk_linear_rows(const mvk_weights *w, const float *x, int64_t t_rows, int64_t k_in,
-                    int64_t ldx, float *y, const float *add, int64_t ldadd, const uint8_t *rowk) {
+/* One part of a product (mvk_linear_rows): its rows into y's columns, row stride ldy. */
+static int linear_part(const mvk_weights *w, const float *x, int64_t t_rows, int64_t k_in,
+                       int64_t ldx, float *y, int64_t ldy, const float *add, int64_t ldadd,
+                       const uint8_t *rowk) {
     const int64_t kp = w->kp;
     const int q0 = arith_q0(w->arith) && w->zrow != NULL;
     size_t need = (size_t)t_rows * (size_t)(kp + (kp / 4 + kp / 16 + kp / 32) * 4) + 64;
@@ -1635,9 +1639,24 @@ int mvk_linear_rows(const mvk_weights *w, const float *x, int64_t t_rows, int64_
     int8_t *nq = c.nq;
     int32_t *corr = c.corr, *qs16 = c.qs16;
     mvk_job j = {qx, dxe, s16, s32, t_rows, kp, w->codes, w->scale, w->min, w->n, w->nibble,
-                 w->sub, w->zero, w->f32, y, w->n, add, ldadd, nq, w->zrow, w->arith,
+                 w->sub, w->zero, w->f32, y, ldy, add, ldadd, nq, w->zrow, w->arith,
                  w->ksc, w->kmin, w->kd, w->kdmin, qs16, nz ? w->zg : NULL, corr, rowk};
     dispatch(j, MAX_THREADS);
+    return 0;
+}
+
+/* As mvk_linear, row r's sums of kind rowk[r] (MVK_ROW_*; NULL: a product of t_rows);
+ * a chain of parts (mvk_weights.next) fills consecutive columns of y. */
+int mvk_linear_rows(const mvk_weights *w, const float *x, int64_t t_rows, int64_t k_in,
+                    int64_t ldx, float *y, const float *add, int64_t ldadd, const uint8_t *rowk) {
+    int64_t total = 0, off = 0;
+    for (const mvk_weights *p = w; p; p = (const mvk_weights *)p->next) total += p->n;
+    for (const mvk_weights *p = w; p; p = (const mvk_weights *)p->next) {
+        const int rc = linear_part(p, x, t_rows, k_in, ldx, y + off, total,
+                                   add ? add + off : NULL, ldadd, rowk);
+        if (rc != 0) return rc;
+        off += p->n;
+    }
     return 0;
 }
 
