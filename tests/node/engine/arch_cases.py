@@ -77,6 +77,7 @@ MIXES: dict[str, tuple[str, QT, dict[str, QT]]] = {
     "llama-Q4_K_M": ("llama", QT.Q4_K, _K_M),
     "qwen3-Q4_K_M": ("qwen3", QT.Q4_K, _K_M),
     "llama3-Q4_K_M": ("llama3", QT.Q4_K, _K_M),
+    "qwen2-Q5_K_M": ("qwen2", QT.Q5_K, _K_M),
     # Gemma 3 270M's own mix: Q5_0 q/k/gate/up, Q8_0 v, Q4_K output projection, Q6_K down
     "gemma3-mix": ("gemma3", QT.Q5_0, {
         "attn_v": QT.Q8_0, "attn_output": QT.Q4_K, "ffn_down": QT.Q6_K, "token_embd": QT.Q6_K,

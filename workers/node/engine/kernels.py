@@ -550,7 +550,15 @@ def native_layout(
         and sub == 16
         and all(x is not None and x.mins is None for x in ks)
     )
-    interleaved = q0 or q4k or q6k
+    # Q5_K (qmm.c q5k_tile): byte codes interleaved as Q8_0's, its own scales as Q4_K's
+    q5k = (
+        llamacpp_order
+        and k % 256 == 0
+        and not nibble
+        and sub == 32
+        and all(x is not None and x.mins is not None for x in ks)
+    )
+    interleaved = q0 or q4k or q5k or q6k
     align = 32 if interleaved else 128 if nibble else 64
     kp = (k + align - 1) // align * align
     codes, scales, offsets = [], [], []
@@ -596,8 +604,8 @@ def native_layout(
         del q_all
     kfields: dict[str, torch.Tensor | None] = {}
     kss = [x for x in ks if x is not None]
-    if q4k:
-        arith = native.ARITH_Q4K
+    if q4k or q5k:
+        arith = native.ARITH_Q4K if q4k else native.ARITH_Q5K
         kfields["ksc"] = _interleave16_rows(torch.cat([x.sc for x in kss]))
         kfields["kmin"] = _interleave16_rows(torch.cat([x.mins for x in kss if x.mins is not None]))
         kfields["kd"] = _interleave16_rows(torch.cat([x.d for x in kss]).float())

@@ -225,7 +225,7 @@ class WeightBuilder:
             pow2 = math.frexp(part.row_scale)[0] == 0.5
             exact16 = f16_scales and pow2
             ks = None
-            if t in (Q4_K, Q6_K) and pow2:  # their own integer arithmetic (qmm.c)
+            if t in (Q4_K, Q5_K, Q6_K) and pow2:  # their own integer arithmetic (qmm.c)
                 ks = k_scales(raw, t, (n, k))
                 dmin = None if ks.dmin is None else ks.dmin * part.row_scale
                 ks = KScales(ks.sc, ks.mins, ks.d * part.row_scale, dmin)

@@ -260,7 +260,7 @@ def set_threads(n: int) -> None:
 # How activations are quantised (qmm.c): llama.cpp's vec_dot_type of each weight format.
 Q8_0_ACT, Q8_1_ACT, Q8_K_ACT = 0, 1, 2
 # qmm.c MVK_ARITH_*: how a row's float sum is formed (see there)
-ARITH_GROUPS, ARITH_Q0, ARITH_Q4K, ARITH_Q6K, ARITH_Q0R = 0, 1, 2, 3, 4
+ARITH_GROUPS, ARITH_Q0, ARITH_Q4K, ARITH_Q6K, ARITH_Q0R, ARITH_Q5K = 0, 1, 2, 3, 4, 5
 
 
 class Weights(ctypes.Structure):

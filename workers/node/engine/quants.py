@@ -158,10 +158,10 @@ class KScales:
 
 
 def k_scales(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> KScales:
-    """Q4_K or Q6_K scales of a 2-D matrix [rows, cols], row by row."""
+    """Q4_K, Q5_K or Q6_K scales of a 2-D matrix [rows, cols], row by row."""
     rows = shape[0]
     b = _blocks(raw, ggml_type)
-    if ggml_type == Q4_K:
+    if ggml_type in (Q4_K, Q5_K):  # the same d, dmin and 12-byte scales up front
         sc, mn = _k_scales(b[:, 4:16])
         return KScales(
             sc=sc.to(torch.uint8).reshape(rows, -1),

@@ -252,9 +252,19 @@ static inline uint8_t seg_kind(int64_t i, int64_t t) {
  *                     uses for every Q4_0 matrix of a product whose rows come in eights,
  *                     a tied head's copy of the embedding too): per
  *                     block of 32 the whole integer sum, one fused multiply-add by
- *                     d * dx, block by block; the same for any number of rows. */
+ *                     d * dx, block by block; the same for any number of rows.
+ *   MVK_ARITH_Q5K     llama.cpp's x86 vec_dot for Q5_K x Q8_K: per 256-block 8 lanes of
+ *                     integer sums (lane l: elements 4l..4l+3 of each sub-block of 32,
+ *                     times its 6-bit scale), one fused multiply-add each by d * dx, the
+ *                     mins' term block by block (fused: summs - dmin * dx * isum), then
+ *                     hsum_float_8 + summs. A product of 8 rows or more: the tiled GEMM,
+ *                     per 256-block fma(-dmin, isum_mins, isum * d) times dx, added fused.
+ *                     The codes are stored a byte each (the Q8_0 layout). */
 enum { MVK_ARITH_GROUPS = 0, MVK_ARITH_Q0 = 1, MVK_ARITH_Q4K = 2, MVK_ARITH_Q6K = 3,
-       MVK_ARITH_Q0R = 4 };
+       MVK_ARITH_Q0R = 4, MVK_ARITH_Q5K = 5 };
+static inline int arith_k(int arith) {
+    return arith == MVK_ARITH_Q4K || arith == MVK_ARITH_Q5K || arith == MVK_ARITH_Q6K;
+}
 static inline int arith_q0(int arith) { return arith == MVK_ARITH_Q0 || arith == MVK_ARITH_Q0R; }
 
 #define TILE 4
@@ -684,6 +694,86 @@ static inline __attribute__((always_inline)) void q6k_tile(const mvk_job *j, int
     }
 }
 
+/* MVK_ARITH_Q5K on the interleaved byte layout (codes per sub-block of 32 as q0_tile's
+ * Q8_0; ksc and kmin [G][sub-block][16] uint8, kd and kdmin [G][256-block][16]). */
+static inline __attribute__((always_inline)) void q5k_tile(const mvk_job *j, int64_t G,
+                                                           int64_t t0, const int T,
+                                                           const int tiled) {
+    const int64_t kp = j->kp, ns = kp / 32, nsb = kp / 256, ns16 = kp / 16;
+    const uint8_t *wg = j->codes + G * ns * 512;
+    __m512 acc8[8], tacc[Q0_MAXT], summs = _mm512_setzero_ps();
+    for (int l = 0; l < 8; l++) acc8[l] = _mm512_setzero_ps();
+    for (int t = 0; t < T; t++) tacc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++) {
+        const __m512 d = _mm512_loadu_ps(j->kd + (G * nsb + b) * 16);
+        const __m512 dmin = _mm512_loadu_ps(j->kdmin + (G * nsb + b) * 16);
+        if (tiled) {
+            __m512i s1[Q0_MAXT], s2[Q0_MAXT];
+            for (int t = 0; t < T; t++) s1[t] = s2[t] = _mm512_setzero_si512();
+            for (int g = 0; g < 8; g++) {
+                const int64_t sb = 8 * b + g;
+                const __m512i sc = _mm512_cvtepu8_epi32(
+                    _mm_loadu_si128((const __m128i *)((const uint8_t *)j->ksc + (G * ns + sb) * 16)));
+                const __m512i mn = _mm512_cvtepu8_epi32(
+                    _mm_loadu_si128((const __m128i *)(j->kmin + (G * ns + sb) * 16)));
+                __m512i w[8];
+                for (int l = 0; l < 8; l++) w[l] = _mm512_loadu_si512(wg + sb * 512 + 64 * l);
+                for (int t = 0; t < T; t++) {
+                    const int8_t *q = j->qx + (t0 + t) * kp + 32 * sb;
+                    __m512i e = _mm512_setzero_si512();
+                    for (int l = 0; l < 8; l++) e = _mm512_dpbusd_epi32(e, w[l], bcast4(q + 4 * l));
+                    s1[t] = _mm512_add_epi32(s1[t], _mm512_mullo_epi32(e, sc));
+                    const int32_t *qs = j->qs16 + (t0 + t) * ns16 + 2 * sb;
+                    s2[t] = _mm512_add_epi32(s2[t], _mm512_mullo_epi32(mn, _mm512_set1_epi32(qs[0] + qs[1])));
+                }
+            }
+            for (int t = 0; t < T; t++) {
+                const __m512 dx = _mm512_set1_ps(j->dxe[(t0 + t) * kp / 4 + 64 * b]);
+                const __m512 res = _mm512_fnmadd_ps(dmin, _mm512_cvtepi32_ps(s2[t]),
+                                                    _mm512_mul_ps(_mm512_cvtepi32_ps(s1[t]), d));
+                tacc[t] = _mm512_fmadd_ps(res, dx, tacc[t]);
+            }
+            continue;
+        }
+        /* T == 1: the 8 lanes */
+        __m512i lane[8], imin = _mm512_setzero_si512();
+        for (int l = 0; l < 8; l++) lane[l] = _mm512_setzero_si512();
+        const int8_t *q = j->qx + t0 * kp;
+        for (int g = 0; g < 8; g++) {
+            const int64_t sb = 8 * b + g;
+            const __m512i sc = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)((const uint8_t *)j->ksc + (G * ns + sb) * 16)));
+            const __m512i mn = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(j->kmin + (G * ns + sb) * 16)));
+            for (int l = 0; l < 8; l++) {
+                const __m512i w = _mm512_loadu_si512(wg + sb * 512 + 64 * l);
+                const __m512i e = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, bcast4(q + 32 * sb + 4 * l));
+                lane[l] = _mm512_add_epi32(lane[l], _mm512_mullo_epi32(e, sc));
+            }
+            const int32_t *qs = j->qs16 + t0 * ns16 + 2 * sb;
+            imin = _mm512_add_epi32(imin, _mm512_mullo_epi32(mn, _mm512_set1_epi32(qs[0] + qs[1])));
+        }
+        const __m512 dx = _mm512_set1_ps(j->dxe[t0 * kp / 4 + 64 * b]);
+        const __m512 dd = _mm512_mul_ps(d, dx), ddm = _mm512_mul_ps(dmin, dx);
+        for (int l = 0; l < 8; l++) acc8[l] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(lane[l]), acc8[l]);
+        summs = _mm512_fnmadd_ps(ddm, _mm512_cvtepi32_ps(imin), summs);
+    }
+    const int64_t r0 = 16 * G, left = j->n - r0;
+    const __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+    for (int t = 0; t < T; t++) {
+        const int64_t tr = t0 + t;
+        __m512 r = tacc[t];
+        if (!tiled) {
+            const __m512 *L = acc8;
+            r = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(L[0], L[4]), _mm512_add_ps(L[2], L[6])),
+                              _mm512_add_ps(_mm512_add_ps(L[1], L[5]), _mm512_add_ps(L[3], L[7])));
+            r = _mm512_add_ps(r, summs);
+        }
+        if (j->add) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, j->add + tr * j->ldadd + r0));
+        _mm512_mask_storeu_ps(j->y + tr * j->ldy + r0, m, r);
+    }
+}
+
 /* Rows [n0, n1) (n0 a multiple of 16) of the interleaved formats: group by group, every
  * activation row against the group while its codes are in L1, up to Q0_MAXT at a time
  * (one for Q6_K's 8 lanes below 8 activation rows: their registers). */
@@ -706,13 +796,14 @@ static inline __attribute__((always_inline)) void q6k_tile(const mvk_job *j, int
 /* Tiles are runs of rows of one kind (row_kind): up to Q0_MAXT rows, one for Q6_K's
  * untiled rows (their 8 lanes' registers). */
 static void rows_q0(const mvk_job *j, int64_t n0, int64_t n1) {
-    const int bit = j->arith == MVK_ARITH_Q4K   ? MVK_ROW_PER64
-                    : j->arith == MVK_ARITH_Q6K ? MVK_ROW_TILED
-                                                : 0;
+    const int bit = j->arith == MVK_ARITH_Q4K                                 ? MVK_ROW_PER64
+                    : j->arith == MVK_ARITH_Q6K || j->arith == MVK_ARITH_Q5K ? MVK_ROW_TILED
+                                                                              : 0;
     for (int64_t G = n0 / 16; 16 * G < n1; G++)
         for (int64_t t0 = 0; t0 < j->t_rows;) {
             const int kind = bit ? row_kind(j, t0) & bit : 0;
-            const int64_t step = j->arith == MVK_ARITH_Q6K && !kind ? 1 : Q0_MAXT;
+            const int lanes8 = j->arith == MVK_ARITH_Q6K || j->arith == MVK_ARITH_Q5K;
+            const int64_t step = lanes8 && !kind ? 1 : Q0_MAXT;
             int64_t tt = 1;
             while (tt < step && t0 + tt < j->t_rows && (!bit || (row_kind(j, t0 + tt) & bit) == kind))
                 tt++;
@@ -720,6 +811,8 @@ static void rows_q0(const mvk_job *j, int64_t n0, int64_t n1) {
                 MVK_BY_TK(q4k_tile, tt, kind != 0)
             } else if (j->arith == MVK_ARITH_Q6K) {
                 MVK_BY_TK(q6k_tile, tt, kind != 0)
+            } else if (j->arith == MVK_ARITH_Q5K) {
+                MVK_BY_TK(q5k_tile, tt, kind != 0)
             } else if (j->arith == MVK_ARITH_Q0R) {
                 MVK_BY_T(q0r_tile, tt)
             } else {
@@ -1066,7 +1159,7 @@ static void rows_avx2_q0(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, i
 /* MVK_ARITH_Q4K and Q6K in plain C: the same integer sums, chains and lanes. */
 static void rows_generic_k(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, int tt) {
     const int64_t kp = j->kp, nsb = kp / 256;
-    const int q4 = j->arith == MVK_ARITH_Q4K;
+    const int q4 = j->arith == MVK_ARITH_Q4K, q5 = j->arith == MVK_ARITH_Q5K;
     for (int64_t n = n0; n < n1; n++) {
         for (int t = 0; t < tt; t++) {
             const int64_t tr = t0 + t;
@@ -1099,6 +1192,27 @@ static void rows_generic_k(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0,
                         acc = fmaf((float)isum, kd * dx, acc);
                         accm = fmaf((float)imin, kdmin * dx, accm);
                     }
+                } else if (q5) { /* the interleaved byte layout (q5k_tile) */
+                    const int64_t G = n / 16, r = n % 16, ns = kp / 32;
+                    const uint8_t *sc = (const uint8_t *)j->ksc, *m = j->kmin;
+                    const float kd = j->kd[(G * nsb + b) * 16 + r];
+                    const float kdmin = j->kdmin[(G * nsb + b) * 16 + r];
+                    int32_t s1 = 0, s2 = 0, lane[8] = {0};
+                    for (int g = 0; g < 8; g++) {
+                        const int64_t at = (G * ns + 8 * b + g) * 16 + r;
+                        for (int l = 0; l < 8; l++) {
+                            int32_t ls = 0;
+                            for (int64_t k = 256 * b + 32 * g + 4 * l; k < 256 * b + 32 * g + 4 * l + 4; k++)
+                                ls += code_q0(j, n, k) * (int32_t)q[k];
+                            lane[l] += sc[at] * ls;
+                            s1 += sc[at] * ls;
+                        }
+                        s2 += (int32_t)m[at] * (qs[16 * b + 2 * g] + qs[16 * b + 2 * g + 1]);
+                    }
+                    /* 8 rows or more: llama.cpp's tiled K-quant GEMM (see q5k_tile) */
+                    acc = fmaf(fmaf(-kdmin, (float)s2, (float)s1 * kd), dx, acc);
+                    for (int l = 0; l < 8; l++) lacc[l] = fmaf(kd * dx, (float)lane[l], lacc[l]);
+                    accm = fmaf(-(kdmin * dx), (float)s2, accm);
                 } else { /* the interleaved layout (q6k_tile) */
                     const int64_t G = n / 16, r = n % 16;
                     const int8_t *scg = (const int8_t *)j->ksc + (G * (kp / 16) + 16 * b) * 16 + r;
@@ -1127,6 +1241,7 @@ static void rows_generic_k(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0,
                       : row_kind(j, tr) & MVK_ROW_TILED ? acc
                                        : ((lacc[0] + lacc[4]) + (lacc[2] + lacc[6])) +
                                              ((lacc[1] + lacc[5]) + (lacc[3] + lacc[7]));
+            if (q5 && !(row_kind(j, tr) & MVK_ROW_TILED)) r += accm;
             if (j->add) r += j->add[tr * j->ldadd + n];
             j->y[tr * j->ldy + n] = r;
         }
@@ -1268,6 +1383,10 @@ static void rows_generic(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, i
 #endif
         return;
     }
+    if (j->arith == MVK_ARITH_Q5K) { /* plain C in every build without AVX-512 */
+        rows_generic_k(j, n0, n1, t0, tt);
+        return;
+    }
     if (j->arith == MVK_ARITH_Q4K || j->arith == MVK_ARITH_Q6K) {
 #ifdef MVK_AVX2
         for (int64_t n = n0; n < n1; n++) {
@@ -1325,7 +1444,7 @@ static void rows_generic(const mvk_job *j, int64_t n0, int64_t n1, int64_t t0, i
 
 static void run_rows(const mvk_job *j, int64_t n0, int64_t n1) {
 #ifdef MVK_AVX512
-    if (arith_q0(j->arith) || j->arith == MVK_ARITH_Q4K || j->arith == MVK_ARITH_Q6K) {
+    if (arith_q0(j->arith) || arith_k(j->arith)) {
         rows_q0(j, n0, n1);
         return;
     }
@@ -1613,7 +1732,7 @@ static int linear_part(const mvk_weights *w, const float *x, int64_t t_rows, int
     if (q0) need += (size_t)t_rows * (size_t)kp + 64;
     const int nz = q0 && w->zg ? w->nz : 0;
     if (nz) need += (size_t)nz * (size_t)t_rows * (size_t)kp + 64;
-    const int kq = w->arith == MVK_ARITH_Q4K || w->arith == MVK_ARITH_Q6K;
+    const int kq = arith_k(w->arith);
     if (kq) need += (size_t)t_rows * (size_t)(kp / 16) * 4 + 64;
     if (w->norm) need += (size_t)t_rows * (size_t)k_in * 4 + 64;
     if (need > t_cap) {
