@@ -559,6 +559,7 @@ def native_layout(
         and all(x is not None and x.mins is not None for x in ks)
     )
     interleaved = q0 or q4k or q5k or q6k
+    k_own = q4k or q5k or q6k
     align = 32 if interleaved else 128 if nibble else 64
     kp = (k + align - 1) // align * align
     codes, scales, offsets = [], [], []
@@ -578,8 +579,13 @@ def native_layout(
             c = q.reshape(q.shape[0], kp // 128, 2, 64)
             q = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(q.shape[0], kp // 2)
         codes.append(q.contiguous())
-        scales.append(s.to(dtype))
-        offsets.append(o.to(dtype))
+        if not k_own:
+            scales.append(s.to(dtype))
+            offsets.append(o.to(dtype))
+    if k_own:
+        # the K formats' own integer arithmetic reads their own scales (ksc, kd, ...)
+        # only: no per-group float scales are kept (Gemma's Q6_K head: 40 MiB less)
+        scales = offsets = [torch.empty(0, dtype=dtype)]
     arith, zrow, zg, zlist = native.ARITH_GROUPS, None, None, []
     if q0:
         # llama.cpp's repacked Q4_0 sums per block (qmm.c MVK_ARITH_Q0R)
