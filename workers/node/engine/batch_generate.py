@@ -14,10 +14,10 @@ a row the sums its own sequence's product gives it (qmm.c mvk_layers_batch), and
 sampler is its own (sampling.Sampler: a token's draw is a function of the sequence's seed
 and the token's index). With ``chunk_size`` at least the prompt's length, a sequence's tokens
 are generate.generate's (llama.cpp's logits, its prompt one ubatch). Shorter chunks
-change no sums on Q4_0/Q4_1/Q5_0/Q8_0 models (SmolLM2: the same tokens); on Q4_K/Q6_K ones
-a chunk boundary moves some of llama.cpp's row-count-dependent sums (as a different
-n_ubatch would in llama.cpp itself), so chunk_size is a trade between that and how long a
-prompt's chunk holds up the others' next token.
+change no sums on Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 models (SmolLM2: the same tokens); on
+Q4_K/Q5_K/Q6_K ones a chunk boundary moves some of llama.cpp's row-count-dependent sums
+(as a different n_ubatch would in llama.cpp itself), so chunk_size is a trade between that
+and how long a prompt's chunk holds up the others' next token.
 """
 
 from __future__ import annotations

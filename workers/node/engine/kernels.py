@@ -506,6 +506,18 @@ def _interleave16_codes(q: torch.Tensor, nibble: bool) -> torch.Tensor:
     return (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).contiguous().view(torch.uint8).view(-1)
 
 
+def _interleave16_codes6(q: torch.Tensor) -> torch.Tensor:
+    """Q6_K's codes [n, kp] (0..63) in 6 bits as qmm.c unpack6 reads them: per group of 16
+    rows and block of 32, the low nibbles in the nibble layout (256 bytes), then the high
+    2 bits of lanes 4h..4h+3 in bits 2i, 2i+1 of vector h's bytes (128 bytes)."""
+    kp = q.shape[1]
+    low = _interleave16_codes(q & 15, True).view(-1, kp // 32, 256)
+    high = _interleave16_codes(q >> 4, False).view(-1, kp // 32, 2, 4, 64)
+    packed = high[:, :, :, 0] | (high[:, :, :, 1] << 2) | (high[:, :, :, 2] << 4)
+    packed = packed | (high[:, :, :, 3] << 6)
+    return torch.cat([low, packed.reshape(-1, kp // 32, 128)], dim=2).reshape(-1)
+
+
 def native_layout(
     parts: list[NativePart], bits: int, llamacpp_order: bool = False
 ) -> NativeLayout | None:
@@ -606,7 +618,7 @@ def native_layout(
         offsets = [_interleave16_rows(torch.cat(offsets))]
     if interleaved:
         q_all = torch.cat(codes)
-        codes = [_interleave16_codes(q_all, nibble)]
+        codes = [_interleave16_codes6(q_all) if q6k else _interleave16_codes(q_all, nibble)]
         del q_all
     kfields: dict[str, torch.Tensor | None] = {}
     kss = [x for x in ks if x is not None]

@@ -608,6 +608,28 @@ static inline __attribute__((always_inline)) void q4k_tile(const mvk_job *j, int
     }
 }
 
+/* Q6_K's codes are stored in 6 bits (Q6K_PIECE bytes per 32-element piece of 16 rows):
+ * the low 4 bits as the nibble layout (256 bytes: vector c holds lanes 2c and 2c + 1), then
+ * the high 2 bits (128 bytes: vector h holds lanes 4h..4h+3, lane 4h + i in bits 2i, 2i+1
+ * of each byte). This unpacks a piece's 8 lanes to a byte per code (rows_q0's byte layout):
+ * the bytes a decode step reads are 3/4 of one a code. */
+#define Q6K_PIECE 384
+static inline void unpack6(const uint8_t *p, __m512i w[8]) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f), three = _mm512_set1_epi8(3);
+    const __m512i h0 = _mm512_loadu_si512(p + 256), h1 = _mm512_loadu_si512(p + 320);
+    _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
+        const __m512i v = _mm512_loadu_si512(p + 64 * c);
+        w[2 * c] = _mm512_and_si512(v, low4);
+        w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    }
+    _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) {
+        const __m512i a = _mm512_and_si512(_mm512_srli_epi16(h0, 2 * i), three);
+        const __m512i b = _mm512_and_si512(_mm512_srli_epi16(h1, 2 * i), three);
+        w[i] = _mm512_or_si512(w[i], _mm512_slli_epi16(a, 4));
+        w[4 + i] = _mm512_or_si512(w[4 + i], _mm512_slli_epi16(b, 4));
+    }
+}
+
 /* MVK_ARITH_Q6K on the interleaved layout (rows_q0's byte layout, 32-element pieces; ksc
  * [G][sub-block of 16][16] int8, kd [G][256-block][16]): lane l of a 256-block is, per
  * row, the sum over its 8 pieces p of sc[2p + l/4] times lane l's 4-code dot product, less
@@ -618,7 +640,7 @@ static inline __attribute__((always_inline)) void q6k_tile(const mvk_job *j, int
                                                            int64_t t0, const int T,
                                                            const int tiled) {
     const int64_t kp = j->kp, ns16 = kp / 16, nsb = kp / 256;
-    const uint8_t *wg = j->codes + G * (kp / 32) * 512;
+    const uint8_t *wg = j->codes + G * (kp / 32) * Q6K_PIECE;
     const int8_t *ksc = (const int8_t *)j->ksc;
     __m512 acc8[8], tacc[Q0_MAXT];
     for (int l = 0; l < 8; l++) acc8[l] = _mm512_setzero_ps();
@@ -631,7 +653,7 @@ static inline __attribute__((always_inline)) void q6k_tile(const mvk_job *j, int
             for (int t = 0; t < T; t++) isum[t] = _mm512_setzero_si512();
             for (int p = 0; p < 8; p++) {
                 __m512i w[8];
-                for (int l = 0; l < 8; l++) w[l] = _mm512_loadu_si512(wg + (8 * b + p) * 512 + 64 * l);
+                unpack6(wg + (8 * b + p) * Q6K_PIECE, w);
                 for (int h = 0; h < 2; h++) {
                     const __m512i sc = _mm512_cvtepi8_epi32(
                         _mm_loadu_si128((const __m128i *)(scb + (2 * p + h) * 16)));
@@ -663,9 +685,10 @@ static inline __attribute__((always_inline)) void q6k_tile(const mvk_job *j, int
                 s2[h] = _mm512_or_si512(_mm512_and_si512(s, _mm512_set1_epi32(0xffff)),
                                         _mm512_slli_epi32(s, 16));
             }
+            __m512i w8[8];
+            unpack6(wg + (8 * b + p) * Q6K_PIECE, w8);
             for (int l = 0; l < 8; l++) {
-                const __m512i w = _mm512_loadu_si512(wg + (8 * b + p) * 512 + 64 * l);
-                const __m512i pr = _mm512_maddubs_epi16(w, bcast4(q + 32 * p + 4 * l));
+                const __m512i pr = _mm512_maddubs_epi16(w8[l], bcast4(q + 32 * p + 4 * l));
                 lane[l] = _mm512_dpwssd_epi32(lane[l], pr, s2[l / 4]);
             }
         }
@@ -866,6 +889,11 @@ static inline int32_t code_at(const mvk_job *j, const uint8_t *w, int64_t k) {
 static inline int32_t code_q0(const mvk_job *j, int64_t n, int64_t k) {
     const int64_t ns = j->kp / 32, at = (n / 16) * ns + k / 32, l = (k % 32) / 4;
     const int64_t byte = 4 * (n % 16) + k % 4;
+    if (j->arith == MVK_ARITH_Q6K) { /* 6 bits a code (see unpack6) */
+        const uint8_t *p = j->codes + at * 384;
+        const uint8_t lo = p[64 * (l / 2) + byte], hi = p[256 + 64 * (l / 4) + byte];
+        return ((l & 1) ? lo >> 4 : lo & 15) | (((hi >> (2 * (l % 4))) & 3) << 4);
+    }
     if (!j->nibble) return j->codes[at * 512 + 64 * l + byte];
     const uint8_t v = j->codes[at * 256 + 64 * (l / 2) + byte];
     return (l & 1) ? v >> 4 : v & 15;
@@ -1308,7 +1336,7 @@ static void rows8_avx2_k(const mvk_job *j, int64_t n, int64_t t0, int tt) {
             }
             r = _mm256_sub_ps(acc, accm);
         } else { /* MVK_ARITH_Q6K */
-            const uint8_t *wg = j->codes + G * ns * 512 + 32 * h;
+            const uint8_t *wg = j->codes + G * ns * 384 + 32 * h; /* 6 bits a code */
             const int8_t *ksc = (const int8_t *)j->ksc + G * ns16 * 16 + 8 * h;
             const int tiled = kind & MVK_ROW_TILED;
             __m256 lacc[8], acc = _mm256_setzero_ps();
@@ -1325,10 +1353,16 @@ static void rows8_avx2_k(const mvk_job *j, int64_t n, int64_t t0, int tt) {
                 __m256i lane[8];
                 for (int l = 0; l < 8; l++) lane[l] = _mm256_setzero_si256();
                 for (int p = 0; p < 8; p++) {
-                    const uint8_t *w = wg + (8 * b + p) * 512;
+                    const uint8_t *w = wg + (8 * b + p) * 384;
                     const int8_t *q = qx + 256 * b + 32 * p;
                     for (int l = 0; l < 8; l++) {
-                        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 64 * l));
+                        const __m256i lo4 = _mm256_loadu_si256((const __m256i *)(w + 64 * (l / 2)));
+                        const __m256i hi2 = _mm256_loadu_si256((const __m256i *)(w + 256 + 64 * (l / 4)));
+                        const __m256i lo = (l & 1) ? _mm256_and_si256(_mm256_srli_epi16(lo4, 4), m4)
+                                                   : _mm256_and_si256(lo4, m4);
+                        const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(hi2, 2 * (l % 4)),
+                                                            _mm256_set1_epi8(3));
+                        const __m256i v = _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4));
                         const __m256i ls = _mm256_madd_epi16(_mm256_maddubs_epi16(v, bcast4_avx2(q + 4 * l)), ones16);
                         lane[l] = _mm256_add_epi32(lane[l], _mm256_mullo_epi32(sc[2 * p + (l >= 4)], ls));
                     }
