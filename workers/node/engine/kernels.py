@@ -421,7 +421,7 @@ def _weights(layout: NativeLayout, n: int) -> Weights:
         layout.zero,
         layout.mode,
         int(layout.scale.dtype == torch.float32),
-        0,
+        5 if layout.bits5 else 0,  # pad: qmm.c reads 5 as codes in 5 bits
     )
     w.arith = layout.arith
     for name in ("zrow", "ksc", "kmin", "kd", "kdmin", "zg"):
@@ -474,6 +474,8 @@ class NativeLayout:
     # zero code), or -1 where its rows' zero codes differ
     zg: torch.Tensor | None = None
     zlist: tuple[int, ...] = ()
+    # interleaved codes of at most 5 bits kept in 5 bits (qmm.c unpack5)
+    bits5: bool = False
 
 
 # A scale this large would not survive float16 (the kernel's compact scale type).
@@ -504,6 +506,29 @@ def _interleave16_codes(q: torch.Tensor, nibble: bool) -> torch.Tensor:
     pairs = lanes.reshape(lanes.shape[0], kp // 32, 4, 2, 16)
     # codes below 16: a byte-wise shift by 4 within each int32 carries nothing over
     return (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).contiguous().view(torch.uint8).view(-1)
+
+
+def _interleaved(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [n, kp] in qmm.c's 16-row interleaved layout, stored in ``bits`` bits (4, 5,
+    6 or 8) a code."""
+    if bits == 6:
+        return _interleave16_codes6(q)
+    if bits == 5:
+        return _interleave16_codes5(q)
+    return _interleave16_codes(q, bits == 4)
+
+
+def _interleave16_codes5(q: torch.Tensor) -> torch.Tensor:
+    """Codes [n, kp] of at most 5 bits as qmm.c unpack5 reads them: per group of 16 rows
+    and block of 32, the low nibbles in the nibble layout (256 bytes), then 64 bytes
+    whose bit l is lane l's fifth bit."""
+    kp = q.shape[1]
+    low = _interleave16_codes(q & 15, True).view(-1, kp // 32, 256)
+    high = _interleave16_codes(q >> 4, False).view(-1, kp // 32, 8, 64)
+    plane = torch.zeros_like(high[:, :, 0])
+    for lane in range(8):
+        plane |= high[:, :, lane] << lane
+    return torch.cat([low, plane], dim=2).reshape(-1)
 
 
 def _interleave16_codes6(q: torch.Tensor) -> torch.Tensor:
@@ -616,10 +641,10 @@ def native_layout(
                 zg[uniform & (groups[:, 0] == z)] = i
         scales = [_interleave16_rows(torch.cat(scales))]
         offsets = [_interleave16_rows(torch.cat(offsets))]
+    # codes of at most 5 bits (Q5_0, Q5_1, Q5_K) in 5 bits: 5/8 of the bytes
+    bits5 = interleaved and bits == 5 and not nibble and not q6k
     if interleaved:
-        q_all = torch.cat(codes)
-        codes = [_interleave16_codes6(q_all) if q6k else _interleave16_codes(q_all, nibble)]
-        del q_all
+        codes = [_interleaved(torch.cat(codes), 6 if q6k else 5 if bits5 else 4 if nibble else 8)]
     kfields: dict[str, torch.Tensor | None] = {}
     kss = [x for x in ks if x is not None]
     if q4k or q5k:
@@ -648,4 +673,5 @@ def native_layout(
         zrow=zrow,
         zg=zg,
         zlist=tuple(zlist),
+        bits5=bits5,
     )

@@ -212,6 +212,9 @@ typedef struct {
     /* per activation row, which of llama.cpp's row-count-dependent sums it gets
      * (MVK_ROW_*; NULL: as a product of t_rows rows, row_kind) */
     const uint8_t *rowk;
+    /* interleaved codes of at most 5 bits (Q5_0, Q5_1, Q5_K) in 5 bits: per piece of 16
+     * rows x 32, the low nibbles as the nibble layout, then a bit plane (unpack5) */
+    int bits5;
 } mvk_job;
 
 /* llama.cpp picks some sums by the number of rows in a product (see MVK_ARITH_Q4K and
@@ -414,12 +417,31 @@ static inline __m512i bcast4(const int8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
+/* A piece (16 rows x 32) of codes of at most 5 bits (Q5_PIECE bytes): the low nibbles as
+ * the nibble layout (vector c: lanes 2c, 2c + 1), then 64 bytes whose bit l is lane l's
+ * fifth bit. Lanes first..first+count-1 as bytes (rows_q0's byte layout). */
+#define Q5_PIECE 320
+static inline void unpack5(const uint8_t *p, __m512i *w, const int first, const int count) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f), one = _mm512_set1_epi8(1);
+    const __m512i hv = _mm512_loadu_si512(p + 256);
+    for (int i = 0; i < count; i++) {
+        const int l = first + i;
+        const __m512i v = _mm512_loadu_si512(p + 64 * (l / 2));
+        const __m512i lo = (l & 1) ? _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)
+                                   : _mm512_and_si512(v, low4);
+        const __m512i hb = _mm512_and_si512(_mm512_srli_epi16(hv, l), one);
+        w[i] = _mm512_or_si512(lo, _mm512_slli_epi16(hb, 4));
+    }
+}
+
 #define Q0_MAXT 4
 static inline __attribute__((always_inline)) void q0_tile(const mvk_job *j, int64_t G,
                                                           int64_t t0, const int T) {
     const int64_t kp = j->kp, ns = kp / 32;
     const int nib = j->nibble, f32 = j->f32, zeroed = j->zrow != NULL;
-    const uint8_t *wg = j->codes + G * ns * (nib ? 256 : 512);
+    const int b5 = j->bits5;
+    const int64_t piece = nib ? 256 : b5 ? Q5_PIECE : 512;
+    const uint8_t *wg = j->codes + G * ns * piece;
     const int64_t sbase = G * ns * 16;
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     __m512i zb = _mm512_setzero_si512();
@@ -448,6 +470,8 @@ static inline __attribute__((always_inline)) void q0_tile(const mvk_job *j, int6
                     w[2 * c - p] = _mm512_and_si512(v, low4);
                     w[2 * c + 1 - p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
                 }
+            } else if (b5) {
+                unpack5(wg + b * Q5_PIECE, w, p, LP);
             } else {
                 _Pragma("GCC unroll 8") for (int l = 0; l < LP; l++) w[l] = _mm512_loadu_si512(wg + b * 512 + 64 * (p + l));
             }
@@ -723,7 +747,8 @@ static inline __attribute__((always_inline)) void q5k_tile(const mvk_job *j, int
                                                            int64_t t0, const int T,
                                                            const int tiled) {
     const int64_t kp = j->kp, ns = kp / 32, nsb = kp / 256, ns16 = kp / 16;
-    const uint8_t *wg = j->codes + G * ns * 512;
+    const int64_t piece = j->bits5 ? Q5_PIECE : 512;
+    const uint8_t *wg = j->codes + G * ns * piece;
     __m512 acc8[8], tacc[Q0_MAXT], summs = _mm512_setzero_ps();
     for (int l = 0; l < 8; l++) acc8[l] = _mm512_setzero_ps();
     for (int t = 0; t < T; t++) tacc[t] = _mm512_setzero_ps();
@@ -740,7 +765,10 @@ static inline __attribute__((always_inline)) void q5k_tile(const mvk_job *j, int
                 const __m512i mn = _mm512_cvtepu8_epi32(
                     _mm_loadu_si128((const __m128i *)(j->kmin + (G * ns + sb) * 16)));
                 __m512i w[8];
-                for (int l = 0; l < 8; l++) w[l] = _mm512_loadu_si512(wg + sb * 512 + 64 * l);
+                if (j->bits5)
+                    unpack5(wg + sb * Q5_PIECE, w, 0, 8);
+                else
+                    for (int l = 0; l < 8; l++) w[l] = _mm512_loadu_si512(wg + sb * 512 + 64 * l);
                 for (int t = 0; t < T; t++) {
                     const int8_t *q = j->qx + (t0 + t) * kp + 32 * sb;
                     __m512i e = _mm512_setzero_si512();
@@ -768,8 +796,13 @@ static inline __attribute__((always_inline)) void q5k_tile(const mvk_job *j, int
                 _mm_loadu_si128((const __m128i *)((const uint8_t *)j->ksc + (G * ns + sb) * 16)));
             const __m512i mn = _mm512_cvtepu8_epi32(
                 _mm_loadu_si128((const __m128i *)(j->kmin + (G * ns + sb) * 16)));
+            __m512i w8[8];
+            if (j->bits5)
+                unpack5(wg + sb * Q5_PIECE, w8, 0, 8);
+            else
+                for (int l = 0; l < 8; l++) w8[l] = _mm512_loadu_si512(wg + sb * 512 + 64 * l);
             for (int l = 0; l < 8; l++) {
-                const __m512i w = _mm512_loadu_si512(wg + sb * 512 + 64 * l);
+                const __m512i w = w8[l];
                 const __m512i e = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, bcast4(q + 32 * sb + 4 * l));
                 lane[l] = _mm512_add_epi32(lane[l], _mm512_mullo_epi32(e, sc));
             }
@@ -894,6 +927,11 @@ static inline int32_t code_q0(const mvk_job *j, int64_t n, int64_t k) {
         const uint8_t lo = p[64 * (l / 2) + byte], hi = p[256 + 64 * (l / 4) + byte];
         return ((l & 1) ? lo >> 4 : lo & 15) | (((hi >> (2 * (l % 4))) & 3) << 4);
     }
+    if (j->bits5) { /* 5 bits a code (see unpack5) */
+        const uint8_t *p = j->codes + at * 320;
+        const uint8_t lo = p[64 * (l / 2) + byte];
+        return ((l & 1) ? lo >> 4 : lo & 15) | (((p[256 + byte] >> l) & 1) << 4);
+    }
     if (!j->nibble) return j->codes[at * 512 + 64 * l + byte];
     const uint8_t v = j->codes[at * 256 + 64 * (l / 2) + byte];
     return (l & 1) ? v >> 4 : v & 15;
@@ -987,8 +1025,21 @@ static inline __m256i codes32_q0(const mvk_job *j, int64_t at, int64_t r) {
         const __m128i lo = _mm_and_si128(v, m), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m);
         return _mm256_set_m128i(_mm_unpackhi_epi32(lo, hi), _mm_unpacklo_epi32(lo, hi));
     }
-    const uint8_t *b = j->codes + at * 512 + 4 * r; /* lane l in bytes 64l + 4r.. */
     uint32_t w[8];
+    if (j->bits5) { /* 5 bits a code (see unpack5) */
+        const uint8_t *b = j->codes + at * 320 + 4 * r;
+        uint32_t hb;
+        memcpy(&hb, b + 256, 4);
+        for (int l = 0; l < 8; l++) {
+            uint32_t v;
+            memcpy(&v, b + 64 * (l / 2), 4);
+            v = (l & 1) ? (v >> 4) & 0x0f0f0f0fu : v & 0x0f0f0f0fu;
+            w[l] = v | (((hb >> l) & 0x01010101u) << 4);
+        }
+        return _mm256_set_epi32((int)w[7], (int)w[6], (int)w[5], (int)w[4], (int)w[3], (int)w[2],
+                                (int)w[1], (int)w[0]);
+    }
+    const uint8_t *b = j->codes + at * 512 + 4 * r; /* lane l in bytes 64l + 4r.. */
     for (int l = 0; l < 8; l++) memcpy(&w[l], b + 64 * l, 4);
     return _mm256_set_epi32((int)w[7], (int)w[6], (int)w[5], (int)w[4], (int)w[3], (int)w[2],
                             (int)w[1], (int)w[0]);
@@ -1036,9 +1087,19 @@ static void rows8_avx2_q0(const mvk_job *j, int64_t n, int64_t t0, int tt) {
             const __m256 d = _mm256_mul_ps(params8_avx2(j, j->scale, at * 16 + 8 * h),
                                            _mm256_set1_ps(de[g * 8]));
             if (!j->nibble) {
-                const uint8_t *b = j->codes + at * 512 + 32 * h;
+                const uint8_t *b = j->codes + at * (j->bits5 ? 320 : 512) + 32 * h;
                 for (int l = 0; l < 8; l++) {
-                    const __m256i w = _mm256_sub_epi8(_mm256_loadu_si256((const __m256i *)(b + 64 * l)), zb);
+                    __m256i c;
+                    if (j->bits5) { /* 5 bits a code (see unpack5) */
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 64 * (l / 2)));
+                        const __m256i hv = _mm256_loadu_si256((const __m256i *)(b + 256));
+                        const __m256i lo = (l & 1) ? _mm256_and_si256(_mm256_srli_epi16(v, 4), m4)
+                                                   : _mm256_and_si256(v, m4);
+                        c = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, l), ones8), 4));
+                    } else {
+                        c = _mm256_loadu_si256((const __m256i *)(b + 64 * l));
+                    }
+                    const __m256i w = _mm256_sub_epi8(c, zb);
                     int32_t a;
                     memcpy(&a, q + g * 32 + 4 * l, 4);
                     const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(a), w);
@@ -1605,7 +1666,7 @@ void mvk_matmul(const int8_t *qx, const float *dxe, const float *s16, const floa
                 const void *min, int64_t n, int nibble, int sub, int zero, int f32, float *y,
                 int64_t ldy, const float *add, int64_t ldadd, int threads) {
     mvk_job j = {qx, dxe, s16, s32, t_rows, kp, codes, scale, min, n, nibble, sub, zero, f32,
-                 y, ldy, add, ldadd, NULL, NULL, MVK_ARITH_GROUPS, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+                 y, ldy, add, ldadd, NULL, NULL, MVK_ARITH_GROUPS, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0};
     dispatch(j, threads);
 }
 
@@ -1667,7 +1728,7 @@ typedef struct {
     const uint8_t *codes;
     const void *scale, *min;
     int64_t n, kp;
-    int32_t nibble, sub, zero, mode, f32, pad;
+    int32_t nibble, sub, zero, mode, f32, pad; /* pad 5: interleaved codes in 5 bits */
     const float *norm; /* RMS norm weights applied to x first (NULL: none) */
     float eps;
     int32_t arith;     /* MVK_ARITH_* */
@@ -1793,7 +1854,8 @@ static int linear_part(const mvk_weights *w, const float *x, int64_t t_rows, int
     int32_t *corr = c.corr, *qs16 = c.qs16;
     mvk_job j = {qx, dxe, s16, s32, t_rows, kp, w->codes, w->scale, w->min, w->n, w->nibble,
                  w->sub, w->zero, w->f32, y, ldy, add, ldadd, nq, w->zrow, w->arith,
-                 w->ksc, w->kmin, w->kd, w->kdmin, qs16, nz ? w->zg : NULL, corr, rowk};
+                 w->ksc, w->kmin, w->kd, w->kdmin, qs16, nz ? w->zg : NULL, corr, rowk,
+                 w->pad == 5};
     dispatch(j, MAX_THREADS);
     return 0;
 }
