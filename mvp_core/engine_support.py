@@ -24,7 +24,7 @@ def unsupported_architecture(arch: str) -> str | None:
     if arch in SUPPORTED_ARCHITECTURES:
         return None
     return (
-        f"architecture {arch!r} is not supported by the engine "
+        f"architecture {arch[:40]!r} is not supported by the engine "
         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
     )
 
@@ -52,9 +52,10 @@ def unsupported_rope(
 ) -> str | None:
     """Why the engine cannot compute the model's rope (None: it can)."""
     scaling = metadata.get(f"{arch}.rope.scaling.type")
-    if isinstance(scaling, str) and scaling not in ("", *SUPPORTED_ROPE_SCALING):
+    if scaling is not None and scaling not in ("", *SUPPORTED_ROPE_SCALING):
+        shown = repr(scaling if isinstance(scaling, str) else type(scaling).__name__)[:40]
         return (
-            f"rope scaling {scaling!r} is not supported by the engine "
+            f"rope scaling {shown} is not supported by the engine "
             f"(supported: {', '.join(SUPPORTED_ROPE_SCALING)}, and Llama 3's rope_freqs)"
         )
     if any(name in LONGROPE_TENSORS for name in tensor_names):

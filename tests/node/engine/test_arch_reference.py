@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType as QT
 
 from tests.node.engine.arch_cases import (
@@ -162,3 +163,56 @@ def test_every_build_of_the_kernel_computes_the_same_logits(
             assert np.array_equal(out, arrays[case]), case
     finally:
         native.forget()
+
+
+def test_layer_tensors_that_do_not_fit_the_dimensions_are_refused() -> None:
+    """A malformed file (a fused q/k/v with extra rows, a short bias or norm) is a clear
+    load error, never a kernel writing past a buffer sized from the dimensions."""
+    from types import SimpleNamespace
+
+    from workers.node.engine.config import ArchConfig
+    from workers.node.engine.gguf_reader import GGUFError
+    from workers.node.engine.model import check_layer_shapes
+
+    cfg = ArchConfig(
+        "phi3", 2, 64, 4, 4, 16, 128, 1e-5, 10000.0, 16, True, 1.0, 320, 64
+    )  # fmt: skip
+
+    def lin(rows: int, cols: int, bias: int | None = None) -> SimpleNamespace:
+        b = None if bias is None else torch.zeros(bias)
+        return SimpleNamespace(out_features=rows, in_features=cols, bias=b)
+
+    def layer(**kw: Any) -> SimpleNamespace:
+        base: dict[str, Any] = {
+            "qkv": lin(192, 64), "wo": lin(64, 64), "gate_up": lin(256, 64),
+            "down": lin(64, 128), "attn_norm": torch.zeros(64), "ffn_norm": torch.zeros(64),
+            "q_norm": None, "k_norm": None,
+        }  # fmt: skip
+        base.update(kw)
+        return SimpleNamespace(**base)
+
+    check_layer_shapes("m.gguf", "blk.0.", cfg, layer())
+    for bad, what in [
+        (layer(qkv=lin(200, 64)), "qkv is 200 x 64"),
+        (layer(gate_up=lin(256, 32)), "gate_up is 256 x 32"),
+        (layer(qkv=lin(192, 64, bias=100)), "qkv bias has 100 values"),
+        (layer(q_norm=torch.zeros(8), k_norm=torch.zeros(16)), "q_norm has 8 values"),
+        (layer(ffn_norm=torch.zeros(63)), "ffn_norm has 63 values"),
+    ]:
+        with pytest.raises(GGUFError, match=what):
+            check_layer_shapes("m.gguf", "blk.0.", cfg, bad)
+
+
+def test_planning_names_rope_scaling_it_cannot_compute() -> None:
+    from mvp_core.engine_support import unsupported_rope
+
+    assert unsupported_rope("llama", {"llama.rope.scaling.type": "linear"}, []) is None
+    assert unsupported_rope("llama", {}, ["token_embd.weight"]) is None
+    why = unsupported_rope("qwen2", {"qwen2.rope.scaling.type": "yarn"}, [])
+    assert why is not None and "'yarn' is not supported" in why
+    why = unsupported_rope("llama", {"llama.rope.scaling.type": 7}, [])
+    assert why is not None and "'int'" in why
+    why = unsupported_rope("llama", {"llama.rope.scaling.type": "x" * 10_000}, [])
+    assert why is not None and len(why) < 200
+    why = unsupported_rope("phi3", {}, ["rope_factors_long.weight"])
+    assert why is not None and "LongRoPE" in why

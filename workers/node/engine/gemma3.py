@@ -41,6 +41,7 @@ from .model import (
     Segment,
     attend,
     batch_forward,
+    check_layer_shapes,
     float32_inverse_sqrt,
     head_logits,
     native_products,
@@ -131,7 +132,7 @@ def load_gemma3_layer(
     b: WeightBuilder, cfg: ArchConfig, params: Gemma3Params, i: int
 ) -> Gemma3Layer:
     p = f"blk.{i}."
-    return Gemma3Layer(
+    lw = Gemma3Layer(
         local=params.is_local(i),
         attn_norm=b.vector(p + "attn_norm.weight"),
         qkv=b.linear(
@@ -146,6 +147,8 @@ def load_gemma3_layer(
         down=b.linear([Part(p + "ffn_down.weight")]),
         post_ffn_norm=b.vector(p + "post_ffw_norm.weight"),
     )
+    check_layer_shapes(b.f.path, p, cfg, lw)
+    return lw
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -392,7 +392,8 @@ class NativeLinear(Linear):
         if row_kinds is not None:
             if row_kinds.dtype != torch.uint8 or row_kinds.shape != (t,):
                 raise ValueError(f"row_kinds must be uint8 [{t}]")
-            rc = self._call_rows(*args, row_kinds.contiguous().data_ptr())
+            kinds = row_kinds.contiguous()  # alive through the call
+            rc = self._call_rows(*args, kinds.data_ptr())
         else:
             rc = self._call(*args)
         if rc != 0:
@@ -403,8 +404,9 @@ class NativeLinear(Linear):
     def nbytes(self) -> int:
         n = 0
         for lay in self.layouts:
-            n += lay.codes.nbytes + lay.scale.nbytes
-            n += 0 if lay.offset is None else lay.offset.nbytes
+            for name in ("codes", "scale", "offset", "zrow", "ksc", "kmin", "kd", "kdmin", "zg"):
+                t = getattr(lay, name)
+                n += 0 if t is None else t.nbytes
         return n + (0 if self.bias is None else self.bias.nbytes)
 
 

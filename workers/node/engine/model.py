@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from . import native
 from .config import ArchConfig
+from .gguf_reader import GGUFError
 from .kernels import Linear, NativeLinear
 
 # The torch-kernel head's logits carry its bfloat16 output rounding (2^-9 of a logit: 0.06
@@ -334,6 +335,34 @@ def batch_forward(
         outs.append(model.forward(h[row : row + t], kc, vc, pos))
         row += t
     return torch.cat(outs)
+
+
+def check_layer_shapes(path: str, prefix: str, cfg: ArchConfig, lw: Any) -> None:
+    """Refuse a file whose layer tensors do not fit the model's dimensions (the kernels
+    size their buffers from those): a malformed GGUF is a clear error, not a write past a
+    buffer. ``lw``: LayerWeights or gemma3's layer (its post-norms are checked too)."""
+    want = {
+        "qkv": (cfg.q_dim + 2 * cfg.kv_dim, cfg.hidden),
+        "wo": (cfg.hidden, cfg.q_dim),
+        "gate_up": (2 * cfg.ffn, cfg.hidden),
+        "down": (cfg.hidden, cfg.ffn),
+    }
+    for name, (rows, cols) in want.items():
+        lin = getattr(lw, name)
+        if (lin.out_features, lin.in_features) != (rows, cols):
+            raise GGUFError(
+                f"{path}: {prefix}{name} is {lin.out_features} x {lin.in_features}, "
+                f"the model's dimensions need {rows} x {cols}"
+            )
+    bias = getattr(lw.qkv, "bias", None)
+    vectors = {"qkv bias": (bias, cfg.q_dim + 2 * cfg.kv_dim)}
+    for name in ("attn_norm", "ffn_norm", "post_attn_norm", "post_ffn_norm"):
+        vectors[name] = (getattr(lw, name, None), cfg.hidden)
+    for name in ("q_norm", "k_norm"):
+        vectors[name] = (getattr(lw, name, None), cfg.head_dim)
+    for name, (v, n) in vectors.items():
+        if v is not None and v.numel() != n:
+            raise GGUFError(f"{path}: {prefix}{name} has {v.numel()} values, not {n}")
 
 
 def native_products(lw: Any) -> tuple[Any, Any, Any, Any] | None:

@@ -422,8 +422,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | Non
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = torch.empty(x2.shape[0], k)
+    wc = w.contiguous()  # alive through the call
     lib.mvk_rms_norm(
-        x2.data_ptr(), x2.shape[0], k, x2.stride(0), w.contiguous().data_ptr(), eps, out.data_ptr()
+        x2.data_ptr(), x2.shape[0], k, x2.stride(0), wc.data_ptr(), eps, out.data_ptr()
     )
     return out.view(x.shape)
 

@@ -14,7 +14,7 @@ from .gemma3 import ARCHITECTURE as GEMMA3
 from .gemma3 import Gemma3StageModel, build_gemma3_stage_model
 from .gguf_reader import GGUFError, GGUFFile
 from .loader import Part, WeightBuilder, rope_permutation, trim_heap
-from .model import LayerWeights, RopeTables, StageModel
+from .model import LayerWeights, RopeTables, StageModel, check_layer_shapes
 from .quants import as_torch_bytes, dequantize_rows
 from .session import BatchSession, StageSession
 
@@ -120,6 +120,7 @@ def _ggml_order(b: WeightBuilder, cfg: ArchConfig) -> bool:
     from the base (and Llama 3's rope_freqs)."""
     return (
         b.llamacpp_order
+        and b.device.type == "cpu"  # StageModel's native rope and attention: CPU only
         and native.library() is not None
         and cfg.rope_dim == cfg.head_dim
         and cfg.head_dim % 16 == 0  # native.attention's vectors
@@ -137,8 +138,14 @@ def _layer(b: WeightBuilder, cfg: ArchConfig, i: int, ggml: bool) -> LayerWeight
     # Phi-3's fused q/k/v rows (NEOX: no permutation) keep the scale out of q: it
     # multiplies q after the rope (ggml) or the scores (StageModel.q_scale / kq_scale).
     fused = p + "attn_qkv.weight" in names
+    if fused != (cfg.architecture == "phi3"):
+        raise GGUFError(
+            f"{b.f.path}: {'only phi3 has' if fused else 'phi3 needs'} a fused {p}attn_qkv.weight"
+        )
     scale = 1.0 if ggml or fused else 1.0 / math.sqrt(cfg.head_dim)
     has_q_norm = p + "attn_q_norm.weight" in names
+    if has_q_norm != (p + "attn_k_norm.weight" in names):
+        raise GGUFError(f"{b.f.path}: {p}attn_q_norm and attn_k_norm come together or not at all")
     q_norm = b.vector(p + "attn_q_norm.weight") * scale if has_q_norm else None
     qkv_bias = None
     if p + "attn_q.bias" in names:
@@ -159,7 +166,7 @@ def _layer(b: WeightBuilder, cfg: ArchConfig, i: int, ggml: bool) -> LayerWeight
     gate_up = [Part(p + "ffn_up.weight")]
     if p + "ffn_gate.weight" in names:
         gate_up = [Part(p + "ffn_gate.weight"), Part(p + "ffn_up.weight")]
-    return LayerWeights(
+    lw = LayerWeights(
         attn_norm=b.vector(p + "attn_norm.weight"),
         qkv=b.linear(qkv_parts, qkv_bias),
         q_norm=q_norm,
@@ -169,6 +176,8 @@ def _layer(b: WeightBuilder, cfg: ArchConfig, i: int, ggml: bool) -> LayerWeight
         gate_up=b.linear(gate_up),
         down=b.linear([Part(p + "ffn_down.weight")]),
     )
+    check_layer_shapes(b.f.path, p, cfg, lw)
+    return lw
 
 
 def weight_formats(path: str) -> frozenset[str]:
