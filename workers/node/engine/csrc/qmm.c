@@ -741,6 +741,19 @@ static inline __attribute__((always_inline)) void q6k_tile(const mvk_job *j, int
     }
 }
 
+/* Sub-block sb of a Q5_K group G: the 16 rows' 6-bit scales and mins, and its codes as
+ * the 8 lanes' bytes (5 bits a code or a byte each). */
+static inline void q5k_piece(const mvk_job *j, int64_t G, int64_t sb, const uint8_t *wg,
+                             __m512i *sc, __m512i *mn, __m512i w[8]) {
+    const int64_t at = (G * (j->kp / 32) + sb) * 16;
+    *sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)j->ksc + at)));
+    *mn = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(j->kmin + at)));
+    if (j->bits5)
+        unpack5(wg + sb * Q5_PIECE, w, 0, 8);
+    else
+        for (int l = 0; l < 8; l++) w[l] = _mm512_loadu_si512(wg + sb * 512 + 64 * l);
+}
+
 /* MVK_ARITH_Q5K on the interleaved byte layout (codes per sub-block of 32 as q0_tile's
  * Q8_0; ksc and kmin [G][sub-block][16] uint8, kd and kdmin [G][256-block][16]). */
 static inline __attribute__((always_inline)) void q5k_tile(const mvk_job *j, int64_t G,
@@ -760,15 +773,8 @@ static inline __attribute__((always_inline)) void q5k_tile(const mvk_job *j, int
             for (int t = 0; t < T; t++) s1[t] = s2[t] = _mm512_setzero_si512();
             for (int g = 0; g < 8; g++) {
                 const int64_t sb = 8 * b + g;
-                const __m512i sc = _mm512_cvtepu8_epi32(
-                    _mm_loadu_si128((const __m128i *)((const uint8_t *)j->ksc + (G * ns + sb) * 16)));
-                const __m512i mn = _mm512_cvtepu8_epi32(
-                    _mm_loadu_si128((const __m128i *)(j->kmin + (G * ns + sb) * 16)));
-                __m512i w[8];
-                if (j->bits5)
-                    unpack5(wg + sb * Q5_PIECE, w, 0, 8);
-                else
-                    for (int l = 0; l < 8; l++) w[l] = _mm512_loadu_si512(wg + sb * 512 + 64 * l);
+                __m512i sc, mn, w[8];
+                q5k_piece(j, G, sb, wg, &sc, &mn, w);
                 for (int t = 0; t < T; t++) {
                     const int8_t *q = j->qx + (t0 + t) * kp + 32 * sb;
                     __m512i e = _mm512_setzero_si512();
@@ -792,15 +798,8 @@ static inline __attribute__((always_inline)) void q5k_tile(const mvk_job *j, int
         const int8_t *q = j->qx + t0 * kp;
         for (int g = 0; g < 8; g++) {
             const int64_t sb = 8 * b + g;
-            const __m512i sc = _mm512_cvtepu8_epi32(
-                _mm_loadu_si128((const __m128i *)((const uint8_t *)j->ksc + (G * ns + sb) * 16)));
-            const __m512i mn = _mm512_cvtepu8_epi32(
-                _mm_loadu_si128((const __m128i *)(j->kmin + (G * ns + sb) * 16)));
-            __m512i w8[8];
-            if (j->bits5)
-                unpack5(wg + sb * Q5_PIECE, w8, 0, 8);
-            else
-                for (int l = 0; l < 8; l++) w8[l] = _mm512_loadu_si512(wg + sb * 512 + 64 * l);
+            __m512i sc, mn, w8[8];
+            q5k_piece(j, G, sb, wg, &sc, &mn, w8);
             for (int l = 0; l < 8; l++) {
                 const __m512i w = w8[l];
                 const __m512i e = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, bcast4(q + 32 * sb + 4 * l));
