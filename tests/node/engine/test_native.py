@@ -11,6 +11,8 @@ build (no AVX-512) must agree with the vectorised one.
 from __future__ import annotations
 
 import ctypes
+import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +21,7 @@ import pytest
 import torch
 
 from workers.node.engine import native
-from workers.node.engine.kernels import NativeLinear, NativePart, native_layout
+from workers.node.engine.kernels import NativeLayout, NativeLinear, NativePart, native_layout
 from workers.node.engine.quants import KScales
 
 from .conftest import native_kernel
@@ -58,7 +60,9 @@ def generic(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     return lib
 
 
-def _case(case: tuple[int, int, int, int, int | None, int, bool], seed: int) -> tuple:
+def _case(
+    case: tuple[int, int, int, int, int | None, int, bool], seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, NativePart]:
     n, k, bits, width, zero, mode, f16 = case
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=gen)
@@ -283,6 +287,8 @@ def test_scales_beyond_float16_are_refused() -> None:
 
 def test_build_is_cached_and_failures_say_why(tmp_path: Path) -> None:
     first = native.build(tmp_path)
+    cc = native._compiler()
+    assert cc is not None and first.name == f"qmm-{native.cache_key(cc)}.so"
     mtime = first.stat().st_mtime_ns
     assert native.build(tmp_path) == first and first.stat().st_mtime_ns == mtime
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # nothing half-written
@@ -344,15 +350,68 @@ def test_auto_takes_the_avx2_build_for_a_model_of_its_formats_alone(
     assert native.library() is not None
 
 
-@pytest.mark.parametrize("variant", [(), ("-DMVK_GENERIC",)], ids=["simd", "plain-c"])
-def test_the_kernel_builds_without_a_warning(tmp_path: Path, variant: tuple[str, ...]) -> None:
-    """Both builds of qmm.c compile clean under -Wall -Wextra -Werror: a warning (an
-    unused function, a missing initializer) is an error here, not noise in a node log."""
-    out = native.build(tmp_path, ("-Wall", "-Wextra", "-Werror", *variant))
-    assert native.load(out).mvk_simd() == (0 if variant else native.library().mvk_simd())
+# The kernel's builds (native.py: -march=native and these flags after it): the host's own
+# (AVX-512 VNNI where the CPU has it), the AVX2 one (a CPU without AVX-512), plain C on
+# request (MVK_GENERIC) and plain C by the CPU (an x86-64 without AVX2: no F16C either).
+BUILDS = {
+    "simd": (),
+    "avx2": ("-mno-avx512f",),
+    "plain-c": ("-DMVK_GENERIC",),
+    "plain-c-x86-64": ("-march=x86-64",),
+}
 
 
-def _k_layout(bits: int, seed: int) -> tuple[object, int, int]:
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_every_build_compiles_without_a_warning(tmp_path: Path, build: str) -> None:
+    """Every build of qmm.c, with every piece it includes, compiles clean under -Wall
+    -Wextra -Werror: a warning (an unused function, a missing initializer) is an error
+    here, not noise in a node log. Each is the build it says (mvk_simd; a host without
+    AVX2 has no AVX2 build)."""
+    lib = native.library()
+    assert lib is not None, native.why_not()
+    host = lib.mvk_simd()
+    want = {"simd": host, "avx2": 2 if host else 0}.get(build, 0)
+    out = native.build(tmp_path, ("-Wall", "-Wextra", "-Werror", *BUILDS[build]))
+    assert native.load(out).mvk_simd() == want
+
+
+def test_qmm_c_includes_every_piece_once() -> None:
+    """qmm.c is the one translation unit (one compiler call): it includes every other file
+    of csrc/ once and no piece includes another, so no piece escapes a build or the
+    warning check above."""
+    included = re.findall(r'^#include "([^"]+)"$', native.SOURCE.read_text(), re.M)
+    pieces = [p for p in native.sources() if p != native.SOURCE]
+    assert len(pieces) > 1 and sorted(included) == sorted(p.name for p in pieces)
+    for p in pieces:
+        assert '#include "' not in p.read_text(), p.name
+
+
+def test_the_build_cache_key_covers_every_source_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A change to any file of csrc/ (qmm.c or a piece it includes), a new piece or other
+    flags is another build: a cached library is never one of other sources."""
+    src = tmp_path / "csrc"
+    shutil.copytree(native.SOURCE.parent, src)
+    names = [p.name for p in native.sources()]
+    monkeypatch.setattr(native, "SOURCE", src / "qmm.c")
+    assert [p.name for p in native.sources()] == names and "qmm.c" in names
+    base = native.cache_key("cc")
+    seen = {base}
+    for name in names:
+        before = (src / name).read_bytes()
+        (src / name).write_bytes(before + b"\n")
+        seen.add(native.cache_key("cc"))
+        (src / name).write_bytes(before)
+        assert native.cache_key("cc") == base
+    assert len(seen) == len(names) + 1
+    (src / "extra.h").write_text("")
+    assert native.cache_key("cc") not in seen
+    (src / "extra.h").unlink()
+    assert native.cache_key("cc", ("-DMVK_GENERIC",)) != base != native.cache_key("gcc")
+
+
+def _k_layout(bits: int, seed: int) -> tuple[NativeLayout, int, int]:
     """A random Q4_K (bits 4) or Q6_K (bits 6) matrix in llama.cpp's order."""
     n, k = 40, 512
     gen = torch.Generator().manual_seed(seed)

@@ -10,9 +10,9 @@ AVX-512 VNNI the same source builds in plain C: each sum in the same order, lane
 so the same bits, slower.
 
 It is compiled once per host and source (C compiler ``cc``/``gcc``, ``-O3 -march=native``,
-about a second) into ``~/.cache/mvp-orchestrator/kernels/`` (or ``MVP_KERNELS_DIR``), with
-an atomic rename; where no compiler works the engine falls back to torch's kernels and
-says why in the log.
+about a second; one call on qmm.c, which includes the rest of csrc/) into
+``~/.cache/mvp-orchestrator/kernels/`` (or ``MVP_KERNELS_DIR``), with an atomic rename;
+where no compiler works the engine falls back to torch's kernels and says why in the log.
 ``MVP_ENGINE_KERNEL`` chooses: ``auto`` (the default: the native kernel where the CPU has
 AVX-512 VNNI, torch's elsewhere), ``native`` (the native kernel on any x86-64 CPU, in plain
 C where there is no AVX-512 VNNI: llama.cpp's logits, slower) or ``torch`` (benchmarks,
@@ -38,7 +38,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "qmm.c"
+SOURCE = Path(__file__).with_name("csrc") / "qmm.c"  # includes the other csrc/ files
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-pthread")
 ENV_CHOICE = "MVP_ENGINE_KERNEL"
 
@@ -85,6 +85,21 @@ def _compiler() -> str | None:
     return None
 
 
+def sources() -> list[Path]:
+    """Every file of the kernel's source: qmm.c and the pieces it includes (csrc/)."""
+    return sorted(p for p in SOURCE.parent.iterdir() if p.suffix in (".c", ".h"))
+
+
+def cache_key(cc: str, extra_flags: tuple[str, ...] = ()) -> str:
+    """The build's name in the cache: every source file (name and bytes), the compiler,
+    the flags and the machine."""
+    h = hashlib.sha256()
+    for p in sources():
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    h.update(" ".join((cc, *FLAGS, *extra_flags, platform.machine())).encode())
+    return h.hexdigest()[:16]
+
+
 def build(
     out_dir: Path | None = None, extra_flags: tuple[str, ...] = (), compiler: str | None = None
 ) -> Path:
@@ -92,10 +107,7 @@ def build(
     cc = compiler or _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(
-        src + " ".join((cc, *FLAGS, *extra_flags, platform.machine())).encode()
-    ).hexdigest()[:16]
+    key = cache_key(cc, extra_flags)
     if out_dir is None:
         for candidate in _cache_dirs():
             if (candidate / f"qmm-{key}.so").exists():

@@ -1,0 +1,267 @@
+/* Part of qmm.c, its one translation unit: included there once, in its order (see
+ * there). AVX-512: the Q4_K / Q6_K / Q5_K tiles on the interleaved layout. */
+
+#ifdef MVK_AVX512
+/* MVK_ARITH_Q4K on the interleaved layout (rows_q0's, codes per sub-block of 32; ksc and
+ * kmin [G][sub-block][16] uint8, kd and kdmin [G][256-block][16] float32): per sub-block
+ * the 16 rows' integer dot products, times their 6-bit scales; the mins' terms from the
+ * activations' sums per 32; then llama.cpp's repacked gemv (one fused multiply-add per
+ * 256-block) or, for activation rows in whole fours, its gemm (one per 64 elements). */
+static inline __attribute__((always_inline)) void q4k_tile(const mvk_job *j, int64_t G,
+                                                           int64_t t0, const int T,
+                                                           const int per64) {
+    const int64_t kp = j->kp, ns = kp / 32, nsb = kp / 256;
+    const uint8_t *wg = j->codes + G * ns * 256;
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    __m512 acc[Q0_MAXT], accm[Q0_MAXT];
+    _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) acc[t] = accm[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++) {
+        const __m512 d = _mm512_loadu_ps(j->kd + (G * nsb + b) * 16);
+        const __m512 dmin = _mm512_loadu_ps(j->kdmin + (G * nsb + b) * 16);
+        __m512 dd[Q0_MAXT], ddm[Q0_MAXT];
+        _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {
+            const __m512 dx = _mm512_set1_ps(j->dxe[(t0 + t) * kp / 4 + 64 * b]);
+            dd[t] = _mm512_mul_ps(d, dx);
+            ddm[t] = _mm512_mul_ps(dmin, dx);
+        }
+        __m512i isum[Q0_MAXT], imin[Q0_MAXT];
+        _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) isum[t] = imin[t] = _mm512_setzero_si512();
+        for (int g = 0; g < 8; g++) {
+            const int64_t sb = 8 * b + g;
+            const __m512i sc = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)((const uint8_t *)j->ksc + (G * ns + sb) * 16)));
+            const __m512i mn = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(j->kmin + (G * ns + sb) * 16)));
+            __m512i w[8];
+            _Pragma("GCC unroll 8") for (int c = 0; c < 4; c++) {
+                const __m512i v = _mm512_loadu_si512(wg + sb * 256 + 64 * c);
+                w[2 * c] = _mm512_and_si512(v, low4);
+                w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            }
+            _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {
+                const int8_t *q = j->qx + (t0 + t) * kp + 32 * sb;
+                __m512i e0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], bcast4(q));
+                __m512i e1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], bcast4(q + 4));
+                _Pragma("GCC unroll 8") for (int l = 2; l < 8; l += 2) {
+                    e0 = _mm512_dpbusd_epi32(e0, w[l], bcast4(q + 4 * l));
+                    e1 = _mm512_dpbusd_epi32(e1, w[l + 1], bcast4(q + 4 * l + 4));
+                }
+                isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(_mm512_add_epi32(e0, e1), sc));
+                const int32_t *qs = j->qs16 + (t0 + t) * (kp / 16) + 2 * sb;
+                imin[t] = _mm512_add_epi32(imin[t], _mm512_mullo_epi32(mn, _mm512_set1_epi32(qs[0] + qs[1])));
+            }
+            if (per64 ? (g & 1) : g == 7)
+                _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {
+                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), dd[t], acc[t]);
+                    accm[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin[t]), ddm[t], accm[t]);
+                    isum[t] = imin[t] = _mm512_setzero_si512();
+                }
+        }
+    }
+    const int64_t r0 = 16 * G, left = j->n - r0;
+    const __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+    _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {
+        const int64_t tr = t0 + t;
+        __m512 r = _mm512_sub_ps(acc[t], accm[t]);
+        if (j->add) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, j->add + tr * j->ldadd + r0));
+        _mm512_mask_storeu_ps(j->y + tr * j->ldy + r0, m, r);
+    }
+}
+
+/* Q6_K's codes are stored in 6 bits (Q6K_PIECE bytes per 32-element piece of 16 rows):
+ * the low 4 bits as the nibble layout (256 bytes: vector c holds lanes 2c and 2c + 1), then
+ * the high 2 bits (128 bytes: vector h holds lanes 4h..4h+3, lane 4h + i in bits 2i, 2i+1
+ * of each byte). This unpacks a piece's 8 lanes to a byte per code (rows_q0's byte layout):
+ * the bytes a decode step reads are 3/4 of one a code. */
+#define Q6K_PIECE 384
+static inline void unpack6(const uint8_t *p, __m512i w[8]) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f), three = _mm512_set1_epi8(3);
+    const __m512i h0 = _mm512_loadu_si512(p + 256), h1 = _mm512_loadu_si512(p + 320);
+    _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
+        const __m512i v = _mm512_loadu_si512(p + 64 * c);
+        w[2 * c] = _mm512_and_si512(v, low4);
+        w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    }
+    _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) {
+        const __m512i a = _mm512_and_si512(_mm512_srli_epi16(h0, 2 * i), three);
+        const __m512i b = _mm512_and_si512(_mm512_srli_epi16(h1, 2 * i), three);
+        w[i] = _mm512_or_si512(w[i], _mm512_slli_epi16(a, 4));
+        w[4 + i] = _mm512_or_si512(w[4 + i], _mm512_slli_epi16(b, 4));
+    }
+}
+
+/* MVK_ARITH_Q6K on the interleaved layout (rows_q0's byte layout, 32-element pieces; ksc
+ * [G][sub-block of 16][16] int8, kd [G][256-block][16]): lane l of a 256-block is, per
+ * row, the sum over its 8 pieces p of sc[2p + l/4] times lane l's 4-code dot product, less
+ * 32 (qs[2l] sc[2l] + qs[2l+1] sc[2l+1]) (qs: the activations' sums per 16), the integer
+ * lanes of rows_q6k. A prompt of 8 rows or more needs only their total (the tiled GEMM),
+ * per sub-block sc times its dot product started from -32 qs. */
+static inline __attribute__((always_inline)) void q6k_tile(const mvk_job *j, int64_t G,
+                                                           int64_t t0, const int T,
+                                                           const int tiled) {
+    const int64_t kp = j->kp, ns16 = kp / 16, nsb = kp / 256;
+    const uint8_t *wg = j->codes + G * (kp / 32) * Q6K_PIECE;
+    const int8_t *ksc = (const int8_t *)j->ksc;
+    __m512 acc8[8], tacc[Q0_MAXT];
+    for (int l = 0; l < 8; l++) acc8[l] = _mm512_setzero_ps();
+    for (int t = 0; t < T; t++) tacc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++) {
+        const __m512 d = _mm512_loadu_ps(j->kd + (G * nsb + b) * 16);
+        const int8_t *scb = ksc + (G * ns16 + 16 * b) * 16; /* [16 sub-blocks][16 rows] */
+        if (tiled) {
+            __m512i isum[Q0_MAXT];
+            for (int t = 0; t < T; t++) isum[t] = _mm512_setzero_si512();
+            for (int p = 0; p < 8; p++) {
+                __m512i w[8];
+                unpack6(wg + (8 * b + p) * Q6K_PIECE, w);
+                for (int h = 0; h < 2; h++) {
+                    const __m512i sc = _mm512_cvtepi8_epi32(
+                        _mm_loadu_si128((const __m128i *)(scb + (2 * p + h) * 16)));
+                    for (int t = 0; t < T; t++) {
+                        const int64_t tr = t0 + t;
+                        const int8_t *q = j->qx + tr * kp + 256 * b + 32 * p + 16 * h;
+                        __m512i e = _mm512_set1_epi32(-32 * j->qs16[tr * ns16 + 16 * b + 2 * p + h]);
+                        for (int l = 0; l < 4; l++) e = _mm512_dpbusd_epi32(e, w[4 * h + l], bcast4(q + 4 * l));
+                        isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(e, sc));
+                    }
+                }
+            }
+            for (int t = 0; t < T; t++) {
+                const __m512 dx = _mm512_set1_ps(j->dxe[(t0 + t) * kp / 4 + 64 * b]);
+                tacc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(isum[t])), dx, tacc[t]);
+            }
+            continue;
+        }
+        /* T == 1: lanes by maddubs (codes <= 63, |q| <= 127: no saturation) and vpdpwssd
+         * with the sub-scale in both 16-bit halves */
+        __m512i lane[8];
+        for (int l = 0; l < 8; l++) lane[l] = _mm512_setzero_si512();
+        const int8_t *q = j->qx + t0 * kp + 256 * b;
+        for (int p = 0; p < 8; p++) {
+            __m512i s2[2];
+            for (int h = 0; h < 2; h++) {
+                const __m512i s = _mm512_cvtepi8_epi32(
+                    _mm_loadu_si128((const __m128i *)(scb + (2 * p + h) * 16)));
+                s2[h] = _mm512_or_si512(_mm512_and_si512(s, _mm512_set1_epi32(0xffff)),
+                                        _mm512_slli_epi32(s, 16));
+            }
+            __m512i w8[8];
+            unpack6(wg + (8 * b + p) * Q6K_PIECE, w8);
+            for (int l = 0; l < 8; l++) {
+                const __m512i pr = _mm512_maddubs_epi16(w8[l], bcast4(q + 32 * p + 4 * l));
+                lane[l] = _mm512_dpwssd_epi32(lane[l], pr, s2[l / 4]);
+            }
+        }
+        const int32_t *qs = j->qs16 + t0 * ns16 + 16 * b;
+        const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(j->dxe[t0 * kp / 4 + 64 * b]));
+        for (int l = 0; l < 8; l++) {
+            const __m512i sa = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(scb + 2 * l * 16)));
+            const __m512i sb = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(scb + (2 * l + 1) * 16)));
+            const __m512i sub = _mm512_add_epi32(_mm512_mullo_epi32(sa, _mm512_set1_epi32(32 * qs[2 * l])),
+                                                 _mm512_mullo_epi32(sb, _mm512_set1_epi32(32 * qs[2 * l + 1])));
+            acc8[l] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(_mm512_sub_epi32(lane[l], sub)), acc8[l]);
+        }
+    }
+    const int64_t r0 = 16 * G, left = j->n - r0;
+    const __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+    for (int t = 0; t < T; t++) {
+        const int64_t tr = t0 + t;
+        __m512 r = tacc[t];
+        if (!tiled) {
+            const __m512 *L = acc8;
+            r = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(L[0], L[4]), _mm512_add_ps(L[2], L[6])),
+                              _mm512_add_ps(_mm512_add_ps(L[1], L[5]), _mm512_add_ps(L[3], L[7])));
+        }
+        if (j->add) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, j->add + tr * j->ldadd + r0));
+        _mm512_mask_storeu_ps(j->y + tr * j->ldy + r0, m, r);
+    }
+}
+
+/* Sub-block sb of a Q5_K group G: the 16 rows' 6-bit scales and mins, and its codes as
+ * the 8 lanes' bytes (5 bits a code or a byte each). */
+static inline void q5k_piece(const mvk_job *j, int64_t G, int64_t sb, const uint8_t *wg,
+                             __m512i *sc, __m512i *mn, __m512i w[8]) {
+    const int64_t at = (G * (j->kp / 32) + sb) * 16;
+    *sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)j->ksc + at)));
+    *mn = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(j->kmin + at)));
+    if (j->bits5)
+        unpack5(wg + sb * Q5_PIECE, w, 0, 8);
+    else
+        for (int l = 0; l < 8; l++) w[l] = _mm512_loadu_si512(wg + sb * 512 + 64 * l);
+}
+
+/* MVK_ARITH_Q5K on the interleaved byte layout (codes per sub-block of 32 as q0_tile's
+ * Q8_0; ksc and kmin [G][sub-block][16] uint8, kd and kdmin [G][256-block][16]). */
+static inline __attribute__((always_inline)) void q5k_tile(const mvk_job *j, int64_t G,
+                                                           int64_t t0, const int T,
+                                                           const int tiled) {
+    const int64_t kp = j->kp, ns = kp / 32, nsb = kp / 256, ns16 = kp / 16;
+    const int64_t piece = j->bits5 ? Q5_PIECE : 512;
+    const uint8_t *wg = j->codes + G * ns * piece;
+    __m512 acc8[8], tacc[Q0_MAXT], summs = _mm512_setzero_ps();
+    for (int l = 0; l < 8; l++) acc8[l] = _mm512_setzero_ps();
+    for (int t = 0; t < T; t++) tacc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++) {
+        const __m512 d = _mm512_loadu_ps(j->kd + (G * nsb + b) * 16);
+        const __m512 dmin = _mm512_loadu_ps(j->kdmin + (G * nsb + b) * 16);
+        if (tiled) {
+            __m512i s1[Q0_MAXT], s2[Q0_MAXT];
+            for (int t = 0; t < T; t++) s1[t] = s2[t] = _mm512_setzero_si512();
+            for (int g = 0; g < 8; g++) {
+                const int64_t sb = 8 * b + g;
+                __m512i sc, mn, w[8];
+                q5k_piece(j, G, sb, wg, &sc, &mn, w);
+                for (int t = 0; t < T; t++) {
+                    const int8_t *q = j->qx + (t0 + t) * kp + 32 * sb;
+                    __m512i e = _mm512_setzero_si512();
+                    for (int l = 0; l < 8; l++) e = _mm512_dpbusd_epi32(e, w[l], bcast4(q + 4 * l));
+                    s1[t] = _mm512_add_epi32(s1[t], _mm512_mullo_epi32(e, sc));
+                    const int32_t *qs = j->qs16 + (t0 + t) * ns16 + 2 * sb;
+                    s2[t] = _mm512_add_epi32(s2[t], _mm512_mullo_epi32(mn, _mm512_set1_epi32(qs[0] + qs[1])));
+                }
+            }
+            for (int t = 0; t < T; t++) {
+                const __m512 dx = _mm512_set1_ps(j->dxe[(t0 + t) * kp / 4 + 64 * b]);
+                const __m512 res = _mm512_fnmadd_ps(dmin, _mm512_cvtepi32_ps(s2[t]),
+                                                    _mm512_mul_ps(_mm512_cvtepi32_ps(s1[t]), d));
+                tacc[t] = _mm512_fmadd_ps(res, dx, tacc[t]);
+            }
+            continue;
+        }
+        /* T == 1: the 8 lanes */
+        __m512i lane[8], imin = _mm512_setzero_si512();
+        for (int l = 0; l < 8; l++) lane[l] = _mm512_setzero_si512();
+        const int8_t *q = j->qx + t0 * kp;
+        for (int g = 0; g < 8; g++) {
+            const int64_t sb = 8 * b + g;
+            __m512i sc, mn, w8[8];
+            q5k_piece(j, G, sb, wg, &sc, &mn, w8);
+            for (int l = 0; l < 8; l++) {
+                const __m512i w = w8[l];
+                const __m512i e = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, bcast4(q + 32 * sb + 4 * l));
+                lane[l] = _mm512_add_epi32(lane[l], _mm512_mullo_epi32(e, sc));
+            }
+            const int32_t *qs = j->qs16 + t0 * ns16 + 2 * sb;
+            imin = _mm512_add_epi32(imin, _mm512_mullo_epi32(mn, _mm512_set1_epi32(qs[0] + qs[1])));
+        }
+        const __m512 dx = _mm512_set1_ps(j->dxe[t0 * kp / 4 + 64 * b]);
+        const __m512 dd = _mm512_mul_ps(d, dx), ddm = _mm512_mul_ps(dmin, dx);
+        for (int l = 0; l < 8; l++) acc8[l] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(lane[l]), acc8[l]);
+        summs = _mm512_fnmadd_ps(ddm, _mm512_cvtepi32_ps(imin), summs);
+    }
+    const int64_t r0 = 16 * G, left = j->n - r0;
+    const __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+    for (int t = 0; t < T; t++) {
+        const int64_t tr = t0 + t;
+        __m512 r = tacc[t];
+        if (!tiled) {
+            const __m512 *L = acc8;
+            r = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(L[0], L[4]), _mm512_add_ps(L[2], L[6])),
+                              _mm512_add_ps(_mm512_add_ps(L[1], L[5]), _mm512_add_ps(L[3], L[7])));
+            r = _mm512_add_ps(r, summs);
+        }
+        if (j->add) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, j->add + tr * j->ldadd + r0));
+        _mm512_mask_storeu_ps(j->y + tr * j->ldy + r0, m, r);
+    }
+}
+#endif

@@ -1,0 +1,169 @@
+/* Part of qmm.c, its one translation unit: included there once, in its order (see
+ * there). The thread pool, and mvk_matmul (a product over it). */
+
+/* ---- threads -------------------------------------------------------------------------
+ * A small pool shares each product's rows, in chunks claimed from one atomic ticket
+ * (generation | chunk count | next chunk), so the calling thread never waits for a worker
+ * that is not running: on a busy machine (several node processes on a few cores) it
+ * simply does more chunks itself. Workers spin briefly for the next product (decode
+ * calls come tens of microseconds apart), then sleep on a condition variable.
+ */
+#define MAX_THREADS 64
+#define GEN_SHIFT 40
+#define COUNT_SHIFT 20
+#define FIELD ((1ull << COUNT_SHIFT) - 1)
+static int g_threads = 1;
+static mvk_job g_job;            /* written by the caller only while no chunk is out */
+/* or, where set, chunk i of a generation is g_task(g_ctx, i) (dispatch_task) */
+static void (*g_task)(const void *ctx, int64_t i);
+static const void *g_ctx;
+static int64_t g_chunk_rows = 16;
+static atomic_ullong g_ticket;   /* gen << 40 | chunks << 20 | next */
+static atomic_llong g_done;
+static atomic_int g_sleepers;
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_cv = PTHREAD_COND_INITIALIZER;
+static pthread_mutex_t g_call = PTHREAD_MUTEX_INITIALIZER; /* one product at a time */
+
+static inline void relax(void) {
+#ifdef MVK_AVX512
+    _mm_pause();
+#endif
+}
+
+/* Claim and run chunks of generation gen until none is left; returns chunks run. */
+static int64_t work(unsigned long long gen) {
+    int64_t ran = 0;
+    for (;;) {
+        unsigned long long t = atomic_load(&g_ticket);
+        if ((t >> GEN_SHIFT) != gen) break;
+        unsigned long long chunks = (t >> COUNT_SHIFT) & FIELD, next = t & FIELD;
+        if (next >= chunks) break;
+        if (!atomic_compare_exchange_weak(&g_ticket, &t, t + 1)) continue;
+        if (g_task) {
+            g_task(g_ctx, (int64_t)next);
+        } else {
+            int64_t n0 = (int64_t)next * g_chunk_rows;
+            int64_t n1 = n0 + g_chunk_rows < g_job.n ? n0 + g_chunk_rows : g_job.n;
+            run_rows(&g_job, n0, n1);
+        }
+        atomic_fetch_add(&g_done, 1);
+        ran++;
+    }
+    return ran;
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* How long an idle worker spins before it sleeps: longer than the gap between a decode
+ * step's products (the torch ops between them), short enough to give a busy machine its
+ * core back as soon as decoding pauses. */
+#define SPIN_NS 300000
+
+static void *worker(void *arg) {
+    (void)arg;
+    unsigned long long seen = atomic_load(&g_ticket) >> GEN_SHIFT;
+    for (;;) {
+        unsigned long long gen;
+        int64_t since = now_ns();
+        int spins = 0;
+        while ((gen = atomic_load(&g_ticket) >> GEN_SHIFT) == seen) {
+            if ((++spins & 63) != 0 || now_ns() - since < SPIN_NS) {
+                relax();
+                continue;
+            }
+            pthread_mutex_lock(&g_mu);
+            atomic_fetch_add(&g_sleepers, 1);
+            while ((gen = atomic_load(&g_ticket) >> GEN_SHIFT) == seen)
+                pthread_cond_wait(&g_cv, &g_mu);
+            atomic_fetch_sub(&g_sleepers, 1);
+            pthread_mutex_unlock(&g_mu);
+            break;
+        }
+        seen = gen;
+        work(gen);
+    }
+    return NULL;
+}
+
+/* Grow the pool to n threads in all (the caller counts as one). Returns the number. */
+int mvk_set_threads(int n) {
+    pthread_mutex_lock(&g_call);
+    if (n < 1) n = 1;
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    while (g_threads < n) {
+        pthread_t th;
+        if (pthread_create(&th, NULL, worker, NULL) != 0) break;
+        pthread_detach(th);
+        g_threads++;
+    }
+    int r = g_threads;
+    pthread_mutex_unlock(&g_call);
+    return r;
+}
+
+static void dispatch(mvk_job j, int threads);
+
+void mvk_matmul(const int8_t *qx, const float *dxe, const float *s16, const float *s32,
+                int64_t t_rows, int64_t kp, const uint8_t *codes, const void *scale,
+                const void *min, int64_t n, int nibble, int sub, int zero, int f32, float *y,
+                int64_t ldy, const float *add, int64_t ldadd, int threads) {
+    mvk_job j = {qx, dxe, s16, s32, t_rows, kp, codes, scale, min, n, nibble, sub, zero, f32,
+                 y, ldy, add, ldadd, NULL, NULL, MVK_ARITH_GROUPS, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0};
+    dispatch(j, threads);
+}
+
+/* A new generation of `chunks` chunks (g_job's rows, or g_task's tasks, set before):
+ * workers woken where they sleep, the caller taking part, back when all are done.
+ * Called with g_call held. */
+static void run_generation(int64_t chunks) {
+    atomic_store(&g_done, 0);
+    unsigned long long gen = (atomic_load(&g_ticket) >> GEN_SHIFT) + 1;
+    atomic_store(&g_ticket, (gen << GEN_SHIFT) | ((unsigned long long)chunks << COUNT_SHIFT));
+    if (atomic_load(&g_sleepers) > 0) {
+        pthread_mutex_lock(&g_mu);
+        pthread_cond_broadcast(&g_cv);
+        pthread_mutex_unlock(&g_mu);
+    }
+    work(gen);
+    while (atomic_load(&g_done) < chunks) relax();
+}
+
+static void dispatch(mvk_job j, int threads) {
+    const int64_t n = j.n;
+    pthread_mutex_lock(&g_call);
+    int parts = threads < g_threads ? threads : g_threads;
+    if (parts <= 1 || n < 64) {
+        run_rows(&j, 0, n);
+        pthread_mutex_unlock(&g_call);
+        return;
+    }
+    /* About 8 chunks per thread, multiples of 16 rows. */
+    int64_t rows = (n / (8 * parts) + 15) / 16 * 16;
+    if (rows < 16) rows = 16;
+    int64_t chunks = (n + rows - 1) / rows;
+    g_job = j;
+    g_task = NULL;
+    g_chunk_rows = rows;
+    run_generation(chunks);
+    pthread_mutex_unlock(&g_call);
+}
+
+/* Tasks 0..count-1 of fn over the pool, the caller taking part (as dispatch). */
+static void dispatch_task(void (*fn)(const void *, int64_t), const void *ctx, int64_t count) {
+    pthread_mutex_lock(&g_call);
+    if (g_threads <= 1 || count <= 1) {
+        for (int64_t i = 0; i < count; i++) fn(ctx, i);
+        pthread_mutex_unlock(&g_call);
+        return;
+    }
+    g_task = fn;
+    g_ctx = ctx;
+    run_generation(count);
+    g_task = NULL;
+    pthread_mutex_unlock(&g_call);
+}
