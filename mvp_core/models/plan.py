@@ -1,0 +1,78 @@
+"""A committed run plan (actor spec 4.2): the model's facts, the stages and their
+layers, the edges between them and their rings."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import Field
+
+from mvp_core.models._base import _Model
+from mvp_core.models.engine_settings import ActivationDtype
+
+
+class ModelFacts(_Model):
+    architecture: str
+    name: str
+    block_count: int
+    embedding_length: int
+    context_length: int
+    eos_token_id: int | None = None
+    # Work per token from the tensor table (multiply-accumulates: weight elements): per
+    # layer, and the output head's. None where the facts did not come from a GGUF file, or
+    # its tensor table lacks a layer's matrices or the head (or shows no model's shapes).
+    layer_work: list[int] | None = None
+    output_work: int | None = None
+
+
+class LayerRange(_Model):
+    start: int
+    end: int
+
+
+class EdgeKind(StrEnum):
+    TOKEN_IN = "token_in"
+    ACTIVATION = "activation"
+    TOKEN_OUT = "token_out"
+
+
+class EdgePlan(_Model):
+    edge_id: int
+    kind: EdgeKind
+    src_stage: int | None  # None = driver
+    dst_stage: int | None  # None = driver
+    max_extent: int
+    alignment: int
+    activation_dtype: ActivationDtype | None = Field(
+        default=None,
+        description="Activation edges: the rows' element type (None on token edges)",
+    )
+
+
+class RingSpec(_Model):
+    edge_id: int
+    capacity: int
+    alignment: int
+
+
+class StagePlan(_Model):
+    stage_index: int
+    node_id: int
+    layers: LayerRange
+    holds_embedding: bool
+    holds_output: bool
+
+
+class RunPlan(_Model):
+    """A committed plan (actor spec 4.2): workers never choose their own topology."""
+
+    run_id: int
+    orchestrator_node_id: int
+    stage_count: int
+    stages: list[StagePlan]
+    edges: list[EdgePlan]
+    rings: list[RingSpec]
+    max_seq_len: int
+    model_path: str
+    tokenizer_path: str
+    model_facts: ModelFacts

@@ -1,0 +1,120 @@
+"""What the run asks of a provider and of its own orchestrator activities: start, stop
+and watch nodes, prepare the plan, check a node's route."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from mvp_core.models._base import _Model
+from mvp_core.models.engine_settings import ActivationDtype
+from mvp_core.models.model_source import ModelSource
+from mvp_core.models.provider_settings import ProviderKind, VastAiSettings
+from mvp_core.models.run_request import LayerSplit
+
+
+class NodeProvisionSpec(_Model):
+    """What a provider needs to start one node agent (actor spec 6.3)."""
+
+    run_id: int
+    node_id: int
+    stage_index: int
+    nonce: str
+    task_queue: str
+    readiness_id: str
+    authorized_orchestrator: str
+    run_workflow_id: str
+    image_or_artifact: str | None = None
+    environment: dict[str, str] = Field(default_factory=dict)
+    mounts: list[str] = Field(
+        default_factory=list, description="Host files a node reads (the model): mounted read-only"
+    )
+    coordinator_endpoint: str
+    temporal_namespace: str = "default"
+    provider: ProviderKind = ProviderKind.PROCESS
+    gpus: str | None = None
+    cpus: float | None = None  # docker.cpus: each node container's CPU limit
+    vastai: VastAiSettings | None = None
+    # A replacement (DECISIONS 68): machines to rent elsewhere than, where an offer allows.
+    avoid_machines: list[int] = Field(default_factory=list, max_length=64)
+
+
+class NodeHandle(_Model):
+    """A provider's durable record of a started node."""
+
+    run_id: int
+    node_id: int
+    provider: ProviderKind
+    host: str
+    pid: int | None = None
+    log_path: str | None = None
+    resource_name: str
+    container_id: str | None = None
+    address: str | None = Field(default=None, description="The node's own network address")
+    instance_id: int | None = Field(default=None, description="Vast.ai instance (contract) id")
+    machine_id: int | None = Field(default=None, description="Vast.ai: the instance's machine")
+
+
+class ProviderResource(_Model):
+    """One thing a provider made for a run, as the provider itself reports it (the
+    reaper sweeps by these, not by the run's records)."""
+
+    provider: ProviderKind
+    kind: Literal["process", "container", "network", "instance"]
+    name: str
+    run_workflow_id: str
+    nonce8: str = Field(description="The first 8 characters of the execution's nonce")
+    host: str
+    detail: str = ""
+
+
+class StopNodeInput(_Model):
+    handle: NodeHandle
+    grace_s: float
+
+
+class StopNodeResult(_Model):
+    node_id: int
+    stopped: bool
+    error: str | None = None
+
+
+class WatchNodesInput(_Model):
+    handles: list[NodeHandle]
+
+
+class NodeExited(_Model):
+    """Provider report that a node's process is gone (NodeFailed of actor spec 4.3)."""
+
+    run_id: int
+    node_id: int
+    detail: str
+
+
+class PreparePlanInput(_Model):
+    run_id: int
+    orchestrator_node_id: int
+    node_id: int
+    model: ModelSource
+    tokenizer: ModelSource | None
+    pipeline_stages: int
+    max_context: int | None
+    activation_dtype: ActivationDtype = ActivationDtype.FLOAT32
+    layer_split: LayerSplit = LayerSplit.EVEN
+    provider: ProviderKind = ProviderKind.PROCESS
+    gpus: str | None = None
+    vastai: VastAiSettings | None = None
+
+
+class CheckRouteInput(_Model):
+    task_queue: str
+    identity: str
+
+
+class RouteCheck(_Model):
+    """What DescribeTaskQueue showed on a node's queue (route ownership, DECISIONS 5)."""
+
+    owned: bool
+    pollers: list[str] = Field(default_factory=list, description="Distinct poller identities")
+    reason: str = ""
