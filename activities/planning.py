@@ -11,13 +11,13 @@ from temporalio.exceptions import ApplicationError
 
 from activities.gguf_facts import read_model_facts
 from activities.heartbeat import heartbeat_for, in_thread
-from activities.models_store import ModelSourceError, resolve_model
 from activities.providers.base import ProviderUnavailable, harness_faults
 from activities.provisioning import ProviderActivities
 from mvp_core import names
 from mvp_core.errors import ErrorType
 from mvp_core.models import PreparePlanInput, RunPlan
 from mvp_core.planner import PlanningError, build_plan
+from mvp_io.model_store import ModelSourceError, resolve_model
 
 
 def provider_host() -> str:

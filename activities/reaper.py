@@ -8,7 +8,6 @@ the activity's own Temporal client.
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
 
 from temporalio import activity
 from temporalio.api.enums.v1 import WorkflowExecutionStatus
@@ -19,6 +18,7 @@ from activities.heartbeat import in_thread
 from activities.provisioning import ProviderActivities
 from mvp_core import names
 from mvp_core.models import ProviderKind
+from mvp_core.names import QUERY_TIMEOUT
 from mvp_core.reaper import (
     DestroyInput,
     DestroyResult,
@@ -29,7 +29,6 @@ from mvp_core.reaper import (
     RunLiveness,
 )
 
-QUERY_TIMEOUT = timedelta(seconds=5)
 LIVENESS_CONCURRENCY = 8
 
 

@@ -9,6 +9,7 @@ RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorc
 WORKDIR /opt/mvp-orchestrator
 COPY pyproject.toml README.md ./
 COPY mvp_core mvp_core
+COPY mvp_io mvp_io
 COPY workflows workflows
 COPY activities activities
 COPY workers workers

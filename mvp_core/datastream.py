@@ -3,7 +3,7 @@
 The datastream is observational (process spec 8.15, 9.18): nothing here makes state true.
 This module builds the JSON records of the contract (CONTRACTS.md "Datastream"), turns a
 record into a frame of its stream, redacts secrets, and renders the frame-archive line. It
-does no I/O; ``activities/datastream_io.py`` carries the frames to their sinks.
+does no I/O; ``mvp_io/datastream/`` carries the frames to their sinks.
 
 Terms (what the archive line's fields mean here):
 

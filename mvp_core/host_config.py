@@ -112,7 +112,7 @@ HOST_OPERATIONAL_ENV = frozenset(
         "MVP_EDGE_SECRET",  # edge token secret (a secret; activities/providers/base.py)
         "MVP_STATE_DIR",  # provider state files (activities/providers/base.py)
         "MVP_DATASTREAM_BIND",  # where a run's live datastream listens (activities/datastream.py)
-        "MVP_MODELS_DIR",  # model cache (activities/models_store.py)
+        "MVP_MODELS_DIR",  # model cache (mvp_io/model_store.py)
         "MVP_PROVIDER_HOST",  # the provider host's name (activities/planning.py)
         "MVP_DOCKER_TEMPORAL_ADDRESS",  # where containers reach Temporal (docker provider)
         # the Vast.ai API's address, a Temporal address rented hosts reach as it is, how

@@ -7,6 +7,9 @@ agent's activities by name, and so that docs and scripts can rely on them.
 
 from __future__ import annotations
 
+import re
+from datetime import timedelta
+
 ORCHESTRATOR_TASK_QUEUE = "mvp-orchestrator"
 SEARCH_ATTRIBUTE_PHASE = "MvpRunPhase"
 
@@ -76,11 +79,13 @@ REAPER_DEFAULT_INTERVAL_S = 60
 # this long (the server's default is 10 s). Sticky queues fall back as fast.
 WORKFLOW_TASK_TIMEOUT_S = 5
 STICKY_SCHEDULE_TO_START_S = 2
+# One query (or describe) of a run by a client: a run no worker has answers late.
+QUERY_TIMEOUT = timedelta(seconds=5)
 
 # Search attribute of a prompt workflow: done, cancelled or faulted.
 SEARCH_ATTRIBUTE_PROMPT = "MvpPromptStatus"
 
-# The model a run uses when it names none (activities/models_store.py fetches it; the
+# The model a run uses when it names none (mvp_io/model_store.py fetches it; the
 # process host's configuration falls back to it with no [model] source set).
 DEFAULT_BUNDLED_MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
@@ -110,6 +115,25 @@ def node_resource_name(run_id: int, node_id: int, nonce: str) -> str:
     """The name a provider gives a node's resource (process mark, container, label): a
     retried start finds the node by it, and teardown can stop a node it has no handle of."""
     return f"mvp-{run_id}-{node_id}-{nonce[:8]}"
+
+
+# The node agent's module (``python -m workers.node``): how a provider starts a node
+# process, and how a scan of the process table recognises one.
+NODE_MODULE = "workers.node"
+_RESOURCE_NAME = re.compile(r"mvp-(\d+)-(\d+)-([0-9a-f]{8})")
+
+
+def resource_arg(name: str) -> str:
+    """The command-line mark of a node process: how a retried start finds it."""
+    return f"--resource={name}"
+
+
+def parse_resource_name(name: str) -> tuple[int, int, str] | None:
+    """(run_id, node_id, nonce8) of ``mvp-<run_id>-<node_id>-<nonce8>``, else None."""
+    match = _RESOURCE_NAME.fullmatch(name)
+    if match is None:
+        return None
+    return int(match[1]), int(match[2]), match[3]
 
 
 def provider_task_queue(host: str) -> str:

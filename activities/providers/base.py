@@ -94,6 +94,11 @@ class Provider(Protocol):
         ...
 
 
+def node_exited(handle: NodeHandle, detail: str) -> NodeExited:
+    """The report that ``handle``'s node is gone; ``detail`` says how (its fault text)."""
+    return NodeExited(run_id=handle.run_id, node_id=handle.node_id, detail=detail)
+
+
 def edge_secret() -> bytes:
     """The secret edge tokens are derived from: ``MVP_EDGE_SECRET`` (base64, to share it
     between the hosts whose providers start nodes of one run), else a random per-host

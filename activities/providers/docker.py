@@ -49,9 +49,9 @@ from activities.providers.base import (
     harness_crash,
     last_log_line,
     node_environment,
+    node_exited,
     state_dir,
 )
-from activities.providers.process import NODE_MODULE, resource_arg
 from mvp_core import names
 from mvp_core.models import (
     NodeExited,
@@ -61,6 +61,7 @@ from mvp_core.models import (
     ProviderResource,
     StopNodeResult,
 )
+from mvp_core.names import NODE_MODULE, resource_arg
 from temporal.connect import temporal_address
 
 CREATED_BY = "mvp-orchestrator"
@@ -520,20 +521,14 @@ class DockerProvider:
             except _DOCKER_ERRORS:
                 return None  # the daemon blinked: not evidence that a node is gone
             if not found:
-                return NodeExited(
-                    run_id=handle.run_id,
-                    node_id=handle.node_id,
-                    detail=f"container of {handle.resource_name} is gone",
-                )
+                return node_exited(handle, f"container of {handle.resource_name} is gone")
             c = found[0]
             if c.status in _GONE:
                 state: dict[str, Any] = c.attrs.get("State", {})
                 code = state.get("ExitCode")
                 oom = " (out of memory)" if state.get("OOMKilled") else ""
-                return NodeExited(
-                    run_id=handle.run_id,
-                    node_id=handle.node_id,
-                    detail=f"container {c.name} exited with code {code}{oom}{self._tail(c)}",
+                return node_exited(
+                    handle, f"container {c.name} exited with code {code}{oom}{self._tail(c)}"
                 )
         return None
 

@@ -15,7 +15,6 @@ import fcntl
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -33,6 +32,7 @@ from activities.providers.base import (
     harness_faults,
     log_file_tail,
     node_environment,
+    node_exited,
     state_dir,
 )
 from activities.providers.pidstart import ProcessStart, read_record, write_record
@@ -45,8 +45,9 @@ from mvp_core.models import (
     ProviderResource,
     StopNodeResult,
 )
+from mvp_core.names import NODE_MODULE, parse_resource_name, resource_arg
+from mvp_io.node_processes import marked_node_processes
 
-NODE_MODULE = "workers.node"
 _PASS_ENV = (
     "PATH",
     "HOME",
@@ -86,11 +87,6 @@ def _alive(pid: int, start: ProcessStart | None) -> bool:
         return False
 
 
-def resource_arg(name: str) -> str:
-    """The command-line mark of a node process: how a retried start finds it."""
-    return f"--resource={name}"
-
-
 def find_node_process(name: str) -> psutil.Process | None:
     """The live node process of this execution, if one runs (whoever launched it)."""
     mark = resource_arg(name)
@@ -103,43 +99,12 @@ def find_node_process(name: str) -> psutil.Process | None:
     return None
 
 
-_RESOURCE_PREFIX = resource_arg("")
-_RESOURCE_NAME = re.compile(r"mvp-(\d+)-(\d+)-([0-9a-f]{8})")
 # The reaper's stop of a node of a closed run: the grace of a run's default stop.
 DESTROY_GRACE_S = 5.0
 
 
-def parse_resource_name(name: str) -> tuple[int, int, str] | None:
-    """(run_id, node_id, nonce8) of ``mvp-<run_id>-<node_id>-<nonce8>``, else None."""
-    match = _RESOURCE_NAME.fullmatch(name)
-    if match is None:
-        return None
-    return int(match[1]), int(match[2]), match[3]
-
-
 def _nodes_root() -> Path:
     return state_dir() / "nodes"
-
-
-def marked_node_processes(nodes_root: Path) -> dict[str, psutil.Process]:
-    """The live node processes of this state directory, by resource name: marked on
-    their command line and running in their node directory. Nodes of another state
-    directory (another deployment or test session on this host) are not ours."""
-    root = nodes_root.resolve()
-    found: dict[str, psutil.Process] = {}
-    for proc in psutil.process_iter(["cmdline", "cwd", "status"]):
-        try:
-            cmd = proc.info["cmdline"] or []
-            if NODE_MODULE not in cmd or proc.info["status"] == psutil.STATUS_ZOMBIE:
-                continue
-            marks = [a[len(_RESOURCE_PREFIX) :] for a in cmd if a.startswith(_RESOURCE_PREFIX)]
-            cwd = Path(proc.info["cwd"] or "/")
-            for name in marks:
-                if parse_resource_name(name) and cwd.parent == root and cwd.name == name:
-                    found[name] = proc
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
 
 
 EXIT_FILE = "exit.json"
@@ -334,10 +299,8 @@ class ProcessProvider:
             if handle.pid is None:
                 continue
             if _gone(handle.pid, self._recorded_start(handle), self._node_dir_of(handle)):
-                return NodeExited(
-                    run_id=handle.run_id,
-                    node_id=handle.node_id,
-                    detail=f"process {handle.pid} is gone{log_file_tail(handle.log_path)}",
+                return node_exited(
+                    handle, f"process {handle.pid} is gone{log_file_tail(handle.log_path)}"
                 )
         return None
 
