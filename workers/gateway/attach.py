@@ -22,7 +22,7 @@ import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -31,12 +31,10 @@ from temporalio.client import Client
 
 from mvp_core.models import Done, Fault, PromptInput, TextDelta
 from temporal.client import PromptNotFound, PromptUnavailable, RunHandle
+from workers.gateway.service import Gateway
 from workers.gateway.stops import StopMatcher, cut_at_stop
 from workers.gateway.streaming import EventStream
 from workers.gateway.wire import SSE_DONE, ApiError, sse
-
-if TYPE_CHECKING:
-    from workers.gateway.app import Gateway
 
 log = logging.getLogger("mvp.gateway")
 

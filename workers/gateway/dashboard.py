@@ -28,9 +28,8 @@ import socket
 import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Collection, Iterable
-from datetime import timedelta
 from importlib import resources
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from google.protobuf.timestamp_pb2 import Timestamp
 from starlette.requests import Request
@@ -50,7 +49,7 @@ from mvp_core import names
 from mvp_core.datastream import Redactor
 from mvp_core.models import NodeHandle, PromptHost, PromptOutcome
 from mvp_core.run_state import RunState
-from temporal.client import PromptUnavailable, RunHandle
+from temporal.client import QUERY_TIMEOUT, PromptUnavailable, RunHandle
 from workers.gateway.dashboard_feed import DatastreamFeed
 from workers.gateway.dashboard_view import (
     RECENT_PROMPTS,
@@ -65,11 +64,9 @@ from workers.gateway.dashboard_view import (
     run_view,
     served_figures,
 )
+from workers.gateway.service import Gateway
 from workers.gateway.streaming import EventStream
 from workers.gateway.wire import ApiError
-
-if TYPE_CHECKING:
-    from workers.gateway.app import Gateway
 
 log = logging.getLogger("mvp.gateway.dashboard")
 
@@ -84,7 +81,6 @@ MAX_STREAMS = 16  # open event streams at once; more are a 503
 STREAM_LIFETIME_S = 300.0  # then the stream ends and the browser reconnects
 KEEPALIVE_S = 15.0  # a comment line when nothing changed for this long
 RETRY_MS = 1000  # EventSource's reconnection delay
-QUERY_TIMEOUT = timedelta(seconds=5)
 FIGURES_KEPT = 256  # finished prompts whose figures are cached
 FIGURE_TRIES = 3  # a prompt whose history cannot be read after this many tries goes without
 LOG_LINES = 12

@@ -29,9 +29,9 @@ import time
 from collections import deque
 from typing import Any
 
-from activities.datastream_io import parse_address
 from mvp_core import datastream as ds
 from mvp_core.models import DatastreamAddress
+from mvp_io.datastream import parse_address
 from workers.gateway.dashboard_view import FeedEvent, LogTail, clip
 
 LOG_LINES = 12  # per node

@@ -14,7 +14,8 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from mvp_core.models import LifecycleKind, PromptOutcome, PromptStatus, ServedPrompt
-from mvp_core.run_state import NodeCondition, NodeState, RunState
+from mvp_core.run_records import NodeCondition, NodeState
+from mvp_core.run_state import RunState
 
 RECENT_PROMPTS = 8  # finished prompts shown per run, newest last
 MAX_TEXT = 300  # a fault or error text as shown

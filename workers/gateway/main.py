@@ -138,7 +138,10 @@ class SignallessServer(uvicorn.Server):
         yield
 
 
-class Gateway:
+class GatewayCommand:
+    """One ``mvp-gateway`` process: its run (started or attached), its HTTP server, its
+    signals, and the run's shutdown when it started the run."""
+
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.stop = asyncio.Event()
@@ -266,8 +269,7 @@ class Gateway:
             async with asyncio.timeout(10):
                 result = await handle.workflow.result()
         except WorkflowFailureError as err:
-            cause = getattr(err.cause, "message", None) or str(err.cause or err)
-            return f"run {wid} ended: {cause}"
+            return f"run {wid} ended: {_cause(err)}"
         except Exception as err:
             return f"run {wid} ended ({type(err).__name__}: {err})"
         with contextlib.suppress(ValidationError):
@@ -298,8 +300,7 @@ class Gateway:
             )
         failure = wait.exception()
         if isinstance(failure, WorkflowFailureError):
-            cause = getattr(failure.cause, "message", None) or str(failure.cause or failure)
-            raise GatewayError(f"run {wid} ended: {cause}")
+            raise GatewayError(f"run {wid} ended: {_cause(failure)}")
         if failure is not None:
             raise GatewayError(f"run {wid}: {type(failure).__name__}: {failure}")
         outcome = RunOutcome.model_validate(wait.result())
@@ -308,6 +309,11 @@ class Gateway:
     async def _second_signal(self) -> None:
         self._signalled.clear()
         await self._signalled.wait()
+
+
+def _cause(err: WorkflowFailureError) -> str:
+    """Why a run failed, in its own words."""
+    return getattr(err.cause, "message", None) or str(err.cause or err)
 
 
 def _url_host(host: str) -> str:
@@ -327,7 +333,7 @@ def main() -> None:
         say(str(err))
         os._exit(2)
     try:
-        code = asyncio.run(Gateway(args).main())
+        code = asyncio.run(GatewayCommand(args).main())
         tel.close()  # the last spans and metrics go out
     except GatewayError as err:
         say(str(err))

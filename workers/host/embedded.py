@@ -20,9 +20,10 @@ from typing import Any
 from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 
-from activities.providers.process import marked_node_processes, parse_resource_name
 from mvp_core.errors import ErrorType
 from mvp_core.models import ProviderKind
+from mvp_core.names import parse_resource_name
+from mvp_io.node_processes import marked_node_processes
 from temporal.connect import local_server_env
 
 # Runs the orchestrator worker with PR_SET_PDEATHSIG armed, then execs it: a host killed

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from activities.datastream_io import parse_address
+from mvp_io.datastream import parse_address
 
 _RECV = 64 * 1024
 

