@@ -41,7 +41,6 @@ from typing import Any
 from temporalio import activity
 
 from activities import datastream_bus
-from activities.datastream_io import Datastream, FrameArchive, LiveSubscribers, LogTailer
 from activities.providers.base import NODE_STDERR_FILE, edge_secret, edge_token, state_dir
 from mvp_core import names
 from mvp_core.datastream import LogStream, Redactor
@@ -49,7 +48,9 @@ from mvp_core.edge_auth import text_stream_token
 from mvp_core.host_observe import observe
 from mvp_core.models import DatastreamAddress, RunDatastreamInput
 from mvp_core.providers import traits
+from mvp_core.run_signals import signal_name
 from mvp_core.run_state import RunState
+from mvp_io.datastream import Datastream, FrameArchive, LiveSubscribers, LogTailer
 
 log = logging.getLogger("mvp.datastream")
 BIND_ENV = "MVP_DATASTREAM_BIND"
@@ -206,7 +207,7 @@ async def run_datastream(inp: RunDatastreamInput) -> None:
                 attempt=info.attempt,
             )
             with contextlib.suppress(Exception):  # a closed run: nothing to tell
-                await handle.signal(names.SIGNAL_DATASTREAM_ADDRESS, address)
+                await handle.signal(signal_name(address), address)
             log.info("datastream of %s on %s", inp.run_workflow_id, rs.live.address)
             interval = POLL_S
             while True:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from mvp_core import datastream as ds
 from mvp_core.datastream import BootstrapPhase, BootstrapStatus, MembershipState, ProvisionEventKind
 from mvp_core.models import LifecycleKind, LifecycleReport
-from mvp_core.run_state import NodeState, RunState
+from mvp_core.run_records import NodeState
+from mvp_core.run_state import RunState
 
 Record = tuple[str, ds.JsonRecord]
 

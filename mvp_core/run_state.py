@@ -8,22 +8,19 @@ continue-as-new carries.
 
 from __future__ import annotations
 
-from enum import StrEnum
-
 from pydantic import BaseModel, Field
 
 from mvp_core import names
-from mvp_core.errors import ErrorType
 from mvp_core.models import (
     DatastreamAddress,
     IgnoredInput,
     LeaseStarted,
     LifecycleKind,
     LifecycleReport,
-    NodeHandle,
     NodeLossPolicy,
     NodeRuntimeReady,
     NodeRuntimeReadyAck,
+    PromptHead,
     PromptHost,
     RecoverySettings,
     RunOutcome,
@@ -37,6 +34,16 @@ from mvp_core.models import (
     TokenEndpointsReady,
     WeightsReady,
 )
+from mvp_core.run_records import (
+    MAX_KIND,
+    REJECTION_TEXT,
+    NodeState,
+    PromptRecord,
+    PromptRejection,
+    StageRecovery,
+    clip_reason,
+    is_echo,
+)
 
 MAX_PROMPT_REPORTS = 256
 MAX_IGNORED_KEPT = 16  # the latest ignored inputs described in the snapshot (all are counted)
@@ -46,134 +53,6 @@ _SERVING = (RunPhase.PROMPT_READY, RunPhase.RECOVERING, RunPhase.ROLLING_OVER)
 _PROMPT_REPORTS = frozenset(
     {LifecycleKind.PROMPT_ACCEPTED, LifecycleKind.PROMPT_COMPLETED, LifecycleKind.PROMPT_FAULTED}
 )
-
-
-MAX_KIND = 64
-MAX_REASON = 500  # a fault or refusal reason kept in state (reports are untrusted text)
-
-
-def _clip(text: str) -> str:
-    return text if len(text) <= MAX_REASON else text[: MAX_REASON - 1] + "…"
-
-
-def _echo(reason: str) -> bool:
-    """A fault that only reports a peer closing its edge: the echo of a fault elsewhere."""
-    return "EdgeClosed" in reason
-
-
-class PromptRejection(StrEnum):
-    """Typed rejections of ``submit_prompt`` (DECISIONS 9)."""
-
-    NOT_PROMPT_READY = ErrorType.RUN_NOT_PROMPT_READY.value
-    SHUTTING_DOWN = ErrorType.RUN_SHUTTING_DOWN.value
-    DUPLICATE_REQUEST_ID = ErrorType.DUPLICATE_REQUEST_ID.value
-    QUEUE_FULL = ErrorType.PROMPT_QUEUE_FULL.value
-    ROLLING_OVER = ErrorType.RUN_ROLLING_OVER.value
-
-
-_REJECTION_TEXT = {
-    PromptRejection.NOT_PROMPT_READY: "the run is not prompt-ready",
-    PromptRejection.SHUTTING_DOWN: "the run is shutting down",
-    PromptRejection.DUPLICATE_REQUEST_ID: "a prompt with this request_id is active or pending",
-    PromptRejection.QUEUE_FULL: "the prompt queue is full",
-    PromptRejection.ROLLING_OVER: "the run is rolling over (continue-as-new); retry shortly",
-}
-
-
-class NodeCondition(StrEnum):
-    """Where a node is (NodeState.condition)."""
-
-    PLANNED = "planned"  # in the plan, no start asked for yet
-    STARTING = "starting"  # the provider was asked to start it
-    LAUNCHED = "launched"  # the provider started it (a handle), no runtime report yet
-    RUNTIME_READY = "runtime_ready"  # NodeRuntimeReady accepted
-    JOINED = "joined"  # the run acknowledged its runtime readiness
-    LOADING = "loading"  # its stage was provisioned; weights or the stage not ready yet
-    READY = "ready"  # weights loaded and stage ready
-    STAGE_STOPPED = "stage_stopped"  # StopRun answered
-    STOPPED = "stopped"  # the provider stopped the node, or it ended after its stage
-    EXITED = "exited"  # the node's process went away on its own, its stage not stopped
-    LOST = "lost"  # its membership lease was lost
-
-
-class NodeState(BaseModel):
-    node_id: int
-    stage_index: int
-    task_queue: str
-    readiness_id: str
-    runtime_ready: NodeRuntimeReady | None = None
-    lease_started: bool = False
-    lease_lost: bool = False
-    route_owned: bool = False
-    acked: bool = False
-    stage_provisioned: bool = False
-    weights_ready: bool = False
-    stage_ready: bool = False
-    stage_stopped: bool = False
-    exited: bool = False
-    handle: NodeHandle | None = None
-    start_attempted: bool = False
-    provider_stopped: bool = False
-
-    def condition(self) -> NodeCondition:
-        """Where the node is, from the run's own facts about it (latest first wins): the
-        dashboard's stage state and the ``mvp.run.nodes`` metric's ``state``."""
-        if self.provider_stopped or (self.exited and self.stage_stopped):
-            return NodeCondition.STOPPED  # a node may end on its own once its stage stopped
-        if self.exited:
-            return NodeCondition.EXITED
-        if self.stage_stopped:
-            return NodeCondition.STAGE_STOPPED
-        if self.lease_lost:
-            return NodeCondition.LOST
-        if self.weights_ready and self.stage_ready:
-            return NodeCondition.READY
-        if self.stage_provisioned:
-            return NodeCondition.LOADING
-        if self.acked:
-            return NodeCondition.JOINED
-        if self.runtime_ready is not None:
-            return NodeCondition.RUNTIME_READY
-        if self.handle is not None:
-            return NodeCondition.LAUNCHED
-        if self.start_attempted:
-            return NodeCondition.STARTING
-        return NodeCondition.PLANNED
-
-
-NODE_CONDITIONS = tuple(c.value for c in NodeCondition)
-
-
-class PromptRecord(BaseModel):
-    request_id: int
-    workflow_id: str
-    active: bool = False
-    # A run-hosted prompt's Update (DECISIONS 66): a client re-attaching waits on it.
-    update_id: str | None = None
-
-
-class StageRecovery(BaseModel):
-    """One lost node and its replacement (DECISIONS 68), with the instants of each step
-    in milliseconds since the epoch, workflow time (None: not reached)."""
-
-    stage_index: int
-    lost_node_id: int
-    detail: str  # how the loss was seen: the provider watch, or the lease
-    lost_at_ms: int  # the run learnt of the loss
-    new_node_id: int | None = None
-    started_at_ms: int | None = None  # the replacement node's start was asked for
-    joined_at_ms: int | None = None  # ... it passed the readiness barrier (ack)
-    ready_at_ms: int | None = None  # the run is prompt-ready again on the new pipeline
-    epoch: int | None = None  # the pipeline the replacement joined
-
-    def seconds(self, since: int | None, until: int | None) -> float | None:
-        return None if since is None or until is None else round((until - since) / 1000, 3)
-
-
-def prompt_limit(queue_capacity: int, max_active: int) -> int:
-    """Prompts a run holds at once (DECISIONS 62): its active ones and the queue behind
-    them, which holds ``queue_capacity - 1`` (with one active prompt: the capacity)."""
-    return queue_capacity + max_active - 1
 
 
 class RunState(BaseModel):
@@ -208,6 +87,9 @@ class RunState(BaseModel):
     prompts_completed: int = 0
     prompts_faulted: int = 0
     continued: int = 0
+    # Continue-as-new was suggested and the run is letting its prompts finish first: it
+    # admits none meanwhile (DECISIONS 13). Never carried: the next run starts serving.
+    rolling_over: bool = False
     ignored_reports: int = 0
     ignored: list[IgnoredInput] = Field(default_factory=list)
     token_endpoints_ready: bool = False
@@ -257,7 +139,7 @@ class RunState(BaseModel):
         """The first terminal cause decides the outcome (actor spec 12.4): the first run
         fault is terminal and sticky; a fault after an operator stop, or after the first
         fault, is kept as a fact and changes nothing."""
-        reason = _clip(reason)
+        reason = clip_reason(reason)
         if self.first_fault is not None or self.shutdown is not None:
             if reason != self.first_fault and len(self.later_faults) < MAX_LATER_FAULTS:
                 self.later_faults.append(reason)
@@ -275,13 +157,13 @@ class RunState(BaseModel):
             return self.fault(reason)  # kept as a later fact
         if self.suspected_fault is not None:
             kept = reason
-            if _echo(self.suspected_fault) and not _echo(reason):
+            if is_echo(self.suspected_fault) and not is_echo(reason):
                 # The first report was a peer seeing the edge close; this one says why.
                 kept, self.suspected_fault = self.suspected_fault, reason
             if len(self.later_faults) < MAX_LATER_FAULTS:
                 self.later_faults.append(kept)
             return False
-        self.suspected_fault = _clip(reason)
+        self.suspected_fault = clip_reason(reason)
         return True
 
     def confirm_suspected(self) -> bool:
@@ -313,7 +195,7 @@ class RunState(BaseModel):
     def ignore(self, kind: str, reason: str) -> bool:
         """Count and describe an input the run does not act on (never its content)."""
         self.ignored_reports += 1
-        self.ignored.append(IgnoredInput(kind=kind[:MAX_KIND], reason=_clip(reason)))
+        self.ignored.append(IgnoredInput(kind=kind[:MAX_KIND], reason=clip_reason(reason)))
         del self.ignored[:-MAX_IGNORED_KEPT]
         return False
 
@@ -541,7 +423,7 @@ class RunState(BaseModel):
             StageRecovery(
                 stage_index=node.stage_index,
                 lost_node_id=node.node_id,
-                detail=_clip(detail),
+                detail=clip_reason(detail),
                 lost_at_ms=at_ms,
             )
         )
@@ -551,7 +433,7 @@ class RunState(BaseModel):
                 self.later_faults.append(self.suspected_fault)
             self.suspected_fault = None
         self.phase = RunPhase.RECOVERING
-        self.record(LifecycleKind.STAGE_LOST, f"stage {node.stage_index}: {_clip(detail)}")
+        self.record(LifecycleKind.STAGE_LOST, f"stage {node.stage_index}: {clip_reason(detail)}")
 
     def _recovering_stage(self) -> int:
         first = self.recovering or self.lost[0]
@@ -620,6 +502,54 @@ class RunState(BaseModel):
             f"{rec.seconds(rec.lost_at_ms, at_ms)} s after the loss",
         )
 
+    def is_recovering(self) -> bool:
+        """A lost node waits for its replacement, or one is being replaced."""
+        return bool(self.lost) or self.recovering is not None
+
+    def head_news(self, head_task_queue: str) -> PromptHead | None:
+        """What a prompt admitted to the head at ``head_task_queue`` has not heard of its
+        head: that it is being replaced, or which node serves instead (None: nothing)."""
+        rec = self.recovering
+        head = self.head()
+        replacing = rec is not None and rec.stage_index == 0
+        if not replacing and head.task_queue == head_task_queue:
+            return None
+        return PromptHead(
+            node_id=head.node_id,
+            task_queue=head.task_queue,
+            readiness_id=head.readiness_id,
+            ready=not replacing,
+        )
+
+    def draws_seed(self, temperature: float, seed: int | None) -> bool:
+        """Whether the run draws a sampled prompt's seed at admission: where it replaces
+        lost nodes, a resume on a replacement head draws the same tokens (DECISIONS 68)."""
+        return self.node_loss is NodeLossPolicy.REPLACE and temperature > 0 and seed is None
+
+    # ------------------------------------------------------------------ rolling over
+    def resume_carried(self) -> None:
+        """The state that continue-as-new carried: serving resumes at once (DECISIONS 13)."""
+        self.continued += 1
+        self.phase = RunPhase.PROMPT_READY
+        self.rolling_over = False
+
+    def should_roll_over(self, suggested: bool) -> bool:
+        """Time to roll over (the server suggests continue-as-new), unless the run already
+        is, or a stage is being replaced: the recovery finishes first."""
+        return suggested and not self.rolling_over and not self.is_recovering()
+
+    def begin_rolling_over(self) -> None:
+        """Admit no prompt until the run has continued as new (its phase says so too)."""
+        self.rolling_over = True
+
+    def rolled_over(self) -> bool:
+        """Rolling over, and every prompt has ended: the run may continue as new."""
+        return self.rolling_over and self.prompts_in_flight() == 0 and not self.is_recovering()
+
+    def serving_phase(self) -> RunPhase:
+        """The phase a run that serves is in once a recovery is done."""
+        return RunPhase.ROLLING_OVER if self.rolling_over else RunPhase.PROMPT_READY
+
     def phase_word(self) -> str:
         if self.phase in _SERVING:
             return "prompt serving"
@@ -656,18 +586,16 @@ class RunState(BaseModel):
         return min(self.nodes, key=lambda n: n.stage_index)
 
     # ------------------------------------------------------------------ prompts
-    def admission_rejection(
-        self, request_id: int, capacity: int, rolling_over: bool
-    ) -> PromptRejection | None:
+    def admission_rejection(self, request_id: int, capacity: int) -> PromptRejection | None:
         if self.stopping:
             # A shutdown (or a fault) was asked for, though the phase may not show it yet
             # (in the same workflow task): say so, not "not prompt-ready".
             return PromptRejection.SHUTTING_DOWN
         if self.phase not in (RunPhase.PROMPT_READY, RunPhase.RECOVERING) or self.suspected_fault:
-            if rolling_over or self.phase is RunPhase.ROLLING_OVER:
+            if self.rolling_over or self.phase is RunPhase.ROLLING_OVER:
                 return PromptRejection.ROLLING_OVER
             return PromptRejection.NOT_PROMPT_READY
-        if rolling_over:
+        if self.rolling_over:
             return PromptRejection.ROLLING_OVER
         if self.prompt(request_id) is not None:
             return PromptRejection.DUPLICATE_REQUEST_ID
@@ -679,7 +607,7 @@ class RunState(BaseModel):
         """The rejection's message: its type, what it means here, and the run's facts. A
         run that is prompt-ready but confirming a fault (its grace) says which, not only
         "not prompt-ready" beside "phase prompt_ready"."""
-        text = _REJECTION_TEXT[rejection]
+        text = REJECTION_TEXT[rejection]
         if rejection is PromptRejection.NOT_PROMPT_READY and self.suspected_fault:
             text = f"the run is faulting ({self.suspected_fault})"
         return (

@@ -2,20 +2,22 @@
 policy named here, in one place.
 
 The workflows read as their lifecycle; what each step may cost (how long, how often it
-is tried, when it is given up) is decided here. Each call is the same command the
-recorded histories hold (activity type, task queue, input), so replay is unchanged.
+is tried, when it is given up) is decided here. Each call goes through the activity's
+typed stub (``activity_stubs.py``), so its argument and result are type-checked, and is
+the same command the recorded histories hold (activity type, task queue, input), so
+replay is unchanged. Option sets used by more than one call are ``ActivityConfig``
+bundles.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
+from temporalio.workflow import ActivityCancellationType, ActivityConfig, ActivityHandle
 
 with workflow.unsafe.imports_passed_through():
-    from mvp_core import names
     from mvp_core.errors import ErrorType
     from mvp_core.models import (
         CheckRouteInput,
@@ -45,6 +47,7 @@ with workflow.unsafe.imports_passed_through():
         LivenessResult,
         ResourceListing,
     )
+    from workflows import activity_stubs as stub
 
 # ---------------------------------------------------------------- the budgets
 # Orchestrator-side activities heartbeat, so a lost worker costs this, not a timeout.
@@ -86,113 +89,119 @@ REAPER_LIVENESS_TIMEOUT = timedelta(seconds=120)
 REAPER_RETRY = RetryPolicy(maximum_attempts=3, initial_interval=timedelta(seconds=1))
 
 
-def _seconds(s: float) -> timedelta:
-    return timedelta(seconds=s)
-
-
-# ---------------------------------------------------------------- planning (orchestrator)
-def provider_queue(summary: str) -> Any:
-    """The task queue of the provider host that serves this run's provider."""
-    return workflow.execute_activity(
-        names.ACT_PROVIDER_QUEUE,
-        result_type=str,
-        task_queue=names.ORCHESTRATOR_TASK_QUEUE,
-        start_to_close_timeout=PROVIDER_QUEUE_TIMEOUT,
-        summary=summary,
-    )
-
-
-def prepare_plan(inp: PreparePlanInput, queue: str, summary: str) -> Any:
-    """The run's committed plan (GGUF facts, stages, edges, rings)."""
-    return workflow.execute_activity(
-        names.ACT_PREPARE_PLAN,
-        inp,
-        result_type=RunPlan,
-        task_queue=queue,
-        summary=summary,
-        start_to_close_timeout=PLAN_TIMEOUT,
-        heartbeat_timeout=ACTIVITY_HEARTBEAT,
-        retry_policy=PLAN_RETRY,
-    )
-
-
-# ---------------------------------------------------------------- nodes (provider host)
-def start_node(spec: NodeProvisionSpec, queue: str, timeout_s: float, summary: str) -> Any:
-    return workflow.execute_activity(
-        names.ACT_START_NODE,
-        spec,
-        result_type=NodeHandle,
-        task_queue=queue,
-        start_to_close_timeout=_seconds(timeout_s),
-        summary=summary,
-        heartbeat_timeout=ACTIVITY_HEARTBEAT,
-        retry_policy=START_RETRY,
-    )
-
-
-def watch_nodes(
-    inp: WatchNodesInput, queue: str, summary: str, *, wait_for_cancel: bool = False
-) -> Any:
-    """Ends when one of the nodes' runtimes is gone, naming it. ``wait_for_cancel``: a
-    cancel waits for the activity to end (a run then closes only after its watch)."""
-    return workflow.execute_activity(
-        names.ACT_WATCH_NODES,
-        inp,
-        result_type=NodeExited,
-        task_queue=queue,
-        summary=summary,
-        start_to_close_timeout=FOR_THE_RUN,
-        heartbeat_timeout=WATCH_HEARTBEAT,
-        retry_policy=WATCH_RETRY,
-        cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED
-        if wait_for_cancel
-        else workflow.ActivityCancellationType.TRY_CANCEL,
-    )
-
-
 DATASTREAM_HEARTBEAT = timedelta(seconds=10)
 DATASTREAM_RETRY = RetryPolicy(
     initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10)
 )
 
+# ---------------------------------------------------------------- the option bundles
+# An activity that runs for the run's whole life: its end is the news.
+FOR_THE_RUN_CONFIG = ActivityConfig(start_to_close_timeout=FOR_THE_RUN)
+# The reaper's sweeps: heartbeating, tried a few times.
+REAPER_CONFIG = ActivityConfig(heartbeat_timeout=REAPER_HEARTBEAT, retry_policy=REAPER_RETRY)
+# A provider-host activity that heartbeats while it waits on a provider.
+PROVIDER_CONFIG = ActivityConfig(heartbeat_timeout=ACTIVITY_HEARTBEAT)
 
-def run_datastream(inp: RunDatastreamInput, queue: str) -> Any:
+
+def _seconds(s: float) -> timedelta:
+    return timedelta(seconds=s)
+
+
+def _here() -> str:
+    """The orchestrator's task queue: the one the calling workflow runs on."""
+    return workflow.info().task_queue
+
+
+# ---------------------------------------------------------------- planning (orchestrator)
+async def provider_queue(summary: str) -> str:
+    """The task queue of the provider host that serves this run's provider."""
+    return await workflow.execute_activity(
+        stub.provider_queue,
+        task_queue=_here(),
+        start_to_close_timeout=PROVIDER_QUEUE_TIMEOUT,
+        summary=summary,
+    )
+
+
+async def prepare_plan(inp: PreparePlanInput, queue: str, summary: str) -> RunPlan:
+    """The run's committed plan (GGUF facts, stages, edges, rings)."""
+    config: ActivityConfig = {
+        **PROVIDER_CONFIG,
+        "task_queue": queue,
+        "summary": summary,
+        "start_to_close_timeout": PLAN_TIMEOUT,
+        "retry_policy": PLAN_RETRY,
+    }
+    return await workflow.execute_activity(stub.prepare_plan, inp, **config)
+
+
+# ---------------------------------------------------------------- nodes (provider host)
+async def start_node(
+    spec: NodeProvisionSpec, queue: str, timeout_s: float, summary: str
+) -> NodeHandle:
+    config: ActivityConfig = {
+        **PROVIDER_CONFIG,
+        "task_queue": queue,
+        "start_to_close_timeout": _seconds(timeout_s),
+        "summary": summary,
+        "retry_policy": START_RETRY,
+    }
+    return await workflow.execute_activity(stub.start_node, spec, **config)
+
+
+async def watch_nodes(
+    inp: WatchNodesInput, queue: str, summary: str, *, wait_for_cancel: bool = False
+) -> NodeExited:
+    """Ends when one of the nodes' runtimes is gone, naming it. ``wait_for_cancel``: a
+    cancel waits for the activity to end (a run then closes only after its watch)."""
+    config: ActivityConfig = {
+        **FOR_THE_RUN_CONFIG,
+        "task_queue": queue,
+        "summary": summary,
+        "heartbeat_timeout": WATCH_HEARTBEAT,
+        "retry_policy": WATCH_RETRY,
+        "cancellation_type": ActivityCancellationType.WAIT_CANCELLATION_COMPLETED
+        if wait_for_cancel
+        else ActivityCancellationType.TRY_CANCEL,
+    }
+    return await workflow.execute_activity(stub.watch_nodes, inp, **config)
+
+
+async def run_datastream(inp: RunDatastreamInput, queue: str) -> None:
     """The run's datastream (DECISIONS 58): runs until cancelled; a cancel waits for it to
     publish the run's last records and close its archive."""
-    return workflow.execute_activity(
-        names.ACT_RUN_DATASTREAM,
-        inp,
-        task_queue=queue,
-        summary=f"datastream of run {inp.run_id}",
-        start_to_close_timeout=FOR_THE_RUN,
-        heartbeat_timeout=DATASTREAM_HEARTBEAT,
-        retry_policy=DATASTREAM_RETRY,
-        cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
-    )
+    config: ActivityConfig = {
+        **FOR_THE_RUN_CONFIG,
+        "task_queue": queue,
+        "summary": f"datastream of run {inp.run_id}",
+        "heartbeat_timeout": DATASTREAM_HEARTBEAT,
+        "retry_policy": DATASTREAM_RETRY,
+        "cancellation_type": ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+    }
+    await workflow.execute_activity(stub.run_datastream, inp, **config)
 
 
-def stop_node(inp: StopNodeInput, queue: str, allowance_s: float, summary: str) -> Any:
-    return workflow.execute_activity(
-        names.ACT_STOP_NODE,
-        inp,
-        result_type=StopNodeResult,
-        task_queue=queue,
-        summary=summary,
-        start_to_close_timeout=_seconds(inp.grace_s + allowance_s),
-        heartbeat_timeout=ACTIVITY_HEARTBEAT,
-        retry_policy=STOP_NODE_RETRY,
-    )
+async def stop_node(
+    inp: StopNodeInput, queue: str, allowance_s: float, summary: str
+) -> StopNodeResult:
+    config: ActivityConfig = {
+        **PROVIDER_CONFIG,
+        "task_queue": queue,
+        "summary": summary,
+        "start_to_close_timeout": _seconds(inp.grace_s + allowance_s),
+        "retry_policy": STOP_NODE_RETRY,
+    }
+    return await workflow.execute_activity(stub.stop_node, inp, **config)
 
 
 # ---------------------------------------------------------------- readiness
-def check_route(inp: CheckRouteInput, remaining_s: float, summary: str) -> Any:
+async def check_route(inp: CheckRouteInput, remaining_s: float, summary: str) -> RouteCheck:
     """Whether the node's queue has a poller of the identity it reported, tried until
     ``remaining_s`` (the readiness deadline) runs out."""
-    return workflow.execute_activity(
-        names.ACT_CHECK_ROUTE,
+    return await workflow.execute_activity(
+        stub.check_route,
         inp,
-        result_type=RouteCheck,
-        task_queue=names.ORCHESTRATOR_TASK_QUEUE,
+        task_queue=_here(),
         summary=summary,
         start_to_close_timeout=ROUTE_CHECK_TIMEOUT,
         schedule_to_close_timeout=_seconds(remaining_s),
@@ -200,12 +209,13 @@ def check_route(inp: CheckRouteInput, remaining_s: float, summary: str) -> Any:
     )
 
 
-def ack_runtime_ready(ack: NodeRuntimeReadyAck, queue: str, t: RunTimeouts, summary: str) -> Any:
+async def ack_runtime_ready(
+    ack: NodeRuntimeReadyAck, queue: str, t: RunTimeouts, summary: str
+) -> NodeRuntimeReadyAck:
     """RuntimeReadyAck, resent every ``ack_resend_s`` until ``ack_s`` (actor spec)."""
-    return workflow.execute_activity(
-        names.ACT_NODE_RUNTIME_READY_ACK,
+    return await workflow.execute_activity(
+        stub.runtime_ready_ack,
         ack,
-        result_type=NodeRuntimeReadyAck,
         task_queue=queue,
         summary=summary,
         start_to_close_timeout=_seconds(max(t.ack_resend_s, 1.0)),
@@ -216,27 +226,28 @@ def ack_runtime_ready(ack: NodeRuntimeReadyAck, queue: str, t: RunTimeouts, summ
     )
 
 
-def lease(
+async def lease(
     inp: LeaseInput, queue: str, start_within: timedelta, t: RunTimeouts, summary: str
-) -> Any:
+) -> None:
     """The node's membership lease: it heartbeats for as long as the node lives."""
-    return workflow.execute_activity(
-        names.ACT_NODE_LEASE,
-        inp,
-        task_queue=queue,
-        summary=summary,
-        schedule_to_start_timeout=start_within,
-        start_to_close_timeout=FOR_THE_RUN,
-        heartbeat_timeout=_seconds(t.lease_heartbeat_s),
-        retry_policy=LEASE_RETRY,
-        cancellation_type=workflow.ActivityCancellationType.TRY_CANCEL,
-    )
+    config: ActivityConfig = {
+        **FOR_THE_RUN_CONFIG,
+        "task_queue": queue,
+        "summary": summary,
+        "schedule_to_start_timeout": start_within,
+        "heartbeat_timeout": _seconds(t.lease_heartbeat_s),
+        "retry_policy": LEASE_RETRY,
+        "cancellation_type": ActivityCancellationType.TRY_CANCEL,
+    }
+    await workflow.execute_activity(stub.lease, inp, **config)
 
 
-def provision_stage(provision: StageProvision, queue: str, t: RunTimeouts, summary: str) -> Any:
+async def provision_stage(
+    provision: StageProvision, queue: str, t: RunTimeouts, summary: str
+) -> None:
     """The stage's layers loaded and its edges started (WeightsReady follows)."""
-    return workflow.execute_activity(
-        names.ACT_NODE_PROVISION_STAGE,
+    await workflow.execute_activity(
+        stub.provision_stage,
         provision,
         task_queue=queue,
         summary=summary,
@@ -246,10 +257,10 @@ def provision_stage(provision: StageProvision, queue: str, t: RunTimeouts, summa
     )
 
 
-def stop_stage(stop: StopRun, queue: str, t: RunTimeouts, summary: str) -> Any:
+async def stop_stage(stop: StopRun, queue: str, t: RunTimeouts, summary: str) -> None:
     wait = _seconds(max(t.stage_stopped_wait_s, 1))
-    return workflow.execute_activity(
-        names.ACT_NODE_STOP_STAGE,
+    await workflow.execute_activity(
+        stub.stop_stage,
         stop,
         task_queue=queue,
         summary=summary,
@@ -260,30 +271,30 @@ def stop_stage(stop: StopRun, queue: str, t: RunTimeouts, summary: str) -> Any:
 
 
 # ---------------------------------------------------------------- prompts
-def generate(inp: GenerateInput, queue: str, heartbeat_s: float, summary: str) -> Any:
+def generate(
+    inp: GenerateInput, queue: str, heartbeat_s: float, summary: str
+) -> ActivityHandle[PromptOutcome]:
     """The head node's token loop for one prompt (a handle: the prompt may cancel it)."""
     return workflow.start_activity(
-        names.ACT_NODE_GENERATE,
+        stub.generate,
         inp,
-        result_type=PromptOutcome,
         task_queue=queue,
         summary=summary,
         schedule_to_start_timeout=GENERATE_SCHEDULE_TO_START,
         start_to_close_timeout=GENERATE_TIMEOUT,
         heartbeat_timeout=_seconds(heartbeat_s),
         retry_policy=GENERATE_RETRY,
-        cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+        cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
     )
 
 
-def stop_generate(inp: StopGenerateInput, queue: str, summary: str) -> Any:
+def stop_generate(inp: StopGenerateInput, queue: str, summary: str) -> ActivityHandle[bool]:
     """A cancelled prompt's stop, straight to the head node: its generate stops at the next
     step, not at the next heartbeat's answer (DECISIONS 65). Bounded: a node that is gone
     leaves the generate's own cancel and heartbeat timeout to end it."""
     return workflow.start_activity(
-        names.ACT_NODE_STOP_GENERATE,
+        stub.stop_generate,
         inp,
-        result_type=bool,
         task_queue=queue,
         summary=summary,
         schedule_to_close_timeout=STOP_GENERATE_WITHIN,
@@ -292,38 +303,29 @@ def stop_generate(inp: StopGenerateInput, queue: str, summary: str) -> Any:
 
 
 # ---------------------------------------------------------------- the reaper
-def list_resources(host: str, queue: str) -> Any:
-    return workflow.execute_activity(
-        names.ACT_LIST_RESOURCES,
-        host,
-        task_queue=queue,
-        result_type=ResourceListing,
-        schedule_to_close_timeout=REAPER_LIST_TIMEOUT,
-        heartbeat_timeout=REAPER_HEARTBEAT,
-        retry_policy=REAPER_RETRY,
-    )
+async def list_resources(host: str, queue: str) -> ResourceListing:
+    config: ActivityConfig = {
+        **REAPER_CONFIG,
+        "task_queue": queue,
+        "schedule_to_close_timeout": REAPER_LIST_TIMEOUT,
+    }
+    return await workflow.execute_activity(stub.list_resources, host, **config)
 
 
-def run_liveness(inp: LivenessInput) -> Any:
-    return workflow.execute_activity(
-        names.ACT_RUN_LIVENESS,
-        inp,
-        task_queue=names.ORCHESTRATOR_TASK_QUEUE,
-        result_type=LivenessResult,
-        schedule_to_close_timeout=REAPER_LIVENESS_TIMEOUT,
-        heartbeat_timeout=REAPER_HEARTBEAT,
-        retry_policy=REAPER_RETRY,
-    )
+async def run_liveness(inp: LivenessInput) -> LivenessResult:
+    config: ActivityConfig = {
+        **REAPER_CONFIG,
+        "task_queue": _here(),
+        "schedule_to_close_timeout": REAPER_LIVENESS_TIMEOUT,
+    }
+    return await workflow.execute_activity(stub.run_liveness, inp, **config)
 
 
-def destroy_resource(inp: DestroyInput, queue: str, timeout_s: float) -> Any:
-    return workflow.execute_activity(
-        names.ACT_DESTROY_RESOURCE,
-        inp,
-        task_queue=queue,
-        result_type=DestroyResult,
-        start_to_close_timeout=_seconds(timeout_s),
-        schedule_to_close_timeout=_seconds(3 * timeout_s),
-        heartbeat_timeout=REAPER_HEARTBEAT,
-        retry_policy=REAPER_RETRY,
-    )
+async def destroy_resource(inp: DestroyInput, queue: str, timeout_s: float) -> DestroyResult:
+    config: ActivityConfig = {
+        **REAPER_CONFIG,
+        "task_queue": queue,
+        "start_to_close_timeout": _seconds(timeout_s),
+        "schedule_to_close_timeout": _seconds(3 * timeout_s),
+    }
+    return await workflow.execute_activity(stub.destroy_resource, inp, **config)

@@ -21,7 +21,8 @@ from mvp_core.models import (
     WeightsReady,
 )
 from mvp_core.planner import build_plan
-from mvp_core.run_state import NodeState, PromptRejection, RunState, prompt_limit
+from mvp_core.run_records import NodeState, PromptRejection, prompt_limit
+from mvp_core.run_state import RunState
 
 RID = "abcd1234-1-0"
 
@@ -165,7 +166,7 @@ def test_stage_fault_report_faults_the_run_only_when_it_matches():
     assert s.on_stage_fault(StageFault(run_id=7, stage_index=0, reason="oom", readiness_id=RID))
     # a survivor's report is suspected first: the grace may find the node that really died
     assert s.first_fault is None and "oom" in (s.suspected_fault or "")
-    assert s.admission_rejection(1, 8, False) is PromptRejection.NOT_PROMPT_READY
+    assert s.admission_rejection(1, 8) is PromptRejection.NOT_PROMPT_READY
     # The rejection says why, not "not prompt-ready ... phase prompt_ready" (a busy CI run
     # saw that contradiction for prompts sent during a fault's grace).
     assert s.rejection_text(PromptRejection.NOT_PROMPT_READY, 1) == (
@@ -233,17 +234,18 @@ def test_membership_loss_names_the_phase():
 
 def test_prompt_queue_admission_rules():
     s = new_state()
-    assert s.admission_rejection(1, 8, False) is PromptRejection.NOT_PROMPT_READY
+    assert s.admission_rejection(1, 8) is PromptRejection.NOT_PROMPT_READY
     assert s.rejection_text(PromptRejection.NOT_PROMPT_READY, 1) == (
         "RunNotPromptReady: the run is not prompt-ready (request_id 1, run 7, phase accepted)"
     )
     bring_to_prompt_ready(s)
     for i in range(8):
-        assert s.admission_rejection(i, 8, False) is None
+        assert s.admission_rejection(i, 8) is None
         s.admit(i, f"wf-{i}")
-    assert s.admission_rejection(3, 8, False) is PromptRejection.DUPLICATE_REQUEST_ID
-    assert s.admission_rejection(99, 8, False) is PromptRejection.QUEUE_FULL
-    assert s.admission_rejection(99, 8, True) is PromptRejection.ROLLING_OVER
+    assert s.admission_rejection(3, 8) is PromptRejection.DUPLICATE_REQUEST_ID
+    assert s.admission_rejection(99, 8) is PromptRejection.QUEUE_FULL
+    s.begin_rolling_over()
+    assert s.admission_rejection(99, 8) is PromptRejection.ROLLING_OVER
 
 
 def test_a_prompt_meeting_a_shutdown_is_rejected_as_shutting_down():
@@ -254,12 +256,13 @@ def test_a_prompt_meeting_a_shutdown_is_rejected_as_shutting_down():
     assert s.phase is RunPhase.PROMPT_READY
     s.request_shutdown(ShutdownReason.OPERATOR_REQUESTED)
     assert s.phase is RunPhase.PROMPT_READY  # the workflow moves it on later
-    assert s.admission_rejection(1, 8, False) is PromptRejection.SHUTTING_DOWN
-    assert s.admission_rejection(1, 8, True) is PromptRejection.SHUTTING_DOWN
+    assert s.admission_rejection(1, 8) is PromptRejection.SHUTTING_DOWN
+    s.begin_rolling_over()
+    assert s.admission_rejection(1, 8) is PromptRejection.SHUTTING_DOWN
     faulted = new_state()
     bring_to_prompt_ready(faulted)
     faulted.fault("boom")
-    assert faulted.admission_rejection(1, 8, False) is PromptRejection.SHUTTING_DOWN
+    assert faulted.admission_rejection(1, 8) is PromptRejection.SHUTTING_DOWN
 
 
 def test_one_active_prompt_fifo_and_ids_reusable_after_end():
@@ -271,7 +274,7 @@ def test_one_active_prompt_fifo_and_ids_reusable_after_end():
     assert first is not None and first.request_id == 5
     assert s.activate_next() is None  # one active at a time
     s.finish_prompt("wf-5", True, "", 5)
-    assert s.admission_rejection(5, 8, False) is None
+    assert s.admission_rejection(5, 8) is None
     nxt = s.activate_next()
     assert nxt is not None and nxt.request_id == 3
     assert s.prompts_completed == 1
@@ -285,9 +288,9 @@ def test_up_to_max_active_prompts_fifo_with_the_queue_behind_them():
     limit = prompt_limit(2, 3)
     assert limit == 4 and prompt_limit(8, 1) == 8
     for i in (5, 3, 9, 4):
-        assert s.admission_rejection(i, limit, False) is None
+        assert s.admission_rejection(i, limit) is None
         s.admit(i, f"wf-{i}")
-    assert s.admission_rejection(7, limit, False) is PromptRejection.QUEUE_FULL
+    assert s.admission_rejection(7, limit) is PromptRejection.QUEUE_FULL
     assert s.most_active == 0
     started = [s.activate_next(3) for _ in range(4)]
     assert [r.request_id if r else None for r in started] == [5, 3, 9, None]
@@ -414,7 +417,7 @@ def test_a_lost_node_is_queued_for_replacement_not_a_fault():
     assert s.first_fault is None and s.suspected_fault is None  # the loss explains it
     assert s.phase is RunPhase.RECOVERING and [r.lost_node_id for r in s.lost] == [1]
     assert not s.may_activate(4)  # nothing is dispatched while the stage is lost ...
-    assert s.admission_rejection(5, 8, False) is None  # ... but prompts are still queued
+    assert s.admission_rejection(5, 8) is None  # ... but prompts are still queued
     s.on_lease_lost(1, "heartbeat timeout", at_ms=1_500)  # the same loss, seen twice
     assert len(s.lost) == 1 and s.first_fault is None
     lost, node = s.begin_replacement(2_000)
@@ -507,3 +510,46 @@ def test_epoch_edges_have_ids_of_their_own():
     assert [e.edge_id & 0xFFFF for e in again] == [e.edge_id for e in edges]
     assert not {e.edge_id for e in again} & {e.edge_id for e in edges}
     assert all(e.edge_id < 2**32 for e in again)
+
+
+# ---------------------------------------------------------------------- serving decisions
+def test_a_prompt_hears_of_its_head_only_when_it_changed_or_is_being_replaced():
+    s = replacing_state()
+    head_queue = s.head().task_queue
+    assert s.head_news(head_queue) is None  # admitted to the head that serves: no news
+    s.on_node_exited(1, "exit code -9", at_ms=1_000)
+    _lost, node = s.begin_replacement(2_000)
+    news = s.head_news(head_queue)
+    assert news is not None and not news.ready  # being replaced: wait for the new head
+    assert news.node_id == node.node_id and news.task_queue == node.task_queue
+    s.recovered(3_000)
+    news = s.head_news(head_queue)
+    assert news is not None and news.ready and news.task_queue == node.task_queue
+    assert s.head_news(node.task_queue) is None
+
+
+def test_rolling_over_waits_for_prompts_and_recoveries_and_is_never_carried():
+    s = replacing_state()
+    assert not s.should_roll_over(False)
+    assert s.should_roll_over(True)
+    s.admit(1, "wf-1")
+    s.begin_rolling_over()
+    assert not s.should_roll_over(True)  # already rolling over
+    assert s.admission_rejection(2, 8) is PromptRejection.ROLLING_OVER
+    assert s.serving_phase() is RunPhase.ROLLING_OVER
+    assert not s.rolled_over()  # a prompt is still in flight
+    s.remove_pending(1)
+    assert s.rolled_over()
+    s.on_node_exited(1, "exit code -9", at_ms=1_000)
+    assert not s.rolled_over()  # a recovery first
+    carried = RunState.model_validate(s.model_dump())
+    carried.resume_carried()
+    assert not carried.rolling_over and carried.continued == s.continued + 1
+    assert carried.phase is RunPhase.PROMPT_READY
+
+
+def test_a_sampled_prompt_gets_a_seed_only_where_lost_nodes_are_replaced():
+    assert replacing_state().draws_seed(0.7, None)
+    assert not replacing_state().draws_seed(0.7, 42)  # its own seed is kept
+    assert not replacing_state().draws_seed(0.0, None)  # greedy: nothing to draw
+    assert not new_state().draws_seed(0.7, None)  # fail-stop runs never resume a prompt

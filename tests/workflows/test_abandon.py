@@ -11,7 +11,7 @@ from typing import Any
 
 from temporalio.exceptions import ActivityError, RetryState
 
-from workflows.run import _abandon
+from workflows.run.context import abandon as _abandon
 
 
 def cancelled_activity_error() -> ActivityError:

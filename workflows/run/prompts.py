@@ -1,0 +1,310 @@
+"""Serving prompts: each admitted prompt is served in its turn, in a child
+PromptWorkflow of its own or in the run itself (DECISIONS 66), and ends with its one
+terminal event. The run keeps the ends of its run-hosted prompts for a re-attach, tells
+open prompts when their head node is replaced, and cancels them on request or shutdown."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.exceptions import ChildWorkflowError
+
+with workflow.unsafe.imports_passed_through():
+    from mvp_core import names
+    from mvp_core.generation import effective_max_tokens
+    from mvp_core.models import (
+        CancelPrompt,
+        Fault,
+        PromptHead,
+        PromptHost,
+        PromptInput,
+        PromptOutcome,
+        PromptStatus,
+        PromptTerminal,
+        ServedPrompt,
+    )
+    from mvp_core.run_records import NodeState, PromptRecord
+    from workflows.prompt import PromptServing, PromptWorkflow
+    from workflows.run.admission import prompt_of
+    from workflows.run.context import RunContext, slack
+
+WORKFLOW_TASK_TIMEOUT = timedelta(seconds=names.WORKFLOW_TASK_TIMEOUT_S)
+PROMPT_DRAIN_S = 5.0  # beyond a generate's heartbeat timeout, for its prompt to end
+# A run-hosted prompt's end is kept for re-attach and the dashboard (DECISIONS 66): the
+# latest this many, their texts this many characters in all (they are carried across
+# continue-as-new: one payload, under the server's 512 KB warning even at 4 bytes a
+# character), the latest one always.
+SERVED_KEPT = 32
+SERVED_TEXT_KEPT = 96 * 1024
+
+
+class Prompts:
+    """The run's open prompts (child workflows and run-hosted) and the ends it keeps."""
+
+    def __init__(
+        self,
+        ctx: RunContext,
+        served: Sequence[ServedPrompt],
+        on_run_fault: Callable[[str], None],
+    ) -> None:
+        self._ctx = ctx
+        self._on_run_fault = on_run_fault  # a prompt saw its pipeline fail
+        self._children: dict[str, Any] = {}  # prompt workflows open
+        self._hosted: dict[str, PromptServing] = {}  # run-hosted prompts open (DECISIONS 66)
+        self._served: OrderedDict[str, ServedPrompt] = OrderedDict(  # ... that ended
+            (p.workflow_id, p) for p in served[-SERVED_KEPT:]
+        )
+        self._started_children: set[str] = set()  # prompt workflows started (this run)
+        self._early_cancels: dict[str, str] = {}  # cancels that came before their start
+
+    # ------------------------------------------------------------------ serving
+    async def serve(self, args: Sequence[Any]) -> PromptTerminal:
+        """Admit the prompt, serve it in its turn, and return its one terminal event."""
+        ctx, state, req = self._ctx, self._ctx.state, self._ctx.request
+        prompt = prompt_of(args)
+        if state.draws_seed(prompt.temperature, prompt.seed):
+            # Its seed is drawn here, recorded in its input: a resume on a replacement
+            # head node draws the same tokens (DECISIONS 68).
+            prompt = prompt.model_copy(update={"seed": workflow.random().getrandbits(63)})
+        update_id = (workflow.current_update_info() or _NoUpdate()).id
+        wf_id = names.prompt_workflow_id(state.run_id, prompt.request_id, _safe(update_id))
+        hosted = state.prompt_host is PromptHost.RUN
+        record = state.admit(prompt.request_id, wf_id, update_id if hosted else None)
+        admitted_at = workflow.now()
+        head = state.head()
+        # Next in line: the prompt is active from its start, so its workflow schedules
+        # the generate activity in its first task instead of waiting for a signal (two
+        # workflow tasks off the time to first token; DECISIONS 40).
+        start_active = False
+        if (
+            state.may_activate(req.max_active_prompts)
+            and state.pending[:1] == [record]
+            and workflow.patched(names.PATCH_PROMPT_STARTS_ACTIVE)
+        ):
+            start_active = state.activate_next(req.max_active_prompts) is record
+        max_new = effective_max_tokens(prompt.max_tokens, req.default_max_tokens)
+        inp = PromptInput(
+            run_id=state.run_id,
+            readiness_id=head.readiness_id,
+            prompt=prompt,
+            max_new_tokens=max_new,
+            head_task_queue=head.task_queue,
+            head_node_id=head.node_id,
+            generate_heartbeat_s=req.timeouts.generate_heartbeat_s,
+            stream_batch_ms=req.stream_batch_ms,
+            start_active=start_active,
+            on_node_loss=req.on_node_loss,
+            recovery_wait_s=slack(req.recovery.replacement_timeout_s),
+        )
+        if hosted:
+            outcome = await self._host(inp, wf_id, record, admitted_at)
+        else:
+            outcome = await self._child(inp, wf_id, record, head)
+        ok = outcome.terminal.type == "done"
+        state.finish_prompt(
+            wf_id, ok, "" if ok else getattr(outcome.terminal, "error", ""), prompt.request_id
+        )
+        ctx.view.show()
+        if outcome.run_fault is not None and not state.is_recovering():
+            # The head's driver saw its pipeline fail: maybe a peer died (the watch names it).
+            self._on_run_fault(outcome.run_fault)
+        return outcome.terminal
+
+    async def _host(
+        self, inp: PromptInput, wf_id: str, record: PromptRecord, admitted_at: datetime
+    ) -> PromptOutcome:
+        """Serve the prompt in this Update (DECISIONS 66): no workflow of its own, its text
+        to the head node's direct readers only, its end kept for a re-attach."""
+        serving = PromptServing(inp, wf_id, temporal_text=False, turn=lambda: record.active)
+        self._hosted[wf_id] = serving
+        self._ctx.view.show()
+        try:
+            outcome = await serving.serve(details=False)
+        except Exception as err:  # a defect in serving it: this prompt ends, then the run
+            outcome = PromptOutcome(
+                terminal=Fault(
+                    request_id=inp.prompt.request_id,
+                    # The type only: an error's text may quote what the prompt generated.
+                    error=f"prompt serving failed: {type(err).__name__}",
+                ),
+                run_fault=f"prompt serving: prompt {wf_id} failed",
+                status=PromptStatus.FAULTED,
+            )
+        finally:
+            self._hosted.pop(wf_id, None)
+        serving.ended(outcome, admitted_at)
+        self._keep_served(
+            ServedPrompt(
+                workflow_id=wf_id,
+                outcome=outcome,
+                admitted_ms=int(admitted_at.timestamp() * 1000),
+                stop=list(inp.prompt.stop),
+            )
+        )
+        return outcome
+
+    def _keep_served(self, served: ServedPrompt) -> None:
+        """Keep ``served`` as the latest, within SERVED_KEPT and SERVED_TEXT_KEPT."""
+        self._served.pop(served.workflow_id, None)
+        self._served[served.workflow_id] = served
+        text = sum(_text_size(p) for p in self._served.values())
+        while len(self._served) > 1 and (
+            len(self._served) > SERVED_KEPT or text > SERVED_TEXT_KEPT
+        ):
+            _, dropped = self._served.popitem(last=False)
+            text -= _text_size(dropped)
+
+    async def _child(
+        self, inp: PromptInput, wf_id: str, record: PromptRecord, head: NodeState
+    ) -> PromptOutcome:
+        """Serve the prompt in a child PromptWorkflow of its own."""
+        state = self._ctx.state
+        prompt = inp.prompt
+        child = await workflow.start_child_workflow(
+            PromptWorkflow.run,
+            inp,
+            id=wf_id,
+            task_queue=workflow.info().task_queue,
+            parent_close_policy=workflow.ParentClosePolicy.ABANDON,
+            execution_timeout=timedelta(days=1),
+            task_timeout=WORKFLOW_TASK_TIMEOUT,
+            # Ids and counts only: the prompt's text never goes into user metadata.
+            static_summary=f"prompt {prompt.request_id} of run {state.run_id}",
+            static_details=(
+                f"run {state.run_id} · request {prompt.request_id} · "
+                f"{'chat' if prompt.chat else 'completion'} · max tokens "
+                f"{inp.max_new_tokens} · "
+                f"head node {head.node_id} (stage {head.stage_index})"
+            ),
+        )
+        self._children[wf_id] = child
+        self._started_children.add(wf_id)
+        self._ctx.view.show()
+        news = state.head_news(inp.head_task_queue)
+        if news is not None:  # its head was replaced, or is being, since it was admitted
+            await child.signal(names.SIGNAL_PROMPT_HEAD, news)
+        early = self._early_cancels.pop(wf_id, None)
+        if early is not None:
+            await self.cancel_one(wf_id, early)
+        await workflow.wait_condition(lambda: record.active or child.done() or state.stopping)
+        if record.active and not child.done() and not inp.start_active:
+            await child.signal(names.SIGNAL_PROMPT_ACTIVATE)
+        elif state.stopping and not child.done():
+            await self.cancel_one(wf_id, "run is shutting down")
+        try:
+            outcome: PromptOutcome = await child
+        except ChildWorkflowError as err:
+            outcome = PromptOutcome(
+                terminal=Fault(
+                    request_id=prompt.request_id, error=f"prompt workflow failed: {err}"
+                ),
+                run_fault=f"prompt serving: prompt workflow {wf_id} failed",
+                status=PromptStatus.FAULTED,
+            )
+        self._children.pop(wf_id, None)
+        return outcome
+
+    # ------------------------------------------------------------------ news and cancels
+    async def tell_head(self, news: PromptHead) -> None:
+        """Every open prompt learns that the head node is lost, or which node serves it
+        now: one generating goes on there from its last checkpoint, one waiting goes there."""
+        for serving in self._hosted.values():
+            serving.move_head(news)
+        for wf_id, child in list(self._children.items()):
+            if child.done():
+                continue
+            try:
+                await child.signal(names.SIGNAL_PROMPT_HEAD, news)
+            except Exception:
+                workflow.logger.info("head news to %s not delivered", wf_id)
+
+    async def cancel(self, cancel: CancelPrompt) -> None:
+        """The ``cancel_prompt`` signal: a pending prompt leaves the queue, an active one
+        is told to stop (the caller ignores one that is not open)."""
+        state = self._ctx.state
+        record = state.prompt(cancel.request_id)
+        if record is None:
+            return
+        state.remove_pending(cancel.request_id)
+        await self.cancel_one(record.workflow_id, "cancelled")
+
+    async def cancel_one(self, wf_id: str, reason: str) -> None:
+        hosted = self._hosted.get(wf_id)
+        if hosted is not None:
+            hosted.cancel(reason)
+            return
+        child = self._children.get(wf_id)
+        if (
+            child is None
+            and wf_id not in self._started_children
+            and workflow.patched(names.PATCH_CANCEL_BEFORE_CHILD_START)
+        ):
+            # Admitted (maybe active already) but its PromptWorkflow not started yet: the
+            # cancel is sent once it has started (serve), not lost.
+            self._early_cancels.setdefault(wf_id, reason)
+            return
+        if child is None or child.done():
+            return
+        try:
+            await child.signal(names.SIGNAL_PROMPT_CANCEL, reason)
+        except Exception:
+            workflow.logger.info("cancel signal to %s not delivered", wf_id)
+
+    async def cancel_all(self, reason: str) -> None:
+        """Teardown: every open prompt is told the run ends."""
+        for wf_id in [*self._hosted, *self._children]:
+            await self.cancel_one(wf_id, reason)
+
+    async def drain(self) -> None:
+        """Every admitted prompt has its one terminal event before RunTornDown. A prompt
+        whose head node died ends only when its generate's heartbeat times out."""
+        t = self._ctx.request.timeouts
+        try:
+            await workflow.wait_condition(
+                lambda: not self._children and not self._hosted,
+                timeout=t.generate_heartbeat_s + PROMPT_DRAIN_S,
+            )
+        except TimeoutError:
+            self._ctx.state.stop_error(
+                f"prompt(s) {sorted([*self._hosted, *self._children])} had no terminal "
+                "event in time"
+            )
+
+    # ------------------------------------------------------------------ what the run keeps
+    def served(self, request_id: int) -> ServedPrompt | None:
+        """The latest run-hosted prompt ``request_id`` that ended, while the run keeps it."""
+        for served in reversed(self._served.values()):
+            if served.outcome.terminal.request_id == request_id:
+                return served
+        return None
+
+    def stops(self, request_id: int) -> list[str] | None:
+        """The stop strings of run-hosted prompt ``request_id``, in flight or kept."""
+        for serving in reversed(self._hosted.values()):
+            if serving.inp.prompt.request_id == request_id:
+                return list(serving.inp.prompt.stop)
+        served = self.served(request_id)
+        return None if served is None else served.stop
+
+    def kept(self) -> list[ServedPrompt]:
+        """The ends continue-as-new carries."""
+        return list(self._served.values())
+
+
+class _NoUpdate:
+    id = "noupdate"
+
+
+def _text_size(served: ServedPrompt) -> int:
+    terminal = served.outcome.terminal
+    text = terminal.final_text if terminal.type == "done" else terminal.text
+    return len(text or "")
+
+
+def _safe(update_id: str) -> str:
+    cleaned = "".join(c for c in update_id if c.isalnum() or c == "-")
+    return cleaned[:36] or "u"
