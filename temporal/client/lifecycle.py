@@ -31,6 +31,7 @@ from mvp_core.models import (
     ShutdownReason,
 )
 from mvp_core.names import QUERY_TIMEOUT
+from mvp_core.run_signals import signal_name
 from mvp_core.run_state import RunState
 from mvp_core.web_ui import run_details, run_summary
 from temporal.client.errors import RunClosed, RunNotOpen
@@ -171,9 +172,8 @@ class RunLifecycle:
         """Ask the run to shut down (signal ``request_shutdown``) without waiting; False
         when the run is closed already. Other RPC errors are raised."""
         try:
-            await self.workflow.signal(
-                names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=self.run_id, reason=reason)
-            )
+            request = RequestShutdown(run_id=self.run_id, reason=reason)
+            await self.workflow.signal(signal_name(request), request)
         except RPCError as err:
             if err.status is RPCStatusCode.NOT_FOUND:
                 return False

@@ -20,6 +20,7 @@ from temporalio.service import RPCError
 
 from mvp_core import names
 from mvp_core.models import CancelPrompt, Done, Fault, SubmitPrompt, TextDelta
+from mvp_core.run_signals import signal_name
 from temporal.client.errors import rejection
 from temporal.client.text import PromptEvents, PromptText
 from temporal.client.updates import OUTCOME_PEEK, drop, resent_when_not_ready
@@ -87,9 +88,8 @@ class PromptCalls(PromptText):
         self._cancelled.add(request_id)
         with contextlib.suppress(RPCError, TimeoutError):
             async with asyncio.timeout(CANCEL_TIMEOUT_S):
-                await self.workflow.signal(
-                    names.SIGNAL_CANCEL_PROMPT, CancelPrompt(request_id=request_id)
-                )
+                cancel = CancelPrompt(request_id=request_id)
+                await self.workflow.signal(signal_name(cancel), cancel)
 
     def _spawn(self, work: Awaitable[Any]) -> asyncio.Future[Any]:
         task = asyncio.ensure_future(work)

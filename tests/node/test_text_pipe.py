@@ -1,7 +1,7 @@
 import asyncio
 import threading
 
-from workers.node.activities import TextPipe
+from workers.node.textpath import TextPipe
 
 
 async def test_text_from_a_thread_arrives_in_order_and_ends_once():

@@ -1,4 +1,4 @@
-"""The head node's text stream (DECISIONS 63): the node half (workers/node/textstream.py
+"""The head node's text stream (DECISIONS 63): the node half (workers/node/textpath.py
 behind DataPlaneServer.serve_text) and the client half (temporal/text_stream.py) over a
 real loopback socket: a prompt's deltas in order from any point, its end, readers that
 come before the prompt starts, and refusals that name what was wrong."""
@@ -14,8 +14,9 @@ import pytest
 from mvp_core.edge_auth import ANSWER, ANSWER_OK, TEXT_STREAM_EDGE_ID, hello, text_stream_token
 from mvp_core.models import TextDelta
 from temporal.text_stream import TextStreamError, TextStreamRefused, TextStreamTarget, read_text
+from tests.helpers.waits import eventually
 from workers.node.dataplane import DataPlaneServer
-from workers.node.textstream import TextHub
+from workers.node.textpath import TextHub
 
 TOKEN = text_stream_token(b"s" * 32, "mvp-run-7", "0123456789abcdef")
 KEY = "mvp-prompt-7-1-abc"
@@ -43,10 +44,7 @@ async def test_a_reader_gets_every_delta_in_order_then_the_end(node):
     server, hub = node
     target = TextStreamTarget(server.host, server.port, TOKEN)
     reading = asyncio.ensure_future(_read(target))  # before the prompt starts
-    for _ in range(100):
-        if hub.readers(KEY):
-            break
-        await asyncio.sleep(0.02)
+    await eventually(lambda: hub.readers(KEY), timeout=10, what="the node to count a reader")
     assert hub.readers(KEY) == 1  # the node knows a client reads it
     hub.open(KEY)
     for i in range(5):
@@ -55,11 +53,8 @@ async def test_a_reader_gets_every_delta_in_order_then_the_end(node):
     hub.end(KEY)
     got = await asyncio.wait_for(reading, 10)
     assert got == [_delta(i) for i in range(5)]
-    for _ in range(500):  # the server's thread lets go of the reader after the client's end
-        if not hub.readers(KEY):
-            break
-        await asyncio.sleep(0.02)
-    assert hub.readers(KEY) == 0
+    # The server's thread lets go of the reader after the client's end.
+    await eventually(lambda: hub.readers(KEY) == 0, timeout=10, what="the reader let go")
     # An ended prompt stays readable for a while, from any delta on.
     assert await _read(target, start=3) == [_delta(3), _delta(4)]
     hub.put(KEY, _delta(9))  # nothing is added after the end
@@ -117,11 +112,8 @@ async def test_a_reader_that_leaves_is_no_longer_counted(node):
     assert await anext(deltas) == _delta(0)
     assert hub.readers(KEY) == 1
     await deltas.aclose()
-    for _ in range(200):  # the node notices within its 1 s idle check
-        if hub.readers(KEY) == 0:
-            break
-        await asyncio.sleep(0.02)
-    assert hub.readers(KEY) == 0
+    # The node notices within its 1 s idle check.
+    await eventually(lambda: hub.readers(KEY) == 0, timeout=10, what="the reader no longer counted")
 
 
 def _closed_port() -> int:

@@ -42,11 +42,12 @@ from mvp_core.models import (
     TokenEndpointsReady,
     WeightsReady,
 )
+from mvp_core.run_signals import signal_name
 from temporal import telemetry
 from workers.node import layout
 from workers.node.config import FaultInjection, NodeConfig
 from workers.node.dataplane import DataPlaneServer
-from workers.node.textstream import TextHub
+from workers.node.textpath import NoTemporalText, TextFanout, TextHub, TextPipe
 
 if TYPE_CHECKING:
     # The runtime brings the engine and torch (~0.8 s to import): the agent imports it in
@@ -61,61 +62,6 @@ TEXT_GATE_POLL_S = 0.05  # held text (fault injection) looks for its gate this o
 MAX_EARLY_STOPS = 256  # stops remembered for generates not started yet
 TEXT_GATHER_S = 0.025  # the finest stream granularity: stream_batch_ms is at least this
 MAX_GATHER_S = 1.0  # the coarsest, however many prompts generate
-
-
-class TextPipe:
-    """Text from the engine thread to the event loop, woken at most once per batch.
-
-    The engine thread appends; it wakes the loop only when the loop has taken everything
-    before, so a fast token loop costs one wake-up per batch, not one per token.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._lock = threading.Lock()
-        self._pieces: list[str] = []
-        self._tokens = 0  # generated tokens whose text was put
-        self.tokens_taken = 0  # ... of the text taken so far
-        self._closed = False
-        self._ready = asyncio.Event()
-        self._signalled = False
-
-    def _wake(self) -> None:
-        if not self._signalled:
-            self._signalled = True
-            self._loop.call_soon_threadsafe(self._ready.set)
-
-    def put(self, piece: str, tokens: int | None = None) -> None:
-        """Append ``piece``; ``tokens``: the generated tokens whose text is complete with it."""
-        with self._lock:
-            self._pieces.append(piece)
-            if tokens is not None:
-                self._tokens = tokens
-            self._wake()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._wake()
-
-    async def take(self, quiet_s: float) -> str | None:
-        """The text since the last take ("" after ``quiet_s`` without text); None at the end.
-        ``tokens_taken`` then counts the tokens of all the text taken."""
-        # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the inner result
-        # when a cancel comes in the same turn, and the activity's one cancel is lost.
-        try:
-            async with asyncio.timeout(quiet_s):
-                await self._ready.wait()
-        except TimeoutError:
-            return ""
-        with self._lock:
-            text, self._pieces = "".join(self._pieces), []
-            self.tokens_taken = self._tokens
-            if self._closed:
-                return text or None  # the event stays set: the next take ends at once
-            self._ready.clear()
-            self._signalled = False
-            return text
 
 
 class NodeActivities:
@@ -171,6 +117,10 @@ class NodeActivities:
     def _run(self) -> WorkflowHandle[Any, Any]:
         return self.client.get_workflow_handle(self.cfg.run_workflow_id)
 
+    async def _report(self, report: BaseModel) -> None:
+        """A report to the node's run, on the signal the run's table names for it."""
+        await self._run().signal(signal_name(report), report)
+
     def _check(self, run_id: int, readiness_id: str, authority: str | None = None) -> None:
         """A stage rejects commands that are not from its run's authority (actor spec 6.6)."""
         cfg = self.cfg
@@ -215,8 +165,7 @@ class NodeActivities:
         try:
             while True:
                 if not reported and (gate is None or await asyncio.to_thread(os.path.exists, gate)):
-                    await self._run().signal(
-                        names.SIGNAL_LEASE_STARTED,
+                    await self._report(
                         LeaseStarted(
                             run_id=cfg.run_id,
                             node_id=cfg.node_id,
@@ -267,8 +216,7 @@ class NodeActivities:
             self.runtime = runtime
         elif prov.epoch > self.runtime.provision.epoch:
             await self._rewire(self.runtime, prov)
-        await self._run().signal(
-            names.SIGNAL_WEIGHTS_READY,
+        await self._report(
             WeightsReady(
                 run_id=cfg.run_id,
                 node_id=cfg.node_id,
@@ -308,14 +256,14 @@ class NodeActivities:
         """The data plane's reports to the run, each naming pipeline ``epoch``."""
         cfg, loop = self.cfg, asyncio.get_running_loop()
 
-        def send(signal_name: str, report: BaseModel) -> None:
+        def send(report: BaseModel) -> None:
             async def deliver() -> None:
-                if signal_name != names.SIGNAL_STAGE_FAULT:
+                if not isinstance(report, StageFault):
                     await self.weights_reported.wait()  # readiness in the spec's order
                 try:
-                    await self._run().signal(signal_name, report)
+                    await self._report(report)
                 except Exception as err:
-                    print(f"report {signal_name} not delivered: {err}", flush=True)
+                    print(f"report {signal_name(report)} not delivered: {err}", flush=True)
 
             asyncio.run_coroutine_threadsafe(deliver(), loop)
 
@@ -323,7 +271,6 @@ class NodeActivities:
             "edge_token": cfg.edge_token,
             "connect_timeout_s": cfg.readiness_timeout_s,
             "on_stage_ready": lambda: send(
-                names.SIGNAL_STAGE_READY,
                 StageReady(
                     run_id=cfg.run_id,
                     stage_index=cfg.stage_index,
@@ -332,7 +279,6 @@ class NodeActivities:
                 ),
             ),
             "on_endpoints_ready": lambda: send(
-                names.SIGNAL_TOKEN_ENDPOINTS_READY,
                 TokenEndpointsReady(
                     run_id=cfg.run_id,
                     node_id=cfg.node_id,
@@ -341,7 +287,6 @@ class NodeActivities:
                 ),
             ),
             "on_fault": lambda reason: send(
-                names.SIGNAL_STAGE_FAULT,
                 StageFault(
                     run_id=cfg.run_id,
                     stage_index=cfg.stage_index,
@@ -391,16 +336,16 @@ class NodeActivities:
             finally:
                 pipe.close()
 
-        stream: WorkflowStreamClient | _NoTemporalText = (
+        stream: WorkflowStreamClient | NoTemporalText = (
             WorkflowStreamClient.create(
                 activity.client(),
                 inp.prompt_workflow_id,
                 batch_interval=timedelta(milliseconds=inp.stream_batch_ms),
             )
             if inp.temporal_text
-            else _NoTemporalText()  # a run-hosted prompt: no workflow stream (DECISIONS 66)
+            else NoTemporalText()  # a run-hosted prompt: no workflow stream (DECISIONS 66)
         )
-        out = _TextOut(
+        out = TextFanout(
             self.text,
             inp.prompt_workflow_id,
             stream.topic(names.PROMPT_STREAM_TOPIC, type=TextDelta),
@@ -508,8 +453,7 @@ class NodeActivities:
         self.text.close()
         if runtime is not None:
             await asyncio.to_thread(runtime.close)
-        await self._run().signal(
-            names.SIGNAL_STAGE_STOPPED,
+        await self._report(
             StageStopped(
                 run_id=cfg.run_id, stage_index=cfg.stage_index, readiness_id=cfg.readiness_id
             ),
@@ -556,71 +500,6 @@ def _held_text(
         put(piece, tokens)
 
     return held
-
-
-class _NoTemporalText:
-    """The Temporal side of a run-hosted prompt's text: none. Its direct readers get every
-    delta from the head node; a client that cannot read there gets the whole text with
-    the terminal event (DECISIONS 66)."""
-
-    def topic(self, name: str, *, type: Any = None) -> _NoTemporalText:
-        return self
-
-    def publish(self, item: Any, *, force_flush: bool = False) -> None:
-        pass
-
-    async def flush(self) -> None:
-        pass
-
-    async def __aenter__(self) -> _NoTemporalText:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        pass
-
-
-class _TextOut:
-    """A prompt's text deltas: each to the head node's text stream at once, and to the
-    prompt workflow's stream (Temporal) only while no client reads it directly; what a
-    direct reader took is owed to Temporal and published in one delta as soon as no one
-    reads directly any more (DECISIONS 63)."""
-
-    def __init__(self, hub: TextHub, key: str, topic: Any) -> None:
-        self.hub, self.key, self.topic = hub, key, topic
-        self.first_at: float | None = None  # perf_counter: the first delta went out
-        self._owed: list[TextDelta] = []
-        hub.open(key)
-
-    def put(self, delta: TextDelta) -> None:
-        first = self.first_at is None
-        if first:
-            self.first_at = time.perf_counter()
-        self.hub.put(self.key, delta)
-        if self.hub.readers(self.key):
-            self._owed.append(delta)
-            return
-        # The first delta goes out at once: it is the time to first text.
-        self.topic.publish(self._settle(delta), force_flush=first)
-
-    def _settle(self, delta: TextDelta | None = None) -> TextDelta:
-        """The owed deltas and ``delta`` as one."""
-        parts = [*self._owed, *([delta] if delta is not None else [])]
-        self._owed = []
-        counts = [p.prompt_tokens for p in parts if p.prompt_tokens is not None]
-        return TextDelta(
-            request_id=parts[0].request_id,
-            text="".join(p.text for p in parts),
-            tokens=sum(p.tokens or 0 for p in parts),
-            prompt_tokens=counts[0] if counts else None,
-        )
-
-    def end(self, *, done: bool) -> None:
-        """No more text: direct readers get the end; an unfinished prompt's owed text
-        goes to Temporal (a finished one's is in its Done)."""
-        self.hub.end(self.key)
-        if self._owed and not done:
-            self.topic.publish(self._settle())
-        self._owed = []
 
 
 def _cancelled(request_id: int, result: GenerationResult | None) -> PromptOutcome:

@@ -24,8 +24,8 @@ from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
 
-from mvp_core import names
 from mvp_core.models import MAX_ACTIVE_PROMPTS, NodeRuntimeReady
+from mvp_core.run_signals import signal_name
 from temporal import telemetry
 from temporal.connect import TemporalConnectError, TemporalSettings, connect
 from workers.node import layout
@@ -81,7 +81,7 @@ async def report_ready(
     delay, deadline = 0.25, time.monotonic() + cfg.readiness_timeout_s
     while not acts.acked.is_set() and not stop.is_set():
         try:
-            await handle.signal(names.SIGNAL_NODE_RUNTIME_READY, report)
+            await handle.signal(signal_name(report), report)
         except RPCError as err:
             log.warning("NodeRuntimeReady not delivered: %s", err.message)
         if time.monotonic() > deadline:

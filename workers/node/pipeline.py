@@ -23,6 +23,7 @@ Record conventions (CONTRACTS, DECISIONS 19):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -33,6 +34,7 @@ from time import monotonic, perf_counter
 
 import torch
 
+from mvp_core.batch_plan import Capacity, Entry, Kind, plan_step
 from mvp_core.generation import StopRule
 from temporal.telemetry import ForwardTimer
 from workers.node.affinity import Placement
@@ -61,7 +63,6 @@ from workers.node.dataplane import (
     encode_sampling_header,
     encode_tokens,
 )
-from workers.node.dataplane import SamplingParams as WireSampling
 from workers.node.engine import Sampler, SamplingParams, Stage
 from workers.node.engine.boundary import from_boundary, to_boundary
 from workers.node.engine.sampling import check_resume
@@ -185,14 +186,14 @@ class StageLink:
                     backlog.append(inbound.recv(RECORD_READ_S))
                 # A step runs one record per prompt, of at most a 1/depth share of the
                 # prompts in flight: the rest run on the other stages meanwhile.
-                prompts = flows.keys() | {hdr.object_id for hdr, _ in backlog}
-                share = max(1, -(-len(prompts) // self.depth))
+                plan = plan_step(
+                    [Entry(hdr.object_id, _kind(hdr)) for hdr, _ in backlog],
+                    Capacity(depth=self.depth),
+                    in_flight=flows.keys(),
+                )
                 batch: list[_Work] = []
-                while backlog and len(batch) < share:
-                    hdr, payload = backlog[0]
-                    if hdr.object_id in {w.object_id for w in batch}:
-                        break
-                    backlog.popleft()
+                for _ in range(plan.taken):
+                    hdr, payload = backlog.popleft()
                     if hdr.abort:
                         flow = flows.pop(hdr.object_id, None)
                         if flow is not None:
@@ -246,7 +247,7 @@ class StageLink:
             act = decode_activation(body, self.hidden, self.inbound_dtype)
             rows = from_boundary(stage, torch.from_numpy(act))
         if stage.is_last and hdr.begin:
-            flow.sampler = Sampler(_engine_sampling(decode_sampling_header(flow.header)))
+            flow.sampler = Sampler(decode_sampling_header(flow.header))
         return _Work(hdr.object_id, hdr.sequence, hdr.begin, flow, rows)
 
     def _step(self, session: BatchSession, batch: list[_Work], out: EdgeSender) -> None:
@@ -277,6 +278,13 @@ class StageLink:
                     out.send(w.object_id, w.sequence, act)
 
 
+def _kind(hdr: RecordHeader) -> Kind:
+    """What a record asks of the stage's batching (batch_plan.py)."""
+    if hdr.abort:
+        return Kind.ABORT
+    return Kind.BEGIN if hdr.begin else Kind.NEXT
+
+
 @dataclass
 class _Flow:
     """A prompt on a stage: its KV cache slot, its sampling header (ahead of its first
@@ -294,12 +302,6 @@ class _Work:
     begin: bool
     flow: _Flow
     rows: Sequence[int] | torch.Tensor
-
-
-def _engine_sampling(wire: WireSampling) -> SamplingParams:
-    return SamplingParams(
-        temperature=wire.temperature, top_k=wire.top_k, top_p=wire.top_p, seed=wire.seed
-    )
 
 
 class ResumeDiverged(RuntimeError):
@@ -428,13 +430,8 @@ class Driver:
         check_resume(len(resume), sampling, max_new_tokens)
         if max_new_tokens is not None and len(resume) == max_new_tokens:
             return "max_tokens"  # it had all it asked for
-        wire = WireSampling(
-            request_id=request_id,
-            max_new_tokens=max_new_tokens or 0,
-            temperature=sampling.temperature,
-            top_k=sampling.top_k,
-            top_p=sampling.top_p,
-            seed=sampling.seed,
+        wire = dataclasses.replace(
+            sampling, request_id=request_id, max_new_tokens=max_new_tokens or 0
         )
         answers: queue.SimpleQueue[_Answer] = queue.SimpleQueue()
         with self._slots:

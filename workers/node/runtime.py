@@ -32,6 +32,7 @@ from workers.node.engine import (
 from workers.node.engine.tokenizer import Tokenizer, TokenizerError
 from workers.node.pipeline import Driver, Endpoint, StageLink
 from workers.node.scheduler import Scheduler
+from workers.node.textpath import Detokenizer
 
 # A token-out record later than this means a stage is stuck: a run fault, never a hang.
 RECORD_TIMEOUT_S = 60.0
@@ -281,7 +282,7 @@ class StageRuntime:
         encoded = time.perf_counter()
         if on_encoded is not None:
             on_encoded(len(ids))
-        text = _TextOut(
+        text = Detokenizer(
             self.tokenizer, on_text, len(resume) if text_from is None else text_from, generated
         )
         text.prime(resume)
@@ -311,7 +312,7 @@ class StageRuntime:
         prompt: SubmitPrompt,
         ids: list[int],
         max_new_tokens: int | None,
-        text: _TextOut,
+        text: Detokenizer,
         should_stop: Callable[[], bool],
         resume: Sequence[int],
     ) -> str:
@@ -349,7 +350,7 @@ class StageRuntime:
         prompt: SubmitPrompt,
         ids: list[int],
         max_new_tokens: int | None,
-        text: _TextOut,
+        text: Detokenizer,
         should_stop: Callable[[], bool],
     ) -> tuple[str, int]:
         """The head's driver runs the token loop over the data plane (DECISIONS 19);
@@ -414,51 +415,6 @@ class StageRuntime:
         if self.group is not None:
             self.group.close()
         self.stage.close()
-
-
-class _TextOut:
-    """Generated tokens -> text: each complete piece goes to ``on_text`` as it forms, and
-    the whole is kept for the terminal event."""
-
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        on_text: Callable[[str, int], None],
-        quiet: int = 0,
-        ids: list[int] | None = None,
-    ) -> None:
-        self._decoder = tokenizer.incremental_decoder()
-        self._on_text = on_text
-        self._pieces: list[str] = []
-        self._quiet = quiet  # the text of the first ``quiet`` tokens, the reader has it
-        self.ids: list[int] = ids if ids is not None else []  # the generated tokens
-        self.tokens = 0
-        self.first_at: float | None = None  # perf_counter of the first token
-
-    def _emit(self, piece: str) -> None:
-        if piece:
-            self._pieces.append(piece)
-            if self.tokens > self._quiet:
-                self._on_text(piece, self.tokens)
-
-    def prime(self, tokens: Sequence[int]) -> None:
-        """Tokens generated before (a resumed prompt): their text is the result's, and
-        goes to ``on_text`` only past what the reader has."""
-        for token in tokens:
-            self.ids.append(token)
-            self.tokens += 1
-            self._emit(self._decoder.push(token))
-
-    def push(self, token: int) -> None:
-        if self.first_at is None:
-            self.first_at = time.perf_counter()
-        self.ids.append(token)
-        self.tokens += 1
-        self._emit(self._decoder.push(token))
-
-    def finish(self) -> str:
-        self._emit(self._decoder.flush())
-        return "".join(self._pieces)
 
 
 def default_threads(

@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
+from mvp_core.batch_plan import Capacity, Entry, Kind, plan_step
 from temporal.telemetry import ForwardTimer
 from workers.node.affinity import Placement
 from workers.node.engine import SamplingParams, Stage
@@ -168,28 +169,38 @@ class Scheduler:
                 job.finish(error=SchedulerClosed("the stage was stopped"))
 
     def _join(self, gen: BatchGenerator) -> None:
-        while gen.free_slots > 0:
+        """The waiting prompts the plan admits join, in order; a slot that one of them
+        leaves free (it failed, or has nothing to generate) goes to the next in line."""
+        while True:
             with self._cond:
-                if not self._joining:
-                    return
-                job = self._joining.popleft()
-            try:
-                joined = gen.add(
-                    job,
-                    job.prompt_ids,
-                    sampling=job.sampling,
-                    max_new_tokens=job.max_new_tokens,
-                    stop_ids=self.stop_ids,
-                    resume=job.resume,
-                )
-            except Exception as err:  # ContextOverflow, a bad prompt: this one only
-                job.finish(error=err)
-                continue
-            if not joined:
-                job.finish("max_tokens")  # nothing to generate
-                continue
-            with self._cond:
-                self._running.append(job)
+                waiting = [Entry(job, Kind.BEGIN) for job in self._joining]
+            admitted = plan_step(waiting, Capacity(free_slots=gen.free_slots)).admitted
+            if not admitted:
+                return
+            for key in admitted:
+                with self._cond:
+                    job = self._joining.popleft()
+                assert job is key
+                self._add(gen, job)
+
+    def _add(self, gen: BatchGenerator, job: _Job) -> None:
+        try:
+            joined = gen.add(
+                job,
+                job.prompt_ids,
+                sampling=job.sampling,
+                max_new_tokens=job.max_new_tokens,
+                stop_ids=self.stop_ids,
+                resume=job.resume,
+            )
+        except Exception as err:  # ContextOverflow, a bad prompt: this one only
+            job.finish(error=err)
+            return
+        if not joined:
+            job.finish("max_tokens")  # nothing to generate
+            return
+        with self._cond:
+            self._running.append(job)
 
     def _cancel(self, gen: BatchGenerator) -> None:
         for job in list(self._running):

@@ -7,14 +7,13 @@ import struct
 import numpy as np
 import pytest
 
-from mvp_core.models import ActivationDtype, EdgePlan
+from mvp_core.models import ActivationDtype, EdgeKind, EdgePlan
 from workers.node.dataplane import (
     FLAG_ABORT,
     FLAG_BEGIN,
     FLAG_EOS,
     HEADER_LEN,
     SAMPLING_HEADER_LEN,
-    EdgeKind,
     EdgeSpec,
     RecordError,
     RecordHeader,

@@ -10,7 +10,6 @@ run fault (DECISIONS 14), and the operator needs to see exactly what arrived.
 
 from __future__ import annotations
 
-import enum
 import math
 import struct
 from collections.abc import Sequence
@@ -21,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from mvp_core.generation import TokenFeedback, TokenSequenceViolation
-from mvp_core.models import ActivationDtype
+from mvp_core.models import ActivationDtype, EdgeKind
 
 __all__ = [
     "FLAG_ABORT",
@@ -33,7 +32,6 @@ __all__ = [
     "SAMPLING_HEADER_BYTES",
     "SAMPLING_HEADER_LEN",
     "VERSION",
-    "EdgeKind",
     "EdgeSpec",
     "RecordError",
     "RecordHeader",
@@ -93,12 +91,6 @@ class RecordError(ValueError):
 
 class TokenSequenceError(RecordError):
     """A token-out record whose sequence differs from the driver's expectation."""
-
-
-class EdgeKind(enum.StrEnum):
-    TOKEN_IN = "token_in"
-    ACTIVATION = "activation"
-    TOKEN_OUT = "token_out"
 
 
 class _EdgePlanLike(Protocol):
@@ -353,13 +345,18 @@ def _as_f32(value: float) -> float | None:
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Carried ahead of the prompt tokens in token-in's BEGIN record (DECISIONS 19).
+    """How a prompt's next tokens are chosen: the engine's sampler takes them
+    (engine/sampling.py), and token-in's BEGIN record carries them ahead of the prompt
+    tokens (DECISIONS 19) with the prompt's request id and token cap.
 
-    Defaults are greedy raw completion (DECISIONS 10). `max_new_tokens` 0 = no cap
-    beyond EOS and context exhaustion; `top_k` 0 = disabled; `top_p` 1.0 = disabled.
+    Defaults are greedy raw completion (DECISIONS 10). ``temperature`` 0 is greedy;
+    ``max_new_tokens`` 0 = no cap beyond EOS and context exhaustion; ``top_k`` 0 and
+    ``top_p`` 1.0 disable those cuts. A seed makes the sequence reproducible (its own
+    generator, no global RNG state). ``request_id`` and ``max_new_tokens`` travel on the
+    wire only: the engine takes a sequence's id and cap as their own arguments.
     """
 
-    request_id: int
+    request_id: int = 0
     max_new_tokens: int = 0
     temperature: float = 0.0
     top_k: int = 0

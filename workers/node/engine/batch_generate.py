@@ -29,6 +29,7 @@ from enum import Enum
 
 import torch
 
+from mvp_core.batch_plan import Capacity, Entry, Row, plan_step
 from mvp_core.models import ActivationDtype
 
 from .boundary import from_boundary, to_boundary
@@ -177,20 +178,27 @@ class BatchGenerator:
             s.release(seq.slot)
         return True
 
-    def _rows(self, seq: _Seq) -> list[int]:
-        if seq.fed < len(seq.prompt):
-            return seq.prompt[seq.fed : seq.fed + self.chunk_size]
+    @staticmethod
+    def _feed(seq: _Seq, row: Row) -> list[int]:
+        """The tokens ``row`` feeds: its prompt's next chunk, else its last sampled one."""
+        if row.prompt_tokens:
+            return seq.prompt[seq.fed : seq.fed + row.prompt_tokens]
         assert seq.pending is not None
         return [seq.pending]
 
     def step(self) -> list[Event]:
         """One forward over every active sequence; one event per sequence that emitted a
         token or left (a sequence in the middle of its prompt has none)."""
-        seqs = list(self._seqs.values())
-        if not seqs:
+        if not self._seqs:
             return []
-        feeds = [self._rows(q) for q in seqs]
-        rows: list[BatchRow] = [(q.slot, f) for q, f in zip(seqs, feeds, strict=True)]
+        plan = plan_step(
+            [Entry(q.seq_id, prompt_left=len(q.prompt) - q.fed) for q in self._seqs.values()],
+            Capacity(chunk=self.chunk_size),
+        )
+        seqs = [self._seqs[r.key] for r in plan.rows]
+        rows: list[BatchRow] = [
+            (q.slot, self._feed(q, r)) for q, r in zip(seqs, plan.rows, strict=True)
+        ]
         out = self.sessions[0].forward(rows)
         for (prev, _), (stage, sess) in itertools.pairwise(
             zip(self.stages, self.sessions, strict=True)
@@ -201,11 +209,10 @@ class BatchGenerator:
             ]
             out = sess.forward(rows)
         events = []
-        for q, f in zip(seqs, feeds, strict=True):
-            if q.fed < len(q.prompt):
-                q.fed += len(f)
-                if q.fed < len(q.prompt):
-                    continue
+        for q, r in zip(seqs, plan.rows, strict=True):
+            q.fed += r.prompt_tokens
+            if not r.samples:  # in the middle of its prompt
+                continue
             if len(q.generated) < len(q.replay):  # resumed: the token it had, no event
                 q.pending = q.replay[len(q.generated)]
                 q.generated.append(q.pending)

@@ -3,21 +3,13 @@
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
 
 import torch
 
+# One definition of the parameters, torch-free, beside the wire header that carries them.
+from workers.node.dataplane.records import SamplingParams
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable those cuts.
-    A seed makes the sequence reproducible (its own generator, no global RNG state)."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-
+__all__ = ["Sampler", "SamplingParams", "check_resume", "draw_seed"]
 
 _MASK64 = (1 << 64) - 1
 

@@ -1,0 +1,55 @@
+"""The head node's text stream on the data-plane port: a connection whose hello names the
+reserved edge id (mvp_core.edge_auth.TEXT_STREAM_EDGE_ID) with the text-stream token is
+handed to the node's handler (workers/node/textpath.py) instead of becoming an edge."""
+
+from __future__ import annotations
+
+import hmac
+import socket
+import threading
+from collections.abc import Callable
+
+from mvp_core.edge_auth import ANSWER_REJECT
+
+from .endpoint import log
+from .handshake import answer, answer_ok
+
+__all__ = ["TextHandler", "TextStreamGate"]
+
+TextHandler = Callable[[socket.socket, str], None]
+
+
+class TextStreamGate:
+    """The text stream's token and handler (none until ``serve``), and the check of a
+    connection that asks for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._served: tuple[bytes, TextHandler] | None = None
+
+    def serve(self, token: str, handler: TextHandler) -> None:
+        if not token:
+            raise ValueError("text-stream token must not be empty")
+        with self._lock:
+            self._served = (token.encode(), handler)
+
+    def handle(self, sock: socket.socket, peer: str, token: bytes) -> bool:
+        """Check ``token``, then run the handler in this thread until it returns. False:
+        the caller closes the socket (always, refused or served)."""
+        with self._lock:
+            served = self._served
+        if served is None:
+            log.warning("text stream: rejected connection from %s: this node serves none", peer)
+            answer(sock, ANSWER_REJECT, "this node serves no text stream")
+            return False
+        if not hmac.compare_digest(token, served[0]):
+            log.warning("text stream: authentication failed: wrong token from %s", peer)
+            answer(sock, ANSWER_REJECT, "authentication failed: wrong text-stream token")
+            return False
+        try:
+            answer_ok(sock)
+            sock.settimeout(None)
+            served[1](sock, peer)
+        except OSError as e:
+            log.debug("text stream to %s ended: %s", peer, e)
+        return False  # closed by the handshake's own clean-up

@@ -1,0 +1,391 @@
+"""The text path of a prompt on its head node: tokens -> text -> the prompt's readers.
+
+- ``Detokenizer`` (the engine's thread): each generated token to the text it completes,
+  and the whole text for the terminal event.
+- ``TextPipe``: that text from the engine's thread to the generate activity's event loop,
+  woken at most once per batch.
+- ``TextFanout`` (the event loop): each delta to the node's text stream at once, and to
+  the prompt workflow's stream (Temporal) only while no client reads it directly
+  (``NoTemporalText`` where the prompt has no workflow stream: DECISIONS 66).
+- ``TextHub``: the head node's text stream, each prompt's deltas straight to the clients
+  that read them, beside Temporal (DECISIONS 63).
+
+The text stream: a client on a host with the deployment's edge secret connects to the
+node's data-plane port with the text-stream token (mvp_core.edge_auth), names a prompt
+by its workflow id, and reads the prompt's deltas as JSON lines (``TextDelta``) from the
+first one, then ``{"type": "end"}`` once the node has made its last text. The prompt's
+one terminal event still comes from Temporal (the Update's or the prompt workflow's
+result): this stream only carries text, so a client that loses it falls back to the
+prompt workflow's stream and the result. While a client reads a prompt here, the node
+publishes nothing of its text to Temporal (the run's history stays a few events per
+prompt whatever its length); when the last reader leaves, the node publishes the text it
+owes at once and then as before.
+
+Nothing here imports the engine or torch (the agent imports them in the background).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from mvp_core.models import TextDelta
+
+if TYPE_CHECKING:
+    from workers.node.engine.tokenizer import Tokenizer
+
+__all__ = [
+    "END_LINE",
+    "Detokenizer",
+    "NoTemporalText",
+    "TextFanout",
+    "TextHub",
+    "TextPipe",
+    "TextRequestError",
+]
+
+log = logging.getLogger("mvp.textstream")
+
+# ------------------------------------------------------------------ detokenise
+
+
+class Detokenizer:
+    """Generated tokens -> text: each complete piece goes to ``on_text`` as it forms, and
+    the whole is kept for the terminal event."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        on_text: Callable[[str, int], None],
+        quiet: int = 0,
+        ids: list[int] | None = None,
+    ) -> None:
+        self._decoder = tokenizer.incremental_decoder()
+        self._on_text = on_text
+        self._pieces: list[str] = []
+        self._quiet = quiet  # the text of the first ``quiet`` tokens, the reader has it
+        self.ids: list[int] = ids if ids is not None else []  # the generated tokens
+        self.tokens = 0
+        self.first_at: float | None = None  # perf_counter of the first token
+
+    def _emit(self, piece: str) -> None:
+        if piece:
+            self._pieces.append(piece)
+            if self.tokens > self._quiet:
+                self._on_text(piece, self.tokens)
+
+    def prime(self, tokens: Sequence[int]) -> None:
+        """Tokens generated before (a resumed prompt): their text is the result's, and
+        goes to ``on_text`` only past what the reader has."""
+        for token in tokens:
+            self.ids.append(token)
+            self.tokens += 1
+            self._emit(self._decoder.push(token))
+
+    def push(self, token: int) -> None:
+        if self.first_at is None:
+            self.first_at = time.perf_counter()
+        self.ids.append(token)
+        self.tokens += 1
+        self._emit(self._decoder.push(token))
+
+    def finish(self) -> str:
+        self._emit(self._decoder.flush())
+        return "".join(self._pieces)
+
+
+# ------------------------------------------------------------------ pipe
+
+
+class TextPipe:
+    """Text from the engine thread to the event loop, woken at most once per batch.
+
+    The engine thread appends; it wakes the loop only when the loop has taken everything
+    before, so a fast token loop costs one wake-up per batch, not one per token.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pieces: list[str] = []
+        self._tokens = 0  # generated tokens whose text was put
+        self.tokens_taken = 0  # ... of the text taken so far
+        self._closed = False
+        self._ready = asyncio.Event()
+        self._signalled = False
+
+    def _wake(self) -> None:
+        if not self._signalled:
+            self._signalled = True
+            self._loop.call_soon_threadsafe(self._ready.set)
+
+    def put(self, piece: str, tokens: int | None = None) -> None:
+        """Append ``piece``; ``tokens``: the generated tokens whose text is complete with it."""
+        with self._lock:
+            self._pieces.append(piece)
+            if tokens is not None:
+                self._tokens = tokens
+            self._wake()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._wake()
+
+    async def take(self, quiet_s: float) -> str | None:
+        """The text since the last take ("" after ``quiet_s`` without text); None at the end.
+        ``tokens_taken`` then counts the tokens of all the text taken."""
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the inner result
+        # when a cancel comes in the same turn, and the activity's one cancel is lost.
+        try:
+            async with asyncio.timeout(quiet_s):
+                await self._ready.wait()
+        except TimeoutError:
+            return ""
+        with self._lock:
+            text, self._pieces = "".join(self._pieces), []
+            self.tokens_taken = self._tokens
+            if self._closed:
+                return text or None  # the event stays set: the next take ends at once
+            self._ready.clear()
+            self._signalled = False
+            return text
+
+
+# ------------------------------------------------------------------ fan-out
+
+
+class TextFanout:
+    """A prompt's text deltas: each to the head node's text stream at once, and to the
+    prompt workflow's stream (Temporal) only while no client reads it directly; what a
+    direct reader took is owed to Temporal and published in one delta as soon as no one
+    reads directly any more (DECISIONS 63)."""
+
+    def __init__(self, hub: TextHub, key: str, topic: Any) -> None:
+        self.hub, self.key, self.topic = hub, key, topic
+        self.first_at: float | None = None  # perf_counter: the first delta went out
+        self._owed: list[TextDelta] = []
+        hub.open(key)
+
+    def put(self, delta: TextDelta) -> None:
+        first = self.first_at is None
+        if first:
+            self.first_at = time.perf_counter()
+        self.hub.put(self.key, delta)
+        if self.hub.readers(self.key):
+            self._owed.append(delta)
+            return
+        # The first delta goes out at once: it is the time to first text.
+        self.topic.publish(self._settle(delta), force_flush=first)
+
+    def _settle(self, delta: TextDelta | None = None) -> TextDelta:
+        """The owed deltas and ``delta`` as one."""
+        parts = [*self._owed, *([delta] if delta is not None else [])]
+        self._owed = []
+        counts = [p.prompt_tokens for p in parts if p.prompt_tokens is not None]
+        return TextDelta(
+            request_id=parts[0].request_id,
+            text="".join(p.text for p in parts),
+            tokens=sum(p.tokens or 0 for p in parts),
+            prompt_tokens=counts[0] if counts else None,
+        )
+
+    def end(self, *, done: bool) -> None:
+        """No more text: direct readers get the end; an unfinished prompt's owed text
+        goes to Temporal (a finished one's is in its Done)."""
+        self.hub.end(self.key)
+        if self._owed and not done:
+            self.topic.publish(self._settle())
+        self._owed = []
+
+
+class NoTemporalText:
+    """The Temporal side of a run-hosted prompt's text: none. Its direct readers get every
+    delta from the head node; a client that cannot read there gets the whole text with
+    the terminal event (DECISIONS 66)."""
+
+    def topic(self, name: str, *, type: Any = None) -> NoTemporalText:
+        return self
+
+    def publish(self, item: Any, *, force_flush: bool = False) -> None:
+        pass
+
+    async def flush(self) -> None:
+        pass
+
+    async def __aenter__(self) -> NoTemporalText:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        pass
+
+
+# ------------------------------------------------------------------ the text stream
+
+END_LINE = b'{"type":"end"}\n'
+MAX_REQUEST = 4096  # bytes of a client's one request line
+REQUEST_TIMEOUT_S = 10.0
+SEND_TIMEOUT_S = 30.0  # a client that takes no text this long is dropped
+LINGER_S = 60.0  # an ended prompt's text stays readable this long
+
+
+class TextRequestError(ValueError):
+    """A client's request line is not one this stream serves; the message says why."""
+
+
+@dataclass
+class _Text:
+    lines: list[bytes] = field(default_factory=list)  # one JSON line per delta
+    ended_at: float | None = None
+
+
+class TextHub:
+    """Every prompt this node generates (by prompt workflow id): its deltas so far, and
+    how many clients read it."""
+
+    def __init__(self, linger_s: float = LINGER_S) -> None:
+        self.linger_s = linger_s
+        self._cond = threading.Condition()
+        self._texts: dict[str, _Text] = {}
+        self._readers: dict[str, int] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------ the generate side
+    def open(self, key: str) -> None:
+        with self._cond:
+            self._prune()
+            self._texts[key] = _Text()
+            self._cond.notify_all()
+
+    def put(self, key: str, delta: TextDelta) -> None:
+        line = delta.model_dump_json(exclude_none=True).encode() + b"\n"
+        with self._cond:
+            text = self._texts.get(key)
+            if text is not None and text.ended_at is None:
+                text.lines.append(line)
+                self._cond.notify_all()
+
+    def end(self, key: str) -> None:
+        with self._cond:
+            text = self._texts.get(key)
+            if text is not None and text.ended_at is None:
+                text.ended_at = time.monotonic()
+                self._cond.notify_all()
+
+    def readers(self, key: str) -> int:
+        with self._cond:
+            return self._readers.get(key, 0)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _prune(self) -> None:
+        now = time.monotonic()
+        for key in [
+            k
+            for k, t in self._texts.items()
+            if t.ended_at is not None and now - t.ended_at > self.linger_s
+        ]:
+            del self._texts[key]
+
+    # ------------------------------------------------------------------ the client side
+    def serve(self, sock: socket.socket, peer: str) -> None:
+        """One authenticated client (DataPlaneServer.serve_text): its request line, then
+        the prompt's deltas from the one it asks for, then the end line."""
+        try:
+            key, start = _read_request(sock)
+        except TextRequestError as err:
+            log.warning("text stream: bad request from %s: %s", peer, err)
+            _send(sock, json.dumps({"type": "error", "error": str(err)}).encode() + b"\n")
+            return
+        with self._cond:
+            self._readers[key] = self._readers.get(key, 0) + 1
+        try:
+            self._stream(sock, key, start)
+        finally:
+            with self._cond:
+                left = self._readers[key] - 1
+                if left:
+                    self._readers[key] = left
+                else:
+                    del self._readers[key]
+
+    def _stream(self, sock: socket.socket, key: str, pos: int) -> None:
+        while True:
+            with self._cond:
+
+                def ready(at: int = pos) -> bool:
+                    return self._closed or self._news(key, at)
+
+                self._cond.wait_for(ready, timeout=1.0)
+                if self._closed:
+                    return
+                text = self._texts.get(key)
+                lines = text.lines[pos:] if text is not None else []
+                ended = text is not None and text.ended_at is not None
+            if lines:
+                _send(sock, b"".join(lines))
+                pos += len(lines)
+            elif ended:
+                _send(sock, END_LINE)
+                return
+            elif _peer_gone(sock):
+                return
+
+    def _news(self, key: str, pos: int) -> bool:
+        text = self._texts.get(key)
+        return text is not None and (len(text.lines) > pos or text.ended_at is not None)
+
+
+def _read_request(sock: socket.socket) -> tuple[str, int]:
+    """``{"prompt_workflow_id": str, "from": int}``: which prompt, from which delta."""
+    sock.settimeout(REQUEST_TIMEOUT_S)
+    data = b""
+    while b"\n" not in data:
+        try:
+            chunk = sock.recv(MAX_REQUEST + 1 - len(data))
+        except TimeoutError:
+            raise TextRequestError("no request line within 10 s") from None
+        if not chunk:
+            raise TextRequestError("closed before its request line")
+        data += chunk
+        if len(data) > MAX_REQUEST:
+            raise TextRequestError(f"request line longer than {MAX_REQUEST} bytes")
+    try:
+        req = json.loads(data.split(b"\n", 1)[0])
+    except ValueError:
+        raise TextRequestError("request line is not JSON") from None
+    if not isinstance(req, dict):
+        raise TextRequestError("request line is not a JSON object")
+    key, start = req.get("prompt_workflow_id"), req.get("from", 0)
+    if not isinstance(key, str) or not key or len(key) > 1000:
+        raise TextRequestError("prompt_workflow_id must be a non-empty string")
+    if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+        raise TextRequestError("from must be a non-negative integer")
+    sock.settimeout(SEND_TIMEOUT_S)
+    return key, start
+
+
+def _send(sock: socket.socket, data: bytes) -> None:
+    sock.sendall(data)
+
+
+def _peer_gone(sock: socket.socket) -> bool:
+    """The client closed its end (it sends nothing after its request)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        if not readable:
+            return False
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):
+        return True
