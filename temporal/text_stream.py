@@ -1,5 +1,5 @@
 """The client half of a run's text stream (DECISIONS 63): a prompt's text deltas straight
-from the run's head node, beside Temporal (workers/node/textstream.py is the node half).
+from the run's head node, beside Temporal (workers/node/textpath.py is the node half).
 
 A client on a host that holds the deployment's edge secret (``MVP_EDGE_SECRET``, or the
 state directory's ``edge-secret``, as the orchestrator worker's providers use it) derives

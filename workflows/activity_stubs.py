@@ -12,34 +12,9 @@ from __future__ import annotations
 from temporalio import activity, workflow
 
 with workflow.unsafe.imports_passed_through():
+    from mvp_core import models as m
     from mvp_core import names
-    from mvp_core.models import (
-        CheckRouteInput,
-        GenerateInput,
-        LeaseInput,
-        NodeExited,
-        NodeHandle,
-        NodeProvisionSpec,
-        NodeRuntimeReadyAck,
-        PreparePlanInput,
-        PromptOutcome,
-        RouteCheck,
-        RunDatastreamInput,
-        RunPlan,
-        StageProvision,
-        StopGenerateInput,
-        StopNodeInput,
-        StopNodeResult,
-        StopRun,
-        WatchNodesInput,
-    )
-    from mvp_core.reaper import (
-        DestroyInput,
-        DestroyResult,
-        LivenessInput,
-        LivenessResult,
-        ResourceListing,
-    )
+    from mvp_core import reaper as r
 
 
 def _stub() -> NotImplementedError:
@@ -53,77 +28,77 @@ async def provider_queue() -> str:
 
 
 @activity.defn(name=names.ACT_PREPARE_PLAN)
-async def prepare_plan(inp: PreparePlanInput) -> RunPlan:
+async def prepare_plan(inp: m.PreparePlanInput) -> m.RunPlan:
     raise _stub()
 
 
 @activity.defn(name=names.ACT_CHECK_ROUTE)
-async def check_route(inp: CheckRouteInput) -> RouteCheck:
+async def check_route(inp: m.CheckRouteInput) -> m.RouteCheck:
     raise _stub()
 
 
 @activity.defn(name=names.ACT_RUN_LIVENESS)
-async def run_liveness(inp: LivenessInput) -> LivenessResult:
+async def run_liveness(inp: r.LivenessInput) -> r.LivenessResult:
     raise _stub()
 
 
 # ---------------------------------------------------------------- the provider host's
 @activity.defn(name=names.ACT_START_NODE)
-async def start_node(spec: NodeProvisionSpec) -> NodeHandle:
+async def start_node(spec: m.NodeProvisionSpec) -> m.NodeHandle:
     raise _stub()
 
 
 @activity.defn(name=names.ACT_STOP_NODE)
-async def stop_node(inp: StopNodeInput) -> StopNodeResult:
+async def stop_node(inp: m.StopNodeInput) -> m.StopNodeResult:
     raise _stub()
 
 
 @activity.defn(name=names.ACT_WATCH_NODES)
-async def watch_nodes(inp: WatchNodesInput) -> NodeExited:
+async def watch_nodes(inp: m.WatchNodesInput) -> m.NodeExited:
     raise _stub()
 
 
 @activity.defn(name=names.ACT_RUN_DATASTREAM)
-async def run_datastream(inp: RunDatastreamInput) -> None:
+async def run_datastream(inp: m.RunDatastreamInput) -> None:
     raise _stub()
 
 
 @activity.defn(name=names.ACT_LIST_RESOURCES)
-async def list_resources(host: str) -> ResourceListing:
+async def list_resources(host: str) -> r.ResourceListing:
     raise _stub()
 
 
 @activity.defn(name=names.ACT_DESTROY_RESOURCE)
-async def destroy_resource(inp: DestroyInput) -> DestroyResult:
+async def destroy_resource(inp: r.DestroyInput) -> r.DestroyResult:
     raise _stub()
 
 
 # ---------------------------------------------------------------- a node's
 @activity.defn(name=names.ACT_NODE_RUNTIME_READY_ACK)
-async def runtime_ready_ack(ack: NodeRuntimeReadyAck) -> NodeRuntimeReadyAck:
+async def runtime_ready_ack(ack: m.NodeRuntimeReadyAck) -> m.NodeRuntimeReadyAck:
     raise _stub()
 
 
 @activity.defn(name=names.ACT_NODE_LEASE)
-async def lease(inp: LeaseInput) -> None:
+async def lease(inp: m.LeaseInput) -> None:
     raise _stub()
 
 
 @activity.defn(name=names.ACT_NODE_PROVISION_STAGE)
-async def provision_stage(prov: StageProvision) -> None:
+async def provision_stage(prov: m.StageProvision) -> None:
     raise _stub()
 
 
 @activity.defn(name=names.ACT_NODE_GENERATE)
-async def generate(inp: GenerateInput) -> PromptOutcome:
+async def generate(inp: m.GenerateInput) -> m.PromptOutcome:
     raise _stub()
 
 
 @activity.defn(name=names.ACT_NODE_STOP_GENERATE)
-async def stop_generate(inp: StopGenerateInput) -> bool:
+async def stop_generate(inp: m.StopGenerateInput) -> bool:
     raise _stub()
 
 
 @activity.defn(name=names.ACT_NODE_STOP_STAGE)
-async def stop_stage(cmd: StopRun) -> None:
+async def stop_stage(cmd: m.StopRun) -> None:
     raise _stub()

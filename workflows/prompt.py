@@ -179,7 +179,7 @@ class PromptServing:
                 break
             recoveries += 1
             # No stream (a run-hosted prompt): the new head's text stream carries the
-            # whole text, and a direct reader skips what it has (temporal/client.py).
+            # whole text, and a direct reader skips what it has (temporal/client/text.py).
             text_from = 0
             if self.published_tokens is not None:
                 text_from = self.published_tokens()

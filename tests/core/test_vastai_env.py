@@ -1,5 +1,5 @@
 """The Vast.ai settings of a process's environment (mvp_core/vastai_env.py), and the
-provider reading them through that one model (activities/providers/vastai.py)."""
+provider reading them through that one model (activities/providers/vastai/)."""
 
 from __future__ import annotations
 

@@ -172,7 +172,7 @@ def test_layer_tensors_that_do_not_fit_the_dimensions_are_refused() -> None:
 
     from workers.node.engine.config import ArchConfig
     from workers.node.engine.gguf_reader import GGUFError
-    from workers.node.engine.model import check_layer_shapes
+    from workers.node.engine.models import check_layer_shapes
 
     cfg = ArchConfig(
         "phi3", 2, 64, 4, 4, 16, 128, 1e-5, 10000.0, 16, True, 1.0, 320, 64

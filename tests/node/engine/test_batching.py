@@ -15,7 +15,7 @@ from collections.abc import Hashable, Iterator, Sequence
 import pytest
 import torch
 
-from activities.models_store import GEMMA3_BUNDLED, fetch_bundled
+from mvp_io.model_store import GEMMA3_BUNDLED, fetch_bundled
 from tests.node.engine.conftest import ONCE_CONTINUATION, ONCE_UPON_A_TIME, THREADS
 from workers.node.engine import EngineOptions, SamplingParams, Stage, generate, load_stage
 from workers.node.engine.batch_generate import BatchGenerator, Finish

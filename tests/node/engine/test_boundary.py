@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from activities.models_store import DEFAULT_BUNDLED, GEMMA3_BUNDLED, fetch_bundled
 from mvp_core.models import ActivationDtype
+from mvp_io.model_store import DEFAULT_BUNDLED, GEMMA3_BUNDLED, fetch_bundled
 from tests.node.engine.conftest import THREADS
 from workers.node.engine import EngineOptions, Stage, load_stage, read_model_facts
 from workers.node.engine.boundary import BoundaryOverflow, from_boundary, to_boundary

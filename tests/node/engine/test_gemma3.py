@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from activities.models_store import BUNDLED, GEMMA3_BUNDLED, fetch_bundled
 from mvp_core.models import ActivationDtype
 from mvp_core.planner import stage_layer_ranges
+from mvp_io.model_store import BUNDLED, GEMMA3_BUNDLED, fetch_bundled
 from tests.node.engine.conftest import PLAIN_C_TIMEOUT_S, THREADS, native_stage
 from tests.node.test_pipeline import pipeline, reference
 from workers.node.engine import (
@@ -32,7 +32,7 @@ from workers.node.engine import (
     read_model_facts,
 )
 from workers.node.engine.boundary import from_boundary, to_boundary
-from workers.node.engine.gemma3 import Gemma3StageModel
+from workers.node.engine.models import Gemma3StageModel
 from workers.node.engine.tokenizer import Tokenizer
 
 from .llamacpp_facts import logit_mismatches

@@ -1,5 +1,5 @@
 """A stage's layers in one foreign call (native.Layers, qmm.c mvk_layers) compute what the
-per-op forward computes (model.py / gemma3.py): the same logits to the bit, at prefill and
+per-op forward computes (engine/models/): the same logits to the bit, at prefill and
 decode, across a float16 hand-over point (fp16_split_points), on both bundled models."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from activities.models_store import DEFAULT_BUNDLED, GEMMA3_BUNDLED, fetch_bundled
+from mvp_io.model_store import DEFAULT_BUNDLED, GEMMA3_BUNDLED, fetch_bundled
 from workers.node.engine import EngineOptions, load_stage, native, read_model_facts
 
 from .conftest import native_kernel

@@ -17,7 +17,8 @@ from typing import Any
 import gguf
 import pytest
 
-from activities.models_store import models_dir
+from mvp_io.model_store import models_dir
+from workers.node.engine.merges import merge_long, merge_short
 from workers.node.engine.tokenizer import (
     Tokenizer,
     TokenizerError,
@@ -205,7 +206,7 @@ def test_merge_strategies_agree(tok: Tokenizer) -> None:
     alphabet = [*"abcdefghijklmnopqrstuvwxyz etaoin", "Ġ", "Ċ", "ĠĠ"]
     for _ in range(300):
         word = list("".join(rng.choice(alphabet) for _ in range(rng.randint(2, 60))))
-        assert tok._merge_short(list(word)) == tok._merge_long(list(word))
+        assert merge_short(list(word), tok._ranks) == merge_long(list(word), tok._ranks)
 
 
 # ---- incremental decoding ---------------------------------------------------------------

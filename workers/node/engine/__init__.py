@@ -1,7 +1,7 @@
 """Stage engine: run a contiguous layer range of a GGUF model (see DECISIONS 19-24)."""
 
 from .batch_generate import BatchGenerator
-from .config import ModelFacts, read_model_facts
+from .config import EngineModelFacts, read_model_facts
 from .generate import generate
 from .sampling import Sampler, SamplingParams
 from .session import BatchSession, ContextOverflow, NoFreeSlot, StageSession
@@ -11,8 +11,8 @@ __all__ = [
     "BatchGenerator",
     "BatchSession",
     "ContextOverflow",
+    "EngineModelFacts",
     "EngineOptions",
-    "ModelFacts",
     "NoFreeSlot",
     "Sampler",
     "SamplingParams",

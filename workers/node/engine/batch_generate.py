@@ -35,7 +35,7 @@ from mvp_core.models import ActivationDtype
 from .boundary import from_boundary, to_boundary
 from .sampling import Sampler, SamplingParams, check_resume
 from .session import BatchRow, BatchSession, ContextOverflow, NoFreeSlot
-from .stage import Stage
+from .stage import Stage, check_whole_model
 
 DEFAULT_CHUNK = 64
 
@@ -88,16 +88,7 @@ class BatchGenerator:
         chunk_size: int = DEFAULT_CHUNK,
         activation_dtype: ActivationDtype = ActivationDtype.FLOAT32,
     ) -> None:
-        if not stages:
-            raise ValueError("no stages")
-        if not stages[0].is_first or not stages[-1].is_last:
-            raise ValueError("stages must cover the model from its first to its last layer")
-        for a, b in itertools.pairwise(stages):
-            if a.layer_end != b.layer_start:
-                raise ValueError(
-                    f"stages are not contiguous: [{a.layer_start}, {a.layer_end}) then "
-                    f"[{b.layer_start}, {b.layer_end})"
-                )
+        check_whole_model(stages)
         if chunk_size <= 0:
             raise ValueError("chunk_size must be positive")
         self.stages = list(stages)

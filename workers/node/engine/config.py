@@ -7,26 +7,18 @@ from dataclasses import dataclass
 
 from gguf.constants import Keys
 
-from mvp_core.engine_support import SUPPORTED_ARCHITECTURES, unsupported_rope
+from mvp_core.engine_support import unsupported_rope
+from mvp_core.models import ModelFacts
 
+from .arch_table import ARCHITECTURES
 from .gguf_reader import GGUFError, GGUFFile, LazyArray
 
-# llama.cpp rotates adjacent pairs for llama-family GGUFs (the converter permuted q/k
-# rows for that) and the two halves of each head ("NEOX") for qwen2/qwen3/gemma3.
-_NEOX_ARCHITECTURES = frozenset({"qwen2", "qwen3", "gemma3", "phi3"})
 
+class EngineModelFacts(ModelFacts):
+    """The planner's facts of a model (mvp_core.models.ModelFacts, without the work
+    figures), cheap to read, plus its vocabulary size."""
 
-@dataclass(frozen=True)
-class ModelFacts:
-    """What a planner needs to know about a model, cheap to read."""
-
-    architecture: str
-    name: str
-    block_count: int
-    embedding_length: int
-    context_length: int
     vocab_size: int
-    eos_token_id: int | None
 
 
 @dataclass(frozen=True)
@@ -71,12 +63,12 @@ def _vocab_size(f: GGUFFile) -> int:
     raise GGUFError(f"{f.path}: cannot tell the vocabulary size")
 
 
-def facts_of(f: GGUFFile) -> ModelFacts:
+def facts_of(f: GGUFFile) -> EngineModelFacts:
     arch = f.architecture
     if not arch:
         raise GGUFError(f"{f.path}: missing general.architecture")
     eos = f.get(Keys.Tokenizer.EOS_ID)
-    return ModelFacts(
+    return EngineModelFacts(
         architecture=arch,
         name=str(f.get(Keys.General.NAME, "")),
         block_count=int(f.arch_key(Keys.LLM.BLOCK_COUNT, 0)),
@@ -87,17 +79,18 @@ def facts_of(f: GGUFFile) -> ModelFacts:
     )
 
 
-def read_model_facts(path: str) -> ModelFacts:
+def read_model_facts(path: str) -> EngineModelFacts:
     """Metadata only: the tensor data is neither mapped nor read."""
     return facts_of(GGUFFile(path, map_tensors=False))
 
 
 def arch_config(f: GGUFFile) -> ArchConfig:
     arch = f.architecture
-    if arch not in SUPPORTED_ARCHITECTURES:
+    traits = ARCHITECTURES.get(arch)
+    if traits is None:
         raise GGUFError(
             f"{f.path}: architecture {arch!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            f"(supported: {', '.join(ARCHITECTURES)})"
         )
 
     def need(key: str) -> int:
@@ -131,7 +124,7 @@ def arch_config(f: GGUFFile) -> ArchConfig:
         eps=float(f.arch_key(Keys.Attention.LAYERNORM_RMS_EPS, 1e-5)),
         rope_base=float(f.arch_key(Keys.Rope.FREQ_BASE, 10000.0)),
         rope_dim=int(f.arch_key(Keys.Rope.DIMENSION_COUNT, head_dim)),
-        rope_neox=arch in _NEOX_ARCHITECTURES,
+        rope_neox=traits.rope_neox,
         rope_linear_scale=scale,
         vocab_size=_vocab_size(f),
         context_length=int(f.arch_key(Keys.LLM.CONTEXT_LENGTH, 0)),

@@ -12,7 +12,7 @@ from mvp_core.models import ActivationDtype
 from .boundary import from_boundary, to_boundary
 from .sampling import Sampler, SamplingParams
 from .session import ContextOverflow, StageSession
-from .stage import Stage
+from .stage import Stage, check_whole_model
 
 
 def _never() -> bool:
@@ -54,15 +54,7 @@ def generate(
     ``max_seq_len - len(prompt)`` tokens come out. Raises ContextOverflow (at call time)
     when the prompt alone does not fit. Closing the iterator early frees the KV caches.
     """
-    if not stages:
-        raise ValueError("no stages")
-    if not stages[0].is_first or not stages[-1].is_last:
-        raise ValueError("stages must cover the model from its first to its last layer")
-    for a, b in itertools.pairwise(stages):
-        if a.layer_end != b.layer_start:
-            raise ValueError(
-                f"stages are not contiguous: [{a.layer_start}, {a.layer_end}) then [{b.layer_start}, {b.layer_end})"
-            )
+    check_whole_model(stages)
     if not prompt_ids:
         raise ValueError("empty prompt")
     if len(prompt_ids) > max_seq_len:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from . import native
+from .arch_table import traits_of
 from .config import ArchConfig
 from .gguf_reader import GGUFError, GGUFFile
 from .kernels import (
@@ -85,7 +86,6 @@ _NATIVE: dict[int, tuple[int, int | None, int, bool]] = {
     Q6_K: (6, 32, native.Q8_K_ACT, False),
 }
 _HEAD_TENSORS = frozenset({"output.weight", "token_embd.weight"})
-_LLAMACPP_ORDER = frozenset({"gemma3", "llama", "phi3", "qwen2", "qwen3"})
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,10 @@ class WeightBuilder:
         # 512 reference tokens against 286 group by group, docs/models.md). SmolLM2's
         # keeps the group order, which measured better for it (400 against 314-369): its
         # remaining differences from ggml (silu, rope) are not all matched yet.
-        self.llamacpp_order = precision == "default" and f.architecture in _LLAMACPP_ORDER
+        traits = traits_of(f.architecture)
+        self.llamacpp_order = (
+            precision == "default" and traits is not None and traits.llamacpp_order
+        )
         self.device = device
 
     def _info(self, name: str) -> tuple[int, tuple[int, ...]]:
@@ -212,9 +215,7 @@ class WeightBuilder:
         self, part: Part, shape: tuple[int, ...], t: int, k: int, repacked: bool
     ) -> Iterator[NativePart]:
         """One matrix's rows as the native kernel's pieces (row chunks)."""
-        row_bytes = self.f.tensors[part.name].n_bytes // shape[0]
-        for _, raw in self._chunks(part, shape):
-            n = raw.numel() // row_bytes
+        for _, n, raw in self._chunks(part, shape):
             g = q6_k_groups(raw, (n, k)) if t == Q6_K else affine_groups(raw, t, (n, k))
             width = 16 if t == Q6_K else 32
             q, scale, offset = g.q, g.scale * part.row_scale, g.offset * part.row_scale
@@ -239,15 +240,17 @@ class WeightBuilder:
                     )
             yield NativePart(q, scale, offset, width, zero, mode, exact16, ks, repacked)
 
-    def _chunks(self, part: Part, shape: tuple[int, ...]) -> Iterator[tuple[int, torch.Tensor]]:
-        """(row offset, raw bytes) of row chunks; a permuted part comes whole."""
+    def _chunks(
+        self, part: Part, shape: tuple[int, ...]
+    ) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """(row offset, rows, raw bytes) of row chunks; a permuted part comes whole."""
         raw = self.raw(part.name)
         rows = shape[0]
         step = rows if part.perm is not None else _CHUNK_ROWS
         row_bytes = raw.numel() // rows
         for r in range(0, rows, step):
             n = min(step, rows - r)
-            yield r, raw[r * row_bytes : (r + n) * row_bytes]
+            yield r, n, raw[r * row_bytes : (r + n) * row_bytes]
 
     def _int4(
         self, parts: list[Part], shapes: list[tuple[int, ...]], bits: int, bias: torch.Tensor | None
@@ -270,9 +273,7 @@ class WeightBuilder:
         extra = 0
         for part, shape in zip(parts, shapes, strict=True):
             t = self.f.tensors[part.name].ggml_type
-            row_bytes = self.f.tensors[part.name].n_bytes // shape[0]
-            for _, raw in self._chunks(part, shape):
-                n = raw.numel() // row_bytes
+            for _, n, raw in self._chunks(part, shape):
                 # 4-bit codes fused with wider ones split fine: their high nibble is 0.
                 g = affine_groups(raw, t, (n, k))
                 q, scale, offset = g.q, g.scale * part.row_scale, g.offset * part.row_scale
@@ -309,9 +310,7 @@ class WeightBuilder:
         row0 = 0
         for part, shape in zip(parts, shapes, strict=True):
             t = self.f.tensors[part.name].ggml_type
-            row_bytes = self.f.tensors[part.name].n_bytes // shape[0]
-            for r, raw in self._chunks(part, shape):
-                n = raw.numel() // row_bytes
+            for r, n, raw in self._chunks(part, shape):
                 m = dequantize(raw, t, (n, k))
                 if part.row_scale != 1.0:
                     m = m * part.row_scale

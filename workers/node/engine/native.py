@@ -554,7 +554,7 @@ class LayerPlan:
 
 class Layers:
     """A stage's decoder layers as one foreign call per forward (qmm.c mvk_layers): the
-    same kernels and float order as the per-op forward in model.py / gemma3.py, without a
+    same kernels and float order as the per-op forward in models/, without a
     torch op or Python call between them."""
 
     def __init__(

@@ -4,22 +4,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 
 from .config import ArchConfig
-from .gemma3 import Gemma3StageModel
-from .model import Segment, StageModel
+from .models import StageModel
 
 
 class _Embedding(Protocol):
     def __call__(self, ids: torch.Tensor) -> torch.Tensor: ...
-
-
-class _BatchStageModel(Protocol):
-    def forward_batch(self, h: torch.Tensor, segments: list[Segment]) -> torch.Tensor: ...
-    def logits_rows(self, h_rows: torch.Tensor) -> torch.Tensor: ...
 
 
 class SessionStage(Protocol):
@@ -37,11 +31,33 @@ class SessionStage(Protocol):
     @property
     def is_last(self) -> bool: ...
     @property
-    def model(self) -> StageModel | Gemma3StageModel: ...
+    def model(self) -> StageModel[Any]: ...
     @property
     def embedding(self) -> _Embedding | None: ...
     @property
     def torch_device(self) -> torch.device: ...
+
+
+def _kv_caches(
+    stage: SessionStage, max_seq_len: int, *slots: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed float32 k and v caches [*slots, layers, n_kv_head, max_seq_len, head_dim] for
+    the stage's layers, ``max_seq_len`` checked against the model's context length; the
+    model's rope tables grown to it."""
+    if max_seq_len <= 0:
+        raise ValueError("max_seq_len must be positive")
+    cfg = stage.cfg
+    if cfg.context_length and max_seq_len > cfg.context_length:
+        raise ValueError(
+            f"max_seq_len {max_seq_len} exceeds the model's context length {cfg.context_length}"
+        )
+    n = stage.layer_end - stage.layer_start
+    shape = (*slots, n, cfg.n_kv_head, max_seq_len, cfg.head_dim)
+    dev = stage.torch_device
+    k = torch.zeros(shape, dtype=torch.float32, device=dev)
+    v = torch.zeros(shape, dtype=torch.float32, device=dev)
+    stage.model.ensure_positions(max_seq_len)
+    return k, v
 
 
 class ContextOverflow(Exception):
@@ -60,22 +76,12 @@ class StageSession:
     """
 
     def __init__(self, stage: SessionStage, max_seq_len: int) -> None:
-        if max_seq_len <= 0:
-            raise ValueError("max_seq_len must be positive")
-        cfg = stage.cfg
-        if cfg.context_length and max_seq_len > cfg.context_length:
-            raise ValueError(
-                f"max_seq_len {max_seq_len} exceeds the model's context length {cfg.context_length}"
-            )
+        k, v = _kv_caches(stage, max_seq_len)
         self.stage = stage
         self.max_seq_len = max_seq_len
         self.position = 0
-        n = stage.layer_end - stage.layer_start
-        shape = (n, cfg.n_kv_head, max_seq_len, cfg.head_dim)
-        dev = stage.torch_device
-        self._k: torch.Tensor | None = torch.zeros(shape, dtype=torch.float32, device=dev)
-        self._v: torch.Tensor | None = torch.zeros(shape, dtype=torch.float32, device=dev)
-        stage.model.rope.ensure(max_seq_len)
+        self._k: torch.Tensor | None = k
+        self._v: torch.Tensor | None = v
 
     def _check(self, t: int) -> None:
         if self._k is None:
@@ -141,31 +147,21 @@ class BatchSession:
     chunk (several tokens) per sequence, all rows through every product at once, rope at
     each row's position, attention per sequence against its own slot (causal within a
     chunk). A sequence's outputs are those it gets alone (a StageSession fed the same
-    chunks), bit for bit, whatever else runs beside it (model.batch_forward).
+    chunks), bit for bit, whatever else runs beside it (StageModel.forward_batch).
     ``acquire`` takes a free slot, ``release`` frees it (a joining sequence starts at 0).
     """
 
     def __init__(self, stage: SessionStage, slots: int, max_seq_len: int) -> None:
         if slots <= 0:
             raise ValueError("slots must be positive")
-        if max_seq_len <= 0:
-            raise ValueError("max_seq_len must be positive")
-        cfg = stage.cfg
-        if cfg.context_length and max_seq_len > cfg.context_length:
-            raise ValueError(
-                f"max_seq_len {max_seq_len} exceeds the model's context length {cfg.context_length}"
-            )
+        k, v = _kv_caches(stage, max_seq_len, slots)
         self.stage = stage
         self.slots = slots
         self.max_seq_len = max_seq_len
-        n = stage.layer_end - stage.layer_start
-        shape = (slots, n, cfg.n_kv_head, max_seq_len, cfg.head_dim)
-        dev = stage.torch_device
-        self._k: torch.Tensor | None = torch.zeros(shape, dtype=torch.float32, device=dev)
-        self._v: torch.Tensor | None = torch.zeros(shape, dtype=torch.float32, device=dev)
+        self._k: torch.Tensor | None = k
+        self._v: torch.Tensor | None = v
         self._positions = [0] * slots
         self._used = [False] * slots
-        stage.model.rope.ensure(max_seq_len)
 
     @property
     def free_slots(self) -> int:
@@ -235,7 +231,7 @@ class BatchSession:
                     f"max_seq_len {self.max_seq_len}"
                 )
             counts.append(t)
-        model = cast(_BatchStageModel, stage.model)
+        model = stage.model
         with torch.inference_mode():
             if stage.is_first:
                 assert stage.embedding is not None

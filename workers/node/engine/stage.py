@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import math
+import itertools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from . import native
-from .config import ArchConfig, ModelFacts, arch_config, facts_of
-from .gemma3 import ARCHITECTURE as GEMMA3
-from .gemma3 import Gemma3StageModel, build_gemma3_stage_model
+from .config import ArchConfig, EngineModelFacts, arch_config, facts_of
 from .gguf_reader import GGUFError, GGUFFile
-from .loader import Part, WeightBuilder, rope_permutation, trim_heap
-from .model import LayerWeights, RopeTables, StageModel, check_layer_shapes
+from .loader import WeightBuilder, trim_heap
+from .models import StageModel, build_stage_model
 from .quants import as_torch_bytes, dequantize_rows
 from .session import BatchSession, StageSession
 
@@ -66,10 +66,10 @@ class Stage:
         self,
         file: GGUFFile,
         cfg: ArchConfig,
-        facts: ModelFacts,
+        facts: EngineModelFacts,
         layer_start: int,
         layer_end: int,
-        model: StageModel | Gemma3StageModel,
+        model: StageModel[Any],
         embedding: Embedding | None,
         device: torch.device,
         options: EngineOptions,
@@ -112,72 +112,6 @@ class Stage:
         self.model.head = None
         self.embedding = None
         self.file.close()
-
-
-def _ggml_order(b: WeightBuilder, cfg: ArchConfig) -> bool:
-    """Whether the llama-family stage computes attention as ggml does (StageModel's
-    ggml_order): products in llama.cpp's order, the native kernel built, whole-head rope
-    from the base (and Llama 3's rope_freqs)."""
-    return (
-        b.llamacpp_order
-        and b.device.type == "cpu"  # StageModel's native rope and attention: CPU only
-        and native.library() is not None
-        and cfg.rope_dim == cfg.head_dim
-        and cfg.head_dim % 16 == 0  # native.attention's vectors
-    )
-
-
-def _layer(b: WeightBuilder, cfg: ArchConfig, i: int, ggml: bool) -> LayerWeights:
-    p = f"blk.{i}."
-    names = b.f.tensors
-    # The attention scale 1/sqrt(head_dim) is folded into q (or into q_norm, which follows
-    # it), and q/k rows are permuted for a half-split rope; except where attention is
-    # computed as ggml does it (``ggml``): there the scale multiplies the scores and the
-    # rope rotates adjacent pairs, because both change float16 roundings and the order of
-    # q.k's sums.
-    # Phi-3's fused q/k/v rows (NEOX: no permutation) keep the scale out of q: it
-    # multiplies q after the rope (ggml) or the scores (StageModel.q_scale / kq_scale).
-    fused = p + "attn_qkv.weight" in names
-    if fused != (cfg.architecture == "phi3"):
-        raise GGUFError(
-            f"{b.f.path}: {'only phi3 has' if fused else 'phi3 needs'} a fused {p}attn_qkv.weight"
-        )
-    scale = 1.0 if ggml or fused else 1.0 / math.sqrt(cfg.head_dim)
-    has_q_norm = p + "attn_q_norm.weight" in names
-    if has_q_norm != (p + "attn_k_norm.weight" in names):
-        raise GGUFError(f"{b.f.path}: {p}attn_q_norm and attn_k_norm come together or not at all")
-    q_norm = b.vector(p + "attn_q_norm.weight") * scale if has_q_norm else None
-    qkv_bias = None
-    if p + "attn_q.bias" in names:
-        qkv_bias = [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"]
-    if fused:
-        qkv_parts = [Part(p + "attn_qkv.weight")]
-    else:
-        qkv_parts = [
-            Part(
-                p + "attn_q.weight",
-                None if ggml else rope_permutation(cfg, cfg.n_head),
-                1.0 if has_q_norm else scale,
-            ),
-            Part(p + "attn_k.weight", None if ggml else rope_permutation(cfg, cfg.n_kv_head)),
-            Part(p + "attn_v.weight"),
-        ]
-    # Phi-3's ffn_up holds the gate rows, then the up rows (ggml's swiglu halves)
-    gate_up = [Part(p + "ffn_up.weight")]
-    if p + "ffn_gate.weight" in names:
-        gate_up = [Part(p + "ffn_gate.weight"), Part(p + "ffn_up.weight")]
-    lw = LayerWeights(
-        attn_norm=b.vector(p + "attn_norm.weight"),
-        qkv=b.linear(qkv_parts, qkv_bias),
-        q_norm=q_norm,
-        k_norm=b.optional_vector(p + "attn_k_norm.weight"),
-        wo=b.linear([Part(p + "attn_output.weight")]),
-        ffn_norm=b.vector(p + "ffn_norm.weight"),
-        gate_up=b.linear(gate_up),
-        down=b.linear([Part(p + "ffn_down.weight")]),
-    )
-    check_layer_shapes(b.f.path, p, cfg, lw)
-    return lw
 
 
 def weight_formats(path: str) -> frozenset[str]:
@@ -224,15 +158,10 @@ def load_stage(
                 f"{cfg.n_layers} layers"
             )
         b = WeightBuilder(f, options.precision, device)
-        model: StageModel | Gemma3StageModel
-        if cfg.architecture == GEMMA3:
-            with torch.inference_mode():
-                model = build_gemma3_stage_model(
-                    f, cfg, b, layer_start, layer_end, options.fp16_split_points
-                )
-                embedding = Embedding(f, device) if layer_start == 0 else None
-        else:
-            model, embedding = _llama_stage_model(f, cfg, b, layer_start, layer_end, options)
+        span = range(layer_start, layer_end)
+        model = build_stage_model(b, cfg, span, options.fp16_split_points)
+        with torch.inference_mode():
+            embedding = Embedding(f, device) if layer_start == 0 else None
     except BaseException:
         f.close()
         raise
@@ -242,27 +171,16 @@ def load_stage(
     return Stage(f, cfg, facts, layer_start, layer_end, model, embedding, device, options)
 
 
-def _llama_stage_model(
-    f: GGUFFile,
-    cfg: ArchConfig,
-    b: WeightBuilder,
-    layer_start: int,
-    layer_end: int,
-    options: EngineOptions,
-) -> tuple[StageModel, Embedding | None]:
-    """The llama-family stage (llama, mistral, qwen2, qwen3, phi3)."""
-    device = b.device
-    with torch.inference_mode():
-        ggml = _ggml_order(b, cfg)
-        layers = [_layer(b, cfg, i, ggml) for i in range(layer_start, layer_end)]
-        rope = RopeTables(cfg, b.optional_vector("rope_freqs.weight"), device)
-        output_norm, head = None, None
-        if layer_end == cfg.n_layers:
-            output_norm = b.vector("output_norm.weight")
-            head_name = "output.weight" if "output.weight" in f.tensors else "token_embd.weight"
-            head = b.linear([Part(head_name)])
-        embedding = Embedding(f, device) if layer_start == 0 else None
-    model = StageModel(
-        cfg, layer_start, layers, rope, output_norm, head, options.fp16_split_points, ggml
-    )  # fmt: skip
-    return model, embedding
+def check_whole_model(stages: Sequence[Stage]) -> None:
+    """``stages`` cover the model from its first to its last layer, one after another
+    (ValueError naming the gap otherwise): what a generation loop over them needs."""
+    if not stages:
+        raise ValueError("no stages")
+    if not stages[0].is_first or not stages[-1].is_last:
+        raise ValueError("stages must cover the model from its first to its last layer")
+    for a, b in itertools.pairwise(stages):
+        if a.layer_end != b.layer_start:
+            raise ValueError(
+                f"stages are not contiguous: [{a.layer_start}, {a.layer_end}) then "
+                f"[{b.layer_start}, {b.layer_end})"
+            )

@@ -14,7 +14,6 @@ Supported: `tokenizer.ggml.model` "gpt2" (byte-level BPE) and "llama"
 from __future__ import annotations
 
 import codecs
-import heapq
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 from gguf.constants import Keys
 
 from workers.node.engine.chat_template import ChatTemplateError, render_chat_template
+from workers.node.engine.merges import merge_bpe, merge_spm
 from workers.node.engine.pretokenize import PRE_TOKENIZERS, PreTokenizer, PreTokenizerSpec
 
 __all__ = ["IncrementalDecoder", "Tokenizer", "TokenizerError", "read_gguf_metadata"]
@@ -75,7 +75,6 @@ _EOG_TEXTS = frozenset(
 _ALWAYS_RENDERED = frozenset({"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"})
 
 _WORD_CACHE_LIMIT = 200_000  # memoised pre-token words (cleared when full)
-_SHORT_WORD = 24  # below this many symbols a linear scan beats a heap
 
 
 def _bytes_to_unicode() -> list[str]:
@@ -525,11 +524,7 @@ class Tokenizer:
                 return (whole,)
         symbols = list(encoded)
         if len(symbols) > 1:
-            symbols = (
-                self._merge_short(symbols)
-                if len(symbols) < _SHORT_WORD
-                else self._merge_long(symbols)
-            )
+            symbols = merge_bpe(symbols, self._ranks)
         ids: list[int] = []
         for symbol in symbols:
             token_id = token_to_id.get(symbol)
@@ -544,100 +539,18 @@ class Tokenizer:
                         ids.append(byte_id)
         return tuple(ids)
 
-    def _merge_short(self, symbols: list[str]) -> list[str]:
-        """Repeatedly merge the lowest-ranked adjacent pair (leftmost on ties)."""
-        ranks = self._ranks
-        while len(symbols) > 1:
-            best_rank = -1
-            best = -1
-            prev = symbols[0]
-            for i in range(1, len(symbols)):
-                cur = symbols[i]
-                rank = ranks.get(prev + " " + cur)
-                if rank is not None and (best < 0 or rank < best_rank):
-                    best_rank = rank
-                    best = i
-                prev = cur
-            if best < 0:
-                break
-            symbols[best - 1 : best + 1] = [symbols[best - 1] + symbols[best]]
-        return symbols
-
-    def _merge_long(self, symbols: list[str]) -> list[str]:
-        """Same result as _merge_short in O(n log n): llama.cpp's linked list + heap."""
-        ranks = self._ranks
-        text = list(symbols)
-        n = len(text)
-        nxt = [*range(1, n), -1]
-        prv = list(range(-1, n - 1))
-        heap: list[tuple[int, int, int, str]] = []
-
-        def push(left: int, right: int) -> None:
-            rank = ranks.get(text[left] + " " + text[right])
-            if rank is not None:
-                heapq.heappush(heap, (rank, left, right, text[left] + text[right]))
-
-        for i in range(n - 1):
-            push(i, i + 1)
-        while heap:
-            _, left, right, merged = heapq.heappop(heap)
-            if not text[left] or not text[right] or text[left] + text[right] != merged:
-                continue  # stale: one side has changed since this pair was queued
-            text[left] = merged
-            text[right] = ""
-            nxt[left] = nxt[right]
-            if nxt[right] >= 0:
-                prv[nxt[right]] = left
-            if prv[left] >= 0:
-                push(prv[left], left)
-            if nxt[left] >= 0:
-                push(left, nxt[left])
-        return [t for t in text if t]
-
     def _encode_spm(self, text: str, out: list[int]) -> None:
         """SentencePiece-style merging by token score, with <0xNN> byte fallback."""
         if not text:
             return
         token_to_id = self._token_to_id
-        scores = self._scores
-        sym = list(text)
-        n = len(sym)
-        size = [1] * n
-        nxt = [*range(1, n), -1]
-        prv = list(range(-1, n - 1))
-        heap: list[tuple[float, int, int, int]] = []
-
-        def push(left: int, right: int) -> None:
-            token_id = token_to_id.get(sym[left] + sym[right])
-            if token_id is not None:
-                heapq.heappush(heap, (-scores[token_id], left, right, size[left] + size[right]))
-
-        for i in range(n - 1):
-            push(i, i + 1)
-        while heap:
-            _, left, right, merged_size = heapq.heappop(heap)
-            if size[left] == 0 or size[right] == 0 or size[left] + size[right] != merged_size:
-                continue
-            sym[left] += sym[right]
-            size[left] = merged_size
-            sym[right] = ""
-            size[right] = 0
-            nxt[left] = nxt[right]
-            if nxt[right] >= 0:
-                prv[nxt[right]] = left
-            if prv[left] >= 0:
-                push(prv[left], left)
-            if nxt[left] >= 0:
-                push(left, nxt[left])
-        i = 0
-        while i >= 0:
-            token_id = token_to_id.get(sym[i])
+        for piece in merge_spm(text, token_to_id, self._scores):
+            token_id = token_to_id.get(piece)
             if token_id is not None:
                 out.append(token_id)
             else:
-                for b in sym[i].encode("utf-8", "surrogatepass"):
+                for b in piece.encode("utf-8", "surrogatepass"):
                     out.append(self._byte_token(b))
-            i = nxt[i]
 
     def _byte_token(self, b: int) -> int:
         token_id = self._token_to_id.get(f"<0x{b:02X}>")

@@ -1,4 +1,4 @@
-"""The Gemma 3 forward pass over a stage's layers (GGUF architecture ``gemma3``).
+"""The Gemma 3 graph and weights (GGUF architecture ``gemma3``).
 
 What Gemma 3 adds to the llama-style layer (as llama.cpp's ``gemma3`` graph computes it):
 
@@ -16,7 +16,7 @@ What Gemma 3 adds to the llama-style layer (as llama.cpp's ``gemma3`` graph comp
   rope scaling;
 * the head is tied to the embedding; an optional ``final_logit_softcapping`` caps logits.
 
-Tensor shapes follow model.py: h [T, hidden] float32, the k/v cache of a layer
+Tensor shapes follow models/blocks.py: h [T, hidden] float32, the k/v cache of a layer
 [n_kv, max_seq, head_dim], grouped-query attention without repeating k/v.
 """
 
@@ -25,29 +25,30 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import cast
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from gguf.constants import Keys
 
-from . import native
-from .config import ArchConfig
-from .gguf_reader import GGUFError, GGUFFile
-from .kernels import Linear, NativeLinear
-from .loader import Part, WeightBuilder
-from .model import (
+from .. import native
+from ..config import ArchConfig
+from ..gguf_reader import GGUFError, GGUFFile
+from ..kernels import Linear
+from ..loader import Part, WeightBuilder
+from .blocks import (
     RopeTables,
-    Segment,
+    StageModel,
     attend,
-    batch_forward,
+    causal_mask,
     check_layer_shapes,
+    feed_forward,
     float32_inverse_sqrt,
-    head_logits,
-    native_products,
+    ggml_rms_norm,
+    load_head,
+    rms_norm,
+    rope,
 )
 
-ARCHITECTURE = "gemma3"
 SWA_PATTERN = 6  # llama.cpp: every 6th layer (i % 6 == 5) is global
 LOCAL_ROPE_BASE = 10000.0
 # Gemma's residual stream outgrows float16 at its first position (the BOS token: ~1e5 by
@@ -73,8 +74,8 @@ class Gemma3Params:
 
 
 def gemma3_params(f: GGUFFile, cfg: ArchConfig) -> Gemma3Params:
-    window_key = Keys.Attention.SLIDING_WINDOW.format(arch=ARCHITECTURE)
-    softcap_key = Keys.LLM.FINAL_LOGIT_SOFTCAPPING.format(arch=ARCHITECTURE)
+    window_key = Keys.Attention.SLIDING_WINDOW.format(arch=cfg.architecture)
+    softcap_key = Keys.LLM.FINAL_LOGIT_SOFTCAPPING.format(arch=cfg.architecture)
     window = int(f.get(window_key, 0) or 0)
     if window < 0:
         raise GGUFError(f"{f.path}: negative {window_key}")
@@ -151,41 +152,9 @@ def load_gemma3_layer(
     return lw
 
 
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, (x.shape[-1],), w, eps)
-
-
-def _ggml_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """ggml's CPU RMS norm: float32 squares summed in double, ``x * (1 / sqrtf(mean +
-    eps)) * w`` in float32 (in C where the native kernel is built; torch's float32 sqrt
-    and division are not always correctly rounded, so here they go through float64,
-    which rounds them exactly as float32 would)."""
-    out = native.rms_norm(x, w, eps)
-    if out is not None:
-        return out
-    mean = ((x * x).double().sum(-1, keepdim=True) / x.shape[-1]).float()
-    m = (mean + torch.tensor(eps, dtype=torch.float32)).double()
-    scale = (1.0 / torch.sqrt(m).float().double()).float()
-    return x * scale * w
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-split (NEOX) rotation of whole heads; tables from RopeTables."""
-    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin
-
-
-def _gelu(x: torch.Tensor) -> torch.Tensor:
-    """ggml's CPU gelu: the tanh form looked up in a float16 table (input and output
-    rounded to float16) for |x| < 10, x itself above, 0 below. (torch's tanh-gelu rounds
-    26 of the 65536 table entries differently; native.geglu has ggml's table.)"""
-    y = F.gelu(x.half().float(), approximate="tanh").half().float()
-    return torch.where(x >= 10.0, x, torch.where(x <= -10.0, torch.zeros_like(x), y))
-
-
-class Gemma3StageModel:
+class Gemma3StageModel(StageModel[Gemma3Layer]):
     """Layers ``[layer_start, layer_end)`` plus, where held, the output norm and head."""
 
-    attention_f16 = False  # as StageModel.attention_f16
     float16_scale = BOUNDARY_SCALE  # a float16 hand-over's scale (boundary.py)
 
     def __init__(
@@ -199,39 +168,9 @@ class Gemma3StageModel:
         head: Linear | None,
         fp16_split_points: tuple[int, ...],
     ) -> None:
-        self.cfg = cfg
+        super().__init__(cfg, layer_start, layers, output_norm, head, fp16_split_points)
         self.params = params
-        self.layer_start = layer_start
-        self.layers = layers
         self.rope = rope
-        self.output_norm = output_norm
-        self.head = head
-        # Where the kernel applies a norm itself, its input is the residual stream.
-        for lw in layers:
-            lw.attn_fused = lw.qkv.fuse_norm(lw.attn_norm, cfg.eps)
-            lw.ffn_fused = lw.gate_up.fuse_norm(lw.ffn_norm, cfg.eps)
-        self.head_fused = (
-            head is not None
-            and output_norm is not None
-            and head.exact_rows is None
-            and head.fuse_norm(output_norm, cfg.eps)
-        )
-        end = layer_start + len(layers)
-        self.round_before = frozenset(
-            k - layer_start for k in fp16_split_points if layer_start < k < end
-        )
-        self._layers: native.Layers | None = None
-        self._layers_tried = False
-
-    def _mask(self, pos: int, t: int, window: int, device: torch.device) -> torch.Tensor:
-        """[T, S] True where hidden: the future, and for a window what lies beyond it."""
-        end = pos + t
-        q_pos = torch.arange(pos, end, device=device).view(-1, 1)
-        k_pos = torch.arange(end, device=device).view(1, -1)
-        hidden = k_pos > q_pos
-        if window > 0:
-            hidden |= q_pos - k_pos >= window
-        return hidden
 
     def forward(
         self, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int
@@ -252,8 +191,8 @@ class Gemma3StageModel:
         window = params.sliding_window
         masks: dict[bool, torch.Tensor | None] = {True: None, False: None}
         if t > 1:
-            masks[False] = self._mask(pos, t, 0, h.device)
-            masks[True] = self._mask(pos, t, window, h.device) if window else masks[False]
+            masks[False] = causal_mask(pos, t, 0, h.device)
+            masks[True] = causal_mask(pos, t, window, h.device) if window else masks[False]
         layers = self._native_layers()
         if layers is not None:
             h = h.to(torch.float32, copy=True).contiguous()  # updated in place
@@ -262,11 +201,11 @@ class Gemma3StageModel:
         nh, nkv, hd, eps = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.eps
         qkd = cfg.q_dim + cfg.kv_dim
         f16 = self.attention_f16
-        norm = _ggml_rms_norm if f16 else _rms_norm
+        norm = ggml_rms_norm if f16 else rms_norm
         for i, lw in enumerate(self.layers):
             if i in self.round_before:
                 h = (h * BOUNDARY_SCALE).half().float() * (1.0 / BOUNDARY_SCALE)
-            qkv = lw.qkv(h if lw.attn_fused else _rms_norm(h, lw.attn_norm, eps))
+            qkv = lw.qkv(h if lw.attn_fused else rms_norm(h, lw.attn_norm, eps))
             qk = qkv[:, :qkd].view(t, nh + nkv, hd)
             qk = torch.cat(
                 [norm(qk[:, :nh], lw.q_norm, eps), norm(qk[:, nh:], lw.k_norm, eps)],
@@ -276,7 +215,7 @@ class Gemma3StageModel:
                 qk = self.rope.native[lw.local].apply_(qk, pos)
             else:
                 cos, sin = tables[lw.local]
-                qk = _rope(qk, cos, sin)
+                qk = rope(qk, cos, sin, hd)  # whole heads
             # A local layer at decode reads only its window; at prefill the mask hides the rest.
             start = max(0, end - window) if lw.local and t == 1 else 0
             attn = attend(
@@ -284,97 +223,52 @@ class Gemma3StageModel:
                 window if lw.local else 0, f16,
             )  # fmt: skip
             h = h + norm(lw.wo(attn), lw.post_attn_norm, eps)
-            x = h if lw.ffn_fused else _rms_norm(h, lw.ffn_norm, eps)
+            x = h if lw.ffn_fused else rms_norm(h, lw.ffn_norm, eps)
             # the model's last layer keeps only the output row, as llama.cpp does
-            kinds = None
-            native_ffn = isinstance(lw.gate_up, NativeLinear) and isinstance(lw.down, NativeLinear)
-            if self.layer_start + i == cfg.n_layers - 1 and t > 1 and native_ffn:
-                kinds = native.feed_forward_rows(t)
-            gu = lw.gate_up(x) if kinds is None else cast(NativeLinear, lw.gate_up)(x, None, kinds)
-            act = native.geglu(gu, cfg.ffn) if f16 else None
-            if act is None:
-                act = _gelu(gu[:, : cfg.ffn]) * gu[:, cfg.ffn :]
-            ffn = lw.down(act) if kinds is None else cast(NativeLinear, lw.down)(act, None, kinds)
+            ffn = feed_forward(lw, x, None, self._ffn_rows(i, t, lw), cfg.ffn, f16, gelu=True)
             h = h + norm(ffn, lw.post_ffn_norm, eps)
         return h
 
-    def forward_batch(self, h: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
-        """Several sequences' rows at once (model.batch_forward)."""
-        scale = self.params.embedding_scale if self.layer_start == 0 else None
-        return batch_forward(self, h, segments, scale)
+    def ensure_positions(self, n: int) -> None:
+        self.rope.ensure(n)
 
-    def logits_rows(self, h_rows: torch.Tensor) -> torch.Tensor:
-        """Logits [n, vocab] of n last hidden states, each as ``logits`` computes it."""
-        if not (self.head_fused and isinstance(self.head, NativeLinear)):
-            return torch.stack([self.logits(r) for r in h_rows])
-        out = self.head(h_rows, row_kinds=native.segment_kinds([1] * h_rows.shape[0]))
+    def _embedding_scale(self) -> float | None:
+        return self.params.embedding_scale if self.layer_start == 0 else None
+
+    def _cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.params.final_logit_softcap
         if cap > 0:
-            out = torch.tanh(out / cap) * cap
-        return out
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
-    def _native_layers(self) -> native.Layers | None:
-        """The layers as one foreign call (native.Layers, the same ops as forward()'s
-        loop) where every op has its native kernel; built on first use."""
-        if self._layers_tried:
-            return self._layers
-        self._layers_tried = True
-        cfg, lib, ropes = self.cfg, native.library(), self.rope.native
-        if lib is None or ropes is None or not self.attention_f16 or cfg.ffn % 16:
-            return None
-        if cfg.head_dim % 16:
-            return None
-        plans = []
-        for i, lw in enumerate(self.layers):
-            products = native_products(lw)
-            if products is None:
-                return None
-            plans.append(
-                native.LayerPlan(
-                    *products, ropes[lw.local], lw.q_norm, lw.k_norm, lw.post_attn_norm,
-                    lw.post_ffn_norm, geglu=True,
-                    window=self.params.sliding_window if lw.local else 0,
-                    round_scale=BOUNDARY_SCALE if i in self.round_before else 0.0,
-                    out_last=self.layer_start + i == cfg.n_layers - 1,
-                )
-            )  # fmt: skip
-        self._layers = native.Layers(
-            lib, cfg.hidden, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.ffn, cfg.eps, plans
-        )
-        return self._layers
+    def _final_norm(self, x: torch.Tensor, output_norm: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, output_norm, self.cfg.eps)
 
-    def logits(self, h_last: torch.Tensor) -> torch.Tensor:
-        """Logits [vocab] float32 of one hidden state [hidden]."""
-        if self.output_norm is None or self.head is None:
-            raise RuntimeError("this stage does not hold the output head")
-        if self.head_fused:
-            out = self.head(h_last.view(1, -1)).view(-1)
-        else:
-            x = _rms_norm(h_last.view(1, -1), self.output_norm, self.cfg.eps)
-            out = head_logits(self.head, x)
-        cap = self.params.final_logit_softcap
-        if cap > 0:
-            out = torch.tanh(out / cap) * cap
-        return out
+    def _native_ready(self) -> bool:
+        return self.rope.native is not None and self.cfg.head_dim % 16 == 0
+
+    def _layer_plan(
+        self, lw: Gemma3Layer, products: tuple[Any, Any, Any, Any], rounds: bool, out_last: bool
+    ) -> native.LayerPlan:
+        ropes = self.rope.native
+        assert ropes is not None  # _native_ready
+        return native.LayerPlan(
+            *products, ropes[lw.local], lw.q_norm, lw.k_norm, lw.post_attn_norm,
+            lw.post_ffn_norm, geglu=True,
+            window=self.params.sliding_window if lw.local else 0,
+            round_scale=BOUNDARY_SCALE if rounds else 0.0, out_last=out_last,
+        )  # fmt: skip
 
 
 def build_gemma3_stage_model(
-    f: GGUFFile,
-    cfg: ArchConfig,
-    b: WeightBuilder,
-    layer_start: int,
-    layer_end: int,
-    fp16_split_points: tuple[int, ...],
+    b: WeightBuilder, cfg: ArchConfig, span: range, fp16_split_points: tuple[int, ...]
 ) -> Gemma3StageModel:
-    """Weights of layers ``[layer_start, layer_end)`` (the head too for the last stage)."""
-    params = gemma3_params(f, cfg)
-    layers = [load_gemma3_layer(b, cfg, params, i) for i in range(layer_start, layer_end)]
-    output_norm, head = None, None
-    if layer_end == cfg.n_layers:
-        output_norm = b.vector("output_norm.weight")
-        head_name = "output.weight" if "output.weight" in f.tensors else "token_embd.weight"
-        head = b.linear([Part(head_name)])
-    rope = Gemma3Ropes(cfg, b.device)
-    return Gemma3StageModel(
-        cfg, params, layer_start, layers, rope, output_norm, head, fp16_split_points
-    )
+    """Gemma 3 weights of the layers in ``span`` (and the head for the model's last)."""
+    with torch.inference_mode():
+        params = gemma3_params(b.f, cfg)
+        layers = [load_gemma3_layer(b, cfg, params, i) for i in span]
+        output_norm, head = load_head(b, cfg, span.stop)
+        rope = Gemma3Ropes(cfg, b.device)
+        return Gemma3StageModel(
+            cfg, params, span.start, layers, rope, output_norm, head, fp16_split_points
+        )
