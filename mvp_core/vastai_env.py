@@ -5,7 +5,7 @@ The run's own Vast.ai settings (image, offers, timeouts) travel in the run reque
 that talks to Vast.ai is its secret and its operator's choices of where things are: the
 API key, the API's address, the SSH identity, a Temporal address rented hosts reach as it
 is, and how long one stop keeps destroying. The provider (``activities/providers/
-vastai.py``), the process host's configuration (``mvp_core/host_config.py``) and a rented
+vastai/``), the process host's configuration (``mvp_core/host_config.py``) and a rented
 node's self-destroy (``workers/node/self_destroy.py``) all read them through
 :meth:`VastAiEnvironment.from_env`, so every variable has one name, one default and one
 error text.

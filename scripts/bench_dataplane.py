@@ -28,9 +28,9 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
-from activities.models_store import DEFAULT_BUNDLED, fetch_bundled
 from mvp_core.models import EdgeKind
 from mvp_core.planner import plan_edges, stage_layer_ranges
+from mvp_io.model_store import DEFAULT_BUNDLED, fetch_bundled
 from workers.node.affinity import Placement, compute_set
 from workers.node.dataplane import DataPlaneServer, EdgeGroup, EdgeSpec
 from workers.node.engine import (

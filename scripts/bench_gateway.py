@@ -1,6 +1,6 @@
 """Gateway benchmark (not a test): time to first token and decode tokens/s of one 2-stage
 run of the bundled SmolLM2, through ``mvp-gateway`` (the official ``openai`` client,
-streamed and not) against ``temporal.client.stream_prompt`` straight to the run, and
+streamed and not) against ``temporal.client.RunHandle.stream`` straight to the run, and
 against llama-cpp-python's own OpenAI server on the same GGUF when llama_cpp is
 installed (``python -m llama_cpp.server --n_threads 2`` on loopback; ``--llama-server
 off`` leaves it out).
@@ -43,11 +43,11 @@ from typing import Any
 
 from openai import AsyncOpenAI
 
-from activities.models_store import DEFAULT_BUNDLED, fetch_bundled
 from mvp_core import names
 from mvp_core.models import Done, RequestShutdown, RunPhase, RunRequest, SubmitPrompt, TextDelta
 from mvp_core.run_state import RunState
-from temporal.client import start_run, stream_prompt
+from mvp_io.model_store import DEFAULT_BUNDLED, fetch_bundled
+from temporal.client import RunHandle
 from temporal.connect import connect
 from temporal.devserver import start_dev_server
 from workers.host.embedded import start_worker, stop_process
@@ -112,7 +112,7 @@ async def direct(client: Any, request_id: int, tokens: int, text: str = PROMPT) 
     start = time.perf_counter()
     first = last = None
     done: Done | None = None
-    async for ev in stream_prompt(client, RUN_ID, prompt):
+    async for ev in RunHandle(client, RUN_ID).stream(prompt):
         if isinstance(ev, TextDelta):
             last = time.perf_counter()
             first = first or last
@@ -262,7 +262,7 @@ async def bench(args: argparse.Namespace) -> Result:
             {"model": {"bundled": DEFAULT_BUNDLED}, "pipeline_stages": args.stages}
         )
         t0 = time.perf_counter()
-        handle = await start_run(client, RUN_ID, request)
+        handle = (await RunHandle.start(client, RUN_ID, request)).workflow
         while True:
             state = await handle.query(names.QUERY_SNAPSHOT, result_type=RunState)
             if state.phase is RunPhase.PROMPT_READY:

@@ -61,7 +61,6 @@ from typing import Any
 import psutil
 from temporalio.api.enums.v1 import EventType
 
-from activities.models_store import DEFAULT_BUNDLED, fetch_bundled
 from activities.providers.base import TEST_FAULTS_FILE_ENV
 from mvp_core import names
 from mvp_core.models import (
@@ -76,7 +75,8 @@ from mvp_core.models import (
 )
 from mvp_core.planner import stage_layer_ranges
 from mvp_core.run_state import RunState
-from temporal.client import find_prompt, stream_prompt
+from mvp_io.model_store import DEFAULT_BUNDLED, fetch_bundled
+from temporal.client import RunHandle
 from temporal.connect import TemporalSettings, connect, local_server_env
 from temporal.devserver import start_dev_server
 from workers.node.affinity import Placement, compute_set
@@ -207,7 +207,7 @@ async def one_prompt(client: Any, run_id: int, request_id: int, tokens: int) -> 
         admitted_at = time.time()
 
     prompt = SubmitPrompt(request_id=request_id, prompt_text="Once upon a time", max_tokens=tokens)
-    async for ev in stream_prompt(client, run_id, prompt, on_admitted=admitted):
+    async for ev in RunHandle(client, run_id).stream(prompt, on_admitted=admitted):
         if isinstance(ev, TextDelta) and first is None:
             first = time.perf_counter()
             first_at = time.time()
@@ -232,7 +232,7 @@ async def ttft_parts(client: Any, run_id: int, sample: Sample) -> dict[str, floa
     prompt workflow or one of the events is not found."""
     workflow_id = None
     for _ in range(50):  # a closed prompt reaches visibility a moment after it ends
-        workflow_id = await find_prompt(client, run_id, sample.request_id)
+        workflow_id = await RunHandle(client, run_id).find_prompt(sample.request_id)
         if workflow_id is not None:
             break
         await asyncio.sleep(0.1)

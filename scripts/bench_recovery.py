@@ -39,7 +39,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from activities.models_store import DEFAULT_BUNDLED, fetch_bundled
 from mvp_core import names
 from mvp_core.models import (
     Done,
@@ -49,9 +48,11 @@ from mvp_core.models import (
     SubmitPrompt,
     TextDelta,
 )
-from mvp_core.run_state import NodeState, RunState
+from mvp_core.run_records import NodeState
+from mvp_core.run_state import RunState
+from mvp_io.model_store import DEFAULT_BUNDLED, fetch_bundled
 from scripts.bench_gateway import _wait_for
-from temporal.client import RunHandle, start_run
+from temporal.client import RunHandle
 from temporal.connect import connect
 from temporal.devserver import start_dev_server
 from workers.host.embedded import start_worker, stop_process
@@ -199,7 +200,7 @@ async def bench_run(args: argparse.Namespace, stages: int, tmp: Path) -> list[Tr
                 "recovery": {"max_replacements": 100},
             }
         )
-        handle = await start_run(client, run_id, request)
+        handle = (await RunHandle.start(client, run_id, request)).workflow
         run = RunHandle(client, run_id)
         await _ready(run)
         for kill in args.kill:

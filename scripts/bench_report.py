@@ -162,7 +162,7 @@ class LoadMeter:
 
 def collect(quick: bool) -> dict[str, Any]:
     """Run every benchmark and return its figures (the JSON the report is written from)."""
-    from activities.models_store import DEFAULT_BUNDLED, fetch_bundled
+    from mvp_io.model_store import DEFAULT_BUNDLED, fetch_bundled
     from scripts import bench_engine, bench_gateway, bench_pipeline
     from workers.node.runtime import default_threads
 

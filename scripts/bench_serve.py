@@ -55,7 +55,6 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: scripts/ and the packages importable
     sys.path.insert(0, str(REPO))
 
-from activities.models_store import DEFAULT_BUNDLED, fetch_bundled  # noqa: E402
 from mvp_core import names  # noqa: E402
 from mvp_core.models import (  # noqa: E402
     PromptOutcome,
@@ -64,8 +63,9 @@ from mvp_core.models import (  # noqa: E402
     RunRequest,
 )
 from mvp_core.run_state import RunState  # noqa: E402
+from mvp_io.model_store import DEFAULT_BUNDLED, fetch_bundled  # noqa: E402
 from scripts.bench_gateway import _free_port, _wait_for  # noqa: E402
-from temporal.client import RunHandle, start_run  # noqa: E402
+from temporal.client import RunHandle  # noqa: E402
 from temporal.connect import connect  # noqa: E402
 from temporal.devserver import start_dev_server  # noqa: E402
 from workers.gateway.dashboard_view import finished_prompts  # noqa: E402
@@ -314,7 +314,7 @@ async def bench_run(args: argparse.Namespace, stages: int, tmp: Path) -> list[Le
                 "engine": {"threads": args.threads} if args.threads else {},
             }
         )
-        handle = await start_run(client, run_id, request)
+        handle = (await RunHandle.start(client, run_id, request)).workflow
         while True:
             state = await handle.query(names.QUERY_SNAPSHOT, result_type=RunState)
             if state.phase is RunPhase.PROMPT_READY:

@@ -19,7 +19,7 @@ import time
 from mvp_core import names
 from mvp_core.models import Done, RequestShutdown, RunPhase, RunRequest, SubmitPrompt, TextDelta
 from mvp_core.run_state import RunState
-from temporal.client import stream_prompt
+from temporal.client import RunHandle
 from temporal.connect import TemporalSettings, connect, local_server_env
 from temporal.devserver import start_dev_server
 
@@ -58,9 +58,7 @@ async def main(args: argparse.Namespace) -> None:
             start = time.perf_counter()
             first = None
             done = None
-            async for ev in stream_prompt(
-                client,
-                900,
+            async for ev in RunHandle(client, 900).stream(
                 SubmitPrompt(request_id=i, prompt_text="Once upon a time", max_tokens=64),
             ):
                 if isinstance(ev, TextDelta) and first is None:

@@ -59,7 +59,7 @@ from mvp_core.models import (
     SubmitPrompt,
     TextDelta,
 )
-from temporal.client import PromptRejected, start_prompt, stream_prompt, submit_prompt
+from temporal.client import PromptRejected, RunHandle
 from temporal.connect import TemporalSettings, connect
 from temporal.devserver import DevServer, start_dev_server
 from tests.helpers.runs import start_run, task_failures
@@ -129,7 +129,7 @@ async def failed(handle: WorkflowHandle[Any, Any], kind: str) -> None:
 
 
 async def streamed(ctx: Ctx, run_id: int, prompt: SubmitPrompt) -> Done | Fault:
-    events = [e async for e in stream_prompt(ctx.client, run_id, prompt)]
+    events = [e async for e in RunHandle(ctx.client, run_id).stream(prompt)]
     terminal = events[-1]
     check(isinstance(terminal, Done | Fault), f"terminal {terminal}")
     assert isinstance(terminal, Done | Fault)
@@ -141,7 +141,7 @@ async def direct(ctx: Ctx) -> WorkflowHandle[Any, Any]:
     """One stage, a submitted and a streamed prompt, operator stop by signal."""
     handle = await ctx.start(3101)
     await wait_phase(handle, RunPhase.PROMPT_READY)
-    r1 = await submit_prompt(ctx.client, 3101, SubmitPrompt(request_id=1, prompt_text="Hi"))
+    r1 = await RunHandle(ctx.client, 3101).submit(SubmitPrompt(request_id=1, prompt_text="Hi"))
     r2 = await streamed(ctx, 3101, SubmitPrompt(request_id=2, prompt_text="Once", max_tokens=4))
     check(isinstance(r1, Done) and isinstance(r2, Done), f"{r1} {r2}")
     await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=3101))
@@ -153,7 +153,7 @@ async def two_stages(ctx: Ctx) -> WorkflowHandle[Any, Any]:
     """Two stages, two prompts, operator stop by the request_shutdown_and_wait update."""
     handle = await ctx.start(3102, pipeline_stages=2)
     await wait_phase(handle, RunPhase.PROMPT_READY)
-    r1 = await submit_prompt(ctx.client, 3102, SubmitPrompt(request_id=1, prompt_text="Hi"))
+    r1 = await RunHandle(ctx.client, 3102).submit(SubmitPrompt(request_id=1, prompt_text="Hi"))
     r2 = await streamed(ctx, 3102, SubmitPrompt(request_id=2, prompt_text="Once", max_tokens=4))
     check(isinstance(r1, Done) and isinstance(r2, Done), f"{r1} {r2}")
     outcome = await handle.execute_update(
@@ -177,8 +177,8 @@ async def faulted(ctx: Ctx) -> WorkflowHandle[Any, Any]:
     state = await wait_phase(handle, RunPhase.PROMPT_READY)
     pid = node_pids(state)[0]
     events = []
-    async for ev in stream_prompt(
-        ctx.client, 3104, SubmitPrompt(request_id=1, prompt_text="Once upon a time")
+    async for ev in RunHandle(ctx.client, 3104).stream(
+        SubmitPrompt(request_id=1, prompt_text="Once upon a time")
     ):
         events.append(ev)
         if len(events) == 1:
@@ -197,7 +197,7 @@ async def cancelled(ctx: Ctx) -> WorkflowHandle[Any, Any]:
 
     async def active() -> Done | Fault:
         prompt = SubmitPrompt(request_id=1, prompt_text="Once upon a time", max_tokens=64)
-        async for ev in stream_prompt(ctx.client, 3105, prompt):
+        async for ev in RunHandle(ctx.client, 3105).stream(prompt):
             if isinstance(ev, TextDelta):
                 first_delta.set()
             else:
@@ -206,9 +206,9 @@ async def cancelled(ctx: Ctx) -> WorkflowHandle[Any, Any]:
 
     a = asyncio.ensure_future(active())
     await first_delta.wait()
-    b = await start_prompt(ctx.client, 3105, SubmitPrompt(request_id=2, prompt_text="Hi"))
-    c = await start_prompt(
-        ctx.client, 3105, SubmitPrompt(request_id=3, prompt_text="Hi", max_tokens=2)
+    b = await RunHandle(ctx.client, 3105).start_prompt(SubmitPrompt(request_id=2, prompt_text="Hi"))
+    c = await RunHandle(ctx.client, 3105).start_prompt(
+        SubmitPrompt(request_id=3, prompt_text="Hi", max_tokens=2)
     )
     await handle.signal(names.SIGNAL_CANCEL_PROMPT, CancelPrompt(request_id=2))  # pending
     t0 = time.monotonic()
@@ -230,8 +230,8 @@ async def malformed(ctx: Ctx) -> WorkflowHandle[Any, Any]:
     await wait_phase(handle, RunPhase.PROMPT_READY)
     await handle.signal(names.SIGNAL_CANCEL_PROMPT)
     await handle.signal(names.SIGNAL_STAGE_FAULT, "hello")
-    r = await submit_prompt(
-        ctx.client, 3107, SubmitPrompt(request_id=1, prompt_text="Hi", max_tokens=4)
+    r = await RunHandle(ctx.client, 3107).submit(
+        SubmitPrompt(request_id=1, prompt_text="Hi", max_tokens=4)
     )
     check(isinstance(r, Done), f"prompt {r}")
     await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN)
@@ -249,7 +249,7 @@ async def continue_as_new(ctx: Ctx) -> WorkflowHandle[Any, Any]:
         prompt = SubmitPrompt(request_id=i, prompt_text="Hi", max_tokens=4)
         while True:
             try:
-                r = await submit_prompt(ctx.client, 3106, prompt)
+                r = await RunHandle(ctx.client, 3106).submit(prompt)
                 break
             except PromptRejected as err:
                 check(err.kind == "RunRollingOver", f"rejection {err.kind}")
@@ -281,7 +281,7 @@ async def recovered(ctx: Ctx) -> WorkflowHandle[Any, Any]:
 
         async def one(rid: int, started: asyncio.Event) -> Done | Fault:
             prompt = SubmitPrompt(request_id=rid, prompt_text="1, 2, 3, 4,", max_tokens=48)
-            async for ev in stream_prompt(ctx.client, run_id, prompt):
+            async for ev in RunHandle(ctx.client, run_id).stream(prompt):
                 started.set()
                 if not isinstance(ev, TextDelta):
                     return ev

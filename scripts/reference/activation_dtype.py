@@ -16,9 +16,9 @@ import argparse
 import json
 from pathlib import Path
 
-from activities.models_store import DEFAULT_BUNDLED, GEMMA3_BUNDLED, fetch_bundled
 from mvp_core.models import ActivationDtype
 from mvp_core.planner import stage_layer_ranges
+from mvp_io.model_store import DEFAULT_BUNDLED, GEMMA3_BUNDLED, fetch_bundled
 from workers.node.engine import (
     EngineOptions,
     SamplingParams,
