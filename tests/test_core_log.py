@@ -12,6 +12,7 @@ from pathlib import Path
 from temporal import core_log
 from temporal.core_log import RepeatFilter
 from temporal.devserver import start_dev_server
+from tests.helpers.waits import wait_until
 from workers.host.embedded import start_worker, stop_process, worker_said_ready
 
 
@@ -52,18 +53,21 @@ def test_a_worker_whose_server_is_gone_says_so_once_per_poller(tmp_path: Path) -
     log = tmp_path / "worker.log"
     worker = start_worker(srv.address, tmp_path, log, {"MVP_REAPER_INTERVAL_S": "0"})
     try:
-        deadline = time.monotonic() + 120
-        while not worker_said_ready(log):
-            assert worker.poll() is None and time.monotonic() < deadline, log.read_text() + _tail(
-                tmp_path / "temporal.log"
-            )
-            time.sleep(0.2)
+
+        def ready() -> bool:
+            assert worker.poll() is None, log.read_text() + _tail(tmp_path / "temporal.log")
+            return worker_said_ready(log)
+
+        def warned() -> bool:
+            assert worker.poll() is None, log.read_text()
+            return "temporalio.core WARNING" in log.read_text()
+
+        wait_until(ready, timeout=120, what="the worker to say it is ready", interval=0.2)
         srv.stop()
         # The core retries each poll every fraction of a second to a few seconds: wait
-        # for its first warnings, then long enough for a dozen retries more.
-        while "temporalio.core WARNING" not in log.read_text():
-            assert worker.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        # for its first warnings, then watch a window of a dozen retries more (the
+        # behaviour under test: one line per poller in it, not a burst per retry).
+        wait_until(warned, timeout=120, what="the core's first warning", interval=0.2)
         time.sleep(15)
         text = log.read_text()
     finally:

@@ -16,6 +16,7 @@ from temporalio.worker import Worker
 from temporal.client import RunHandle
 from temporal.connect import connect
 from temporal.devserver import DevServer, start_dev_server
+from tests.helpers.waits import eventually
 
 
 @workflow.defn(name="CloseWatchChain", sandboxed=False)
@@ -69,8 +70,11 @@ async def test_it_returns_at_the_close_of_the_chain_not_at_its_continue_as_new(
         # run and the test would only be weaker, never fail for it).
         await asyncio.sleep(0.5)
         await run.workflow.signal(Chain.next)
-        while (await run.workflow.describe()).run_id == first:  # the next run is up
-            await asyncio.sleep(0.05)
+
+        async def next_run_up() -> bool:
+            return (await run.workflow.describe()).run_id != first
+
+        await eventually(next_run_up, timeout=30, what="the chain's next run")
         assert await _still_waiting(closed)
         await run.workflow.signal(Chain.next)
         await asyncio.wait_for(closed, 30)

@@ -17,6 +17,8 @@ from mvp_core import metrics, names
 from temporal import telemetry
 from temporal.telemetry import TelemetryChoice, TelemetryConfigError
 
+pytestmark = pytest.mark.quick
+
 
 @pytest.fixture(autouse=True)
 def fresh() -> Iterator[None]:

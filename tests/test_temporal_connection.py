@@ -20,6 +20,8 @@ from temporal.connect import (
     without_connection_env,
 )
 
+pytestmark = pytest.mark.quick
+
 KEY = "tmprl-test-key-0a1b2c3d4e5f"
 CA_PEM = "-----BEGIN CERTIFICATE-----\nMIIBfake\n-----END CERTIFICATE-----\n"
 

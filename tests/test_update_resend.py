@@ -9,7 +9,7 @@ from temporalio.api.common.v1 import GrpcStatus
 from temporalio.api.errordetails.v1 import WorkflowNotReadyFailure
 from temporalio.service import RPCError, RPCStatusCode
 
-from temporal import client as run_client
+from temporal.client import updates as run_client
 
 
 def _error(not_ready: bool) -> RPCError:
@@ -32,7 +32,7 @@ async def test_not_ready_is_resent_until_it_goes_through(monkeypatch: pytest.Mon
             raise _error(not_ready=True)
         return "admitted"
 
-    assert await run_client._resent_when_not_ready(send) == "admitted"
+    assert await run_client.resent_when_not_ready(send) == "admitted"
     assert calls == 3
 
 
@@ -48,11 +48,11 @@ async def test_other_rpc_errors_and_a_lasting_not_ready_are_raised(
         raise _error(not_ready=False)
 
     with pytest.raises(RPCError):
-        await run_client._resent_when_not_ready(other)
+        await run_client.resent_when_not_ready(other)
     assert calls == 1
 
     async def never() -> str:
         raise _error(not_ready=True)
 
     with pytest.raises(RPCError):
-        await run_client._resent_when_not_ready(never)
+        await run_client.resent_when_not_ready(never)

@@ -27,7 +27,6 @@ from typing import Any
 
 import psutil
 from pydantic import TypeAdapter
-from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import (
     Client,
     WorkflowExecutionStatus,
@@ -38,7 +37,6 @@ from temporalio.client import (
 from temporalio.contrib.workflow_streams import WorkflowStreamClient
 from temporalio.service import RPCError
 
-from activities.models_store import DEFAULT_BUNDLED
 from mvp_core import names
 from mvp_core.models import (
     Done,
@@ -53,12 +51,21 @@ from mvp_core.models import (
     SubmitPrompt,
     TextDelta,
 )
-from mvp_core.run_state import NodeState, RunState
-from temporal.client import start_prompt
+from mvp_core.run_records import NodeState
+from mvp_core.run_state import RunState
+from mvp_io.model_store import DEFAULT_BUNDLED
+from temporal.client import RunHandle
 from temporal.connect import connect
 from temporal.devserver import DevServer, start_dev_server, temporal_binary
 from tests.helpers.runs import start_run
-from tests.integration.conftest import OrchestratorProcess, harness_env, node_processes, snapshot
+from tests.helpers.waits import eventually
+from tests.integration.conftest import (
+    OrchestratorProcess,
+    activity_started,
+    harness_env,
+    node_processes,
+    snapshot,
+)
 
 _EVENT: TypeAdapter[TextDelta | Done | Fault] = TypeAdapter(PromptEvent)
 _TERMINAL: Any = PromptTerminal
@@ -340,7 +347,7 @@ class Probe:
         cls, client: Client, run_id: int, request_id: int, text: str, max_tokens: int
     ) -> Probe:
         prompt = SubmitPrompt(request_id=request_id, prompt_text=text, max_tokens=max_tokens)
-        handle = await start_prompt(client, run_id, prompt)
+        handle = await RunHandle(client, run_id).start_prompt(prompt)
         return cls(client, run_id, request_id, handle.id)
 
     async def _watch_stream(self) -> None:
@@ -416,34 +423,47 @@ async def until_phase(
 ) -> RunState:
     """Poll ``snapshot`` until the run reports ``phase`` (and ``extra`` holds); a run
     that is already past it, or stopping, is a missed phase (CellError)."""
-    deadline = time.monotonic() + timeout
     want = _PHASE_ORDER.index(phase)
     last: RunState | None = None
-    while time.monotonic() < deadline:
+
+    async def reached() -> RunState | None:
+        nonlocal last
         try:
             last = await snapshot(handle)
-        except RPCError:
-            await asyncio.sleep(0.2)
-            continue
+        except RPCError:  # an outage: ask again
+            return None
         if last.phase == phase and (extra is None or extra(last)):
             return last
         if last.phase in _PHASE_ORDER and _PHASE_ORDER.index(last.phase) > want:
             raise CellError(f"phase {phase.value} missed: the run is already {last.phase.value}")
         if last.stopping and phase not in (RunPhase.TEARING_DOWN, RunPhase.TORN_DOWN):
             raise CellError(f"run stopped before {phase.value}: {last.first_fault}")
-        await asyncio.sleep(interval)
-    raise CellError(
-        f"phase {phase.value} not reached in {timeout:.0f} s; last {last and last.phase}"
+        return None
+
+    return await cell_wait(
+        reached,
+        timeout,
+        f"phase {phase.value}",
+        interval=interval,
+        detail=lambda: f"last phase: {last and last.phase}",
     )
 
 
-async def activity_started(handle: WorkflowHandle[Any, Any], activity: str) -> bool:
-    desc = await handle.describe()
-    return any(
-        pa.activity_type.name == activity
-        and pa.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
-        for pa in desc.raw_description.pending_activities
-    )
+async def cell_wait(
+    predicate: Callable[[], Any],
+    timeout: float,
+    what: str,
+    interval: float = 0.05,
+    detail: Callable[[], str] | None = None,
+) -> Any:
+    """``eventually``, its timeout a CellError: a step of the cell out of time is the
+    cell's problem to report, as any other."""
+    try:
+        return await eventually(
+            predicate, timeout=timeout, what=what, interval=interval, detail=detail
+        )
+    except AssertionError as err:
+        raise CellError(str(err)) from None
 
 
 def progress(state: RunState) -> str:
@@ -540,11 +560,15 @@ async def close_of(handle: WorkflowHandle[Any, Any], timeout: float) -> tuple[st
 
 
 async def final_state(handle: WorkflowHandle[Any, Any]) -> RunState | None:
-    for _ in range(20):
-        try:
+    """The run's state, asked for up to 10 s through an outage; None if it never answers."""
+
+    async def asked() -> RunState | None:
+        with contextlib.suppress(RPCError):
             return await snapshot(handle)
-        except RPCError:
-            await asyncio.sleep(0.5)
+        return None
+
+    with contextlib.suppress(AssertionError):
+        return await eventually(asked, timeout=10, what="the run's state", interval=0.5)
     return None
 
 
@@ -579,11 +603,14 @@ def started_twice(
 async def leaked_nodes(state_dir: Path, grace_s: float) -> tuple[list[int], float]:
     """Node processes still alive after ``grace_s``; and how long the last one lived."""
     t0 = time.monotonic()
-    while True:
-        alive = [p.pid for p in node_processes(state_dir)]
-        if not alive or time.monotonic() - t0 >= grace_s:
-            return alive, time.monotonic() - t0
-        await asyncio.sleep(0.2)
+    with contextlib.suppress(AssertionError):  # some outlived the grace: reported below
+        await eventually(
+            lambda: node_processes(state_dir) == [],
+            timeout=grace_s,
+            what="no node process left",
+            interval=0.2,
+        )
+    return [p.pid for p in node_processes(state_dir)], time.monotonic() - t0
 
 
 async def judge(
@@ -765,11 +792,9 @@ async def orch_kill_planning(sc: Scope, res: Result) -> None:
     orch = await sc.orchestrator("a")
     handle = await sc.start_run(run_id, 1, {"MVP_FAULT_PLAN_DELAY_S": "4"})
     await until_phase(handle, RunPhase.PLANNING, timeout=30)
-    deadline = time.monotonic() + 30
-    while not await activity_started(handle, names.ACT_PREPARE_PLAN):
-        if time.monotonic() > deadline:
-            raise CellError("prepare_plan never started")
-        await asyncio.sleep(0.05)
+    await cell_wait(
+        lambda: activity_started(handle, names.ACT_PREPARE_PLAN), 30, "prepare_plan to start"
+    )
     await until_phase(handle, RunPhase.PLANNING, timeout=5)
     orch.kill9()
     res.fault_at = time.monotonic()
@@ -787,13 +812,12 @@ async def orch_kill_provisioning(sc: Scope, res: Result) -> None:
         gate.allow(2)
         orch = await sc.orchestrator("a", MVP_EDGE_SECRET="")
         handle = await sc.start_run(run_id, 2)
-        deadline = time.monotonic() + 60
-        while gate.waiting < 1 or gate.served < 2:
-            if time.monotonic() > deadline:
-                raise CellError(
-                    f"the edge secret was read {gate.served} time(s), {gate.waiting} held"
-                )
-            await asyncio.sleep(0.05)
+        await cell_wait(
+            lambda: gate.waiting >= 1 and gate.served >= 2,
+            60,
+            "the edge secret read twice and a third read held",
+            detail=lambda: f"read {gate.served} time(s), {gate.waiting} held",
+        )
         state = await until_phase(
             handle,
             RunPhase.PROVISIONING,
@@ -1095,7 +1119,9 @@ async def server_outage_generation(sc: Scope, res: Result) -> None:
     await probe.wait(90)
     if probe.result is not None and probe.result.type == "fault":
         res.notes.append(f"prompt 1: {probe.result.error}")
-    await asyncio.sleep(3)  # past the run's 2 s grace for a suspected fault
+    # Past the run's 2 s grace for a suspected fault: a window for a fault that must not
+    # come (nothing to wait for).
+    await asyncio.sleep(3)
     after = await snapshot(handle)
     if after.stopping:
         res.problem(f"the run faulted with every node alive: {after.first_fault}")

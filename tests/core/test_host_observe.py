@@ -5,7 +5,8 @@ from __future__ import annotations
 from mvp_core import datastream as ds
 from mvp_core.host_observe import observe
 from mvp_core.models import LifecycleKind, NodeHandle, NodeRuntimeReady, ProviderKind
-from mvp_core.run_state import MAX_PROMPT_REPORTS, NodeState, RunState
+from mvp_core.run_records import NodeState
+from mvp_core.run_state import MAX_PROMPT_REPORTS, RunState
 
 
 def state() -> RunState:

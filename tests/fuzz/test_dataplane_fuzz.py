@@ -13,6 +13,7 @@ tries the same cases. Each test prints how many cases it ran (`pytest -s` shows 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -33,6 +34,7 @@ from hypothesis import strategies as st
 
 from mvp_core.edge_auth import TEXT_STREAM_EDGE_ID
 from mvp_core.models import ActivationDtype
+from tests.helpers.waits import wait_until
 from workers.node.dataplane import (
     FLAG_ABORT,
     FLAG_BEGIN,
@@ -128,20 +130,23 @@ def no_leaks() -> Iterator[None]:
     threads_before = set(threading.enumerate())
     fds_before = _fds()
     yield
-    deadline = time.monotonic() + 3.0
-    while True:
-        extra_threads = [t for t in threading.enumerate() if t not in threads_before]
-        extra_fds = _fds() - fds_before
-        if (not extra_threads and not extra_fds) or time.monotonic() > deadline:
-            break
-        time.sleep(0.01)
-    assert not extra_threads, f"threads left running: {extra_threads}"
-    leaked = {
-        fd: os.readlink(f"/proc/self/fd/{fd}")
-        for fd in extra_fds
-        if os.path.exists(f"/proc/self/fd/{fd}")
-    }
-    assert not leaked, f"file descriptors left open: {leaked}"
+
+    def left() -> tuple[list[threading.Thread], dict[str, str]]:
+        """The threads, and the file descriptors with what they are, not there before."""
+        threads = [t for t in threading.enumerate() if t not in threads_before]
+        fds: dict[str, str] = {}
+        for fd in _fds() - fds_before:
+            with contextlib.suppress(OSError):  # gone meanwhile (the listing's own)
+                fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        return threads, fds
+
+    wait_until(
+        lambda: left() == ([], {}),
+        timeout=10,
+        what="no thread or file descriptor left behind",
+        interval=0.01,
+        detail=lambda: "threads left running, file descriptors left open: {}, {}".format(*left()),
+    )
 
 
 # --------------------------------------------------------------------------- helpers

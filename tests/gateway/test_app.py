@@ -17,7 +17,8 @@ from temporalio.service import RPCError, RPCStatusCode
 from mvp_core.errors import ErrorType
 from mvp_core.models import ChatMessage, Done, Fault, SubmitPrompt, TextDelta
 from temporal.client import PromptRejected
-from workers.gateway.app import ServedModel, create_app
+from workers.gateway.app import create_app
+from workers.gateway.service import ServedModel
 from workers.gateway.stops import StopMatcher, cut_at_stop
 from workers.gateway.wire import ApiError, ChatRequest, CompletionRequest, parse_body
 

@@ -34,7 +34,8 @@ from mvp_core.models import (
     ShutdownReason,
 )
 from mvp_core.planner import build_plan
-from mvp_core.run_state import NodeState, RunState
+from mvp_core.run_records import NodeState
+from mvp_core.run_state import RunState
 from workers.gateway.app import create_app
 from workers.gateway.dashboard import (
     STREAM_PUBLISH_SIGNAL,

@@ -5,17 +5,18 @@ activity makes them, and the dashboard's ``Observer`` over a scripted Temporal s
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Collection
 from typing import Any
 
 import pytest
 
 import workers.gateway.dashboard as dashboard
-from activities.datastream_io import Datastream, LiveSubscribers
 from mvp_core import datastream as ds
 from mvp_core.models import DatastreamAddress, LifecycleKind, LifecycleReport
 from mvp_core.run_state import RunState
+from mvp_io.datastream import Datastream, LiveSubscribers
 from tests.gateway.test_dashboard import HOST, SECRET, FakeSource, serving_state
+from tests.helpers.waits import eventually
 from workers.gateway.dashboard import LocalLogs, LogTail, Observer
 from workers.gateway.dashboard_feed import DatastreamFeed, event_text, node_of_log_channel
 
@@ -61,17 +62,6 @@ def watched(src: FakeSource) -> Observer:
     return Observer(src, RUN, logs=CountedLogs(), feed=feed, others=False)  # type: ignore[arg-type]
 
 
-async def until(what: Callable[[], Any], label: str, timeout_s: float = 10.0) -> None:
-    """Wait for ``what()`` to be true: the feed reads on the event loop, so each check
-    yields to it; bounded, so a feed that never reads fails with what it waited for."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            while not what():
-                await asyncio.sleep(0.01)
-    except TimeoutError:
-        raise AssertionError(f"never: {label}") from None
-
-
 def publish_start(stream: Datastream) -> None:
     stream.publish(
         ds.CHANNEL_BOOTSTRAP,
@@ -109,7 +99,12 @@ async def test_the_served_runs_log_lines_and_events_come_from_its_datastream(
     obs = watched(src)
     try:
         await obs.observe()  # learns the address and starts following it
-        await until(lambda: obs.feed.frames >= 6, "the stream's first frames read")
+        await eventually(
+            lambda: obs.feed.frames >= 6,
+            timeout=10,
+            what="the stream's first frames read",
+            interval=0.01,
+        )
         logs = obs.logs
         assert isinstance(logs, CountedLogs)
         logs.read.clear()
@@ -153,16 +148,25 @@ async def test_the_served_runs_log_lines_and_events_come_from_its_datastream(
         # No page open: the feed stops; a page that opens again gets the stream's replay,
         # not the lines twice.
         obs.idle()
-        await until(lambda: not obs.feed.live, "the feed paused")
+        await eventually(
+            lambda: not obs.feed.live, timeout=10, what="the feed paused", interval=0.01
+        )
         frames_before = obs.feed.frames
         await obs.observe()
-        await until(lambda: obs.feed.live and obs.feed.frames >= frames_before, "resumed")
+        await eventually(
+            lambda: obs.feed.live and obs.feed.frames >= frames_before,
+            timeout=10,
+            what="resumed",
+            interval=0.01,
+        )
         lines = (await obs.observe()).runs[0].stages[0].log.lines  # type: ignore[union-attr]
         assert lines.count("prompt 11 done") == 1, lines
 
         # The stream closes with the run: what was read stays, and the page says it ended.
         await asyncio.to_thread(ds_stream.close, 2.0)
-        await until(lambda: obs.feed.ended, "the stream's end seen")
+        await eventually(
+            lambda: obs.feed.ended, timeout=10, what="the stream's end seen", interval=0.01
+        )
         view = (await obs.observe()).runs[0]
         assert view.datastream == f"the run's datastream at {live.address} ended"
         assert view.stages[0].log is not None and view.stages[0].log.source == "datastream"
@@ -188,7 +192,12 @@ async def test_a_datastream_elsewhere_or_unreachable_is_a_note_and_files_stay(
         # On this host but nobody listening (the activity gone): a note, retried later.
         src.states["mvp-run-7"] = with_datastream("127.0.0.1:9")
         await obs.observe()
-        await until(lambda: obs.feed.note is not None and "cannot follow" in obs.feed.note, "note")
+        await eventually(
+            lambda: obs.feed.note is not None and "cannot follow" in obs.feed.note,
+            timeout=10,
+            what="note",
+            interval=0.01,
+        )
         view = (await obs.observe()).runs[0]
         assert view.datastream is not None and view.datastream.startswith(
             "cannot follow the run's datastream at 127.0.0.1:9"

@@ -8,11 +8,12 @@ import contextlib
 import shutil
 import signal
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import docker
+
+from tests.helpers.waits import wait_until
 
 # Where the test daemon allocates run networks (a /24 each): away from the usual
 # 172.17-31 ranges, so that a host daemon and this one do not fight over addresses.
@@ -71,16 +72,20 @@ def start_dockerd(root: Path, timeout_s: float = 30.0) -> Dockerd:
         start_new_session=True,
     )
     daemon = Dockerd(proc, root)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def answers() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(
                 f"dockerd exited: {(root / 'dockerd.log').read_text(errors='replace')[-2000:]}"
             )
         if sock.exists():
             with contextlib.suppress(docker.errors.DockerException):
-                docker.DockerClient(base_url=daemon.host, timeout=5).ping()
-                return daemon
-        time.sleep(0.2)
-    daemon.stop()
-    raise RuntimeError("dockerd did not become ready")
+                return bool(docker.DockerClient(base_url=daemon.host, timeout=5).ping())
+        return False
+
+    try:
+        wait_until(answers, timeout=timeout_s, what="dockerd to answer a ping", interval=0.2)
+    except BaseException:
+        daemon.stop()
+        raise
+    return daemon

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import gzip
 import threading
-import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+from tests.helpers.waits import wait_until
 
 
 @dataclass(frozen=True)
@@ -82,12 +83,21 @@ class Collector:
             return list(self.spans)
 
     def wait_for(self, predicate: Any, timeout: float = 20.0) -> list[Span]:
-        deadline = time.monotonic() + timeout
-        while True:
+        """The spans received, once ``predicate(spans)`` holds."""
+
+        def met() -> list[Span] | None:
             spans = self.snapshot()
-            if predicate(spans) or time.monotonic() > deadline:
-                return spans
-            time.sleep(0.1)
+            return spans if predicate(spans) else None
+
+        got = wait_until(
+            met,
+            timeout=timeout,
+            what="the spans the test waits for",
+            interval=0.1,
+            detail=lambda: f"spans: {sorted({s.name for s in self.snapshot()})}",
+        )
+        assert got is not None
+        return got
 
     def stop(self) -> None:
         if self.server is not None:

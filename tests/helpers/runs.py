@@ -4,12 +4,21 @@ orchestrator worker's logs for workflow task failures."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from temporal.client import start_run
+from temporalio.client import Client, WorkflowHandle
+
+from mvp_core.models import RunRequest
+from temporal.client import RunHandle
 
 __all__ = ["TASK_FAILURE_MARKS", "log_sizes", "node_output", "start_run", "task_failures"]
 
 TASK_FAILURE_MARKS = ("Failed handling activation", "TMPRL1101")
+
+
+async def start_run(client: Client, run_id: int, request: RunRequest) -> WorkflowHandle[Any, Any]:
+    """Run ``run_id`` started as the hosts start it (``RunHandle.start``): its workflow."""
+    return (await RunHandle.start(client, run_id, request)).workflow
 
 
 def log_sizes(log_dir: Path) -> dict[Path, int]:

@@ -18,7 +18,6 @@ import pwd
 import shutil
 import socket
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +25,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+
+from tests.helpers.waits import wait_until
 
 SERVER_NAME = "localhost"
 
@@ -236,16 +237,21 @@ def start_grpc_tls_proxy(
             stdout=err,
             stderr=subprocess.STDOUT,
         )
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def listening() -> bool:
         if proc.poll() is not None:
             tail = (directory / "stderr.log").read_text(errors="replace")[-1000:]
             raise RuntimeError(f"nginx exited with {proc.returncode}: {tail}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return GrpcTlsProxy(proc, port, directory)
+                return True
         except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    proc.wait(5)
-    raise RuntimeError(f"nginx did not listen on 127.0.0.1:{port} within {timeout_s:.0f} s")
+            return False
+
+    try:
+        wait_until(listening, timeout=timeout_s, what=f"nginx to listen on 127.0.0.1:{port}")
+    except BaseException:
+        proc.kill()
+        proc.wait(5)
+        raise
+    return GrpcTlsProxy(proc, port, directory)

@@ -9,21 +9,11 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from activities.datastream_io import (
-    Datastream,
-    FrameArchive,
-    LiveSubscribers,
-    LogTailer,
-    Sink,
-    parse_address,
-    read_frame_lines,
-)
 from mvp_core import datastream as core
 from mvp_core.datastream import (
     CORE_CHANNELS,
@@ -35,9 +25,19 @@ from mvp_core.datastream import (
     frame_line,
 )
 from mvp_core.models import LifecycleKind, LifecycleReport
+from mvp_io.datastream import (
+    Datastream,
+    FrameArchive,
+    LiveSubscribers,
+    LogTailer,
+    Sink,
+    parse_address,
+    read_frame_lines,
+)
+from tests.helpers.waits import wait_until
 from workers.host import follow as follow_mod
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.quick, pytest.mark.timeout(120)]
 
 FRAME_KEYS = [
     "arrival_seq",
@@ -49,14 +49,6 @@ FRAME_KEYS = [
     "position",
     "payload",
 ]
-
-
-def wait_until(pred: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 class Collect(Sink):
@@ -274,7 +266,7 @@ def test_a_secret_never_reaches_the_archive_or_a_subscriber(tmp_path: Path) -> N
         redactor=Redactor([SECRET]),
     )
     reader = Reader(live.address)
-    wait_until(lambda: live.subscriber_count == 1, what="subscriber")
+    wait_until(lambda: live.subscriber_count == 1, timeout=20, what="subscriber")
     log = tmp_path / "node.log"
     log.write_text(f"starting with {SECRET}\nHF_TOKEN={HF}\n")
     tailer = LogTailer(ds, log, node_id=3)
@@ -286,7 +278,7 @@ def test_a_secret_never_reaches_the_archive_or_a_subscriber(tmp_path: Path) -> N
     ds.publish("mvp.worker.text", f"raw {HF}")
     ds.publish(f"mvp.worker.{SECRET}", {}, source=SECRET, stream=SECRET)
     n = ds.published
-    wait_until(lambda: len(reader.lines) >= n, what="subscriber lines")
+    wait_until(lambda: len(reader.lines) >= n, timeout=20, what="subscriber lines")
     tailer.stop()
     ds.close()
     reader.close()
@@ -312,7 +304,9 @@ def test_archive_appends_creates_dirs_and_continues_arrival_seq(tmp_path: Path) 
     for i in range(5):
         ds.bootstrap("config", "observed", {"i": i})
     # flushed per record: readable before close
-    wait_until(lambda: path.exists() and path.read_text().count("\n") == 5, what="5 lines")
+    wait_until(
+        lambda: path.exists() and path.read_text().count("\n") == 5, timeout=20, what="5 lines"
+    )
     ds.close()
     first = read_frame_lines(path.read_text())
     assert len(first) == 6  # 5 + the closing summary
@@ -367,14 +361,14 @@ def test_a_subscriber_that_never_reads_does_not_block_publish() -> None:
     ds = Datastream(run_id=7, node_id=1, sinks=[live], summary_interval_s=None)
     stuck = socket.create_connection(parse_address(live.address)[1])
     stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    wait_until(lambda: live.subscriber_count == 1, what="subscriber")
+    wait_until(lambda: live.subscriber_count == 1, timeout=20, what="subscriber")
     pad = "x" * 1000
     t0 = time.monotonic()
     for i in range(50_000):
         ds.node_log(3, "Stdout", f"{i} {pad}")
     elapsed = time.monotonic() - t0
     assert elapsed < 30, f"publish took {elapsed:.1f}s"
-    wait_until(lambda: live.queued == 0, what="the sink's queue to drain")
+    wait_until(lambda: live.queued == 0, timeout=20, what="the sink's queue to drain")
     assert ds.drops["subscribers"] > 0
     t0 = time.monotonic()
     ds.close(timeout_s=5.0)
@@ -388,13 +382,13 @@ def test_two_subscribers_each_get_every_frame_in_order(tmp_path: Path) -> None:
     ds = Datastream(run_id=7, node_id=1, sinks=[live], summary_interval_s=None)
     early = ds.published
     ds.bootstrap("config", "ready")  # before anyone attached: nobody gets it
-    wait_until(lambda: live.queued == 0)
+    wait_until(lambda: live.queued == 0, timeout=20, what="the sink's queue to drain")
     a, b = Reader(live.address), Reader(live.address)
-    wait_until(lambda: live.subscriber_count == 2, what="two subscribers")
+    wait_until(lambda: live.subscriber_count == 2, timeout=20, what="two subscribers")
     for i in range(2000):
         ds.node_log(3, "Stdout", str(i))
     ds.close()
-    wait_until(lambda: len(a.lines) >= 2001 and len(b.lines) >= 2001, what="frames")
+    wait_until(lambda: len(a.lines) >= 2001 and len(b.lines) >= 2001, timeout=20, what="frames")
     for r in (a, b):
         logs = [x for x in r.lines if x["channel"] == "mvp.provisioning.logs.node.3.stdout"]
         assert [decode_payload(x)["line"]["line"] for x in logs] == [str(i) for i in range(2000)]
@@ -416,7 +410,7 @@ def test_unix_socket_subscribers_and_the_follow_client(tmp_path: Path) -> None:
     got: list[int] = []
     t = threading.Thread(target=lambda: got.append(follow_mod.follow(live.address, out)))
     t.start()
-    wait_until(lambda: live.subscriber_count == 1, what="follower")
+    wait_until(lambda: live.subscriber_count == 1, timeout=20, what="follower")
     ds.bootstrap("config", "ready")
     ds.node_log(3, "Stdout", "hello")
     ds.close()
@@ -471,14 +465,14 @@ def test_log_tailer_follows_a_growing_file_and_flushes_the_last_line(tmp_path: P
     with open(log, "ab") as f:
         f.write(b"one\r\ntwo\n")
         f.flush()
-        wait_until(lambda: len(sink.frames) == 2, what="two lines")
+        wait_until(lambda: len(sink.frames) == 2, timeout=20, what="two lines")
         f.write(b"thr")
         f.flush()
         time.sleep(0.1)
         assert len(sink.frames) == 2  # not a complete line yet
         f.write(b"ee\nfour")
         f.flush()
-        wait_until(lambda: len(sink.frames) == 3, what="three lines")
+        wait_until(lambda: len(sink.frames) == 3, timeout=20, what="three lines")
     tailer.stop()
     records = sink.records()
     assert [r["line"]["line"] for r in records] == ["one", "two", "three", "four"]
@@ -557,13 +551,17 @@ def test_a_late_subscriber_gets_the_replay_then_every_new_frame_once() -> None:
     ds = Datastream(run_id=8, node_id=0, sinks=[live], summary_interval_s=None)
     for i in range(5):
         ds.node_log(1, "Stdout", f"early {i}")
-    wait_until(lambda: live.queued == 0)
+    wait_until(lambda: live.queued == 0, timeout=20, what="the sink's queue to drain")
     late = Reader(live.address)
-    wait_until(lambda: live.subscriber_count == 1, what="a subscriber")
+    wait_until(lambda: live.subscriber_count == 1, timeout=20, what="a subscriber")
     for i in range(3):
         ds.node_log(1, "Stderr", f"later {i}")
     ds.close()
-    wait_until(lambda: any(x["channel"] == "mvp.orch.bootstrap" for x in late.lines), what="end")
+    wait_until(
+        lambda: any(x["channel"] == "mvp.orch.bootstrap" for x in late.lines),
+        timeout=20,
+        what="end",
+    )
     got = [decode_payload(x)["line"]["line"] for x in late.lines if "logs" in x["channel"]]
     # the last 3 frames before it attached (the bound), then each later one, none twice
     assert got == ["early 2", "early 3", "early 4", "later 0", "later 1", "later 2"], got

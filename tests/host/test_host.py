@@ -13,12 +13,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
+
+from tests.helpers.waits import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 SECRET = "hf_hostTestSecret_9c2e4a7b1d0f"
@@ -77,12 +79,20 @@ class HostProcess:
         return self.stderr_path.read_text(errors="replace")
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while READY_MARK not in self.stderr:
+        self.wait_while_running(
+            lambda: READY_MARK in self.stderr, timeout, "the host to say it is ready"
+        )
+
+    def wait_while_running(self, ready: Callable[[], bool], timeout: float, what: str) -> None:
+        """Until ``ready()``, noting the host's descendants on the way; the host exiting
+        first fails at once, with its stderr."""
+
+        def check() -> bool:
             assert self.proc.poll() is None, self.stderr
-            assert time.monotonic() < deadline, self.stderr
             self._note_descendants()
-            time.sleep(0.1)
+            return ready()
+
+        wait_until(check, timeout=timeout, what=what, interval=0.1, detail=lambda: self.stderr)
         self._note_descendants()
 
     def _note_descendants(self) -> None:
@@ -191,10 +201,13 @@ def prompt(
 
 def assert_clean_exit(host: HostProcess, code: int) -> list[dict[str, Any]]:
     assert code == 0, host.stderr
-    deadline = time.monotonic() + 10
-    while host.left_running() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert host.left_running() == [], host.left_running()
+    wait_until(
+        lambda: host.left_running() == [],
+        timeout=10,
+        what="nothing the host started left running",
+        interval=0.2,
+        detail=lambda: repr(host.left_running()),
+    )
     records = host.records()
     kinds = [r["record"].get("kind") for r in records if r["record"].get("type") == "OrchLifecycle"]
     assert kinds[0] == "RunAccepted" and kinds[-1] == "RunTornDown", kinds
@@ -492,13 +505,11 @@ def test_a_stop_during_startup_exits_0_with_nothing_left(tmp_path: Path, hosts: 
     faults.write_text(json.dumps({"1": {"MVP_FAULT_PLAN_DELAY_S": "300"}}))
     host = HostProcess(tmp_path, env={"MVP_TEST_FAULTS_FILE": str(faults)})
     hosts.append(host)
-    deadline = time.monotonic() + 120
-    while "RunPlanningStarted" not in (host.archive.read_text() if host.archive.exists() else ""):
-        assert host.proc.poll() is None, host.stderr
-        assert time.monotonic() < deadline, host.stderr
-        host._note_descendants()
-        time.sleep(0.1)
-    host._note_descendants()
+    host.wait_while_running(
+        lambda: host.archive.exists() and "RunPlanningStarted" in host.archive.read_text(),
+        120,
+        "RunPlanningStarted in the archive",
+    )
     assert host.proc.stdin is not None
     host.proc.stdin.write(b"stop\n")
     host.proc.stdin.flush()
@@ -529,14 +540,14 @@ def test_mvp_chat_in_a_terminal_streams_two_prompts_and_ctrl_d_exits(
                 [*tmux, "capture-pane", "-p", "-t", session], capture_output=True, text=True
             ).stdout
 
-        def wait_for(pred: Any, timeout: float = 60.0) -> str:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
+        def wait_for(pred: Callable[[str], bool]) -> str:
+            def shown() -> str:
                 text = screen()
-                if pred(text):
-                    return text
-                time.sleep(0.2)
-            raise AssertionError(screen())
+                return text if pred(text) else ""
+
+            return wait_until(
+                shown, timeout=60, what="the chat's screen", interval=0.2, detail=screen
+            )
 
         wait_for(lambda s: "prompt:>" in s)  # (the pane drops trailing spaces)
         subprocess.run(

@@ -15,19 +15,20 @@ from typing import Any
 import pytest
 
 import workers.host.main as host_main
-from activities import models_store
-from activities.models_store import (
+from mvp_core.host_config import HostConfig, HubGguf
+from mvp_core.models import HubModel, ModelSource
+from mvp_io import model_store
+from mvp_io.model_store import (
     DownloadCancelled,
     HubUnreachableError,
     ModelSourceError,
     fetch_hub,
     resolve_model,
 )
-from mvp_core.host_config import HostConfig, HubGguf
-from mvp_core.models import HubModel, ModelSource
 from tests.helpers.hub_standin import HubStandin, tiny_gguf
-from workers.host import demo
-from workers.host.main import FetchProgress, model_download
+from workers.host import demo_args as demo
+from workers.host import model_fetch
+from workers.host.model_fetch import FetchProgress, model_download
 
 REPO = "acme/tiny-GGUF"
 FILE = "tiny.gguf"
@@ -93,7 +94,7 @@ def test_a_hub_model_is_downloaded_once_and_then_reused(
     assert path.read_bytes() == gguf_bytes
     assert calls.seen[0] == (0, len(gguf_bytes)) and calls.seen[-1] == (len(gguf_bytes),) * 2
     assert len(hub.seen("cdn", "GET")) == 1
-    record = models_store._verified(path, None)
+    record = model_store._verified(path, None)
     assert record is not None and record["sha256"] == hashlib.sha256(gguf_bytes).hexdigest()
 
     # Again: one HEAD shows the hub still names that file; nothing is downloaded.
@@ -330,7 +331,7 @@ def test_the_host_shows_a_hub_download_on_stderr_and_in_its_datastream(
 
 def test_the_hosts_progress_shows_tenths_and_a_stop_cancels(monkeypatch: pytest.MonkeyPatch):
     lines: list[str] = []
-    monkeypatch.setattr(host_main, "say", lines.append)
+    monkeypatch.setattr(model_fetch, "say", lines.append)
     stop = asyncio.Event()
     progress = FetchProgress(Stream(), "m", "here", stop)  # type: ignore[arg-type]
     mb = 1_000_000

@@ -9,7 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from activities.providers.process import NODE_MODULE, resource_arg
+from mvp_core.names import NODE_MODULE, resource_arg
+from tests.helpers.waits import wait_until
 from workers.host.embedded import prune_node_dirs
 
 
@@ -37,10 +38,11 @@ def test_old_runs_go_the_last_few_and_live_nodes_stay(tmp_path: Path):
         cwd=live_dir,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 10
-        while Path(f"/proc/{live.pid}/cwd").resolve() != live_dir.resolve():
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until(
+            lambda: Path(f"/proc/{live.pid}/cwd").resolve() == live_dir.resolve(),
+            timeout=10,
+            what="the live node in its directory",
+        )
         removed = prune_node_dirs(state, keep_runs=5)
     finally:
         live.kill()

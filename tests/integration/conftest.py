@@ -3,20 +3,20 @@ real node agent processes on the bundled SmolLM2 model."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
+from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle
 from temporalio.service import RPCError
 
@@ -28,6 +28,7 @@ from temporal.connect import connect
 from temporal.devserver import DevServer, start_dev_server
 from tests.helpers.dockerd import Dockerd, start_dockerd
 from tests.helpers.runs import log_sizes, start_run, task_failures
+from tests.helpers.waits import eventually, wait_until
 from workers.host.embedded import worker_said_ready
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,14 +86,22 @@ class OrchestratorProcess:
             stderr=subprocess.STDOUT,
             cwd=str(REPO),
         )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        proc = self.proc
+
+        def ready() -> bool:
             if worker_said_ready(log):
-                return
-            if self.proc.poll() is not None:
+                return True
+            if proc.poll() is not None:
                 raise RuntimeError(f"orchestrator worker exited: {log.read_text()[-2000:]}")
-            time.sleep(0.1)
-        raise RuntimeError("orchestrator worker did not start")
+            return False
+
+        wait_until(
+            ready,
+            timeout=60,
+            what="the orchestrator worker to start",
+            interval=0.1,
+            detail=lambda: log.read_text()[-2000:],
+        )
 
     def kill9(self) -> None:
         assert self.proc is not None
@@ -263,36 +272,67 @@ async def snapshot(handle: WorkflowHandle[object, object]) -> RunState:
 async def wait_phase(
     handle: WorkflowHandle[object, object], phase: RunPhase, timeout: float = 90.0
 ) -> RunState:
-    deadline = time.monotonic() + timeout
+    """The run's state once it is in ``phase``; a run stopping first fails at once."""
     last: RunState | None = None
-    while time.monotonic() < deadline:
+
+    async def reached() -> RunState | None:
+        nonlocal last
         try:
             last = await snapshot(handle)
         except RPCError:
             last = None
-        if last is not None and last.phase == phase:
+            return None
+        if last.phase == phase:
             return last
-        if (
-            last is not None
-            and last.stopping
-            and phase not in (RunPhase.TEARING_DOWN, RunPhase.TORN_DOWN)
-        ):
+        if last.stopping and phase not in (RunPhase.TEARING_DOWN, RunPhase.TORN_DOWN):
             raise AssertionError(f"run is stopping: {last.first_fault}")
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"phase {phase} not reached in {timeout}s; last {last and last.phase}")
+        return None
+
+    return await eventually(
+        reached,
+        timeout=timeout,
+        what=f"phase {phase}",
+        interval=0.2,
+        detail=lambda: f"last phase: {last and last.phase}",
+    )
+
+
+async def activity_started(handle: WorkflowHandle[Any, Any], activity: str) -> bool:
+    """Whether the run has ``activity`` started (a worker holds it, heartbeating)."""
+    desc = await handle.describe()
+    return any(
+        pa.activity_type.name == activity
+        and pa.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
+        for pa in desc.raw_description.pending_activities
+    )
+
+
+async def wait_state(
+    handle: WorkflowHandle[object, object],
+    holds: Callable[[RunState], object],
+    what: str,
+    timeout: float = 60.0,
+) -> RunState:
+    """The run's state once ``holds(state)`` (a prompt generating, one queued, a phase):
+    what a test waits for before it acts on the run, however loaded the machine."""
+
+    async def check() -> RunState | None:
+        state = await snapshot(handle)
+        return state if holds(state) else None
+
+    return await eventually(check, timeout=timeout, what=what)
 
 
 async def wait_closed(
     handle: WorkflowHandle[object, object], timeout: float = 60.0
 ) -> WorkflowExecutionStatus:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        desc = await handle.describe()
-        if desc.status != WorkflowExecutionStatus.RUNNING:
-            assert desc.status is not None
-            return desc.status
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"{handle.id} still running after {timeout}s")
+    """The run's status once it is no longer running."""
+
+    async def closed() -> WorkflowExecutionStatus | None:
+        status = (await handle.describe()).status
+        return status if status != WorkflowExecutionStatus.RUNNING else None
+
+    return await eventually(closed, timeout=timeout, what=f"{handle.id} to close", interval=0.2)
 
 
 async def run_failure(handle: WorkflowHandle[object, object]) -> str:

@@ -10,7 +10,8 @@ import pytest
 
 from mvp_core import names
 from mvp_core.models import Done, RunPhase, SubmitPrompt, TextDelta
-from temporal.client import PromptNotFound, attach_prompt, stream_prompt
+from temporal.client import PromptNotFound, RunHandle
+from tests.helpers.waits import eventually
 from tests.integration.conftest import Runs, wait_phase
 
 
@@ -35,7 +36,7 @@ async def test_attaching_mid_generation_and_after_the_end_gives_the_whole_text(r
 
     async def original() -> Done:
         terminal = None
-        async for event in stream_prompt(runs.client, run_id, prompt):
+        async for event in RunHandle(runs.client, run_id).stream(prompt):
             if isinstance(event, TextDelta):
                 first_deltas.append(event.text)
                 started.set()
@@ -46,21 +47,21 @@ async def test_attaching_mid_generation_and_after_the_end_gives_the_whole_text(r
 
     task = asyncio.ensure_future(original())
     await asyncio.wait_for(started.wait(), 60)
-    await asyncio.sleep(0.3)
+    await eventually(lambda: len(first_deltas) >= 5, timeout=60, what="a few deltas")
     assert not task.done()  # attaching while the text is still being generated
-    mid_text, mid_terminals = await collect(attach_prompt(runs.client, run_id, 7))
+    mid_text, mid_terminals = await collect(RunHandle(runs.client, run_id).attach(7))
     done = await task
     assert 0 < len(first_deltas)
     assert mid_text == done.final_text and "".join(first_deltas) == done.final_text
     assert mid_terminals == [done]
 
-    after_text, after_terminals = await collect(attach_prompt(runs.client, run_id, 7))
+    after_text, after_terminals = await collect(RunHandle(runs.client, run_id).attach(7))
     assert after_text == done.final_text and after_terminals == [done]
 
     with pytest.raises(PromptNotFound):
-        await collect(attach_prompt(runs.client, run_id, 8))
+        await collect(RunHandle(runs.client, run_id).attach(8))
     await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN)
     await handle.result()
     # A closed run's prompts are still there to read.
-    closed_text, closed_terminals = await collect(attach_prompt(runs.client, run_id, 7))
+    closed_text, closed_terminals = await collect(RunHandle(runs.client, run_id).attach(7))
     assert closed_text == done.final_text and closed_terminals == [done]

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 
 import pytest
 
 from mvp_core import names
 from mvp_core.models import Done, RequestShutdown, RunPhase, SubmitPrompt
-from temporal.client import stream_prompt
+from temporal.client import RunHandle
 from tests.helpers.runs import log_sizes
+from tests.helpers.waits import eventually
 from tests.integration.conftest import Runs, wait_closed, wait_phase
 
 WORKER_NOISE = ("Activity not found on completion", "Task exception was never retrieved")
@@ -32,13 +32,14 @@ async def wait_exit_records(
     node_dirs: list[Path], timeout: float = 60.0
 ) -> list[dict[str, object]]:
     """Each node's exit as its provider recorded it when it reaped the process."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        files = [d / "exit.json" for d in node_dirs]
-        if all(f.exists() for f in files):
-            return [json.loads(f.read_text()) for f in files]
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"no exit record in {[str(d) for d in node_dirs]}")
+    files = [d / "exit.json" for d in node_dirs]
+    await eventually(
+        lambda: all(f.exists() for f in files),
+        timeout=timeout,
+        what=f"an exit record in each of {[str(d) for d in node_dirs]}",
+        interval=0.2,
+    )
+    return [json.loads(f.read_text()) for f in files]
 
 
 @pytest.mark.parametrize("stages", [1, 2])
@@ -56,8 +57,8 @@ async def test_a_stopped_run_ends_quietly_with_every_node_exiting_0(
     assert len(node_dirs) == stages
     events = [
         ev
-        async for ev in stream_prompt(
-            runs.client, run_id, SubmitPrompt(request_id=1, prompt_text="Once upon a time")
+        async for ev in RunHandle(runs.client, run_id).stream(
+            SubmitPrompt(request_id=1, prompt_text="Once upon a time")
         )
     ]
     assert isinstance(events[-1], Done) and events[-1].tokens_generated == 16
@@ -73,7 +74,8 @@ async def test_a_stopped_run_ends_quietly_with_every_node_exiting_0(
         err = errs[name]  # the node's stderr (its logging, a C++ abort's words)
         assert "terminate called" not in err, (name, err[-2000:])
         assert "not expected by this node" not in text + err, (name, err[-2000:])
-    # The worker's last words on the run come within a few seconds of its close.
+    # The worker's last words on the run come within a few seconds of its close: a
+    # window to watch for words that must not come (nothing to wait for).
     await asyncio.sleep(3.0)
     worker_log = worker_log_since(log_dir, seen)
     assert not [m for m in WORKER_NOISE if m in worker_log], worker_log[-4000:]

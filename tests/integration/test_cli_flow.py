@@ -6,6 +6,8 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from mvp_core.models import RunPhase
 from temporal.devserver import DevServer, temporal_binary
 from tests.integration.conftest import (
@@ -17,6 +19,8 @@ from tests.integration.conftest import (
     wait_closed,
     wait_phase,
 )
+
+pytestmark = pytest.mark.quick
 
 
 def cli(server: DevServer, *args: str) -> str:

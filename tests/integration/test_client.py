@@ -1,4 +1,4 @@
-"""The typed client (temporal/client.py) on a real run: a stream owns its prompt.
+"""The typed client (temporal/client/) on a real run: a stream owns its prompt.
 
 Defect 11: a Python client that stopped reading a stream (a ``break``, the iterator
 dropped, its task cancelled) left its prompt generating: it kept the run's only active
@@ -24,7 +24,8 @@ from mvp_core.models import (
     SubmitPrompt,
     TextDelta,
 )
-from temporal.client import RunHandle, stream_prompt
+from temporal.client import RunHandle
+from tests.helpers.waits import eventually
 from tests.integration.conftest import Runs, wait_closed, wait_phase
 
 RUN_ID = 431
@@ -49,7 +50,7 @@ async def slow_run(runs: Runs):
 
 
 async def _break(run: RunHandle, prompt: SubmitPrompt) -> None:
-    async for event in stream_prompt(run.client, run.run_id, prompt):
+    async for event in RunHandle(run.client, run.run_id).stream(prompt):
         assert isinstance(event, TextDelta)
         break
 
@@ -80,13 +81,13 @@ Abandon = Callable[[RunHandle, SubmitPrompt], Coroutine[Any, Any, None]]
 
 
 async def _prompt_outcome(run: RunHandle, request_id: int) -> PromptOutcome:
-    wf_id = None
-    for _ in range(100):  # visibility takes a moment to list a closed prompt
-        wf_id = await run.find_prompt(request_id)
-        if wf_id is not None:
-            break
-        await asyncio.sleep(0.1)
-    assert wf_id is not None, f"prompt {request_id} not found"
+    # Visibility takes a moment to list a closed prompt.
+    wf_id = await eventually(
+        lambda: run.find_prompt(request_id),
+        timeout=30,
+        what=f"prompt {request_id} listed",
+        interval=0.1,
+    )
     raw = await asyncio.wait_for(run.client.get_workflow_handle(wf_id).result(), NEXT_PROMPT_S)
     return PromptOutcome.model_validate(raw)
 

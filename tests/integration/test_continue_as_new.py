@@ -9,7 +9,7 @@ from temporalio.client import Client
 
 from mvp_core import names
 from mvp_core.models import Done, RequestShutdown, RunOutcome, RunPhase, RunRequest, SubmitPrompt
-from temporal.client import PromptRejected, submit_prompt
+from temporal.client import PromptRejected, RunHandle
 from temporal.connect import connect
 from temporal.devserver import start_dev_server
 from tests.integration.conftest import (
@@ -53,8 +53,8 @@ async def low_threshold(tmp_path: Path):
 async def _submit(client: Client, request_id: int) -> Done:
     while True:
         try:
-            r = await submit_prompt(
-                client, 701, SubmitPrompt(request_id=request_id, prompt_text="Hi", max_tokens=2)
+            r = await RunHandle(client, 701).submit(
+                SubmitPrompt(request_id=request_id, prompt_text="Hi", max_tokens=2)
             )
         except PromptRejected as err:
             assert err.kind == "RunRollingOver", err

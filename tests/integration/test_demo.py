@@ -22,11 +22,20 @@ from pathlib import Path
 import psutil
 import pytest
 
-from activities.models_store import DEFAULT_BUNDLED, GEMMA3_BUNDLED, fetch_bundled
 from mvp_core import names
 from mvp_core.models import RequestShutdown, RunPhase
+from mvp_core.run_state import RunState
+from mvp_io.model_store import DEFAULT_BUNDLED, GEMMA3_BUNDLED, fetch_bundled
 from temporal.devserver import DevServerError, exit_cause, start_dev_server
-from tests.integration.conftest import REPO, Runs, snapshot, wait_closed, wait_phase
+from tests.helpers.waits import eventually, wait_until
+from tests.integration.conftest import (
+    REPO,
+    Runs,
+    node_processes,
+    snapshot,
+    wait_closed,
+    wait_phase,
+)
 
 # The demo waits RUN_STOP_WAIT_S (6 s) for a teardown, then terminates the run and stops
 # its nodes, the worker and the dev server: bounded, with room for a loaded machine.
@@ -73,14 +82,23 @@ class Demo:
         return "".join(self.err)
 
     def wait_for(self, ready: Callable[[str], bool], timeout: float = 90) -> None:
-        deadline = time.monotonic() + timeout
-        while not ready(self.stdout):
+        def there() -> bool:
+            if ready(self.stdout):
+                return True
             if self.proc.poll() is not None:
                 raise AssertionError(f"demo exited early:\n{self.stdout}\n{self.stderr}")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise AssertionError(f"demo never got there:\n{self.stdout}\n{self.stderr}")
-            time.sleep(0.05)
+            return False
+
+        try:
+            wait_until(
+                there,
+                timeout=timeout,
+                what="the demo to get there",
+                detail=lambda: f"{self.stdout}\n{self.stderr}",
+            )
+        except AssertionError:
+            self.kill()
+            raise
 
     def wait_streaming(self, prompt: str = "The capital of France is") -> None:
         """Until the reply has begun: text after the prompt that follows prompt-ready."""
@@ -177,7 +195,8 @@ def test_ctrl_c_while_streaming_stops_run_worker_and_server(data_dir: Path):
 def test_sigterm_while_nodes_start_stops_run_worker_and_server(data_dir: Path):
     demo = Demo(data_dir, *LONG_REPLY)
     demo.wait_for(lambda out: "waiting for prompt-ready" in out)
-    time.sleep(1.0)  # provisioning: node processes are being started
+    # Provisioning: node processes are being started.
+    wait_until(lambda: node_processes(data_dir), timeout=90, what="a node process started")
     began = time.monotonic()
     demo.proc.send_signal(signal.SIGTERM)  # `kill -TERM <demo>`: the demo alone
     assert_interrupted_cleanly(demo, signal.SIGTERM, began, data_dir)
@@ -286,7 +305,7 @@ def test_chat_with_a_model_without_a_chat_template_is_refused_before_anything_st
 
 
 def test_help_names_the_bundled_model_that_has_a_chat_template():
-    from workers.host.demo import BUNDLED_CHAT, chat_template
+    from workers.host.demo_args import BUNDLED_CHAT, chat_template
 
     assert chat_template(fetch_bundled(DEFAULT_BUNDLED)) is not None
     assert chat_template(fetch_bundled(GEMMA3_BUNDLED)) is None
@@ -392,12 +411,16 @@ async def test_chat_streams_replies_and_cancels_on_ctrl_c(runs: Runs, temporal_s
     out, err = await asyncio.to_thread(proc.communicate, None, 30)
     assert proc.returncode == 130, err
     assert "cancelled request 1" in out.decode() and not err
-    deadline = time.monotonic() + 30
-    while (state := await snapshot(handle)).prompts_faulted < 1:
+
+    async def faulted() -> RunState | None:
+        state = await snapshot(handle)
         # Its 400 tokens take far longer than a cancel (a lost cancel ran it to its end).
         assert state.prompts_completed == 1, "the cancelled prompt ran to its end"
-        assert time.monotonic() < deadline, state
-        await asyncio.sleep(0.2)
+        return state if state.prompts_faulted >= 1 else None
+
+    state = await eventually(
+        faulted, timeout=30, what="the cancelled prompt to end faulted", interval=0.2
+    )
     assert state.active is None and state.lifecycle[-1].detail == "cancelled"
 
     await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=run_id))

@@ -29,12 +29,13 @@ from mvp_core.models import (
     ShutdownReason,
     SubmitPrompt,
 )
-from mvp_core.run_state import NodeState
-from temporal.client import RunHandle, submit_prompt
+from mvp_core.run_records import NodeState
+from temporal.client import RunHandle
 from temporal.connect import connect
 from temporal.devserver import start_dev_server
 from tests.helpers.dockerd import Dockerd
 from tests.helpers.runs import node_output
+from tests.helpers.waits import eventually
 from tests.integration.conftest import (
     REPO,
     SECRET,
@@ -45,6 +46,7 @@ from tests.integration.conftest import (
     snapshot,
     wait_closed,
     wait_phase,
+    wait_state,
 )
 from tests.integration.test_reaper import sweep
 from tests.integration.test_recovery import kill_and_recover
@@ -114,8 +116,8 @@ def _ip(hex_le: str) -> str:
 
 
 async def greedy(client: Client, run_id: int, max_tokens: int = 12) -> str:
-    result = await submit_prompt(
-        client, run_id, SubmitPrompt(request_id=1, prompt_text=PROMPT, max_tokens=max_tokens)
+    result = await RunHandle(client, run_id).submit(
+        SubmitPrompt(request_id=1, prompt_text=PROMPT, max_tokens=max_tokens)
     )
     assert result.type == "done", result
     return result.final_text
@@ -214,14 +216,17 @@ async def test_docker_pipeline_gives_the_process_text_over_container_addresses(
 
 async def until_archived(archive: Path, channels: set[str], timeout_s: float = 30) -> None:
     """Wait until the run's frame archive has a frame on each of ``channels``."""
-    deadline = time.monotonic() + timeout_s
-    seen: set[str] = set()
-    while time.monotonic() < deadline:
-        seen = {f["channel"] for f in read_archive(archive)} if archive.exists() else set()
-        if channels <= seen:
-            return
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"the datastream never carried {sorted(channels - seen)}")
+
+    def seen() -> set[str]:
+        return {f["channel"] for f in read_archive(archive)} if archive.exists() else set()
+
+    await eventually(
+        lambda: channels <= seen(),
+        timeout=timeout_s,
+        what=f"the datastream to carry {sorted(channels)}",
+        interval=0.2,
+        detail=lambda: f"missing: {sorted(channels - seen())}",
+    )
 
 
 async def test_a_killed_container_faults_the_prompt_and_run_and_leaves_nothing(
@@ -233,13 +238,13 @@ async def test_a_killed_container_faults_the_prompt_and_run_and_leaves_nothing(
     )
     state = await wait_phase(handle, RunPhase.PROMPT_READY)
     prompt = asyncio.ensure_future(
-        submit_prompt(
-            druns.client,
-            run_id,
+        RunHandle(druns.client, run_id).submit(
             SubmitPrompt(request_id=1, prompt_text="Once upon a time", max_tokens=2000),
         )
     )
-    await asyncio.sleep(1.5)
+    await wait_state(
+        handle, lambda s: 1 in {p.request_id for p in s.actives()}, "prompt 1 generating"
+    )
     tail = next(n for n in state.nodes if n.stage_index == 1)
     victim = next(
         c
@@ -384,10 +389,13 @@ async def test_the_reaper_removes_a_terminated_runs_containers_and_network_only(
     await wait_closed(gone)
     # Nothing tears them down; their nodes leave by their dead-man switch (the run is
     # closed), which works inside containers too, but the containers stay.
-    deadline = time.monotonic() + 90
-    while {c.status for c in run_containers(dclient, gone_id)} != {"exited"}:  # type: ignore[attr-defined]
-        assert time.monotonic() < deadline, [c.status for c in run_containers(dclient, gone_id)]  # type: ignore[attr-defined]
-        await asyncio.sleep(0.3)
+    await eventually(
+        lambda: {c.status for c in run_containers(dclient, gone_id)} == {"exited"},  # type: ignore[attr-defined]
+        timeout=90,
+        what="the left containers to exit",
+        interval=0.3,
+        detail=lambda: repr([c.status for c in run_containers(dclient, gone_id)]),  # type: ignore[attr-defined]
+    )
     assert len(run_containers(dclient, gone_id)) == 2
     report = await sweep(druns.client, names.reaper_schedule_id(provider_host()))
     destroyed = {d.resource.name for d in report.destroyed}

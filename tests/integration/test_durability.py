@@ -10,7 +10,7 @@ from google.protobuf.json_format import MessageToJson
 
 from mvp_core import names
 from mvp_core.models import Done, RequestShutdown, RunOutcome, RunPhase, SubmitPrompt
-from temporal.client import submit_prompt
+from temporal.client import RunHandle
 from tests.integration.conftest import (
     SECRET,
     OrchestratorProcess,
@@ -18,6 +18,7 @@ from tests.integration.conftest import (
     node_pids,
     snapshot,
     wait_phase,
+    wait_state,
 )
 
 
@@ -31,19 +32,19 @@ async def test_kill9_worker_while_ready_and_while_generating(
     orchestrator.kill9()  # while prompt-ready
     await asyncio.sleep(1.0)
     orchestrator.start()
-    r1 = await submit_prompt(
-        runs.client, 601, SubmitPrompt(request_id=1, prompt_text="Hello", max_tokens=8)
+    r1 = await RunHandle(runs.client, 601).submit(
+        SubmitPrompt(request_id=1, prompt_text="Hello", max_tokens=8)
     )
     assert isinstance(r1, Done)
 
     prompt = asyncio.ensure_future(
-        submit_prompt(
-            runs.client,
-            601,
+        RunHandle(runs.client, 601).submit(
             SubmitPrompt(request_id=2, prompt_text="Once upon a time", max_tokens=96),
         )
     )
-    await asyncio.sleep(0.8)
+    await wait_state(
+        handle, lambda s: 2 in {p.request_id for p in s.actives()}, "prompt 2 generating"
+    )
     orchestrator.kill9()  # while a prompt is generating
     await asyncio.sleep(0.5)
     orchestrator.start()
@@ -65,8 +66,8 @@ async def test_secret_in_worker_env_stays_out_of_nodes_and_history(runs: Runs):
     node = psutil.Process(node_pids(state)[0])
     # The worker holds HF_TOKEN (the harness gives it one); no node downloads from the hub.
     assert "HF_TOKEN" not in node.environ() and SECRET not in node.environ().values()
-    r = await submit_prompt(
-        runs.client, 602, SubmitPrompt(request_id=1, prompt_text="Hi", max_tokens=4)
+    r = await RunHandle(runs.client, 602).submit(
+        SubmitPrompt(request_id=1, prompt_text="Hi", max_tokens=4)
     )
     assert isinstance(r, Done)
     await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=602))

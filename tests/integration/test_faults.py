@@ -13,14 +13,18 @@ from temporalio.exceptions import ApplicationError
 
 from mvp_core import names
 from mvp_core.models import RequestShutdown, RunOutcome, RunPhase, SubmitPrompt
-from temporal.client import submit_prompt
+from mvp_core.run_state import RunState
+from temporal.client import RunHandle
+from tests.helpers.waits import eventually
 from tests.integration.conftest import (
     Runs,
+    activity_started,
     node_pids,
     node_processes,
     run_failure,
     snapshot,
     wait_phase,
+    wait_state,
 )
 
 
@@ -42,13 +46,13 @@ async def test_node_killed_during_generation_faults_prompt_and_run_within_15s(ru
     state = await wait_phase(handle, RunPhase.PROMPT_READY)
     pid = node_pids(state)[0]
     prompt = asyncio.ensure_future(
-        submit_prompt(
-            runs.client,
-            502,
+        RunHandle(runs.client, 502).submit(
             SubmitPrompt(request_id=1, prompt_text="Once upon a time", max_tokens=2000),
         )
     )
-    await asyncio.sleep(1.5)
+    await wait_state(
+        handle, lambda s: 1 in {p.request_id for p in s.actives()}, "prompt 1 generating"
+    )
     t0 = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     result = await prompt
@@ -99,17 +103,18 @@ async def test_a_node_dying_after_an_operator_stop_does_not_make_the_run_faulted
     )
     state = await wait_phase(handle, RunPhase.PROMPT_READY)
     prompt = asyncio.ensure_future(
-        submit_prompt(
-            runs.client, 505, SubmitPrompt(request_id=1, prompt_text="Once upon", max_tokens=2000)
+        RunHandle(runs.client, 505).submit(
+            SubmitPrompt(request_id=1, prompt_text="Once upon", max_tokens=2000)
         )
     )
     # The stop comes once the prompt is admitted and generating, however long that takes
     # on a loaded machine (a shutdown first would reject it: RunShuttingDown).
-    deadline = time.monotonic() + 60
-    while (await snapshot(handle)).active is None:
+
+    def active(s: RunState) -> bool:
         assert not prompt.done(), prompt.result()
-        assert time.monotonic() < deadline, "the prompt never became active"
-        await asyncio.sleep(0.05)
+        return s.active is not None
+
+    await wait_state(handle, active, "the prompt to become active")
     await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN)
     os.kill(node_pids(state)[-1], signal.SIGKILL)  # a fault after the stop: a fact only
     result = await prompt
@@ -126,7 +131,11 @@ async def test_shutdown_during_a_slow_planning_takes_effect_at_once(runs: Runs):
     the run ends as an operator stop with nothing provisioned."""
     handle = await runs.start(506, faults={"MVP_FAULT_PLAN_DELAY_S": "120"})
     await wait_phase(handle, RunPhase.PLANNING, timeout=30)
-    await asyncio.sleep(1.0)
+    await eventually(
+        lambda: activity_started(handle, names.ACT_PREPARE_PLAN),
+        timeout=30,
+        what="the planning activity to start",
+    )
     t0 = time.monotonic()
     await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN)
     outcome = RunOutcome.model_validate(await handle.result())
@@ -143,10 +152,7 @@ async def test_a_run_cancelled_while_nodes_start_leaves_no_node(runs: Runs, stat
     flight 5 s after its node launched (test-only MVP_FAULT_START_DELAY_S), so the cancel
     lands in provisioning however slowly the snapshot is polled."""
     handle = await runs.start(507, pipeline_stages=3, faults={"MVP_FAULT_START_DELAY_S": "5"})
-    deadline = time.monotonic() + 60
-    while (await snapshot(handle)).phase != RunPhase.PROVISIONING:
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.01)
+    await wait_state(handle, lambda s: s.phase == RunPhase.PROVISIONING, "provisioning")
     await handle.cancel()
     outcome = RunOutcome.model_validate(await handle.result())
     assert outcome.outcome.value == "operator_stopped"

@@ -27,8 +27,9 @@ from temporalio.client import Client, WorkflowExecutionStatus
 
 from mvp_core import names
 from mvp_core.models import ChatMessage, Done, RequestShutdown, RunPhase, SubmitPrompt
-from temporal.client import submit_prompt
+from temporal.client import RunHandle
 from tests.helpers.runs import log_sizes, task_failures
+from tests.helpers.waits import eventually
 from tests.integration.conftest import (
     REPO,
     OrchestratorProcess,
@@ -37,6 +38,7 @@ from tests.integration.conftest import (
     snapshot,
     wait_closed,
     wait_phase,
+    wait_state,
 )
 from workers.gateway.app import create_app
 from workers.gateway.main import SignallessServer
@@ -67,9 +69,7 @@ class Site:
         return self._next
 
     async def reference(self, text: str, *, chat: bool = False, max_tokens: int = N) -> Done:
-        done = await submit_prompt(
-            self.client,
-            RUN,
+        done = await RunHandle(self.client, RUN).submit(
             SubmitPrompt(request_id=self.rid(), prompt_text=text, chat=chat, max_tokens=max_tokens),
         )
         assert isinstance(done, Done), done
@@ -86,13 +86,14 @@ class Site:
             if r.kind.value == "PromptAccepted" and request_id in (None, r.request_id)
         )
         child = self.client.get_workflow_handle(wf)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        async def ended() -> str | None:
             desc = await child.describe()
-            if desc.status is not WorkflowExecutionStatus.RUNNING:
-                return str(desc.search_attributes.get(names.SEARCH_ATTRIBUTE_PROMPT, ["?"])[0])
-            await asyncio.sleep(0.1)
-        return "running"
+            if desc.status is WorkflowExecutionStatus.RUNNING:
+                return None
+            return str(desc.search_attributes.get(names.SEARCH_ATTRIBUTE_PROMPT, ["?"])[0])
+
+        return await eventually(ended, timeout=timeout, what=f"{wf} to end", interval=0.1)
 
 
 @contextlib.asynccontextmanager
@@ -107,9 +108,12 @@ async def serve(client: Client, run_id: int) -> AsyncIterator[str]:
     )
     server = SignallessServer(config)
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
-    while not server.started:
+
+    def started() -> bool:
         assert not task.done(), task.exception()
-        await asyncio.sleep(0.02)
+        return bool(server.started)
+
+    await eventually(started, timeout=30, what="the gateway to start", interval=0.02)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -242,9 +246,7 @@ async def test_chat_equals_submit_prompt_of_the_chat_template(site: Site):
         {"role": "system", "content": "You answer in one word."},
         {"role": "user", "content": QUESTION},
     ]
-    ref2 = await submit_prompt(
-        site.client,
-        RUN,
+    ref2 = await RunHandle(site.client, RUN).submit(
         SubmitPrompt(
             request_id=site.rid(),
             prompt_text="",
@@ -403,12 +405,9 @@ async def test_a_viewer_reattaches_by_the_completion_id_mid_stream_and_after(sit
 
 
 async def _until_pending(site: Site, n: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if len((await snapshot(site.handle)).pending) >= n:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"the run never had {n} pending prompt(s)")
+    await wait_state(
+        site.handle, lambda s: len(s.pending) >= n, f"{n} pending prompt(s)", timeout=timeout
+    )
 
 
 async def test_a_prompt_past_the_context_is_a_400_by_the_head_nodes_count(site: Site):

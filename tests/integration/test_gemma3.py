@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from activities.models_store import GEMMA3_BUNDLED, fetch_bundled
 from mvp_core import names
 from mvp_core.models import Done, RequestShutdown, RunOutcome, RunPhase, SubmitPrompt
-from temporal.client import submit_prompt
+from mvp_io.model_store import GEMMA3_BUNDLED, fetch_bundled
+from temporal.client import RunHandle
 from tests.integration.conftest import Runs, wait_phase
 from workers.node.engine.tokenizer import Tokenizer
 
@@ -34,8 +34,8 @@ async def test_gemma3_two_stages_give_the_one_stage_text(runs: Runs) -> None:
     )
     for i, text in enumerate(PROMPTS):
         request = SubmitPrompt(request_id=i, prompt_text=text, max_tokens=MAX_TOKENS)
-        got = await submit_prompt(runs.client, 4701, request)
-        want = await submit_prompt(runs.client, 4702, request)
+        got = await RunHandle(runs.client, 4701).submit(request)
+        want = await RunHandle(runs.client, 4702).submit(request)
         assert isinstance(got, Done) and isinstance(want, Done)
         assert (got.final_text, got.tokens_generated) == (want.final_text, want.tokens_generated)
         assert got.final_text == tok.decode(generations[text]["ids"][:MAX_TOKENS])

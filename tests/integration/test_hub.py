@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from activities.models_store import DEFAULT_BUNDLED, fetch_bundled
 from mvp_core import names
 from mvp_core.models import Done, RunPhase, SubmitPrompt
-from temporal.client import submit_prompt
+from mvp_io.model_store import DEFAULT_BUNDLED, fetch_bundled
+from temporal.client import RunHandle
 from tests.helpers.hub_standin import HubStandin
 from tests.helpers.secret_scan import scan
 from tests.integration.conftest import (
@@ -74,9 +74,7 @@ async def test_a_run_serves_a_model_fetched_from_the_hub_and_its_token_stays_out
     assert record["sha256"] == blob.sha256 and record["size"] == blob.size
     assert state.plan.model_facts.block_count == 30  # SmolLM2-135M, read from that file
 
-    reply = await submit_prompt(
-        runs.client,
-        1301,
+    reply = await RunHandle(runs.client, 1301).submit(
         SubmitPrompt(request_id=1, prompt_text="The capital of France is", max_tokens=6),
     )
     assert isinstance(reply, Done) and reply.tokens_generated > 0 and reply.final_text.strip()

@@ -4,7 +4,6 @@ node process and recording it leaves a node that the retried start adopts."""
 from __future__ import annotations
 
 import json
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from mvp_core import names
 from mvp_core.models import RunOutcome, RunPhase, RunRequest
 from temporal.connect import connect
 from temporal.devserver import start_dev_server
+from tests.helpers.waits import eventually
 from tests.integration.conftest import (
     OrchestratorProcess,
     harness_env,
@@ -70,10 +70,13 @@ async def test_a_start_retried_after_the_worker_died_mid_launch_adopts_the_node(
         await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN)
         outcome = RunOutcome.model_validate(await handle.result())
         assert outcome.outcome.value == "operator_stopped"
-        deadline = time.monotonic() + 10
-        while node_processes(state_dir) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert node_processes(state_dir) == []
+        await eventually(
+            lambda: node_processes(state_dir) == [],
+            timeout=10,
+            what="no node process left",
+            interval=0.2,
+            detail=lambda: repr(node_processes(state_dir)),
+        )
         assert (await snapshot(handle)).torn_down
     finally:
         crashing.stop()

@@ -22,7 +22,7 @@ from mvp_core.models import (
     RunPhase,
     SubmitPrompt,
 )
-from temporal.client import PromptRejected, start_prompt, submit_prompt
+from temporal.client import PromptRejected, RunHandle
 from tests.helpers.runs import node_output
 from tests.integration.conftest import (
     Runs,
@@ -31,6 +31,7 @@ from tests.integration.conftest import (
     snapshot,
     wait_closed,
     wait_phase,
+    wait_state,
 )
 from workers.node.layout import ADDR_NO_RANDOMIZE
 
@@ -99,8 +100,8 @@ async def test_two_stages_give_the_one_stage_text(runs: Runs):
     for i, text in enumerate([*EXACT_PROMPTS, *PROMPTS[:2]]):
         max_tokens = 48 if text in EXACT_PROMPTS else 32
         request = SubmitPrompt(request_id=i, prompt_text=text, max_tokens=max_tokens)
-        got = await submit_prompt(runs.client, 801, request)
-        want = await submit_prompt(runs.client, 802, request)
+        got = await RunHandle(runs.client, 801).submit(request)
+        want = await RunHandle(runs.client, 802).submit(request)
         assert isinstance(got, Done) and isinstance(want, Done)
         assert (got.final_text, got.tokens_generated) == (want.final_text, want.tokens_generated)
         assert got.tokens_generated >= 32 or got.stop_reason == "eos", got
@@ -122,8 +123,8 @@ async def test_a_float16_run_gives_the_one_stage_text_with_the_same_fp16_roundin
     )
     for i, text in enumerate(EXACT_PROMPTS):
         request = SubmitPrompt(request_id=i, prompt_text=text, max_tokens=32)
-        got = await submit_prompt(runs.client, 803, request)
-        want = await submit_prompt(runs.client, 804, request)
+        got = await RunHandle(runs.client, 803).submit(request)
+        want = await RunHandle(runs.client, 804).submit(request)
         assert isinstance(got, Done) and isinstance(want, Done)
         assert (got.final_text, got.tokens_generated) == (want.final_text, want.tokens_generated)
     for handle, rid in ((pipe, 803), (ref, 804)):
@@ -143,17 +144,18 @@ async def test_killing_any_stage_node_faults_prompt_and_run_within_15s(
     victim_node = next(n for n in state.nodes if n.stage_index == victim)
     pid = victim_node.handle.pid
     prompt = asyncio.ensure_future(
-        submit_prompt(
-            runs.client,
-            run_id,
+        RunHandle(runs.client, run_id).submit(
             SubmitPrompt(request_id=1, prompt_text="Once upon a time", max_tokens=2000),
         )
     )
-    await asyncio.sleep(0.5)
-    queued = await start_prompt(  # pending behind the active one when the node dies
-        runs.client, run_id, SubmitPrompt(request_id=2, prompt_text="Hi", max_tokens=4)
+    await wait_state(
+        handle, lambda s: 1 in {p.request_id for p in s.actives()}, "prompt 1 generating"
     )
-    await asyncio.sleep(0.5)
+    queued = await RunHandle(runs.client, run_id).start_prompt(
+        SubmitPrompt(request_id=2, prompt_text="Hi", max_tokens=4)
+    )
+    # Pending behind the active one when the node dies.
+    await wait_state(handle, lambda s: 2 in {p.request_id for p in s.pending}, "prompt 2 queued")
     t0 = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     result = await asyncio.wait_for(prompt, 20)
@@ -191,12 +193,12 @@ async def test_rogue_peers_are_rejected_and_long_prompts_fault_while_the_run_kee
                 pass
     log = node_output(last.handle.log_path)
     assert "authentication failed: wrong edge token" in log
-    too_long = await submit_prompt(
-        runs.client, 820, SubmitPrompt(request_id=1, prompt_text="word " * 200)
+    too_long = await RunHandle(runs.client, 820).submit(
+        SubmitPrompt(request_id=1, prompt_text="word " * 200)
     )
     assert isinstance(too_long, Fault) and "context" in too_long.error
-    ok = await submit_prompt(
-        runs.client, 820, SubmitPrompt(request_id=2, prompt_text="Hello", max_tokens=4)
+    ok = await RunHandle(runs.client, 820).submit(
+        SubmitPrompt(request_id=2, prompt_text="Hello", max_tokens=4)
     )
     assert isinstance(ok, Done) and ok.tokens_generated >= 1
     assert node_pids(await snapshot(handle)) == node_pids(state)
@@ -206,12 +208,12 @@ async def test_rogue_peers_are_rejected_and_long_prompts_fault_while_the_run_kee
 async def test_token_sequence_violation_inside_a_live_run_faults_it_cleanly(runs: Runs):
     handle = await runs.start(830, pipeline_stages=2, faults={"MVP_FAULT_SKEW_OUT_SEQUENCE": "1"})
     state = await wait_phase(handle, RunPhase.PROMPT_READY)
-    first = await start_prompt(
-        runs.client, 830, SubmitPrompt(request_id=1, prompt_text="Once upon a time", max_tokens=8)
+    first = await RunHandle(runs.client, 830).start_prompt(
+        SubmitPrompt(request_id=1, prompt_text="Once upon a time", max_tokens=8)
     )
     try:
-        queued = await start_prompt(
-            runs.client, 830, SubmitPrompt(request_id=2, prompt_text="Hi", max_tokens=4)
+        queued = await RunHandle(runs.client, 830).start_prompt(
+            SubmitPrompt(request_id=2, prompt_text="Hi", max_tokens=4)
         )
     except PromptRejected as err:
         # The first prompt's fault came first (its first token is enough): the run says

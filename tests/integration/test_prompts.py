@@ -18,8 +18,8 @@ from mvp_core.models import (
     SubmitPrompt,
     TextDelta,
 )
-from temporal.client import PromptRejected, RunHandle, start_prompt, stream_prompt, submit_prompt
-from tests.integration.conftest import Runs, snapshot, wait_closed, wait_phase
+from temporal.client import PromptRejected, RunHandle
+from tests.integration.conftest import Runs, snapshot, wait_closed, wait_phase, wait_state
 
 
 @pytest.fixture
@@ -36,8 +36,8 @@ async def test_streaming_64_tokens_arrives_in_several_batches_before_the_termina
 ):
     events = []
     arrivals = []
-    async for ev in stream_prompt(
-        runs.client, 401, SubmitPrompt(request_id=1, prompt_text="Once upon a time", max_tokens=64)
+    async for ev in RunHandle(runs.client, 401).stream(
+        SubmitPrompt(request_id=1, prompt_text="Once upon a time", max_tokens=64)
     ):
         events.append(ev)
         arrivals.append(time.perf_counter())
@@ -100,22 +100,25 @@ async def test_queue_fifo_rejections_and_cancel(runs: Runs, slow_run):
     ready_run = slow_run
     client = runs.client
     long = SubmitPrompt(request_id=10, prompt_text="Once upon a time", max_tokens=2000)
-    first = asyncio.ensure_future(submit_prompt(client, 401, long))
-    await asyncio.sleep(0.5)
+    first = asyncio.ensure_future(RunHandle(client, 401).submit(long))
+    await wait_state(
+        ready_run, lambda s: 10 in {p.request_id for p in s.actives()}, "prompt 10 generating"
+    )
     pending = []
     for i in range(7):
         prompt = SubmitPrompt(request_id=20 + i, prompt_text=f"Number {i}:", max_tokens=2)
-        accepted = await start_prompt(client, 401, prompt)
+        accepted = await RunHandle(client, 401).start_prompt(prompt)
         pending.append(asyncio.ensure_future(accepted.result()))
-    await asyncio.sleep(1.0)
-    state = await snapshot(ready_run)
+    queue = [20 + i for i in range(7)]
+    state = await wait_state(
+        ready_run, lambda s: [p.request_id for p in s.pending] == queue, f"{queue} queued"
+    )
     assert state.active is not None and state.active.request_id == 10
-    assert [p.request_id for p in state.pending] == [20 + i for i in range(7)]
     with pytest.raises(PromptRejected) as full:
-        await submit_prompt(client, 401, SubmitPrompt(request_id=99, prompt_text="x"))
+        await RunHandle(client, 401).submit(SubmitPrompt(request_id=99, prompt_text="x"))
     assert full.value.kind == "PromptQueueFull"
     with pytest.raises(PromptRejected) as dup:
-        await submit_prompt(client, 401, SubmitPrompt(request_id=21, prompt_text="x"))
+        await RunHandle(client, 401).submit(SubmitPrompt(request_id=21, prompt_text="x"))
     assert dup.value.kind == "DuplicateRequestId"
     # cancel one pending, then the active one
     await ready_run.signal(names.SIGNAL_CANCEL_PROMPT, CancelPrompt(request_id=23))
@@ -136,8 +139,8 @@ async def test_queue_fifo_rejections_and_cancel(runs: Runs, slow_run):
     assert completions == [20, 21, 22, 24, 25, 26]  # FIFO order
     assert state.active is None and state.pending == []
     # the id of an ended prompt may be used again, and the run still serves
-    again = await submit_prompt(
-        client, 401, SubmitPrompt(request_id=10, prompt_text="Hi", max_tokens=3)
+    again = await RunHandle(client, 401).submit(
+        SubmitPrompt(request_id=10, prompt_text="Hi", max_tokens=3)
     )
     assert isinstance(again, Done)
 
@@ -152,8 +155,8 @@ def _prompt_wf(state, request_id: int) -> str:
 
 
 async def test_max_tokens_absent_uses_the_run_default(runs: Runs, ready_run):
-    r = await submit_prompt(
-        runs.client, 401, SubmitPrompt(request_id=5, prompt_text="Once upon a time")
+    r = await RunHandle(runs.client, 401).submit(
+        SubmitPrompt(request_id=5, prompt_text="Once upon a time")
     )
     assert isinstance(r, Done) and r.tokens_generated == 64 and r.stop_reason == "max_tokens"
     child = runs.client.get_workflow_handle(_prompt_wf(await snapshot(ready_run), 5))
@@ -161,9 +164,7 @@ async def test_max_tokens_absent_uses_the_run_default(runs: Runs, ready_run):
 
 
 async def test_done_says_the_model_ended_it(runs: Runs, ready_run):
-    r = await submit_prompt(
-        runs.client,
-        401,
+    r = await RunHandle(runs.client, 401).submit(
         SubmitPrompt(request_id=8, prompt_text="Say hi.", chat=True, max_tokens=200),
     )
     assert isinstance(r, Done) and r.stop_reason == "eos" and r.tokens_generated < 200
@@ -172,10 +173,12 @@ async def test_done_says_the_model_ended_it(runs: Runs, ready_run):
 async def test_prompt_longer_than_context_is_a_prompt_fault_and_run_keeps_serving(
     runs: Runs, ready_run
 ):
-    r = await submit_prompt(runs.client, 401, SubmitPrompt(request_id=6, prompt_text="word " * 800))
+    r = await RunHandle(runs.client, 401).submit(
+        SubmitPrompt(request_id=6, prompt_text="word " * 800)
+    )
     assert isinstance(r, Fault) and "context" in r.error
-    ok = await submit_prompt(
-        runs.client, 401, SubmitPrompt(request_id=7, prompt_text="Hello", max_tokens=2)
+    ok = await RunHandle(runs.client, 401).submit(
+        SubmitPrompt(request_id=7, prompt_text="Hello", max_tokens=2)
     )
     assert isinstance(ok, Done)
 
@@ -183,7 +186,7 @@ async def test_prompt_longer_than_context_is_a_prompt_fault_and_run_keeps_servin
 async def test_prompts_are_rejected_before_prompt_ready(runs: Runs):
     handle = await runs.start(402)
     with pytest.raises(PromptRejected) as rej:
-        await submit_prompt(runs.client, 402, SubmitPrompt(request_id=1, prompt_text="x"))
+        await RunHandle(runs.client, 402).submit(SubmitPrompt(request_id=1, prompt_text="x"))
     assert rej.value.kind == "RunNotPromptReady"
     await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=402))
     await wait_closed(handle)

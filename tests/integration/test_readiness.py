@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from mvp_core import names
 from mvp_core.models import NodeRuntimeReady, RunPhase
-from tests.integration.conftest import Runs, run_failure, snapshot, wait_closed
+from tests.integration.conftest import Runs, run_failure, snapshot, wait_closed, wait_state
 
 FAST = {"timeouts": {"readiness_s": 12}}
 
@@ -16,9 +14,7 @@ async def test_forged_and_stale_reports_do_not_advance_and_log_lines_and_ports_n
 ):
     # The node looks ready in its log and listens on a port, but never reports.
     handle = await runs.start(301, faults={"MVP_FAULT_MUTE": "1"}, **FAST)
-    while (await snapshot(handle)).phase != RunPhase.READINESS:
-        await asyncio.sleep(0.1)
-    state = await snapshot(handle)
+    state = await wait_state(handle, lambda s: s.phase == RunPhase.READINESS, "readiness")
     node = state.nodes[0]
     good = dict(
         run_id=301,
@@ -38,9 +34,9 @@ async def test_forged_and_stale_reports_do_not_advance_and_log_lines_and_ports_n
     ]
     for report in forged:
         await handle.signal(names.SIGNAL_NODE_RUNTIME_READY, NodeRuntimeReady(**report))
-    await asyncio.sleep(1.0)
-    state = await snapshot(handle)
-    assert state.ignored_reports >= len(forged)
+    state = await wait_state(
+        handle, lambda s: s.ignored_reports >= len(forged), "the forged reports ignored"
+    )
     assert state.nodes[0].runtime_ready is None
     assert state.phase == RunPhase.READINESS
     cause = await run_failure(handle)

@@ -28,6 +28,7 @@ from activities.providers.process import ProcessProvider
 from mvp_core import names
 from mvp_core.models import RequestShutdown, RunOutcome, RunPhase
 from mvp_core.reaper import ReapDecision, ReapReport
+from tests.helpers.waits import eventually, wait_until
 from tests.integration.conftest import (
     OrchestratorProcess,
     Runs,
@@ -74,15 +75,15 @@ def dead_record(nodes: Path, name: str) -> Path:
 
 
 def wait_gone(pid: int, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """True once process ``pid`` is gone (or a zombie); AssertionError after ``timeout``."""
+
+    def gone() -> bool:
         try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
             return True
-        time.sleep(0.05)
-    return False
+
+    return wait_until(gone, timeout=timeout, what=f"process {pid} to be gone")
 
 
 def test_process_provider_lists_its_marked_nodes_and_dead_records_and_destroys_them(
@@ -149,23 +150,24 @@ async def sweep(client: Client, schedule_id: str, timeout: float = 90.0) -> Reap
     }
     await handle.trigger()
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    async def started() -> ScheduleActionExecutionStartWorkflow | None:
         for a in (await handle.describe()).info.recent_actions:
             action = a.action
             if isinstance(action, ScheduleActionExecutionStartWorkflow) and (
                 (action.workflow_id, action.first_execution_run_id) not in seen
             ):
-                wf = client.get_workflow_handle(
-                    action.workflow_id,
-                    run_id=action.first_execution_run_id,
-                    result_type=ReapReport,
-                )
-                report: ReapReport = await asyncio.wait_for(
-                    wf.result(), max(deadline - time.monotonic(), 1)
-                )
-                return report
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"{schedule_id} started no sweep in {timeout}s")
+                return action
+        return None
+
+    action = await eventually(
+        started, timeout=timeout, what=f"{schedule_id} to start a sweep", interval=0.2
+    )
+    wf = client.get_workflow_handle(
+        action.workflow_id, run_id=action.first_execution_run_id, result_type=ReapReport
+    )
+    report: ReapReport = await asyncio.wait_for(wf.result(), max(deadline - time.monotonic(), 1))
+    return report
 
 
 def by_name(decisions: list[ReapDecision]) -> dict[str, str]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,9 +30,17 @@ from mvp_core.models import (
     SubmitPrompt,
     TextDelta,
 )
-from mvp_core.run_state import NodeState, RunState
+from mvp_core.run_records import NodeState
+from mvp_core.run_state import RunState
 from temporal.client import RunHandle
-from tests.integration.conftest import Runs, run_failure, snapshot, wait_closed, wait_phase
+from tests.integration.conftest import (
+    Runs,
+    run_failure,
+    snapshot,
+    wait_closed,
+    wait_phase,
+    wait_state,
+)
 
 MAX_TOKENS = 160
 # Each piece of text held 10 ms on the head node: no prompt can end before the kill,
@@ -205,7 +212,7 @@ async def test_killed_nodes_are_replaced_one_after_another_and_prompts_keep_thei
         await kill_once(run, handle, stage, base=20 + 1000 * i)
         if prompt_host == "run":
             # Each prompt's text was read from the head node to its end: after a head
-            # loss, from the replacement head (temporal/client.py), not in one piece at
+            # loss, from the replacement head (temporal/client/text.py), not in one piece at
             # the end.
             assert run.direct_streams - direct == 4, run.direct_streams
     # Served on the last pipeline as before.
@@ -230,13 +237,12 @@ async def test_a_loss_past_the_bound_faults_the_run(runs: Runs):
     victim = next(n for n in state.nodes if n.stage_index == 1)
     assert victim.handle is not None and victim.handle.pid is not None
     os.kill(victim.handle.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 120
-    while True:
-        after = await snapshot(handle)
-        if after.recoveries_done == 1 and after.phase is RunPhase.PROMPT_READY:
-            break
-        assert time.monotonic() < deadline and not after.stopping, after.first_fault
-        await asyncio.sleep(0.2)
+
+    def recovered(s: RunState) -> bool:
+        assert not s.stopping, s.first_fault
+        return s.recoveries_done == 1 and s.phase is RunPhase.PROMPT_READY
+
+    after = await wait_state(handle, recovered, "one recovery, then prompt-ready", timeout=120)
     new = next(n for n in after.nodes if n.stage_index == 1)
     assert new.handle is not None and new.handle.pid is not None
     os.kill(new.handle.pid, signal.SIGKILL)

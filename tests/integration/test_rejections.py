@@ -18,6 +18,8 @@ from mvp_core.models import LifecycleKind, RunPhase
 from temporal.devserver import DevServer, temporal_binary
 from tests.integration.conftest import Runs, node_processes, snapshot
 
+pytestmark = pytest.mark.quick
+
 MODEL = {"bundled": "SmolLM2-135M-Instruct.Q4_1"}
 PLANNED = [
     LifecycleKind.RUN_ACCEPTED,

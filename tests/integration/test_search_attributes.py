@@ -9,13 +9,13 @@ import os
 import shlex
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from temporal.devserver import DevServer, start_dev_server, temporal_binary
+from tests.helpers.waits import wait_until
 from tests.integration.conftest import REPO, OrchestratorProcess
 
 
@@ -69,13 +69,19 @@ def test_the_worker_refuses_a_namespace_without_the_prompt_status_attribute(
     argv[0] = temporal_binary()
     subprocess.run(argv, check=True, capture_output=True, timeout=60)
     worker = OrchestratorProcess(bare_server.address, tmp_path, tmp_path, {})
-    deadline = time.monotonic() + 30
-    while True:  # the server may list a new attribute a moment after creating it
+
+    def started() -> bool:
         try:
             worker.start()
-            break
-        except RuntimeError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
+        except RuntimeError:  # the server may list a new attribute a moment after creating it
+            return False
+        return True
+
+    wait_until(
+        started,
+        timeout=30,
+        what="the worker to start",
+        interval=0.5,
+        detail=lambda: (tmp_path / f"orchestrator-{worker.starts}.log").read_text()[-2000:],
+    )
     worker.stop()

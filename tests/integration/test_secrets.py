@@ -10,7 +10,7 @@ import psutil
 from activities.providers.base import edge_token
 from mvp_core import names
 from mvp_core.models import Done, RunPhase, SubmitPrompt
-from temporal.client import submit_prompt
+from temporal.client import RunHandle
 from tests.helpers.secret_scan import scan
 from tests.integration.conftest import (
     EDGE_SECRET,
@@ -40,8 +40,8 @@ async def test_edge_token_reaches_nodes_but_never_history_queries_or_logs(
     token = edge_token(base64.b64decode(EDGE_SECRET), handle.id, nonce)
     envs = [psutil.Process(pid).environ() for pid in node_pids(state)]
     assert {e.get("MVP_EDGE_TOKEN") for e in envs} == {token}  # both stages derive the same
-    r = await submit_prompt(
-        runs.client, 961, SubmitPrompt(request_id=1, prompt_text="Hello", max_tokens=4)
+    r = await RunHandle(runs.client, 961).submit(
+        SubmitPrompt(request_id=1, prompt_text="Hello", max_tokens=4)
     )
     assert isinstance(r, Done)  # the edges authenticated with it
     await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN)

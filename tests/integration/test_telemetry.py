@@ -34,6 +34,7 @@ from temporal.connect import connect
 from temporal.devserver import DevServer, start_dev_server, temporal_binary
 from tests.helpers.otlp_collector import Collector, Span, start_collector
 from tests.helpers.runs import task_failures
+from tests.helpers.waits import eventually
 from tests.integration.conftest import (
     OrchestratorProcess,
     harness_env,
@@ -252,15 +253,18 @@ async def test_the_prometheus_endpoints_after_prompts(site: Site):
     def orchestrator_ready(text: str) -> bool:
         return bool(samples(text, "mvp_prompt_time_to_first_token_milliseconds_count"))
 
-    text = ""
-    for _ in range(50):  # the SDK's metric buffer drains every second
+    def scraped() -> str:  # the SDK's metric buffer drains every second
         text = scrape(site.metrics_port)
         ttft = samples(text, "mvp_prompt_time_to_first_token_milliseconds_count")
-        if ttft and sum(v for _, v in ttft) >= 3:
-            break
-        import asyncio
+        return text if ttft and sum(v for _, v in ttft) >= 3 else ""
 
-        await asyncio.sleep(0.2)
+    text = await eventually(
+        scraped,
+        timeout=30,
+        what="the time to first token of 3 prompts in the metrics",
+        interval=0.2,
+        detail=lambda: scrape(site.metrics_port)[:3000],
+    )
     assert orchestrator_ready(text), text[:3000]
     ready = samples(text, "mvp_run_time_to_prompt_ready_milliseconds_sum")
     count = samples(text, "mvp_run_time_to_prompt_ready_milliseconds_count")

@@ -9,27 +9,27 @@ Nothing of the key is left in Temporal or in a log."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
+import pytest
 from temporalio.service import RPCError
 
 from mvp_core import names
 from mvp_core.models import Done, RunOutcome, RunPhase, RunRequest, SubmitPrompt, TextDelta
-from temporal.client import stream_prompt
+from temporal.client import RunHandle
 from temporal.connect import TemporalSettings, connect
 from temporal.devserver import start_dev_server
 from tests.helpers.runs import start_run, task_failures
 from tests.helpers.secret_scan import scan
 from tests.helpers.tls_proxy import SERVER_NAME, make_pki, nginx_binary, start_grpc_tls_proxy
+from tests.helpers.waits import eventually
 from tests.integration.conftest import (
     EDGE_SECRET,
     REPO,
@@ -42,6 +42,8 @@ from tests.integration.conftest import (
     wait_closed,
     wait_phase,
 )
+
+pytestmark = pytest.mark.quick
 
 RUN_ID = 3401
 NAMESPACE = "mvp-tls"
@@ -136,8 +138,8 @@ async def test_a_run_through_tls_and_an_api_key_in_another_namespace(tmp_path: P
 
         events = [
             ev
-            async for ev in stream_prompt(
-                client, RUN_ID, SubmitPrompt(request_id=1, prompt_text="Once upon a time")
+            async for ev in RunHandle(client, RUN_ID).stream(
+                SubmitPrompt(request_id=1, prompt_text="Once upon a time")
             )
         ]
         done = events[-1]
@@ -149,10 +151,13 @@ async def test_a_run_through_tls_and_an_api_key_in_another_namespace(tmp_path: P
         assert outcome.outcome.value == "operator_stopped"
         assert await wait_closed(handle)
         assert (await snapshot(handle)).torn_down
-        deadline = time.monotonic() + 10
-        while node_processes(state_dir) and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
-        assert node_processes(state_dir) == []
+        await eventually(
+            lambda: node_processes(state_dir) == [],
+            timeout=10,
+            what="no node process left",
+            interval=0.2,
+            detail=lambda: repr(node_processes(state_dir)),
+        )
 
         # Every request of the session went through the proxy with the key: the node's
         # reports (signals) among them, and none was refused.

@@ -9,7 +9,7 @@ from temporalio.client import Client, WorkflowHandle
 
 from mvp_core import names
 from mvp_core.models import Done, RequestShutdown, RunOutcome, RunPhase, SubmitPrompt
-from temporal.client import submit_prompt
+from temporal.client import RunHandle
 from tests.integration.conftest import Runs, wait_phase
 
 RUN_ID = 3501
@@ -42,8 +42,8 @@ async def test_web_ui_metadata_names_nodes_stages_and_ids(runs: Runs):
     assert "SmolLM2" in ready and ready.startswith("**phase: prompt_ready**"), ready
     assert "provider process" in ready, ready
 
-    done = await submit_prompt(
-        runs.client, RUN_ID, SubmitPrompt(request_id=7, prompt_text=PROMPT_TEXT, max_tokens=4)
+    done = await RunHandle(runs.client, RUN_ID).submit(
+        SubmitPrompt(request_id=7, prompt_text=PROMPT_TEXT, max_tokens=4)
     )
     assert isinstance(done, Done)
     await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=RUN_ID))

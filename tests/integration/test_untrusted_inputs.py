@@ -20,7 +20,7 @@ from temporalio.exceptions import ApplicationError
 
 from mvp_core import names
 from mvp_core.models import Done, RunOutcome, RunPhase, SubmitPrompt
-from temporal.client import PromptRejected, start_prompt, stream_prompt, submit_prompt
+from temporal.client import PromptRejected, RunHandle
 from temporal.devserver import DevServer, temporal_binary
 from tests.integration.conftest import (
     OrchestratorProcess,
@@ -29,6 +29,8 @@ from tests.integration.conftest import (
     snapshot,
     wait_phase,
 )
+
+pytestmark = pytest.mark.quick
 
 MARK = "zz-untrusted-marker-zz"
 
@@ -73,8 +75,8 @@ async def test_malformed_signals_from_the_cli_are_ignored_counted_and_described(
     ]
     for name, payload in bad:
         signal(temporal_server, handle.id, name, payload)
-    ok = await submit_prompt(
-        runs.client, 901, SubmitPrompt(request_id=1, prompt_text="Hello", max_tokens=4)
+    ok = await RunHandle(runs.client, 901).submit(
+        SubmitPrompt(request_id=1, prompt_text="Hello", max_tokens=4)
     )
     assert isinstance(ok, Done)  # the run still serves: reports are facts, not commands
     state = await snapshot(handle)
@@ -134,21 +136,25 @@ async def test_malformed_updates_are_typed_non_retryable_errors_without_values(
 async def test_the_client_raises_prompt_rejected_at_admission(runs: Runs):
     handle = await runs.start(903, faults={"MVP_FAULT_TEXT_DELAY_MS": "20"})
     with pytest.raises(PromptRejected) as early:
-        await start_prompt(runs.client, 903, SubmitPrompt(request_id=1, prompt_text="x"))
+        await RunHandle(runs.client, 903).start_prompt(SubmitPrompt(request_id=1, prompt_text="x"))
     assert early.value.kind == "RunNotPromptReady"
     await wait_phase(handle, RunPhase.PROMPT_READY)
-    first = await start_prompt(
-        runs.client, 903, SubmitPrompt(request_id=1, prompt_text="Once upon a time", max_tokens=64)
+    first = await RunHandle(runs.client, 903).start_prompt(
+        SubmitPrompt(request_id=1, prompt_text="Once upon a time", max_tokens=64)
     )
     with pytest.raises(PromptRejected) as dup:
-        await start_prompt(runs.client, 903, SubmitPrompt(request_id=1, prompt_text="again"))
+        await RunHandle(runs.client, 903).start_prompt(
+            SubmitPrompt(request_id=1, prompt_text="again")
+        )
     assert dup.value.kind == "DuplicateRequestId"
     with pytest.raises(PromptRejected) as dup_stream:
-        async for _ in stream_prompt(runs.client, 903, SubmitPrompt(request_id=1, prompt_text="y")):
+        async for _ in RunHandle(runs.client, 903).stream(
+            SubmitPrompt(request_id=1, prompt_text="y")
+        ):
             pass
     assert dup_stream.value.kind == "DuplicateRequestId"
     with pytest.raises(PromptRejected) as empty:
-        await submit_prompt(runs.client, 903, SubmitPrompt(request_id=2, prompt_text=""))
+        await RunHandle(runs.client, 903).submit(SubmitPrompt(request_id=2, prompt_text=""))
     assert empty.value.kind == "InvalidPrompt"
     result = await first.result()
     assert result.type == "done"
@@ -211,8 +217,8 @@ async def test_fuzzed_signal_and_update_payloads_never_change_a_run(runs: Runs):
         except WorkflowUpdateFailedError as err:
             assert isinstance(err.cause, ApplicationError) and err.cause.non_retryable
             update_errors += 1
-    ok = await submit_prompt(
-        runs.client, 904, SubmitPrompt(request_id=77, prompt_text="Hello", max_tokens=4)
+    ok = await RunHandle(runs.client, 904).submit(
+        SubmitPrompt(request_id=77, prompt_text="Hello", max_tokens=4)
     )
     assert isinstance(ok, Done)
     state = await snapshot(handle)

@@ -21,6 +21,7 @@ from vastai import VastAI
 
 from tests.helpers.dockerd import Dockerd
 from tests.helpers.vast_standin import RateLimit, Switches, VastStandin, matches, vast_standin
+from tests.helpers.waits import wait_until
 
 API_KEY = "vast-test-account-0b7e4d2a9c"
 REPO = Path(__file__).resolve().parents[2]
@@ -92,16 +93,23 @@ def http_error(call: Any, *args: Any, **kwargs: Any) -> requests.Response:
 def wait_status(
     vast: VastAI, iid: int, want: str, timeout: float = 30.0, seen: list[Any] | None = None
 ) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
+    """The instance's row once its status is ``want``; each status seen on the way is
+    appended to ``seen``."""
+
+    def reached() -> dict[str, Any] | None:
         row: dict[str, Any] | None = vast.show_instance(iid)
         assert row is not None, f"instance {iid} vanished"
         if seen is not None and (not seen or seen[-1] != row["actual_status"]):
             seen.append(row["actual_status"])
-        if row["actual_status"] == want:
-            return row
-        assert time.monotonic() < deadline, f"{iid} is {row['actual_status']}, not {want}"
-        time.sleep(0.1)
+        return row if row["actual_status"] == want else None
+
+    return wait_until(
+        reached,
+        timeout=timeout,
+        what=f"{iid} to be {want}",
+        interval=0.1,
+        detail=lambda: repr((vast.show_instance(iid) or {}).get("actual_status")),
+    )
 
 
 def create(vast: VastAI, label: str, n: int = 1, **kwargs: Any) -> list[int]:
@@ -437,8 +445,9 @@ def test_stop_is_billed_and_left_behind(vast: VastAI, standin: VastStandin):
     assert not state["Running"]
     assert ("PUT", f"/api/v0/instances/{iid}/", 200) in standin.requests
     billed = standin.billed_seconds(iid)
-    time.sleep(0.1)
-    assert standin.billed_seconds(iid) > billed  # still billed while stopped
+    wait_until(  # still billed while stopped
+        lambda: standin.billed_seconds(iid) > billed, timeout=10, what="billing to go on"
+    )
     vast.start_instance(iid)
     wait_status(vast, iid, "running")
     vast.destroy_instance(iid)

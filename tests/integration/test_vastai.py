@@ -43,13 +43,14 @@ from mvp_core.models import (
     SubmitPrompt,
     VastAiSettings,
 )
-from mvp_core.run_state import NodeState
-from temporal.client import submit_prompt
+from mvp_core.run_records import NodeState
+from temporal.client import RunHandle
 from temporal.connect import connect
 from temporal.devserver import DevServer, start_dev_server
 from tests.helpers.dockerd import Dockerd
 from tests.helpers.secret_scan import scan
 from tests.helpers.vast_standin import RateLimit, VastStandin, default_offers, start_standin
+from tests.helpers.waits import eventually
 from tests.host.test_host import Client as HostClient
 from tests.host.test_host import HostProcess
 from tests.host.test_host import prompt as host_prompt
@@ -242,8 +243,8 @@ def tunnel_processes(identity: Path) -> list[psutil.Process]:
 
 
 async def greedy(client: Client, run_id: int, max_tokens: int = 12) -> str:
-    result = await submit_prompt(
-        client, run_id, SubmitPrompt(request_id=1, prompt_text=PROMPT, max_tokens=max_tokens)
+    result = await RunHandle(client, run_id).submit(
+        SubmitPrompt(request_id=1, prompt_text=PROMPT, max_tokens=max_tokens)
     )
     assert result.type == "done", result
     return result.final_text
@@ -289,10 +290,15 @@ async def milestones(handle: WorkflowHandle[object, object]) -> dict[str, float]
 
 
 async def wait_ledger_empty(standin: VastStandin, timeout: float) -> float:
+    """Seconds until the stand-in's ledger has no instance left behind."""
     t0 = time.monotonic()
-    while standin.left_behind():
-        assert time.monotonic() - t0 < timeout, standin.left_behind()
-        await asyncio.sleep(0.5)
+    await eventually(
+        lambda: standin.left_behind() == [],
+        timeout=timeout,
+        what="no instance left behind",
+        interval=0.5,
+        detail=lambda: repr(standin.left_behind()),
+    )
     return time.monotonic() - t0
 
 
@@ -614,10 +620,13 @@ async def test_a_terminated_run_s_instance_destroys_itself(vast: Vast):
     print(f"\nself-destroy after terminate: {took:.1f} s")
     # Nobody stops the provider's tunnel of a terminated run: it ends when its ssh sees
     # the instance gone, at the latest after ServerAliveInterval x ServerAliveCountMax
-    # (15 s); the fixture then finds none.
-    deadline = time.monotonic() + 45
-    while tunnel_processes(vast.identity) and time.monotonic() < deadline:
-        await asyncio.sleep(0.5)
+    # (15 s).
+    await eventually(
+        lambda: tunnel_processes(vast.identity) == [],
+        timeout=45,
+        what="the terminated run's tunnel to end",
+        interval=0.5,
+    )
 
 
 async def test_the_reaper_destroys_a_terminated_run_s_instances_on_its_own(vast: Vast):
@@ -626,7 +635,9 @@ async def test_the_reaper_destroys_a_terminated_run_s_instances_on_its_own(vast:
     await wait_phase(handle, RunPhase.PROMPT_READY, timeout=READY_S)
     await handle.terminate("test: nobody tears it down")
     await wait_closed(handle)
-    await asyncio.sleep(4)  # the node has seen its run closed and left, not destroying
+    # A window for the node to see its run closed and leave, and not destroy its
+    # instance (what must not happen: nothing to wait for).
+    await asyncio.sleep(4)
     assert len(vast.standin.left_behind()) == 1
     report = await sweep(vast.client, names.reaper_schedule_id(provider_host()))
     assert [d.resource.kind for d in report.destroyed if d.resource.provider.value == "vastai"]

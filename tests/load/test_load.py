@@ -27,7 +27,7 @@ from temporalio.client import Client, WorkflowHandle, WorkflowHistory
 
 from mvp_core import names
 from mvp_core.models import Done, RequestShutdown, RunOutcome, RunPhase, SubmitPrompt
-from temporal.client import PromptRejected, start_prompt, submit_prompt
+from temporal.client import PromptRejected, RunHandle
 from temporal.connect import connect
 from temporal.devserver import start_dev_server
 from tests.helpers.runs import task_failures
@@ -158,7 +158,9 @@ async def test_four_runs_at_once_with_full_queues_give_the_reference_texts(site:
     reference = {}
     t_ref = time.monotonic()
     for i, text in enumerate(TEXTS):  # one prompt at a time, on one run: the reference
-        r = await submit_prompt(client, ids[0], SubmitPrompt(request_id=100 + i, prompt_text=text))
+        r = await RunHandle(client, ids[0]).submit(
+            SubmitPrompt(request_id=100 + i, prompt_text=text)
+        )
         assert isinstance(r, Done), r
         reference[text] = r.final_text
     t_ref = time.monotonic() - t_ref
@@ -166,7 +168,9 @@ async def test_four_runs_at_once_with_full_queues_give_the_reference_texts(site:
 
     async def fill(run_id: int) -> list[Any]:
         accepted = [
-            await start_prompt(client, run_id, SubmitPrompt(request_id=i, prompt_text=text))
+            await RunHandle(client, run_id).start_prompt(
+                SubmitPrompt(request_id=i, prompt_text=text)
+            )
             for i, text in enumerate(TEXTS)
         ]
         return list(await asyncio.gather(*(a.result() for a in accepted)))
@@ -215,7 +219,7 @@ async def test_hundreds_of_prompts_across_continue_as_new_keep_history_bounded(s
             prompt = SubmitPrompt(request_id=request_id, prompt_text="Hi", max_tokens=1)
             while True:
                 try:
-                    r = await submit_prompt(client, run_id, prompt)
+                    r = await RunHandle(client, run_id).submit(prompt)
                     break
                 except PromptRejected as err:
                     assert err.kind == "RunRollingOver", err

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from activities.gguf_facts import read_model_facts
-from activities.models_store import DEFAULT_BUNDLED, fetch_bundled
 from mvp_core.models import ActivationDtype, EdgeKind
 from mvp_core.planner import balanced_layer_ranges, plan_edges, stage_layer_ranges
+from mvp_io.model_store import DEFAULT_BUNDLED, fetch_bundled
 from tests.node.engine.tiny_models import TinyModel, TinySpec
 from workers.node.dataplane import DataPlaneServer, EdgeGroup, EdgeSpec
 from workers.node.engine import EngineOptions, SamplingParams, generate, load_stage

@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
-from activities.models_store import DEFAULT_BUNDLED, fetch_bundled
 from mvp_core.errors import ErrorType
 from mvp_core.generation import PromptRefused
 from mvp_core.models import ChatMessage, EngineSettings, LayerRange, StageProvision, SubmitPrompt
+from mvp_io.model_store import DEFAULT_BUNDLED, fetch_bundled
 from workers.node.runtime import GenerationResult, StageRuntime
 
 CONTEXT = 64

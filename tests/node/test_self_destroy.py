@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from activities.providers.base import ProviderUnavailable
-from activities.providers.vastai import _key_body, only_this_side, public_key_of
+from activities.providers.vastai import key_body as _key_body
+from activities.providers.vastai import only_this_side, public_key_of
 from workers.node.self_destroy import container_environ, self_destroy
 
 

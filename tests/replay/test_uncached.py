@@ -7,8 +7,6 @@ teardown) shows up as a failed workflow task instead of passing on the warm cach
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -27,17 +25,18 @@ from mvp_core.models import (
     SubmitPrompt,
     TextDelta,
 )
-from temporal.client import start_prompt, stream_prompt, submit_prompt
+from temporal.client import RunHandle
 from temporal.connect import connect
 from temporal.devserver import start_dev_server
 from tests.helpers.runs import task_failures
+from tests.helpers.waits import eventually
 from tests.integration.conftest import (
     OrchestratorProcess,
     Runs,
     harness_env,
     node_processes,
-    snapshot,
     wait_phase,
+    wait_state,
 )
 
 RUN = 1601
@@ -94,8 +93,8 @@ async def test_a_two_stage_run_serves_streams_cancels_and_stops_replaying_every_
 
     events = [
         ev
-        async for ev in stream_prompt(
-            client, RUN, SubmitPrompt(request_id=1, prompt_text="Once upon a time", max_tokens=16)
+        async for ev in RunHandle(client, RUN).stream(
+            SubmitPrompt(request_id=1, prompt_text="Once upon a time", max_tokens=16)
         )
     ]
     done = events[-1]
@@ -103,18 +102,20 @@ async def test_a_two_stage_run_serves_streams_cancels_and_stops_replaying_every_
     assert all(isinstance(e, TextDelta) for e in events[:-1]) and len(events) > 1
     assert "".join(e.text for e in events if isinstance(e, TextDelta)) == done.final_text
 
-    long = await start_prompt(
-        client, RUN, SubmitPrompt(request_id=2, prompt_text="Once upon", max_tokens=2000)
+    long = await RunHandle(client, RUN).start_prompt(
+        SubmitPrompt(request_id=2, prompt_text="Once upon", max_tokens=2000)
     )
-    deadline = time.monotonic() + 30
-    while (s := await snapshot(handle)).active is None or s.active.request_id != 2:
-        assert time.monotonic() < deadline, "prompt 2 never became active"
-        await asyncio.sleep(0.1)
+    await wait_state(
+        handle,
+        lambda s: s.active is not None and s.active.request_id == 2,
+        "prompt 2 active",
+        timeout=30,
+    )
     await handle.signal(names.SIGNAL_CANCEL_PROMPT, CancelPrompt(request_id=2))
     cancelled = await long.result()
     assert isinstance(cancelled, Fault) and "cancelled" in cancelled.error, cancelled
 
-    third = await submit_prompt(client, RUN, SubmitPrompt(request_id=3, prompt_text="Hi"))
+    third = await RunHandle(client, RUN).submit(SubmitPrompt(request_id=3, prompt_text="Hi"))
     assert isinstance(third, Done) and third.tokens_generated >= 1, third
 
     await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=RUN))
@@ -124,10 +125,13 @@ async def test_a_two_stage_run_serves_streams_cancels_and_stops_replaying_every_
     kinds = [r.kind.value for r in outcome.lifecycle]
     assert kinds.count("RunTornDown") == 1 and kinds[-1] == "RunTornDown", kinds
     assert outcome.prompts_completed == 2 and outcome.prompts_faulted == 1, outcome
-    deadline = time.monotonic() + 10
-    while node_processes(state_dir):
-        assert time.monotonic() < deadline, [p.pid for p in node_processes(state_dir)]
-        await asyncio.sleep(0.2)
+    await eventually(
+        lambda: node_processes(state_dir) == [],
+        timeout=10,
+        what="no node process left",
+        interval=0.2,
+        detail=lambda: repr([p.pid for p in node_processes(state_dir)]),
+    )
     # No workflow task failed on the way, and none went to a sticky queue: with no cache
     # the worker takes every task from the normal queue, with the whole history. The
     # server's UnhandledCommand is no failure of the code: the run's last task tried to

@@ -27,6 +27,8 @@ from temporal.codec import (
 )
 from temporal.connect import default_data_converter, encrypted_data_converter
 
+pytestmark = pytest.mark.quick
+
 PROMPT = "Quokka-Zanzibar-4471 my private question"
 
 

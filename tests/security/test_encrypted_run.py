@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,10 +37,11 @@ from mvp_core.models import (
     SubmitPrompt,
 )
 from mvp_core.run_state import RunState
-from temporal.client import PromptRejected, submit_prompt
+from temporal.client import PromptRejected, RunHandle
 from temporal.codec import ENCODING, EncryptionCodec, new_key, parse_key
 from temporal.connect import connect, encrypted_data_converter
 from temporal.devserver import start_dev_server
+from tests.helpers.waits import eventually
 from tests.integration.conftest import OrchestratorProcess, node_processes
 
 RUN_ID = 9301
@@ -68,33 +68,48 @@ def _payloads(msg: Message, *, skip: frozenset[str] = frozenset()) -> Iterator[P
 
 
 async def _wait_prompt_ready(handle: WorkflowHandle[object, object], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
+    """Until the run is prompt-ready; a run that closed or stopped first fails at once."""
+    last: list[RunState | None] = [None]
+
+    async def ready() -> bool:
         try:
-            last = await handle.query(names.QUERY_SNAPSHOT, result_type=RunState)
+            last[0] = await handle.query(names.QUERY_SNAPSHOT, result_type=RunState)
         except (RPCError, WorkflowQueryFailedError):
-            last = None
+            last[0] = None
             desc = await handle.describe()
             if desc.status != WorkflowExecutionStatus.RUNNING:
                 await handle.result()  # raises the run's failure, decoded with the key
                 raise AssertionError(f"run closed before prompt-ready: {desc.status}") from None
-        if last is not None and last.phase.value == "prompt_ready":
-            return
-        assert last is None or not last.stopping, f"run stopped: {last.first_fault}"
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"not prompt-ready in {timeout}s (last {last and last.phase})")
+            return False
+        state = last[0]
+        assert not state.stopping, f"run stopped: {state.first_fault}"
+        return state.phase.value == "prompt_ready"
+
+    await eventually(
+        ready,
+        timeout=timeout,
+        what="prompt-ready",
+        interval=0.2,
+        detail=lambda: f"last phase: {last[0] and last[0].phase}",
+    )
 
 
 async def _histories(raw: Client, run_wf: str) -> dict[str, WorkflowHistory]:
     """Raw (undecoded) history events of the run and its prompt children."""
     ids: set[str] = set()
-    for _ in range(50):  # visibility lags the close by a moment
+
+    async def listed() -> bool:  # visibility lags the close by a moment
+        nonlocal ids
         ids = {wf.id async for wf in raw.list_workflows()}
-        if run_wf in ids and any(i.startswith(f"{run_wf}-prompt-") for i in ids):
-            break
-        await asyncio.sleep(0.1)
-    assert run_wf in ids and any(i.startswith(f"{run_wf}-prompt-") for i in ids), ids
+        return run_wf in ids and any(i.startswith(f"{run_wf}-prompt-") for i in ids)
+
+    await eventually(
+        listed,
+        timeout=30,
+        what="the run and its prompts listed",
+        interval=0.1,
+        detail=lambda: repr(ids),
+    )
     return {wf_id: await raw.get_workflow_handle(wf_id).fetch_history() for wf_id in sorted(ids)}
 
 
@@ -126,11 +141,13 @@ async def test_prompt_and_completion_are_encrypted_at_rest(tmp_path: Path):
         )
         # Failure messages are sealed too (encode_common_attributes); a keyed client reads them.
         with pytest.raises(PromptRejected) as rejected:
-            await submit_prompt(client, RUN_ID, SubmitPrompt(request_id=0, prompt_text=PROMPT))
+            await RunHandle(client, RUN_ID).submit(SubmitPrompt(request_id=0, prompt_text=PROMPT))
         assert rejected.value.kind == "RunNotPromptReady"
         assert str(rejected.value) not in ("", "Encoded failure")
         await _wait_prompt_ready(handle, 60)
-        done = await submit_prompt(client, RUN_ID, SubmitPrompt(request_id=1, prompt_text=PROMPT))
+        done = await RunHandle(client, RUN_ID).submit(
+            SubmitPrompt(request_id=1, prompt_text=PROMPT)
+        )
         assert isinstance(done, Done), done
         completion = done.final_text.strip()
         assert len(completion) >= 8, done  # long enough that a chance match means a leak
@@ -182,10 +199,13 @@ async def test_prompt_and_completion_are_encrypted_at_rest(tmp_path: Path):
         assert PROMPT.encode() in decoded
         assert escaped in decoded
 
-        deadline = time.monotonic() + 10
-        while node_processes(state_dir) and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
-        assert not node_processes(state_dir), "node processes survived the run"
+        await eventually(
+            lambda: not node_processes(state_dir),
+            timeout=10,
+            what="no node process left after the run",
+            interval=0.2,
+            detail=lambda: repr(node_processes(state_dir)),
+        )
     finally:
         if client is not None:
             try:

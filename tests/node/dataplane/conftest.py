@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
 
+from tests.helpers.waits import wait_until
 from workers.node.dataplane import DataPlaneServer
 
 TOKEN = "run-7-edge-token-0123456789abcdef"
@@ -23,20 +24,23 @@ def no_leaks() -> Iterator[None]:
     threads_before = set(threading.enumerate())
     fds_before = _fds()
     yield
-    deadline = time.monotonic() + 2.0
-    while True:
-        extra_threads = [t for t in threading.enumerate() if t not in threads_before]
-        extra_fds = _fds() - fds_before
-        if (not extra_threads and not extra_fds) or time.monotonic() > deadline:
-            break
-        time.sleep(0.01)
-    assert not extra_threads, f"threads left running: {extra_threads}"
-    leaked = {
-        fd: os.readlink(f"/proc/self/fd/{fd}")
-        for fd in extra_fds
-        if os.path.exists(f"/proc/self/fd/{fd}")
-    }
-    assert not leaked, f"file descriptors left open: {leaked}"
+
+    def left() -> tuple[list[threading.Thread], dict[str, str]]:
+        """The threads, and the file descriptors with what they are, not there before."""
+        threads = [t for t in threading.enumerate() if t not in threads_before]
+        fds: dict[str, str] = {}
+        for fd in _fds() - fds_before:
+            with contextlib.suppress(OSError):  # gone meanwhile (the listing's own)
+                fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        return threads, fds
+
+    wait_until(
+        lambda: left() == ([], {}),
+        timeout=10,
+        what="no thread or file descriptor left behind",
+        interval=0.01,
+        detail=lambda: "threads left running, file descriptors left open: {}, {}".format(*left()),
+    )
 
 
 @pytest.fixture

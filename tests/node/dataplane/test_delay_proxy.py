@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from tests.helpers.waits import wait_until
 from tests.node.dataplane.conftest import TOKEN
 from workers.node.dataplane import DataPlaneServer, connect_edge, token_in_spec
 from workers.node.dataplane.delay_proxy import DelayProxy, front_listener
@@ -284,8 +285,7 @@ def test_close_ends_live_connections() -> None:
     proxy = DelayProxy("127.0.0.1", peer.port, D)
     sock = client(proxy)
     sock.sendall(b"in flight")
-    time.sleep(0.01)
-    assert proxy.connections == 1
+    wait_until(lambda: proxy.connections == 1, timeout=10, what="the proxy's connection")
     proxy.close()
     proxy.close()  # idempotent
     try:
@@ -307,10 +307,7 @@ def test_connections_end_by_themselves() -> None:
             assert recv_exact(sock, 1) == b"x"
             sock.shutdown(socket.SHUT_WR)
             assert sock.recv(1) == b""
-        deadline = time.monotonic() + 5
-        while proxy.connections and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert proxy.connections == 0
+        wait_until(lambda: proxy.connections == 0, timeout=10, what="the connection to end")
     peer.close()
 
 
