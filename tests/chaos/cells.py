@@ -440,13 +440,14 @@ async def until_phase(
             raise CellError(f"run stopped before {phase.value}: {last.first_fault}")
         return None
 
-    return await cell_wait(
+    reached_state: RunState = await cell_wait(
         reached,
         timeout,
         f"phase {phase.value}",
         interval=interval,
         detail=lambda: f"last phase: {last and last.phase}",
     )
+    return reached_state
 
 
 async def cell_wait(

@@ -57,7 +57,7 @@ def wait_until(
 
 @overload
 async def eventually(
-    predicate: Callable[[], Awaitable[T]],
+    predicate: Callable[[], Awaitable[T | None]],
     *,
     timeout: float,
     what: str,
@@ -68,7 +68,7 @@ async def eventually(
 
 @overload
 async def eventually(
-    predicate: Callable[[], T],
+    predicate: Callable[[], T | None],
     *,
     timeout: float,
     what: str,
