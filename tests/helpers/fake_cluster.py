@@ -13,8 +13,15 @@ reports a real node agent sends (workers/node/agent.py, workers/node/activities.
 - StageStopped when its stage is stopped.
 
 Knobs (``FakeCluster`` fields) make one step fail or wait, so that a test can put the run
-in each phase and fault or shut it down there. Everything runs in the test's process on
-the time-skipping test server; nothing here imports the engine or a provider.
+in each phase and fault or shut it down there; ``FakeNode.die`` makes a node go away (the
+provider watch reports it, its lease ends), as a stage recovery test needs. Everything runs
+in the test's process on the time-skipping test server; nothing here imports the engine or
+a provider.
+
+The server is shared by a whole test session (tests/workflows/conftest.py): each cluster
+has task queues of its own (its run's queue, and its provider queue beside it), each run
+id is used once per process, and a run the test left open is terminated on the way out,
+so no test's workflows or workers reach the next one's.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from typing import Any
 from temporalio import activity
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError
 from temporalio.worker import Worker
 
 from mvp_core import names
@@ -77,12 +85,10 @@ __all__ = [
     "kinds",
     "run_failure",
     "snapshot",
-    "start_run",
     "test_server_binary",
     "wait_phase",
 ]
 
-PROVIDER_QUEUE = "fake-provider"
 # Model facts of a small llama (SmolLM2-135M's shape): the real planner plans on them.
 FACTS = ModelFacts(
     architecture="llama",
@@ -110,6 +116,9 @@ def test_server_binary() -> str:
 
 
 Generate = Callable[[GenerateInput], Awaitable[PromptOutcome]]
+# Run ids started in this process: the workflow id is the run's, so two tests sharing the
+# server with one run id would signal and query each other's run.
+_RUN_IDS: set[int] = set()
 
 
 async def echo_generate(inp: GenerateInput) -> PromptOutcome:
@@ -133,9 +142,11 @@ class FakeNode:
         self.cluster = cluster
         self.spec = spec
         self.identity = f"fake-node-{spec.node_id}@{spec.task_queue}"
-        self.provisioned: StageProvision | None = None
+        self.provisioned: StageProvision | None = None  # the latest provision
+        self.provisions: list[StageProvision] = []  # each one, in order
         self.stopped = asyncio.Event()  # the provider stopped it
         self.exited = asyncio.Event()  # it went away on its own (``die``)
+        self.lease_end: str | None = None  # its lease ends, the node still there
         self.stage_stopped = False
         self.leases = 0
         self.worker = Worker(
@@ -173,9 +184,16 @@ class FakeNode:
         )
 
     def die(self, detail: str = "process 4242 is gone") -> None:
-        """The node's process goes away: the provider watch reports it."""
+        """The node's process goes away: the provider watch reports it, and its activities
+        fall silent, as a killed process's do: no heartbeat, no end (the run cancels them;
+        the server would time them out)."""
         self.cluster.exits[self.spec.node_id] = detail
         self.exited.set()
+
+    def end_lease(self, detail: str = "the node left the run") -> None:
+        """Its membership lease ends (fails), the node's process still there: the watch
+        reports nothing."""
+        self.lease_end = detail
 
     async def close(self) -> None:
         await self.worker.shutdown()
@@ -189,7 +207,8 @@ class FakeNode:
 
     @activity.defn(name=names.ACT_NODE_LEASE)
     async def lease(self, inp: LeaseInput) -> None:
-        """Membership: LeaseStarted, then heartbeats until cancelled or the node dies."""
+        """Membership: LeaseStarted, then heartbeats until cancelled, the node stops, or
+        ``end_lease`` (silent once the node died)."""
         self.leases += 1
         await self.signal(
             names.SIGNAL_LEASE_STARTED,
@@ -200,17 +219,19 @@ class FakeNode:
                 worker_identity=self.identity,
             ),
         )
-        while not (self.exited.is_set() or self.stopped.is_set()):
-            activity.heartbeat()
+        while not self.stopped.is_set():
+            if self.lease_end is not None:
+                raise ApplicationError(f"lease ended: {self.lease_end}", non_retryable=True)
+            if not self.exited.is_set():
+                activity.heartbeat()
             await asyncio.sleep(0.05)
-        if self.exited.is_set():
-            raise ApplicationError("lease ended: the node is gone", non_retryable=True)
 
     @activity.defn(name=names.ACT_NODE_PROVISION_STAGE)
     async def provision_stage(self, prov: StageProvision) -> None:
         cluster = self.cluster
         cluster.calls.append(f"provision stage {prov.stage_index}")
         self.provisioned = prov
+        self.provisions.append(prov)
         await cluster.wait_at("provision_stage")
         if cluster.stage_load_error is not None:
             raise ApplicationError(
@@ -230,20 +251,27 @@ class FakeNode:
         await self.signal(
             names.SIGNAL_STAGE_READY,
             StageReady(
-                run_id=prov.run_id, stage_index=prov.stage_index, readiness_id=prov.readiness_id
+                run_id=prov.run_id,
+                stage_index=prov.stage_index,
+                readiness_id=prov.readiness_id,
+                epoch=prov.epoch,
             ),
         )
         if prov.stage_index == 0 and prov.stage_count > 1:
             await self.signal(
                 names.SIGNAL_TOKEN_ENDPOINTS_READY,
                 TokenEndpointsReady(
-                    run_id=prov.run_id, node_id=prov.node_id, readiness_id=prov.readiness_id
+                    run_id=prov.run_id,
+                    node_id=prov.node_id,
+                    readiness_id=prov.readiness_id,
+                    epoch=prov.epoch,
                 ),
             )
 
     @activity.defn(name=names.ACT_NODE_GENERATE)
     async def generate(self, inp: GenerateInput) -> PromptOutcome:
         self.cluster.calls.append(f"generate {inp.prompt.request_id}")
+        self.cluster.generates.append((self.spec.node_id, inp))
         self.cluster.generating.set()
         return await self.cluster.generate(inp)
 
@@ -264,6 +292,9 @@ class FakeCluster:
     """The mocked world of one test: set the knobs before the run starts."""
 
     client: Client
+    # The run's task queue (its workflows and the orchestrator activities); the provider
+    # activities poll ``<task_queue>-provider``.
+    task_queue: str
     # Knobs.
     plan_error: str | None = None  # prepare_plan fails with a PlanningError
     start_error: str | None = None  # start_node fails (NodeStartFailed)
@@ -283,6 +314,12 @@ class FakeCluster:
     datastreams: list[int] = field(default_factory=list)  # run ids whose datastream started
     datastreams_ended: list[int] = field(default_factory=list)  # ... and ended, when cancelled
     generating: asyncio.Event = field(default_factory=asyncio.Event)
+    generates: list[tuple[int, GenerateInput]] = field(default_factory=list)  # (node id, input)
+    runs: list[WorkflowHandle[Any, RunOutcome]] = field(default_factory=list)  # started here
+
+    @property
+    def provider_queue_name(self) -> str:
+        return f"{self.task_queue}-provider"
 
     def hold(self, step: str) -> asyncio.Event:
         """Make ``step`` wait until the returned event is set."""
@@ -315,13 +352,13 @@ class FakeCluster:
         return [
             Worker(
                 self.client,
-                task_queue=names.ORCHESTRATOR_TASK_QUEUE,
+                task_queue=self.task_queue,
                 workflows=[RunWorkflow, PromptWorkflow],
                 activities=[self.provider_queue, self.check_route],
             ),
             Worker(
                 self.client,
-                task_queue=PROVIDER_QUEUE,
+                task_queue=self.provider_queue_name,
                 activities=[
                     self.prepare_plan,
                     self.start_node,
@@ -338,13 +375,15 @@ class FakeCluster:
 
     @contextlib.asynccontextmanager
     async def serving(self) -> AsyncIterator[FakeCluster]:
-        """The orchestrator's workers run inside; on the way out every fake node stops
-        first (its activities end), then the workers."""
+        """The orchestrator's workers run inside; on the way out a run (or prompt
+        workflow) the test left open is terminated, then every fake node stops (its
+        activities end), then the workers."""
         workers = self.workers()
         running = [asyncio.ensure_future(w.run()) for w in workers]
         try:
             yield self
         finally:
+            await self._terminate_open()
             for hold in self.holds.values():
                 hold.set()
             for node in self.nodes.values():
@@ -355,10 +394,37 @@ class FakeCluster:
             await asyncio.gather(*(w.shutdown() for w in workers))
             await asyncio.gather(*running, return_exceptions=True)
 
+    async def start_run(self, run_id: int, **request: Any) -> WorkflowHandle[Any, RunOutcome]:
+        """Start run ``run_id`` on this cluster's queue, as a client does (the bundled model
+        unless ``request`` names another source); ``request``: RunRequest fields. A run id
+        is used once per process: the shared server keeps every test's runs."""
+        assert run_id not in _RUN_IDS, f"run id {run_id} is used by another test"
+        _RUN_IDS.add(run_id)
+        req = {"model": {"bundled": names.DEFAULT_BUNDLED_MODEL}, **request}
+        handle = await self.client.start_workflow(
+            names.RUN_WORKFLOW,
+            req,
+            id=names.run_workflow_id(run_id),
+            task_queue=self.task_queue,
+            task_timeout=timedelta(seconds=names.WORKFLOW_TASK_TIMEOUT_S),
+            result_type=RunOutcome,
+        )
+        self.runs.append(handle)
+        return handle
+
+    async def _terminate_open(self) -> None:
+        """Terminate what this test started and left running (a test that failed half
+        way): on the shared server it would hold activities nobody serves any more."""
+        ids = [h.id for h in self.runs]
+        ids += sorted({inp.prompt_workflow_id for _, inp in self.generates})
+        for wf_id in ids:
+            with contextlib.suppress(RPCError):  # closed already (or never a workflow)
+                await self.client.get_workflow_handle(wf_id).terminate("the test ended")
+
     # ---------------------------------------------------------------- orchestrator side
     @activity.defn(name=names.ACT_PROVIDER_QUEUE)
     async def provider_queue(self) -> str:
-        return PROVIDER_QUEUE
+        return self.provider_queue_name
 
     @activity.defn(name=names.ACT_PREPARE_PLAN)
     async def prepare_plan(self, inp: PreparePlanInput) -> RunPlan:
@@ -448,20 +514,6 @@ class FakeCluster:
 
 
 # --------------------------------------------------------------------------- driving a run
-async def start_run(client: Client, run_id: int, **request: Any) -> WorkflowHandle[Any, RunOutcome]:
-    """Start run ``run_id`` as a client does (the bundled model unless ``request`` names
-    another source); ``request``: RunRequest fields."""
-    req = {"model": {"bundled": names.DEFAULT_BUNDLED_MODEL}, **request}
-    return await client.start_workflow(
-        names.RUN_WORKFLOW,
-        req,
-        id=names.run_workflow_id(run_id),
-        task_queue=names.ORCHESTRATOR_TASK_QUEUE,
-        task_timeout=timedelta(seconds=names.WORKFLOW_TASK_TIMEOUT_S),
-        result_type=RunOutcome,
-    )
-
-
 async def snapshot(handle: WorkflowHandle[Any, Any]) -> RunState:
     state: RunState = await handle.query(names.QUERY_SNAPSHOT, result_type=RunState)
     return state

@@ -29,7 +29,7 @@ from mvp_core.models import (
 )
 from temporal.connect import default_data_converter
 from temporal.devserver import temporal_binary
-from tests.helpers.fake_cluster import FakeCluster, snapshot, start_run, wait_phase
+from tests.helpers.fake_cluster import FakeCluster, snapshot, wait_phase
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +70,13 @@ async def _submit(client: Client, run_id: int, request_id: int) -> Done:
 
 @pytest.mark.parametrize(("run_id", "host"), [(301, "workflow"), (302, "run")])
 async def test_a_run_continues_as_new_on_the_same_nodes_and_loses_no_prompt(
-    low_threshold: WorkflowEnvironment, run_id: int, host: str
+    low_threshold: WorkflowEnvironment, task_queue: str, run_id: int, host: str
 ) -> None:
     """Prompts in PromptWorkflows or served by the run (DECISIONS 66: the ends it keeps
     cross over with it)."""
     client = low_threshold.client
-    async with FakeCluster(client).serving() as cluster:
-        handle = await start_run(client, run_id, prompt_host=host)
+    async with FakeCluster(client, task_queue).serving() as cluster:
+        handle = await cluster.start_run(run_id, prompt_host=host)
         await wait_phase(handle, RunPhase.PROMPT_READY)
         latest = client.get_workflow_handle(names.run_workflow_id(run_id))
         for i in range(8):

@@ -1,11 +1,12 @@
 """PromptWorkflow on its own: started by the run at admission, activated on its turn,
 generating on the head node's queue; one terminal event, and how it ended in its
 result and its search attribute (MvpPromptStatus). The generate activity is mocked by
-name on a head queue of the test's own."""
+name on a head queue of the test's own (``<task_queue>-head``)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 from temporalio import activity
 from temporalio.api.enums.v1 import EventType
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
@@ -31,20 +33,22 @@ from mvp_core.models import (
 )
 from workflows.prompt import PromptWorkflow
 
-HEAD = "fake-head-queue"
 STATUS = names.SEARCH_ATTRIBUTE_PROMPT
 
 
 class Head:
     """The head node's generate: Done with the text reversed, or the given failure."""
 
-    def __init__(self) -> None:
+    def __init__(self, task_queue: str) -> None:
+        self.task_queue = task_queue  # the prompt workflows'
+        self.queue = f"{task_queue}-head"  # the head node's
         self.calls: list[int] = []
         self.fail: ApplicationError | None = None
         self.until_stopped = False  # generate runs (without heartbeats) until stopped
         self.generating: dict[str, asyncio.Event] = {}
         self.stops: list[str] = []
         self.stop_answers = True  # False: a stop reaches the engine, its answer never comes
+        self.started: list[str] = []  # the prompt workflows' ids
 
     @activity.defn(name=names.ACT_NODE_GENERATE)
     async def generate(self, inp: GenerateInput) -> PromptOutcome:
@@ -80,30 +84,35 @@ class Head:
 
 
 @pytest.fixture
-async def head(env: WorkflowEnvironment) -> AsyncIterator[Head]:
-    fake = Head()
+async def head(env: WorkflowEnvironment, task_queue: str) -> AsyncIterator[Head]:
+    fake = Head(task_queue)
     async with (
-        Worker(env.client, task_queue=names.ORCHESTRATOR_TASK_QUEUE, workflows=[PromptWorkflow]),
-        Worker(env.client, task_queue=HEAD, activities=[fake.generate, fake.stop_generate]),
+        Worker(env.client, task_queue=task_queue, workflows=[PromptWorkflow]),
+        Worker(env.client, task_queue=fake.queue, activities=[fake.generate, fake.stop_generate]),
     ):
         yield fake
+        for wf_id in fake.started:  # one a failed test left open: not on the shared server
+            with contextlib.suppress(RPCError):
+                await env.client.get_workflow_handle(wf_id).terminate("the test ended")
 
 
-async def start(env: WorkflowEnvironment, request_id: int, *, active: bool) -> Any:
-    return await env.client.start_workflow(
+async def start(env: WorkflowEnvironment, head: Head, request_id: int, *, active: bool) -> Any:
+    handle = await env.client.start_workflow(
         PromptWorkflow.run,
         PromptInput(
             run_id=900,
             readiness_id="r",
             prompt=SubmitPrompt(request_id=request_id, prompt_text="hello"),
             max_new_tokens=5,
-            head_task_queue=HEAD,
+            head_task_queue=head.queue,
             head_node_id=1,
             start_active=active,
         ),
         id=names.prompt_workflow_id(900, request_id, uuid.uuid4().hex),
-        task_queue=names.ORCHESTRATOR_TASK_QUEUE,
+        task_queue=head.task_queue,
     )
+    head.started.append(handle.id)
+    return handle
 
 
 async def status_of(handle: Any) -> str:
@@ -116,7 +125,7 @@ async def status_of(handle: Any) -> str:
 async def test_a_prompt_started_active_generates_at_once_and_ends_done(
     env: WorkflowEnvironment, head: Head
 ) -> None:
-    handle = await start(env, 1, active=True)
+    handle = await start(env, head, 1, active=True)
     outcome = PromptOutcome.model_validate(await handle.result())
     assert outcome.terminal == Done(
         request_id=1, final_text="olleh", tokens_generated=5, elapsed_ms=1, stop_reason="eos"
@@ -129,7 +138,7 @@ async def test_a_prompt_started_active_generates_at_once_and_ends_done(
 async def test_a_queued_prompt_waits_for_its_activation(
     env: WorkflowEnvironment, head: Head
 ) -> None:
-    handle = await start(env, 2, active=False)
+    handle = await start(env, head, 2, active=False)
     await handle.signal(names.SIGNAL_PROMPT_ACTIVATE)
     outcome = PromptOutcome.model_validate(await handle.result())
     assert outcome.terminal.type == "done" and head.calls == [2]
@@ -139,7 +148,7 @@ async def test_a_queued_prompt_waits_for_its_activation(
 async def test_a_prompt_cancelled_before_its_turn_never_generates(
     env: WorkflowEnvironment, head: Head
 ) -> None:
-    handle = await start(env, 3, active=False)
+    handle = await start(env, head, 3, active=False)
     await handle.signal(names.SIGNAL_PROMPT_CANCEL, "client went away")
     outcome = PromptOutcome.model_validate(await handle.result())
     assert outcome.terminal == Fault(request_id=3, error="client went away")
@@ -155,7 +164,7 @@ async def test_a_cancel_mid_generate_is_pushed_to_the_head_node(
     a heartbeat's answer (this fake never heartbeats: without the push it would run until
     its heartbeat timed out)."""
     head.until_stopped = True
-    handle = await start(env, 4, active=True)
+    handle = await start(env, head, 4, active=True)
     while handle.id not in head.generating:
         await asyncio.sleep(0.01)
     await handle.signal(names.SIGNAL_PROMPT_CANCEL, "client went away")
@@ -175,7 +184,7 @@ async def test_a_stop_left_unanswered_is_cancelled_once_the_generate_ended(
     to its bound (which the time-skipping server would otherwise reach at once)."""
     head.until_stopped = True
     head.stop_answers = False
-    handle = await start(env, 5, active=True)
+    handle = await start(env, head, 5, active=True)
     while handle.id not in head.generating:
         await asyncio.sleep(0.01)
     await handle.signal(names.SIGNAL_PROMPT_CANCEL, "client went away")
@@ -204,13 +213,13 @@ async def test_a_failed_generate_faults_the_prompt_and_reports_a_run_fault(
         type=ErrorType.ENGINE_FAULT,
         non_retryable=True,
     )
-    handle = await start(env, 4, active=True)
+    handle = await start(env, head, 4, active=True)
     outcome = PromptOutcome.model_validate(await handle.result())
     assert outcome.terminal == Fault(
         request_id=4, error="prompt serving fault: engine fault on stage 0: RuntimeError: boom"
     )
     assert outcome.status is PromptStatus.FAULTED
     assert outcome.run_fault == (
-        f"prompt serving: generate on {HEAD} failed: engine fault on stage 0: RuntimeError: boom"
+        f"prompt serving: generate on {head.queue} failed: engine fault on stage 0: RuntimeError: boom"
     )
     assert await status_of(handle) == "faulted"

@@ -43,7 +43,6 @@ from tests.helpers.fake_cluster import (
     kinds,
     run_failure,
     snapshot,
-    start_run,
     wait_phase,
 )
 
@@ -59,10 +58,10 @@ async def shut_down(handle: Any) -> RunOutcome:
 
 
 async def test_a_request_without_a_model_is_rejected_and_nothing_is_provisioned(
-    env: WorkflowEnvironment,
+    env: WorkflowEnvironment, task_queue: str
 ) -> None:
-    async with FakeCluster(env.client).serving() as cluster:
-        handle = await start_run(env.client, 101, model={})
+    async with FakeCluster(env.client, task_queue).serving() as cluster:
+        handle = await cluster.start_run(101, model={})
         kind, message, outcome = await run_failure(handle)
     assert kind == ErrorType.RUN_REJECTED
     assert "model source" in message
@@ -72,11 +71,13 @@ async def test_a_request_without_a_model_is_rejected_and_nothing_is_provisioned(
 
 
 async def test_a_planning_fault_rejects_the_run_before_any_node_starts(
-    env: WorkflowEnvironment,
+    env: WorkflowEnvironment, task_queue: str
 ) -> None:
-    cluster = FakeCluster(env.client, plan_error="GGUF /models/x.gguf declares 0 layers")
+    cluster = FakeCluster(
+        env.client, task_queue, plan_error="GGUF /models/x.gguf declares 0 layers"
+    )
     async with cluster.serving():
-        handle = await start_run(env.client, 102)
+        handle = await cluster.start_run(102)
         kind, message, outcome = await run_failure(handle)
     assert kind == ErrorType.RUN_REJECTED
     assert message == "planning failed: GGUF /models/x.gguf declares 0 layers"
@@ -85,11 +86,11 @@ async def test_a_planning_fault_rejects_the_run_before_any_node_starts(
 
 
 async def test_a_provisioning_fault_faults_the_run_and_stops_the_node_it_tried(
-    env: WorkflowEnvironment,
+    env: WorkflowEnvironment, task_queue: str
 ) -> None:
-    cluster = FakeCluster(env.client, start_error="no free port")
+    cluster = FakeCluster(env.client, task_queue, start_error="no free port")
     async with cluster.serving():
-        handle = await start_run(env.client, 103)
+        handle = await cluster.start_run(103)
         kind, message, outcome = await run_failure(handle)
     assert kind == ErrorType.RUN_FAULTED
     assert message == "startup (provisioning): no free port"
@@ -99,13 +100,13 @@ async def test_a_provisioning_fault_faults_the_run_and_stops_the_node_it_tried(
 
 
 async def test_a_node_that_never_reports_runtime_ready_faults_readiness_at_its_deadline(
-    env: WorkflowEnvironment,
+    env: WorkflowEnvironment, task_queue: str
 ) -> None:
     # The provider watch runs from here on, and the test server skips no time while an
     # activity runs: a short deadline keeps the test fast.
-    cluster = FakeCluster(env.client, silent_nodes={1})
+    cluster = FakeCluster(env.client, task_queue, silent_nodes={1})
     async with cluster.serving():
-        handle = await start_run(env.client, 104, timeouts={"readiness_s": 0.3})
+        handle = await cluster.start_run(104, timeouts={"readiness_s": 0.3})
         kind, message, outcome = await run_failure(handle)
     assert kind == ErrorType.RUN_FAULTED
     assert message == (
@@ -117,11 +118,11 @@ async def test_a_node_that_never_reports_runtime_ready_faults_readiness_at_its_d
 
 
 async def test_a_route_owned_by_another_worker_faults_readiness(
-    env: WorkflowEnvironment,
+    env: WorkflowEnvironment, task_queue: str
 ) -> None:
-    cluster = FakeCluster(env.client, route_owner="stale-node@elsewhere")
+    cluster = FakeCluster(env.client, task_queue, route_owner="stale-node@elsewhere")
     async with cluster.serving():
-        handle = await start_run(env.client, 105)
+        handle = await cluster.start_run(105)
         kind, message, _ = await run_failure(handle)
     assert kind == ErrorType.RUN_FAULTED
     assert message.startswith("startup (readiness): ")
@@ -130,10 +131,12 @@ async def test_a_route_owned_by_another_worker_faults_readiness(
     assert "ack 1" not in cluster.calls
 
 
-async def test_a_weight_load_fault_faults_stage_provisioning(env: WorkflowEnvironment) -> None:
-    cluster = FakeCluster(env.client, stage_load_error="bad tensor blk.3.attn_q")
+async def test_a_weight_load_fault_faults_stage_provisioning(
+    env: WorkflowEnvironment, task_queue: str
+) -> None:
+    cluster = FakeCluster(env.client, task_queue, stage_load_error="bad tensor blk.3.attn_q")
     async with cluster.serving():
-        handle = await start_run(env.client, 106)
+        handle = await cluster.start_run(106)
         kind, message, outcome = await run_failure(handle)
     assert kind == ErrorType.RUN_FAULTED
     assert message == (
@@ -145,10 +148,10 @@ async def test_a_weight_load_fault_faults_stage_provisioning(env: WorkflowEnviro
 
 
 async def test_a_stage_fault_while_prompt_ready_faults_the_run_after_the_culprit_grace(
-    env: WorkflowEnvironment,
+    env: WorkflowEnvironment, task_queue: str
 ) -> None:
-    async with FakeCluster(env.client).serving() as cluster:
-        handle = await start_run(env.client, 107)
+    async with FakeCluster(env.client, task_queue).serving() as cluster:
+        handle = await cluster.start_run(107)
         state = await wait_phase(handle, RunPhase.PROMPT_READY)
         head = state.nodes[0]
         await handle.signal(
@@ -178,13 +181,13 @@ async def test_a_stage_fault_while_prompt_ready_faults_the_run_after_the_culprit
     ],
 )
 async def test_a_shutdown_while_a_startup_step_is_in_flight_stops_the_run(
-    env: WorkflowEnvironment, step: str, phase: RunPhase, started: bool
+    env: WorkflowEnvironment, task_queue: str, step: str, phase: RunPhase, started: bool
 ) -> None:
     run_id = 110 + list(RunPhase).index(phase)
-    cluster = FakeCluster(env.client)
+    cluster = FakeCluster(env.client, task_queue)
     release = cluster.hold(step)
     async with cluster.serving():
-        handle = await start_run(env.client, run_id)
+        handle = await cluster.start_run(run_id)
         await cluster.reached_step(step)
         assert (await snapshot(handle)).phase is phase
         await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown())
@@ -204,11 +207,11 @@ async def test_a_shutdown_while_a_startup_step_is_in_flight_stops_the_run(
 
 
 async def test_a_shutdown_during_readiness_stops_the_started_node(
-    env: WorkflowEnvironment,
+    env: WorkflowEnvironment, task_queue: str
 ) -> None:
-    cluster = FakeCluster(env.client, silent_nodes={1})
+    cluster = FakeCluster(env.client, task_queue, silent_nodes={1})
     async with cluster.serving():
-        handle = await start_run(env.client, 120)
+        handle = await cluster.start_run(120)
         await wait_phase(handle, RunPhase.READINESS)
         outcome = await shut_down(handle)
     assert outcome.outcome is RunOutcomeKind.OPERATOR_STOPPED
@@ -222,10 +225,10 @@ async def test_a_shutdown_during_readiness_stops_the_started_node(
 
 
 async def test_a_shutdown_while_prompt_ready_stops_every_stage_then_every_node(
-    env: WorkflowEnvironment,
+    env: WorkflowEnvironment, task_queue: str
 ) -> None:
-    async with FakeCluster(env.client).serving() as cluster:
-        handle = await start_run(env.client, 121, pipeline_stages=2)
+    async with FakeCluster(env.client, task_queue).serving() as cluster:
+        handle = await cluster.start_run(121, pipeline_stages=2)
         state = await wait_phase(handle, RunPhase.PROMPT_READY)
         assert [n.condition().value for n in state.nodes] == ["ready", "ready"]
         outcome = await shut_down(handle)
@@ -240,12 +243,12 @@ async def test_a_shutdown_while_prompt_ready_stops_every_stage_then_every_node(
 
 
 async def test_shutdown_and_wait_answers_once_the_run_has_closed(
-    env: WorkflowEnvironment,
+    env: WorkflowEnvironment, task_queue: str
 ) -> None:
     """The Update returns with the workflow's completion, after the datastream's end: a
     caller that stops its worker next leaves no run open."""
-    async with FakeCluster(env.client).serving() as cluster:
-        handle = await start_run(env.client, 126)
+    async with FakeCluster(env.client, task_queue).serving() as cluster:
+        handle = await cluster.start_run(126)
         await wait_phase(handle, RunPhase.PROMPT_READY)
         outcome = await handle.execute_update(
             names.UPDATE_SHUTDOWN_AND_WAIT, RequestShutdown(), result_type=RunOutcome
@@ -257,13 +260,13 @@ async def test_shutdown_and_wait_answers_once_the_run_has_closed(
 
 
 async def test_a_provider_stop_that_fails_in_teardown_is_a_stop_failed_run(
-    env: WorkflowEnvironment,
+    env: WorkflowEnvironment, task_queue: str
 ) -> None:
     """Teardown's own fault: the operator stop completes its teardown, but a node the
     provider could not stop makes the run RunStopFailed, naming the node (spec 10.13)."""
-    cluster = FakeCluster(env.client, stop_node_error="destroy refused")
+    cluster = FakeCluster(env.client, task_queue, stop_node_error="destroy refused")
     async with cluster.serving():
-        handle = await start_run(env.client, 127)
+        handle = await cluster.start_run(127)
         await wait_phase(handle, RunPhase.PROMPT_READY)
         await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown())
         kind, message, outcome = await run_failure(handle)
@@ -276,9 +279,11 @@ async def test_a_provider_stop_that_fails_in_teardown_is_a_stop_failed_run(
     assert cluster.calls[-2:] == ["stop stage 0", "stop node 1"]
 
 
-async def test_a_prompt_is_served_to_done_and_counted(env: WorkflowEnvironment) -> None:
-    async with FakeCluster(env.client).serving() as cluster:
-        handle = await start_run(env.client, 122)
+async def test_a_prompt_is_served_to_done_and_counted(
+    env: WorkflowEnvironment, task_queue: str
+) -> None:
+    async with FakeCluster(env.client, task_queue).serving() as cluster:
+        handle = await cluster.start_run(122)
         await wait_phase(handle, RunPhase.PROMPT_READY)
         done = await handle.execute_update(
             names.UPDATE_SUBMIT_PROMPT,
@@ -302,11 +307,13 @@ async def test_a_prompt_is_served_to_done_and_counted(env: WorkflowEnvironment) 
     assert outcome.prompts_completed == 1
 
 
-async def test_a_prompt_before_prompt_ready_is_rejected_by_type(env: WorkflowEnvironment) -> None:
-    cluster = FakeCluster(env.client)
+async def test_a_prompt_before_prompt_ready_is_rejected_by_type(
+    env: WorkflowEnvironment, task_queue: str
+) -> None:
+    cluster = FakeCluster(env.client, task_queue)
     release = cluster.hold("plan")
     async with cluster.serving():
-        handle = await start_run(env.client, 123)
+        handle = await cluster.start_run(123)
         await cluster.reached_step("plan")
         with pytest.raises(WorkflowUpdateFailedError) as caught:
             await handle.execute_update(
@@ -324,7 +331,7 @@ async def test_a_prompt_before_prompt_ready_is_rejected_by_type(env: WorkflowEnv
 
 
 async def test_a_prompt_whose_generate_fails_ends_in_its_fault_and_faults_the_run(
-    env: WorkflowEnvironment,
+    env: WorkflowEnvironment, task_queue: str
 ) -> None:
     async def broken(inp: Any) -> Any:
         raise ApplicationError(
@@ -333,8 +340,8 @@ async def test_a_prompt_whose_generate_fails_ends_in_its_fault_and_faults_the_ru
             non_retryable=True,
         )
 
-    async with FakeCluster(env.client, generate=broken).serving():
-        handle = await start_run(env.client, 124)
+    async with FakeCluster(env.client, task_queue, generate=broken).serving() as cluster:
+        handle = await cluster.start_run(124)
         await wait_phase(handle, RunPhase.PROMPT_READY)
         fault = await handle.execute_update(
             names.UPDATE_SUBMIT_PROMPT,
@@ -350,7 +357,7 @@ async def test_a_prompt_whose_generate_fails_ends_in_its_fault_and_faults_the_ru
 
 @pytest.mark.parametrize("host", ["workflow", "run"])
 async def test_prompts_up_to_max_active_generate_at_once_with_the_queue_behind_them(
-    env: WorkflowEnvironment, host: str
+    env: WorkflowEnvironment, task_queue: str, host: str
 ) -> None:
     """max_active_prompts (DECISIONS 62): 3 generate at once, the 4th waits its turn in
     the queue behind them (prompt_queue_capacity - 1 = 1 place), a 5th is QueueFull; each
@@ -378,9 +385,12 @@ async def test_prompts_up_to_max_active_generate_at_once_with_the_queue_behind_t
             await asyncio.sleep(0.025)
         raise AssertionError(f"not seen: {what}")
 
-    async with FakeCluster(env.client, generate=gated).serving():
-        handle = await start_run(
-            env.client, 140, max_active_prompts=3, prompt_queue_capacity=2, prompt_host=host
+    async with FakeCluster(env.client, task_queue, generate=gated).serving() as cluster:
+        handle = await cluster.start_run(
+            140 if host == "workflow" else 142,
+            max_active_prompts=3,
+            prompt_queue_capacity=2,
+            prompt_host=host,
         )
         await wait_phase(handle, RunPhase.PROMPT_READY)
         updates = [
@@ -417,7 +427,7 @@ async def test_prompts_up_to_max_active_generate_at_once_with_the_queue_behind_t
 
 
 async def test_run_hosted_prompts_cancelled_queued_and_at_shutdown_end_once_and_are_kept(
-    env: WorkflowEnvironment,
+    env: WorkflowEnvironment, task_queue: str
 ) -> None:
     """DECISIONS 66: a run-hosted prompt cancelled in the queue never generates; one
     generating when the run shuts down ends cancelled; each has one end, which the run
@@ -432,8 +442,8 @@ async def test_run_hosted_prompts_cancelled_queued_and_at_shutdown_end_once_and_
             activity.heartbeat()
             await asyncio.sleep(0.05)
 
-    async with FakeCluster(env.client, generate=held).serving():
-        handle = await start_run(env.client, 141, prompt_queue_capacity=3, prompt_host="run")
+    async with FakeCluster(env.client, task_queue, generate=held).serving() as cluster:
+        handle = await cluster.start_run(141, prompt_queue_capacity=3, prompt_host="run")
         await wait_phase(handle, RunPhase.PROMPT_READY)
         updates = [
             await handle.start_update(
