@@ -6,14 +6,12 @@ from __future__ import annotations
 import errno
 import logging
 import socket
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from .errors import EdgeClosed, EdgeError
 from .records import EdgeSpec, RecordError
 from .sockets import Closing, hard_close
-
-if TYPE_CHECKING:
-    from .group import EdgeGroup
 
 __all__ = ["EdgeEnd", "log"]
 
@@ -23,7 +21,7 @@ _Fatal = TypeVar("_Fatal", EdgeError, RecordError)
 
 
 class EdgeEnd(Closing):
-    """Common state of both ends: the socket, the spec, the peer, the group hook."""
+    """Common state of both ends: the socket, the spec, the peer, the group's failure hook."""
 
     def __init__(self, sock: socket.socket, spec: EdgeSpec, peer: str) -> None:
         self._sock = sock
@@ -31,7 +29,8 @@ class EdgeEnd(Closing):
         self.peer = peer
         self._closed = False
         self._broken: BaseException | None = None
-        self._group: EdgeGroup | None = None
+        # The group this edge belongs to, told of its failure (group.py sets it).
+        self._on_failure: Callable[[BaseException], None] | None = None
         self._timeout: float | None = None
 
     @property
@@ -50,8 +49,8 @@ class EdgeEnd(Closing):
 
         Closing one edge of a live group takes the whole stage down, like an error would.
         """
-        if self._close_quiet() and self._group is not None:
-            self._group._member_failed(EdgeClosed(f"edge {self.edge_id}: closed locally"))
+        if self._close_quiet() and self._on_failure is not None:
+            self._on_failure(EdgeClosed(f"edge {self.edge_id}: closed locally"))
 
     def _close_quiet(self) -> bool:
         if self._closed:
@@ -73,8 +72,8 @@ class EdgeEnd(Closing):
         if self._broken is None:
             self._broken = exc
         self._close_quiet()
-        if self._group is not None:
-            self._group._member_failed(exc)
+        if self._on_failure is not None:
+            self._on_failure(exc)
 
     def _broken_by(self, exc: _Fatal, level: int = logging.ERROR) -> _Fatal:
         """``_failed(exc)``, and ``exc`` back for the caller to raise."""

@@ -5,16 +5,18 @@ closes all of that stage's edges, so the driver sees EOF within milliseconds
 from __future__ import annotations
 
 import contextlib
+import logging
 import selectors
 import threading
 from collections.abc import Iterator
 from typing import TypeAlias
 
-from .endpoint import log
 from .errors import EdgeClosed, EdgeError
 from .receiver import EdgeReceiver
 from .sender import EdgeSender
 from .sockets import Closing, Wakeup
+
+log = logging.getLogger("mvp.dataplane")
 
 __all__ = ["Edge", "EdgeGroup"]
 
@@ -61,7 +63,7 @@ class EdgeGroup(Closing):
             if self._closed or self._failed.is_set():
                 edge._close_quiet()
                 raise EdgeClosed(f"{self.name}: edge group already closed")
-            edge._group = self
+            edge._on_failure = self._member_failed
             self._edges.append(edge)
             if isinstance(edge, EdgeSender) and self._watch:
                 self._watch_pending.append(edge)
