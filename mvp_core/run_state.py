@@ -87,9 +87,9 @@ class RunState(BaseModel):
     prompts_completed: int = 0
     prompts_faulted: int = 0
     continued: int = 0
-    # Continue-as-new was suggested and the run is letting its prompts finish first: it
-    # admits none meanwhile (DECISIONS 13). Never carried: the next run starts serving.
-    rolling_over: bool = False
+    # Continue-as-new is due; prompts finish first and none is admitted (DECISIONS 13).
+    # Neither carried nor in the snapshot (the phase says it): the next run serves.
+    rolling_over: bool = Field(default=False, exclude=True)
     ignored_reports: int = 0
     ignored: list[IgnoredInput] = Field(default_factory=list)
     token_endpoints_ready: bool = False
