@@ -454,7 +454,7 @@ async def cell_wait(
     predicate: Callable[[], Any],
     timeout: float,
     what: str,
-    interval: float = 0.05,
+    interval: float = 0.2,
     detail: Callable[[], str] | None = None,
 ) -> Any:
     """``eventually``, its timeout a CellError: a step of the cell out of time is the

@@ -82,11 +82,13 @@ async def eventually(
     *,
     timeout: float,
     what: str,
-    interval: float = 0.05,
+    interval: float = 0.2,
     detail: Callable[[], str] | None = None,
 ) -> Any:
     """As ``wait_until``, on the event loop: ``predicate`` may be a coroutine function
-    (awaited each time) or a plain one; between calls the loop runs other tasks."""
+    (awaited each time) or a plain one; between calls the loop runs other tasks. Every
+    0.2 s by default: a predicate here mostly asks Temporal (a query runs a workflow task
+    on the worker), and a tighter poll loads the very machine the test waits on."""
     deadline = time.monotonic() + timeout
     while True:
         last: Any = predicate()
