@@ -13,16 +13,13 @@ tries the same cases. Each test prints how many cases it ran (`pytest -s` shows 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import logging
 import math
-import os
 import re
 import socket
 import struct
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -34,7 +31,7 @@ from hypothesis import strategies as st
 
 from mvp_core.edge_auth import TEXT_STREAM_EDGE_ID
 from mvp_core.models import ActivationDtype
-from tests.helpers.waits import wait_until
+from tests.helpers.leaks import nothing_left_behind
 from workers.node.dataplane import (
     FLAG_ABORT,
     FLAG_BEGIN,
@@ -120,33 +117,11 @@ def _report(name: str, cases: int, started: float, kinds: Counter[str]) -> None:
 # --------------------------------------------------------------------------- leaks
 
 
-def _fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
-
-
 @pytest.fixture(autouse=True)
 def no_leaks() -> Iterator[None]:
     """Hundreds of connections per test: every thread and socket must still go away."""
-    threads_before = set(threading.enumerate())
-    fds_before = _fds()
-    yield
-
-    def left() -> tuple[list[threading.Thread], dict[str, str]]:
-        """The threads, and the file descriptors with what they are, not there before."""
-        threads = [t for t in threading.enumerate() if t not in threads_before]
-        fds: dict[str, str] = {}
-        for fd in _fds() - fds_before:
-            with contextlib.suppress(OSError):  # gone meanwhile (the listing's own)
-                fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
-        return threads, fds
-
-    wait_until(
-        lambda: left() == ([], {}),
-        timeout=10,
-        what="no thread or file descriptor left behind",
-        interval=0.01,
-        detail=lambda: "threads left running, file descriptors left open: {}, {}".format(*left()),
-    )
+    with nothing_left_behind(timeout=3.0):
+        yield
 
 
 # --------------------------------------------------------------------------- helpers
