@@ -120,7 +120,8 @@ def node_resource_name(run_id: int, node_id: int, nonce: str) -> str:
 # The node agent's module (``python -m workers.node``): how a provider starts a node
 # process, and how a scan of the process table recognises one.
 NODE_MODULE = "workers.node"
-_RESOURCE_NAME = re.compile(r"mvp-(\d+)-(\d+)-([0-9a-f]{8})")
+# Bounded and ASCII: names come back from providers (labels, container names) untrusted.
+_RESOURCE_NAME = re.compile(r"mvp-([0-9]{1,20})-([0-9]{1,20})-([0-9a-f]{8})")
 
 
 def resource_arg(name: str) -> str:

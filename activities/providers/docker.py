@@ -25,7 +25,6 @@ import hashlib
 import io
 import json
 import os
-import re
 import socket
 import sys
 import tarfile
@@ -88,7 +87,6 @@ _Filters = dict[str, str | list[str] | bool]
 # (a connection refused on a cached client).
 _DOCKER_ERRORS: tuple[type[Exception], ...] = (DockerException, requests.RequestException)
 _PUMP_ERRORS: tuple[type[Exception], ...] = (*_DOCKER_ERRORS, OSError)
-_RESOURCE_NAME = re.compile(r"mvp-[0-9]{1,20}-[0-9]{1,20}-[0-9a-f]{8}")
 
 
 def container_name(run_id: int, node_id: int, nonce: str) -> str:
@@ -468,7 +466,7 @@ class DockerProvider:
         ``node.err``. A pump of this worker has it (its streams end with the container);
         without one (a worker that did not start it) the daemon's copy is written."""
         resource = container.labels.get(LABEL_RESOURCE, "")
-        if not _RESOURCE_NAME.fullmatch(resource):
+        if names.parse_resource_name(resource) is None:
             return  # a label we did not write: never a path of its choosing
         with self._pumps_lock:
             pump = self._pumps.pop(resource, None)

@@ -17,7 +17,6 @@ from activities.providers.base import NodeStartFailed, ProviderUnavailable, node
 from activities.providers.vastai import records
 from activities.providers.vastai.api import NOT_RUNNING, VastApi, VastApiError
 from activities.providers.vastai.node_agent import bootstrap, stop_node_agent
-from activities.providers.vastai.records import LABEL
 from activities.providers.vastai.rental import InstanceUnusable, adopt, rent, wait_running
 from activities.providers.vastai.ssh import (
     SshFailed,
@@ -230,16 +229,17 @@ class VastAiProvider:
         found = []
         for row in self.api.instances():
             label = str(row.get("label") or "")
-            m = LABEL.fullmatch(label)
-            if m is None:
+            parsed = names.parse_resource_name(label)
+            if parsed is None:
                 continue  # not ours: never touched
+            run_id, _, nonce8 = parsed
             found.append(
                 ProviderResource(
                     provider=ProviderKind.VASTAI,
                     kind="instance",
                     name=str(int(row["id"])),
-                    run_workflow_id=names.run_workflow_id(int(m.group(1))),
-                    nonce8=m.group(3),
+                    run_workflow_id=names.run_workflow_id(run_id),
+                    nonce8=nonce8,
                     host=self.host,
                     detail=f"{label} {row.get('actual_status')}",
                 )
@@ -249,8 +249,9 @@ class VastAiProvider:
     def destroy(self, resource: ProviderResource) -> None:
         iid = int(resource.name)
         label = resource.detail.split(" ", 1)[0]
-        if LABEL.fullmatch(label):
+        ours = names.parse_resource_name(label) is not None
+        if ours:
             close_tunnel(label)
         self._destroy(iid)
-        if LABEL.fullmatch(label):
+        if ours:
             records.forget(label)

@@ -11,14 +11,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from activities.providers.base import state_dir
 
 # A label of this provider: (run id, node id, nonce8).
-LABEL = re.compile(r"mvp-([0-9]{1,20})-([0-9]{1,20})-([0-9a-f]{8})")
 
 
 @dataclass

@@ -18,7 +18,8 @@ from activities.providers.base import NodeStartFailed, harness_crash
 from activities.providers.vastai import records
 from activities.providers.vastai.api import NOT_RUNNING, VastApi, VastApiError
 from activities.providers.vastai.offers import search_offers
-from activities.providers.vastai.records import LABEL, InstanceRecord
+from activities.providers.vastai.records import InstanceRecord
+from mvp_core import names
 from mvp_core.models import NodeProvisionSpec, VastAiSettings
 
 log = logging.getLogger("mvp.provider.vastai")
@@ -39,7 +40,7 @@ def adopt(api: VastApi, spec: NodeProvisionSpec, label: str) -> InstanceRecord |
     found: InstanceRecord | None = None
     for row in api.instances():
         row_label = str(row.get("label") or "")
-        if not row_label.startswith(prefix) or not LABEL.fullmatch(row_label):
+        if not row_label.startswith(prefix) or names.parse_resource_name(row_label) is None:
             continue
         iid = int(row["id"])
         if row_label != label:
