@@ -19,8 +19,8 @@ next one (DECISIONS 55).
 
 Updates and the query are called by method reference (``RunWorkflow.submit_prompt``);
 the run's two client signals (``request_shutdown``, ``cancel_prompt``) are routed by the
-run's dynamic signal handler, so they go by their names in ``mvp_core.names``, from here
-only.
+run's dynamic signal handler, so each goes by the name the run's signal table gives its
+message (``mvp_core.run_signals.signal_name``), from here only.
 
 The modules behind this face: ``lifecycle`` (start, attach, state, readiness,
 shutdown), ``prompts`` (submit, stream, cancel), ``text`` (where a prompt's text comes
