@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
+    from mvp_core import names
     from mvp_core.models import RunRequest
     from mvp_core.providers import ProviderTraits, traits
     from mvp_core.run_state import RunState
@@ -20,6 +21,9 @@ with workflow.unsafe.imports_passed_through():
     from workflows.run.view import RunView
 
 T = TypeVar("T")
+
+# The run's and its prompts' workflow task timeout (a worker lost mid-task costs this).
+WORKFLOW_TASK_TIMEOUT = timedelta(seconds=names.WORKFLOW_TASK_TIMEOUT_S)
 
 # A prompt (and the head holding one) waits this much longer than the run's bound on a
 # recovery: the run, not a prompt, decides that a recovery failed (it then tears down).

@@ -30,9 +30,8 @@ with workflow.unsafe.imports_passed_through():
     from mvp_core.run_records import NodeState, PromptRecord
     from workflows.prompt import PromptServing, PromptWorkflow
     from workflows.run.admission import prompt_of
-    from workflows.run.context import RunContext, slack
+    from workflows.run.context import WORKFLOW_TASK_TIMEOUT, RunContext, slack
 
-WORKFLOW_TASK_TIMEOUT = timedelta(seconds=names.WORKFLOW_TASK_TIMEOUT_S)
 PROMPT_DRAIN_S = 5.0  # beyond a generate's heartbeat timeout, for its prompt to end
 # A run-hosted prompt's end is kept for re-attach and the dashboard (DECISIONS 66): the
 # latest this many, their texts this many characters in all (they are carried across
@@ -222,15 +221,16 @@ class Prompts:
             except Exception:
                 workflow.logger.info("head news to %s not delivered", wf_id)
 
-    async def cancel(self, cancel: CancelPrompt) -> None:
+    async def cancel(self, cancel: CancelPrompt) -> bool:
         """The ``cancel_prompt`` signal: a pending prompt leaves the queue, an active one
-        is told to stop (the caller ignores one that is not open)."""
+        is told to stop. False where no such prompt is open (the caller ignores it)."""
         state = self._ctx.state
         record = state.prompt(cancel.request_id)
         if record is None:
-            return
+            return False
         state.remove_pending(cancel.request_id)
         await self.cancel_one(record.workflow_id, "cancelled")
+        return True
 
     async def cancel_one(self, wf_id: str, reason: str) -> None:
         hosted = self._hosted.get(wf_id)

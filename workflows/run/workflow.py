@@ -34,12 +34,18 @@ with workflow.unsafe.imports_passed_through():
     from mvp_core.validation import RunRejectedError, resolve_run_id, validate_request
     from workflows.run import admission, signals
     from workflows.run.carry import RunCarry, decode_start
-    from workflows.run.context import Rejected, RunContext, Stopping, describe
+    from workflows.run.context import (
+        WORKFLOW_TASK_TIMEOUT,
+        Rejected,
+        RunContext,
+        Stopping,
+        describe,
+    )
     from workflows.run.datastream import RunDatastream
     from workflows.run.faults import Suspicion
     from workflows.run.membership import Membership
     from workflows.run.planning import plan
-    from workflows.run.prompts import WORKFLOW_TASK_TIMEOUT, Prompts
+    from workflows.run.prompts import Prompts
     from workflows.run.recovery import Recovery
     from workflows.run.serve import ServeEnd, serve
     from workflows.run.startup import Startup
@@ -254,22 +260,17 @@ class RunWorkflow:
         elif isinstance(message, RequestShutdown):
             self._request_shutdown(message)
         elif isinstance(message, CancelPrompt):
-            await self._cancel_prompt(message)
+            if not await self._prompts.cancel(message):
+                signals.ignore(
+                    self._state,
+                    names.SIGNAL_CANCEL_PROMPT,
+                    f"no active or pending prompt {message.request_id}",
+                )
         elif isinstance(message, DatastreamAddress):
             self._datastream_address(message)
         self._ctx.view.observe()  # a node report moves a node to another state
         if self._state.suspected_fault is not None:
             self._suspicion.start_grace()
-
-    async def _cancel_prompt(self, cancel: CancelPrompt) -> None:
-        if self._state.prompt(cancel.request_id) is None:
-            signals.ignore(
-                self._state,
-                names.SIGNAL_CANCEL_PROMPT,
-                f"no active or pending prompt {cancel.request_id}",
-            )
-            return
-        await self._prompts.cancel(cancel)
 
     def _datastream_address(self, report: DatastreamAddress) -> None:
         """Where the run's datastream is served now (observation only, DECISIONS 58)."""
