@@ -50,6 +50,29 @@ static inline __m256 params8_avx2(const mvk_job *j, const void *p, int64_t i) {
 #endif
 }
 
+/* Piece p (64 bytes) of a nibble block's codes for 8 rows, one row per 32-bit lane (low
+ * nibbles: lane 2p, high: 2p + 1), against the block's activation codes q: the two lanes'
+ * broadcast activations (x0, x1) and each row's 4-element dot products (i0, i1). */
+static inline void nibble_dots_avx2(const uint8_t *b, const int8_t *q, int p, __m256i *x0,
+                                    __m256i *x1, __m256i *i0, __m256i *i1) {
+    const __m256i m4 = _mm256_set1_epi8(15), ones16 = _mm256_set1_epi16(1);
+    const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 64 * p));
+    const __m256i lo = _mm256_and_si256(w, m4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+    int32_t a0, a1;
+    memcpy(&a0, q + 8 * p, 4);
+    memcpy(&a1, q + 8 * p + 4, 4);
+    *x0 = _mm256_set1_epi32(a0);
+    *x1 = _mm256_set1_epi32(a1);
+    *i0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, *x0), ones16);
+    *i1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, *x1), ones16);
+}
+
+/* Each 32-bit lane's 4 int8 activations summed (a zero code's correction is zero * sum). */
+static inline __m256i sum4_avx2(__m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), x), _mm256_set1_epi16(1));
+}
+
 /* rows n..n+7 (n % 8 == 0) of a Q0 product, one row per float lane. 4-bit codes: the
  * group's 16-row block holds, for lanes 2p and 2p+1, each row's 4 codes in 4 bytes at
  * 64p + 4r, so 8 rows' codes for two lanes are one 32-byte load. Byte codes (with a zero
@@ -103,20 +126,11 @@ static void rows8_avx2_q0(const mvk_job *j, int64_t n, int64_t t0, int tt) {
             }
             const uint8_t *b = j->codes + at * 256 + 32 * h;
             for (int p = 0; p < 4; p++) {
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 64 * p));
-                const __m256i lo = _mm256_and_si256(w, m4);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
-                int32_t a0, a1;
-                memcpy(&a0, q + g * 32 + 8 * p, 4);
-                memcpy(&a1, q + g * 32 + 8 * p + 4, 4);
-                const __m256i x0 = _mm256_set1_epi32(a0), x1 = _mm256_set1_epi32(a1);
-                __m256i i0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), ones16);
-                __m256i i1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), ones16);
+                __m256i x0, x1, i0, i1;
+                nibble_dots_avx2(b, q + g * 32, p, &x0, &x1, &i0, &i1);
                 if (j->zrow) {
-                    const __m256i s0 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, x0), ones16);
-                    const __m256i s1 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, x1), ones16);
-                    i0 = _mm256_sub_epi32(i0, _mm256_mullo_epi32(zv, s0));
-                    i1 = _mm256_sub_epi32(i1, _mm256_mullo_epi32(zv, s1));
+                    i0 = _mm256_sub_epi32(i0, _mm256_mullo_epi32(zv, sum4_avx2(x0)));
+                    i1 = _mm256_sub_epi32(i1, _mm256_mullo_epi32(zv, sum4_avx2(x1)));
                 }
                 acc[2 * p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), d, acc[2 * p]);
                 acc[2 * p + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), d, acc[2 * p + 1]);
@@ -142,8 +156,6 @@ static void rows8_avx2_q0(const mvk_job *j, int64_t n, int64_t t0, int tt) {
  * multiply-add per block (rows_generic_q0r's chain). */
 static void rows8_avx2_q0r(const mvk_job *j, int64_t n, int64_t t0, int tt) {
     const int64_t kp = j->kp, ns = kp / 32, base = (n / 16) * ns, h = (n % 16) / 8;
-    const __m256i m4 = _mm256_set1_epi8(15), ones16 = _mm256_set1_epi16(1);
-    const __m256i ones8 = _mm256_set1_epi8(1);
     int64_t z8;
     memcpy(&z8, j->zrow + n, 8);
     const __m256i zv = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(z8));
@@ -159,19 +171,11 @@ static void rows8_avx2_q0r(const mvk_job *j, int64_t n, int64_t t0, int tt) {
             const uint8_t *b = j->codes + at * 256 + 32 * h;
             __m256i isum = _mm256_setzero_si256();
             for (int p = 0; p < 4; p++) {
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 64 * p));
-                const __m256i lo = _mm256_and_si256(w, m4);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
-                int32_t a0, a1;
-                memcpy(&a0, q + g * 32 + 8 * p, 4);
-                memcpy(&a1, q + g * 32 + 8 * p + 4, 4);
-                const __m256i x0 = _mm256_set1_epi32(a0), x1 = _mm256_set1_epi32(a1);
-                const __m256i i0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), ones16);
-                const __m256i i1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), ones16);
-                const __m256i s0 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, x0), ones16);
-                const __m256i s1 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, x1), ones16);
+                __m256i x0, x1, i0, i1;
+                nibble_dots_avx2(b, q + g * 32, p, &x0, &x1, &i0, &i1);
+                const __m256i s = _mm256_add_epi32(sum4_avx2(x0), sum4_avx2(x1));
                 isum = _mm256_add_epi32(isum, _mm256_add_epi32(i0, i1));
-                isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(zv, _mm256_add_epi32(s0, s1)));
+                isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(zv, s));
             }
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), d, acc);
         }

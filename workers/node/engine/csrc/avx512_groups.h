@@ -13,6 +13,22 @@ static inline __m512 scales16(const void *p, int64_t i, __mmask16 m, int f32) {
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i));
 }
 
+/* Row tr of group G's 16 outputs (rows 16G..16G+15, fewer in the last group): r, plus
+ * the product's addend where it has one, stored. Every tile ends here. */
+static inline void store_group(const mvk_job *j, int64_t G, int64_t tr, __m512 r) {
+    const int64_t r0 = 16 * G;
+    const __mmask16 m = tail_mask(j->n - r0);
+    if (j->add) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, j->add + tr * j->ldadd + r0));
+    _mm512_mask_storeu_ps(j->y + tr * j->ldy + r0, m, r);
+}
+
+/* A row's 8 lane sums added in hsum_float_8's pairing ((0+4)+(2+6)) + ((1+5)+(3+7)): the
+ * order llama.cpp adds them in, so the exact path's bits. */
+static inline __m512 sum8(const __m512 L[8]) {
+    return _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(L[0], L[4]), _mm512_add_ps(L[2], L[6])),
+                         _mm512_add_ps(_mm512_add_ps(L[1], L[5]), _mm512_add_ps(L[3], L[7])));
+}
+
 /* sum_g min[g] * sums[g] (or -zero * sum_g scale[g] * sums[g]) over ns groups */
 static inline float min_term(const mvk_job *j, const void *sc, const void *mn,
                              int64_t off, const float *sm, int64_t ns) {

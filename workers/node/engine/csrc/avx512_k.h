@@ -58,14 +58,8 @@ static inline __attribute__((always_inline)) void q4k_tile(const mvk_job *j, int
                 }
         }
     }
-    const int64_t r0 = 16 * G, left = j->n - r0;
-    const __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-    _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {
-        const int64_t tr = t0 + t;
-        __m512 r = _mm512_sub_ps(acc[t], accm[t]);
-        if (j->add) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, j->add + tr * j->ldadd + r0));
-        _mm512_mask_storeu_ps(j->y + tr * j->ldy + r0, m, r);
-    }
+    _Pragma("GCC unroll 8") for (int t = 0; t < T; t++)
+        store_group(j, G, t0 + t, _mm512_sub_ps(acc[t], accm[t]));
 }
 
 /* Q6_K's codes are stored in 6 bits (Q6K_PIECE bytes per 32-element piece of 16 rows):
@@ -162,19 +156,7 @@ static inline __attribute__((always_inline)) void q6k_tile(const mvk_job *j, int
             acc8[l] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(_mm512_sub_epi32(lane[l], sub)), acc8[l]);
         }
     }
-    const int64_t r0 = 16 * G, left = j->n - r0;
-    const __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-    for (int t = 0; t < T; t++) {
-        const int64_t tr = t0 + t;
-        __m512 r = tacc[t];
-        if (!tiled) {
-            const __m512 *L = acc8;
-            r = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(L[0], L[4]), _mm512_add_ps(L[2], L[6])),
-                              _mm512_add_ps(_mm512_add_ps(L[1], L[5]), _mm512_add_ps(L[3], L[7])));
-        }
-        if (j->add) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, j->add + tr * j->ldadd + r0));
-        _mm512_mask_storeu_ps(j->y + tr * j->ldy + r0, m, r);
-    }
+    for (int t = 0; t < T; t++) store_group(j, G, t0 + t, tiled ? tacc[t] : sum8(acc8));
 }
 
 /* Sub-block sb of a Q5_K group G: the 16 rows' 6-bit scales and mins, and its codes as
@@ -249,19 +231,7 @@ static inline __attribute__((always_inline)) void q5k_tile(const mvk_job *j, int
         for (int l = 0; l < 8; l++) acc8[l] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(lane[l]), acc8[l]);
         summs = _mm512_fnmadd_ps(ddm, _mm512_cvtepi32_ps(imin), summs);
     }
-    const int64_t r0 = 16 * G, left = j->n - r0;
-    const __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-    for (int t = 0; t < T; t++) {
-        const int64_t tr = t0 + t;
-        __m512 r = tacc[t];
-        if (!tiled) {
-            const __m512 *L = acc8;
-            r = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(L[0], L[4]), _mm512_add_ps(L[2], L[6])),
-                              _mm512_add_ps(_mm512_add_ps(L[1], L[5]), _mm512_add_ps(L[3], L[7])));
-            r = _mm512_add_ps(r, summs);
-        }
-        if (j->add) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, j->add + tr * j->ldadd + r0));
-        _mm512_mask_storeu_ps(j->y + tr * j->ldy + r0, m, r);
-    }
+    for (int t = 0; t < T; t++)
+        store_group(j, G, t0 + t, tiled ? tacc[t] : _mm512_add_ps(sum8(acc8), summs));
 }
 #endif

@@ -24,6 +24,21 @@ static inline __m512i bcast4(const int8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
+/* A group with a fixed zero code per row (j->zrow): its 16 rows' zero codes, each in the
+ * 4 bytes of its lane, for a vpdpbusd against the activations' negated codes. */
+static inline __m512i zero_codes(const mvk_job *j, int64_t G) {
+    return _mm512_mullo_epi32(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(j->zrow + 16 * G))),
+        _mm512_set1_epi32(0x01010101));
+}
+
+/* Where group G's zero codes have precomputed corrections (j->zg), those of activation
+ * rows t0.. (kp / 4 a row, one per lane sum); NULL where it has none. */
+static inline const int32_t *zero_corrections(const mvk_job *j, int64_t G, int64_t t0) {
+    const int zi = j->zrow != NULL && j->zg ? j->zg[G] : -1;
+    return zi >= 0 ? j->corr + (zi * j->t_rows + t0) * (j->kp / 4) : NULL;
+}
+
 /* A piece (16 rows x 32) of codes of at most 5 bits (Q5_PIECE bytes): the low nibbles as
  * the nibble layout (vector c: lanes 2c, 2c + 1), then 64 bytes whose bit l is lane l's
  * fifth bit. Lanes first..first+count-1 as bytes (rows_q0's byte layout). */
@@ -51,13 +66,8 @@ static inline __attribute__((always_inline)) void q0_tile(const mvk_job *j, int6
     const uint8_t *wg = j->codes + G * ns * piece;
     const int64_t sbase = G * ns * 16;
     const __m512i low4 = _mm512_set1_epi8(0x0f);
-    __m512i zb = _mm512_setzero_si512();
-    if (zeroed)
-        zb = _mm512_mullo_epi32(
-            _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(j->zrow + 16 * G))),
-            _mm512_set1_epi32(0x01010101));
-    const int zi = zeroed && j->zg ? j->zg[G] : -1;
-    const int32_t *corr = zi >= 0 ? j->corr + (zi * j->t_rows + t0) * (kp / 4) : NULL;
+    const __m512i zb = zeroed ? zero_codes(j, G) : _mm512_setzero_si512();
+    const int32_t *corr = zero_corrections(j, G, t0);
     const int LP = T <= 2 ? 8 : 4; /* lanes per pass: T * LP accumulators in registers */
     __m512 lanes[Q0_MAXT][8], summs[Q0_MAXT];
     _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) summs[t] = _mm512_setzero_ps();
@@ -104,16 +114,10 @@ static inline __attribute__((always_inline)) void q0_tile(const mvk_job *j, int6
         _Pragma("GCC unroll 8") for (int t = 0; t < T; t++)
             _Pragma("GCC unroll 8") for (int l = 0; l < LP; l++) lanes[t][p + l] = acc[t][l];
     }
-    const int64_t r0 = 16 * G, left = j->n - r0;
-    const __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
     _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {
-        const __m512 *L = lanes[t];
-        __m512 r = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(L[0], L[4]), _mm512_add_ps(L[2], L[6])),
-                                 _mm512_add_ps(_mm512_add_ps(L[1], L[5]), _mm512_add_ps(L[3], L[7])));
+        __m512 r = sum8(lanes[t]);
         if (!zeroed) r = _mm512_add_ps(r, summs[t]);
-        const int64_t tr = t0 + t;
-        if (j->add) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, j->add + tr * j->ldadd + r0));
-        _mm512_mask_storeu_ps(j->y + tr * j->ldy + r0, m, r);
+        store_group(j, G, t0 + t, r);
     }
 }
 
@@ -126,13 +130,8 @@ static inline __attribute__((always_inline)) void q0r_tile(const mvk_job *j, int
     const uint8_t *wg = j->codes + G * ns * (nib ? 256 : 512);
     const int64_t sbase = G * ns * 16;
     const __m512i low4 = _mm512_set1_epi8(0x0f);
-    __m512i zb = _mm512_setzero_si512();
-    if (zeroed)
-        zb = _mm512_mullo_epi32(
-            _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(j->zrow + 16 * G))),
-            _mm512_set1_epi32(0x01010101));
-    const int zi = zeroed && j->zg ? j->zg[G] : -1;
-    const int32_t *corr = zi >= 0 ? j->corr + (zi * j->t_rows + t0) * (kp / 4) : NULL;
+    const __m512i zb = zeroed ? zero_codes(j, G) : _mm512_setzero_si512();
+    const int32_t *corr = zero_corrections(j, G, t0);
     __m512 acc[Q0_MAXT];
     _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < ns; b++) {
@@ -163,13 +162,6 @@ static inline __attribute__((always_inline)) void q0r_tile(const mvk_job *j, int
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), dd, acc[t]);
         }
     }
-    const int64_t r0 = 16 * G, left = j->n - r0;
-    const __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-    _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {
-        __m512 r = acc[t];
-        const int64_t tr = t0 + t;
-        if (j->add) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, j->add + tr * j->ldadd + r0));
-        _mm512_mask_storeu_ps(j->y + tr * j->ldy + r0, m, r);
-    }
+    _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) store_group(j, G, t0 + t, acc[t]);
 }
 #endif

@@ -21,7 +21,28 @@ enum { MVK_Q8_0 = 0, MVK_Q8_1 = 1, MVK_Q8_K = 2 };
 
 static inline float f16r(float x) { return (float)(_Float16)x; }
 
+/* One block's scales from its largest magnitude amax (and, for Q8_K, the signed element
+ * x_max that has it): id multiplies x into codes, d is the block's scale as the format
+ * writes it, dq is d as the products use it (float16-rounded for Q8_0 and Q8_1). */
+static inline void block_scales(int mode, float amax, float xmax, float *id, float *d,
+                                float *dq) {
+    if (mode == MVK_Q8_K) {
+        *id = amax > 0.0f ? -127.0f / xmax : 0.0f;
+        *d = amax > 0.0f ? 1.0f / *id : 0.0f;
+        *dq = *d;
+    } else {
+        *d = amax / 127.0f;
+        *id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        *dq = f16r(*d);
+    }
+}
+
 #ifdef MVK_AVX512
+/* The lanes of 16 that hold elements when `left` of them remain (none past the row). */
+static inline __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1u);
+}
+
 /* mvk_quantize, 16 elements at a time: the same products x * id, rounded to nearest even
  * (vcvtps2dq under the default rounding mode is nearbyintf), the same clamps and sums. */
 static void quantize_row_simd(const float *xr, int64_t k_in, int64_t kp, int mode, int8_t *q,
@@ -31,8 +52,7 @@ static void quantize_row_simd(const float *xr, int64_t k_in, int64_t kp, int mod
     for (int64_t b = 0; b < kp; b += bs) {
         __m512 vmax = _mm512_setzero_ps();
         for (int64_t k = b; k < b + bs; k += 16) {
-            const int64_t left = k_in - k;
-            const __mmask16 m = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1u);
+            const __mmask16 m = tail_mask(k_in - k);
             vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, xr + k)));
         }
         const float amax = _mm512_reduce_max_ps(vmax);
@@ -45,20 +65,11 @@ static void quantize_row_simd(const float *xr, int64_t k_in, int64_t kp, int mod
                 }
         }
         float id, d, dq;
-        if (mode == MVK_Q8_K) {
-            id = amax > 0.0f ? -127.0f / xmax : 0.0f;
-            d = amax > 0.0f ? 1.0f / id : 0.0f;
-            dq = d;
-        } else {
-            d = amax / 127.0f;
-            id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            dq = f16r(d);
-        }
+        block_scales(mode, amax, xmax, &id, &d, &dq);
         const __m512 vid = _mm512_set1_ps(id);
         int32_t sum32 = 0;
         for (int64_t k = b; k < b + bs; k += 16) {
-            const int64_t left = k_in - k;
-            const __mmask16 m = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1u);
+            const __mmask16 m = tail_mask(k_in - k);
             __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, xr + k), vid));
             v = _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
             _mm_storeu_si128((__m128i *)(q + k), _mm512_cvtepi32_epi8(v));
@@ -96,15 +107,7 @@ void mvk_quantize(const float *x, int64_t t_rows, int64_t k_in, int64_t ldx, int
                 }
             }
             float id, d, dq;
-            if (mode == MVK_Q8_K) {
-                id = amax > 0.0f ? -127.0f / xmax : 0.0f;
-                d = amax > 0.0f ? 1.0f / id : 0.0f;
-                dq = d;
-            } else {
-                d = amax / 127.0f;
-                id = amax > 0.0f ? 127.0f / amax : 0.0f;
-                dq = f16r(d);
-            }
+            block_scales(mode, amax, xmax, &id, &d, &dq);
             for (int64_t k0 = b; k0 < b + bs; k0 += 16) {
                 int32_t sum = 0;
                 for (int64_t k = k0; k < k0 + 16; k++) {
