@@ -172,6 +172,15 @@ def codec_from_env(
     return EncryptionCodec(parse_key(text), lenient=lenient)
 
 
+def required_codec_from_env(needed_by: str) -> EncryptionCodec:
+    """The codec for ``MVP_PAYLOAD_KEY``; PayloadKeyError (naming ``needed_by``) where the
+    key is unset or unusable. For the commands that cannot run without it."""
+    codec = codec_from_env()
+    if codec is None:
+        raise PayloadKeyError(f"{KEY_ENV} is not set; {needed_by} needs the payload key")
+    return codec
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m temporal.codec", description="Payload encryption keys."
@@ -186,13 +195,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(new_key())
         return 0
     try:
-        codec = codec_from_env()
+        codec = required_codec_from_env("--key-id")
     except PayloadKeyError as err:
         print(err, file=sys.stderr)
         return 2
-    if codec is None:
-        print(f"{KEY_ENV} is not set", file=sys.stderr)
-        return 1
     print(codec.key_id)
     return 0
 

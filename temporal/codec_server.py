@@ -24,7 +24,7 @@ from typing import Any
 from google.protobuf import json_format
 from temporalio.api.common.v1 import Payload, Payloads
 
-from temporal.codec import KEY_ENV, EncryptionCodec, codec_from_env
+from temporal.codec import EncryptionCodec, PayloadKeyError, required_codec_from_env
 
 DEFAULT_PORT = 8081
 DEFAULT_ORIGINS = ("http://localhost:8233", "http://127.0.0.1:8233")
@@ -173,12 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        codec = codec_from_env()
-    except ValueError as err:
+        codec = required_codec_from_env("the codec server")
+    except PayloadKeyError as err:
         print(err, file=sys.stderr)
-        return 2
-    if codec is None:
-        print(f"{KEY_ENV} is not set; the codec server needs the payload key", file=sys.stderr)
         return 2
     origins = args.origin or list(DEFAULT_ORIGINS)
     server = make_server(codec, args.host, args.port, origins)

@@ -14,7 +14,6 @@ from mvp_core.datastream import (
     CHANNEL_MEMBERSHIP,
     CHANNEL_PROMPT,
     CHANNEL_PROVISIONING_EVENTS,
-    CHANNEL_STAGE_ROUTE,
     CORE_CHANNELS,
     SOURCE_ORCHESTRATOR,
     BootstrapPhase,
@@ -35,7 +34,6 @@ from mvp_core.datastream import (
     orch_prompt_event,
     orchestrator_stream_id,
     provision_event,
-    stage_route_record,
     stdio_channel,
 )
 from mvp_core.models import LifecycleReport
@@ -222,23 +220,6 @@ class Datastream:
 
     def lifecycle(self, report: LifecycleReport, index: int | None = None) -> None:
         self.publish(CHANNEL_LIFECYCLE, lifecycle_record(report, index))
-
-    def stage_route(
-        self,
-        node_id: int,
-        stage_index: int | None,
-        route: str,
-        identity: str,
-        owned: bool,
-        pollers: Iterable[str] = (),
-        detail: str = "",
-    ) -> None:
-        self.publish(
-            CHANNEL_STAGE_ROUTE,
-            stage_route_record(
-                self.run_id, node_id, stage_index, route, identity, owned, pollers, detail
-            ),
-        )
 
     def membership(self, node_id: int, state: MembershipState | str, detail: Any = None) -> None:
         self.publish(CHANNEL_MEMBERSHIP, membership_record(self.run_id, node_id, state, detail))

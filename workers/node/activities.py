@@ -125,17 +125,15 @@ class NodeActivities:
         """A stage rejects commands that are not from its run's authority (actor spec 6.6)."""
         cfg = self.cfg
         if run_id != cfg.run_id or readiness_id != cfg.readiness_id:
-            raise ApplicationError(
+            raise _fatal(
                 f"node {cfg.node_id}: command for run {run_id}/{readiness_id} rejected; this node "
                 f"serves run {cfg.run_id}/{cfg.readiness_id}",
-                type=ErrorType.STAGE_REJECTED,
-                non_retryable=True,
+                ErrorType.STAGE_REJECTED,
             )
         if authority is not None and authority != cfg.authorized_orchestrator:
-            raise ApplicationError(
+            raise _fatal(
                 f"node {cfg.node_id}: unauthorized orchestrator {authority!r}",
-                type=ErrorType.STAGE_REJECTED,
-                non_retryable=True,
+                ErrorType.STAGE_REJECTED,
             )
 
     @activity.defn(name=names.ACT_NODE_RUNTIME_READY_ACK)
@@ -143,9 +141,7 @@ class NodeActivities:
         cfg = self.cfg
         self._check(ack.run_id, ack.readiness_id)
         if ack.node_id != cfg.node_id or ack.stage_index != cfg.stage_index:
-            raise ApplicationError(
-                "ack for another node", type=ErrorType.STAGE_REJECTED, non_retryable=True
-            )
+            raise _fatal("ack for another node", ErrorType.STAGE_REJECTED)
         self.acked.set()
         return NodeRuntimeReadyAck(
             run_id=cfg.run_id,
@@ -191,11 +187,10 @@ class NodeActivities:
         cfg = self.cfg
         self._check(prov.run_id, prov.readiness_id, prov.authorized_orchestrator)
         if prov.node_id != cfg.node_id or prov.stage_index != cfg.stage_index:
-            raise ApplicationError(
+            raise _fatal(
                 f"node {cfg.node_id}: provision for node {prov.node_id} stage "
                 f"{prov.stage_index} rejected",
-                type=ErrorType.STAGE_REJECTED,
-                non_retryable=True,
+                ErrorType.STAGE_REJECTED,
             )
         if self.runtime is None:
             task = await _heartbeating("loading", _load_runtime, prov)
@@ -203,10 +198,9 @@ class NodeActivities:
                 runtime = task.result()
                 self._join_data_plane(runtime)
             except Exception as err:
-                raise ApplicationError(
+                raise _fatal(
                     self.redact(f"stage {cfg.stage_index} weight load failed: {err}"),
-                    type=ErrorType.STAGE_LOAD_FAILED,
-                    non_retryable=True,
+                    ErrorType.STAGE_LOAD_FAILED,
                 ) from None
             print(
                 f"stage {cfg.stage_index} loaded layers [{prov.layers.start},{prov.layers.end}) "
@@ -237,10 +231,9 @@ class NodeActivities:
         try:
             task.result()
         except (ValueError, RuntimeError) as err:
-            raise ApplicationError(
+            raise _fatal(
                 self.redact(f"node {self.cfg.node_id}: {err}"),
-                type=ErrorType.STAGE_REJECTED,
-                non_retryable=True,
+                ErrorType.STAGE_REJECTED,
             ) from None
         print(
             f"stage {self.cfg.stage_index} left pipeline {old} for pipeline {prov.epoch} "
@@ -304,10 +297,9 @@ class NodeActivities:
         runtime = self.runtime
         request_id = inp.prompt.request_id
         if runtime is None:
-            raise ApplicationError(
+            raise _fatal(
                 "generate before the stage was provisioned",
-                type=ErrorType.STAGE_NOT_READY,
-                non_retryable=True,
+                ErrorType.STAGE_NOT_READY,
             )
         key = inp.prompt_workflow_id
         if key in self._early_stops:
@@ -417,12 +409,11 @@ class NodeActivities:
                 return PromptOutcome(terminal=refused)
             except Exception as err:
                 out.end(done=False)
-                raise ApplicationError(
+                raise _fatal(
                     self.redact(
                         f"engine fault on stage {self.cfg.stage_index}: {type(err).__name__}: {err}"
                     ),
-                    type=ErrorType.ENGINE_FAULT,
-                    non_retryable=True,
+                    ErrorType.ENGINE_FAULT,
                 ) from None
             # A finished prompt's Done carries its whole text: what a direct reader took
             # need not go to Temporal too; any other end publishes what it owes.
@@ -469,6 +460,12 @@ async def _heartbeating(detail: str, fn: Callable[..., Any], *args: Any) -> asyn
         activity.heartbeat(detail)
         await asyncio.wait({task}, timeout=2)
     return task
+
+
+def _fatal(message: str, kind: ErrorType) -> ApplicationError:
+    """A failure the run must not retry: the message (already redacted where it may carry
+    a secret) under its error type, for the workflow to act on."""
+    return ApplicationError(message, type=kind, non_retryable=True)
 
 
 def _beat(inp: GenerateInput, generated: list[int]) -> None:
