@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import mmap
-import os
 import re
 from typing import Any
 
@@ -12,23 +10,23 @@ from mvp_core.engine_support import (
     unsupported_rope,
     unsupported_types,
 )
-from mvp_core.gguf_header import GGUFHeader, TensorInfo, parse_header
+from mvp_core.gguf_header import GGUFHeader, TensorInfo
 from mvp_core.models import ModelFacts
 from mvp_core.planner import PlanningError
+from mvp_io.gguf_files import model_paths, read_model_header
 
 
-def _read_header(path: str) -> GGUFHeader:
-    """Map the file and decode its header; only the header's pages are read."""
-    with open(path, "rb") as fh:
-        if os.fstat(fh.fileno()).st_size == 0:
-            return parse_header(b"", path)
-        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return parse_header(buf, path)
+def model_files(path: str) -> list[str]:
+    """Every file of the model at ``path`` (a split GGUF's parts, first first)."""
+    try:
+        return model_paths(path)
+    except (OSError, ValueError) as err:
+        raise PlanningError(f"cannot read GGUF metadata of {path}: {err}") from None
 
 
 def read_model_facts(path: str) -> ModelFacts:
     try:
-        header = _read_header(path)
+        header = read_model_header(path)  # a split model: its parts joined
         meta = header.metadata
     except (OSError, ValueError) as err:  # GGUFError is a ValueError; so is mmap on a FIFO
         raise PlanningError(f"cannot read GGUF metadata of {path}: {err}") from None

@@ -9,7 +9,7 @@ import socket
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.gguf_facts import read_model_facts
+from activities.gguf_facts import model_files, read_model_facts
 from activities.heartbeat import heartbeat_for, in_thread
 from activities.providers.base import ProviderUnavailable, harness_faults
 from activities.provisioning import ProviderActivities
@@ -78,7 +78,11 @@ async def plan_run(inp: PreparePlanInput) -> RunPlan:
             activation_dtype=inp.activation_dtype,
             layer_split=inp.layer_split,
         )
-        return await in_thread(plan)  # a balanced split's search: up to about a second
+        committed = await in_thread(plan)  # a balanced split's search: up to about a second
+        # A split model's parts (checked as one model by read_model_facts): each node's
+        # provider mounts or uploads them all.
+        files = await in_thread(model_files, model_path)
+        return committed.model_copy(update={"model_files": files}) if len(files) > 1 else committed
     except (PlanningError, ModelSourceError) as err:
         raise ApplicationError(
             str(err), type=ErrorType.PLANNING_ERROR, non_retryable=True

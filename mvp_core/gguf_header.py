@@ -9,8 +9,10 @@ SmolLM2 against ~20 ms here). Large arrays are skipped and kept as lazy referenc
 
 from __future__ import annotations
 
+import re
 import struct
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
@@ -71,7 +73,8 @@ class TensorInfo:
     name: str
     shape: tuple[int, ...]
     ggml_type: int
-    offset: int  # absolute byte offset in the file
+    offset: int  # absolute byte offset in the file (in its part, for a split model)
+    part: int = 0  # which file of a split model holds it (0: the first, or the only one)
 
     @property
     def type_name(self) -> str:
@@ -198,3 +201,84 @@ def decode_array(buf: Any, ref: LazyArray) -> list[Any]:
     """Decode an array that ``parse_header`` skipped, from the same buffer."""
     dec = _Decoder(buf, ref.offset)
     return [dec.value(ref.item_type) for _ in range(ref.count)]
+
+
+# ---- split models (llama.cpp's gguf-split: NAME-00001-of-00003.gguf ...) -----------------
+# Every part is a GGUF file with the keys below; the model's metadata is in the first
+# (the others carry only these), each tensor is in exactly one part, and llama.cpp finds
+# the parts by name from the first part's path, as this does.
+SPLIT_NO = "split.no"  # u16: this part's index, 0-based
+SPLIT_COUNT = "split.count"  # u16: how many parts
+SPLIT_TENSORS = "split.tensors.count"  # i32: tensors in all parts together
+MAX_SPLIT_PARTS = 99_999  # the name has five digits
+_SPLIT_NAME = re.compile(r"-([0-9]{5})-of-([0-9]{5})\.gguf$", re.ASCII)
+
+
+def _int_key(header: GGUFHeader, key: str, source: str) -> int | None:
+    value = header.metadata.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise GGUFError(f"{source}: {key} {value!r} is not an integer")
+    return value
+
+
+def split_of(header: GGUFHeader, source: str = "GGUF") -> tuple[int, int] | None:
+    """(this part's index, the number of parts) of a part of a split model; None for a
+    model in one file (no split keys, or a split of one)."""
+    count = _int_key(header, SPLIT_COUNT, source)
+    if count is None or count == 1:
+        return None
+    if not 1 < count <= MAX_SPLIT_PARTS:
+        raise GGUFError(f"{source}: {SPLIT_COUNT} {count} is not 1..{MAX_SPLIT_PARTS}")
+    no = _int_key(header, SPLIT_NO, source)
+    if no is None or not 0 <= no < count:
+        raise GGUFError(f"{source}: {SPLIT_NO} {no!r} is not a part of {count}")
+    return no, count
+
+
+def split_part_paths(first: str, count: int) -> list[str]:
+    """The paths of a split model's ``count`` parts, from its first part's path (which must
+    be named as gguf-split names it: NAME-00001-of-0000N.gguf)."""
+    m = _SPLIT_NAME.search(first)
+    if m is None or int(m.group(1)) != 1 or int(m.group(2)) != count:
+        want = f"-00001-of-{count:05d}.gguf"
+        raise GGUFError(
+            f"{first} is the first of {count} parts of a split model, but its name does not "
+            f"end in {want!r}, so the other parts cannot be found"
+        )
+    stem = first[: m.start()]
+    return [f"{stem}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+
+
+def join_split(headers: Sequence[GGUFHeader], sources: Sequence[str]) -> GGUFHeader:
+    """One header for a split model from its parts' headers, in order: the first part's
+    metadata, every part's tensors (each with its ``part``). GGUFError naming the part
+    where they do not belong together: a part out of place or of another split, a tensor
+    in two parts, a tensor count other than the one the parts state."""
+    count = len(headers)
+    if count != len(sources) or count < 2:
+        raise GGUFError(f"a split model needs its parts and their names, got {count}")
+    stated = _int_key(headers[0], SPLIT_TENSORS, sources[0])
+    tensors: dict[str, TensorInfo] = {}
+    for index, (header, source) in enumerate(zip(headers, sources, strict=True)):
+        where = split_of(header, source)
+        if where != (index, count):
+            got = "no split keys" if where is None else f"part {where[0] + 1} of {where[1]}"
+            raise GGUFError(f"{source}: expected part {index + 1} of {count}, it says {got}")
+        if _int_key(header, SPLIT_TENSORS, source) != stated:
+            raise GGUFError(
+                f"{source}: {SPLIT_TENSORS} differs from the first part's ({stated}): "
+                "a part of another split"
+            )
+        for name, info in header.tensors.items():
+            if name in tensors:
+                other = sources[tensors[name].part]
+                raise GGUFError(f"tensor {name} is in two parts: {other} and {source}")
+            tensors[name] = replace(info, part=index)
+    if stated is not None and stated != len(tensors):
+        raise GGUFError(
+            f"{sources[0]}: the parts hold {len(tensors)} tensors, {SPLIT_TENSORS} says {stated}"
+        )
+    head = headers[0]
+    return GGUFHeader(head.version, head.metadata, tensors, head.data_start)

@@ -35,7 +35,9 @@ from pathlib import Path
 from typing import Any, cast
 from urllib.parse import quote
 
+from mvp_core.gguf_header import GGUFError, parse_header, split_of, split_part_paths
 from mvp_core.models import HubModel, ModelSource
+from mvp_io.gguf_files import close_mapping, map_file
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,7 @@ def resolve_model(source: ModelSource, progress: DownloadProgress | None = None)
             raise ModelSourceError(f"model file does not exist: {path}")
         return str(path.resolve())
     if source.hf is not None:
-        return str(fetch_hub(source.hf, progress or LogProgress(source.hf.describe())))
+        return str(fetch_hub_model(source.hf, progress or LogProgress(source.hf.describe())))
     assert source.bundled is not None
     return str(fetch_bundled(source.bundled, progress))
 
@@ -362,6 +364,38 @@ def fetch_hub(source: HubModel, progress: DownloadProgress | None = None) -> Pat
             os.replace(record, _record_path(target))
         _write_ref(source, remote.commit)
     return target
+
+
+def fetch_hub_model(source: HubModel, progress: DownloadProgress | None = None) -> Path:
+    """``fetch_hub`` for a model: where the file is the first part of a split GGUF
+    (``NAME-00001-of-0000N.gguf``), the other parts too, beside it, from the same commit
+    (a revision that moves between the parts' requests cannot mix two uploads). Returns
+    the first part's path; a part the hub lacks is a ModelSourceError naming it."""
+    first = fetch_hub(source, progress)
+    try:
+        buf = map_file(str(first))
+        try:
+            where = split_of(parse_header(buf, str(first)), str(first))
+        finally:
+            close_mapping(buf)
+    except (OSError, GGUFError):
+        return first  # not a split GGUF's header: planning reads it and names the problem
+    if where is None:
+        return first
+    no, count = where
+    if no != 0:
+        raise ModelSourceError(
+            f"{source.describe()} is part {no + 1} of {count} of a split model: name its "
+            f"first part (-00001-of-{count:05d}.gguf)"
+        )
+    commit = first.relative_to(hub_repo_dir(source)).parts[0]
+    try:
+        names = split_part_paths(source.file, count)
+    except GGUFError as err:
+        raise ModelSourceError(str(err)) from None
+    for name in names[1:]:
+        fetch_hub(HubModel(repo=source.repo, file=name, revision=commit), progress)
+    return first
 
 
 def _record_path(target: Path) -> Path:

@@ -76,3 +76,12 @@ class RunPlan(_Model):
     model_path: str
     tokenizer_path: str
     model_facts: ModelFacts
+    model_files: list[str] = Field(
+        default_factory=list,
+        description="Every file of the model in part order, model_path first (a split "
+        "GGUF's parts); empty in plans made before split models: model_path alone",
+    )
+
+    def files(self) -> list[str]:
+        """The files a node must be able to read to load its stage (and the tokenizer's)."""
+        return [*(self.model_files or [self.model_path]), self.tokenizer_path]

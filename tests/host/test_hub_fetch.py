@@ -398,3 +398,59 @@ async def test_a_stop_during_the_hosts_download_starts_no_run_and_keeps_nothing(
     assert await h._fetch_model() is False
     assert stream.records == []  # stopped at its first report, before it showed anything
     assert cache_files(tmp_path / "models") == []
+
+
+SPLIT_REPO = "acme/split-GGUF"
+
+
+@pytest.fixture(scope="module")
+def split_parts(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """A small GGUF of three tensors, as three parts (scripts/gguf_split.py: gguf-split's
+    format and names)."""
+    import gguf
+    import numpy as np
+
+    from scripts.gguf_split import split_gguf
+
+    d = tmp_path_factory.mktemp("split")
+    writer = gguf.GGUFWriter(d / "three.gguf", "llama")
+    writer.add_uint32("llama.block_count", 2)
+    for i, name in enumerate(["token_embd.weight", "blk.0.attn_q.weight", "output.weight"]):
+        writer.add_tensor(name, np.full((8, 8), i, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return split_gguf(d / "three.gguf", d / "three", 3)
+
+
+def test_a_split_model_is_fetched_whole_from_one_commit(
+    hub: HubStandin, split_parts: list[Path]
+) -> None:
+    """Naming the first part fetches every part, pinned to the commit the revision named
+    for the first, into one folder: the model opens as one (mvp_io.gguf_files)."""
+    from mvp_io.gguf_files import model_paths
+
+    for part in split_parts:
+        hub.add_file(SPLIT_REPO, f"q4/{part.name}", part)
+    commit = hub.add_file(SPLIT_REPO, "README.md", b"the parts' commit's child")
+    source = HubModel(repo=SPLIT_REPO, file=f"q4/{split_parts[0].name}")
+    first = Path(resolve_model(ModelSource(hf=source)))
+    assert first.parent.parent.name == commit and first.name == split_parts[0].name
+    fetched = [Path(p) for p in model_paths(str(first))]
+    assert [p.name for p in fetched] == [p.name for p in split_parts]
+    assert [p.read_bytes() for p in fetched] == [p.read_bytes() for p in split_parts]
+    later = [r.path for r in hub.seen("hub") if split_parts[0].name not in r.path]
+    assert later and all(f"/resolve/{commit}/q4/" in path for path in later)
+
+
+def test_a_split_part_the_hub_lacks_or_a_later_part_named_is_refused(
+    hub: HubStandin, split_parts: list[Path]
+) -> None:
+    repo = "acme/split-short-GGUF"
+    for part in split_parts[:2]:
+        hub.add_file(repo, part.name, part)
+    with pytest.raises(ModelSourceError, match=split_parts[2].name):
+        resolve_model(ModelSource(hf=HubModel(repo=repo, file=split_parts[0].name)))
+    with pytest.raises(ModelSourceError, match="is part 2 of 3 of a split model: name its first"):
+        resolve_model(ModelSource(hf=HubModel(repo=repo, file=split_parts[1].name)))

@@ -100,7 +100,7 @@ class Startup:
             provider=req.provider,
             gpus=traits.gpus(req),
             cpus=traits.cpus(req),
-            mounts=sorted({state.plan.model_path, state.plan.tokenizer_path}),
+            mounts=sorted(set(state.plan.files())),
             vastai=traits.vastai(req),
             avoid_machines=list(avoid_machines),
         )

