@@ -37,7 +37,8 @@ def split_gguf(source: Path, prefix: Path, parts: int) -> list[Path]:
     # Cut before the tensor that would take a part past its share of the bytes (and keep
     # enough tensors for the parts after it).
     per_part = max(1, -(-total // parts))
-    cuts, done = [], 0
+    cuts: list[int] = []
+    done = 0
     for index, tensor in enumerate(reader.tensors):
         left = len(reader.tensors) - index
         if (
