@@ -11,7 +11,7 @@ from mvp_core.engine_support import (
     unsupported_types,
 )
 from mvp_core.gguf_header import GGUFHeader, TensorInfo
-from mvp_core.models import ModelFacts
+from mvp_core.models import ModelBytes, ModelFacts
 from mvp_core.planner import PlanningError
 from mvp_io.gguf_files import model_paths, read_model_header
 
@@ -61,6 +61,7 @@ def read_model_facts(path: str) -> ModelFacts:
         eos_token_id=eos if isinstance(eos, int) and not isinstance(eos, bool) else None,
         layer_work=layer_work,
         output_work=output_work,
+        sizes=_sizes(header, arch, blocks),
     )
 
 
@@ -96,3 +97,49 @@ def _work(header: GGUFHeader, blocks: int) -> tuple[list[int] | None, int | None
     if not all(layers) or head_work is None or max(*layers, head_work) > MAX_WORK:
         return None, None
     return layers, head_work
+
+
+def _positive(meta: dict[str, Any], key: str, default: int | None = None) -> int | None:
+    value = meta.get(key, default)
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 < value < 1 << 32
+    return value if ok else None
+
+
+def _sizes(header: GGUFHeader, arch: str, blocks: int) -> ModelBytes | None:
+    """Bytes per stage part (every tensor's GGUF bytes: a stage holds its tensors at
+    about their file size) and the KV cache's width; None where the table or the metadata
+    does not say (no figures rather than wrong ones: the file is untrusted)."""
+    meta = header.metadata
+    if not 0 < blocks <= len(header.tensors):
+        return None
+    layers = [0] * blocks
+    embedding = output = 0
+    try:
+        for name, info in header.tensors.items():
+            m = _LAYER_TENSOR.fullmatch(name)
+            if m is not None and int(m.group(1)) < blocks:
+                layers[int(m.group(1))] += info.n_bytes
+            elif name == "token_embd.weight":
+                embedding = info.n_bytes
+            elif m is None:
+                output += info.n_bytes
+    except ValueError:  # a type without a size (planning refused those already)
+        return None
+    heads = _positive(meta, f"{arch}.attention.head_count")
+    hidden = _positive(meta, f"{arch}.embedding_length")
+    kv_heads = _positive(meta, f"{arch}.attention.head_count_kv", heads)
+    per_head = hidden // heads if heads and hidden and hidden % heads == 0 else None
+    key = _positive(meta, f"{arch}.attention.key_length", per_head)
+    value = _positive(meta, f"{arch}.attention.value_length", key)
+    if not all(layers) or not embedding or None in (kv_heads, key, value):
+        return None
+    if max(*layers, embedding, output) > MAX_WORK:
+        return None
+    assert kv_heads is not None and key is not None and value is not None
+    return ModelBytes(
+        layers=layers,
+        embedding=embedding,
+        output=output,
+        tied_head="output.weight" not in header.tensors,
+        kv_elements=kv_heads * (key + value),
+    )

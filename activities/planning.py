@@ -77,6 +77,8 @@ async def plan_run(inp: PreparePlanInput) -> RunPlan:
             tokenizer_path=tokenizer_path,
             activation_dtype=inp.activation_dtype,
             layer_split=inp.layer_split,
+            node_memory=inp.node_memory,
+            slots=inp.max_active_prompts,
         )
         committed = await in_thread(plan)  # a balanced split's search: up to about a second
         # A split model's parts (checked as one model by read_model_facts): each node's

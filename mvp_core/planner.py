@@ -5,6 +5,9 @@ Pure: the activity that calls it reads the GGUF metadata; this module only compu
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
+from mvp_core.memory_plan import StageNeed, closest_ranges, fit_ranges, size_text, stage_need
 from mvp_core.models import (
     ActivationDtype,
     EdgeKind,
@@ -205,6 +208,109 @@ def plan_rings(edges: list[EdgePlan], max_seq_len: int, hidden: int) -> list[Rin
     return rings
 
 
+MAX_NODE_MEMORY = 1 << 50  # 1 PiB: past this a figure is a mistake, not a machine
+MIN_NODE_MEMORY = 64 << 20
+
+
+def _node_memory(node_memory: Sequence[int], stage_count: int) -> list[int]:
+    values = list(node_memory)
+    if len(values) not in (1, stage_count):
+        raise PlanningError(
+            f"node_memory gives {len(values)} values for {stage_count} stages: give one "
+            "(every node's) or one per stage"
+        )
+    for v in values:
+        if not MIN_NODE_MEMORY <= v <= MAX_NODE_MEMORY:
+            raise PlanningError(
+                f"node_memory {v} is not {MIN_NODE_MEMORY}..{MAX_NODE_MEMORY} bytes"
+            )
+    return values * stage_count if len(values) == 1 else values
+
+
+def _stage_needs(
+    facts: ModelFacts, stage_count: int, max_seq_len: int, slots: int
+) -> Callable[[int, int, int], int] | None:
+    """need(stage, a, b): the bytes stage ``stage`` needs for layers [a, b) (memory_plan);
+    None where the facts lack the model's sizes."""
+    sizes = facts.sizes
+    if sizes is None or len(sizes.layers) != facts.block_count:
+        return None
+    prefix = [0]
+    for b in sizes.layers:
+        prefix.append(prefix[-1] + b)
+    one = stage_need(
+        sizes,
+        LayerRange(start=0, end=1),
+        first=False,
+        last=False,
+        max_seq_len=max_seq_len,
+        slots=slots,
+        hidden=facts.embedding_length,
+    )
+    kv_per_layer = one.kv
+
+    def need(stage: int, a: int, b: int) -> int:
+        first, last = stage == 0, stage == stage_count - 1
+        weights = prefix[b] - prefix[a]
+        if first or (last and sizes.tied_head):
+            weights += sizes.embedding
+        if last:
+            weights += sizes.output
+        return StageNeed(weights, (b - a) * kv_per_layer, one.scratch).total
+
+    return need
+
+
+def _fitting_ranges(
+    facts: ModelFacts,
+    ranges: list[LayerRange],
+    layer_split: LayerSplit,
+    memory: list[int],
+    need: Callable[[int, int, int], int],
+    stage_count: int,
+) -> list[LayerRange]:
+    """The asked-for split where every stage fits its node; else the most even work (the
+    layers' work where the facts give it, else their count) among the splits that fit;
+    PlanningError naming each node's shortfall where none does."""
+    if all(need(i, r.start, r.end) <= memory[i] for i, r in enumerate(ranges)):
+        return ranges
+    n = facts.block_count
+    if stage_count * n * n > MAX_BALANCED_SEARCH:
+        raise PlanningError(
+            f"the even split does not fit the nodes' memory, and {stage_count} stages of {n} "
+            f"layers is past the planner's search bound (stages x layers^2 <= "
+            f"{MAX_BALANCED_SEARCH:,})"
+        )
+    work_of = facts.layer_work if facts.layer_work and len(facts.layer_work) == n else [1] * n
+    head = facts.output_work or 0
+    prefix = [0]
+    for w in work_of:
+        prefix.append(prefix[-1] + w)
+
+    def work(a: int, b: int) -> int:
+        return prefix[b] - prefix[a] + (head if b == n else 0)
+
+    fitted = fit_ranges(stage_count, n, need, memory, work)
+    if fitted is not None:
+        return fitted
+    closest = closest_ranges(stage_count, n, need, memory)
+    short = []
+    for i, r in enumerate(closest):
+        gap = need(i, r.start, r.end) - memory[i]
+        if gap > 0:
+            short.append(
+                f"stage {i} (layers {r.start}-{r.end - 1}) needs "
+                f"{size_text(need(i, r.start, r.end))}, its node has {size_text(memory[i])}: "
+                f"short by {gap} bytes ({size_text(gap)})"
+            )
+    total = sum(need(i, r.start, r.end) for i, r in enumerate(closest))
+    raise PlanningError(
+        f"the model does not fit {stage_count} node(s) of {size_text(sum(memory))} in all "
+        f"(it needs about {size_text(total)} in {stage_count} stage(s)); on the closest "
+        "split, " + "; ".join(short)
+    )
+
+
 def build_plan(
     *,
     run_id: int,
@@ -217,8 +323,14 @@ def build_plan(
     tokenizer_path: str,
     activation_dtype: ActivationDtype = ActivationDtype.FLOAT32,
     layer_split: LayerSplit = LayerSplit.EVEN,
+    node_memory: Sequence[int] | None = None,
+    slots: int = 1,
 ) -> RunPlan:
-    """Commit the execution shape of a run from locally inspected model facts."""
+    """Commit the execution shape of a run from locally inspected model facts.
+
+    ``node_memory``: each stage's node's memory in bytes (one value: every node's), to plan
+    by (mvp_core.memory_plan): ranges that fit, of those the most even work; ``slots``: the
+    prompts a stage holds KV cache for at once (the run's max_active_prompts)."""
     if facts.block_count <= 0:
         raise PlanningError(f"GGUF {model_path} declares {facts.block_count} layers")
     if facts.embedding_length <= 0:
@@ -237,6 +349,16 @@ def build_plan(
             )
         ranges = balanced_layer_ranges(facts.layer_work, facts.output_work, stage_count)
     max_seq_len = max_seq_len_for(facts, max_context)
+    need = _stage_needs(facts, stage_count, max_seq_len, slots)
+    memory: list[int] | None = None
+    if node_memory is not None:
+        memory = _node_memory(node_memory, stage_count)
+        if need is None:
+            raise PlanningError(
+                f"planning by node memory needs each tensor's size and the KV cache's width "
+                f"from {model_path}'s header, which it does not give"
+            )
+        ranges = _fitting_ranges(facts, ranges, layer_split, memory, need, stage_count)
     stages = [
         StagePlan(
             stage_index=i,
@@ -244,6 +366,8 @@ def build_plan(
             layers=r,
             holds_embedding=i == 0,
             holds_output=i == stage_count - 1,
+            memory_need=None if need is None else need(i, r.start, r.end),
+            node_memory=None if memory is None else memory[i],
         )
         for i, r in enumerate(ranges)
     ]

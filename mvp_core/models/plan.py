@@ -11,6 +11,19 @@ from mvp_core.models._base import _Model
 from mvp_core.models.engine_settings import ActivationDtype
 
 
+class ModelBytes(_Model):
+    """What the model's stages hold, from its tensor table: GGUF bytes per layer, the
+    token embedding (the first stage's, and the last's where the output head is tied to
+    it), the rest outside the layers (output norm and head: the last stage's), and the K
+    and V elements each layer caches per position (n_kv_head x (key + value length))."""
+
+    layers: list[int]
+    embedding: int
+    output: int
+    tied_head: bool
+    kv_elements: int
+
+
 class ModelFacts(_Model):
     architecture: str
     name: str
@@ -23,6 +36,8 @@ class ModelFacts(_Model):
     # its tensor table lacks a layer's matrices or the head (or shows no model's shapes).
     layer_work: list[int] | None = None
     output_work: int | None = None
+    # Bytes per stage part, for planning by memory (None where the table does not say).
+    sizes: ModelBytes | None = None
 
 
 class LayerRange(_Model):
@@ -61,6 +76,10 @@ class StagePlan(_Model):
     layers: LayerRange
     holds_embedding: bool
     holds_output: bool
+    # What the stage needs (mvp_core.memory_plan: weights, KV cache, scratch, margin), where
+    # the model's sizes are known; the node's memory it was planned against, where given.
+    memory_need: int | None = None
+    node_memory: int | None = None
 
 
 class RunPlan(_Model):

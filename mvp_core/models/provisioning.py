@@ -102,6 +102,8 @@ class PreparePlanInput(_Model):
     max_context: int | None
     activation_dtype: ActivationDtype = ActivationDtype.FLOAT32
     layer_split: LayerSplit = LayerSplit.EVEN
+    node_memory: list[int] | None = None
+    max_active_prompts: int = 1
     provider: ProviderKind = ProviderKind.PROCESS
     gpus: str | None = None
     vastai: VastAiSettings | None = None

@@ -4,7 +4,7 @@ how it places prompts and layers."""
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
@@ -113,6 +113,17 @@ class RunRequest(_Model):
             "number each (CONTRACTS); 'balanced', contiguous ranges with even work per "
             "token, the output head counted on the last stage, so no stage holds the "
             "pipeline back when many prompts keep every stage busy"
+        ),
+    )
+    node_memory: list[Annotated[int, Field(ge=64 << 20, le=1 << 50)]] | None = Field(
+        default=None,
+        max_length=256,
+        description=(
+            "Each node's memory for its stage, in bytes: one value (every node's) or one "
+            "per stage. The planner then gives each stage a contiguous range that fits its "
+            "node (weights + KV cache for max_context x max_active_prompts + scratch + a "
+            "margin: docs/contracts.md), the most even work among those, and rejects a "
+            "fleet that cannot hold the model, naming each node's shortfall"
         ),
     )
     default_max_tokens: int | None = Field(default=None, ge=0)

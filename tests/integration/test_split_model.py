@@ -16,7 +16,7 @@ from mvp_core.models import Done, RunPhase, SubmitPrompt
 from mvp_io.model_store import DEFAULT_BUNDLED, fetch_bundled
 from scripts.gguf_split import split_gguf
 from temporal.client import RunHandle
-from tests.integration.conftest import Runs, run_failure, wait_phase
+from tests.integration.conftest import Runs, run_failure, snapshot, wait_phase
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +62,41 @@ async def test_a_missing_part_rejects_the_run_naming_it(
         f"planning failed: cannot read GGUF metadata of {first}: split part 3 of 3 is "
         f"missing: {missing}"
     )
+
+
+MIB = 1 << 20
+
+
+async def test_nodes_of_different_memory_get_different_shares_and_too_little_is_refused(
+    runs: Runs, parts: list[Path]
+):
+    """Planning by memory (mvp_core/memory_plan.py) on the split model: the node with less
+    memory gets fewer layers, every stage within its node's; too little memory rejects
+    the run at planning with each node's shortfall, before any node starts."""
+    memory = [1024 * MIB, 590 * MIB]
+    handle = await runs.start(
+        1404, model={"path": str(parts[0])}, pipeline_stages=2, node_memory=memory
+    )
+    state = await wait_phase(handle, RunPhase.PROMPT_READY)
+    assert state.plan is not None
+    first, last = state.plan.stages
+    assert last.layers.end - last.layers.start < first.layers.end - first.layers.start
+    for stage in state.plan.stages:
+        assert stage.node_memory == memory[stage.stage_index]
+        assert stage.memory_need is not None and stage.memory_need <= stage.node_memory
+    reply = await RunHandle(runs.client, 1404).submit(
+        SubmitPrompt(request_id=1, prompt_text="The capital of France is", max_tokens=4)
+    )
+    assert isinstance(reply, Done) and reply.tokens_generated > 0
+    await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN)
+    await handle.result()
+
+    small = await runs.start(
+        1405, model={"path": str(parts[0])}, pipeline_stages=2, node_memory=[560 * MIB]
+    )
+    message = await run_failure(small)
+    assert message.startswith("planning failed: the model does not fit 2 node(s) of 1.09 GiB")
+    assert "stage 0 (layers 0-14) needs " in message and "its node has 560.0 MiB" in message
+    state = await snapshot(small)
+    assert state.phase == RunPhase.REJECTED
+    assert all(n.handle is None for n in state.nodes)  # nothing provisioned

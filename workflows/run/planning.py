@@ -42,6 +42,8 @@ async def plan(ctx: RunContext, on_provider_queue: Callable[[], None]) -> None:
                     max_context=req.max_context,
                     activation_dtype=req.activation_dtype,
                     layer_split=req.layer_split,
+                    node_memory=req.node_memory,
+                    max_active_prompts=req.max_active_prompts,
                     provider=req.provider,
                     gpus=ctx.traits.gpus(req),
                     vastai=ctx.traits.vastai(req),

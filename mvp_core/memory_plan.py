@@ -1,0 +1,141 @@
+"""Planning by memory: what a stage needs, and layer ranges that fit each node.
+
+Pure. A stage holds its layers' tensors at about their GGUF size (the engine keeps
+quantised weights quantised on CPU), the token embedding on the first stage (and on the
+last where the output head is tied to it), the output norm and head on the last; its KV
+cache (float32 today, ``KV_BYTES``) for ``max_seq_len`` positions of each of its
+``slots`` (the run's ``max_active_prompts``); scratch for a prompt's prefill; then a
+margin and the node process's own footprint:
+
+    need = ceil((weights + kv + scratch) x (1 + MARGIN_PERCENT / 100)) + RUNTIME_BYTES
+    kv = layers x max_seq_len x slots x kv_elements x KV_BYTES
+    scratch = SCRATCH_ROWS x max_seq_len x hidden x 4
+
+(docs/contracts.md, "Planning by memory"). Given each node's memory, the planner gives
+contiguous ranges that fit and, of those, the most even work (``balanced`` ranges under a
+capacity); a fleet that cannot hold the model is a planning error naming each node's
+shortfall on the split that comes closest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from mvp_core.models import LayerRange, ModelBytes
+
+KV_BYTES = 4  # the engine's caches are float32 (workers/node/engine/session.py)
+SCRATCH_ROWS = 8  # hidden-sized float32 rows per position a prefill holds at once, bounded
+MARGIN_PERCENT = 10
+RUNTIME_BYTES = 512 << 20  # Python, torch and the kernel library of a node process
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class StageNeed:
+    weights: int
+    kv: int
+    scratch: int
+
+    @property
+    def total(self) -> int:
+        held = self.weights + self.kv + self.scratch
+        return -(-held * (100 + MARGIN_PERCENT) // 100) + RUNTIME_BYTES
+
+
+def stage_need(
+    sizes: ModelBytes,
+    layers: LayerRange,
+    *,
+    first: bool,
+    last: bool,
+    max_seq_len: int,
+    slots: int,
+    hidden: int,
+) -> StageNeed:
+    """What a stage of ``layers`` needs (see the module's formula)."""
+    weights = sum(sizes.layers[layers.start : layers.end])
+    if first or (last and sizes.tied_head):
+        weights += sizes.embedding
+    if last:
+        weights += sizes.output
+    n = layers.end - layers.start
+    kv = n * max_seq_len * max(1, slots) * sizes.kv_elements * KV_BYTES
+    return StageNeed(weights, kv, SCRATCH_ROWS * max_seq_len * hidden * 4)
+
+
+def size_text(n: int) -> str:
+    """Bytes as people read them: 613.3 MiB, 7.52 GiB."""
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / (1 << 20):.1f} MiB"
+
+
+def fit_ranges(
+    stages: int,
+    layer_count: int,
+    need: Callable[[int, int, int], int],
+    memory: Sequence[int],
+    work: Callable[[int, int], int],
+) -> list[LayerRange] | None:
+    """Contiguous ranges, one per stage, each within its node's ``memory`` (``need(stage,
+    a, b)`` for layers [a, b)), whose largest ``work(a, b)`` is the least; of those, the
+    least sum of squared work. None where no split fits."""
+    n = layer_count
+    inf = float("inf")
+    # best[k][i]: (largest work, sum of squares) of layers [i, n) in the last k stages.
+    best: list[list[tuple[float, float]]] = [[(inf, inf)] * (n + 1) for _ in range(stages + 1)]
+    best[0][n] = (0, 0)
+    for k in range(1, stages + 1):
+        stage = stages - k
+        for i in range(n - k, -1, -1):
+            options = []
+            for j in range(i + 1, n - k + 2):
+                rest = best[k - 1][j]
+                if rest[0] == inf or need(stage, i, j) > memory[stage]:
+                    continue
+                w = work(i, j)
+                options.append((max(w, rest[0]), w * w + rest[1]))
+            best[k][i] = min(options, default=(inf, inf))
+    if best[stages][0][0] == inf:
+        return None
+    ranges, start = [], 0
+    for k in range(stages, 0, -1):
+        stage = stages - k
+        target = best[k][start]
+        for j in range(start + 1, n - k + 2):
+            rest = best[k - 1][j]
+            if rest[0] == inf or need(stage, start, j) > memory[stage]:
+                continue
+            w = work(start, j)
+            if (max(w, rest[0]), w * w + rest[1]) == target:
+                break
+        ranges.append(LayerRange(start=start, end=j))
+        start = j
+    return ranges
+
+
+def closest_ranges(
+    stages: int, layer_count: int, need: Callable[[int, int, int], int], memory: Sequence[int]
+) -> list[LayerRange]:
+    """Where nothing fits: the split whose largest shortfall (need - memory) is least."""
+    n = layer_count
+    inf = float("inf")
+    most: list[list[float]] = [[inf] * (n + 1) for _ in range(stages + 1)]
+    most[0][n] = -inf
+    for k in range(1, stages + 1):
+        stage = stages - k
+        for i in range(n - k, -1, -1):
+            most[k][i] = min(
+                max(need(stage, i, j) - memory[stage], most[k - 1][j])
+                for j in range(i + 1, n - k + 2)
+            )
+    ranges, start = [], 0
+    for k in range(stages, 0, -1):
+        stage = stages - k
+        j = next(
+            j
+            for j in range(start + 1, n - k + 2)
+            if max(need(stage, start, j) - memory[stage], most[k - 1][j]) == most[k][start]
+        )
+        ranges.append(LayerRange(start=start, end=j))
+        start = j
+    return ranges
