@@ -51,6 +51,17 @@ class ProviderTraits:
     def cpus(self, request: RunRequest) -> float | None:
         return request.docker.cpus if self.takes_gpus else None
 
+    def memory(self, request: RunRequest) -> int | None:
+        """Each node's memory limit where the provider sets one (Docker's --memory)."""
+        return request.docker.memory if self.takes_gpus else None
+
+    def node_memory(self, request: RunRequest) -> list[int] | None:
+        """The memory to plan by: the request's node_memory, else the provider's limit."""
+        if request.node_memory is not None:
+            return request.node_memory
+        limit = self.memory(request)
+        return None if limit is None else [limit]
+
 
 TRAITS: dict[ProviderKind, ProviderTraits] = {
     ProviderKind.PROCESS: ProviderTraits(

@@ -136,10 +136,11 @@ def _validate_provider_settings(request: RunRequest) -> None:
         raise RunRejectedError(
             f"docker.gpus is a docker provider setting; provider is {request.provider.value!r}"
         )
-    if request.docker.cpus is not None and request.provider is not ProviderKind.DOCKER:
-        raise RunRejectedError(
-            f"docker.cpus is a docker provider setting; provider is {request.provider.value!r}"
-        )
+    for key, value in (("cpus", request.docker.cpus), ("memory", request.docker.memory)):
+        if value is not None and request.provider is not ProviderKind.DOCKER:
+            raise RunRejectedError(
+                f"docker.{key} is a docker provider setting; provider is {request.provider.value!r}"
+            )
 
 
 def _validate_node_env_key(key: str) -> None:

@@ -419,6 +419,9 @@ class DockerProvider:
                 working_dir=NODE_DIR_IN_CONTAINER,
                 device_requests=device_requests(spec.gpus),
                 nano_cpus=None if spec.cpus is None else max(1, round(spec.cpus * 1e9)),
+                # A node that held more than its planned share is killed, not swapped.
+                mem_limit=spec.memory,
+                memswap_limit=spec.memory,
                 log_config=LogConfig(type="json-file", config={"max-size": "20m", "max-file": "2"}),
                 detach=True,
             )

@@ -40,6 +40,16 @@ class DockerSettings(_Model):
             "e.g. 1 or 0.5; null = no limit. A node sizes its threads to it"
         ),
     )
+    memory: int | None = Field(
+        default=None,
+        ge=64 << 20,
+        le=1 << 50,
+        description=(
+            "Memory each node container may use, in bytes (docker run --memory, no swap "
+            "beyond it); null = no limit. The run is planned by it where node_memory is "
+            "not given: each stage must fit its container (docs/contracts.md)"
+        ),
+    )
 
 
 class VastAiSettings(_Model):

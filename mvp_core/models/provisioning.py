@@ -35,6 +35,7 @@ class NodeProvisionSpec(_Model):
     provider: ProviderKind = ProviderKind.PROCESS
     gpus: str | None = None
     cpus: float | None = None  # docker.cpus: each node container's CPU limit
+    memory: int | None = None  # docker.memory: each node container's memory limit (bytes)
     vastai: VastAiSettings | None = None
     # A replacement (DECISIONS 68): machines to rent elsewhere than, where an offer allows.
     avoid_machines: list[int] = Field(default_factory=list, max_length=64)

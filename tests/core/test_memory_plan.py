@@ -158,3 +158,17 @@ def test_fit_ranges_finds_the_least_largest_work_that_fits_as_a_search_does() ->
 def test_layer_split_balanced_still_applies_without_node_memory() -> None:
     p = plan(2, None, layer_split=LayerSplit.BALANCED)
     assert p.stages[0].layers.end > 16  # the head's work counts on the last stage
+
+
+def test_the_plan_uses_the_requests_node_memory_else_the_docker_containers_limit() -> None:
+    from mvp_core.models import DockerSettings, ProviderKind, RunRequest
+    from mvp_core.providers import TRAITS
+
+    docker = TRAITS[ProviderKind.DOCKER]
+    limited = RunRequest(provider=ProviderKind.DOCKER, docker=DockerSettings(memory=2 * GIB))
+    assert docker.node_memory(limited) == [2 * GIB] and docker.memory(limited) == 2 * GIB
+    both = limited.model_copy(update={"node_memory": [GIB, 3 * GIB]})
+    assert docker.node_memory(both) == [GIB, 3 * GIB]
+    assert docker.node_memory(RunRequest(provider=ProviderKind.DOCKER)) is None
+    process = TRAITS[ProviderKind.PROCESS]
+    assert process.node_memory(RunRequest()) is None and process.memory(limited) is None

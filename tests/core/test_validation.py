@@ -114,6 +114,10 @@ def test_missing_run_id_is_rejected():
         ),
         ({"docker": DockerSettings(gpus="all")}, "docker.gpus is a docker provider setting"),
         ({"docker": DockerSettings(cpus=1)}, "docker.cpus is a docker provider setting"),
+        (
+            {"docker": DockerSettings(memory=1 << 30)},
+            "docker.memory is a docker provider setting",
+        ),
         ({"node_env": {"HF_TOKEN": "x"}}, "looks like a secret"),
         ({"node_env": {"MVP_FAULT_MUTE": "1"}}, "test-only fault injection"),
         ({"node_env": {"mvp_fault_text_delay_ms": "5"}}, "test-only fault injection"),

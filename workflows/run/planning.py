@@ -42,7 +42,7 @@ async def plan(ctx: RunContext, on_provider_queue: Callable[[], None]) -> None:
                     max_context=req.max_context,
                     activation_dtype=req.activation_dtype,
                     layer_split=req.layer_split,
-                    node_memory=req.node_memory,
+                    node_memory=ctx.traits.node_memory(req),
                     max_active_prompts=req.max_active_prompts,
                     provider=req.provider,
                     gpus=ctx.traits.gpus(req),

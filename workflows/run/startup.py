@@ -100,6 +100,7 @@ class Startup:
             provider=req.provider,
             gpus=traits.gpus(req),
             cpus=traits.cpus(req),
+            memory=traits.memory(req),
             mounts=sorted(set(state.plan.files())),
             vastai=traits.vastai(req),
             avoid_machines=list(avoid_machines),
