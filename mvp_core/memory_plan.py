@@ -69,50 +69,6 @@ def size_text(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / (1 << 20):.1f} MiB"
 
 
-def fit_ranges(
-    stages: int,
-    layer_count: int,
-    need: Callable[[int, int, int], int],
-    memory: Sequence[int],
-    work: Callable[[int, int], int],
-) -> list[LayerRange] | None:
-    """Contiguous ranges, one per stage, each within its node's ``memory`` (``need(stage,
-    a, b)`` for layers [a, b)), whose largest ``work(a, b)`` is the least; of those, the
-    least sum of squared work. None where no split fits."""
-    n = layer_count
-    inf = float("inf")
-    # best[k][i]: (largest work, sum of squares) of layers [i, n) in the last k stages.
-    best: list[list[tuple[float, float]]] = [[(inf, inf)] * (n + 1) for _ in range(stages + 1)]
-    best[0][n] = (0, 0)
-    for k in range(1, stages + 1):
-        stage = stages - k
-        for i in range(n - k, -1, -1):
-            options = []
-            for j in range(i + 1, n - k + 2):
-                rest = best[k - 1][j]
-                if rest[0] == inf or need(stage, i, j) > memory[stage]:
-                    continue
-                w = work(i, j)
-                options.append((max(w, rest[0]), w * w + rest[1]))
-            best[k][i] = min(options, default=(inf, inf))
-    if best[stages][0][0] == inf:
-        return None
-    ranges, start = [], 0
-    for k in range(stages, 0, -1):
-        stage = stages - k
-        target = best[k][start]
-        for j in range(start + 1, n - k + 2):
-            rest = best[k - 1][j]
-            if rest[0] == inf or need(stage, start, j) > memory[stage]:
-                continue
-            w = work(start, j)
-            if (max(w, rest[0]), w * w + rest[1]) == target:
-                break
-        ranges.append(LayerRange(start=start, end=j))
-        start = j
-    return ranges
-
-
 def closest_ranges(
     stages: int, layer_count: int, need: Callable[[int, int, int], int], memory: Sequence[int]
 ) -> list[LayerRange]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from mvp_core.memory_plan import StageNeed, closest_ranges, fit_ranges, size_text, stage_need
+from mvp_core.memory_plan import StageNeed, closest_ranges, size_text, stage_need
 from mvp_core.models import (
     ActivationDtype,
     EdgeKind,
@@ -66,31 +66,61 @@ def balanced_layer_ranges(layer_work: list[int], output_work: int, stages: int) 
             f"layer_split 'balanced': {stages} stages of {n} layers is past the planner's "
             f"search bound (stages x layers^2 <= {MAX_BALANCED_SEARCH:,}); use 'even'"
         )
+    ranges = least_work_ranges(stages, n, work_of(layer_work, output_work))
+    assert ranges is not None  # every split is allowed
+    return ranges
+
+
+def work_of(layer_work: Sequence[int], output_work: int) -> Callable[[int, int], int]:
+    """work(a, b): layers [a, b)'s work, the output head's added on the last stage's."""
+    n = len(layer_work)
     prefix = [0]
     for w in layer_work:
         prefix.append(prefix[-1] + w)
+    return lambda a, b: prefix[b] - prefix[a] + (output_work if b == n else 0)
 
-    def cost(a: int, b: int) -> int:  # layers [a, b)
-        return prefix[b] - prefix[a] + (output_work if b == n else 0)
+
+def least_work_ranges(
+    stages: int,
+    n: int,
+    work: Callable[[int, int], int],
+    allowed: Callable[[int, int, int], bool] | None = None,
+) -> list[LayerRange] | None:
+    """Of the contiguous splits of ``n`` layers into ``stages`` ranges, each
+    ``allowed(stage, a, b)`` (layers [a, b)) where given, the one whose largest
+    ``work(a, b)`` is least; of those, the least sum of squared work; of those, the
+    earliest ends. None where no split is allowed."""
+    ok = allowed or (lambda stage, a, b: True)
 
     def ends(i: int, k: int) -> range:  # where a stage from layer i may end, k stages left
         return range(i + 1, n - k + 2)
 
-    # most[k][i]: the least largest stage work of layers [i, n) in k stages.
+    # most[k][i]: the least largest stage work of layers [i, n) in the last k stages.
     inf = float("inf")
     most: list[list[float]] = [[inf] * (n + 1) for _ in range(stages + 1)]
     most[0][n] = 0
     for k in range(1, stages + 1):
+        stage = stages - k
         for i in range(n - k, -1, -1):
-            most[k][i] = min(max(cost(i, j), most[k - 1][j]) for j in ends(i, k))
+            most[k][i] = min(
+                (max(work(i, j), most[k - 1][j]) for j in ends(i, k) if ok(stage, i, j)),
+                default=inf,
+            )
     limit = most[stages][0]
+    if limit == inf:
+        return None
     # squares[k][i]: the least sum of squares of [i, n) in k stages of at most ``limit``.
     squares: list[list[float]] = [[inf] * (n + 1) for _ in range(stages + 1)]
     squares[0][n] = 0
     for k in range(1, stages + 1):
+        stage = stages - k
         for i in range(n - k, -1, -1):
             squares[k][i] = min(
-                (cost(i, j) ** 2 + squares[k - 1][j] for j in ends(i, k) if cost(i, j) <= limit),
+                (
+                    work(i, j) ** 2 + squares[k - 1][j]
+                    for j in ends(i, k)
+                    if work(i, j) <= limit and ok(stage, i, j)
+                ),
                 default=inf,
             )
     ranges, start = [], 0
@@ -98,8 +128,9 @@ def balanced_layer_ranges(layer_work: list[int], output_work: int, stages: int) 
         end = next(
             j
             for j in ends(start, k)
-            if cost(start, j) <= limit
-            and cost(start, j) ** 2 + squares[k - 1][j] == squares[k][start]
+            if work(start, j) <= limit
+            and ok(stages - k, start, j)
+            and work(start, j) ** 2 + squares[k - 1][j] == squares[k][start]
         )
         ranges.append(LayerRange(start=start, end=end))
         start = end
@@ -281,16 +312,13 @@ def _fitting_ranges(
             f"layers is past the planner's search bound (stages x layers^2 <= "
             f"{MAX_BALANCED_SEARCH:,})"
         )
-    work_of = facts.layer_work if facts.layer_work and len(facts.layer_work) == n else [1] * n
-    head = facts.output_work or 0
-    prefix = [0]
-    for w in work_of:
-        prefix.append(prefix[-1] + w)
-
-    def work(a: int, b: int) -> int:
-        return prefix[b] - prefix[a] + (head if b == n else 0)
-
-    fitted = fit_ranges(stage_count, n, need, memory, work)
+    layer_work = facts.layer_work if facts.layer_work and len(facts.layer_work) == n else [1] * n
+    fitted = least_work_ranges(
+        stage_count,
+        n,
+        work_of(layer_work, facts.output_work or 0),
+        lambda stage, a, b: need(stage, a, b) <= memory[stage],
+    )
     if fitted is not None:
         return fitted
     closest = closest_ranges(stage_count, n, need, memory)

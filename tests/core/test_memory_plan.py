@@ -13,11 +13,10 @@ from mvp_core.memory_plan import (
     MARGIN_PERCENT,
     RUNTIME_BYTES,
     SCRATCH_ROWS,
-    fit_ranges,
     stage_need,
 )
 from mvp_core.models import LayerRange, LayerSplit, ModelBytes, ModelFacts
-from mvp_core.planner import PlanningError, build_plan
+from mvp_core.planner import PlanningError, build_plan, least_work_ranges
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -121,9 +120,10 @@ def test_planning_by_memory_needs_the_models_sizes() -> None:
         )  # fmt: skip
 
 
-def test_fit_ranges_finds_the_least_largest_work_that_fits_as_a_search_does() -> None:
+def test_the_split_that_fits_has_the_least_work_as_a_search_finds() -> None:
     """Against every split of small random models: a split that fits exists exactly when
-    fit_ranges returns one, and its largest work is the least of those that fit."""
+    least_work_ranges returns one; its largest work is the least of those that fit, and of
+    those its sum of squared work is the least."""
     rng = random.Random(35)
     for _ in range(300):
         n, stages = rng.randint(1, 9), rng.randint(1, 4)
@@ -139,20 +139,24 @@ def test_fit_ranges_finds_the_least_largest_work_that_fits_as_a_search_does() ->
         def work(a: int, b: int, work_of: list[int] = work_of) -> int:
             return sum(work_of[a:b])
 
-        best = None
+        best: tuple[int, int] | None = None
         for cuts in itertools.combinations(range(1, n), stages - 1):
             bounds = list(zip((0, *cuts), (*cuts, n), strict=True))
             if all(need(i, a, b) <= memory[i] for i, (a, b) in enumerate(bounds)):
-                largest = max(work(a, b) for a, b in bounds)
-                best = largest if best is None else min(best, largest)
-        got = fit_ranges(stages, n, need, memory, work)
+                works = [work(a, b) for a, b in bounds]
+                score = (max(works), sum(w * w for w in works))
+                best = score if best is None else min(best, score)
+        got = least_work_ranges(
+            stages, n, work, lambda i, a, b, m=memory, f=need: f(i, a, b) <= m[i]
+        )
         if best is None:
             assert got is None
             continue
         assert got is not None and got[0].start == 0 and got[-1].end == n
         assert all(x.end == y.start for x, y in itertools.pairwise(got))
         assert all(need(i, r.start, r.end) <= memory[i] for i, r in enumerate(got))
-        assert max(work(r.start, r.end) for r in got) == best
+        works = [work(r.start, r.end) for r in got]
+        assert (max(works), sum(w * w for w in works)) == best
 
 
 def test_layer_split_balanced_still_applies_without_node_memory() -> None:
