@@ -196,6 +196,8 @@ class HostConfig(_Frozen):
     image: str | None = None
     docker_gpus: str | None = None
     docker_cpus: float | None = None  # [docker].cpus: each node container's CPU limit
+    docker_memory: int | None = None  # [docker].memory_mib, in bytes: each container's limit
+    node_memory: list[int] | None = None  # [runtime].node_memory_mib, in bytes (DECISIONS 71)
     rpc_bind: SocketAddress = SocketAddress(host=DEFAULT_RPC_HOST, port=DEFAULT_RPC_PORT)
     run_id: int = 1
     node_id: int = 1
@@ -561,6 +563,8 @@ def resolve_config(
         image=doc.image.node,
         docker_gpus=doc.docker.gpus,
         docker_cpus=doc.docker.cpus,
+        docker_memory=None if doc.docker.memory_mib is None else doc.docker.memory_mib << 20,
+        node_memory=None if r.node_memory_mib is None else [v << 20 for v in r.node_memory_mib],
         rpc_bind=rpc_bind,
         run_id=1 if r.run_id is None else r.run_id,
         node_id=1 if r.node_id is None else r.node_id,
@@ -618,18 +622,20 @@ def to_run_request(cfg: HostConfig) -> RunRequest:
     vast = cfg.vastai if cfg.provider is ProviderKind.VASTAI else None
     gpus = (cfg.docker_gpus or None) if cfg.provider is ProviderKind.DOCKER else None
     cpus = cfg.docker_cpus if cfg.provider is ProviderKind.DOCKER else None
+    memory = cfg.docker_memory if cfg.provider is ProviderKind.DOCKER else None
     try:
         request = RunRequest(
             run_id=cfg.run_id,
             node_id=cfg.node_id,
             provider=cfg.provider,
             worker_image=worker_image,
-            docker=DockerSettings(gpus=gpus, cpus=cpus),
+            docker=DockerSettings(gpus=gpus, cpus=cpus, memory=memory),
             vastai=VastAiRunSettings() if vast is None else vast.run,
             model=model,
             tokenizer=tokenizer,
             pipeline_stages=cfg.pipeline_stages,
             on_node_loss=cfg.on_node_loss,
+            node_memory=cfg.node_memory,
             default_max_tokens=cfg.default_max_tokens,
             max_context=cfg.max_context,
             max_active_prompts=cfg.max_active_prompts,

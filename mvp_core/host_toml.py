@@ -239,6 +239,27 @@ def _docker_cpus(value: float) -> float:
     return value
 
 
+MAX_MIB = 1 << 30  # 1 PiB in MiB
+MIN_MIB = 64
+
+
+def _mib(raw: object) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int):
+        raise _problem(_TYPE, "expected an integer of MiB", raw)
+    if not MIN_MIB <= raw <= MAX_MIB:
+        raise _problem(_VALUE, f"expected {MIN_MIB} to {MAX_MIB} MiB", raw)
+    return raw
+
+
+def _mib_list(raw: object) -> list[int]:
+    """One MiB figure (every node's) or a list (one per stage)."""
+    if isinstance(raw, list):
+        if not 1 <= len(raw) <= 256:
+            raise _problem(_VALUE, "expected 1 to 256 figures", raw)
+        return [_mib(v) for v in raw]
+    return [_mib(raw)]
+
+
 def _stages(value: int) -> int:
     if value == 0:
         raise _problem(_VALUE, "", whole=f"{ARG_PIPELINE_STAGES} must be greater than 0")
@@ -348,6 +369,8 @@ class RuntimeTable(_Frozen):
     ) = None
     # ours (DECISIONS 68): what a node lost while the run serves does to it
     on_node_loss: Annotated[NodeLossPolicy, BeforeValidator(_then(_node_loss))] | None = None
+    # ours (DECISIONS 71): each node's memory for its stage, MiB: one, or one per stage
+    node_memory_mib: Annotated[list[int], BeforeValidator(_mib_list)] | None = None
 
 
 class ProviderTable(_Frozen):
@@ -386,6 +409,7 @@ class DockerTable(_Frozen):
         | None
     ) = None
     cpus: DockerCpus | None = None
+    memory_mib: Annotated[int, BeforeValidator(_mib)] | None = None  # --memory, in MiB
 
 
 class ObservabilityTable(_Frozen):

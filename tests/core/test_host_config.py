@@ -267,6 +267,13 @@ VALID_KEYS = [
     ('[docker]\ngpus = "all"', {}, lambda c: c.docker_gpus == "all"),
     ("[docker]\ncpus = 1", {}, lambda c: c.docker_cpus == 1.0),
     ("[docker]\ncpus = 0.5", {}, lambda c: c.docker_cpus == 0.5),
+    ("[docker]\nmemory_mib = 1024", {}, lambda c: c.docker_memory == 1 << 30),
+    ("[runtime]\nnode_memory_mib = 2048", {}, lambda c: c.node_memory == [2 << 30]),
+    (
+        "[runtime]\nnode_memory_mib = [2048, 1024]",
+        {},
+        lambda c: c.node_memory == [2 << 30, 1 << 30],
+    ),
     ('[docker]\ngpus = ""', {}, lambda c: c.docker_gpus == "" and c.docker_gpus_or_default == ""),
     (
         '[observability]\ndatastream_frame_log = "logs/frames.jsonl"',
@@ -397,6 +404,15 @@ INVALID_KEYS = [
         "invalid docker.cpus=0.0: expected a number of CPUs from 0.01 to 1024",
     ),
     ('[docker]\ncpus = "1"', 'invalid docker.cpus="1": expected a number'),
+    ("[docker]\nmemory_mib = 8", "invalid docker.memory_mib=8: expected 64 to 1073741824 MiB"),
+    (
+        '[runtime]\nnode_memory_mib = "8GiB"',
+        'invalid runtime.node_memory_mib="8GiB": expected an integer of MiB',
+    ),
+    (
+        "[runtime]\nnode_memory_mib = []",
+        "invalid runtime.node_memory_mib=an array: expected 1 to 256 figures",
+    ),
     (
         "[observability]\ndatastream_frame_log = 1",
         "invalid observability.datastream_frame_log=1: expected a string",
@@ -1012,6 +1028,14 @@ max_context = 256
 def test_run_request_image_and_gpus_only_when_configured(toml, image, gpus):
     request = to_run_request(resolve(toml))
     assert request.worker_image == image and request.docker.gpus == gpus
+
+
+def test_run_request_memory_from_the_config():
+    docker = to_run_request(resolve('[provider]\nkind = "docker"\n[docker]\nmemory_mib = 1024\n'))
+    assert docker.docker.memory == 1 << 30
+    assert to_run_request(resolve("[docker]\nmemory_mib = 1024\n")).docker.memory is None
+    nodes = to_run_request(resolve("[runtime]\nnode_memory_mib = [4096, 2048]\n"))
+    assert nodes.node_memory == [4 << 30, 2 << 30]
 
 
 def test_run_request_cpus_only_for_the_docker_provider():
