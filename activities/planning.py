@@ -6,6 +6,7 @@ import functools
 import os
 import socket
 
+import psutil
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -15,7 +16,8 @@ from activities.providers.base import ProviderUnavailable, harness_faults
 from activities.provisioning import ProviderActivities
 from mvp_core import names
 from mvp_core.errors import ErrorType
-from mvp_core.models import PreparePlanInput, RunPlan
+from mvp_core.memory_plan import host_shortfall
+from mvp_core.models import PreparePlanInput, ProviderKind, RunPlan
 from mvp_core.planner import PlanningError, build_plan
 from mvp_io.model_store import ModelSourceError, resolve_model
 
@@ -81,6 +83,8 @@ async def plan_run(inp: PreparePlanInput) -> RunPlan:
             slots=inp.max_active_prompts,
         )
         committed = await in_thread(plan)  # a balanced split's search: up to about a second
+        if inp.node_memory is None and inp.provider in _ONE_HOST:
+            _check_host_memory(committed)
         # A split model's parts (checked as one model by read_model_facts): each node's
         # provider mounts or uploads them all.
         files = await in_thread(model_files, model_path)
@@ -89,6 +93,22 @@ async def plan_run(inp: PreparePlanInput) -> RunPlan:
         raise ApplicationError(
             str(err), type=ErrorType.PLANNING_ERROR, non_retryable=True
         ) from None
+
+
+# Providers whose nodes all run on the planning activity's host.
+_ONE_HOST = {ProviderKind.PROCESS, ProviderKind.DOCKER}
+
+
+def _check_host_memory(plan: RunPlan) -> None:
+    """Every stage on this host: their needs together must fit what it has available now
+    (MemAvailable: free memory and what the kernel can reclaim)."""
+    needs = [s.memory_need for s in plan.stages]
+    if any(n is None for n in needs):
+        return  # no sizes in the header: nothing to check against
+    available = psutil.virtual_memory().available
+    why = host_shortfall([n for n in needs if n is not None], available, socket.gethostname())
+    if why is not None:
+        raise PlanningError(why)
 
 
 async def _test_delay(run_id: int) -> None:

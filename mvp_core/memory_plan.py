@@ -95,3 +95,17 @@ def closest_ranges(
         ranges.append(LayerRange(start=start, end=j))
         start = j
     return ranges
+
+
+def host_shortfall(needs: Sequence[int], available: int, host: str) -> str | None:
+    """Where every stage runs on one host (process and Docker nodes with no per-node
+    memory given): the stages' needs together against what the host has available now;
+    the reason to refuse the run, or None where they fit."""
+    total = sum(needs)
+    if total <= available:
+        return None
+    return (
+        f"the run's {len(needs)} stage(s) need about {size_text(total)} together (CONTRACTS "
+        f"'Planning by memory'); this host ({host}) has {size_text(available)} available: "
+        f"short by {total - available} bytes ({size_text(total - available)})"
+    )
