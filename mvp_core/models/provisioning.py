@@ -36,6 +36,9 @@ class NodeProvisionSpec(_Model):
     gpus: str | None = None
     cpus: float | None = None  # docker.cpus: each node container's CPU limit
     memory: int | None = None  # docker.memory: each node container's memory limit (bytes)
+    # What the node's stage needs (StagePlan.memory_need): a rented host has at least this
+    # much RAM (Vast.ai offers are filtered by it).
+    memory_need: int | None = None
     vastai: VastAiSettings | None = None
     # A replacement (DECISIONS 68): machines to rent elsewhere than, where an offer allows.
     avoid_machines: list[int] = Field(default_factory=list, max_length=64)

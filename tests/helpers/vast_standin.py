@@ -540,6 +540,7 @@ class VastStandin:
         self.poll_s = poll_s
         self.switches = Switches()
         self.requests: list[tuple[str, str, int]] = []
+        self.searches: list[dict[str, Any]] = []  # each search's filters, in order
         # Every request as (time.monotonic() when answered, method, path, status).
         self.timeline: list[tuple[float, str, str, int]] = []
         self._lock = threading.RLock()
@@ -855,6 +856,8 @@ class VastStandin:
         if body is not None and not isinstance(body, dict):
             raise _error(400, "invalid_query", "the query must be an object")
         filters = {k: v for k, v in q.items() if k not in SEARCH_RESERVED}
+        with self._lock:
+            self.searches.append(dict(filters))
         order: list[tuple[str, bool]] = []
         for item in q.get("order") or []:
             if not isinstance(item, list | tuple) or not item:

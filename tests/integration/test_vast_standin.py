@@ -319,6 +319,22 @@ def test_search_semantics_auth_and_bad_requests(vast: VastAI, standin: VastStand
     assert r.status_code == 400
 
 
+def test_the_runs_offer_query_asks_for_the_stages_ram(vast: VastAI, standin: VastStandin):
+    """The provider's own query (activities/providers/vastai/offers.py) with a stage's
+    planned need: only offers with that much RAM (cpu_ram, MiB) come back."""
+    from activities.providers.vastai.offers import offer_query
+    from mvp_core.models import VastAiSettings
+
+    settings = VastAiSettings(min_reliability=0.0, min_down_mbps=0)
+    every = vast.search_offers(query=offer_query(settings), no_default=True)
+    assert every and all("cpu_ram" in o for o in every)
+    most = max(o["cpu_ram"] for o in every)
+    need = most * (1 << 20)  # bytes: exactly the largest offer's RAM
+    fits = vast.search_offers(query=offer_query(settings, need), no_default=True)
+    assert fits and all(o["cpu_ram"] >= most for o in fits)
+    assert vast.search_offers(query=offer_query(settings, need + 1), no_default=True) == []
+
+
 def test_rate_limit_burst_answers_429_without_retry_after(vast: VastAI, standin: VastStandin):
     standin.switches.rate_limit_burst = 1
     once = VastAI(api_key=API_KEY, server_url=standin.url, retry=1)

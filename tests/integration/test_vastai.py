@@ -313,9 +313,15 @@ async def test_two_stage_run_on_two_rented_instances_serves_the_process_text(vas
 
     run_id = 3102
     t0 = time.monotonic()
+    searched = len(vast.standin.searches)
     handle = await vast.start(run_id, pipeline_stages=2, max_context=512)
     state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=READY_S)
     ready_s = time.monotonic() - t0
+    # Each node was rented on an offer with RAM for its stage's planned need (MiB).
+    assert state.plan is not None
+    needs = {-(-(s.memory_need or 0) // (1 << 20)) for s in state.plan.stages}
+    asked = {q["cpu_ram"]["gte"] for q in vast.standin.searches[searched:] if "cpu_ram" in q}
+    assert asked == needs and min(needs) > 512, (asked, needs)
     # Preparation registered the identity's public key on the account.
     public = vast.identity.with_suffix(".pub").read_text().split()[:2]
     assert any(k["public_key"].split()[:2] == public for k in vast.standin.ssh_keys())

@@ -101,6 +101,9 @@ class Startup:
             gpus=traits.gpus(req),
             cpus=traits.cpus(req),
             memory=traits.memory(req),
+            memory_need=state.plan.stages[node.stage_index].memory_need
+            if node.stage_index < len(state.plan.stages)
+            else None,
             mounts=sorted(set(state.plan.files())),
             vastai=traits.vastai(req),
             avoid_machines=list(avoid_machines),

@@ -14,8 +14,9 @@ from activities.providers.vastai.api import VastApi
 from mvp_core.models import VastAiSettings
 
 
-def offer_query(s: VastAiSettings) -> dict[str, Any]:
-    """The offer filters of CONTRACTS "Providers"."""
+def offer_query(s: VastAiSettings, memory_need: int | None = None) -> dict[str, Any]:
+    """The offer filters of CONTRACTS "Providers", and RAM for the stage's planned need
+    (``memory_need`` bytes; Vast.ai's ``cpu_ram`` is in MiB)."""
     q: dict[str, Any] = {
         "rentable": {"eq": True},
         "rented": {"eq": False},
@@ -35,11 +36,17 @@ def offer_query(s: VastAiSettings) -> dict[str, Any]:
         q["verified"] = {"eq": True}
     if s.max_dph is not None:
         q["dph_total"] = {"lte": s.max_dph}
+    if memory_need is not None:
+        q["cpu_ram"] = {"gte": -(-memory_need // (1 << 20))}
     return q
 
 
 def search_offers(
-    api: VastApi, s: VastAiSettings, skip: Collection[int], avoid_machines: Collection[int]
+    api: VastApi,
+    s: VastAiSettings,
+    skip: Collection[int],
+    avoid_machines: Collection[int],
+    memory_need: int | None = None,
 ) -> list[dict[str, Any]]:
     """The offers that match the run's filters, but for those in ``skip`` (tried, or
     gone since an earlier search), in the order to try them."""
@@ -47,7 +54,7 @@ def search_offers(
     offers = api.call(
         "search offers",
         lambda: sdk.search_offers(
-            query=offer_query(s),
+            query=offer_query(s, memory_need),
             order="dph_total",
             limit=20,
             storage=s.disk_gb,

@@ -75,11 +75,16 @@ def rent(
     gone: set[int] = set()
     while True:
         t0 = time.monotonic()
-        candidates = search_offers(api, s, tried | gone, spec.avoid_machines)
+        candidates = search_offers(api, s, tried | gone, spec.avoid_machines, spec.memory_need)
         phases["search"] = phases.get("search", 0.0) + time.monotonic() - t0
         if not candidates:
+            ram = (
+                ""
+                if spec.memory_need is None
+                else f", {-(-spec.memory_need // (1 << 20))} MiB of RAM or more for its stage"
+            )
             raise NodeStartFailed(
-                f"vastai node {spec.node_id}: no offer matches the run's filters "
+                f"vastai node {spec.node_id}: no offer matches the run's filters{ram} "
                 f"({len(tried)} tried)"
             )
         offer = int(candidates[0]["id"])
