@@ -19,6 +19,7 @@ from pathlib import Path
 
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.constants import Keys
+from gguf.gguf_writer import GGUFValue
 
 # The reader's own fields (the header's counts) and the split keys the writer sets.
 _NOT_COPIED = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", Keys.General.ARCHITECTURE}
@@ -55,6 +56,13 @@ def split_gguf(source: Path, prefix: Path, parts: int) -> list[Path]:
     for key, field in reader.fields.items():
         if key in _NOT_COPIED:
             continue
+        if key == Keys.General.ALIGNMENT:
+            # The writer pads every part's data to it: every part's header must say so
+            # (a reader takes each file's alignment from its own header, as llama.cpp does).
+            alignment = int(field.contents())
+            writer.add_custom_alignment(alignment)
+            _align_every_part(writer, alignment)
+            continue
         main = GGUFValueType(field.types[0])
         sub = GGUFValueType(field.types[-1]) if main == GGUFValueType.ARRAY else None
         writer.add_key_value(key, field.contents(), main, sub_type=sub)
@@ -76,6 +84,19 @@ def split_gguf(source: Path, prefix: Path, parts: int) -> list[Path]:
         writer.write_tensor_data(tensor.data)
     writer.close()
     return [Path(n) for n in names]
+
+
+def _align_every_part(writer: GGUFWriter, alignment: int) -> None:
+    """The writer gives the later parts only the split keys: add the alignment to theirs
+    once it has made them (its own step, wrapped)."""
+    make_parts = writer.add_shard_kv_data
+
+    def with_alignment() -> None:
+        make_parts()
+        for kv in writer.kv_data[1:]:
+            kv[Keys.General.ALIGNMENT] = GGUFValue(alignment, GGUFValueType.UINT32)
+
+    setattr(writer, "add_shard_kv_data", with_alignment)  # noqa: B010
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -108,3 +108,31 @@ def test_a_missing_or_foreign_part_or_a_later_part_is_refused_naming_it(
             f.raw(late)
     finally:
         f.close()
+
+
+def test_a_model_with_its_own_alignment_splits_into_parts_that_read_back(tmp_path: Path) -> None:
+    """general.alignment other than 32: every part pads its data to it (the header says
+    so), and the joined model reads every tensor's bytes back."""
+    import gguf
+    import numpy as np
+
+    from scripts.gguf_split import split_gguf
+
+    writer = gguf.GGUFWriter(tmp_path / "m.gguf", "llama")
+    writer.add_custom_alignment(64)
+    arrays = {f"blk.{i}.w": np.full((3, 5), i, dtype=np.float32) for i in range(3)}
+    for name, a in arrays.items():
+        writer.add_tensor(name, a)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    parts = split_gguf(tmp_path / "m.gguf", tmp_path / "m", 3)
+    f = GGUFFile(str(parts[0]))
+    try:
+        assert f.metadata["general.alignment"] == 64
+        for name, a in arrays.items():
+            assert bytes(f.raw(name)) == a.tobytes(), name
+            assert f.tensors[name].offset % 64 == 0
+    finally:
+        f.close()
