@@ -357,7 +357,7 @@ async def test_a_worker_killed_between_create_and_start_leaves_exactly_one_conta
         made = run_containers(dclient, run_id)
         assert [c.status for c in made] == ["created"]  # type: ignore[attr-defined]
         healthy.start()
-        state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=90)
+        state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=READY_S)
         now = run_containers(dclient, run_id)
         assert len(now) == 2, now
         assert made[0].id in {c.id for c in now}  # type: ignore[attr-defined]  # reused
