@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 from mvp_core.models import LayerRange, ModelBytes
 
@@ -43,6 +44,27 @@ class StageNeed:
         return -(-held * (100 + MARGIN_PERCENT) // 100) + RUNTIME_BYTES
 
 
+def _need(
+    sizes: ModelBytes,
+    layer_bytes: int,
+    n: int,
+    *,
+    first: bool,
+    last: bool,
+    max_seq_len: int,
+    slots: int,
+    hidden: int,
+) -> StageNeed:
+    """The module's formula for a stage of ``n`` layers holding ``layer_bytes``."""
+    weights = layer_bytes
+    if first or (last and sizes.tied_head):
+        weights += sizes.embedding
+    if last:
+        weights += sizes.output
+    kv = n * max_seq_len * max(1, slots) * sizes.kv_elements * KV_BYTES
+    return StageNeed(weights, kv, SCRATCH_ROWS * max_seq_len * hidden * 4)
+
+
 def stage_need(
     sizes: ModelBytes,
     layers: LayerRange,
@@ -54,14 +76,28 @@ def stage_need(
     hidden: int,
 ) -> StageNeed:
     """What a stage of ``layers`` needs (see the module's formula)."""
-    weights = sum(sizes.layers[layers.start : layers.end])
-    if first or (last and sizes.tied_head):
-        weights += sizes.embedding
-    if last:
-        weights += sizes.output
+    layer_bytes = sum(sizes.layers[layers.start : layers.end])
     n = layers.end - layers.start
-    kv = n * max_seq_len * max(1, slots) * sizes.kv_elements * KV_BYTES
-    return StageNeed(weights, kv, SCRATCH_ROWS * max_seq_len * hidden * 4)
+    return _need(
+        sizes, layer_bytes, n, first=first, last=last, max_seq_len=max_seq_len, slots=slots,
+        hidden=hidden,
+    )  # fmt: skip
+
+
+def stage_needs(
+    sizes: ModelBytes, stage_count: int, *, max_seq_len: int, slots: int, hidden: int
+) -> Callable[[int, int, int], int]:
+    """need(stage, a, b): ``stage_need(...).total`` of stage ``stage`` of ``stage_count``
+    holding layers [a, b), in constant time (the planner's searches call it often)."""
+    prefix = list(accumulate(sizes.layers, initial=0))
+
+    def need(stage: int, a: int, b: int) -> int:
+        return _need(
+            sizes, prefix[b] - prefix[a], b - a, first=stage == 0, last=stage == stage_count - 1,
+            max_seq_len=max_seq_len, slots=slots, hidden=hidden,
+        ).total  # fmt: skip
+
+    return need
 
 
 def size_text(n: int) -> str:

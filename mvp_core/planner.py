@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from mvp_core.memory_plan import StageNeed, closest_ranges, size_text, stage_need
+from mvp_core.memory_plan import closest_ranges, size_text, stage_needs
 from mvp_core.models import (
     ActivationDtype,
     EdgeKind,
@@ -266,30 +266,9 @@ def _stage_needs(
     sizes = facts.sizes
     if sizes is None or len(sizes.layers) != facts.block_count:
         return None
-    prefix = [0]
-    for b in sizes.layers:
-        prefix.append(prefix[-1] + b)
-    one = stage_need(
-        sizes,
-        LayerRange(start=0, end=1),
-        first=False,
-        last=False,
-        max_seq_len=max_seq_len,
-        slots=slots,
-        hidden=facts.embedding_length,
+    return stage_needs(
+        sizes, stage_count, max_seq_len=max_seq_len, slots=slots, hidden=facts.embedding_length
     )
-    kv_per_layer = one.kv
-
-    def need(stage: int, a: int, b: int) -> int:
-        first, last = stage == 0, stage == stage_count - 1
-        weights = prefix[b] - prefix[a]
-        if first or (last and sizes.tied_head):
-            weights += sizes.embedding
-        if last:
-            weights += sizes.output
-        return StageNeed(weights, (b - a) * kv_per_layer, one.scratch).total
-
-    return need
 
 
 def _fitting_ranges(
