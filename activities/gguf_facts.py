@@ -13,20 +13,19 @@ from mvp_core.engine_support import (
 from mvp_core.gguf_header import GGUFHeader, TensorInfo
 from mvp_core.models import ModelBytes, ModelFacts
 from mvp_core.planner import PlanningError
-from mvp_io.gguf_files import model_paths, read_model_header
-
-
-def model_files(path: str) -> list[str]:
-    """Every file of the model at ``path`` (a split GGUF's parts, first first)."""
-    try:
-        return model_paths(path)
-    except (OSError, ValueError) as err:
-        raise PlanningError(f"cannot read GGUF metadata of {path}: {err}") from None
+from mvp_io.gguf_files import open_model
 
 
 def read_model_facts(path: str) -> ModelFacts:
+    return read_model(path)[0]
+
+
+def read_model(path: str) -> tuple[ModelFacts, list[str]]:
+    """The planner's facts of the model at ``path`` and every file of it (a split GGUF's
+    parts, first first), from one reading of the headers."""
     try:
-        header = read_model_header(path)  # a split model: its parts joined
+        with open_model(path) as files:  # a split model: its parts joined
+            header, paths = files.header, list(files.paths)
         meta = header.metadata
     except (OSError, ValueError) as err:  # GGUFError is a ValueError; so is mmap on a FIFO
         raise PlanningError(f"cannot read GGUF metadata of {path}: {err}") from None
@@ -52,7 +51,7 @@ def read_model_facts(path: str) -> ModelFacts:
     layer_work, output_work = _work(header, blocks)
     name = meta.get("general.name")
     eos = meta.get("tokenizer.ggml.eos_token_id")
-    return ModelFacts(
+    facts = ModelFacts(
         architecture=arch,
         name=name if isinstance(name, str) else arch,
         block_count=blocks,
@@ -63,6 +62,7 @@ def read_model_facts(path: str) -> ModelFacts:
         output_work=output_work,
         sizes=_sizes(header, arch, blocks),
     )
+    return facts, paths
 
 
 _LAYER_TENSOR = re.compile(r"blk\.([0-9]{1,6})\..+", re.ASCII)

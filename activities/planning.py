@@ -10,7 +10,7 @@ import psutil
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.gguf_facts import model_files, read_model_facts
+from activities.gguf_facts import read_model
 from activities.heartbeat import heartbeat_for, in_thread
 from activities.providers.base import ProviderUnavailable, harness_faults
 from activities.provisioning import ProviderActivities
@@ -66,7 +66,7 @@ async def plan_run(inp: PreparePlanInput) -> RunPlan:
         tokenizer_path = (
             await in_thread(resolve_model, inp.tokenizer) if inp.tokenizer else model_path
         )
-        facts = await in_thread(read_model_facts, model_path)
+        facts, files = await in_thread(read_model, model_path)
         plan = functools.partial(
             build_plan,
             run_id=inp.run_id,
@@ -85,9 +85,8 @@ async def plan_run(inp: PreparePlanInput) -> RunPlan:
         committed = await in_thread(plan)  # a balanced split's search: up to about a second
         if inp.node_memory is None and inp.provider in _ONE_HOST:
             _check_host_memory(committed)
-        # A split model's parts (checked as one model by read_model_facts): each node's
-        # provider mounts or uploads them all.
-        files = await in_thread(model_files, model_path)
+        # A split model's parts (checked as one model by read_model): each node's provider
+        # mounts or uploads them all.
         return committed.model_copy(update={"model_files": files}) if len(files) > 1 else committed
     except (PlanningError, ModelSourceError) as err:
         raise ApplicationError(

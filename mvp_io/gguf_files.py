@@ -92,16 +92,3 @@ def open_model(path: str) -> ModelFiles:
         for buf in mappings:
             close_mapping(buf)
         raise
-
-
-def read_model_header(path: str) -> GGUFHeader:
-    """The model's header (joined over its parts), reading only the headers' pages."""
-    with open_model(path) as files:
-        return files.header
-
-
-def model_paths(path: str) -> list[str]:
-    """Every file of the model whose (first) file is ``path``: what a node must be able to
-    read (a mount, an upload). Checked as ``open_model`` checks them."""
-    with open_model(path) as files:
-        return list(files.paths)

@@ -429,7 +429,7 @@ def test_a_split_model_is_fetched_whole_from_one_commit(
 ) -> None:
     """Naming the first part fetches every part, pinned to the commit the revision named
     for the first, into one folder: the model opens as one (mvp_io.gguf_files)."""
-    from mvp_io.gguf_files import model_paths
+    from mvp_io.gguf_files import open_model
 
     for part in split_parts:
         hub.add_file(SPLIT_REPO, f"q4/{part.name}", part)
@@ -437,7 +437,8 @@ def test_a_split_model_is_fetched_whole_from_one_commit(
     source = HubModel(repo=SPLIT_REPO, file=f"q4/{split_parts[0].name}")
     first = Path(resolve_model(ModelSource(hf=source)))
     assert first.parent.parent.name == commit and first.name == split_parts[0].name
-    fetched = [Path(p) for p in model_paths(str(first))]
+    with open_model(str(first)) as model:
+        fetched = [Path(p) for p in model.paths]
     assert [p.name for p in fetched] == [p.name for p in split_parts]
     assert [p.read_bytes() for p in fetched] == [p.read_bytes() for p in split_parts]
     later = [r.path for r in hub.seen("hub") if split_parts[0].name not in r.path]

@@ -13,7 +13,7 @@ import torch
 
 from activities.gguf_facts import read_model_facts
 from mvp_core.planner import PlanningError
-from mvp_io.gguf_files import model_paths, open_model
+from mvp_io.gguf_files import open_model
 from scripts.gguf_split import split_gguf
 from tests.node.engine.conftest import ONCE_CONTINUATION, ONCE_UPON_A_TIME, THREADS
 from workers.node.engine import EngineOptions, Stage, load_stage
@@ -53,8 +53,8 @@ def test_the_planner_and_the_tokenizer_see_the_single_file(
     assert Tokenizer.from_gguf(parts[0]).encode(text) == Tokenizer.from_gguf(smollm_path).encode(
         text
     )
-    assert model_paths(str(parts[0])) == [str(p) for p in parts]
-    assert model_paths(smollm_path) == [smollm_path]
+    with open_model(str(parts[0])) as split, open_model(smollm_path) as single:
+        assert split.paths == [str(p) for p in parts] and single.paths == [smollm_path]
 
 
 def test_stages_of_a_split_model_compute_the_single_files_logits(
