@@ -20,9 +20,9 @@ def read_model_facts(path: str) -> ModelFacts:
     return read_model(path)[0]
 
 
-def read_model(path: str) -> tuple[ModelFacts, list[str]]:
-    """The planner's facts of the model at ``path`` and every file of it (a split GGUF's
-    parts, first first), from one reading of the headers."""
+def read_model(path: str) -> tuple[ModelFacts, list[str], GGUFHeader]:
+    """The planner's facts of the model at ``path``, every file of it (a split GGUF's
+    parts, first first) and its (joined) header, from one reading of the headers."""
     try:
         with open_model(path) as files:  # a split model: its parts joined
             header, paths = files.header, list(files.paths)
@@ -62,7 +62,7 @@ def read_model(path: str) -> tuple[ModelFacts, list[str]]:
         output_work=output_work,
         sizes=_sizes(header, arch, blocks),
     )
-    return facts, paths
+    return facts, paths, header
 
 
 _LAYER_TENSOR = re.compile(r"blk\.([0-9]{1,6})\..+", re.ASCII)

@@ -16,10 +16,12 @@ from activities.providers.base import ProviderUnavailable, harness_faults
 from activities.provisioning import ProviderActivities
 from mvp_core import names
 from mvp_core.errors import ErrorType
+from mvp_core.gguf_header import GGUFHeader
 from mvp_core.memory_plan import host_shortfall
-from mvp_core.models import PreparePlanInput, ProviderKind, RunPlan
+from mvp_core.models import HubPin, PreparePlanInput, ProviderKind, RunPlan
 from mvp_core.planner import PlanningError, build_plan
-from mvp_io.model_store import ModelSourceError, resolve_model
+from mvp_core.stage_share import share_ranges
+from mvp_io.model_store import ModelSourceError, pin_hub_model, resolve_model, whole_hub_files
 
 
 def provider_host() -> str:
@@ -60,13 +62,22 @@ class PlanningActivities:
 
 
 async def plan_run(inp: PreparePlanInput) -> RunPlan:
-    """Resolve the model on this host and plan the run from its GGUF metadata."""
+    """Resolve the model on this host and plan the run from its GGUF metadata: a hub
+    model from its headers alone (DECISIONS 72), each node's host fetching its share."""
     try:
-        model_path = await in_thread(resolve_model, inp.model)
+        pin: HubPin | None = None
+        if inp.model.hf is not None:
+            paths, pin = await in_thread(pin_hub_model, inp.model.hf)
+            whole = await in_thread(whole_hub_files, pin)
+            # Files this host holds whole already (the host fetched them before the run):
+            # nodes read those, as they read a model on a path.
+            model_path, pin = (whole[0], None) if whole else (paths[0], pin)
+        else:
+            model_path = await in_thread(resolve_model, inp.model)
         tokenizer_path = (
             await in_thread(resolve_model, inp.tokenizer) if inp.tokenizer else model_path
         )
-        facts, files = await in_thread(read_model, model_path)
+        facts, files, header = await in_thread(read_model, model_path)
         plan = functools.partial(
             build_plan,
             run_id=inp.run_id,
@@ -85,13 +96,40 @@ async def plan_run(inp: PreparePlanInput) -> RunPlan:
         committed = await in_thread(plan)  # a balanced split's search: up to about a second
         if inp.node_memory is None and inp.provider in _ONE_HOST:
             _check_host_memory(committed)
+        if pin is not None:
+            committed = with_shares(committed, header, pin)
         # A split model's parts (checked as one model by read_model): each node's provider
-        # mounts or uploads them all.
+        # mounts or uploads them all (a hub model's: each node's host fetches its share).
         return committed.model_copy(update={"model_files": files}) if len(files) > 1 else committed
     except (PlanningError, ModelSourceError) as err:
         raise ApplicationError(
             str(err), type=ErrorType.PLANNING_ERROR, non_retryable=True
         ) from None
+
+
+def with_shares(plan: RunPlan, header: GGUFHeader, pin: HubPin) -> RunPlan:
+    """``plan`` with the hub pin and each stage's share of the files (headers, tensors)."""
+    header_bytes = [p.header_bytes for p in pin.parts]
+    last = plan.stage_count - 1
+    try:
+        stages = [
+            s.model_copy(
+                update={
+                    "fetch": share_ranges(
+                        header,
+                        header_bytes,
+                        s.layers.start,
+                        s.layers.end,
+                        first=s.stage_index == 0,
+                        last=s.stage_index == last,
+                    )
+                }
+            )
+            for s in plan.stages
+        ]
+    except ValueError as err:
+        raise PlanningError(f"{pin.describe()}: {err}") from None
+    return plan.model_copy(update={"stages": stages, "hub": pin})
 
 
 # Providers whose nodes all run on the planning activity's host.

@@ -10,6 +10,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities import datastream_bus
 from activities.heartbeat import heartbeat_for, in_thread
+from activities.model_share import fetch_node_share
 from activities.providers.base import (
     NodeStartFailed,
     Provider,
@@ -30,8 +31,11 @@ from mvp_core.models import (
     StopNodeResult,
     WatchNodesInput,
 )
+from mvp_io.share_fetch import ShareFetchError
 
 WATCH_INTERVAL_S = 0.5
+# Providers whose nodes run on this host: their share of a hub model is fetched here.
+_FETCH_HERE = frozenset({ProviderKind.PROCESS, ProviderKind.DOCKER})
 
 
 def _docker() -> Provider:
@@ -99,6 +103,8 @@ class ProviderActivities:
         with datastream_bus.run_context(spec.run_id, spec.node_id, spec.provider.value):
             try:
                 provider = self._provider(spec.provider)
+                if spec.model_share is not None and spec.provider in _FETCH_HERE:
+                    await in_thread(fetch_node_share, spec)
                 handle = await in_thread(provider.start, spec)
                 # Test harness only (MVP_FAULT_START_DELAY_S): the node launched, its start
                 # still in flight this long (heartbeating).
@@ -106,7 +112,7 @@ class ProviderActivities:
                 if delay:
                     await heartbeat_for(float(delay), "test delay")
                 return handle
-            except (NodeStartFailed, ProviderUnavailable) as err:
+            except (NodeStartFailed, ProviderUnavailable, ShareFetchError) as err:
                 # A start's error may quote a node's host (an SSH error, a bootstrap's output).
                 _start_failed(spec, node_text(str(err)))
                 raise ApplicationError(

@@ -56,6 +56,11 @@ class GGUFError(ValueError):
     """The bytes are not a GGUF header this decoder understands."""
 
 
+class GGUFTruncated(GGUFError):
+    """The bytes end inside the header: the file is cut short, or (a header read by parts,
+    from a hub) more of it is needed."""
+
+
 @dataclass(frozen=True)
 class LazyArray:
     """A metadata array too large to decode up front (e.g. the tokenizer vocabulary):
@@ -116,7 +121,7 @@ class _Decoder:
     def _need(self, n: int) -> int:
         start = self.pos
         if n < 0 or start + n > self.size:
-            raise GGUFError("unexpected end of file in GGUF header")
+            raise GGUFTruncated("unexpected end of file in GGUF header")
         self.pos = start + n
         return start
 

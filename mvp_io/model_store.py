@@ -35,8 +35,15 @@ from pathlib import Path
 from typing import Any, cast
 from urllib.parse import quote
 
-from mvp_core.gguf_header import GGUFError, parse_header, split_of, split_part_paths
-from mvp_core.models import HubModel, ModelSource
+from mvp_core.gguf_header import (
+    GGUFError,
+    GGUFHeader,
+    GGUFTruncated,
+    parse_header,
+    split_of,
+    split_part_paths,
+)
+from mvp_core.models import HubModel, HubPart, HubPin, ModelSource
 from mvp_io.gguf_files import close_mapping, map_file
 
 
@@ -284,7 +291,7 @@ def hub_endpoint() -> str:
     return (os.environ.get(HF_ENDPOINT_ENV, "").strip() or DEFAULT_HF_ENDPOINT).rstrip("/")
 
 
-def _hub_token() -> str | None:
+def hub_token() -> str | None:
     """``HF_TOKEN`` of this process's environment; never from a run (empty = unset)."""
     return os.environ.get(HF_TOKEN_ENV, "").strip() or None
 
@@ -313,7 +320,7 @@ def fetch_hub(source: HubModel, progress: DownloadProgress | None = None) -> Pat
     hub names for the revision (same ETag and size); ``progress`` hears about a download
     only when one happens. Raises ModelSourceError (the run cannot use this source),
     HubUnreachableError (try again later) or DownloadCancelled (from ``progress``)."""
-    token = _hub_token()
+    token = hub_token()
     endpoint = hub_endpoint()
     if _COMMIT.fullmatch(source.revision):
         # A commit never changes: a file verified at it needs no request.
@@ -396,6 +403,124 @@ def fetch_hub_model(source: HubModel, progress: DownloadProgress | None = None) 
     for name in names[1:]:
         fetch_hub(HubModel(repo=source.repo, file=name, revision=commit), progress)
     return first
+
+
+# --------------------------------------------------------------------------- headers only
+HEADER_FIRST_READ = 256 << 10  # a header's first read; each further read takes 4x as much
+HEADER_MAX = 1 << 30  # a GGUF header past this is no model's (tokenizers take a few MB)
+RANGED_DIR = "ranged"
+
+
+def hub_share_path(source: HubModel, commit: str, file: str) -> Path:
+    """Where a node's host keeps the sparse file of ``file`` at ``commit`` (mvp_io.share_fetch):
+    the model cache of the host, beside the whole files of fetch_hub."""
+    return hub_repo_dir(source) / commit / RANGED_DIR / file
+
+
+def pin_hub_model(source: HubModel) -> tuple[list[str], HubPin]:
+    """A hub model pinned from its headers alone: the commit the revision names, each
+    file's size, ETag and header (read by range requests into this host's cache, where the
+    rest of each file stays a hole). Returns the files' local paths (the first part first,
+    whose header the planner reads as any GGUF's) and the pin that nodes' hosts fetch
+    their shares by. ModelSourceError / HubUnreachableError as for fetch_hub."""
+    token = hub_token()
+    endpoint = hub_endpoint()
+    first = _hub_head(source, endpoint, token)
+    parts, paths = [_pinned_part(source, source.file, first, endpoint, token)], []
+    paths.append(str(hub_share_path(source, first.commit, source.file)))
+    header = _header_of(paths[0], source)
+    try:
+        where = split_of(header, paths[0])
+    except GGUFError as err:
+        raise ModelSourceError(f"{_what(source)}: {err}") from None
+    if where is not None:
+        no, count = where
+        if no != 0:
+            raise ModelSourceError(
+                f"{source.describe()} is part {no + 1} of {count} of a split model: name its "
+                f"first part (-00001-of-{count:05d}.gguf)"
+            )
+        try:
+            names = split_part_paths(source.file, count)
+        except GGUFError as err:
+            raise ModelSourceError(str(err)) from None
+        for name in names[1:]:
+            part_source = HubModel(repo=source.repo, file=name, revision=first.commit)
+            remote = _hub_head(part_source, endpoint, token)
+            parts.append(_pinned_part(part_source, name, remote, endpoint, token))
+            paths.append(str(hub_share_path(source, first.commit, name)))
+    _write_ref(source, first.commit)
+    pin = HubPin(endpoint=endpoint, repo=source.repo, commit=first.commit, parts=parts)
+    return paths, pin
+
+
+def whole_hub_files(pin: HubPin) -> list[str] | None:
+    """This host's verified whole copies (fetch_hub's) of every file of ``pin``, or None."""
+    found = []
+    for part in pin.parts:
+        source = HubModel(repo=pin.repo, file=part.file, revision=pin.commit)
+        target = hub_cache_path(source, pin.commit)
+        remote = HubFile(commit=pin.commit, etag=part.etag, size=part.size)
+        if _verified(target, remote) is None:
+            return None
+        found.append(str(target))
+    return found
+
+
+def _pinned_part(
+    source: HubModel, file: str, remote: HubFile, endpoint: str, token: str | None
+) -> HubPart:
+    """One file's pin: its header fetched (growing reads until it parses) and digested."""
+    from mvp_io.share_fetch import HubUnreachable, ShareFetchError, fetch_prefix
+
+    if remote.size is None or remote.size <= 0:
+        raise ModelSourceError(f"{_what(source)}: the hub did not state the file's size")
+    sha256 = remote.etag if _SHA256.fullmatch(remote.etag) else None
+    pin = {"endpoint": endpoint, "repo": source.repo, "commit": remote.commit}
+    part = {"file": file, "size": remote.size, "etag": remote.etag}
+    path = str(hub_share_path(source, remote.commit, file))
+    end = HEADER_FIRST_READ
+    while True:
+        try:
+            head = fetch_prefix(pin, part, path, end, token)
+        except ShareFetchError as err:
+            raise ModelSourceError(_scrub(str(err), token)) from None
+        except HubUnreachable as err:
+            raise HubUnreachableError(_scrub(str(err), token)) from None
+        try:
+            header = parse_header(head, f"{_what(source)}")
+        except GGUFTruncated:
+            if len(head) >= min(remote.size, HEADER_MAX):
+                raise ModelSourceError(
+                    f"{_what(source)}: the GGUF header does not end within the file's first "
+                    f"{len(head)} bytes"
+                ) from None
+            end *= 4
+            continue
+        except GGUFError as err:
+            raise ModelSourceError(str(err)) from None
+        data = min(header.data_start, remote.size)
+        if data > len(head):  # the alignment's padding after the table: read it too
+            end = data
+            continue
+        return HubPart(
+            file=file,
+            size=remote.size,
+            etag=remote.etag,
+            sha256=sha256,
+            header_bytes=data,
+            header_sha256=hashlib.sha256(head[:data]).hexdigest(),
+        )
+
+
+def _header_of(path: str, source: HubModel) -> GGUFHeader:
+    buf = map_file(path)
+    try:
+        return parse_header(buf, path)
+    except GGUFError as err:
+        raise ModelSourceError(f"{_what(source)}: {err}") from None
+    finally:
+        close_mapping(buf)
 
 
 def _record_path(target: Path) -> Path:

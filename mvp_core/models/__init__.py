@@ -23,6 +23,7 @@ from mvp_core.models.lifecycle import (
     RunOutcomeKind,
     RunPhase,
 )
+from mvp_core.models.model_share import ByteRange, HubPart, HubPin, ModelShare
 from mvp_core.models.model_source import (
     HUB_FILE_MAX,
     HUB_REPO_MAX,
@@ -118,6 +119,7 @@ __all__ = [
     "MAX_ACTIVE_PROMPTS",
     "MAX_DOCKER_CPUS",
     "ActivationDtype",
+    "ByteRange",
     "CancelPrompt",
     "ChatMessage",
     "CheckRouteInput",
@@ -134,6 +136,8 @@ __all__ = [
     "GenerateCheckpoint",
     "GenerateInput",
     "HubModel",
+    "HubPart",
+    "HubPin",
     "IgnoredInput",
     "LayerRange",
     "LayerSplit",
@@ -143,6 +147,7 @@ __all__ = [
     "LifecycleReport",
     "ModelBytes",
     "ModelFacts",
+    "ModelShare",
     "ModelSource",
     "NodeExited",
     "NodeHandle",

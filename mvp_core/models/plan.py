@@ -9,6 +9,7 @@ from pydantic import Field
 
 from mvp_core.models._base import _Model
 from mvp_core.models.engine_settings import ActivationDtype
+from mvp_core.models.model_share import MAX_RANGES, ByteRange, HubPin, ModelShare
 
 
 class ModelBytes(_Model):
@@ -80,6 +81,9 @@ class StagePlan(_Model):
     # the model's sizes are known; the node's memory it was planned against, where given.
     memory_need: int | None = None
     node_memory: int | None = None
+    # A hub model (RunPlan.hub): the bytes this stage's node fetches, its files' headers
+    # and its tensors (mvp_core.model_share.share_ranges); empty for a model on a path.
+    fetch: list[ByteRange] = Field(default_factory=list, max_length=MAX_RANGES)
 
 
 class RunPlan(_Model):
@@ -101,6 +105,22 @@ class RunPlan(_Model):
         "GGUF's parts); empty in plans made before split models: model_path alone",
     )
 
+    hub: HubPin | None = Field(
+        default=None,
+        description="A hub model pinned at planning from its headers: each node's host "
+        "fetches its own stage's share (StagePlan.fetch) into model_files' paths",
+    )
+
     def files(self) -> list[str]:
         """The files a node must be able to read to load its stage (and the tokenizer's)."""
         return [*(self.model_files or [self.model_path]), self.tokenizer_path]
+
+    def share_of(self, stage_index: int) -> ModelShare | None:
+        """What the node of ``stage_index`` has its host fetch (a hub model), or None."""
+        if self.hub is None or not 0 <= stage_index < len(self.stages):
+            return None
+        return ModelShare(
+            pin=self.hub,
+            paths=self.model_files or [self.model_path],
+            ranges=self.stages[stage_index].fetch,
+        )

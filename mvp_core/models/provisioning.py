@@ -9,6 +9,7 @@ from pydantic import Field
 
 from mvp_core.models._base import _Model
 from mvp_core.models.engine_settings import ActivationDtype
+from mvp_core.models.model_share import ModelShare
 from mvp_core.models.model_source import ModelSource
 from mvp_core.models.provider_settings import ProviderKind, VastAiSettings
 from mvp_core.models.run_request import LayerSplit
@@ -39,6 +40,8 @@ class NodeProvisionSpec(_Model):
     # What the node's stage needs (StagePlan.memory_need): a rented host has at least this
     # much RAM (Vast.ai offers are filtered by it).
     memory_need: int | None = None
+    # A hub model (RunPlan.hub): what the node's host fetches before the node starts.
+    model_share: ModelShare | None = None
     vastai: VastAiSettings | None = None
     # A replacement (DECISIONS 68): machines to rent elsewhere than, where an offer allows.
     avoid_machines: list[int] = Field(default_factory=list, max_length=64)

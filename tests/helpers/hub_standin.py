@@ -22,8 +22,9 @@ The CDN (``standin.cdn_url``) serves ``GET|HEAD /blobs/<sha256>`` with ``Range``
 ``require_token`` (the token every hub request needs), ``truncate_after`` (each CDN
 response stops after the file's first N bytes and the connection drops, so resumed
 requests get nothing more), ``wrong_hash`` (the CDN serves the file with one byte
-changed: the same size, another sha256). ``requests`` records every request (server,
-method, path, authorization header) for the tests' assertions.
+changed: the same size, another sha256). Ranges are ``bytes=A-`` and ``bytes=A-B``.
+``requests`` records every request (server, method, path, authorization and range
+headers) and ``sent`` the content bytes of every response, for the tests' assertions.
 """
 
 from __future__ import annotations
@@ -112,6 +113,15 @@ class Seen:
     range: str | None
 
 
+@dataclass(frozen=True)
+class Sent:
+    """Content bytes one response carried: ``count`` bytes of the blob from ``start``."""
+
+    sha256: str
+    start: int
+    count: int
+
+
 @dataclass
 class _Repo:
     refs: dict[str, str] = field(default_factory=dict)  # branch or tag -> commit
@@ -129,6 +139,7 @@ class HubStandin:
         self.truncate_after: int | None = None
         self.wrong_hash = False
         self.requests: list[Seen] = []
+        self.sent: list[Sent] = []
         self._lock = threading.Lock()
         self._hub = ThreadingHTTPServer(("127.0.0.1", 0), self._handler("hub"))
         self._cdn = ThreadingHTTPServer(("127.0.0.1", 0), self._handler("cdn"))
@@ -171,6 +182,12 @@ class HubStandin:
                 for r in self.requests
                 if r.server == server and (method is None or r.method == method)
             ]
+
+    def bytes_sent(self, content: bytes | Path | None = None) -> int:
+        """Content bytes served in all (of the file ``content`` only, where given)."""
+        sha = None if content is None else make_blob(content).sha256
+        with self._lock:
+            return sum(s.count for s in self.sent if sha is None or s.sha256 == sha)
 
     def close(self) -> None:
         for server in (self._hub, self._cdn):
@@ -298,26 +315,28 @@ class HubStandin:
     def _content(
         self, h: BaseHTTPRequestHandler, blob: Blob, headers: dict[str, str], body: bool
     ) -> None:
-        start, status = 0, 200
-        ranged = re.fullmatch(r"bytes=(\d+)-", h.headers.get("range") or "")
+        start, stop, status = 0, blob.size, 200
+        ranged = re.fullmatch(r"bytes=(\d+)-(\d*)", h.headers.get("range") or "")
         if ranged is not None:
             start, status = int(ranged[1]), 206
-            if start >= blob.size:
+            if ranged[2]:
+                stop = min(int(ranged[2]) + 1, blob.size)
+            if start >= blob.size or stop <= start:
                 self._answer(h, 416, {"Content-Range": f"bytes */{blob.size}"})
                 return
-            headers = {**headers, "Content-Range": f"bytes {start}-{blob.size - 1}/{blob.size}"}
+            headers = {**headers, "Content-Range": f"bytes {start}-{stop - 1}/{blob.size}"}
         h.send_response(status)
         for key, value in headers.items():
             h.send_header(key, value)
         h.send_header("Content-Type", "application/octet-stream")
-        h.send_header("Content-Length", str(blob.size - start))
+        h.send_header("Content-Length", str(stop - start))
         h.end_headers()
         if not body:
             return
         with self._lock:
             cut = self.truncate_after
             corrupt = self.wrong_hash
-        end = blob.size if cut is None else min(blob.size, cut)
+        end = stop if cut is None else min(stop, cut)
         pos = start
         try:
             while pos < end:
@@ -331,6 +350,9 @@ class HubStandin:
         except (BrokenPipeError, ConnectionResetError):
             h.close_connection = True
             return
-        if end < blob.size:  # truncated: drop the connection mid-body
+        finally:
+            with self._lock:
+                self.sent.append(Sent(blob.sha256, start, pos - start))
+        if end < stop:  # truncated: drop the connection mid-body
             h.close_connection = True
             h.connection.shutdown(socket.SHUT_RDWR)

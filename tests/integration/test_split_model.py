@@ -95,18 +95,3 @@ async def test_nodes_without_the_memory_for_the_model_reject_the_run(runs: Runs,
     state = await snapshot(small)
     assert state.phase == RunPhase.REJECTED
     assert all(n.handle is None for n in state.nodes)  # nothing provisioned
-
-
-async def test_a_lost_node_of_a_split_model_is_replaced_and_prompts_keep_their_text(
-    runs: Runs, parts: list[Path]
-):
-    """Stage recovery (DECISIONS 68) on the split model: the middle node of 3 killed under
-    4 streaming prompts; its replacement loads its layers from the parts, and every prompt
-    ends Done with its undisturbed text (kill_and_recover checks each)."""
-    from mvp_core.models import ShutdownReason
-    from tests.integration.test_recovery import kill_and_recover
-
-    run, state = await kill_and_recover(runs, 1406, killed_stage=1, model={"path": str(parts[0])})
-    assert state.plan is not None and state.plan.model_files == [str(p) for p in parts]
-    assert state.recoveries_done == 1 and len(state.replaced_nodes) == 1
-    await run.shutdown_and_wait(ShutdownReason.OPERATOR_REQUESTED)

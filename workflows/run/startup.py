@@ -105,6 +105,7 @@ class Startup:
             if node.stage_index < len(state.plan.stages)
             else None,
             mounts=sorted(set(state.plan.files())),
+            model_share=state.plan.share_of(node.stage_index),
             vastai=traits.vastai(req),
             avoid_machines=list(avoid_machines),
         )

@@ -20,6 +20,7 @@ from activities.providers.vastai.node_agent import bootstrap, stop_node_agent
 from activities.providers.vastai.rental import InstanceUnusable, adopt, rent, wait_running
 from activities.providers.vastai.ssh import (
     SshFailed,
+    fetch_share_remote,
     fingerprint,
     key_body,
     public_key_of,
@@ -39,6 +40,7 @@ from mvp_core.models import (
     StopNodeResult,
     VastAiSettings,
 )
+from mvp_io.model_store import hub_token
 
 log = logging.getLogger("mvp.provider.vastai")
 
@@ -139,7 +141,11 @@ class VastAiProvider:
                     ) from None
                 record = None
         try:
-            upload_models(record, spec.mounts, phases)
+            share = spec.model_share
+            fetched = set(share.paths) if share is not None else set()
+            upload_models(record, [m for m in spec.mounts if m not in fetched], phases)
+            if share is not None:  # the instance fetches its own share from the hub
+                fetch_share_remote(record, share, hub_token(), phases)
             temporal = temporal_for(record)
             bootstrap(record, spec, settings, row, temporal, phases)
         except SshFailed as err:

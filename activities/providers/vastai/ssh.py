@@ -11,10 +11,12 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import json
 import logging
 import shlex
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -25,8 +27,10 @@ from activities.providers.vastai.api import backoff
 from activities.providers.vastai.records import InstanceRecord
 from activities.providers.vastai.rental import InstanceUnusable
 from activities.providers.vastai.worker_env import identity_path
-from mvp_core.models import VastAiSettings
+from mvp_core.models import ModelShare, VastAiSettings
 from mvp_core.vastai_env import SSH_IDENTITY_ENV
+from mvp_io import share_fetch
+from mvp_io.share_fetch import HubUnreachable, ShareFetchError
 
 log = logging.getLogger("mvp.provider.vastai")
 
@@ -223,3 +227,93 @@ def upload_models(record: InstanceRecord, paths: list[str], phases: dict[str, fl
     phases["upload"] = time.monotonic() - t0
     if sent:
         log.info("uploaded %.1f MB of model to instance %s", sent / 1e6, record.instance_id)
+
+
+# ---------------------------------------------------------------------- a hub model's share
+REMOTE_FETCH_DIR = "/var/lib/mvp/fetch"
+FETCH_LOG_EVERY_S = 5.0
+
+
+def fetch_share_remote(
+    record: InstanceRecord, share: ModelShare, token: str | None, phases: dict[str, float]
+) -> int:
+    """The node's share of a hub model fetched on the instance itself, from the hub
+    (DECISIONS 72): mvp_io/share_fetch.py (standard library only) is sent over SSH and run
+    with ``python3``; the job, and the hub token where this host has one, go on its stdin
+    (never a command line or a file). Progress is logged here. Returns the bytes fetched;
+    ShareFetchError (as planned, the share cannot be had) or HubUnreachable (try again)."""
+    t0 = time.monotonic()
+    d = shlex.quote(REMOTE_FETCH_DIR)
+    ssh_ok(
+        record,
+        f"mkdir -p {d} && cat > {d}/share_fetch.py.part && mv {d}/share_fetch.py.part "
+        f"{d}/share_fetch.py",
+        "sending the share fetcher",
+        stdin=Path(share_fetch.__file__).read_bytes(),
+    )
+    job = json.dumps({"share": share.model_dump(mode="json"), "token": token}) + "\n"
+    deadline = t0 + max(300.0, share.size / 5e6)
+    errors = tempfile.TemporaryFile()
+    proc = subprocess.Popen(
+        [*ssh_base(record), f"python3 {d}/share_fetch.py"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=errors,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    last: dict[str, Any] = {}
+    shown = 0.0
+    try:
+        proc.stdin.write(job.encode())
+        proc.stdin.close()
+        for raw in proc.stdout:
+            if time.monotonic() > deadline:
+                raise HubUnreachable(f"the share fetch on instance {record.instance_id} timed out")
+            try:
+                line = json.loads(raw)
+            except ValueError:
+                continue
+            if not isinstance(line, dict):
+                continue
+            last = line
+            if "done" in line and time.monotonic() - shown >= FETCH_LOG_EVERY_S:
+                shown = time.monotonic()
+                log.info(
+                    "%s: instance %s has %.1f of %.1f MB of its share of %s",
+                    record.label,
+                    record.instance_id,
+                    int(line["done"]) / 1e6,
+                    int(line["total"]) / 1e6,
+                    share.pin.describe(),
+                )
+        proc.wait(timeout=max(deadline - time.monotonic(), 1.0))
+    except subprocess.TimeoutExpired:
+        raise HubUnreachable(
+            f"the share fetch on instance {record.instance_id} timed out"
+        ) from None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if "fetched" in last and proc.returncode == 0:
+        phases["fetch"] = time.monotonic() - t0
+        log.info(
+            "%s: instance %s fetched %.1f MB of %s from the hub in %.1f s",
+            record.label,
+            record.instance_id,
+            int(last["fetched"]) / 1e6,
+            share.pin.describe(),
+            phases["fetch"],
+        )
+        return int(last["fetched"])
+    if "error" in last:
+        text = str(last["error"])[:500]
+        if last.get("retry"):
+            raise HubUnreachable(f"instance {record.instance_id}: {text}")
+        raise ShareFetchError(f"instance {record.instance_id}: {text}")
+    with errors:
+        errors.seek(0)
+        why = errors.read().decode(errors="replace").strip().splitlines()[-1:] or ["?"]
+    raise SshFailed(
+        f"the share fetch on instance {record.instance_id} exited {proc.returncode}: {why[0][:300]}"
+    )
