@@ -32,8 +32,9 @@ from temporal.connect import TemporalSettings
 
 # Secrets a provider passes from its own environment into node environments: only those a
 # node uses. A node encrypts its payloads (MVP_PAYLOAD_KEY) and never downloads from the
-# hub (process spec 2.2: the provider's host fetches models), so HF_TOKEN stays with the
-# orchestrator worker, as do the provider's own credentials (VASTAI_API_KEY). They never
+# hub itself (its host fetches its share before it starts, DECISIONS 72), so HF_TOKEN stays
+# with the orchestrator worker (a Vast.ai instance's fetch gets it on stdin, for that one
+# process), as do the provider's own credentials (VASTAI_API_KEY). They never
 # travel in workflow or activity payloads (docs/architecture.md "Secrets"). The Temporal
 # API key (and TLS client key data, gRPC metadata) travels the same way, with the rest of
 # the connection settings: temporal_env below.

@@ -120,6 +120,7 @@ class Sent:
     sha256: str
     start: int
     count: int
+    client: str  # the address the request came from
 
 
 @dataclass
@@ -132,7 +133,8 @@ _RESOLVE = re.compile(r"/(?P<repo>[^/]+/[^/]+)/resolve/(?P<revision>[^/]+)/(?P<f
 
 
 class HubStandin:
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        """Both servers on ``host`` (loopback; a Docker network's gateway for containers)."""
         self.repos: dict[str, _Repo] = {}
         self.blobs: dict[str, Blob] = {}
         self.require_token: str | None = None
@@ -141,11 +143,11 @@ class HubStandin:
         self.requests: list[Seen] = []
         self.sent: list[Sent] = []
         self._lock = threading.Lock()
-        self._hub = ThreadingHTTPServer(("127.0.0.1", 0), self._handler("hub"))
-        self._cdn = ThreadingHTTPServer(("127.0.0.1", 0), self._handler("cdn"))
+        self._hub = ThreadingHTTPServer((host, 0), self._handler("hub"))
+        self._cdn = ThreadingHTTPServer((host, 0), self._handler("cdn"))
         self._hub.daemon_threads = self._cdn.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._hub.server_address[1]}"
-        self.cdn_url = f"http://127.0.0.1:{self._cdn.server_address[1]}"
+        self.url = f"http://{host}:{self._hub.server_address[1]}"
+        self.cdn_url = f"http://{host}:{self._cdn.server_address[1]}"
         self._threads = [
             threading.Thread(target=s.serve_forever, daemon=True) for s in (self._hub, self._cdn)
         ]
@@ -183,11 +185,15 @@ class HubStandin:
                 if r.server == server and (method is None or r.method == method)
             ]
 
-    def bytes_sent(self, content: bytes | Path | None = None) -> int:
-        """Content bytes served in all (of the file ``content`` only, where given)."""
+    def bytes_sent(self, content: bytes | Path | None = None, client: str | None = None) -> int:
+        """Content bytes served in all (of the file ``content``, to ``client``, where given)."""
         sha = None if content is None else make_blob(content).sha256
         with self._lock:
-            return sum(s.count for s in self.sent if sha is None or s.sha256 == sha)
+            return sum(
+                s.count
+                for s in self.sent
+                if (sha is None or s.sha256 == sha) and (client is None or s.client == client)
+            )
 
     def close(self) -> None:
         for server in (self._hub, self._cdn):
@@ -352,7 +358,7 @@ class HubStandin:
             return
         finally:
             with self._lock:
-                self.sent.append(Sent(blob.sha256, start, pos - start))
+                self.sent.append(Sent(blob.sha256, start, pos - start, h.client_address[0]))
         if end < stop:  # truncated: drop the connection mid-body
             h.close_connection = True
             h.connection.shutdown(socket.SHUT_RDWR)

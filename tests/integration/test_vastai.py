@@ -48,6 +48,7 @@ from temporal.client import RunHandle
 from temporal.connect import connect
 from temporal.devserver import DevServer, start_dev_server
 from tests.helpers.dockerd import Dockerd
+from tests.helpers.hub_standin import HubStandin
 from tests.helpers.secret_scan import scan
 from tests.helpers.vast_standin import RateLimit, VastStandin, default_offers, start_standin
 from tests.helpers.waits import eventually
@@ -149,8 +150,16 @@ def standin(dockerd: Dockerd) -> Iterator[VastStandin]:
 
 
 @pytest.fixture(scope="module")
+def hub(standin: VastStandin) -> Iterator[HubStandin]:
+    """A hub stand-in on the instances' network gateway: the worker and the instances
+    reach it at the same address, as both reach the real hub."""
+    with HubStandin(host=standin.public_ip) as h:
+        yield h
+
+
+@pytest.fixture(scope="module")
 async def vast_module(
-    standin: VastStandin, tmp_path_factory: pytest.TempPathFactory
+    standin: VastStandin, hub: HubStandin, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Vast]:
     root = tmp_path_factory.mktemp("vast")
     identity = root / "id_ed25519"
@@ -171,6 +180,9 @@ async def vast_module(
         "MVP_VASTAI_SSH_IDENTITY": str(identity),
         # A stop keeps destroying for 90 s by default; the reaper's test needs less.
         "MVP_VASTAI_DESTROY_DEADLINE_S": "8",
+        "HF_ENDPOINT": hub.url,
+        "MVP_MODELS_DIR": str(root / "models"),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
     }
     orchestrator = OrchestratorProcess(server.address, state, root, env)
     try:
@@ -371,6 +383,49 @@ async def test_two_stage_run_on_two_rented_instances_serves_the_process_text(vas
     )
     assert report.workflows >= 2 and report.log_files >= 2
     assert not report.findings, report.findings
+
+
+async def test_each_instance_fetches_its_own_share_from_the_hub(
+    vast: Vast, hub: HubStandin, tmp_path: Path
+):
+    """A hub model in 3 parts on 2 rented instances (issue 35): planning read the headers
+    only; each instance fetched its own stage's share from the hub itself (every byte of
+    it, once, to its own address), nothing went up from this host, and the text is the
+    local run's."""
+    from mvp_io.model_store import DEFAULT_BUNDLED, fetch_bundled
+    from scripts.gguf_split import split_gguf
+
+    parts = split_gguf(fetch_bundled(DEFAULT_BUNDLED), tmp_path / "smollm", 3)
+    for part in parts:
+        hub.add_file("acme/smollm-split-GGUF", part.name, part)
+    model = {"hf": {"repo": "acme/smollm-split-GGUF", "file": parts[0].name}}
+    reference = await vast.runs.start(3111, pipeline_stages=1, max_context=512)
+    await wait_phase(reference, RunPhase.PROMPT_READY)
+    expected = await greedy(vast.client, 3111)
+    await shutdown(reference)
+
+    seen = len(hub.sent)
+    handle = await vast.start(3112, pipeline_stages=2, max_context=512, model=model)
+    state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=READY_S)
+    assert state.plan is not None and state.plan.hub is not None
+    assert await greedy(vast.client, 3112) == expected
+    # The first bytes were planning's (this host's address), the rest each instance's.
+    planner = hub.sent[seen].client
+    by_client: dict[str, int] = {}
+    for sent in hub.sent[seen:]:
+        by_client[sent.client] = by_client.get(sent.client, 0) + sent.count
+    model_bytes = sum(p.stat().st_size for p in parts)
+    assert by_client.pop(planner) < 0.06 * model_bytes  # the headers
+    shares = sorted(sum(r.size for r in s.fetch) for s in state.plan.stages)
+    assert sorted(by_client.values()) == shares, (by_client, shares)
+    for node in state.nodes:
+        label = names.node_resource_name(3112, node.node_id, state.nonce)
+        assert "fetch" in phases(vast, label)
+    # Nothing of the model was uploaded from this host (the provider logs each upload).
+    log_text = "".join(p.read_text(errors="replace") for p in vast.logs())
+    assert "MB of model to instance" not in log_text
+    assert "of its share of acme/smollm-split-GGUF" in log_text
+    await shutdown(handle)
 
 
 async def test_an_instance_that_exits_is_destroyed_and_replaced_by_a_new_rental(vast: Vast):
