@@ -418,13 +418,15 @@ async def test_each_instance_fetches_its_own_share_from_the_hub(
     assert by_client.pop(planner) < 0.06 * model_bytes  # the headers
     shares = sorted(sum(r.size for r in s.fetch) for s in state.plan.stages)
     assert sorted(by_client.values()) == shares, (by_client, shares)
+    # Nothing of the model was uploaded from this host (the provider logs each upload).
+    log_text = "".join(p.read_text(errors="replace") for p in vast.logs())
     for node in state.nodes:
         label = names.node_resource_name(3112, node.node_id, state.nonce)
         assert "fetch" in phases(vast, label)
-    # Nothing of the model was uploaded from this host (the provider logs each upload).
-    log_text = "".join(p.read_text(errors="replace") for p in vast.logs())
-    assert "MB of model to instance" not in log_text
-    assert "of its share of acme/smollm-split-GGUF" in log_text
+        assert node.handle is not None
+        iid = node.handle.instance_id
+        assert not re.search(rf"MB of model to instance {iid}\b", log_text)
+        assert f"instance {iid} fetched " in log_text
     await shutdown(handle)
 
 
