@@ -65,6 +65,7 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-share-"))
     try:
+        (work / "src").mkdir()
         parts = split_gguf(args.model, work / "src" / args.model.stem, args.parts)
         size = sum(p.stat().st_size for p in parts)
         print(f"{args.model.name}: {size / 1e9:.2f} GB in {len(parts)} parts; {cpu_name()}")
