@@ -19,19 +19,24 @@ import argparse
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-from activities.gguf_facts import read_model
-from activities.planning import with_shares
-from mvp_core.models import HubModel
-from mvp_core.planner import build_plan
-from mvp_io.model_store import pin_hub_model
-from mvp_io.share_fetch import fetch_share
-from scripts.gguf_split import split_gguf
-from tests.helpers.hub_standin import HubStandin
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # run as a script: scripts/ and the packages importable
+    sys.path.insert(0, str(REPO_ROOT))
+
+from activities.gguf_facts import read_model  # noqa: E402
+from activities.planning import with_shares  # noqa: E402
+from mvp_core.models import HubModel  # noqa: E402
+from mvp_core.planner import build_plan  # noqa: E402
+from mvp_io.model_store import pin_hub_model  # noqa: E402
+from mvp_io.share_fetch import fetch_share  # noqa: E402
+from scripts.gguf_split import split_gguf  # noqa: E402
+from tests.helpers.hub_standin import HubStandin  # noqa: E402
 
 REPO = "bench/model-GGUF"
 
