@@ -17,7 +17,7 @@ from activities.provisioning import ProviderActivities
 from mvp_core import names
 from mvp_core.errors import ErrorType
 from mvp_core.gguf_header import GGUFHeader
-from mvp_core.memory_plan import host_shortfall
+from mvp_core.memory_plan import host_shortfall, kv_bytes_for
 from mvp_core.models import HubPin, PreparePlanInput, ProviderKind, RunPlan
 from mvp_core.planner import PlanningError, build_plan
 from mvp_core.stage_share import share_ranges
@@ -92,6 +92,7 @@ async def plan_run(inp: PreparePlanInput) -> RunPlan:
             layer_split=inp.layer_split,
             node_memory=inp.node_memory,
             slots=inp.max_active_prompts,
+            kv_bytes=kv_bytes_for(inp.precision.value),
         )
         committed = await in_thread(plan)  # a balanced split's search: up to about a second
         if inp.node_memory is None and inp.provider in _ONE_HOST:

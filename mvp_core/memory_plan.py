@@ -3,12 +3,13 @@
 Pure. A stage holds its layers' tensors at about their GGUF size (the engine keeps
 quantised weights quantised on CPU), the token embedding on the first stage (and on the
 last where the output head is tied to it), the output norm and head on the last; its KV
-cache (float32 today, ``KV_BYTES``) for ``max_seq_len`` positions of each of its
+cache (``kv_bytes`` an element: float16 at the engine's default precision, float32 at
+its "exact" and "float32" ones, ``kv_bytes_for``) for ``max_seq_len`` positions of each of its
 ``slots`` (the run's ``max_active_prompts``); scratch for a prompt's prefill; then a
 margin and the node process's own footprint:
 
     need = ceil((weights + kv + scratch) x (1 + MARGIN_PERCENT / 100)) + RUNTIME_BYTES
-    kv = layers x max_seq_len x slots x kv_elements x KV_BYTES
+    kv = layers x max_seq_len x slots x kv_elements x kv_bytes
     scratch = SCRATCH_ROWS x max_seq_len x hidden x 4
 
 (docs/contracts.md, "Planning by memory"). Given each node's memory, the planner gives
@@ -25,7 +26,16 @@ from itertools import accumulate
 
 from mvp_core.models import LayerRange, ModelBytes
 
-KV_BYTES = 4  # the engine's caches are float32 (workers/node/engine/session.py)
+KV_BYTES = 2  # the engine's caches: float16 at the default precision (engine/session.py)
+
+
+def kv_bytes_for(precision: str) -> int:
+    """Bytes of a KV cache element at ``precision``: float16 (2) at "default", where the
+    engine rounds keys and values to float16 as llama.cpp's cache does; float32 (4) at
+    "exact" and "float32" (workers/node/engine/session.kv_dtype)."""
+    return KV_BYTES if precision == "default" else 4
+
+
 SCRATCH_ROWS = 8  # hidden-sized float32 rows per position a prefill holds at once, bounded
 MARGIN_PERCENT = 10
 RUNTIME_BYTES = 512 << 20  # Python, torch and the kernel library of a node process
@@ -54,6 +64,7 @@ def _need(
     max_seq_len: int,
     slots: int,
     hidden: int,
+    kv_bytes: int = KV_BYTES,
 ) -> StageNeed:
     """The module's formula for a stage of ``n`` layers holding ``layer_bytes``."""
     weights = layer_bytes
@@ -61,7 +72,7 @@ def _need(
         weights += sizes.embedding
     if last:
         weights += sizes.output
-    kv = n * max_seq_len * max(1, slots) * sizes.kv_elements * KV_BYTES
+    kv = n * max_seq_len * max(1, slots) * sizes.kv_elements * kv_bytes
     return StageNeed(weights, kv, SCRATCH_ROWS * max_seq_len * hidden * 4)
 
 
@@ -74,18 +85,25 @@ def stage_need(
     max_seq_len: int,
     slots: int,
     hidden: int,
+    kv_bytes: int = KV_BYTES,
 ) -> StageNeed:
     """What a stage of ``layers`` needs (see the module's formula)."""
     layer_bytes = sum(sizes.layers[layers.start : layers.end])
     n = layers.end - layers.start
     return _need(
         sizes, layer_bytes, n, first=first, last=last, max_seq_len=max_seq_len, slots=slots,
-        hidden=hidden,
+        hidden=hidden, kv_bytes=kv_bytes,
     )  # fmt: skip
 
 
 def stage_needs(
-    sizes: ModelBytes, stage_count: int, *, max_seq_len: int, slots: int, hidden: int
+    sizes: ModelBytes,
+    stage_count: int,
+    *,
+    max_seq_len: int,
+    slots: int,
+    hidden: int,
+    kv_bytes: int = KV_BYTES,
 ) -> Callable[[int, int, int], int]:
     """need(stage, a, b): ``stage_need(...).total`` of stage ``stage`` of ``stage_count``
     holding layers [a, b), in constant time (the planner's searches call it often)."""
@@ -94,7 +112,7 @@ def stage_needs(
     def need(stage: int, a: int, b: int) -> int:
         return _need(
             sizes, prefix[b] - prefix[a], b - a, first=stage == 0, last=stage == stage_count - 1,
-            max_seq_len=max_seq_len, slots=slots, hidden=hidden,
+            max_seq_len=max_seq_len, slots=slots, hidden=hidden, kv_bytes=kv_bytes,
         ).total  # fmt: skip
 
     return need

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from mvp_core.memory_plan import closest_ranges, size_text, stage_needs
+from mvp_core.memory_plan import KV_BYTES, closest_ranges, size_text, stage_needs
 from mvp_core.models import (
     ActivationDtype,
     EdgeKind,
@@ -259,7 +259,7 @@ def _node_memory(node_memory: Sequence[int], stage_count: int) -> list[int]:
 
 
 def _stage_needs(
-    facts: ModelFacts, stage_count: int, max_seq_len: int, slots: int
+    facts: ModelFacts, stage_count: int, max_seq_len: int, slots: int, kv_bytes: int
 ) -> Callable[[int, int, int], int] | None:
     """need(stage, a, b): the bytes stage ``stage`` needs for layers [a, b) (memory_plan);
     None where the facts lack the model's sizes."""
@@ -267,7 +267,12 @@ def _stage_needs(
     if sizes is None or len(sizes.layers) != facts.block_count:
         return None
     return stage_needs(
-        sizes, stage_count, max_seq_len=max_seq_len, slots=slots, hidden=facts.embedding_length
+        sizes,
+        stage_count,
+        max_seq_len=max_seq_len,
+        slots=slots,
+        hidden=facts.embedding_length,
+        kv_bytes=kv_bytes,
     )
 
 
@@ -332,12 +337,14 @@ def build_plan(
     layer_split: LayerSplit = LayerSplit.EVEN,
     node_memory: Sequence[int] | None = None,
     slots: int = 1,
+    kv_bytes: int = KV_BYTES,
 ) -> RunPlan:
     """Commit the execution shape of a run from locally inspected model facts.
 
     ``node_memory``: each stage's node's memory in bytes (one value: every node's), to plan
     by (mvp_core.memory_plan): ranges that fit, of those the most even work; ``slots``: the
-    prompts a stage holds KV cache for at once (the run's max_active_prompts)."""
+    prompts a stage holds KV cache for at once (the run's max_active_prompts); ``kv_bytes``:
+    a KV cache element's size at the run's precision (memory_plan.kv_bytes_for)."""
     if facts.block_count <= 0:
         raise PlanningError(f"GGUF {model_path} declares {facts.block_count} layers")
     if facts.embedding_length <= 0:
@@ -356,7 +363,7 @@ def build_plan(
             )
         ranges = balanced_layer_ranges(facts.layer_work, facts.output_work, stage_count)
     max_seq_len = max_seq_len_for(facts, max_context)
-    need = _stage_needs(facts, stage_count, max_seq_len, slots)
+    need = _stage_needs(facts, stage_count, max_seq_len, slots, kv_bytes)
     memory: list[int] | None = None
     if node_memory is not None:
         memory = _node_memory(node_memory, stage_count)

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field
 
 from mvp_core.models._base import _Model
-from mvp_core.models.engine_settings import ActivationDtype
+from mvp_core.models.engine_settings import ActivationDtype, EnginePrecision
 from mvp_core.models.model_share import ModelShare
 from mvp_core.models.model_source import ModelSource
 from mvp_core.models.provider_settings import ProviderKind, VastAiSettings
@@ -108,6 +108,8 @@ class PreparePlanInput(_Model):
     pipeline_stages: int
     max_context: int | None
     activation_dtype: ActivationDtype = ActivationDtype.FLOAT32
+    # The engine's precision sets the KV cache's element size in the memory plan.
+    precision: EnginePrecision = EnginePrecision.DEFAULT
     layer_split: LayerSplit = LayerSplit.EVEN
     node_memory: list[int] | None = None
     max_active_prompts: int = 1

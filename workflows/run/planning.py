@@ -41,6 +41,7 @@ async def plan(ctx: RunContext, on_provider_queue: Callable[[], None]) -> None:
                     pipeline_stages=req.pipeline_stages,
                     max_context=req.max_context,
                     activation_dtype=req.activation_dtype,
+                    precision=req.engine.precision,
                     layer_split=req.layer_split,
                     node_memory=ctx.traits.node_memory(req),
                     max_active_prompts=req.max_active_prompts,

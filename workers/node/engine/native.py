@@ -389,12 +389,14 @@ def attention(
     scale: float = 1.0,
 ) -> torch.Tensor | None:
     """Attention of T queries ``q`` [T, nh, hd] at pos..pos+T-1 over the layer's caches
-    ``kc``/``vc`` [nkv, max_seq, hd] (float32 holding float16 values, positions up to
+    ``kc``/``vc`` [nkv, max_seq, hd] (float16, ggml's default cache type; positions up to
     pos+T-1 written), as ggml computes it (qmm.c mvk_attention; ``scale`` multiplies q.k
     as ggml's kq_scale): [T, nh * hd], or None where the native kernel is not built for
     this CPU or the tensors do not fit it."""
     lib = library()
-    if lib is None or kc.dtype != torch.float32 or not (kc.is_contiguous() and vc.is_contiguous()):
+    if lib is None or kc.dtype != torch.float16 or vc.dtype != torch.float16:
+        return None
+    if not (kc.is_contiguous() and vc.is_contiguous()):
         return None
     t, nh, hd = q.shape
     if hd % 16:
@@ -601,8 +603,9 @@ class Layers:
         segs = (Segment * len(segments))()
         row0, end = 0, 0
         for seg, (t, pos, kc, vc) in zip(segs, segments, strict=True):
-            if not (kc.is_contiguous() and vc.is_contiguous() and kc.dtype == torch.float32):
-                raise ValueError("native layers: caches must be contiguous float32")
+            f16 = kc.dtype == vc.dtype == torch.float16
+            if not (kc.is_contiguous() and vc.is_contiguous() and f16):
+                raise ValueError("native layers: caches must be contiguous float16")
             seg.row0, seg.t, seg.pos = row0, t, pos
             seg.kc, seg.vc, seg.max_seq = kc.data_ptr(), vc.data_ptr(), kc.shape[2]
             row0 += t
@@ -622,6 +625,10 @@ class Layers:
         """Run the layers on ``h`` [T, hidden] (float32, contiguous; updated in place) at
         pos..pos+T-1 with the session's caches [layers, nkv, max_seq, hd]; False where the
         kernel is not built for this CPU (nothing was changed then)."""
+        if not (
+            kc.dtype == vc.dtype == torch.float16 and kc.is_contiguous() and vc.is_contiguous()
+        ):
+            raise ValueError("native layers: caches must be contiguous float16")
         t = h.shape[0]
         self._ensure_tables(pos + t)
         rc = self.lib.mvk_layers(

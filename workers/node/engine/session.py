@@ -38,12 +38,19 @@ class SessionStage(Protocol):
     def torch_device(self) -> torch.device: ...
 
 
+def kv_dtype(attention_f16: bool) -> torch.dtype:
+    """The KV cache's element type: float16 (llama.cpp's default cache type, half of
+    float32's memory) where attention rounds keys and values to float16 anyway (the
+    default precision); float32 for the "exact" and "float32" precisions, which do not."""
+    return torch.float16 if attention_f16 else torch.float32
+
+
 def _kv_caches(
     stage: SessionStage, max_seq_len: int, *slots: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeroed float32 k and v caches [*slots, layers, n_kv_head, max_seq_len, head_dim] for
-    the stage's layers, ``max_seq_len`` checked against the model's context length; the
-    model's rope tables grown to it."""
+    """Zeroed k and v caches [*slots, layers, n_kv_head, max_seq_len, head_dim] for the
+    stage's layers (``kv_dtype``), ``max_seq_len`` checked against the model's context
+    length; the model's rope tables grown to it."""
     if max_seq_len <= 0:
         raise ValueError("max_seq_len must be positive")
     cfg = stage.cfg
@@ -54,8 +61,9 @@ def _kv_caches(
     n = stage.layer_end - stage.layer_start
     shape = (*slots, n, cfg.n_kv_head, max_seq_len, cfg.head_dim)
     dev = stage.torch_device
-    k = torch.zeros(shape, dtype=torch.float32, device=dev)
-    v = torch.zeros(shape, dtype=torch.float32, device=dev)
+    dtype = kv_dtype(stage.model.attention_f16)
+    k = torch.zeros(shape, dtype=dtype, device=dev)
+    v = torch.zeros(shape, dtype=dtype, device=dev)
     stage.model.ensure_positions(max_seq_len)
     return k, v
 

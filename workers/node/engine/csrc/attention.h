@@ -12,19 +12,19 @@
  * reduction); a prompt's (several query rows) are llamafile's tinyBLAS f16 GEMM's (one
  * 16-lane accumulator per output). exp is the same polynomial as ggml_v_expf (AVX-512),
  * written out here; the softmax sums 16-element partial sums in double as ggml does. */
-static inline float dot64(const float *x, const float *y, int64_t n) {
+static inline float dot64(const h16 *x, const float *y, int64_t n) {
     const int64_t np = n & ~(int64_t)63; /* ggml_vec_dot_f16: whole steps of 64 in SIMD */
     v16 s[4] = {v_zero(), v_zero(), v_zero(), v_zero()};
     for (int64_t i = 0; i < np; i += 64)
         for (int j = 0; j < 4; j++)
-            s[j] = v_fmadd(v_load(x + i + 16 * j), v_load(y + i + 16 * j), s[j]);
+            s[j] = v_fmadd(v_load_h(x + i + 16 * j), v_load(y + i + 16 * j), s[j]);
     s[0] = v_add(s[0], s[2]);
     s[1] = v_add(s[1], s[3]);
     s[0] = v_add(s[0], s[1]);
     const float r = v_sum(s[0]);
     if (np == n) return r;
     double acc = r; /* the leftovers (a head dim of 96: 32), float products summed in double */
-    for (int64_t i = np; i < n; i++) acc += (double)(x[i] * y[i]);
+    for (int64_t i = np; i < n; i++) acc += (double)((float)x[i] * y[i]);
     return (float)acc;
 }
 
@@ -34,20 +34,26 @@ static inline float dot16(const float *x, const float *y, int64_t n) {
     return v_sum(s);
 }
 
+static inline float dot16h(const h16 *x, const float *y, int64_t n) { /* dot16, x cached */
+    v16 s = v_zero();
+    for (int64_t i = 0; i < n; i += 16) s = v_fmadd(v_load_h(x + i), v_load(y + i), s);
+    return v_sum(s);
+}
+
 /* o[d] = dot64(v[.][d], w) for every d at once: v rows [n][hd] as the cache holds them,
  * the 64 partial sums per d (position s into slot s % 64, in order) kept as vectors over
  * d, then reduced in dot64's tree (its 4 accumulators, then _mm512_reduce_add_ps's
  * pairing of 16 lanes). part: 64 * hd floats. hd a multiple of 16. */
-static void kqv_dot64(const float *v, const float *w, int64_t n, int64_t hd, float *part,
+static void kqv_dot64(const h16 *v, const float *w, int64_t n, int64_t hd, float *part,
                       float *o) {
     const int64_t used = n < 64 ? n : 64; /* slots past n stay zero: not stored */
     memset(part, 0, sizeof(float) * (size_t)(used * hd));
     for (int64_t s = 0; s < n; s++) {
         const v16 ws = v_set1(w[s]);
         float *p = part + (s % 64) * hd;
-        const float *vr = v + s * hd;
+        const h16 *vr = v + s * hd;
         for (int64_t d = 0; d < hd; d += 16)
-            v_store(p + d, v_fmadd(v_load(vr + d), ws, v_load(p + d)));
+            v_store(p + d, v_fmadd(v_load_h(vr + d), ws, v_load(p + d)));
     }
 #define P(slot) ((slot) < used ? v_load(part + (slot) * hd + d) : v_zero())
     for (int64_t d = 0; d < hd; d += 16) {
@@ -77,12 +83,14 @@ static inline v16 exp16(v16 x) {
 }
 
 /* q [t][nh][hd] (rounded to float16 here), k/v caches [kv_heads][max_seq][hd] holding
- * float16 values, positions pos..pos+t-1 (each query sees keys 0..its position, and with
+ * float16 values (h16), positions pos..pos+t-1 (each query sees keys 0..its position, and with
  * window > 0 only the last `window` of them); scale multiplies kq (ggml's kq_scale).
  * out [t][nh * hd]. scratch: (3 * npad + hd * npad + hd) floats, npad = (pos+t) rounded
  * up to 64. Returns -1 without a scratch buffer. */
 typedef struct {
-    const float *q, *kc, *vc, *vt;
+    const float *q;
+    const h16 *kc, *vc;
+    const float *vt;
     int64_t t, nh, hd, kv_heads, max_seq, pos, window, npad, group;
     float scale;
     float *out;
@@ -93,7 +101,7 @@ typedef struct {
 static void attn_rows(const attn_ctx *c, int64_t g, int64_t r, float *row, float *w, float *qh,
                       float *part) {
     const int64_t t = c->t, hd = c->hd, npad = c->npad, n = c->pos + t, qp = c->pos + r;
-    const float *kg = c->kc + g * c->max_seq * hd, *vg = c->vc + g * c->max_seq * hd;
+    const h16 *kg = c->kc + g * c->max_seq * hd, *vg = c->vc + g * c->max_seq * hd;
     for (int64_t h = g * c->group; h < (g + 1) * c->group; h++) {
         const float *qr = c->q + (r * c->nh + h) * hd;
         for (int64_t i = 0; i < hd; i++) qh[i] = (float)(_Float16)qr[i];
@@ -103,7 +111,7 @@ static void attn_rows(const attn_ctx *c, int64_t g, int64_t r, float *row, float
                 row[s] = -INFINITY;
                 continue;
             }
-            float v = t == 1 ? dot64(kg + s * hd, qh, hd) : dot16(kg + s * hd, qh, hd);
+            float v = t == 1 ? dot64(kg + s * hd, qh, hd) : dot16h(kg + s * hd, qh, hd);
             row[s] = v * c->scale;
         }
         float mx = -INFINITY;
@@ -145,12 +153,12 @@ static void attn_task(const void *ctx, int64_t i) {
 }
 
 /* q [t][nh][hd] (rounded to float16 here), k/v caches [kv_heads][max_seq][hd] holding
- * float16 values, positions pos..pos+t-1 (each query sees keys 0..its position, and with
+ * float16 values (h16), positions pos..pos+t-1 (each query sees keys 0..its position, and with
  * window > 0 only the last `window` of them); scale multiplies kq (ggml's kq_scale).
  * out [t][nh * hd]. scratch: MVK_ATTN_SCRATCH floats. A prompt's rows are shared out
  * over the pool. */
-int mvk_attention(const float *q, int64_t t, int64_t nh, int64_t hd, const float *kc,
-                  const float *vc, int64_t kv_heads, int64_t max_seq, int64_t pos,
+int mvk_attention(const float *q, int64_t t, int64_t nh, int64_t hd, const h16 *kc,
+                  const h16 *vc, int64_t kv_heads, int64_t max_seq, int64_t pos,
                   int64_t window, float scale, float *out, float *scratch) {
     const int64_t n = pos + t, npad = (n + 63) / 64 * 64;
     attn_ctx c = {q, kc, vc, NULL, t, nh, hd, kv_heads, max_seq, pos, window, npad,
@@ -162,10 +170,10 @@ int mvk_attention(const float *q, int64_t t, int64_t nh, int64_t hd, const float
     }
     float *vt = scratch; /* v transposed, zero past n (as ggml's cache) */
     for (int64_t g = 0; g < kv_heads; g++) {
-        const float *vg = vc + g * max_seq * hd;
+        const h16 *vg = vc + g * max_seq * hd;
         for (int64_t d = 0; d < hd; d++) {
             float *o = vt + (g * hd + d) * npad;
-            for (int64_t s = 0; s < n; s++) o[s] = vg[s * hd + d];
+            for (int64_t s = 0; s < n; s++) o[s] = (float)vg[s * hd + d];
             for (int64_t s = n; s < npad; s++) o[s] = 0.0f;
         }
     }

@@ -38,7 +38,7 @@ typedef struct {
  * positions pos..pos+t-1, with its own caches [layers][nkv][max_seq][hd]. */
 typedef struct {
     int64_t row0, t, pos;
-    float *kc, *vc;
+    h16 *kc, *vc; /* float16, as ggml's default cache */
     int64_t max_seq;
 } mvk_seg;
 
@@ -123,7 +123,7 @@ int mvk_layers_batch(const mvk_dims *d, const mvk_layer *layers, int64_t n_layer
         for (int64_t s = 0; s < n_segs; s++) {
             const mvk_seg *S = segs + s;
             const int64_t pos = S->pos, ms = S->max_seq;
-            float *kci = S->kc + i * nkv * ms * hd, *vci = S->vc + i * nkv * ms * hd;
+            h16 *kci = S->kc + i * nkv * ms * hd, *vci = S->vc + i * nkv * ms * hd;
             (L->neox ? mvk_rope_neox : mvk_rope_norm)(qk + S->row0 * (qd + kvd), S->t, nh + nkv, hd,
                                                        L->cos + pos * (hd / 2),
                                                        L->sin + pos * (hd / 2));
@@ -132,8 +132,8 @@ int mvk_layers_batch(const mvk_dims *d, const mvk_layer *layers, int64_t n_layer
                 const int64_t p = pos + r - S->row0;
                 for (int64_t g = 0; g < nkv; g++)
                     for (int64_t e = 0; e < hd; e++) {
-                        kci[(g * ms + p) * hd + e] = f16r(kr[g * hd + e]);
-                        vci[(g * ms + p) * hd + e] = f16r(vr[g * hd + e]);
+                        kci[(g * ms + p) * hd + e] = (h16)kr[g * hd + e];
+                        vci[(g * ms + p) * hd + e] = (h16)vr[g * hd + e];
                     }
                 memcpy(q + r * qd, qk + r * (qd + kvd), sizeof(float) * (size_t)qd);
                 if (L->q_scale != 0.0f)
@@ -183,7 +183,7 @@ int mvk_layers_batch(const mvk_dims *d, const mvk_layer *layers, int64_t n_layer
 
 /* One sequence: mvk_layers_batch with a single segment. */
 int mvk_layers(const mvk_dims *d, const mvk_layer *layers, int64_t n_layers, float *h,
-               int64_t t, int64_t pos, float *kc, float *vc, int64_t max_seq) {
+               int64_t t, int64_t pos, h16 *kc, h16 *vc, int64_t max_seq) {
     const mvk_seg seg = {0, t, pos, kc, vc, max_seq};
     return mvk_layers_batch(d, layers, n_layers, h, t, &seg, 1);
 }

@@ -5,11 +5,18 @@
  * in plain C doing the same IEEE operation lane by lane (fmaf where the vector code
  * fuses, _mm512_reduce_add_ps's pairing tree, scalef as ldexpf), so both builds give the
  * same bits and the plain build runs the default path on any x86-64 CPU. */
+/* The KV cache's element: float16, as ggml's default cache type (a value converts to and
+ * from float exactly). */
+typedef _Float16 h16;
+
 #ifdef MVK_AVX512
 typedef __m512 v16;
 static inline v16 v_zero(void) { return _mm512_setzero_ps(); }
 static inline v16 v_set1(float x) { return _mm512_set1_ps(x); }
 static inline v16 v_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline v16 v_load_h(const h16 *p) { /* 16 float16 values, exactly as floats */
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
 static inline void v_store(float *p, v16 v) { _mm512_storeu_ps(p, v); }
 static inline v16 v_fmadd(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
 static inline v16 v_fnmadd(v16 a, v16 b, v16 c) { return _mm512_fnmadd_ps(a, b, c); }
@@ -40,6 +47,7 @@ typedef struct {
 static inline v16 v_zero(void) { V_EACH(0.0f); }
 static inline v16 v_set1(float x) { V_EACH(x); }
 static inline v16 v_load(const float *p) { V_EACH(p[l]); }
+static inline v16 v_load_h(const h16 *p) { V_EACH((float)p[l]); }
 static inline void v_store(float *p, v16 v) { memcpy(p, v.f, sizeof v.f); }
 static inline v16 v_fmadd(v16 a, v16 b, v16 c) { V_EACH(fmaf(a.f[l], b.f[l], c.f[l])); }
 static inline v16 v_fnmadd(v16 a, v16 b, v16 c) { V_EACH(fmaf(-a.f[l], b.f[l], c.f[l])); }

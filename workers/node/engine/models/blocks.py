@@ -160,7 +160,7 @@ def attend(
     nh = heads - nkv
     group, end = nh // nkv, pos + t
     k_new, v_new = qk[:, nh:].transpose(0, 1), v.view(t, nkv, hd).transpose(0, 1)
-    if f16:  # the cache holds float16 values
+    if f16:  # float16 values (the cache itself is float16 then: session.kv_dtype)
         k_new, v_new = k_new.half(), v_new.half()
     kc[:, pos:end] = k_new
     vc[:, pos:end] = v_new
@@ -175,7 +175,7 @@ def attend(
         qg = qk[:, :nh].reshape(t, nkv, group, hd).permute(1, 2, 0, 3).reshape(nkv, -1, hd)
     if f16:
         qg = qg.half().float()
-    scores = torch.bmm(qg, kc[:, start:end].transpose(1, 2))
+    scores = torch.bmm(qg, kc[:, start:end].float().transpose(1, 2))
     if kq_scale != 1.0:
         scores = scores * kq_scale
     if mask is not None:
@@ -183,7 +183,7 @@ def attend(
     probs = torch.softmax(scores, dim=-1)
     if f16:
         probs = probs.half().float()
-    attn = torch.bmm(probs, vc[:, start:end])
+    attn = torch.bmm(probs, vc[:, start:end].float())
     if t > 1:
         attn = attn.view(nkv, group, t, hd).permute(2, 0, 1, 3)
     return attn.reshape(t, nh * hd)
