@@ -455,3 +455,27 @@ def test_a_split_part_the_hub_lacks_or_a_later_part_named_is_refused(
         resolve_model(ModelSource(hf=HubModel(repo=repo, file=split_parts[0].name)))
     with pytest.raises(ModelSourceError, match="is part 2 of 3 of a split model: name its first"):
         resolve_model(ModelSource(hf=HubModel(repo=repo, file=split_parts[1].name)))
+
+
+async def test_the_host_leaves_a_hub_model_to_rented_nodes(hub: HubStandin, tmp_path: Path):
+    """A Vast.ai run of a hub model: its instances fetch their shares from the hub
+    (DECISIONS 72), so the host downloads nothing before the run."""
+    from mvp_core.models import ProviderKind
+
+    cfg = HostConfig.model_validate(
+        {
+            "gguf_source": HubGguf(repo=REPO, file=FILE),
+            "provider": ProviderKind.VASTAI,
+            "vastai": {
+                "api_key": "vast-key",
+                "ssh_identity": tmp_path / "id",
+                "run": {"image": "mvp-node:test", "bootstrap_command": "true"},
+            },
+        }
+    )
+    stream = Stream()
+    h = host_main.Host(cfg, stream, "unix:/nowhere")  # type: ignore[arg-type]
+    h.server = object()  # type: ignore[assignment]
+    assert await h._fetch_model() is True
+    assert stream.records == [] and hub.requests == []
+    assert cache_files(tmp_path / "models") == []

@@ -47,7 +47,7 @@ from mvp_core.host_config import (
     vast_worker_env,
 )
 from mvp_core.host_observe import observe
-from mvp_core.models import RunPhase, ShutdownReason
+from mvp_core.models import ProviderKind, RunPhase, ShutdownReason
 from mvp_core.run_state import RunState
 from mvp_io.datastream import Datastream, LogTailer
 from mvp_io.model_store import HubUnreachableError, ModelSourceError
@@ -254,6 +254,10 @@ class Host:
             raise HostError(str(err)) from None
         download = model_download(request.model)
         if download is None:
+            return True
+        if request.model.hf is not None and request.provider is ProviderKind.VASTAI:
+            # Rented nodes fetch their own shares from the hub (DECISIONS 72): a download
+            # here would only be uploaded to them whole.
             return True
         what, origin, fetch = download
         progress = FetchProgress(self.stream, what, origin, self.stop)
