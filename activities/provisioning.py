@@ -103,9 +103,19 @@ class ProviderActivities:
         with datastream_bus.run_context(spec.run_id, spec.node_id, spec.provider.value):
             try:
                 provider = self._provider(spec.provider)
+                fetched: int | None = None
                 if spec.model_share is not None and spec.provider in _FETCH_HERE:
-                    await in_thread(fetch_node_share, spec)
+                    fetched = await in_thread(fetch_node_share, spec)
                 handle = await in_thread(provider.start, spec)
+                if spec.model_share is not None:
+                    handle = handle.model_copy(
+                        update={
+                            "share_bytes": spec.model_share.size,
+                            "share_fetched": fetched
+                            if fetched is not None
+                            else handle.share_fetched,
+                        }
+                    )
                 # Test harness only (MVP_FAULT_START_DELAY_S): the node launched, its start
                 # still in flight this long (heartbeating).
                 delay = harness_faults(spec.run_id).get("MVP_FAULT_START_DELAY_S")

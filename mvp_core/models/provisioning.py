@@ -61,6 +61,14 @@ class NodeHandle(_Model):
     address: str | None = Field(default=None, description="The node's own network address")
     instance_id: int | None = Field(default=None, description="Vast.ai instance (contract) id")
     machine_id: int | None = Field(default=None, description="Vast.ai: the instance's machine")
+    share_bytes: int | None = Field(
+        default=None, ge=0, description="A hub model: the bytes of the node's share (its stage's)"
+    )
+    share_fetched: int | None = Field(
+        default=None,
+        ge=0,
+        description="Of those, what its host fetched for this start (the rest was in its cache)",
+    )
 
 
 class ProviderResource(_Model):

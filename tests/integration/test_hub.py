@@ -143,4 +143,11 @@ async def test_a_split_hub_model_is_fetched_by_shares_and_a_replacement_keeps_th
     assert state.recoveries_done == 1 and len(state.replaced_nodes) == 1
     sent = {p.name: hub.bytes_sent(p) - before[p.name] for p in parts}
     assert sent == {p.name: p.stat().st_size for p in parts}
+    # The snapshot shows each node's share; the replacement's host had it all cached.
+    shares = {s.stage_index: sum(r.size for r in s.fetch) for s in state.plan.stages}
+    for node in state.nodes:
+        assert node.handle is not None
+        assert node.handle.share_bytes == shares[node.stage_index]
+    replacement = next(n for n in state.nodes if n.stage_index == 1)
+    assert replacement.handle is not None and replacement.handle.share_fetched == 0
     await run.shutdown_and_wait(ShutdownReason.OPERATOR_REQUESTED)

@@ -424,6 +424,8 @@ async def test_each_instance_fetches_its_own_share_from_the_hub(
         label = names.node_resource_name(3112, node.node_id, state.nonce)
         assert "fetch" in phases(vast, label)
         assert node.handle is not None
+        fetch = state.plan.stages[node.stage_index].fetch
+        assert node.handle.share_bytes == node.handle.share_fetched == sum(r.size for r in fetch)
         iid = node.handle.instance_id
         assert not re.search(rf"MB of model to instance {iid}\b", log_text)
         assert f"instance {iid} fetched " in log_text

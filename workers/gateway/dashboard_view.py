@@ -67,6 +67,8 @@ class StageView(BaseModel):
     host: str | None = None
     provider: str | None = None
     pid: int | None = None
+    share_mb: float | None = None  # a hub model: the node's share, and what its host fetched
+    fetched_mb: float | None = None
     state: StageState
     log: LogTail | None = None
 
@@ -244,6 +246,10 @@ def prompt_view(prompt: FinishedPrompt, figs: PromptFigures | None) -> PromptVie
     )
 
 
+def _mb(n: int | None) -> float | None:
+    return None if n is None else round(n / 1e6, 1)
+
+
 def stage_views(state: RunState, logs: Mapping[int, LogTail]) -> list[StageView]:
     """One row per planned stage (before the plan: per node the run knows)."""
     by_stage = {n.stage_index: n for n in state.nodes}
@@ -266,6 +272,8 @@ def stage_views(state: RunState, logs: Mapping[int, LogTail]) -> list[StageView]
                 host=handle.host if handle is not None else None,
                 provider=handle.provider.value if handle is not None else None,
                 pid=handle.pid if handle is not None else None,
+                share_mb=_mb(handle.share_bytes) if handle is not None else None,
+                fetched_mb=_mb(handle.share_fetched) if handle is not None else None,
                 state=stage_state(node),
                 log=logs.get(node_id),
             )

@@ -142,10 +142,11 @@ class VastAiProvider:
                 record = None
         try:
             share = spec.model_share
-            fetched = set(share.paths) if share is not None else set()
-            upload_models(record, [m for m in spec.mounts if m not in fetched], phases)
+            on_instance = set(share.paths) if share is not None else set()
+            upload_models(record, [m for m in spec.mounts if m not in on_instance], phases)
+            fetched: int | None = None
             if share is not None:  # the instance fetches its own share from the hub
-                fetch_share_remote(record, share, hub_token(), phases)
+                fetched = fetch_share_remote(record, share, hub_token(), phases)
             temporal = temporal_for(record)
             bootstrap(record, spec, settings, row, temporal, phases)
         except SshFailed as err:
@@ -168,6 +169,7 @@ class VastAiProvider:
             address=record.public_ip,
             instance_id=record.instance_id,
             machine_id=record.machine_id,
+            share_fetched=fetched,
         )
 
     # ------------------------------------------------------------------ life and end
