@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from . import native
 from .native import Weights
-from .quants import AFFINE_BITS, KScales
+from .quants import AFFINE_BITS, KScales, dequantize
 
 GROUP = 32
 _BLOCK_N = 64
@@ -131,6 +131,73 @@ class DenseLinear(Linear):
     def nbytes(self) -> int:
         b = 0 if self.bias is None else self.bias.nbytes
         return self.weight.nbytes + b
+
+
+@dataclass(frozen=True)
+class QuantPart:
+    """One GGUF matrix of a QuantLinear as the file holds it: ``raw`` its bytes on the
+    device, ``rows`` x the linear's inputs; ``perm`` reorders its rows (on the device) and
+    ``row_scale`` multiplies them, as a loader ``Part`` asks."""
+
+    raw: torch.Tensor
+    ggml_type: int
+    rows: int
+    perm: torch.Tensor | None = None
+    row_scale: float = 1.0
+
+
+class QuantLinear(Linear):
+    """Weights kept in their GGUF bytes on the device, dequantised ``chunk_rows`` rows at a
+    time into a bounded scratch for each product (issue 35: a stage's device memory is
+    about its GGUF bytes, not a float16 copy of every matrix). The products run in
+    ``dtype`` (float16 on CUDA, whose tensor cores take it; float32 elsewhere) and come
+    out float32. Slower than a resident float16 matrix: each call dequantises again."""
+
+    def __init__(
+        self,
+        parts: list[QuantPart],
+        in_features: int,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        chunk_rows: int,
+    ) -> None:
+        self.parts = parts
+        self.in_features = in_features
+        self.out_features = sum(p.rows for p in parts)
+        self.bias = bias
+        self.dtype = dtype
+        self.chunk_rows = max(1, chunk_rows)
+
+    def __call__(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
+        k = self.in_features
+        xd = x.to(self.dtype)
+        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        row0 = 0
+        for part in self.parts:
+            row_bytes = part.raw.numel() // part.rows
+            out = (
+                y[:, row0 : row0 + part.rows]
+                if part.perm is None
+                else torch.empty_like(y[:, row0 : row0 + part.rows])
+            )
+            for r in range(0, part.rows, self.chunk_rows):
+                n = min(self.chunk_rows, part.rows - r)
+                raw = part.raw[r * row_bytes : (r + n) * row_bytes]
+                w = dequantize(raw, part.ggml_type, (n, k))
+                if part.row_scale != 1.0:
+                    w = w * part.row_scale
+                out[:, r : r + n] = torch.mm(xd, w.to(self.dtype).t()).float()
+            if part.perm is not None:
+                y[:, row0 : row0 + part.rows] = out[:, part.perm]
+            row0 += part.rows
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y if add_to is None else y.add_(add_to)
+
+    @property
+    def nbytes(self) -> int:
+        b = 0 if self.bias is None else self.bias.nbytes
+        return sum(p.raw.nbytes for p in self.parts) + b
 
 
 class Int4Linear(Linear):

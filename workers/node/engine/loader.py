@@ -26,6 +26,8 @@ from .kernels import (
     Linear,
     NativeLinear,
     NativePart,
+    QuantLinear,
+    QuantPart,
     int4_codes,
     int4_compatible,
     int4_rows,
@@ -73,6 +75,15 @@ CORRECT_ZEROS = False
 # and the head's float32 refinement of its best logits (model.REFINE_TOP) only (334).
 CORRECT_SCALES = True
 PRECISIONS = ("default", "exact", "float32")
+# On CUDA the default precision keeps quantised matrices in their GGUF bytes on the device
+# and dequantises QUANT_CHUNK_ROWS rows at a time for each product (kernels.QuantLinear):
+# device memory about the file's bytes instead of a float16 copy (3x a Q4_K_M's). The
+# chunk bounds the scratch: 1024 rows of 14336 inputs are 59 MB of float32. Off: float16
+# copies (DenseLinear), faster per token and 3-4x the memory. DEVICE_QUANT_ON_CPU runs the
+# same path on the CPU (the tests: no GPU here).
+DEVICE_QUANT = True
+DEVICE_QUANT_ON_CPU = False
+QUANT_CHUNK_ROWS = 1024
 # Formats the native kernel runs: (code bits, fixed zero code or None for a min per group,
 # llama.cpp's activation quantisation for it, whether its scales are float16 values).
 _NATIVE: dict[int, tuple[int, int | None, int, bool]] = {
@@ -162,6 +173,8 @@ class WeightBuilder:
         )
         if use_int4:
             lin: Linear = self._int4(parts, list(shapes), max(_bits(t) for t in types), bias)
+        elif self._keeps_quantised(list(types)):
+            lin = self._quant(parts, list(shapes), bias)
         else:
             lin = self._dense(parts, list(shapes), bias)
         plain = (
@@ -296,6 +309,25 @@ class WeightBuilder:
         sz = sz_rows[0] if len(sz_rows) == 1 else torch.cat(sz_rows, dim=1)
         res_sz = torch.cat(res_rows, dim=1).contiguous() if res_rows else None
         return Int4Linear(packed, sz.contiguous(), n_total, k, split, extra, bias, exact, res_sz)
+
+    def _keeps_quantised(self, types: list[int]) -> bool:
+        """Whether the weights stay in their GGUF bytes (QuantLinear): on CUDA at the
+        default precision (DEVICE_QUANT), for quantised formats; float formats stay dense."""
+        quantised = all(t in AFFINE_BITS or t == Q6_K for t in types)
+        on = self.device.type == "cuda" or DEVICE_QUANT_ON_CPU
+        return DEVICE_QUANT and on and self.precision == "default" and quantised
+
+    def _quant(
+        self, parts: list[Part], shapes: list[tuple[int, ...]], bias: torch.Tensor | None
+    ) -> QuantLinear:
+        pieces = []
+        for part, shape in zip(parts, shapes, strict=True):
+            raw = self.raw(part.name).to(self.device)  # the file's bytes, copied once
+            perm = None if part.perm is None else part.perm.to(self.device)
+            t = self.f.tensors[part.name].ggml_type
+            pieces.append(QuantPart(raw, t, shape[0], perm, part.row_scale))
+        dtype = torch.float16 if self.device.type == "cuda" else torch.float32
+        return QuantLinear(pieces, shapes[0][1], bias, dtype, QUANT_CHUNK_ROWS)
 
     def _dense(
         self, parts: list[Part], shapes: list[tuple[int, ...]], bias: torch.Tensor | None

@@ -79,7 +79,7 @@ def _q5_codes(b: torch.Tensor, at: int) -> torch.Tensor:
     element j has the low nibble of qs[j] and bit j of qh, element j + 16 the high nibble
     and bit j + 16."""
     qh = b[:, at : at + 4].contiguous().view(torch.int32)  # little-endian, as ggml reads it
-    bits = ((qh >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8) << 4
+    bits = ((qh >> torch.arange(32, dtype=torch.int32, device=b.device)) & 1).to(torch.uint8) << 4
     return _nibbles_q4(b[:, at + 4 : at + 20]) | bits
 
 
@@ -112,7 +112,7 @@ def _affine_blocks(
             qh = b[:, 16:48].view(nb, 1, 32)
             ql = b[:, 48:176].view(nb, 4, 1, 32)
             low = torch.cat([ql & 15, ql >> 4], dim=2).reshape(nb, 8, 32)
-            shifts = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
+            shifts = torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)
             q = (low | (((qh >> shifts) & 1) << 4)).reshape(nb, 256)
         return q, d * sc, -(dmin * mn)
     raise GGUFError(f"ggml type {ggml_type} has no 32-wide affine form")
@@ -140,7 +140,7 @@ def _q6_k_blocks(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sc = b[:, 192:208].view(torch.int8).float()
     d = _f16(b, 208)
     nib = torch.cat([ql & 15, ql >> 4], dim=2)  # [nb, half, quarter, 32]
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
     q = nib | (((qh >> shifts) & 3) << 4)
     return q.reshape(nb, 256), d * sc
 
