@@ -55,6 +55,13 @@ class ProviderTraits:
         """Each node's memory limit where the provider sets one (Docker's --memory)."""
         return request.docker.memory if self.takes_gpus else None
 
+    def stage_memory(self, request: RunRequest, need: int | None) -> int | None:
+        """The memory limit of the container of a stage that needs ``need`` bytes: the
+        run's one limit, or with docker.memory_per_stage the stage's own need."""
+        if self.takes_gpus and request.docker.memory_per_stage and need is not None:
+            return need
+        return self.memory(request)
+
     def node_memory(self, request: RunRequest) -> list[int] | None:
         """The memory to plan by: the request's node_memory, else the provider's limit."""
         if request.node_memory is not None:

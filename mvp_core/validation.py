@@ -136,11 +136,22 @@ def _validate_provider_settings(request: RunRequest) -> None:
         raise RunRejectedError(
             f"docker.gpus is a docker provider setting; provider is {request.provider.value!r}"
         )
-    for key, value in (("cpus", request.docker.cpus), ("memory", request.docker.memory)):
+    per_stage = request.docker.memory_per_stage or None
+    for key, value in (
+        ("cpus", request.docker.cpus),
+        ("memory", request.docker.memory),
+        ("memory_per_stage", per_stage),
+    ):
         if value is not None and request.provider is not ProviderKind.DOCKER:
             raise RunRejectedError(
                 f"docker.{key} is a docker provider setting; provider is {request.provider.value!r}"
             )
+
+    if per_stage and request.docker.memory is not None:
+        raise RunRejectedError(
+            "docker.memory and docker.memory_per_stage: choose one (one limit for every "
+            "container, or each its own stage's planned need)"
+        )
 
 
 def _validate_node_env_key(key: str) -> None:

@@ -50,6 +50,15 @@ class DockerSettings(_Model):
             "not given: each stage must fit its container (docs/contracts.md)"
         ),
     )
+    memory_per_stage: bool = Field(
+        default=False,
+        description=(
+            "Limit each node container to its own stage's planned memory need (the plan's "
+            "memory_need: weights of its share, KV cache, scratch, margin) instead of one "
+            "value for all (memory): a node that holds more than its share is stopped by "
+            "the kernel, nothing else on the host is. Not with memory"
+        ),
+    )
 
 
 class VastAiSettings(_Model):

@@ -176,3 +176,19 @@ def test_the_plan_uses_the_requests_node_memory_else_the_docker_containers_limit
     assert docker.node_memory(RunRequest(provider=ProviderKind.DOCKER)) is None
     process = TRAITS[ProviderKind.PROCESS]
     assert process.node_memory(RunRequest()) is None and process.memory(limited) is None
+
+
+def test_a_container_per_stage_is_limited_to_its_own_stages_need() -> None:
+    from mvp_core.models import DockerSettings, ProviderKind, RunRequest
+    from mvp_core.providers import TRAITS
+
+    docker = TRAITS[ProviderKind.DOCKER]
+    per_stage = RunRequest(
+        provider=ProviderKind.DOCKER, docker=DockerSettings(memory_per_stage=True)
+    )
+    assert docker.node_memory(per_stage) is None  # planned as without a limit
+    assert docker.stage_memory(per_stage, 700 << 20) == 700 << 20
+    assert docker.stage_memory(per_stage, None) is None  # no sizes in the header: no limit
+    one = RunRequest(provider=ProviderKind.DOCKER, docker=DockerSettings(memory=2 * GIB))
+    assert docker.stage_memory(one, 700 << 20) == 2 * GIB
+    assert TRAITS[ProviderKind.PROCESS].stage_memory(per_stage, 700 << 20) is None

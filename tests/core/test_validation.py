@@ -118,6 +118,17 @@ def test_missing_run_id_is_rejected():
             {"docker": DockerSettings(memory=1 << 30)},
             "docker.memory is a docker provider setting",
         ),
+        (
+            {"docker": DockerSettings(memory_per_stage=True)},
+            "docker.memory_per_stage is a docker provider setting",
+        ),
+        (
+            {
+                "provider": ProviderKind.DOCKER,
+                "docker": DockerSettings(memory=1 << 30, memory_per_stage=True),
+            },
+            "docker.memory and docker.memory_per_stage: choose one",
+        ),
         ({"node_env": {"HF_TOKEN": "x"}}, "looks like a secret"),
         ({"node_env": {"MVP_FAULT_MUTE": "1"}}, "test-only fault injection"),
         ({"node_env": {"mvp_fault_text_delay_ms": "5"}}, "test-only fault injection"),

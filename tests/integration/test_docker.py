@@ -153,16 +153,23 @@ async def test_docker_pipeline_gives_the_process_text_over_container_addresses(
     # The documented example (2 stages), with the stage count of this case.
     example = json.loads((REPO / "docs" / "examples" / "run-docker.json").read_text())
     # Each container limited to one CPU (docker.cpus): the same text, one engine thread;
-    # and to 1 GiB (docker.memory), which the run is planned by: each stage fits it.
+    # 2 stages: each container to 1 GiB (docker.memory), which the run is planned by (each
+    # stage fits it); 3 stages: each container to its own stage's planned need
+    # (docker.memory_per_stage: a node that loaded more than its share would be killed).
     memory = 1 << 30
-    limited = {**example, "pipeline_stages": stages, "docker": {"cpus": 1, "memory": memory}}
+    per_stage = stages == 3
+    limit: dict[str, object] = {"memory_per_stage": True} if per_stage else {"memory": memory}
+    limited = {**example, "pipeline_stages": stages, "docker": {"cpus": 1, **limit}}
     handle = await druns.start(run_id, **limited)
     state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=READY_S)
     assert await greedy(druns.client, run_id) == expected
     assert state.plan is not None
+    limits = {}
     for stage in state.plan.stages:
-        assert stage.node_memory == memory
-        assert stage.memory_need is not None and stage.memory_need <= memory
+        assert stage.memory_need is not None
+        assert stage.node_memory == (None if per_stage else memory)
+        assert stage.memory_need <= memory
+        limits[str(stage.node_id)] = stage.memory_need if per_stage else memory
 
     containers = {c.labels["mvp.node-id"]: c for c in run_containers(dclient, run_id)}  # type: ignore[attr-defined]
     assert len(containers) == stages and len(run_networks(dclient, run_id)) == 1
@@ -171,8 +178,9 @@ async def test_docker_pipeline_gives_the_process_text_over_container_addresses(
     assert not [e for env in envs for e in env if e.startswith("HF_TOKEN=") or SECRET in e]
     assert all(any(e.startswith("MVP_EDGE_TOKEN=") for e in env) for env in envs)
     assert all(c.attrs["HostConfig"]["NanoCpus"] == 10**9 for c in containers.values())  # type: ignore[attr-defined]
-    assert all(c.attrs["HostConfig"]["Memory"] == memory for c in containers.values())  # type: ignore[attr-defined]
-    assert all(c.attrs["HostConfig"]["MemorySwap"] == memory for c in containers.values())  # type: ignore[attr-defined]
+    for node_id, c in containers.items():
+        assert c.attrs["HostConfig"]["Memory"] == limits[node_id]  # type: ignore[attr-defined]
+        assert c.attrs["HostConfig"]["MemorySwap"] == limits[node_id]  # type: ignore[attr-defined]
     net = run_networks(dclient, run_id)[0]
     by_stage = sorted(state.nodes, key=lambda n: n.stage_index)
     endpoints = []

@@ -76,6 +76,8 @@ class Startup:
         state, req, traits = self._ctx.state, self._ctx.request, self._ctx.traits
         assert state.plan is not None and state.provider_queue is not None
         host_nodes = traits.host_nodes(len(state.nodes))
+        stages = state.plan.stages
+        need = stages[node.stage_index].memory_need if node.stage_index < len(stages) else None
         spec = NodeProvisionSpec(
             run_id=state.run_id,
             node_id=node.node_id,
@@ -100,10 +102,8 @@ class Startup:
             provider=req.provider,
             gpus=traits.gpus(req),
             cpus=traits.cpus(req),
-            memory=traits.memory(req),
-            memory_need=state.plan.stages[node.stage_index].memory_need
-            if node.stage_index < len(state.plan.stages)
-            else None,
+            memory=traits.stage_memory(req, need),
+            memory_need=need,
             mounts=sorted(set(state.plan.files())),
             model_share=state.plan.share_of(node.stage_index),
             vastai=traits.vastai(req),
