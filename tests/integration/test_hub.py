@@ -26,6 +26,7 @@ from tests.integration.conftest import (
     OrchestratorProcess,
     Runs,
     run_failure,
+    snapshot,
     wait_phase,
 )
 
@@ -117,6 +118,28 @@ async def test_a_run_serves_a_model_fetched_from_the_hub_and_its_token_stays_out
 
 
 SPLIT_REPO = "mvp-test/SmolLM2-135M-split-GGUF"
+
+
+async def test_a_corrupt_file_fails_the_nodes_start_clearly_and_leaves_nothing(
+    hub: HubStandin, runs: Runs, session_dir: Path
+):
+    """The CDN serves the file with one byte changed: planning (the header) cannot tell;
+    the node's host, fetching the whole file for its one stage, finds its sha256 is not
+    the hub's, keeps nothing of it, and the run faults naming it; no node ever ran."""
+    repo = "mvp-test/corrupt-GGUF"
+    hub.add_file(repo, FILE, fetch_bundled(DEFAULT_BUNDLED))
+    hub.wrong_hash = True
+    try:
+        handle = await runs.start(1307, model={"hf": {"repo": repo, "file": FILE}})
+        message = await run_failure(handle)
+    finally:
+        hub.wrong_hash = False
+    assert "is not the hub's" in message and "nothing of it was kept" in message, message
+    assert f"{repo} {FILE}" in message
+    state = await snapshot(handle)
+    assert all(n.handle is None for n in state.nodes)
+    ranged = session_dir / "hub-models" / "hf" / "mvp-test--corrupt-GGUF"
+    assert not [p for p in ranged.rglob(FILE)]  # the sparse file and its record: gone
 
 
 async def test_a_split_hub_model_is_fetched_by_shares_and_a_replacement_keeps_the_text(
