@@ -119,8 +119,9 @@ class CacheFile:
             fcntl.flock(self._lock, fcntl.LOCK_EX)
             self.held, self.verified = self._load()
             self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            if not self.held:
-                os.ftruncate(self.fd, 0)  # bytes of another upload, or of nothing recorded
+            # Never shortened while its size is right: a node of this host may have it
+            # mapped (its path names one commit's file: whatever bytes it holds are that
+            # file's or holes, and what the record does not name is fetched again).
             if os.fstat(self.fd).st_size != self.size:
                 os.ftruncate(self.fd, self.size)  # the rest are holes until fetched
         except BaseException:
