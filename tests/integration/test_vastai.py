@@ -317,11 +317,22 @@ async def wait_ledger_empty(standin: VastStandin, timeout: float) -> float:
 # ---------------------------------------------------------------------------- the path
 
 
+_PROCESS_TEXT: list[str] = []
+
+
+async def process_text(vast: Vast) -> str:
+    """The greedy text of a local process run of the bundled model (once for the module):
+    what every stage count and provider gives (float32 activations, DECISIONS 53)."""
+    if not _PROCESS_TEXT:
+        reference = await vast.runs.start(3101, pipeline_stages=2, max_context=512)
+        await wait_phase(reference, RunPhase.PROMPT_READY)
+        _PROCESS_TEXT.append(await greedy(vast.client, 3101))
+        await shutdown(reference)
+    return _PROCESS_TEXT[0]
+
+
 async def test_two_stage_run_on_two_rented_instances_serves_the_process_text(vast: Vast):
-    reference = await vast.runs.start(3101, pipeline_stages=2, max_context=512)
-    await wait_phase(reference, RunPhase.PROMPT_READY)
-    expected = await greedy(vast.client, 3101)
-    await shutdown(reference)
+    expected = await process_text(vast)
 
     run_id = 3102
     t0 = time.monotonic()
@@ -399,10 +410,7 @@ async def test_each_instance_fetches_its_own_share_from_the_hub(
     for part in parts:
         hub.add_file("acme/smollm-split-GGUF", part.name, part)
     model = {"hf": {"repo": "acme/smollm-split-GGUF", "file": parts[0].name}}
-    reference = await vast.runs.start(3111, pipeline_stages=1, max_context=512)
-    await wait_phase(reference, RunPhase.PROMPT_READY)
-    expected = await greedy(vast.client, 3111)
-    await shutdown(reference)
+    expected = await process_text(vast)
 
     seen = len(hub.sent)
     handle = await vast.start(3112, pipeline_stages=2, max_context=512, model=model)
