@@ -54,4 +54,5 @@ def fetch_node_share(spec: NodeProvisionSpec) -> int:
     share = spec.model_share
     if share is None:
         return 0
-    return fetch_share(share.model_dump(mode="json"), hub_token(), ShareProgress(spec, share))
+    token = hub_token() if share.pin.needs_token else None
+    return fetch_share(share.model_dump(mode="json"), token, ShareProgress(spec, share))

@@ -7,6 +7,7 @@ import os
 import socket
 
 import psutil
+from pydantic import ValidationError
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -21,7 +22,13 @@ from mvp_core.memory_plan import host_shortfall, kv_bytes_for
 from mvp_core.models import HubPin, PreparePlanInput, ProviderKind, RunPlan
 from mvp_core.planner import PlanningError, build_plan
 from mvp_core.stage_share import share_ranges
-from mvp_io.model_store import ModelSourceError, pin_hub_model, resolve_model, whole_hub_files
+from mvp_io.model_store import (
+    HubUnreachableError,
+    ModelSourceError,
+    pin_hub_model,
+    resolve_model,
+    whole_hub_files,
+)
 
 
 def provider_host() -> str:
@@ -67,11 +74,18 @@ async def plan_run(inp: PreparePlanInput) -> RunPlan:
     try:
         pin: HubPin | None = None
         if inp.model.hf is not None:
-            paths, pin = await in_thread(pin_hub_model, inp.model.hf)
-            whole = await in_thread(whole_hub_files, pin)
-            # Files this host holds whole already (the host fetched them before the run):
-            # nodes read those, as they read a model on a path.
-            model_path, pin = (whole[0], None) if whole else (paths[0], pin)
+            try:
+                paths, pin = await in_thread(pin_hub_model, inp.model.hf)
+            except HubUnreachableError:
+                # The hub is down: a model this host holds whole for the revision (its
+                # last commit) is still planned and served, as before shares; else the
+                # planning retries.
+                model_path, pin = await in_thread(resolve_model, inp.model), None
+            else:
+                whole = await in_thread(whole_hub_files, pin)
+                # Files this host holds whole already (the host fetched them before the
+                # run): nodes read those, as they read a model on a path.
+                model_path, pin = (whole[0], None) if whole else (paths[0], pin)
         else:
             model_path = await in_thread(resolve_model, inp.model)
         tokenizer_path = (
@@ -98,7 +112,7 @@ async def plan_run(inp: PreparePlanInput) -> RunPlan:
         if inp.node_memory is None and inp.provider in _ONE_HOST:
             _check_host_memory(committed)
         if pin is not None:
-            committed = with_shares(committed, header, pin)
+            committed = with_shares(committed, header, pin, files)
         # A split model's parts (checked as one model by read_model): each node's provider
         # mounts or uploads them all (a hub model's: each node's host fetches its share).
         return committed.model_copy(update={"model_files": files}) if len(files) > 1 else committed
@@ -108,8 +122,9 @@ async def plan_run(inp: PreparePlanInput) -> RunPlan:
         ) from None
 
 
-def with_shares(plan: RunPlan, header: GGUFHeader, pin: HubPin) -> RunPlan:
-    """``plan`` with the hub pin and each stage's share of the files (headers, tensors)."""
+def with_shares(plan: RunPlan, header: GGUFHeader, pin: HubPin, paths: list[str]) -> RunPlan:
+    """``plan`` with the hub pin, the files' ``paths`` and each stage's share of them
+    (headers, tensors), each share checked as a node's spec will carry it."""
     header_bytes = [p.header_bytes for p in pin.parts]
     last = plan.stage_count - 1
     try:
@@ -130,7 +145,14 @@ def with_shares(plan: RunPlan, header: GGUFHeader, pin: HubPin) -> RunPlan:
         ]
     except ValueError as err:
         raise PlanningError(f"{pin.describe()}: {err}") from None
-    return plan.model_copy(update={"stages": stages, "hub": pin})
+    shared = plan.model_copy(update={"stages": stages, "hub": pin, "model_files": paths})
+    for stage in shared.stages:
+        try:  # what each node's spec will carry: checked here, a planning error if wrong
+            shared.share_of(stage.stage_index)
+        except ValidationError as err:
+            why = "; ".join(e["msg"] for e in err.errors())
+            raise PlanningError(f"{pin.describe()}: stage {stage.stage_index}: {why}") from None
+    return shared
 
 
 # Providers whose nodes all run on the planning activity's host.

@@ -6,12 +6,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mvp_core.models import ProviderKind, RunRequest, VastAiSettings
+from mvp_core.models import ModelShare, ProviderKind, RunRequest, VastAiSettings
 
 # A local node (a process, a container) starts within this.
 LOCAL_START_S = 60.0
 # A rented instance's start: its offers' loading and SSH budgets, plus this.
 RENTED_START_EXTRA_S = 600.0
+# A node whose host fetches its share of a hub model first (DECISIONS 72): the start may
+# take this much longer: the whole model's bytes (the nodes of one host fetch one after
+# another) at FETCH_FLOOR_BYTES_S, plus FETCH_EXTRA_S. A bound, not a pace: the start
+# activity heartbeats, so a lost worker is found in seconds whatever its timeout.
+FETCH_FLOOR_BYTES_S = 5e6
+FETCH_EXTRA_S = 300.0
+
+
+def fetch_allowance_s(share: ModelShare | None) -> float:
+    """The extra start time of a node that fetches ``share`` first (0 without one)."""
+    if share is None:
+        return 0.0
+    return FETCH_EXTRA_S + sum(p.size for p in share.pin.parts) / FETCH_FLOOR_BYTES_S
 
 
 @dataclass(frozen=True)

@@ -426,6 +426,14 @@ def pin_hub_model(source: HubModel) -> tuple[list[str], HubPin]:
     token = hub_token()
     endpoint = hub_endpoint()
     first = _hub_head(source, endpoint, token)
+    needs_token = False
+    if token is not None:
+        # Whether the files need it: a public repo's shares are fetched without, so the
+        # token goes to no node (nor rented instance) that does not need it.
+        try:
+            _hub_head(source, endpoint, None)
+        except ModelSourceError:
+            needs_token = True
     parts, paths = [_pinned_part(source, source.file, first, endpoint, token)], []
     paths.append(str(hub_share_path(source, first.commit, source.file)))
     header = _header_of(paths[0], source)
@@ -450,7 +458,13 @@ def pin_hub_model(source: HubModel) -> tuple[list[str], HubPin]:
             parts.append(_pinned_part(part_source, name, remote, endpoint, token))
             paths.append(str(hub_share_path(source, first.commit, name)))
     _write_ref(source, first.commit)
-    pin = HubPin(endpoint=endpoint, repo=source.repo, commit=first.commit, parts=parts)
+    pin = HubPin(
+        endpoint=endpoint,
+        repo=source.repo,
+        commit=first.commit,
+        parts=parts,
+        needs_token=needs_token,
+    )
     return paths, pin
 
 
@@ -499,7 +513,13 @@ def _pinned_part(
             continue
         except GGUFError as err:
             raise ModelSourceError(str(err)) from None
-        data = min(header.data_start, remote.size)
+        if header.data_start > min(remote.size, HEADER_MAX):
+            raise ModelSourceError(
+                f"{_what(source)}: the GGUF header says its tensor data starts at byte "
+                f"{header.data_start}, past the file's {remote.size} bytes or the "
+                f"{HEADER_MAX} a header may take"
+            )
+        data = header.data_start
         if data > len(head):  # the alignment's padding after the table: read it too
             end = data
             continue

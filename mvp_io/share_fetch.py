@@ -38,8 +38,9 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 CHUNK = 1 << 20
 SYNC_EVERY = 32 << 20  # bytes written between records of progress (a cut loses at most this)
@@ -115,6 +116,7 @@ class CacheFile:
         directory = os.path.dirname(path) or "."
         os.makedirs(directory, exist_ok=True)
         self._lock = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        self.fd = -1
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX)
             self.held, self.verified = self._load()
@@ -123,9 +125,15 @@ class CacheFile:
             # mapped (its path names one commit's file: whatever bytes it holds are that
             # file's or holes, and what the record does not name is fetched again).
             if os.fstat(self.fd).st_size != self.size:
+                # Made now, or of another size: the record (if any) names bytes that are
+                # not there.
+                self.held, self.verified = [], False
                 os.ftruncate(self.fd, self.size)  # the rest are holes until fetched
+        except OSError as err:
+            self._close()
+            raise ShareFetchError(f"cannot use the model cache file {path}: {err}") from None
         except BaseException:
-            os.close(self._lock)
+            self._close()
             raise
 
     def _load(self) -> tuple[list[Span], bool]:
@@ -189,9 +197,14 @@ class CacheFile:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
 
-    def close(self) -> None:
-        os.close(self.fd)
+    def _close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         os.close(self._lock)  # releases the lock
+
+    def close(self) -> None:
+        self._close()
 
     def __enter__(self) -> CacheFile:
         return self
@@ -201,6 +214,29 @@ class CacheFile:
 
 
 # --------------------------------------------------------------------------- HTTP
+class _SameHostAuth(urllib.request.HTTPRedirectHandler):
+    """Redirects as urllib follows them, the token kept where one stays on the same host
+    (the hub's own, such as a renamed repo's) and dropped where it leaves it (the CDN)."""
+
+    def __init__(self, token: str | None) -> None:
+        self.token = token
+
+    def redirect_request(
+        self,
+        req: urllib.request.Request,
+        fp: Any,
+        code: int,
+        msg: str,
+        headers: Any,
+        newurl: str,
+    ) -> urllib.request.Request | None:
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        same = urlsplit(newurl).netloc == urlsplit(req.full_url).netloc
+        if new is not None and self.token and same:
+            new.add_unredirected_header("Authorization", f"Bearer {self.token}")
+        return new
+
+
 class _Fetcher:
     """Range requests to one file of the hub (the token to the hub only: a redirect to its
     CDN goes without it, as huggingface_hub does)."""
@@ -210,6 +246,7 @@ class _Fetcher:
         self.what = f"{pin['repo']} {file} at {pin['commit'][:12]}"
         self.size = size
         self.token = token
+        self.opener = urllib.request.build_opener(_SameHostAuth(token))
 
     def _scrub(self, text: str) -> str:
         return text.replace(self.token, "***") if self.token else text
@@ -223,7 +260,7 @@ class _Fetcher:
             # signed URL needs none, and the token goes nowhere but the hub.
             req.add_unredirected_header("Authorization", f"Bearer {self.token}")
         try:
-            resp = urllib.request.urlopen(req, timeout=TIMEOUT_S)
+            resp = self.opener.open(req, timeout=TIMEOUT_S)
         except urllib.error.HTTPError as err:
             code = err.code
             err.close()
@@ -247,6 +284,10 @@ class _Fetcher:
             raise HubUnreachable(
                 f"{self.what}: cannot reach the hub ({self._scrub(str(why))})"
             ) from None
+        if resp.status == 200 and start == 0 and end == self.size:
+            length = resp.headers.get("Content-Length")
+            if length is not None and length.strip() == str(self.size):
+                return resp  # the whole file, as a server may answer a range of all of it
         if resp.status != 206:
             resp.close()
             raise ShareFetchError(
@@ -268,11 +309,33 @@ class _Fetcher:
         return resp
 
 
+def _write_all(cache: CacheFile, data: bytes, pos: int) -> None:
+    """``data`` at ``pos`` of the cache file, all of it (a short write is written on)."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(cache.fd, view, pos)
+        if n <= 0:
+            raise OSError(f"wrote nothing at byte {pos}")
+        view, pos = view[n:], pos + n
+
+
+def _on_disk(cache: CacheFile, what: str, step: Callable[[], None]) -> None:
+    """A write or sync of the cache file: a local failure (a full disk, an I/O error) is a
+    ShareFetchError naming the file, not a network error to retry."""
+    try:
+        step()
+    except OSError as err:
+        raise ShareFetchError(
+            f"{what}: cannot write the model cache file {cache.path}: {err}"
+        ) from None
+
+
 def _copy_range(
     fetcher: _Fetcher, cache: CacheFile, start: int, end: int, count: Callable[[int], None]
 ) -> None:
     """Bytes ``[start, end)`` into the cache, resuming after a cut; HubUnreachable after
-    ATTEMPTS failures in a row without a byte of progress."""
+    ATTEMPTS failures in a row without a byte of progress; ShareFetchError where the hub's
+    answer or this host's disk is at fault."""
     pos = start
     failures = 0
     while pos < end:
@@ -284,17 +347,17 @@ def _copy_range(
                     chunk = resp.read(min(CHUNK, end - pos))
                     if not chunk:
                         raise ConnectionError("the connection closed mid-range")
-                    os.pwrite(cache.fd, chunk, pos)
+                    _on_disk(cache, fetcher.what, partial(_write_all, cache, chunk, pos))
                     pos += len(chunk)
                     failures = 0
                     count(len(chunk))
                     if pos - marked >= SYNC_EVERY:
-                        cache.mark(marked, pos)
+                        _on_disk(cache, fetcher.what, partial(cache.mark, marked, pos))
                         marked = pos
             finally:
                 resp.close()
         except (OSError, http.client.HTTPException) as err:  # unreachable, timeouts, cuts
-            cache.mark(marked, pos)
+            _on_disk(cache, fetcher.what, partial(cache.mark, marked, pos))
             failures += 1
             if failures >= ATTEMPTS:
                 if isinstance(err, HubUnreachable):
@@ -305,7 +368,7 @@ def _copy_range(
                 ) from None
             time.sleep(min(0.25 * 2**failures, 4.0))
             continue
-        cache.mark(marked, pos)
+        _on_disk(cache, fetcher.what, partial(cache.mark, marked, pos))
 
 
 # --------------------------------------------------------------------------- shares
@@ -412,8 +475,13 @@ def main() -> int:
     job = json.loads(sys.stdin.readline())
 
     def say(obj: dict[str, Any]) -> None:
-        sys.stdout.write(json.dumps(obj) + "\n")
-        sys.stdout.flush()
+        try:
+            sys.stdout.write(json.dumps(obj) + "\n")
+            sys.stdout.flush()
+        except BrokenPipeError:
+            # The provider's SSH session is gone: stop (the lock goes with the process;
+            # what was fetched is recorded, and the next attempt resumes it).
+            os._exit(3)
 
     try:
         fetched = fetch_share(

@@ -97,7 +97,7 @@ def main() -> None:
                     model_path=paths[0],
                     tokenizer_path=paths[0],
                 )
-                plan = with_shares(plan.model_copy(update={"model_files": paths}), header, pin)
+                plan = with_shares(plan, header, pin, paths)
                 planning_s = time.perf_counter() - t0
                 print(
                     f"{stages} stage(s): planning {planning_s:.2f} s, "
@@ -108,7 +108,7 @@ def main() -> None:
                     assert share is not None
                     host = work / f"host-{stages}-{stage.stage_index}"
                     share = share.model_copy(
-                        update={"paths": [str(host / Path(p).name) for p in share.paths]}
+                        update={"paths": [str(host / part.file) for part in pin.parts]}
                     )
                     sent0 = hub.bytes_sent()
                     t0 = time.perf_counter()

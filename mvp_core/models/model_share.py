@@ -65,6 +65,12 @@ class HubPart(_Model):
             raise ValueError("must be a sha256 in lowercase hex")
         return v
 
+    @model_validator(mode="after")
+    def _header_inside(self) -> HubPart:
+        if self.header_bytes > self.size:
+            raise ValueError(f"header of {self.header_bytes} bytes in a file of {self.size}")
+        return self
+
 
 class HubPin(_Model):
     """A hub model at one commit: where it is and what each of its files must be."""
@@ -73,6 +79,12 @@ class HubPin(_Model):
     repo: str
     commit: str
     parts: list[HubPart] = Field(min_length=1, max_length=MAX_PARTS)
+    needs_token: bool = Field(
+        default=False,
+        description="The hub refused the files without a token at planning: a node's host "
+        "fetches with its worker's HF_TOKEN (a rented instance gets it for its fetch alone); "
+        "else no token goes anywhere",
+    )
 
     @field_validator("endpoint")
     @classmethod
@@ -111,11 +123,25 @@ class ModelShare(_Model):
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelShare:
-        if len(self.paths) != len(self.pin.parts):
-            raise ValueError(f"{len(self.paths)} paths for {len(self.pin.parts)} parts")
+        parts = self.pin.parts
+        if len(self.paths) != len(parts):
+            raise ValueError(f"{len(self.paths)} paths for {len(parts)} parts")
+        for path, part in zip(self.paths, parts, strict=True):
+            # The fetcher creates, sizes and may remove these files: only the cache's own.
+            if not path.startswith("/") or "/../" in path or "/./" in path:
+                raise ValueError(f"path {path!r} is not an absolute, normalised path")
+            if not path.endswith(f"/{part.file}"):
+                raise ValueError(f"path {path!r} is not the place of {part.file!r}")
+        if len(set(self.paths)) != len(self.paths):
+            raise ValueError("two parts at one path")
         for r in self.ranges:
-            if r.part >= len(self.pin.parts) or r.end > self.pin.parts[r.part].size:
+            if r.part >= len(parts) or r.end > parts[r.part].size:
                 raise ValueError(f"byte range {r.part}:[{r.start}, {r.end}) is outside the model")
+        for i, part in enumerate(parts):  # every file's header: the node checks it
+            if not any(
+                r.part == i and r.start == 0 and r.end >= part.header_bytes for r in self.ranges
+            ):
+                raise ValueError(f"the share lacks the header of {part.file!r}")
         return self
 
     @property

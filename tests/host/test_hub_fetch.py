@@ -457,7 +457,7 @@ def test_a_split_part_the_hub_lacks_or_a_later_part_named_is_refused(
         resolve_model(ModelSource(hf=HubModel(repo=repo, file=split_parts[1].name)))
 
 
-async def test_the_host_leaves_a_hub_model_to_rented_nodes(hub: HubStandin, tmp_path: Path):
+async def test_the_host_leaves_a_hub_model_to_rented_nodes(hub: HubStandin, tmp_path: Path) -> None:
     """A Vast.ai run of a hub model: its instances fetch their shares from the hub
     (DECISIONS 72), so the host downloads nothing before the run."""
     from mvp_core.models import ProviderKind

@@ -72,7 +72,7 @@ def shares(paths: list[str], pin: HubPin, root: Path) -> list[ModelShare]:
     """Each stage's share, at the same files under ``root`` (another host's cache)."""
     with open_model(paths[0]) as model:
         header = model.header
-    node_paths = [str(root / Path(p).name) for p in paths]
+    node_paths = [str(root / p.file) for p in pin.parts]
     out = []
     for i, (start, end) in enumerate(STAGES):
         ranges = share_ranges(
@@ -116,7 +116,7 @@ def test_each_stage_fetches_its_share_alone_and_loads_from_it(
     try:
         for i, share in enumerate(shares(paths, pin, tmp_path / "x")):
             host = tmp_path / f"host{i}"
-            share = share.model_copy(update={"paths": [str(host / p.name) for p in parts]})
+            share = share.model_copy(update={"paths": [str(host / p.file) for p in pin.parts]})
             before = hub.bytes_sent()
             seen = Seen()
             fetched = fetch_share(share.model_dump(mode="json"), None, seen)
@@ -240,11 +240,16 @@ def test_a_file_other_than_the_planned_one_fails_clearly_and_leaves_nothing(
 def test_the_token_goes_to_the_hub_only_and_a_missing_one_is_named(
     hub: HubStandin, parts: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    _, public = pin_hub_model(source(parts))
+    assert public.needs_token is False  # a public repo: the token goes to no node
     hub.require_token = TOKEN
+    monkeypatch.delenv("HF_TOKEN")
     with pytest.raises(ModelSourceError, match="HF_TOKEN"):
         pin_hub_model(source(parts))
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     paths, pin = pin_hub_model(source(parts))
+    assert pin.needs_token is True
     share = shares(paths, pin, tmp_path / "host")[0].model_dump(mode="json")
     with pytest.raises(ShareFetchError, match=r"refused access .*HF_TOKEN") as err:
         fetch_share(share, None)
@@ -292,7 +297,7 @@ def test_the_fetcher_runs_as_a_program_with_the_standard_library_alone(
 
 
 async def test_a_hub_run_is_planned_with_each_stages_share(
-    hub: HubStandin, parts: list[Path]
+    hub: HubStandin, parts: list[Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The planning activity pins the model from its headers and gives each stage its
     ranges; the run's node specs carry them (RunPlan.share_of). A host that already holds
@@ -335,3 +340,7 @@ async def test_a_hub_run_is_planned_with_each_stages_share(
     again = await ActivityEnvironment().run(planning.plan_run, inp)
     assert again.hub is None and all(s.fetch == [] for s in again.stages)
     assert "/ranged/" not in again.model_path and again.share_of(0) is None
+    # The hub down: the files this host holds whole still plan the run.
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    offline = await ActivityEnvironment().run(planning.plan_run, inp)
+    assert offline.hub is None and offline.model_path == again.model_path

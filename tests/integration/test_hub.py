@@ -84,9 +84,12 @@ async def test_a_run_serves_a_model_fetched_from_the_hub_and_its_token_stays_out
     assert isinstance(reply, Done) and reply.tokens_generated > 0 and reply.final_text.strip()
 
     # Every byte fetched once (the header at planning, the rest by the node's host), with
-    # the token to the hub and without it to the CDN.
+    # the token to the hub and without it to the CDN; the one request without it is
+    # planning's probe of whether the files need it (they do: the share went with it).
     assert hub.bytes_sent() == blob.size
-    assert {r.authorization for r in hub.seen("hub")} == {f"Bearer {SECRET}"}
+    assert {r.authorization for r in hub.seen("hub")} == {f"Bearer {SECRET}", None}
+    assert [r.method for r in hub.seen("hub") if r.authorization is None] == ["HEAD"]
+    assert state.plan.hub is not None and state.plan.hub.needs_token
     assert all(r.authorization is None for r in hub.seen("cdn"))
 
     # A wrong revision of the same repo: a rejection that names it, nothing provisioned.

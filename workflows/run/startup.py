@@ -26,6 +26,7 @@ with workflow.unsafe.imports_passed_through():
         StageProvision,
     )
     from mvp_core.planner import epoch_edges, epoch_rings
+    from mvp_core.providers import fetch_allowance_s
     from mvp_core.run_records import NodeState
     from workflows import calls
     from workflows.run.context import RunContext, Stopping, slack
@@ -116,7 +117,7 @@ class Startup:
             calls.start_node(
                 spec,
                 state.provider_queue,
-                traits.start_timeout_s(req),
+                traits.start_timeout_s(req) + fetch_allowance_s(spec.model_share),
                 f"start node {node.node_id} (stage {node.stage_index})",
             )
         )

@@ -146,7 +146,8 @@ class VastAiProvider:
             upload_models(record, [m for m in spec.mounts if m not in on_instance], phases)
             fetched: int | None = None
             if share is not None:  # the instance fetches its own share from the hub
-                fetched = fetch_share_remote(record, share, hub_token(), phases)
+                token = hub_token() if share.pin.needs_token else None
+                fetched = fetch_share_remote(record, share, token, phases)
             temporal = temporal_for(record)
             bootstrap(record, spec, settings, row, temporal, phases)
         except SshFailed as err:

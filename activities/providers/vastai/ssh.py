@@ -17,6 +17,7 @@ import shlex
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -260,6 +261,10 @@ def fetch_share_remote(
         stdout=subprocess.PIPE,
         stderr=errors,
     )
+    # The deadline holds even while no line comes: killing the session ends the remote
+    # fetcher too (its next progress line finds no reader, and it exits).
+    watchdog = threading.Timer(max(deadline - time.monotonic(), 1.0), proc.kill)
+    watchdog.start()
     assert proc.stdin is not None and proc.stdout is not None
     last: dict[str, Any] = {}
     shown = 0.0
@@ -267,8 +272,6 @@ def fetch_share_remote(
         proc.stdin.write(job.encode())
         proc.stdin.close()
         for raw in proc.stdout:
-            if time.monotonic() > deadline:
-                raise HubUnreachable(f"the share fetch on instance {record.instance_id} timed out")
             try:
                 line = json.loads(raw)
             except ValueError:
@@ -286,15 +289,15 @@ def fetch_share_remote(
                     int(line["total"]) / 1e6,
                     share.pin.describe(),
                 )
-        proc.wait(timeout=max(deadline - time.monotonic(), 1.0))
-    except subprocess.TimeoutExpired:
-        raise HubUnreachable(
-            f"the share fetch on instance {record.instance_id} timed out"
-        ) from None
+        proc.wait()
     finally:
+        watchdog.cancel()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        errors.seek(0)
+        stderr = errors.read().decode(errors="replace")
+        errors.close()
     if "fetched" in last and proc.returncode == 0:
         phases["fetch"] = time.monotonic() - t0
         log.info(
@@ -311,9 +314,17 @@ def fetch_share_remote(
         if last.get("retry"):
             raise HubUnreachable(f"instance {record.instance_id}: {text}")
         raise ShareFetchError(f"instance {record.instance_id}: {text}")
-    with errors:
-        errors.seek(0)
-        why = errors.read().decode(errors="replace").strip().splitlines()[-1:] or ["?"]
+    if time.monotonic() >= deadline:
+        raise HubUnreachable(
+            f"the share fetch on instance {record.instance_id} took past its "
+            f"{deadline - t0:.0f} s; what it fetched is kept for the next attempt"
+        )
+    if proc.returncode == 255:  # ssh's own failure: the session dropped mid-fetch
+        raise HubUnreachable(
+            f"the SSH session to instance {record.instance_id} ended during the share fetch; "
+            "what it fetched is kept for the next attempt"
+        )
+    why = stderr.strip().splitlines()[-1:] or ["?"]
     raise SshFailed(
         f"the share fetch on instance {record.instance_id} exited {proc.returncode}: {why[0][:300]}"
     )

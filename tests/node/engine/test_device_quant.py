@@ -65,7 +65,7 @@ def test_quantised_weights_stay_quantised_and_give_the_reference_logits(
     assert np.linalg.norm(out - ref) <= 0.02 * np.linalg.norm(ref)
 
 
-def test_float_formats_and_other_precisions_stay_dense(tmp_path: Path, device_path: None):
+def test_float_formats_and_other_precisions_stay_dense(tmp_path: Path, device_path: None) -> None:
     model = TinyModel(TinySpec(arch="llama", qtype=QT.F16, embd_type=QT.Q8_0), tmp_path / "m.gguf")
     stage = load_stage(model.path, 0, 3, EngineOptions(device="cpu", threads=1))
     try:
