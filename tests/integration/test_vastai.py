@@ -331,13 +331,27 @@ async def process_text(vast: Vast) -> str:
     return _PROCESS_TEXT[0]
 
 
-async def test_two_stage_run_on_two_rented_instances_serves_the_process_text(vast: Vast):
+async def test_two_stage_run_on_two_rented_instances_serves_the_process_text(
+    vast: Vast, hub: HubStandin, tmp_path: Path
+):
+    """The bundled model as 3 parts on the hub (issue 35) on 2 rented instances: planning
+    reads the headers only; each instance fetches its own stage's share from the hub itself
+    (every byte of it, once, to its own address) and nothing goes up from this host; the
+    text is the local process run's."""
+    from mvp_io.model_store import DEFAULT_BUNDLED, fetch_bundled
+    from scripts.gguf_split import split_gguf
+
     expected = await process_text(vast)
+    parts = split_gguf(fetch_bundled(DEFAULT_BUNDLED), tmp_path / "smollm", 3)
+    for part in parts:
+        hub.add_file("acme/smollm-split-GGUF", part.name, part)
+    model = {"hf": {"repo": "acme/smollm-split-GGUF", "file": parts[0].name}}
 
     run_id = 3102
     t0 = time.monotonic()
     searched = len(vast.standin.searches)
-    handle = await vast.start(run_id, pipeline_stages=2, max_context=512)
+    seen = len(hub.sent)
+    handle = await vast.start(run_id, pipeline_stages=2, max_context=512, model=model)
     state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=READY_S)
     ready_s = time.monotonic() - t0
     # Each node was rented on an offer with RAM for its stage's planned need (MiB).
@@ -364,6 +378,26 @@ async def test_two_stage_run_on_two_rented_instances_serves_the_process_text(vas
     assert len(tunnel_processes(vast.identity)) == 2
     figures = {label: phases(vast, label) for label in sorted(labels)}
     timeline = await milestones(handle)
+    # The first bytes were planning's (this host's address), the rest each instance's.
+    planner = hub.sent[seen].client
+    by_client: dict[str, int] = {}
+    for sent in hub.sent[seen:]:
+        by_client[sent.client] = by_client.get(sent.client, 0) + sent.count
+    assert by_client.pop(planner) < 0.06 * sum(p.stat().st_size for p in parts)  # headers
+    shares = sorted(sum(r.size for r in s.fetch) for s in state.plan.stages)
+    assert sorted(by_client.values()) == shares, (by_client, shares)
+    assert state.plan.hub is not None and not state.plan.hub.needs_token  # a public repo
+    # Nothing of the model was uploaded from this host (the provider logs each upload).
+    log_text = "".join(p.read_text(errors="replace") for p in vast.logs())
+    for node in state.nodes:
+        assert node.handle is not None
+        fetch = state.plan.stages[node.stage_index].fetch
+        assert node.handle.share_bytes == node.handle.share_fetched == sum(r.size for r in fetch)
+        label = names.node_resource_name(run_id, node.node_id, state.nonce)
+        assert "fetch" in figures[label]
+        iid = node.handle.instance_id
+        assert not re.search(rf"MB of model to instance {iid}\b", log_text)
+        assert f"instance {iid} fetched " in log_text
 
     outcome = await shutdown(handle)
     assert outcome.outcome.value == "operator_stopped", outcome
@@ -394,50 +428,6 @@ async def test_two_stage_run_on_two_rented_instances_serves_the_process_text(vas
     )
     assert report.workflows >= 2 and report.log_files >= 2
     assert not report.findings, report.findings
-
-
-async def test_each_instance_fetches_its_own_share_from_the_hub(
-    vast: Vast, hub: HubStandin, tmp_path: Path
-):
-    """A hub model in 3 parts on 2 rented instances (issue 35): planning read the headers
-    only; each instance fetched its own stage's share from the hub itself (every byte of
-    it, once, to its own address), nothing went up from this host, and the text is the
-    local run's."""
-    from mvp_io.model_store import DEFAULT_BUNDLED, fetch_bundled
-    from scripts.gguf_split import split_gguf
-
-    parts = split_gguf(fetch_bundled(DEFAULT_BUNDLED), tmp_path / "smollm", 3)
-    for part in parts:
-        hub.add_file("acme/smollm-split-GGUF", part.name, part)
-    model = {"hf": {"repo": "acme/smollm-split-GGUF", "file": parts[0].name}}
-    expected = await process_text(vast)
-
-    seen = len(hub.sent)
-    handle = await vast.start(3112, pipeline_stages=2, max_context=512, model=model)
-    state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=READY_S)
-    assert state.plan is not None and state.plan.hub is not None
-    assert await greedy(vast.client, 3112) == expected
-    # The first bytes were planning's (this host's address), the rest each instance's.
-    planner = hub.sent[seen].client
-    by_client: dict[str, int] = {}
-    for sent in hub.sent[seen:]:
-        by_client[sent.client] = by_client.get(sent.client, 0) + sent.count
-    model_bytes = sum(p.stat().st_size for p in parts)
-    assert by_client.pop(planner) < 0.06 * model_bytes  # the headers
-    shares = sorted(sum(r.size for r in s.fetch) for s in state.plan.stages)
-    assert sorted(by_client.values()) == shares, (by_client, shares)
-    # Nothing of the model was uploaded from this host (the provider logs each upload).
-    log_text = "".join(p.read_text(errors="replace") for p in vast.logs())
-    for node in state.nodes:
-        label = names.node_resource_name(3112, node.node_id, state.nonce)
-        assert "fetch" in phases(vast, label)
-        assert node.handle is not None
-        fetch = state.plan.stages[node.stage_index].fetch
-        assert node.handle.share_bytes == node.handle.share_fetched == sum(r.size for r in fetch)
-        iid = node.handle.instance_id
-        assert not re.search(rf"MB of model to instance {iid}\b", log_text)
-        assert f"instance {iid} fetched " in log_text
-    await shutdown(handle)
 
 
 async def test_an_instance_that_exits_is_destroyed_and_replaced_by_a_new_rental(vast: Vast):
