@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -42,7 +41,6 @@ if str(REPO) not in sys.path:  # run as a script: scripts/ and the packages impo
     sys.path.insert(0, str(REPO))
 
 from mvp_core import names  # noqa: E402
-from mvp_core.gguf_header import parse_header, split_of, split_part_paths  # noqa: E402
 from mvp_core.models import (  # noqa: E402
     Done,
     RequestShutdown,
@@ -51,7 +49,8 @@ from mvp_core.models import (  # noqa: E402
     SubmitPrompt,
 )
 from mvp_core.run_state import RunState  # noqa: E402
-from mvp_io.gguf_files import close_mapping, map_file  # noqa: E402
+from mvp_io.gguf_files import open_model  # noqa: E402
+from scripts.host_cpu import cpu_model  # noqa: E402
 from temporal.client import RunHandle  # noqa: E402
 from temporal.connect import connect, local_server_env  # noqa: E402
 from temporal.devserver import start_dev_server  # noqa: E402
@@ -61,22 +60,10 @@ HUB_REPO = "bench/big-GGUF"
 MAX_CONTEXT = 1024
 
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
-
-
 def model_files(first: Path) -> list[Path]:
-    buf = map_file(str(first))
-    try:
-        where = split_of(parse_header(buf, str(first)), str(first))
-    finally:
-        close_mapping(buf)
-    if where is None:
-        return [first]
-    return [Path(p) for p in split_part_paths(str(first), where[1])]
+    """The model's files: ``first`` alone, or a split model's parts found beside it."""
+    with open_model(str(first)) as files:
+        return [Path(p) for p in files.paths]
 
 
 async def milestones(handle: Any) -> dict[str, float]:
@@ -206,7 +193,7 @@ async def one_config(
 async def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     files = model_files(args.model)
     size = sum(p.stat().st_size for p in files)
-    print(f"{args.model.name}: {size / 1e9:.2f} GB in {len(files)} file(s); {cpu_name()}")
+    print(f"{args.model.name}: {size / 1e9:.2f} GB in {len(files)} file(s); {cpu_model()}")
     work = Path(tempfile.mkdtemp(prefix="bench-big-"))
     out = []
     try:

@@ -46,6 +46,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: scripts/ and the packages importable
     sys.path.insert(0, str(REPO))
 
+from scripts.host_cpu import cpu_model  # noqa: E402
+
 PLOTS = {
     "decode": "decode_tok_s.png",
     "ttft": "ttft_breakdown.png",
@@ -82,16 +84,6 @@ def _git(*args: str) -> str:
         return "unknown"
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def _version(module: str, dist: str) -> str:
     if importlib.util.find_spec(module) is None:
         return NOT_INSTALLED
@@ -110,7 +102,7 @@ def machine_facts() -> dict[str, Any]:
         "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "git_commit": _git("rev-parse", "--short", "HEAD"),
         "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "os": f"{platform.system()} {platform.release()}",

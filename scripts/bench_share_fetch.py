@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -36,19 +35,10 @@ from mvp_core.planner import build_plan  # noqa: E402
 from mvp_io.model_store import pin_hub_model  # noqa: E402
 from mvp_io.share_fetch import fetch_share  # noqa: E402
 from scripts.gguf_split import split_gguf  # noqa: E402
+from scripts.host_cpu import cpu_model  # noqa: E402
 from tests.helpers.hub_standin import HubStandin  # noqa: E402
 
 REPO = "bench/model-GGUF"
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def plain_download_rate(hub: HubStandin, parts: list[Path], commit: str) -> float:
@@ -73,7 +63,7 @@ def main() -> None:
         (work / "src").mkdir()
         parts = split_gguf(args.model, work / "src" / args.model.stem, args.parts)
         size = sum(p.stat().st_size for p in parts)
-        print(f"{args.model.name}: {size / 1e9:.2f} GB in {len(parts)} parts; {cpu_name()}")
+        print(f"{args.model.name}: {size / 1e9:.2f} GB in {len(parts)} parts; {cpu_model()}")
         with HubStandin() as hub:
             commit = ""
             for part in parts:
