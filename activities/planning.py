@@ -111,20 +111,20 @@ async def plan_run(inp: PreparePlanInput) -> RunPlan:
         committed = await in_thread(plan)  # a balanced split's search: up to about a second
         if inp.node_memory is None and inp.provider in _ONE_HOST:
             _check_host_memory(committed)
-        if pin is not None:
-            committed = with_shares(committed, header, pin, files)
         # A split model's parts (checked as one model by read_model): each node's provider
         # mounts or uploads them all (a hub model's: each node's host fetches its share).
-        return committed.model_copy(update={"model_files": files}) if len(files) > 1 else committed
+        if len(files) > 1:
+            committed = committed.model_copy(update={"model_files": files})
+        return committed if pin is None else with_shares(committed, header, pin)
     except (PlanningError, ModelSourceError) as err:
         raise ApplicationError(
             str(err), type=ErrorType.PLANNING_ERROR, non_retryable=True
         ) from None
 
 
-def with_shares(plan: RunPlan, header: GGUFHeader, pin: HubPin, paths: list[str]) -> RunPlan:
-    """``plan`` with the hub pin, the files' ``paths`` and each stage's share of them
-    (headers, tensors), each share checked as a node's spec will carry it."""
+def with_shares(plan: RunPlan, header: GGUFHeader, pin: HubPin) -> RunPlan:
+    """``plan`` with the hub pin and each stage's share of its files (headers, tensors),
+    each share checked as a node's spec will carry it."""
     header_bytes = [p.header_bytes for p in pin.parts]
     last = plan.stage_count - 1
     try:
@@ -145,7 +145,7 @@ def with_shares(plan: RunPlan, header: GGUFHeader, pin: HubPin, paths: list[str]
         ]
     except ValueError as err:
         raise PlanningError(f"{pin.describe()}: {err}") from None
-    shared = plan.model_copy(update={"stages": stages, "hub": pin, "model_files": paths})
+    shared = plan.model_copy(update={"stages": stages, "hub": pin})
     for stage in shared.stages:
         try:  # what each node's spec will carry: checked here, a planning error if wrong
             shared.share_of(stage.stage_index)

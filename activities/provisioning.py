@@ -111,9 +111,8 @@ class ProviderActivities:
                     handle = handle.model_copy(
                         update={
                             "share_bytes": spec.model_share.size,
-                            "share_fetched": fetched
-                            if fetched is not None
-                            else handle.share_fetched,
+                            # fetched here, or by the node's own host (Vast.ai)
+                            "share_fetched": handle.share_fetched if fetched is None else fetched,
                         }
                     )
                 # Test harness only (MVP_FAULT_START_DELAY_S): the node launched, its start

@@ -389,20 +389,28 @@ def fetch_hub_model(source: HubModel, progress: DownloadProgress | None = None) 
         return first  # not a split GGUF's header: planning reads it and names the problem
     if where is None:
         return first
+    commit = first.relative_to(hub_repo_dir(source)).parts[0]
+    for name in _later_parts(source, where):
+        fetch_hub(HubModel(repo=source.repo, file=name, revision=commit), progress)
+    return first
+
+
+def _later_parts(source: HubModel, where: tuple[int, int] | None) -> list[str]:
+    """The files of a split model's parts after the first (``where``: split_of of the
+    file ``source`` names; none for a model in one file); ModelSourceError where that
+    file is not the first part or is not named as gguf-split names it."""
+    if where is None:
+        return []
     no, count = where
     if no != 0:
         raise ModelSourceError(
             f"{source.describe()} is part {no + 1} of {count} of a split model: name its "
             f"first part (-00001-of-{count:05d}.gguf)"
         )
-    commit = first.relative_to(hub_repo_dir(source)).parts[0]
     try:
-        names = split_part_paths(source.file, count)
+        return split_part_paths(source.file, count)[1:]
     except GGUFError as err:
         raise ModelSourceError(str(err)) from None
-    for name in names[1:]:
-        fetch_hub(HubModel(repo=source.repo, file=name, revision=commit), progress)
-    return first
 
 
 # --------------------------------------------------------------------------- headers only
@@ -434,29 +442,17 @@ def pin_hub_model(source: HubModel) -> tuple[list[str], HubPin]:
             _hub_head(source, endpoint, None)
         except ModelSourceError:
             needs_token = True
-    parts, paths = [_pinned_part(source, source.file, first, endpoint, token)], []
-    paths.append(str(hub_share_path(source, first.commit, source.file)))
-    header = _header_of(paths[0], source)
+    part, header = _pinned_part(source, source.file, first, endpoint, token)
+    parts, paths = [part], [str(hub_share_path(source, first.commit, source.file))]
     try:
         where = split_of(header, paths[0])
     except GGUFError as err:
         raise ModelSourceError(f"{_what(source)}: {err}") from None
-    if where is not None:
-        no, count = where
-        if no != 0:
-            raise ModelSourceError(
-                f"{source.describe()} is part {no + 1} of {count} of a split model: name its "
-                f"first part (-00001-of-{count:05d}.gguf)"
-            )
-        try:
-            names = split_part_paths(source.file, count)
-        except GGUFError as err:
-            raise ModelSourceError(str(err)) from None
-        for name in names[1:]:
-            part_source = HubModel(repo=source.repo, file=name, revision=first.commit)
-            remote = _hub_head(part_source, endpoint, token)
-            parts.append(_pinned_part(part_source, name, remote, endpoint, token))
-            paths.append(str(hub_share_path(source, first.commit, name)))
+    for name in _later_parts(source, where):
+        part_source = HubModel(repo=source.repo, file=name, revision=first.commit)
+        remote = _hub_head(part_source, endpoint, token)
+        parts.append(_pinned_part(part_source, name, remote, endpoint, token)[0])
+        paths.append(str(hub_share_path(source, first.commit, name)))
     _write_ref(source, first.commit)
     pin = HubPin(
         endpoint=endpoint,
@@ -483,8 +479,9 @@ def whole_hub_files(pin: HubPin) -> list[str] | None:
 
 def _pinned_part(
     source: HubModel, file: str, remote: HubFile, endpoint: str, token: str | None
-) -> HubPart:
-    """One file's pin: its header fetched (growing reads until it parses) and digested."""
+) -> tuple[HubPart, GGUFHeader]:
+    """One file's pin and its header: the header fetched (growing reads until it parses)
+    and digested."""
     from mvp_io.share_fetch import HubUnreachable, ShareFetchError, fetch_prefix
 
     if remote.size is None or remote.size <= 0:
@@ -523,7 +520,7 @@ def _pinned_part(
         if data > len(head):  # the alignment's padding after the table: read it too
             end = data
             continue
-        return HubPart(
+        pinned = HubPart(
             file=file,
             size=remote.size,
             etag=remote.etag,
@@ -531,16 +528,7 @@ def _pinned_part(
             header_bytes=data,
             header_sha256=hashlib.sha256(head[:data]).hexdigest(),
         )
-
-
-def _header_of(path: str, source: HubModel) -> GGUFHeader:
-    buf = map_file(path)
-    try:
-        return parse_header(buf, path)
-    except GGUFError as err:
-        raise ModelSourceError(f"{_what(source)}: {err}") from None
-    finally:
-        close_mapping(buf)
+        return pinned, header
 
 
 def _record_path(target: Path) -> Path:

@@ -87,7 +87,7 @@ def main() -> None:
                     model_path=paths[0],
                     tokenizer_path=paths[0],
                 )
-                plan = with_shares(plan, header, pin, paths)
+                plan = with_shares(plan.model_copy(update={"model_files": paths}), header, pin)
                 planning_s = time.perf_counter() - t0
                 print(
                     f"{stages} stage(s): planning {planning_s:.2f} s, "
