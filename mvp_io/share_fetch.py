@@ -380,6 +380,16 @@ def _grouped(share: dict[str, Any]) -> Iterator[tuple[int, list[Span]]]:
         yield part, sorted(by_part[part])
 
 
+def _key(pin: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
+    """What a cache file's held bytes belong to (its record names it): a commit's file."""
+    return {
+        "commit": pin["commit"],
+        "file": part["file"],
+        "size": int(part["size"]),
+        "etag": part["etag"],
+    }
+
+
 def fetch_share(
     share: dict[str, Any], token: str | None = None, progress: Progress | None = None
 ) -> int:
@@ -403,14 +413,8 @@ def fetch_share(
     count(0, force=True)
     for index, spans in _grouped(share):
         part = pin["parts"][index]
-        key = {
-            "commit": pin["commit"],
-            "file": part["file"],
-            "size": int(part["size"]),
-            "etag": part["etag"],
-        }
         fetcher = _Fetcher(pin, part["file"], int(part["size"]), token)
-        with CacheFile(share["paths"][index], key) as cache:
+        with CacheFile(share["paths"][index], _key(pin, part)) as cache:
             for start, end in spans:
                 gaps = missing(cache.held, start, end)
                 done += (end - start) - sum(hi - lo for lo, hi in gaps)  # held already
@@ -453,15 +457,9 @@ def fetch_prefix(
     """The first ``end`` bytes of one file (fetched into its cache file where not held):
     how planning reads a header without fetching the model. ``part`` needs ``file``,
     ``size`` and ``etag``."""
-    key = {
-        "commit": pin["commit"],
-        "file": part["file"],
-        "size": int(part["size"]),
-        "etag": part["etag"],
-    }
     end = min(end, int(part["size"]))
     fetcher = _Fetcher(pin, part["file"], int(part["size"]), token)
-    with CacheFile(path, key) as cache:
+    with CacheFile(path, _key(pin, part)) as cache:
         for lo, hi in missing(cache.held, 0, end):
             _copy_range(fetcher, cache, lo, hi, lambda _n: None)
         return cache.read(0, end)
