@@ -119,6 +119,26 @@ async def _undisturbed(run: RunHandle, prompts: list[SubmitPrompt]) -> list[Done
     return [_REFERENCE[_key(p)] for p in prompts]
 
 
+async def _all_streaming(
+    following: list[asyncio.Future[tuple[str, list[Done | Fault]]]],
+    started: list[asyncio.Event],
+    timeout: float,
+) -> None:
+    """Until every prompt streams: a stream that ends (or fails) before its first text is
+    the test's failure at once, with its cause, not a wait that runs out."""
+    waiting = asyncio.ensure_future(asyncio.gather(*(e.wait() for e in started)))
+    try:
+        done, _ = await asyncio.wait(
+            {waiting, *following}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        assert done, f"{sum(e.is_set() for e in started)} of {len(started)} prompts streaming"
+        for f in following:
+            if f.done():
+                raise AssertionError(f"a prompt ended before the kill: {f.result()}")
+    finally:
+        waiting.cancel()
+
+
 async def start_replacing(
     runs: Runs, run_id: int, **request: Any
 ) -> tuple[WorkflowHandle[object, object], RunHandle]:
@@ -148,8 +168,7 @@ async def kill_once(
         asyncio.ensure_future(_stream(run, p, e))
         for p, e in zip(_prompts(base + 100)[:prompts], started, strict=True)
     ]
-    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 180)
-    assert all(not f.done() for f in following), "a prompt ended before the kill"
+    await _all_streaming(following, started, timeout=240)
     victim = next(n for n in state.nodes if n.stage_index == killed_stage)
     kill(victim)
     results = await asyncio.wait_for(asyncio.gather(*following), 240)
