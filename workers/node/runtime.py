@@ -27,6 +27,7 @@ from workers.node.engine import (
     SamplingParams,
     Stage,
     load_stage,
+    usable_cores,
     uses_native_kernel,
 )
 from workers.node.engine.tokenizer import Tokenizer, TokenizerError
@@ -97,7 +98,7 @@ class StageRuntime:
             fp16_split_points=tuple(settings.fp16_split_points),
         )
         threads = settings.threads or default_threads(
-            os.cpu_count() or 1,
+            usable_cores(),
             host_nodes,
             cpu_quota(),
             native_kernel=uses_native_kernel(provision.model_path, opts),

@@ -24,7 +24,7 @@ from workers.node.engine import native
 from workers.node.engine.kernels import NativeLayout, NativeLinear, NativePart, native_layout
 from workers.node.engine.quants import KScales
 
-from .conftest import native_kernel
+from .conftest import ONCE_UPON_A_TIME, SMOLLM, native_kernel, native_stage
 
 CASES = [
     # rows, K, code bits, group width, zero code (None: mins), activation mode, f16 scales
@@ -259,11 +259,34 @@ def test_threads_do_not_change_a_single_bit(lib: ctypes.CDLL) -> None:
     assert layout is not None
     lin = NativeLinear(lib, layout, 4096, 576, None)
     x = torch.randn(3, 576, generator=torch.Generator().manual_seed(6))
-    lib.mvk_set_threads(1)
+    assert lib.mvk_set_threads(1) == 1
     one = [lin(x[:1]), lin(x)]
-    assert lib.mvk_set_threads(3) >= 3
-    for _ in range(20):  # many products, so the chunks land on different threads
-        assert torch.equal(lin(x[:1]), one[0]) and torch.equal(lin(x), one[1])
+    for count in (3, 8, 1, 2):  # a forced count past the cores, and the pool shrinking
+        assert lib.mvk_set_threads(count) == count == lib.mvk_threads()
+        ran = set()
+        for _ in range(20):  # many products, so the chunks land on different threads
+            assert torch.equal(lin(x[:1]), one[0]) and torch.equal(lin(x), one[1])
+            ran.add(lib.mvk_last_ran())
+        # Never more threads than the count (a busy machine may give fewer their turn).
+        assert max(ran) <= count and min(ran) >= 1, (count, ran)
+    lib.mvk_set_threads(1)
+    lin(x)
+    assert lib.mvk_last_ran() == 1  # the workers started for 8 stay parked
+
+
+def test_a_stage_runs_the_thread_count_it_was_loaded_with_in_both_directions() -> None:
+    """Issue 36: a stage loaded with 1 thread after one with 2 runs 1 (the pool used only
+    to grow, so it ran 2), and its logits are the same at 1, 2 and a forced 5."""
+    logits = {}
+    for count in (2, 1, 5, 1):
+        with native_stage(str(SMOLLM), 30, threads=count) as stage:
+            assert native.threads() == count
+            session = stage.new_session(32)
+            logits[count] = session.forward_tokens(ONCE_UPON_A_TIME)
+            session.close()
+            if count == 1:
+                assert native.last_ran() == 1
+    assert all(torch.equal(v, logits[1]) for v in logits.values())
 
 
 def test_fused_parts_with_different_zero_codes_keep_mins(lib: ctypes.CDLL) -> None:

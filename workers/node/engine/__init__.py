@@ -3,6 +3,7 @@
 from .batch_generate import BatchGenerator
 from .config import EngineModelFacts, read_model_facts
 from .generate import generate
+from .native import usable_cores
 from .sampling import Sampler, SamplingParams
 from .session import BatchSession, ContextOverflow, NoFreeSlot, StageSession
 from .stage import EngineOptions, Stage, load_stage, uses_native_kernel
@@ -21,5 +22,6 @@ __all__ = [
     "generate",
     "load_stage",
     "read_model_facts",
+    "usable_cores",
     "uses_native_kernel",
 ]

@@ -175,6 +175,10 @@ def load(path: Path) -> ctypes.CDLL:
     lib.mvk_linear_rows.restype = _C
     lib.mvk_set_threads.argtypes = [_C]
     lib.mvk_set_threads.restype = _C
+    lib.mvk_threads.argtypes = []
+    lib.mvk_threads.restype = _C
+    lib.mvk_last_ran.argtypes = []
+    lib.mvk_last_ran.restype = _C
     lib.mvk_simd.argtypes = []
     lib.mvk_simd.restype = _C
     lib.mvk_rope_cache.argtypes = [ctypes.c_float, ctypes.c_float, _P, _I, _I, _I, _P, _P]
@@ -263,10 +267,35 @@ def why_not() -> str:
     return _why_not
 
 
-def set_threads(n: int) -> None:
+def set_threads(n: int) -> int:
+    """From now on ``n`` threads (the caller's included) share each of the kernel's
+    products in this process: the pool grows, or parks the threads past ``n``. Returns the
+    count in effect (0 without the kernel)."""
     lib = library()
-    if lib is not None:
-        lib.mvk_set_threads(max(1, n))
+    if lib is None:
+        return 0
+    return int(lib.mvk_set_threads(max(1, n)))
+
+
+def threads() -> int:
+    """The kernel's thread count in effect (0 without the kernel)."""
+    lib = library()
+    return 0 if lib is None else int(lib.mvk_threads())
+
+
+def last_ran() -> int:
+    """How many threads ran a part of the kernel's last product (the caller's included)."""
+    lib = library()
+    return 0 if lib is None else int(lib.mvk_last_ran())
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask: ``taskset``, a container's
+    ``--cpuset-cpus``), not the machine's count."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 # How activations are quantised (qmm.c): llama.cpp's vec_dot_type of each weight format.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -140,7 +139,7 @@ def load_stage(
     device = resolve_device(options.device)
     if device.type == "cpu":
         native.expect_formats(weight_formats(path))
-        threads = options.threads or os.cpu_count() or 1
+        threads = options.threads or native.usable_cores()
         if options.precision == "default" and native.library() is not None:
             # The native kernel's pool does the matrix products; torch's own threads would
             # only spin beside it (its remaining ops are small), so torch gets one.

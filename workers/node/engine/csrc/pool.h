@@ -7,12 +7,20 @@
  * that is not running: on a busy machine (several node processes on a few cores) it
  * simply does more chunks itself. Workers spin briefly for the next product (decode
  * calls come tens of microseconds apart), then sleep on a condition variable.
+ *
+ * The pool resizes both ways (mvk_set_threads): it grows by starting workers, and shrinks
+ * by parking the workers numbered past the count (g_active), which then take no chunk and
+ * sleep on a condition variable of their own until the count grows again. Each row's sum
+ * is formed by one thread in a fixed order, so the count never changes a result.
  */
 #define MAX_THREADS 64
 #define GEN_SHIFT 40
 #define COUNT_SHIFT 20
 #define FIELD ((1ull << COUNT_SHIFT) - 1)
-static int g_threads = 1;
+static int g_threads = 1;        /* threads started, the caller counted as one */
+static atomic_int g_active = 1;  /* of those, how many take chunks (mvk_set_threads) */
+static atomic_int g_ran;         /* threads that ran a chunk in the last generation */
+static pthread_cond_t g_park_cv = PTHREAD_COND_INITIALIZER; /* parked workers wait here */
 static mvk_job g_job;            /* written by the caller only while no chunk is out */
 /* or, where set, chunk i of a generation is g_task(g_ctx, i) (dispatch_task) */
 static void (*g_task)(const void *ctx, int64_t i);
@@ -50,6 +58,7 @@ static int64_t work(unsigned long long gen) {
         atomic_fetch_add(&g_done, 1);
         ran++;
     }
+    if (ran) atomic_fetch_add(&g_ran, 1);
     return ran;
 }
 
@@ -64,47 +73,72 @@ static inline int64_t now_ns(void) {
  * core back as soon as decoding pauses. */
 #define SPIN_NS 300000
 
+/* Worker `index` (1, 2, ...: the caller is 0) takes part while index < g_active; past
+ * it, the worker parks until mvk_set_threads raises the count. */
 static void *worker(void *arg) {
-    (void)arg;
+    const int index = (int)(intptr_t)arg;
     unsigned long long seen = atomic_load(&g_ticket) >> GEN_SHIFT;
     for (;;) {
+        if (index >= atomic_load(&g_active)) {
+            pthread_mutex_lock(&g_mu);
+            while (index >= atomic_load(&g_active)) pthread_cond_wait(&g_park_cv, &g_mu);
+            pthread_mutex_unlock(&g_mu);
+            seen = atomic_load(&g_ticket) >> GEN_SHIFT; /* what passed while parked */
+            continue;
+        }
         unsigned long long gen;
         int64_t since = now_ns();
         int spins = 0;
         while ((gen = atomic_load(&g_ticket) >> GEN_SHIFT) == seen) {
+            if (index >= atomic_load(&g_active)) break;
             if ((++spins & 63) != 0 || now_ns() - since < SPIN_NS) {
                 relax();
                 continue;
             }
             pthread_mutex_lock(&g_mu);
             atomic_fetch_add(&g_sleepers, 1);
-            while ((gen = atomic_load(&g_ticket) >> GEN_SHIFT) == seen)
+            while ((gen = atomic_load(&g_ticket) >> GEN_SHIFT) == seen &&
+                   index < atomic_load(&g_active))
                 pthread_cond_wait(&g_cv, &g_mu);
             atomic_fetch_sub(&g_sleepers, 1);
             pthread_mutex_unlock(&g_mu);
             break;
         }
+        if (gen == seen) continue; /* parked meanwhile: back to the top */
         seen = gen;
         work(gen);
     }
     return NULL;
 }
 
-/* Grow the pool to n threads in all (the caller counts as one). Returns the number. */
+/* n threads in all take part in each product from now on (the caller counts as one):
+ * the pool grows to n, or parks the workers past n. Returns the count now in effect
+ * (fewer than n only where a thread could not be started). */
 int mvk_set_threads(int n) {
     pthread_mutex_lock(&g_call);
     if (n < 1) n = 1;
     if (n > MAX_THREADS) n = MAX_THREADS;
     while (g_threads < n) {
         pthread_t th;
-        if (pthread_create(&th, NULL, worker, NULL) != 0) break;
+        if (pthread_create(&th, NULL, worker, (void *)(intptr_t)g_threads) != 0) break;
         pthread_detach(th);
         g_threads++;
     }
-    int r = g_threads;
+    int r = n < g_threads ? n : g_threads;
+    pthread_mutex_lock(&g_mu);
+    atomic_store(&g_active, r);
+    pthread_cond_broadcast(&g_park_cv); /* the newly counted leave their park */
+    pthread_cond_broadcast(&g_cv);      /* the newly parked leave their wait for work */
+    pthread_mutex_unlock(&g_mu);
     pthread_mutex_unlock(&g_call);
     return r;
 }
+
+/* The count in effect, and how many threads ran a chunk of the last product (the
+ * caller included; fewer than the count where the product was small or a worker was
+ * slow to wake): for the tests. */
+int mvk_threads(void) { return atomic_load(&g_active); }
+int mvk_last_ran(void) { return atomic_load(&g_ran); }
 
 static void dispatch(mvk_job j, int threads);
 
@@ -122,6 +156,7 @@ void mvk_matmul(const int8_t *qx, const float *dxe, const float *s16, const floa
  * Called with g_call held. */
 static void run_generation(int64_t chunks) {
     atomic_store(&g_done, 0);
+    atomic_store(&g_ran, 0);
     unsigned long long gen = (atomic_load(&g_ticket) >> GEN_SHIFT) + 1;
     atomic_store(&g_ticket, (gen << GEN_SHIFT) | ((unsigned long long)chunks << COUNT_SHIFT));
     if (atomic_load(&g_sleepers) > 0) {
@@ -136,8 +171,10 @@ static void run_generation(int64_t chunks) {
 static void dispatch(mvk_job j, int threads) {
     const int64_t n = j.n;
     pthread_mutex_lock(&g_call);
-    int parts = threads < g_threads ? threads : g_threads;
+    const int active = atomic_load(&g_active);
+    int parts = threads < active ? threads : active;
     if (parts <= 1 || n < 64) {
+        atomic_store(&g_ran, 1);
         run_rows(&j, 0, n);
         pthread_mutex_unlock(&g_call);
         return;
@@ -156,7 +193,8 @@ static void dispatch(mvk_job j, int threads) {
 /* Tasks 0..count-1 of fn over the pool, the caller taking part (as dispatch). */
 static void dispatch_task(void (*fn)(const void *, int64_t), const void *ctx, int64_t count) {
     pthread_mutex_lock(&g_call);
-    if (g_threads <= 1 || count <= 1) {
+    if (atomic_load(&g_active) <= 1 || count <= 1) {
+        atomic_store(&g_ran, 1);
         for (int64_t i = 0; i < count; i++) fn(ctx, i);
         pthread_mutex_unlock(&g_call);
         return;
