@@ -51,6 +51,40 @@ def test_header_matches_gguf_py_and_skips_large_arrays(tmp_path: Path) -> None:
     assert decode_array(data, ref_arr) == tokens
 
 
+def test_large_arrays_decode_as_item_by_item_and_a_cut_anywhere_is_named(
+    tmp_path: Path,
+) -> None:
+    """The one-pass paths for large arrays (strings, scalars; a node decodes a vocabulary
+    at every start) give what decoding item by item gives, bools and odd UTF-8 included,
+    and a header cut inside any array is a truncation error, never a short list."""
+    from mvp_core.gguf_header import GGUFTruncated, _Decoder
+
+    w = gguf.GGUFWriter(str(tmp_path / "a.gguf"), "llama")
+    tokens = [f"t{i}\u0120\u65e5" if i % 3 else "" for i in range(5000)]
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.scores", [i / 7 for i in range(5000)])
+    w.add_array("tokenizer.ggml.token_type", [i % 6 for i in range(5000)])
+    w.add_array("x.flags", [bool(i % 2) for i in range(5000)])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = (tmp_path / "a.gguf").read_bytes()
+    arrays = {k: v for k, v in parse_header(data).metadata.items() if isinstance(v, LazyArray)}
+    assert len(arrays) == 4
+    for ref in arrays.values():
+        dec = _Decoder(data, ref.offset)
+        assert decode_array(data, ref) == [dec.value(ref.item_type) for _ in range(ref.count)]
+    assert decode_array(memoryview(data), arrays["tokenizer.ggml.tokens"]) == tokens
+    end = max(r.offset for r in arrays.values())
+    for cut in (9, 5_000, 20_000, end + 3):
+        with pytest.raises(GGUFTruncated):
+            parse_header(data[:cut])
+    for ref in arrays.values():
+        with pytest.raises(GGUFTruncated):
+            decode_array(data[: ref.offset + 100], ref)
+
+
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [

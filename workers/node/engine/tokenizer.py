@@ -101,11 +101,20 @@ def _byte_level_encode(word: str) -> str:
     return word.encode("utf-8", "surrogatepass").decode("latin-1").translate(_LATIN1_TO_BYTE_CHAR)
 
 
+# str.translate table: byte-level character -> the latin-1 character of its byte; every
+# other character below 256 -> U+FFFF, so that latin-1 encoding fails for any character
+# outside the alphabet (as those above 256 that the table leaves alone do).
+_BYTE_CHAR_TO_LATIN1 = {
+    **{x: 0xFFFF for x in range(256)},
+    **{ord(c): b for c, b in _CHAR_TO_BYTE.items()},
+}
+
+
 def _byte_level_decode(text: str) -> bytes:
     """llama.cpp's llama_decode_text (including its odd marker for foreign characters)."""
     try:
-        return bytes([_CHAR_TO_BYTE[c] for c in text])
-    except KeyError:
+        return text.translate(_BYTE_CHAR_TO_LATIN1).encode("latin-1")
+    except UnicodeEncodeError:
         out = bytearray()
         for c in text:
             b = _CHAR_TO_BYTE.get(c)
