@@ -393,6 +393,10 @@ class DockerProvider:
                 "PYTHONUNBUFFERED": "1",
                 "OMP_WAIT_POLICY": "PASSIVE",
                 "HOME": "/root",
+                # A container's writable layer is thrown away with it, and the pages it
+                # writes count against its memory limit: no layout cache there (a host
+                # directory mounted for it is the way to one).
+                "MVP_LAYOUT_CACHE": "off",
             }
         )
         # Certificates travel inline: the container does not see this host's files.

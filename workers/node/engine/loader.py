@@ -36,6 +36,7 @@ from .kernels import (
     row_blocks_pack_independently,
     with_residual_group,
 )
+from .layout_cache import LayoutCache, file_identity, layout_key, tensor_digest
 from .quants import (
     AFFINE_BITS,
     Q4_0,
@@ -112,7 +113,13 @@ class Part:
 class WeightBuilder:
     """Builds linears and vectors for one precision mode and device."""
 
-    def __init__(self, f: GGUFFile, precision: str, device: torch.device) -> None:
+    def __init__(
+        self,
+        f: GGUFFile,
+        precision: str,
+        device: torch.device,
+        cache: LayoutCache | None = None,
+    ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"unknown precision {precision!r}; use {', '.join(PRECISIONS)}")
         self.f = f
@@ -127,6 +134,10 @@ class WeightBuilder:
             precision == "default" and traits is not None and traits.llamacpp_order
         )
         self.device = device
+        # The native layouts cached on this host's disk (layout_cache.py), keyed in part
+        # by the model files' identity, read once.
+        self.cache = cache
+        self._files = file_identity(f.paths) if cache is not None else []
 
     def _info(self, name: str) -> tuple[int, tuple[int, ...]]:
         if name not in self.f.tensors:
@@ -202,6 +213,14 @@ class WeightBuilder:
         if lib is None:
             return None
         k = shapes[0][1]
+        n_total = sum(s[0] for s in shapes)
+        key = None
+        if self.cache is not None:
+            key = layout_key(self._files, self._layout_what(parts, types))
+            cached = self.cache.get(key)
+            if cached is not None:
+                self.f.materialized.update(p.name for p in parts)
+                return NativeLinear(lib, cached[0], n_total, k, bias, cached[1])
         # Parts whose formats llama.cpp sums in different orders (a Q4_K_M q/k/v: Q4_K q
         # and k, Q6_K v) become consecutive parts of one product, each its own layout.
         runs: list[tuple[tuple[object, ...], list[NativePart], list[int], int]] = []
@@ -222,7 +241,32 @@ class WeightBuilder:
                 return None
             layouts.append(layout)
         rows = [r for *_, r in runs]
-        return NativeLinear(lib, layouts, sum(s[0] for s in shapes), k, bias, rows)
+        if self.cache is not None and key is not None:
+            # Stored, then used from the file: the built copies are freed, and the pages
+            # are the page cache's, shared with the host's other nodes of these layers.
+            self.cache.put(key, layouts, rows)
+            mapped = self.cache.reopen(key)
+            if mapped is not None:
+                layouts, rows = mapped
+        return NativeLinear(lib, layouts, n_total, k, bias, rows)
+
+    def _layout_what(self, parts: list[Part], types: list[int]) -> dict[str, object]:
+        """What a product's layouts are made of, for their cache key (layout_cache.py)."""
+        return {
+            "parts": [
+                [
+                    p.name,
+                    t,
+                    list(self.f.tensors[p.name].shape),
+                    self.f.tensors[p.name].part,
+                    self.f.tensors[p.name].offset,
+                    tensor_digest(p.perm),
+                    p.row_scale.hex(),
+                ]
+                for p, t in zip(parts, types, strict=True)
+            ],
+            "llamacpp_order": self.llamacpp_order,
+        }
 
     def _native_pieces(
         self, part: Part, shape: tuple[int, ...], t: int, k: int, repacked: bool

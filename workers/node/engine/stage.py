@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,10 +13,13 @@ import torch
 from . import native
 from .config import ArchConfig, EngineModelFacts, arch_config, facts_of
 from .gguf_reader import GGUFError, GGUFFile
+from .layout_cache import open_cache
 from .loader import WeightBuilder, trim_heap
 from .models import StageModel, build_stage_model
 from .quants import as_torch_bytes, dequantize_rows
 from .session import BatchSession, StageSession
+
+log = logging.getLogger("mvp.node.engine")
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,9 @@ class EngineOptions:
     precision: str = "default"
     threads: int | None = None
     fp16_split_points: tuple[int, ...] = ()
+    # The native kernel's layouts kept on disk and mapped by later loads (layout_cache.py;
+    # MVP_LAYOUT_CACHE=off turns it off for a process).
+    layout_cache: bool = True
 
 
 def resolve_device(name: str) -> torch.device:
@@ -156,9 +163,21 @@ def load_stage(
                 f"layer range [{layer_start}, {layer_end}) is outside the model's "
                 f"{cfg.n_layers} layers"
             )
-        b = WeightBuilder(f, options.precision, device)
+        cache = None
+        if device.type == "cpu" and options.precision == "default" and options.layout_cache:
+            cache = open_cache()
+        b = WeightBuilder(f, options.precision, device, cache)
         span = range(layer_start, layer_end)
         model = build_stage_model(b, cfg, span, options.fp16_split_points)
+        if cache is not None and (cache.hits or cache.misses):
+            log.info(
+                "engine: layouts of %d products from the cache, %d built (%.0f MB written)",
+                cache.hits,
+                cache.misses,
+                cache.written / 1e6,
+            )
+            if cache.written:
+                cache.trim()
         with torch.inference_mode():
             embedding = Embedding(f, device) if layer_start == 0 else None
     except BaseException:

@@ -1,0 +1,112 @@
+"""The native layouts cached on the node's disk (layout_cache.py, issue 36): a load that
+maps them computes the very logits a load that builds them does, for every format family
+the kernel has; a damaged, foreign or stale file is rebuilt, never used; the directory
+stays under its cap; a cache that cannot be written is no cache, never a failed load."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.node.engine.arch_cases import PROMPT, write_case
+from workers.node.engine import EngineOptions, load_stage
+from workers.node.engine.layout_cache import ENV_DIR, ENV_GB, LayoutCache, open_cache
+
+from .conftest import native_kernel
+
+# Every layout the kernel has: group order (Q4_1, Q5_1), llama.cpp's order for the vec_dot
+# formats (Q5_0, Q8_0) and repacked Q4_0, the K formats (Q4_K, Q5_K, Q6_K: no float scales
+# kept, empty tensors in the file), fused parts of different formats.
+CASES = ("llama-Q4_1", "qwen2-Q5_1", "gemma3-mix", "mistral-Q4_0-mix", "qwen2-Q5_K_M")
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    where = tmp_path / "layouts"
+    monkeypatch.setenv(ENV_DIR, str(where))
+    monkeypatch.delenv(ENV_GB, raising=False)
+    yield where
+
+
+def _logits(path: str, n_layers: int, cache: bool) -> tuple[torch.Tensor, frozenset[str]]:
+    with native_kernel():
+        stage = load_stage(
+            path, 0, n_layers, EngineOptions(device="cpu", threads=1, layout_cache=cache)
+        )
+        try:
+            session = stage.new_session(64)
+            out = session.forward_tokens(PROMPT)
+            session.close()
+            return out, stage.tensor_names_loaded
+        finally:
+            stage.close()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_mapped_layout_gives_the_built_layouts_logits(
+    case: str, tmp_path: Path, cache_dir: Path
+) -> None:
+    model = write_case(case, tmp_path)
+    n = model.spec.n_layers
+    built, names = _logits(model.path, n, cache=False)
+    assert not cache_dir.exists() or not any(cache_dir.iterdir())
+    first, first_names = _logits(model.path, n, cache=True)  # builds, stores, maps
+    files = sorted(p.name for p in cache_dir.iterdir())
+    assert files and all(f.endswith(".layout") for f in files)
+    mtimes = {p.name: p.stat().st_mtime_ns for p in cache_dir.iterdir()}
+    again, again_names = _logits(model.path, n, cache=True)  # maps only
+    assert sorted(p.name for p in cache_dir.iterdir()) == files
+    assert {p.name: p.stat().st_mtime_ns for p in cache_dir.iterdir()} != mtimes  # used
+    assert torch.equal(first, built) and torch.equal(again, built)
+    assert names == first_names == again_names  # the same tensors, whether built or mapped
+
+
+def test_a_damaged_foreign_or_stale_file_is_rebuilt(tmp_path: Path, cache_dir: Path) -> None:
+    model = write_case("gemma3-mix", tmp_path)
+    n = model.spec.n_layers
+    built, _ = _logits(model.path, n, cache=True)
+    files = sorted(cache_dir.iterdir())
+    # cut short, garbage, and another product's file under this one's name
+    files[0].write_bytes(files[0].read_bytes()[:100])
+    files[1].write_bytes(b"\0" * files[1].stat().st_size)
+    files[2].write_bytes(files[3].read_bytes())
+    again, _ = _logits(model.path, n, cache=True)
+    assert torch.equal(again, built)
+    cache = open_cache()
+    assert cache is not None
+    for f in files[:3]:  # rebuilt whole: they map now
+        assert cache.get(f.name.removesuffix(".layout")) is not None
+    # The model rewritten (another mtime): other keys, nothing of the old file used.
+    before = {p.name for p in cache_dir.iterdir()}
+    os.utime(model.path, ns=(1, 1))
+    _logits(model.path, n, cache=True)
+    after = {p.name for p in cache_dir.iterdir()}
+    assert before < after and len(after) == 2 * len(before)
+
+
+def test_the_directory_stays_under_its_cap_and_dead_writers_are_cleared(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    root.mkdir()
+    for i in range(5):
+        p = root / f"{i}.layout"
+        p.write_bytes(b"x" * 1000)
+        os.utime(p, (1000 + i, 1000 + i))  # 0 used longest ago
+    stale, fresh = root / ".tmp-1-aa", root / ".tmp-2-bb"
+    stale.write_bytes(b"y")
+    os.utime(stale, (1, 1))
+    fresh.write_bytes(b"y")
+    LayoutCache(root, max_bytes=2500).trim()
+    assert sorted(p.name for p in root.iterdir()) == [".tmp-2-bb", "3.layout", "4.layout"]
+
+
+def test_a_cache_that_cannot_be_written_is_none_and_off_is_off(tmp_path: Path) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    assert open_cache({ENV_DIR: str(blocked / "layouts")}) is None
+    assert open_cache({ENV_DIR: "off"}) is None
+    cache = open_cache({ENV_DIR: str(tmp_path / "ok"), ENV_GB: "0.5"})
+    assert cache is not None and cache.max_bytes == 1 << 29
