@@ -54,6 +54,8 @@ SHAPES = {
         "qwen2", 2048, 36, 16, 2, 11008, 151936, tied=True, qkv_bias=True, rope_base=1e6
     ),
     "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 14336, 128256, tied=False),
+    # The tests' realistic shape (issue 35): 20 layers, hidden 1024, ~150 MB in Q4_K_M.
+    "llama-20l-1024": Shape("llama", 1024, 20, 16, 4, 2816, 32000, tied=True, context=2048),
 }
 
 # (elements per block, bytes per block, byte offsets of float16 scales in a block)

