@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 
 from tests.node.engine.arch_cases import PROMPT, write_case
 from workers.node.engine import EngineOptions, load_stage
+from workers.node.engine.kernels import NativeLinear
 from workers.node.engine.layout_cache import ENV_DIR, ENV_GB, LayoutCache, open_cache
 
 from .conftest import native_kernel
@@ -110,3 +112,47 @@ def test_a_cache_that_cannot_be_written_is_none_and_off_is_off(tmp_path: Path) -
     assert open_cache({ENV_DIR: "off"}) is None
     cache = open_cache({ENV_DIR: str(tmp_path / "ok"), ENV_GB: "0.5"})
     assert cache is not None and cache.max_bytes == 1 << 29
+
+
+def _native_linears(obj: object, out: list[NativeLinear], depth: int = 0) -> list[NativeLinear]:
+    if isinstance(obj, NativeLinear):
+        out.append(obj)
+    elif isinstance(obj, list | tuple):
+        for x in obj:
+            _native_linears(x, out, depth + 1)
+    elif hasattr(obj, "__dict__") and depth < 4 and not isinstance(obj, torch.Tensor):
+        for x in vars(obj).values():
+            _native_linears(x, out, depth + 1)
+    return out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_layouts_built_by_row_chunks_are_the_whole_matrixs(
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A matrix's layout built 32 rows at a time and joined (loader.CHUNKED_LAYOUTS: a
+    chunk's temporaries instead of the matrix's) is the layout built whole, field by
+    field, for every product of every format family."""
+    from workers.node.engine import loader
+
+    model = write_case(case, tmp_path)
+    monkeypatch.setattr(loader, "_CHUNK_ROWS", 32)
+    built = {}
+    for chunked in (False, True):
+        monkeypatch.setattr(loader, "CHUNKED_LAYOUTS", chunked)
+        with native_kernel():
+            opts = EngineOptions(device="cpu", threads=1, layout_cache=False)
+            stage = load_stage(model.path, 0, model.spec.n_layers, opts)
+            built[chunked] = [lin.layouts for lin in _native_linears(stage.model, [])]
+            stage.close()
+    assert built[True] and len(built[True]) == len(built[False])
+    for whole, joined in zip(built[False], built[True], strict=True):
+        assert len(whole) == len(joined)
+        for a, b in zip(whole, joined, strict=True):
+            for f in fields(a):
+                x, y = getattr(a, f.name), getattr(b, f.name)
+                if isinstance(x, torch.Tensor):
+                    assert isinstance(y, torch.Tensor) and x.dtype == y.dtype, f.name
+                    assert torch.equal(x, y), f.name
+                else:
+                    assert x == y, f.name

@@ -744,3 +744,49 @@ def native_layout(
         zlist=tuple(zlist),
         bits5=bits5,
     )
+
+
+_ROW_FIELDS = ("codes", "scale", "offset", "zrow", "ksc", "kmin", "kd", "kdmin", "zg")
+
+
+def join_layouts(chunks: list[NativeLayout]) -> NativeLayout | None:
+    """Layouts of consecutive row chunks (each a whole number of 16-row groups) as one:
+    every row field joined in order, the rest equal in all; None where they differ (the
+    chunks' layouts are then not one layout's pieces)."""
+    first = chunks[0]
+    for c in chunks[1:]:
+        same = (
+            c.nibble == first.nibble
+            and c.sub == first.sub
+            and c.zero == first.zero
+            and c.mode == first.mode
+            and c.kp == first.kp
+            and c.arith == first.arith
+            and c.zlist == first.zlist
+            and c.bits5 == first.bits5
+        )
+        if not same:
+            return None
+        for name in _ROW_FIELDS:
+            a, b = getattr(first, name), getattr(c, name)
+            if (a is None) != (b is None) or (a is not None and a.dtype != b.dtype):
+                return None
+    if len(chunks) == 1:
+        return first
+    joined: dict[str, torch.Tensor | None] = {}
+    for name in _ROW_FIELDS:
+        parts = [getattr(c, name) for c in chunks]
+        joined[name] = None if parts[0] is None else torch.cat(parts)
+        for c in chunks:  # each chunk's share freed as soon as it is copied
+            object.__setattr__(c, name, None)
+    return NativeLayout(
+        **joined,  # type: ignore[arg-type]
+        nibble=first.nibble,
+        sub=first.sub,
+        zero=first.zero,
+        mode=first.mode,
+        kp=first.kp,
+        arith=first.arith,
+        zlist=first.zlist,
+        bits5=first.bits5,
+    )

@@ -24,6 +24,7 @@ from .kernels import (
     DenseLinear,
     Int4Linear,
     Linear,
+    NativeLayout,
     NativeLinear,
     NativePart,
     QuantLinear,
@@ -31,6 +32,7 @@ from .kernels import (
     int4_codes,
     int4_compatible,
     int4_rows,
+    join_layouts,
     native_layout,
     pack_int4,
     row_blocks_pack_independently,
@@ -59,6 +61,9 @@ from .quants import (
 
 # Rows converted per step: bounds the temporary memory of large matrices (the head).
 _CHUNK_ROWS = 4096
+# Native layouts built chunk by chunk and joined (WeightBuilder._run_layout); False: a
+# matrix's layout built whole (the tests compare the two).
+CHUNKED_LAYOUTS = True
 # Formats with a separate minimum per group: their zeros get the bf16 residual correction.
 _WITH_MINS = frozenset({Q4_1, Q5_1, Q4_K, Q5_K})
 # Zero correction for those formats (kernels.int4_rows). Off by default: on SmolLM2 Q4_1 it
@@ -223,24 +228,20 @@ class WeightBuilder:
                 return NativeLinear(lib, cached[0], n_total, k, bias, cached[1])
         # Parts whose formats llama.cpp sums in different orders (a Q4_K_M q/k/v: Q4_K q
         # and k, Q6_K v) become consecutive parts of one product, each its own layout.
-        runs: list[tuple[tuple[object, ...], list[NativePart], list[int], int]] = []
+        runs: list[tuple[tuple[object, ...], list[tuple[Part, tuple[int, ...], int, bool]]]] = []
         for part, shape, t in zip(parts, shapes, types, strict=True):
             repacked = t == Q4_0 and self.llamacpp_order and shape[0] % 8 == 0
             family = _family(t, repacked) if self.llamacpp_order else ()
             if not runs or runs[-1][0] != family:
-                runs.append((family, [], [], 0))
-            fam, run_pieces, run_types, run_rows = runs[-1]
-            run_types.append(t)
-            runs[-1] = (fam, run_pieces, run_types, run_rows + shape[0])
-            run_pieces.extend(self._native_pieces(part, shape, t, k, repacked))
+                runs.append((family, []))
+            runs[-1][1].append((part, shape, t, repacked))
         layouts = []
-        for _, run_pieces, run_types, _ in runs:
-            bits = max(_NATIVE[t][0] for t in run_types)
-            layout = native_layout(run_pieces, bits, self.llamacpp_order)
+        for _, members in runs:
+            layout = self._run_layout(members, k)
             if layout is None:
                 return None
             layouts.append(layout)
-        rows = [r for *_, r in runs]
+        rows = [sum(shape[0] for _, shape, _, _ in members) for _, members in runs]
         if self.cache is not None and key is not None:
             # Stored, then used from the file: the built copies are freed, and the pages
             # are the page cache's, shared with the host's other nodes of these layers.
@@ -249,6 +250,40 @@ class WeightBuilder:
             if mapped is not None:
                 layouts, rows = mapped
         return NativeLinear(lib, layouts, n_total, k, bias, rows)
+
+    def _run_layout(
+        self, members: list[tuple[Part, tuple[int, ...], int, bool]], k: int
+    ) -> NativeLayout | None:
+        """One layout of consecutive parts (one summation order), or None where the kernel
+        cannot hold them exactly. Built a row chunk at a time and the chunks joined, where
+        the layout's rows are independent (whole 16-row groups, one zero code, one kind
+        of scale): the conversion's temporaries are then a chunk's, not the matrix's
+        several times over (a 128k-row head's were over a gigabyte)."""
+        bits = max(_NATIVE[t][0] for _, _, t, _ in members)
+
+        def pieces() -> Iterator[NativePart]:
+            for part, shape, t, repacked in members:
+                yield from self._native_pieces(part, shape, t, k, repacked)
+
+        by_chunks = (
+            CHUNKED_LAYOUTS
+            and _CHUNK_ROWS % 16 == 0
+            and all(shape[0] % 16 == 0 for _, shape, _, _ in members)
+            and len({_NATIVE[t][1] for _, _, t, _ in members}) == 1
+            and len({_pow2(p.row_scale) for p, _, _, _ in members}) == 1
+        )
+        if not by_chunks:
+            return native_layout(list(pieces()), bits, self.llamacpp_order)
+        chunks = []
+        for piece in pieces():
+            layout = native_layout([piece], bits, self.llamacpp_order)
+            if layout is None:
+                return None
+            chunks.append(layout)
+        joined = join_layouts(chunks)
+        if joined is None:  # chunks that do not join (cannot happen for the above)
+            return native_layout(list(pieces()), bits, self.llamacpp_order)
+        return joined
 
     def _layout_what(self, parts: list[Part], types: list[int]) -> dict[str, object]:
         """What a product's layouts are made of, for their cache key (layout_cache.py)."""
@@ -280,7 +315,7 @@ class WeightBuilder:
                 q, scale, offset = q[part.perm], scale[part.perm], offset[part.perm]
             _, zero, mode, f16_scales = _NATIVE[t]
             # a power-of-two row scale keeps float16 scales float16 values
-            pow2 = math.frexp(part.row_scale)[0] == 0.5
+            pow2 = _pow2(part.row_scale)
             exact16 = f16_scales and pow2
             ks = None
             if t in (Q4_K, Q5_K, Q6_K) and pow2:  # their own integer arithmetic (qmm.c)
@@ -395,6 +430,10 @@ class WeightBuilder:
                 w[row0 + r : row0 + r + n] = m.to(self.device)
             row0 += shape[0]
         return DenseLinear(w, bias)
+
+
+def _pow2(x: float) -> bool:
+    return math.frexp(x)[0] == 0.5
 
 
 def _family(ggml_type: int, repacked: bool) -> tuple[object, ...]:
