@@ -80,6 +80,23 @@ class GGUFFile:
         self.materialized.add(name)
         return np.frombuffer(buf, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
 
+    def release_tensor(self, name: str) -> None:
+        """Drop a tensor's mapped pages from this process's RSS once it is converted (they
+        stay in the page cache; a later read maps them again): a load then holds the
+        file's pages of one product at a time, not of the whole stage."""
+        if not self._maps or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        info = self.tensors[name]
+        buf = self._maps[info.part]
+        page = mmap.PAGESIZE
+        start = info.offset // page * page
+        end = min(len(buf), info.offset + info.n_bytes)
+        if end > start:
+            try:
+                buf.madvise(mmap.MADV_DONTNEED, start, end - start)
+            except (OSError, ValueError):
+                pass
+
     def release_pages(self) -> None:
         """Drop the mapped pages we touched from this process's RSS (they stay in page cache)."""
         if hasattr(mmap, "MADV_DONTNEED"):

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -749,44 +750,74 @@ def native_layout(
 _ROW_FIELDS = ("codes", "scale", "offset", "zrow", "ksc", "kmin", "kd", "kdmin", "zg")
 
 
-def join_layouts(chunks: list[NativeLayout]) -> NativeLayout | None:
-    """Layouts of consecutive row chunks (each a whole number of 16-row groups) as one:
-    every row field joined in order, the rest equal in all; None where they differ (the
-    chunks' layouts are then not one layout's pieces)."""
-    first = chunks[0]
-    for c in chunks[1:]:
-        same = (
-            c.nibble == first.nibble
-            and c.sub == first.sub
-            and c.zero == first.zero
-            and c.mode == first.mode
-            and c.kp == first.kp
-            and c.arith == first.arith
-            and c.zlist == first.zlist
-            and c.bits5 == first.bits5
-        )
-        if not same:
-            return None
-        for name in _ROW_FIELDS:
-            a, b = getattr(first, name), getattr(c, name)
-            if (a is None) != (b is None) or (a is not None and a.dtype != b.dtype):
-                return None
-    if len(chunks) == 1:
-        return first
-    joined: dict[str, torch.Tensor | None] = {}
+def _same_kind(a: NativeLayout, b: NativeLayout) -> bool:
+    """Whether two layouts of row chunks can be one layout's pieces."""
+    if (a.nibble, a.sub, a.zero, a.mode, a.kp, a.arith, a.zlist, a.bits5) != (
+        b.nibble,
+        b.sub,
+        b.zero,
+        b.mode,
+        b.kp,
+        b.arith,
+        b.zlist,
+        b.bits5,
+    ):
+        return False
     for name in _ROW_FIELDS:
-        parts = [getattr(c, name) for c in chunks]
-        joined[name] = None if parts[0] is None else torch.cat(parts)
-        for c in chunks:  # each chunk's share freed as soon as it is copied
-            object.__setattr__(c, name, None)
-    return NativeLayout(
-        **joined,  # type: ignore[arg-type]
-        nibble=first.nibble,
-        sub=first.sub,
-        zero=first.zero,
-        mode=first.mode,
-        kp=first.kp,
-        arith=first.arith,
-        zlist=first.zlist,
-        bits5=first.bits5,
-    )
+        x, y = getattr(a, name), getattr(b, name)
+        if (x is None) != (y is None):
+            return False
+        if x is not None and (x.dtype != y.dtype or x.shape[1:] != y.shape[1:]):
+            return False
+    return True
+
+
+class LayoutJoiner:
+    """Layouts of consecutive row chunks (each a whole number of 16-row groups, ``rows``
+    in all) joined into one as they come: each row field's final tensor is allocated from
+    the first chunk and each chunk copied into its place, so a load holds the matrix's
+    layout and one chunk's, never every chunk beside the whole."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self.done = 0
+        self.first: NativeLayout | None = None
+        self.out: dict[str, torch.Tensor | None] = {}
+        self.ok = True
+
+    def add(self, chunk: NativeLayout, rows: int) -> None:
+        if not self.ok:
+            return
+        if self.first is None:
+            self.first = chunk
+            for name in _ROW_FIELDS:
+                t = getattr(chunk, name)
+                if t is None or t.numel() == 0:
+                    self.out[name] = t
+                    continue
+                if (t.shape[0] * self.rows) % rows:
+                    self.ok = False
+                    return
+                size = (t.shape[0] * self.rows // rows, *t.shape[1:])
+                self.out[name] = torch.empty(size, dtype=t.dtype)
+        elif not _same_kind(self.first, chunk):
+            self.ok = False
+            return
+        for name in _ROW_FIELDS:
+            t, dst = getattr(chunk, name), self.out[name]
+            if t is None or dst is None or t.numel() == 0:
+                continue
+            n = t.shape[0]
+            at = dst.shape[0] * self.done // self.rows
+            if at + n > dst.shape[0]:
+                self.ok = False
+                return
+            dst[at : at + n] = t
+        self.done += rows
+
+    def layout(self) -> NativeLayout | None:
+        """The joined layout; None where the chunks were not one layout's pieces."""
+        first = self.first
+        if not self.ok or first is None or self.done != self.rows:
+            return None
+        return dataclasses.replace(first, **self.out)  # type: ignore[arg-type]

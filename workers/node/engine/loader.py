@@ -23,6 +23,7 @@ from .gguf_reader import GGUFError, GGUFFile
 from .kernels import (
     DenseLinear,
     Int4Linear,
+    LayoutJoiner,
     Linear,
     NativeLayout,
     NativeLinear,
@@ -32,7 +33,6 @@ from .kernels import (
     int4_codes,
     int4_compatible,
     int4_rows,
-    join_layouts,
     native_layout,
     pack_int4,
     row_blocks_pack_independently,
@@ -242,6 +242,8 @@ class WeightBuilder:
                 return None
             layouts.append(layout)
         rows = [sum(shape[0] for _, shape, _, _ in members) for _, members in runs]
+        for p in parts:
+            self.f.release_tensor(p.name)
         if self.cache is not None and key is not None:
             # Stored, then used from the file: the built copies are freed, and the pages
             # are the page cache's, shared with the host's other nodes of these layers.
@@ -274,13 +276,13 @@ class WeightBuilder:
         )
         if not by_chunks:
             return native_layout(list(pieces()), bits, self.llamacpp_order)
-        chunks = []
+        joiner = LayoutJoiner(sum(shape[0] for _, shape, _, _ in members))
         for piece in pieces():
             layout = native_layout([piece], bits, self.llamacpp_order)
             if layout is None:
                 return None
-            chunks.append(layout)
-        joined = join_layouts(chunks)
+            joiner.add(layout, piece.q.shape[0])
+        joined = joiner.layout()
         if joined is None:  # chunks that do not join (cannot happen for the above)
             return native_layout(list(pieces()), bits, self.llamacpp_order)
         return joined
@@ -461,6 +463,23 @@ def rope_permutation(cfg: ArchConfig, n_heads: int) -> torch.Tensor | None:
     )
     heads = torch.arange(n_heads).view(-1, 1) * cfg.head_dim
     return (heads + within.view(1, -1)).reshape(-1)
+
+
+# glibc's mallopt parameter: allocations from this size up are mapped on their own and
+# given back when freed. Fixed, not glibc's default that rises with each large free (to
+# 32 MiB): a load's freed conversion buffers would otherwise stay in the heap, on top of
+# the weights, until trim_heap.
+_M_MMAP_THRESHOLD = -3
+_LOAD_MMAP_THRESHOLD = 16 << 20
+
+
+def fix_mmap_threshold() -> None:
+    """Large allocations mapped on their own from now on (see above); where the C
+    library has no mallopt (not glibc), nothing."""
+    try:
+        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, _LOAD_MMAP_THRESHOLD)
+    except (OSError, AttributeError):
+        pass
 
 
 def trim_heap() -> None:

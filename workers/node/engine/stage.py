@@ -14,7 +14,7 @@ from . import native
 from .config import ArchConfig, EngineModelFacts, arch_config, facts_of
 from .gguf_reader import GGUFError, GGUFFile
 from .layout_cache import open_cache
-from .loader import WeightBuilder, trim_heap
+from .loader import WeightBuilder, fix_mmap_threshold, trim_heap
 from .models import StageModel, build_stage_model
 from .quants import as_torch_bytes, dequantize_rows
 from .session import BatchSession, StageSession
@@ -154,6 +154,7 @@ def load_stage(
             native.set_threads(threads)
         else:
             torch.set_num_threads(threads)
+    fix_mmap_threshold()
     f = GGUFFile(path)
     try:
         cfg = arch_config(f)
