@@ -24,11 +24,17 @@ async def heartbeat_for(seconds: float, details: str) -> None:
         await asyncio.sleep(min(HEARTBEAT_EVERY_S, max(deadline - loop.time(), 0.0)))
 
 
-async def in_thread(fn: Callable[..., T], *args: object) -> T:
-    """``fn(*args)`` in a worker thread; the activity heartbeats until it returns."""
+async def in_thread(
+    fn: Callable[..., T], *args: object, details: Callable[[], object] | None = None
+) -> T:
+    """``fn(*args)`` in a worker thread; the activity heartbeats until it returns, with
+    ``details()`` where given (what the work has done so far)."""
     task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
     while True:
-        activity.heartbeat()
+        if details is None:
+            activity.heartbeat()
+        else:
+            activity.heartbeat(details())
         done, _ = await asyncio.wait({task}, timeout=HEARTBEAT_EVERY_S)
         if done:
             return task.result()

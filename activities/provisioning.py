@@ -10,7 +10,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities import datastream_bus
 from activities.heartbeat import heartbeat_for, in_thread
-from activities.model_share import fetch_node_share
+from activities.model_share import ShareProgress, fetch_node_share
 from activities.providers.base import (
     NodeStartFailed,
     Provider,
@@ -105,7 +105,10 @@ class ProviderActivities:
                 provider = self._provider(spec.provider)
                 fetched: int | None = None
                 if spec.model_share is not None and spec.provider in _FETCH_HERE:
-                    fetched = await in_thread(fetch_node_share, spec)
+                    progress = ShareProgress(spec, spec.model_share)
+                    fetched = await in_thread(
+                        fetch_node_share, spec, progress, details=progress.details
+                    )
                 handle = await in_thread(provider.start, spec)
                 if spec.model_share is not None:
                     handle = handle.model_copy(

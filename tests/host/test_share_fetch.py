@@ -14,10 +14,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
 
 from activities.gguf_facts import read_model
+from activities.providers.base import NodeStartFailed
+from activities.provisioning import ProviderActivities
 from mvp_core.gguf_header import GGUFHeader
-from mvp_core.models import HubModel, HubPin, ModelShare
+from mvp_core.models import HubModel, HubPin, ModelShare, NodeProvisionSpec, ProviderKind
 from mvp_core.stage_share import share_ranges, stage_tensors
 from mvp_io import share_fetch
 from mvp_io.gguf_files import open_model
@@ -344,3 +348,52 @@ async def test_a_hub_run_is_planned_with_each_stages_share(
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
     offline = await ActivityEnvironment().run(planning.plan_run, inp)
     assert offline.hub is None and offline.model_path == again.model_path
+
+
+class _StartFails:
+    """A provider whose start fails after the fetch (what the test watches is the fetch)."""
+
+    def check(self, spec_gpus: str | None) -> None:
+        return None
+
+    def start(self, spec: NodeProvisionSpec) -> None:
+        raise NodeStartFailed("no node in this test")
+
+
+async def test_the_start_activity_heartbeats_the_fetchs_progress(
+    hub: HubStandin, parts: list[Path], tmp_path: Path
+) -> None:
+    """A node's share fetched in its start activity: the activity's heartbeats carry the
+    fetch so far (what the Temporal Web UI and ``temporal workflow describe`` show of a
+    pending start), and the share is held when the node's start comes."""
+    paths, pin = pin_hub_model(source(parts))
+    share = shares(paths, pin, tmp_path / "host")[1]
+    spec = NodeProvisionSpec(
+        run_id=99102,
+        node_id=3,
+        stage_index=1,
+        nonce="0123456789abcdef",
+        task_queue="q",
+        readiness_id="r",
+        authorized_orchestrator="a",
+        run_workflow_id="mvp-run-99102",
+        image_or_artifact="img",
+        environment={},
+        coordinator_endpoint="",
+        temporal_namespace="default",
+        provider=ProviderKind.PROCESS,
+        model_share=share,
+    )
+    beats: list[object] = []
+    env = ActivityEnvironment()
+    env.on_heartbeat = lambda *details: beats.extend(details)
+    acts = ProviderActivities({ProviderKind.PROCESS: _StartFails()})  # type: ignore[dict-item]
+    with pytest.raises(ApplicationError, match="no node in this test"):
+        await env.run(acts.start_node, spec)
+    fetches = [b["fetch"] for b in beats if isinstance(b, dict) and "fetch" in b]
+    assert fetches, beats
+    assert {(f["node_id"], f["stage_index"], f["bytes_total"]) for f in fetches} == {
+        (3, 1, share.size)
+    }
+    assert all(0 <= f["bytes_held"] <= share.size for f in fetches)
+    assert fetch_share(share.model_dump(mode="json")) == 0  # held whole before the start
