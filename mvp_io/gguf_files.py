@@ -25,12 +25,23 @@ from mvp_core.gguf_header import (
 Mapping = mmap.mmap | bytes
 
 
+# What identifies a file on its host as it was mapped: device, inode, size and
+# modification time (ns) of the open file itself, not of whatever its path names later.
+Identity = tuple[int, int, int, int]
+
+
+def _map(path: str) -> tuple[Mapping, Identity]:
+    with open(path, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if st.st_size == 0:
+            return b"", identity
+        return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ), identity
+
+
 def map_file(path: str) -> Mapping:
     """The file read-only and memory-mapped (b"" when it is empty: mmap refuses those)."""
-    with open(path, "rb") as fh:
-        if os.fstat(fh.fileno()).st_size == 0:
-            return b""
-        return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    return _map(path)[0]
 
 
 def close_mapping(buf: Mapping) -> None:
@@ -50,6 +61,7 @@ class ModelFiles:
     header: GGUFHeader
     paths: list[str]
     mappings: list[Mapping] = field(default_factory=list)
+    identities: list[Identity] = field(default_factory=list)  # of the files mapped
 
     def close(self) -> None:
         for buf in self.mappings:
@@ -67,13 +79,13 @@ def open_model(path: str) -> ModelFiles:
     """The model whose (first) file is ``path``, every file mapped; GGUFError (or OSError)
     naming the file at fault: not a GGUF file, a later part given instead of the first, a
     part missing, or parts that do not belong together."""
-    first = map_file(path)
-    mappings = [first]
+    first, identity = _map(path)
+    mappings, identities = [first], [identity]
     try:
         header = parse_header(first, path)
         where = split_of(header, path)
         if where is None:
-            return ModelFiles(header, [path], mappings)
+            return ModelFiles(header, [path], mappings, identities)
         no, count = where
         if no != 0:
             raise GGUFError(
@@ -85,9 +97,11 @@ def open_model(path: str) -> ModelFiles:
         for index, part in enumerate(paths[1:], start=2):
             if not os.path.isfile(part):
                 raise GGUFError(f"split part {index} of {count} is missing: {part}")
-            mappings.append(map_file(part))
-            headers.append(parse_header(mappings[-1], part))
-        return ModelFiles(join_split(headers, paths), paths, mappings)
+            buf, identity = _map(part)
+            mappings.append(buf)
+            identities.append(identity)
+            headers.append(parse_header(buf, part))
+        return ModelFiles(join_split(headers, paths), paths, mappings, identities)
     except BaseException:
         for buf in mappings:
             close_mapping(buf)

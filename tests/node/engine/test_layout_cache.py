@@ -110,8 +110,30 @@ def test_a_cache_that_cannot_be_written_is_none_and_off_is_off(tmp_path: Path) -
     blocked.write_text("not a directory")
     assert open_cache({ENV_DIR: str(blocked / "layouts")}) is None
     assert open_cache({ENV_DIR: "off"}) is None
+    assert open_cache({ENV_DIR: str(tmp_path / "ok"), ENV_GB: "0"}) is None
     cache = open_cache({ENV_DIR: str(tmp_path / "ok"), ENV_GB: "0.5"})
     assert cache is not None and cache.max_bytes == 1 << 29
+
+
+def test_the_key_names_the_file_that_was_read_not_what_its_path_names_later(
+    tmp_path: Path,
+) -> None:
+    """A model replaced by rename while a stage loads (a re-download): the layouts are
+    keyed by the file that was mapped and read, never stored under the new file's key."""
+    from workers.node.engine.gguf_reader import GGUFFile
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    model = write_case("llama-Q4_1", tmp_path / "a")
+    other = write_case("llama-Q4_1", tmp_path / "b")  # the same name, another file
+    st = os.stat(model.path)
+    f = GGUFFile(model.path)
+    try:
+        os.replace(other.path, model.path)
+        assert f.identities == [(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)]
+        assert os.stat(model.path).st_ino != st.st_ino
+    finally:
+        f.close()
 
 
 def _native_linears(obj: object, out: list[NativeLinear], depth: int = 0) -> list[NativeLinear]:

@@ -47,6 +47,9 @@ class GGUFFile:
         self.materialized: set[str] = set()
         files = open_model(path)
         self.paths = files.paths
+        # The mapped files' identity on this host (the layout cache's key: the files
+        # read, whatever their paths name by the time the key is made).
+        self.identities = list(files.identities)
         self.metadata: dict[str, Any] = files.header.metadata
         self.tensors: dict[str, TensorInfo] = files.header.tensors
         self._maps: list[mmap.mmap] = []

@@ -747,7 +747,8 @@ def native_layout(
     )
 
 
-_ROW_FIELDS = ("codes", "scale", "offset", "zrow", "ksc", "kmin", "kd", "kdmin", "zg")
+# NativeLayout's tensor fields, all of them: one row (or 16-row group) of each per row.
+_ROW_FIELDS = tuple(f.name for f in dataclasses.fields(NativeLayout) if "Tensor" in str(f.type))
 
 
 def _same_kind(a: NativeLayout, b: NativeLayout) -> bool:

@@ -18,14 +18,17 @@ hold the same layers share their pages.
   place, so a reader sees a whole file or none; two nodes building the same file both
   rename a whole one. A file is checked against its key and its recorded size when
   mapped: anything else is a miss (removed, rebuilt), never an error.
-* **Bounded:** ``MVP_LAYOUT_CACHE_GB`` (default 32) caps the directory; the files used
-  longest ago go first, and temporary files of a node that died are cleared.
+* **Bounded:** ``MVP_LAYOUT_CACHE_GB`` (default 32; 0 turns it off) caps the directory;
+  the files used longest ago go first, temporary files of a node that died are cleared,
+  and nothing is written where it would leave under 1 GiB of disk free.
+* **Durable:** a file is synced before its name appears (no whole-sized file of zeros
+  after a power loss); one that cannot be mapped now (no memory, no descriptor) is kept.
 * **Where:** ``MVP_LAYOUT_CACHE`` (a directory; ``off`` turns it off), else
   ``~/.cache/mvp-orchestrator/layouts``. A directory that cannot be written is no
   cache (said once in the log), never a failed load.
 
-The mapping is private and read-only in use: the kernel never writes weights, and a
-page of it is the page cache's own until someone would.
+The mapping is read-only and shared: the kernel never writes weights, and its pages are
+the page cache's.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import os
 import secrets
 import struct
 import time
-from collections.abc import Sequence
+import warnings
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -55,13 +58,12 @@ DEFAULT_GB = 32.0
 _MAGIC = b"MVPLAY01"
 _ALIGN = 64
 _STALE_TMP_S = 3600.0
-# The code a layout is built by: a change to any of these files is a new key.
-_SOURCES = ("kernels.py", "quants.py", "loader.py", "layout_cache.py")
-_TENSOR_FIELDS = tuple(
-    f.name
-    for f in fields(NativeLayout)
-    if f.name in ("codes", "scale", "offset", "zrow", "ksc", "kmin", "kd", "kdmin", "zg")
-)
+# The code a layout is built by and read by: a change to any of these files (the
+# kernel's C sources included) is a new key.
+_SOURCES = ("kernels.py", "quants.py", "loader.py", "layout_cache.py", "native.py")
+# NativeLayout's tensor fields, all of them (a field added there is stored here too).
+_TENSOR_FIELDS = tuple(f.name for f in fields(NativeLayout) if "Tensor" in str(f.type))
+_FREE_MARGIN = 1 << 30  # a file is not written where it would leave less disk than this
 _DTYPES = {
     str(d): d
     for d in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.float16, torch.float32)
@@ -71,22 +73,13 @@ _DTYPES = {
 def _source_digest() -> str:
     h = hashlib.sha256()
     here = Path(__file__).parent
-    for name in _SOURCES:
-        h.update(name.encode())
-        h.update((here / name).read_bytes())
+    for path in [*(here / n for n in _SOURCES), *sorted((here / "csrc").iterdir())]:
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 
 _SOURCE = _source_digest()
-
-
-def file_identity(paths: Sequence[str]) -> list[tuple[int, int, int, int]]:
-    """What the key holds of the model's files: their identity on this host."""
-    out = []
-    for p in paths:
-        st = os.stat(p)
-        out.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
-    return out
 
 
 def layout_key(files: list[tuple[int, int, int, int]], what: dict[str, Any]) -> str:
@@ -136,13 +129,16 @@ class LayoutCache:
             return None
         try:
             got = self._read(fd, key)
-        except (OSError, ValueError, KeyError, TypeError, struct.error, RuntimeError) as e:
+        except (ValueError, KeyError, TypeError, struct.error, RuntimeError) as e:
             log.warning("engine: layout cache file %s unusable (%s): rebuilding it", path, e)
             got = None
             try:
                 path.unlink()
             except OSError:
                 pass
+        except OSError as e:  # the file may be sound (no memory, no descriptor): kept
+            log.warning("engine: layout cache file %s not mapped (%s): building", path, e)
+            got = None
         finally:
             os.close(fd)
         if got is None:
@@ -157,7 +153,7 @@ class LayoutCache:
         size = os.fstat(fd).st_size
         if size < 16:
             raise ValueError(f"{size} bytes")
-        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         try:
             if mm[:8] != _MAGIC:
                 raise ValueError("not a layout file")
@@ -181,7 +177,9 @@ class LayoutCache:
                     if nbytes == 0:  # the K formats' unused float scales
                         tensors[name] = torch.empty(shape, dtype=_DTYPES[dtype])
                         continue
-                    raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset)
+                    with warnings.catch_warnings():  # read-only: the kernel never writes
+                        warnings.simplefilter("ignore", UserWarning)
+                        raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset)
                     tensors[name] = raw.view(_DTYPES[dtype]).view(shape)
                 scalars = entry["scalars"]
                 layouts.append(
@@ -250,12 +248,20 @@ class LayoutCache:
         tmp = self.root / f".tmp-{os.getpid()}-{secrets.token_hex(4)}"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
+            st = os.statvfs(self.root)
+            if st.f_bavail * st.f_frsize < meta["size"] + _FREE_MARGIN:
+                log.warning("engine: layout cache %s: disk nearly full, not stored", self.root)
+                return
             with open(tmp, "wb") as f:
                 f.write(_MAGIC + struct.pack("<Q", len(text)) + text)
                 for off, t in blobs:
                     f.seek(start + off)
                     f.write(t.view(torch.uint8).reshape(-1).numpy().data)
                 f.truncate(meta["size"])
+                # On disk before its name is: a power loss never leaves a whole-sized file
+                # of zeros under a key.
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, self._path(key))
             self.written += meta["size"]
         except OSError as e:
@@ -314,6 +320,8 @@ def open_cache(environ: dict[str, str] | None = None) -> LayoutCache | None:
         gb = float(env.get(ENV_GB, "") or DEFAULT_GB)
     except ValueError:
         gb = DEFAULT_GB
+    if gb <= 0:
+        return None
     try:
         root.mkdir(parents=True, exist_ok=True)
         if not os.access(root, os.W_OK | os.X_OK):

@@ -38,7 +38,7 @@ from .kernels import (
     row_blocks_pack_independently,
     with_residual_group,
 )
-from .layout_cache import LayoutCache, file_identity, layout_key, tensor_digest
+from .layout_cache import LayoutCache, layout_key, tensor_digest
 from .quants import (
     AFFINE_BITS,
     Q4_0,
@@ -142,7 +142,7 @@ class WeightBuilder:
         # The native layouts cached on this host's disk (layout_cache.py), keyed in part
         # by the model files' identity, read once.
         self.cache = cache
-        self._files = file_identity(f.paths) if cache is not None else []
+        self._files = list(f.identities)
 
     def _info(self, name: str) -> tuple[int, tuple[int, ...]]:
         if name not in self.f.tensors:
@@ -271,7 +271,7 @@ class WeightBuilder:
             CHUNKED_LAYOUTS
             and _CHUNK_ROWS % 16 == 0
             and all(shape[0] % 16 == 0 for _, shape, _, _ in members)
-            and len({_NATIVE[t][1] for _, _, t, _ in members}) == 1
+            and len({_NATIVE[t][1:] for _, _, t, _ in members}) == 1
             and len({_pow2(p.row_scale) for p, _, _, _ in members}) == 1
         )
         if not by_chunks:

@@ -48,6 +48,9 @@ static int64_t work(unsigned long long gen) {
         unsigned long long chunks = (t >> COUNT_SHIFT) & FIELD, next = t & FIELD;
         if (next >= chunks) break;
         if (!atomic_compare_exchange_weak(&g_ticket, &t, t + 1)) continue;
+        /* Counted at its first chunk, before that chunk is done: the caller, which waits
+         * for every chunk, then sees every thread that ran one of this product. */
+        if (ran == 0) atomic_fetch_add(&g_ran, 1);
         if (g_task) {
             g_task(g_ctx, (int64_t)next);
         } else {
@@ -58,7 +61,6 @@ static int64_t work(unsigned long long gen) {
         atomic_fetch_add(&g_done, 1);
         ran++;
     }
-    if (ran) atomic_fetch_add(&g_ran, 1);
     return ran;
 }
 
@@ -106,6 +108,7 @@ static void *worker(void *arg) {
         }
         if (gen == seen) continue; /* parked meanwhile: back to the top */
         seen = gen;
+        if (index >= atomic_load(&g_active)) continue; /* counted out since: park */
         work(gen);
     }
     return NULL;
