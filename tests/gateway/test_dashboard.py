@@ -343,6 +343,7 @@ class FakeSource:
         self.states: dict[str, RunState | Exception] = {}
         self.running: list[str] = []
         self.figs: dict[str, PromptFigures] = {}
+        self.fetching: dict[int, tuple[int, int]] = {}
         self.calls: list[tuple[str, str]] = []
 
     async def describe(self, workflow_id: str) -> tuple[str, str | None]:
@@ -358,6 +359,10 @@ class FakeSource:
 
     async def running_runs(self, limit: int) -> list[str]:
         return self.running[:limit]
+
+    async def fetches(self, workflow_id: str) -> dict[int, tuple[int, int]]:
+        self.calls.append(("fetches", workflow_id))
+        return dict(self.fetching)
 
     async def prompt_figures(self, workflow_id: str) -> PromptFigures:
         self.calls.append(("figures", workflow_id))
@@ -766,3 +771,53 @@ def test_a_stage_recovery_shows_while_it_runs_and_after():
     (rec,) = view.recoveries
     assert (rec.stage_index, rec.lost_node_id, rec.new_node_id) == (new.stage_index, 2, new.node_id)
     assert (rec.joined_s, rec.ready_s) == (4.0, 7.25)
+
+
+async def test_a_share_being_fetched_shows_how_far_it_is_then_what_was_fetched():
+    """A hub run whose second node is still fetching its share (its start activity's
+    heartbeat): the stage shows the bytes held of its share; once started, the handle's
+    figures. A run without a hub model, or with every node started, is not asked."""
+    from mvp_core.models import HubPart, HubPin
+
+    src = FakeSource()
+    obs = observer(src, others=False)
+    state = serving_state()
+    assert state.plan is not None
+    state.plan.hub = HubPin(
+        endpoint="https://huggingface.co",
+        repo="acme/m-GGUF",
+        commit="a" * 40,
+        parts=[
+            HubPart(file="m.gguf", size=10**8, etag="e", header_bytes=100, header_sha256="0" * 64)
+        ],
+    )
+    state.phase = RunPhase.PROVISIONING
+    state.nodes[1].handle = None
+    second = state.nodes[1].node_id
+    src.status["mvp-run-7"] = ("running", "exec-1")
+    src.states["mvp-run-7"] = state
+    src.fetching = {second: (12_500_000, 50_000_000)}
+    row = (await obs.observe()).runs[0].stages[1]
+    assert (row.fetching_mb, row.share_mb, row.fetched_mb) == (12.5, 50.0, None)
+    assert src.count("fetches") == 1
+    state.nodes[1].handle = handle(second)
+    src.states["mvp-run-7"] = state
+    row = (await obs.observe()).runs[0].stages[1]
+    assert row.fetching_mb is None
+    assert src.count("fetches") == 1  # every node started: not asked again
+
+
+def test_only_a_start_activitys_fetch_details_count_as_progress():
+    from workers.gateway.dashboard import _fetch_progress
+
+    good = {"fetch": {"node_id": 3, "bytes_held": 5, "bytes_total": 9, "seconds": 1.0}}
+    assert _fetch_progress(good) == (3, 5, 9)
+    for bad in (
+        "test delay",
+        None,
+        {"fetch": "x"},
+        {"fetch": {"node_id": 3, "bytes_held": 10, "bytes_total": 9}},
+        {"fetch": {"node_id": True, "bytes_held": 1, "bytes_total": 9}},
+        {"fetch": {"node_id": 3, "bytes_held": "1", "bytes_total": 9}},
+    ):
+        assert _fetch_progress(bad) is None, bad

@@ -123,11 +123,29 @@ class RunSource(Protocol):
 
     async def prompt_figures(self, workflow_id: str) -> PromptFigures: ...
 
+    async def fetches(self, workflow_id: str) -> dict[int, tuple[int, int]]:
+        """The node shares being fetched now, by node: (bytes held, bytes in all), from
+        the start activities' heartbeats (activities/model_share.py)."""
+        ...
+
     async def served_figures(
         self, run_workflow_id: str, request_id: int, key: str
     ) -> PromptFigures:
         """A run-hosted prompt's figures (DECISIONS 66), from what its run kept of it."""
         ...
+
+
+def _fetch_progress(details: object) -> tuple[int, int, int] | None:
+    """(node, bytes held, bytes in all) of a start activity's heartbeat details
+    (activities/model_share.ShareProgress.details); None for any other details."""
+    fetch = details.get("fetch") if isinstance(details, dict) else None
+    if not isinstance(fetch, dict):
+        return None
+    values = [fetch.get(k) for k in ("node_id", "bytes_held", "bytes_total")]
+    ints = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+    if len(ints) != 3 or not 0 <= ints[1] <= ints[2]:
+        return None
+    return ints[0], ints[1], ints[2]
 
 
 class TemporalSource:
@@ -147,6 +165,30 @@ class TemporalSource:
             raise SourceError(f"describe failed: {err.message}") from None
         status = _STATUS.get(desc.status, "running") if desc.status else "running"
         return status, desc.run_id
+
+    async def fetches(self, workflow_id: str) -> dict[int, tuple[int, int]]:
+        try:
+            desc = await self.client.get_workflow_handle(workflow_id).describe(
+                rpc_timeout=QUERY_TIMEOUT
+            )
+        except RPCError as err:
+            raise SourceError(f"describe failed: {err.message}") from None
+        found: dict[int, tuple[int, int]] = {}
+        for pending in desc.raw_description.pending_activities:
+            if pending.activity_type.name != names.ACT_START_NODE:
+                continue
+            payloads = pending.heartbeat_details.payloads
+            if not payloads:
+                continue
+            try:
+                details = await self.client.data_converter.decode(payloads)
+            except Exception:  # details this gateway cannot read: no progress shown
+                continue
+            for d in details:
+                got = _fetch_progress(d)
+                if got is not None:
+                    found[got[0]] = got[1:]
+        return found
 
     async def snapshot(self, workflow_id: str) -> RunState:
         try:
@@ -381,6 +423,13 @@ class Observer:
                 workflow_id, run_id, status, None, served=served, figures_of={}, logs={}, note=note
             )
         await self._learn_figures(workflow_id, state)
+        fetches: dict[int, tuple[int, int]] = {}
+        starting = any(n.handle is None for n in state.nodes)
+        if status == "running" and state.plan is not None and state.plan.hub and starting:
+            try:
+                fetches = await self.source.fetches(workflow_id)
+            except SourceError:
+                pass  # shown when the nodes have started
         streamed: dict[int, LogTail] = {}
         if served:
             self.feed.follow(state.datastream)
@@ -396,6 +445,7 @@ class Observer:
             figures_of=self._figures,
             logs=logs,
             note=clip(note) if note else None,
+            fetches=fetches,
         )
         if served:
             view.events = self.feed.events()

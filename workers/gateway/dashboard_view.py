@@ -69,6 +69,8 @@ class StageView(BaseModel):
     pid: int | None = None
     share_mb: float | None = None  # a hub model: the node's share, and what its host fetched
     fetched_mb: float | None = None
+    # while the share is fetched (its start activity's heartbeat): how much is held so far
+    fetching_mb: float | None = None
     state: StageState
     log: LogTail | None = None
 
@@ -250,8 +252,14 @@ def _mb(n: int | None) -> float | None:
     return None if n is None else round(n / 1e6, 1)
 
 
-def stage_views(state: RunState, logs: Mapping[int, LogTail]) -> list[StageView]:
-    """One row per planned stage (before the plan: per node the run knows)."""
+def stage_views(
+    state: RunState,
+    logs: Mapping[int, LogTail],
+    fetches: Mapping[int, tuple[int, int]] | None = None,
+) -> list[StageView]:
+    """One row per planned stage (before the plan: per node the run knows); ``fetches``:
+    the shares being fetched now, by node (bytes held, bytes in all)."""
+    fetches = fetches or {}
     by_stage = {n.stage_index: n for n in state.nodes}
     rows: list[StageView] = []
     planned = state.plan.stages if state.plan is not None else []
@@ -263,6 +271,8 @@ def stage_views(state: RunState, logs: Mapping[int, LogTail]) -> list[StageView]
         handle = node.handle if node is not None else None
         node_id = node.node_id if node is not None else node_ids[index]
         span = layers.get(index)
+        fetching = fetches.get(node_id) if handle is None else None
+        share = handle.share_bytes if handle is not None else None
         rows.append(
             StageView(
                 stage_index=index,
@@ -272,8 +282,9 @@ def stage_views(state: RunState, logs: Mapping[int, LogTail]) -> list[StageView]
                 host=handle.host if handle is not None else None,
                 provider=handle.provider.value if handle is not None else None,
                 pid=handle.pid if handle is not None else None,
-                share_mb=_mb(handle.share_bytes) if handle is not None else None,
+                share_mb=_mb(fetching[1] if fetching is not None else share),
                 fetched_mb=_mb(handle.share_fetched) if handle is not None else None,
+                fetching_mb=_mb(fetching[0]) if fetching is not None else None,
                 state=stage_state(node),
                 log=logs.get(node_id),
             )
@@ -291,6 +302,7 @@ def run_view(
     figures_of: Mapping[str, PromptFigures],
     logs: Mapping[int, LogTail],
     note: str | None = None,
+    fetches: Mapping[int, tuple[int, int]] | None = None,
 ) -> RunView:
     view = RunView(workflow_id=workflow_id, run_id=run_id, served=served, status=status, note=note)
     if state is None:
@@ -326,7 +338,7 @@ def run_view(
         also_active=[str(p.request_id) for p in state.also_active],
         pending=[str(p.request_id) for p in state.pending],
     )
-    view.stages = stage_views(state, logs)
+    view.stages = stage_views(state, logs, fetches)
     view.recent = [
         prompt_view(p, figures_of.get(p.workflow_id) if p.workflow_id else None)
         for p in finished_prompts(state)
