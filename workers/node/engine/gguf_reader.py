@@ -90,10 +90,19 @@ class GGUFFile:
         if not self._maps or not hasattr(mmap, "MADV_DONTNEED"):
             return
         info = self.tensors[name]
+        self.release_range(name, 0, info.n_bytes)
+
+    def release_range(self, name: str, start: int, length: int) -> None:
+        """As ``release_tensor``, for bytes ``[start, start + length)`` of the tensor (a
+        converted chunk of its rows)."""
+        if not self._maps or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        info = self.tensors[name]
         buf = self._maps[info.part]
         page = mmap.PAGESIZE
-        start = info.offset // page * page
-        end = min(len(buf), info.offset + info.n_bytes)
+        begin = info.offset + start
+        start = begin // page * page
+        end = min(len(buf), begin + length)
         if end > start:
             try:
                 buf.madvise(mmap.MADV_DONTNEED, start, end - start)

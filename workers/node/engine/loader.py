@@ -345,6 +345,8 @@ class WeightBuilder:
         for r in range(0, rows, step):
             n = min(step, rows - r)
             yield r, n, raw[r * row_bytes : (r + n) * row_bytes]
+            # converted: its file pages leave this process (the page cache keeps them)
+            self.f.release_range(part.name, r * row_bytes, n * row_bytes)
 
     def _int4(
         self, parts: list[Part], shapes: list[tuple[int, ...]], bits: int, bias: torch.Tensor | None
