@@ -61,6 +61,17 @@ from .quants import (
 
 # Rows converted per step: bounds the temporary memory of large matrices (the head).
 _CHUNK_ROWS = 4096
+# A native layout's chunk: this many weights (rows x inputs), in whole 16-row groups, so
+# that a matrix of few rows and many inputs (a down projection: 4,096 x 14,336) is built
+# in pieces too; its temporaries are several times its codes.
+_CHUNK_WEIGHTS = 4096 * 2048
+
+
+def native_chunk_rows(k: int) -> int:
+    """Rows of one chunk of a native layout's build, for ``k`` inputs (a multiple of 16)."""
+    return min(_CHUNK_ROWS, max(16, _CHUNK_WEIGHTS // max(k, 1) // 16 * 16))
+
+
 # Native layouts built chunk by chunk and joined (WeightBuilder._run_layout); False: a
 # matrix's layout built whole (the tests compare the two).
 CHUNKED_LAYOUTS = True
@@ -270,6 +281,7 @@ class WeightBuilder:
         by_chunks = (
             CHUNKED_LAYOUTS
             and _CHUNK_ROWS % 16 == 0
+            and native_chunk_rows(k) % 16 == 0
             and all(shape[0] % 16 == 0 for _, shape, _, _ in members)
             and len({_NATIVE[t][1:] for _, _, t, _ in members}) == 1
             and len({_pow2(p.row_scale) for p, _, _, _ in members}) == 1
@@ -309,7 +321,7 @@ class WeightBuilder:
         self, part: Part, shape: tuple[int, ...], t: int, k: int, repacked: bool
     ) -> Iterator[NativePart]:
         """One matrix's rows as the native kernel's pieces (row chunks)."""
-        for _, n, raw in self._chunks(part, shape):
+        for _, n, raw in self._chunks(part, shape, native_chunk_rows(k)):
             g = q6_k_groups(raw, (n, k)) if t == Q6_K else affine_groups(raw, t, (n, k))
             width = 16 if t == Q6_K else 32
             q, scale, offset = g.q, g.scale * part.row_scale, g.offset * part.row_scale
@@ -335,12 +347,13 @@ class WeightBuilder:
             yield NativePart(q, scale, offset, width, zero, mode, exact16, ks, repacked)
 
     def _chunks(
-        self, part: Part, shape: tuple[int, ...]
+        self, part: Part, shape: tuple[int, ...], step: int = _CHUNK_ROWS
     ) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """(row offset, rows, raw bytes) of row chunks; a permuted part comes whole."""
+        """(row offset, rows, raw bytes) of chunks of ``step`` rows; a permuted part comes
+        whole."""
         raw = self.raw(part.name)
         rows = shape[0]
-        step = rows if part.perm is not None else _CHUNK_ROWS
+        step = rows if part.perm is not None else step
         row_bytes = raw.numel() // rows
         for r in range(0, rows, step):
             n = min(step, rows - r)
