@@ -33,6 +33,7 @@ from mvp_io.model_store import (
 )
 from mvp_io.share_fetch import HubUnreachable, ShareFetchError, fetch_share
 from scripts.gguf_split import split_gguf
+from tests.activities.test_datastream_bus import spec as node_spec
 from tests.helpers.hub_standin import HubStandin
 from workers.node.engine import EngineOptions, load_stage
 from workers.node.engine.gguf_reader import GGUFFile
@@ -368,21 +369,8 @@ async def test_the_start_activity_heartbeats_the_fetchs_progress(
     pending start), and the share is held when the node's start comes."""
     paths, pin = pin_hub_model(source(parts))
     share = shares(paths, pin, tmp_path / "host")[1]
-    spec = NodeProvisionSpec(
-        run_id=99102,
-        node_id=3,
-        stage_index=1,
-        nonce="0123456789abcdef",
-        task_queue="q",
-        readiness_id="r",
-        authorized_orchestrator="a",
-        run_workflow_id="mvp-run-99102",
-        image_or_artifact="img",
-        environment={},
-        coordinator_endpoint="",
-        temporal_namespace="default",
-        provider=ProviderKind.PROCESS,
-        model_share=share,
+    spec = node_spec(99102).model_copy(
+        update={"node_id": 3, "provider": ProviderKind.PROCESS, "model_share": share}
     )
     beats: list[object] = []
     env = ActivityEnvironment()
