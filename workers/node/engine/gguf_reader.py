@@ -83,18 +83,10 @@ class GGUFFile:
         self.materialized.add(name)
         return np.frombuffer(buf, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
 
-    def release_tensor(self, name: str) -> None:
-        """Drop a tensor's mapped pages from this process's RSS once it is converted (they
-        stay in the page cache; a later read maps them again): a load then holds the
-        file's pages of one product at a time, not of the whole stage."""
-        if not self._maps or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        info = self.tensors[name]
-        self.release_range(name, 0, info.n_bytes)
-
     def release_range(self, name: str, start: int, length: int) -> None:
-        """As ``release_tensor``, for bytes ``[start, start + length)`` of the tensor (a
-        converted chunk of its rows)."""
+        """Drop bytes ``[start, start + length)`` of a tensor's mapped pages from this
+        process's RSS once converted (they stay in the page cache; a later read maps them
+        again): a load holds the file's pages of one chunk at a time."""
         if not self._maps or not hasattr(mmap, "MADV_DONTNEED"):
             return
         info = self.tensors[name]

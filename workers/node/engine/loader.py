@@ -253,8 +253,6 @@ class WeightBuilder:
                 return None
             layouts.append(layout)
         rows = [sum(shape[0] for _, shape, _, _ in members) for _, members in runs]
-        for p in parts:
-            self.f.release_tensor(p.name)
         if self.cache is not None and key is not None:
             # Stored, then used from the file: the built copies are freed, and the pages
             # are the page cache's, shared with the host's other nodes of these layers.
@@ -280,7 +278,6 @@ class WeightBuilder:
 
         by_chunks = (
             CHUNKED_LAYOUTS
-            and _CHUNK_ROWS % 16 == 0
             and native_chunk_rows(k) % 16 == 0
             and all(shape[0] % 16 == 0 for _, shape, _, _ in members)
             and len({_NATIVE[t][1:] for _, _, t, _ in members}) == 1
