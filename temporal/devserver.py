@@ -145,10 +145,29 @@ class DevServer:
     process: subprocess.Popen[bytes]
     port: int
     ui_port: int
+    log_file: str | None = None
+    log_offset: int = 0  # where this server's output begins in ``log_file``
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    def exited(self) -> str | None:
+        """None while the server runs; once it has exited, how and why (its exit status
+        and the cause its output gives, where it wrote to a log file)."""
+        code = self.process.poll()
+        if code is None:
+            return None
+        text = f"the temporal dev server on port {self.port} exited with {code}"
+        if self.log_file is None:
+            return text
+        try:
+            with open(self.log_file, "rb") as fh:
+                fh.seek(self.log_offset)
+                output = fh.read()[-8192:].decode(errors="replace")
+        except OSError:
+            return text
+        return f"{text}: {exit_cause(output)}"
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM, up to ``timeout_s`` for the server to exit, then SIGKILL."""
@@ -300,4 +319,6 @@ def _start(
                 f"{timeout_s:.0f} s; its last output: {cause}",
                 cause,
             )
-    return DevServer(process=proc, port=port, ui_port=ui_port)
+    return DevServer(
+        process=proc, port=port, ui_port=ui_port, log_file=log_file, log_offset=start_offset
+    )

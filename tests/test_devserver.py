@@ -58,3 +58,21 @@ def test_a_port_taken_before_the_server_binds_it_is_not_its_readiness(
         assert srv.process.poll() is None and _listener_is(srv.process.pid, srv.port)
     finally:
         srv.stop()
+
+
+def test_a_server_that_exits_after_it_was_ready_says_how_and_why(tmp_path) -> None:
+    log = tmp_path / "temporal.log"
+    log.write_text("Error: an older server's cause\n")  # not this server's output
+    srv = start_dev_server(None, log_file=str(log))
+    try:
+        assert srv.exited() is None
+        with open(log, "a") as fh:  # what a server writes as it stops on an error
+            fh.write("Error: listen tcp 127.0.0.1:40001: bind: address already in use\n")
+        srv.process.kill()
+        srv.process.wait(10)
+        assert srv.exited() == (
+            f"the temporal dev server on port {srv.port} exited with -9: "
+            "listen tcp 127.0.0.1:40001: bind: address already in use"
+        )
+    finally:
+        srv.stop()

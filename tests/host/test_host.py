@@ -617,3 +617,37 @@ def test_otel_console_does_not_stop_the_embedded_dev_server(
     host.wait_ready()
     host.proc.send_signal(signal.SIGTERM)
     assert_clean_exit(host, host.finish())
+
+
+def test_an_embedded_dev_server_that_dies_while_serving_is_started_again_and_the_run_goes_on(
+    tmp_path: Path, hosts: list[HostProcess]
+):
+    """The run lives in the dev server's database, the nodes and the worker reconnect by
+    themselves: the host starts its server again on the same port, prompts keep being
+    served, and the session still ends clean."""
+    host = HostProcess(tmp_path, stages=1)
+    hosts.append(host)
+    host.wait_ready()
+    a = Client(host.port)
+    a.send(prompt(1, text="The capital of France is", max_tokens=8))
+    before, done = a.answer()
+    assert done["type"] == "done"
+
+    def server() -> psutil.Process:
+        found = [p for p in psutil.Process(host.proc.pid).children() if "start-dev" in p.cmdline()]
+        assert len(found) == 1, [p.cmdline() for p in found]
+        return found[0]
+
+    first = server()
+    first.kill()
+    host.wait_while_running(
+        lambda: "starting it again on the same port" in host.stderr, 60, "the server's restart"
+    )
+    assert "exited with -9" in host.stderr
+    assert server().pid != first.pid
+    a.send(prompt(2, text="The capital of France is", max_tokens=8))
+    after, done = a.answer()
+    assert done["type"] == "done", done
+    assert "".join(after) == "".join(before)  # greedy: the same text from the same run
+    host.proc.send_signal(signal.SIGINT)
+    assert_clean_exit(host, host.finish())

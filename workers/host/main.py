@@ -90,6 +90,7 @@ FORWARD_END_WAIT_S = 10.0  # how long the run's datastream may take to end after
 SHUTDOWN_WAIT_S = 120.0
 WORKER_READY_S = 60.0
 PROCESS_STOP_S = 3.0
+EMBEDDED_REVIVALS = 3  # how often a session starts its embedded dev server again
 FETCH_STOP_WAIT_S = 3.0  # how long a stopped model download may take to clean up
 FOLLOW_COMMAND = "mvp-follow"  # the console script of workers/host/follow.py
 
@@ -139,6 +140,7 @@ class Host:
         self.stop = asyncio.Event()
         self.stop_reason = ShutdownReason.OPERATOR_REQUESTED
         self.server: DevServer | None = None
+        self.revivals = 0  # how often the embedded dev server was started again
         self.worker: subprocess.Popen[bytes] | None = None
         self.rpc: PromptRpcServer | None = None
         self.tailers: dict[int, LogTailer] = {}
@@ -172,16 +174,7 @@ class Host:
         return code
 
     async def _session(self) -> int:
-        settings = await self._temporal()
-        try:
-            client = await connect(settings=settings)
-        except TemporalConnectError as err:
-            raise HostError(str(err)) from None
-        except RuntimeError as err:
-            raise HostError(f"cannot reach Temporal at {settings.address}: {err}") from None
-        self.stream.bootstrap(
-            BootstrapPhase.LOCAL_RUNTIME, BootstrapStatus.READY, {"temporal": settings.address}
-        )
+        client = await self._connect()
         if self.stop.is_set():
             return 0  # stopped before a run was started: nothing to tear down
         if not await self._fetch_model():
@@ -202,6 +195,64 @@ class Host:
             await self._final_watch(handle, watch)
 
     # ------------------------------------------------------------------ Temporal
+    async def _connect(self) -> Client:
+        """A client of the run's Temporal. An embedded dev server that has exited by then
+        (it picks some of its ports itself, and another process can take one first) is
+        started again on its port and database (:meth:`_revive_server`)."""
+        settings = await self._temporal()
+        while True:
+            try:
+                client = await connect(settings=settings)
+            except (TemporalConnectError, RuntimeError) as err:
+                if self.server is not None and self.server.exited() is not None:
+                    await self._revive_server()
+                    continue
+                if isinstance(err, TemporalConnectError):
+                    raise HostError(str(err)) from None
+                raise HostError(f"cannot reach Temporal at {settings.address}: {err}") from None
+            self.stream.bootstrap(
+                BootstrapPhase.LOCAL_RUNTIME, BootstrapStatus.READY, {"temporal": settings.address}
+            )
+            return client
+
+    async def _revive_server(self) -> None:
+        """Start the embedded dev server again after it exited: on the same port and the
+        same database, so the run's history, the worker and the nodes (whose clients
+        reconnect by themselves) carry on where they were. At most EMBEDDED_REVIVALS
+        times a session; its cause is logged each time, and a server that will not come
+        back ends the host with it."""
+        assert self.server is not None
+        died = self.server.exited()
+        log_path = host_dir() / "temporal.log"
+        if self.revivals >= EMBEDDED_REVIVALS:
+            raise HostError(
+                f"{died} (restarted {self.revivals} times already); its log: {log_path}"
+            )
+        self.revivals += 1
+        say(f"{died}; starting it again on the same port and database")
+        try:
+            self.server = await asyncio.to_thread(
+                start_dev_server,
+                str(host_dir() / "temporal.db"),
+                port=self.server.port,
+                ip=dev_server_ip(self.cfg.provider),
+                log_file=str(log_path),
+                own_process_group=True,
+                stop_with_parent=True,
+            )
+        except DevServerError as err:
+            raise HostError(
+                f"{died}, and it did not start again: {err}; its log: {log_path}"
+            ) from None
+
+    async def _close_embedded(self) -> None:
+        if self.worker is not None:
+            await asyncio.to_thread(stop_process, self.worker, PROCESS_STOP_S)
+            self.worker = None
+        if self.server is not None:
+            await asyncio.to_thread(self.server.stop, PROCESS_STOP_S)
+            self.server = None
+
     async def _temporal(self) -> TemporalSettings:
         try:
             configured = TemporalSettings.load()
@@ -408,6 +459,8 @@ class Host:
                 return False
             if self.worker is not None and self.worker.poll() is not None:
                 raise HostError(f"the orchestrator worker exited with {self.worker.returncode}")
+            if self.server is not None and self.server.exited() is not None:
+                await self._revive_server()
             state = self.state
             if state is not None and state.phase is RunPhase.PROMPT_READY:
                 return True
@@ -447,11 +500,25 @@ class Host:
             raise HostError(lost.result())
 
     async def _worker_lost(self) -> str:
-        """Resolves (with why) if the embedded worker dies: nothing would serve the run."""
-        if self.worker is None:  # a Temporal of the configuration's: no worker of ours
-            await asyncio.Event().wait()
-        assert self.worker is not None
-        return f"the orchestrator worker exited with {await process_exit(self.worker)}"
+        """Resolves (with why) if the embedded worker dies (nothing would serve the run)
+        or its dev server dies and cannot be started again."""
+        if self.worker is None or self.server is None:
+            await asyncio.Event().wait()  # a Temporal of the configuration's: none of ours
+        while True:
+            assert self.worker is not None and self.server is not None
+            worker = asyncio.ensure_future(process_exit(self.worker))
+            server = asyncio.ensure_future(process_exit(self.server.process))
+            try:
+                await asyncio.wait([worker, server], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                worker.cancel()
+                server.cancel()
+            if worker.done() and not worker.cancelled():
+                return f"the orchestrator worker exited with {worker.result()}"
+            try:
+                await self._revive_server()
+            except HostError as err:
+                return str(err)
 
     def _prompt_observed(self, obs: PromptObservation) -> None:
         self.stream.prompt_event(
@@ -530,10 +597,7 @@ class Host:
     async def _close(self) -> None:
         if self.rpc is not None:
             await self.rpc.close()
-        if self.worker is not None:
-            await asyncio.to_thread(stop_process, self.worker, PROCESS_STOP_S)
-        if self.server is not None:
-            await asyncio.to_thread(self.server.stop, PROCESS_STOP_S)
+        await self._close_embedded()
 
     def _config_detail(self) -> dict[str, Any]:
         cfg = self.cfg
