@@ -19,12 +19,15 @@ REAPER_WORKFLOW = "ReaperWorkflow"
 
 # Public surface of the run workflow.
 UPDATE_SUBMIT_PROMPT = "submit_prompt"
+# ... and the one that answers at admission (DECISIONS 77): no Update held while it runs
+UPDATE_ADMIT_PROMPT = "admit_prompt"
 SIGNAL_REQUEST_SHUTDOWN = "request_shutdown"
 SIGNAL_CANCEL_PROMPT = "cancel_prompt"
 UPDATE_SHUTDOWN_AND_WAIT = "request_shutdown_and_wait"
 QUERY_SNAPSHOT = "snapshot"
 # A run-hosted prompt's end, by its key (DECISIONS 66).
 QUERY_PROMPT_SERVED = "prompt_served"
+QUERY_PROMPT_END = "prompt_end"  # a run-hosted prompt: open, or its terminal event
 QUERY_PROMPT_STOPS = "prompt_stops"  # ... and the stop strings of one in flight or kept
 
 # Node reports (signals from node agents to the run).

@@ -180,10 +180,10 @@ class DevServer:
                 self.process.wait(5)
 
 
-# Every prompt of a run is an Update in flight on the run's workflow until it ends; the
-# server refuses more than ``history.maxInFlightUpdates`` at once (10 by default). A run
-# holds up to prompt_queue_capacity + max_active_prompts - 1 = 39 prompts (DECISIONS 62).
-DEV_SERVER_DYNAMIC_CONFIG = {"history.maxInFlightUpdates": "64"}
+# The server's own defaults: the project needs none changed. (A prompt's Update was in
+# flight until the prompt ended, so history.maxInFlightUpdates, 10, capped the prompts of
+# a run; admission now answers at once: DECISIONS 77.)
+DEV_SERVER_DYNAMIC_CONFIG: dict[str, str] = {}
 
 
 def start_dev_server(

@@ -233,11 +233,11 @@ def test_stream_polls_and_queries_are_not_traced():
         for name in (
             "StartWorkflowUpdate:__temporal_workflow_stream_poll",
             "QueryWorkflow:snapshot",
-            "StartWorkflowUpdate:submit_prompt",
+            "StartWorkflowUpdate:admit_prompt",
         ):
             with tracer.start_as_current_span(name):
                 pass
     assert sorted(s.name for s in memory.get_finished_spans()) == [
         "POST /v1/completions",
-        "StartWorkflowUpdate:submit_prompt",
+        "StartWorkflowUpdate:admit_prompt",
     ]

@@ -226,6 +226,29 @@ class ServedPrompt(_Model):
     stop: list[str] = Field(default_factory=list)  # its stop strings (a re-attach cuts there)
 
 
+class PromptAdmitted(_Model):
+    """The ``admit_prompt`` Update's result (DECISIONS 77): the run has admitted the
+    prompt, and the Update is over; the prompt is served on without it. Its end is the
+    child PromptWorkflow's result, or, for a run-hosted prompt, the ``prompt_end``
+    query's answer."""
+
+    request_id: int
+    prompt_id: str = Field(
+        description="The prompt's key: its PromptWorkflow's id, or the id it would have had "
+        "(a run-hosted prompt): its text stream, its end and a re-attach are keyed by it"
+    )
+    hosted: bool = Field(description="Served by the run itself (prompt_host run)")
+
+
+class PromptEnd(_Model):
+    """The ``prompt_end`` query's answer for one run-hosted prompt: still open (queued or
+    generating: ``terminal`` None) or ended (its one terminal event, as the run keeps it)."""
+
+    prompt_id: str
+    open: bool
+    terminal: PromptTerminal | None = None
+
+
 class PromptInput(_Model):
     run_id: int
     readiness_id: str

@@ -75,7 +75,7 @@ class LayerSplit(StrEnum):
     BALANCED = "balanced"
 
 
-MAX_ACTIVE_PROMPTS = 32  # KV cache slots per stage; each holds max_seq_len positions
+MAX_ACTIVE_PROMPTS = 64  # KV cache slots per stage; each holds max_seq_len positions
 
 
 class RunRequest(_Model):

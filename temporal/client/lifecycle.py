@@ -58,6 +58,7 @@ class RunLifecycle:
         self._target: TextStreamTarget | None = None  # the head node's text stream
         self._prompt_host: PromptHost | None = None  # where the run serves prompts
         self.direct_streams = 0  # prompts whose text came from the head node to the end
+        self._admitting: asyncio.Semaphore | None = None  # admissions in flight (made in use)
 
     @property
     def workflow(self) -> WorkflowHandle[Any, Any]:

@@ -136,10 +136,12 @@ class PromptLookup(PromptText):
         return PromptOutcome.model_validate(raw).terminal
 
     async def _hosted_terminal(self, found: PromptLocation) -> Done | Fault:
-        """A run-hosted prompt's end: kept by the run, or its Update's result (waited on,
-        as its submitter waits)."""
+        """A run-hosted prompt's end: kept by the run, or, still open, what the run's
+        ``prompt_end`` answers (DECISIONS 77) or its ``submit_prompt`` Update's result."""
         if found.served is not None:
             return found.served.outcome.terminal
+        if found.update_id is None:  # admitted by admit_prompt: the run answers for it
+            return await self.prompt_end(found.workflow_id, found.request_id, hosted=True)
         if found.update_id is not None:
             update = self.workflow.get_update_handle_for(RunWorkflow.submit_prompt, found.update_id)
             try:

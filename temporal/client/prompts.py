@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any, cast
+from typing import Any
 
 from temporalio.client import (
     WorkflowUpdateFailedError,
@@ -18,35 +18,56 @@ from temporalio.client import (
 )
 from temporalio.service import RPCError
 
-from mvp_core import names
-from mvp_core.models import CancelPrompt, Done, Fault, SubmitPrompt, TextDelta
+from mvp_core.models import CancelPrompt, Done, Fault, PromptAdmitted, SubmitPrompt, TextDelta
 from mvp_core.run_signals import signal_name
+from temporal.client.ends import EndHint
 from temporal.client.errors import rejection
 from temporal.client.text import PromptEvents, PromptText
 from temporal.client.updates import OUTCOME_PEEK, drop, resent_when_not_ready
 from workflows.run import RunWorkflow
 
 CANCEL_TIMEOUT_S = 5.0  # a cancel_prompt signal that takes longer is given up
+# Admissions of one handle in flight at once: below the server's default limit on a
+# workflow's Updates in flight (history.maxInFlightUpdates, 10), so that a burst of
+# prompts from one gateway or host waits here a workflow task or two, never in the SDK's
+# retries of the server's refusal (~15 s). Each admission is one workflow task long.
+ADMISSIONS_AT_ONCE = 8
 ADMIT_WAIT_S = 30.0  # a stream cancelled while its admission is in flight waits this long
 
 
 class PromptCalls(PromptText):
     """Submit, stream and cancel the run's prompts."""
 
-    async def _admit(self, prompt: SubmitPrompt, update_id: str) -> WorkflowUpdateHandle[Any]:
-        """Start the ``submit_prompt`` Update and return its handle once the run admitted
-        the prompt; a refusal raises PromptRejected.
+    async def _admit(self, prompt: SubmitPrompt, update_id: str) -> PromptAdmitted:
+        """Admit the prompt with the ``admit_prompt`` Update (DECISIONS 77): it answers
+        once the run has admitted it, and holds nothing open while it runs. A refusal
+        raises PromptRejected."""
+        if self._admitting is None:
+            self._admitting = asyncio.Semaphore(ADMISSIONS_AT_ONCE)
+        try:
+            async with self._admitting:
+                admitted: PromptAdmitted = await resent_when_not_ready(
+                    lambda: self.workflow.execute_update(
+                        RunWorkflow.admit_prompt, prompt, id=update_id
+                    )
+                )
+        except WorkflowUpdateFailedError as err:
+            raise rejection(err) from None
+        self._cancelled.discard(prompt.request_id)  # a new prompt of this id
+        return admitted
 
-        A validator's rejection comes back as an Update already completed with a failure
-        (the server answers the ACCEPTED wait with the outcome): it is read at once here,
-        so the caller never holds a handle for a prompt that was not admitted."""
+    async def start_prompt(self, prompt: SubmitPrompt) -> WorkflowUpdateHandle[Any]:
+        """Submit with the spec's ``submit_prompt`` Update and return once the run has
+        admitted the prompt (FIFO from here on); raises PromptRejected when the run refuses
+        it. The handle's ``result()`` is the prompt's Done or Fault; the Update is in
+        flight until then, and a server allows few such per run (DECISIONS 77)."""
         try:
             # (Any: the SDK types an async handler's result as its coroutine)
             update: WorkflowUpdateHandle[Any] = await resent_when_not_ready(
                 lambda: self.workflow.start_update(
                     RunWorkflow.submit_prompt,
                     prompt,
-                    id=update_id,
+                    id=uuid.uuid4().hex,
                     wait_for_stage=WorkflowUpdateStage.ACCEPTED,
                 )
             )
@@ -56,28 +77,20 @@ class PromptCalls(PromptText):
                 await update.result(rpc_timeout=OUTCOME_PEEK)
         except WorkflowUpdateFailedError as err:
             raise rejection(err) from None
-        self._cancelled.discard(prompt.request_id)  # a new prompt of this id
+        self._cancelled.discard(prompt.request_id)
         return update
 
-    async def start_prompt(self, prompt: SubmitPrompt) -> WorkflowUpdateHandle[Any]:
+    async def admit(self, prompt: SubmitPrompt) -> PromptAdmitted:
         """Submit and return once the run has admitted the prompt (FIFO from here on);
-        raises PromptRejected when the run refuses it. The handle's ``result()`` is the
-        prompt's Done or Fault."""
+        raises PromptRejected when the run refuses it. Its end: ``prompt_end``."""
         return await self._admit(prompt, uuid.uuid4().hex)
 
     async def submit(self, prompt: SubmitPrompt) -> Done | Fault:
         """Submit and wait for the terminal event, without streaming."""
-        try:
-            update_id = uuid.uuid4().hex  # one id for every resend
-            result = await resent_when_not_ready(
-                lambda: self.workflow.execute_update(
-                    RunWorkflow.submit_prompt, prompt, id=update_id
-                )
-            )
-        except WorkflowUpdateFailedError as err:
-            raise rejection(err) from None
-        self._cancelled.discard(prompt.request_id)
-        return cast(Done | Fault, result)
+        admitted = await self._admit(prompt, uuid.uuid4().hex)
+        return await self.prompt_end(
+            admitted.prompt_id, admitted.request_id, hosted=admitted.hosted
+        )
 
     async def cancel_prompt(self, request_id: int) -> None:
         """Ask the run to end prompt ``request_id`` (signal ``cancel_prompt``; the prompt
@@ -120,26 +133,31 @@ class PromptCalls(PromptText):
         run's FIFO is fixed from then on). Leaving the stream before its terminal event
         cancels the prompt (``cancel_prompt``): the run's active slot is not held by a
         prompt nobody reads."""
-        update_id = uuid.uuid4().hex
-        admit = asyncio.ensure_future(self._admit(prompt, update_id))
+        admit = asyncio.ensure_future(self._admit(prompt, uuid.uuid4().hex))
         try:
-            update = await asyncio.shield(admit)
+            admitted = await asyncio.shield(admit)
         except asyncio.CancelledError:
             self._spawn(self._cancel_when_admitted(admit, prompt.request_id))
             raise
         if on_admitted is not None:
             on_admitted()
-        child_id = names.prompt_workflow_id(self.run_id, prompt.request_id, update_id)
-        result_task: asyncio.Future[Any] = asyncio.ensure_future(update.result())
+        hint = EndHint()
+        result_task: asyncio.Future[Done | Fault] = asyncio.ensure_future(
+            self.prompt_end(
+                admitted.prompt_id, prompt.request_id, hosted=admitted.hosted, hint=hint
+            )
+        )
         terminal: Done | Fault | None = None
         try:
-            async for event in self._events(child_id, result_task, poll_cooldown_ms):
+            async for event in self._events(
+                admitted.prompt_id, result_task, poll_cooldown_ms, hint=hint
+            ):
                 if isinstance(event, TextDelta):
                     yield event
                 else:
                     terminal = event
                     break
-            result = cast(Done | Fault, await result_task)
+            result = await result_task
             terminal = terminal if terminal is not None else result
             yield terminal
         finally:

@@ -18,7 +18,7 @@ from temporalio.service import RPCError
 
 from mvp_core import names
 from mvp_core.models import Done, Fault, PromptEvent, PromptHost, TextDelta
-from temporal.client.lifecycle import RunLifecycle
+from temporal.client.ends import EndHint, PromptEnds
 from temporal.text_stream import (
     TextStreamError,
     TextStreamRefused,
@@ -51,20 +51,29 @@ def cut(delta: TextDelta, skip: int) -> tuple[TextDelta | None, int]:
     return delta.model_copy(update={"text": delta.text[n:]}), skip - n
 
 
-class PromptText(RunLifecycle):
+class PromptText(PromptEnds):
     """A prompt's events, from the head node or the prompt workflow's stream."""
 
     async def _events(
-        self, child_id: str, result_task: asyncio.Future[Any], poll_cooldown_ms: int, start: int = 0
+        self,
+        child_id: str,
+        result_task: asyncio.Future[Any],
+        poll_cooldown_ms: int,
+        start: int = 0,
+        hint: EndHint | None = None,
     ) -> PromptEvents:
         """The prompt's text deltas (from the head node where this host can read it
         directly, else from the prompt workflow's stream), then its terminal event: the
         stream's, or else the result's, after any text the deltas missed (a Done holds
-        the whole text). ``start``: the deltas already seen of the workflow's stream."""
+        the whole text). ``start``: the deltas already seen of the workflow's stream.
+        ``hint``: told whether a direct stream is open and when its text has ended, for
+        the wait on the result (DECISIONS 77)."""
+        hint = hint or EndHint()
         sent: list[str] = []
         tokens = 0  # ... and the generated tokens they held
         direct_end = False
         target = await self._text_target() if not result_task.done() else None
+        hint.streaming = target is not None
         resumes = 0
         while target is not None:
             skip = len("".join(sent))  # a new head's stream starts from the first text
@@ -78,6 +87,7 @@ class PromptText(RunLifecycle):
                     yield delta
                 direct_end = True
                 self.direct_streams += 1
+                hint.text_ended.set()
             except TextStreamRefused as err:
                 log.info("%s: text from Temporal from now on: %s", self.workflow_id, err)
                 self._secret = None  # this host's secret is not the run's: never again
@@ -93,6 +103,7 @@ class PromptText(RunLifecycle):
                         continue
                 log.info("%s: text from Temporal: %s", child_id, err)
             break
+        hint.streaming = False
         terminal: Done | Fault | None = None
         if not direct_end and not await self._hosts_prompts():
             skip = len("".join(sent))
@@ -108,19 +119,9 @@ class PromptText(RunLifecycle):
                 tokens += event.tokens or 0
                 yield event
         result = terminal if terminal is not None else cast(Done | Fault, await result_task)
-        so_far = "".join(sent)
-        # A Done holds the whole text; a run-hosted prompt's Fault what it had (DECISIONS 66).
-        whole = result.final_text if isinstance(result, Done) else result.text
-        if whole is not None and whole.startswith(so_far):
-            rest = whole[len(so_far) :]
-            if rest:
-                # The tokens it holds, so that a usage summed from the deltas is whole.
-                total = result.tokens_generated  # None: a node that does not say
-                yield TextDelta(
-                    request_id=result.request_id,
-                    text=rest,
-                    tokens=None if total is None else max(0, total - tokens),
-                )
+        rest = _rest(result, "".join(sent), tokens)
+        if rest is not None:
+            yield rest
         yield result
 
     async def _new_head(
@@ -222,3 +223,19 @@ class PromptText(RunLifecycle):
                 if result_task.done() or attempts > 200:
                     return
                 await asyncio.sleep(0.02)
+
+
+def _rest(result: Done | Fault, so_far: str, tokens: int) -> TextDelta | None:
+    """The text of ``result`` that the deltas (``so_far``, holding ``tokens`` generated
+    tokens) missed, as one more delta; None when they missed none. A Done holds the whole
+    text; a run-hosted prompt's Fault what it had (DECISIONS 66)."""
+    whole = result.final_text if isinstance(result, Done) else result.text
+    if whole is None or not whole.startswith(so_far) or len(whole) == len(so_far):
+        return None
+    # The tokens it holds, so that a usage summed from the deltas is whole.
+    total = result.tokens_generated  # None: a node that does not say
+    return TextDelta(
+        request_id=result.request_id,
+        text=whole[len(so_far) :],
+        tokens=None if total is None else max(0, total - tokens),
+    )

@@ -533,6 +533,22 @@ async def wait_phase(
         await asyncio.sleep(0.01)
 
 
+async def wait_completed(
+    handle: WorkflowHandle[Any, Any], completed: int, timeout: float = 60.0
+) -> RunState:
+    """Poll the snapshot until the run counts ``completed`` prompts. A PromptWorkflow's
+    client has its end from that workflow (DECISIONS 77), a workflow task or two before
+    the run learns it and counts it."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        state = await snapshot(handle)
+        if state.prompts_completed + state.prompts_faulted >= completed:
+            return state
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"the run counts {state.prompts_completed} prompts: {state}")
+        await asyncio.sleep(0.05)
+
+
 async def run_failure(handle: WorkflowHandle[Any, RunOutcome]) -> tuple[str, str, RunOutcome]:
     """The run's failure: its error type, message and the RunOutcome it carries."""
     try:

@@ -12,13 +12,13 @@ from mvp_core.models import Done, RequestShutdown, RunOutcome, RunPhase, RunRequ
 from temporal.client import PromptRejected, RunHandle
 from temporal.connect import connect
 from temporal.devserver import start_dev_server
+from tests.helpers.fake_cluster import wait_completed
 from tests.integration.conftest import (
     OrchestratorProcess,
     Runs,
     harness_env,
     node_pids,
     node_processes,
-    snapshot,
     wait_phase,
 )
 
@@ -70,7 +70,7 @@ async def test_thirty_prompts_cross_two_continue_as_new_on_the_same_nodes(low_th
     pids = node_pids(state)
     for i in range(30):
         await _submit(runs.client, i)
-    state = await snapshot(runs.client.get_workflow_handle(names.run_workflow_id(701)))
+    state = await wait_completed(runs.client.get_workflow_handle(names.run_workflow_id(701)), 30)
     assert state.continued >= 2, state.continued
     assert state.prompts_completed == 30 and state.prompts_faulted == 0
     assert node_pids(state) == pids

@@ -27,6 +27,7 @@ from mvp_core.models import RequestShutdown, RunPhase
 from mvp_core.run_state import RunState
 from mvp_io.model_store import DEFAULT_BUNDLED, GEMMA3_BUNDLED, fetch_bundled
 from temporal.devserver import DevServerError, exit_cause, start_dev_server
+from tests.helpers.fake_cluster import wait_completed
 from tests.helpers.waits import eventually, wait_until
 from tests.integration.conftest import (
     REPO,
@@ -400,7 +401,7 @@ async def test_chat_streams_replies_and_cancels_on_ctrl_c(runs: Runs, temporal_s
     assert proc.returncode == 0, err
     text = out.decode()
     assert "[6 tokens, stopped by max_tokens" in text and "Traceback" not in text + err.decode()
-    assert (await snapshot(handle)).prompts_completed == 1  # "not sent" was not
+    assert (await wait_completed(handle, 1)).prompts_completed == 1  # "not sent" was not
 
     proc = chat(temporal_server.address, run_id, "--raw", "--max-tokens", "400")
     assert proc.stdin is not None and proc.stdout is not None

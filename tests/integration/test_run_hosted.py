@@ -140,9 +140,11 @@ async def test_a_run_hosted_prompt_is_served_streamed_cancelled_and_re_attached(
 
     owning = asyncio.ensure_future(own())
     await asyncio.wait_for(started.wait(), 120)
-    # In flight: located by its Update, whose input (in the run's history) has its stops.
+    # In flight: located by its key; admitted by admit_prompt, no Update of it is open
+    # (DECISIONS 77): a viewer waits on the run's prompt_end. The run has its stops.
     found = await run.locate(4)
-    assert found is not None and found.hosted and found.served is None and found.update_id
+    assert found is not None and found.hosted and found.served is None
+    assert found.update_id is None
     assert await run.hosted_stops(4) == [never]
     for viewer in (RunHandle(runs.client, run_id), temporal_only):
         seen = [e async for e in viewer.attach(4)]

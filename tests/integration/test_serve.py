@@ -220,6 +220,58 @@ async def test_text_comes_from_the_head_node_and_history_does_not_grow_with_leng
     assert await wait_closed(handle) is WorkflowExecutionStatus.COMPLETED
 
 
+@pytest.mark.parametrize("host", ["run", "workflow"])
+async def test_sixty_four_streams_at_once_on_a_stock_server_all_generate_together(
+    runs: Runs, host: str
+):
+    """DECISIONS 77: a prompt's admission is the only Update it holds, so a run serves
+    every prompt its max_active_prompts admits on a server with Temporal's defaults (this
+    suite's dev server sets no dynamic config: history.maxInFlightUpdates is 10). All 64
+    are admitted before any ends (none waits on the server's limit: that wait was ~15 s
+    of the SDK's retries), and each text is its text alone."""
+    run_id = 2231 if host == "run" else 2232
+    handle = await runs.start(
+        run_id,
+        max_active_prompts=64,
+        prompt_queue_capacity=1,
+        max_context=128,
+        prompt_host=host,
+    )
+    await wait_phase(handle, RunPhase.PROMPT_READY, timeout=180)
+    run = RunHandle(runs.client, run_id)
+    texts = TEXTS[:4]
+    tokens = 48
+    alone = [
+        await run.submit(SubmitPrompt(request_id=i, prompt_text=t, max_tokens=tokens))
+        for i, t in enumerate(texts)
+    ]
+    loop = asyncio.get_running_loop()
+    admitted: list[float] = []
+    ended: list[float] = []
+
+    async def one(i: int) -> tuple[str, Done | Fault]:
+        prompt = SubmitPrompt(request_id=100 + i, prompt_text=texts[i % 4], max_tokens=tokens)
+        text = ""
+        async for event in run.stream(prompt, on_admitted=lambda: admitted.append(loop.time())):
+            if isinstance(event, TextDelta):
+                text += event.text
+            else:
+                ended.append(loop.time())
+                return text, event
+        raise AssertionError("no terminal event")
+
+    results = await asyncio.gather(*(one(i) for i in range(64)))
+    assert len(admitted) == 64 and max(admitted) < min(ended), "an admission waited"
+    for i, (text, end) in enumerate(results):
+        ref = alone[i % 4]
+        assert isinstance(end, Done) and isinstance(ref, Done), (i, end, ref)
+        assert text == end.final_text == ref.final_text, i
+        assert end.tokens_generated == ref.tokens_generated, i
+    assert (await run.snapshot()).most_active == 64
+    await run.shutdown_and_wait(ShutdownReason.OPERATOR_REQUESTED)
+    assert await wait_closed(handle) is WorkflowExecutionStatus.COMPLETED
+
+
 @pytest.mark.parametrize("killed_stage", [0, 1])
 async def test_a_stage_killed_while_eight_generate_ends_each_with_one_fault(
     runs: Runs, killed_stage: int

@@ -222,8 +222,8 @@ async def test_one_trace_from_the_gateway_to_the_generate_activity(site: Site):
     (gen,) = [s for s in remote if s.name == generate]
     chain = [gen.name, *(s.name for s in ancestors(gen, by_id))]
     assert chain[-1] == "POST /v1/chat/completions", chain
-    assert f"StartWorkflowUpdate:{names.UPDATE_SUBMIT_PROMPT}" in chain, chain
-    assert f"HandleUpdate:{names.UPDATE_SUBMIT_PROMPT}" in chain, chain
+    assert f"StartWorkflowUpdate:{names.UPDATE_ADMIT_PROMPT}" in chain, chain
+    assert f"HandleUpdate:{names.UPDATE_ADMIT_PROMPT}" in chain, chain
     assert f"RunWorkflow:{names.PROMPT_WORKFLOW}" in chain, chain
     assert f"StartActivity:{names.ACT_NODE_GENERATE}" in chain, chain
     # Each part where it ran: the generate activity on the head node (stage 0).

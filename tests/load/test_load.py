@@ -30,6 +30,7 @@ from mvp_core.models import Done, RequestShutdown, RunOutcome, RunPhase, SubmitP
 from temporal.client import PromptRejected, RunHandle
 from temporal.connect import connect
 from temporal.devserver import start_dev_server
+from tests.helpers.fake_cluster import wait_completed
 from tests.helpers.runs import task_failures
 from tests.integration.conftest import (
     OrchestratorProcess,
@@ -234,7 +235,7 @@ async def test_hundreds_of_prompts_across_continue_as_new_keep_history_bounded(s
     assert sorted(terminals) == list(range(PROMPTS))
     assert set(terminals.values()) == {1}
     latest = client.get_workflow_handle(handle.id)
-    state = await snapshot(latest)
+    state = await wait_completed(latest, PROMPTS)
     assert state.prompts_completed == PROMPTS and state.prompts_faulted == 0, state
     assert state.continued >= max(1, PROMPTS // 60), state.continued  # one per 33-50
     await stop(latest, run_id)

@@ -162,9 +162,9 @@ class Gateway:
                         f"run {self.workflow_id} is not running: {err.message}", "run_not_found"
                     ) from None
                 if err.status is RPCStatusCode.RESOURCE_EXHAUSTED:
-                    # The Temporal server's limit on a workflow's Updates in flight (each
-                    # prompt is one until it ends: history.maxInFlightUpdates), or its rate
-                    # limits: overload, as a full queue is.
+                    # The Temporal server's limit on a workflow's Updates in flight
+                    # (history.maxInFlightUpdates: admissions at that very moment, DECISIONS
+                    # 77), or its rate limits: overload, as a full queue is.
                     raise ApiError(
                         429,
                         f"the Temporal server takes no more prompts for run {self.workflow_id} "

@@ -47,6 +47,9 @@ class RunContext:
         self.traits: ProviderTraits = traits(request.provider)
         self.view = RunView(request, state)
         self.busy_handlers = 0  # prompt Updates and signal handlers in flight
+        # Prompts this execution admitted: each one Update in its history, and a server
+        # keeps at most 2,000 there (history.maxTotalUpdates; DECISIONS 77).
+        self.admitted = 0
         self.closing = False  # torn down and every background activity ended: returns next
 
     async def wait(self, cond: Callable[[], bool], deadline: datetime, what: str) -> None:

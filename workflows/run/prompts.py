@@ -5,8 +5,9 @@ open prompts when their head node is replaced, and cancels them on request or sh
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -19,6 +20,8 @@ with workflow.unsafe.imports_passed_through():
     from mvp_core.models import (
         CancelPrompt,
         Fault,
+        PromptAdmitted,
+        PromptEnd,
         PromptHead,
         PromptHost,
         PromptInput,
@@ -33,10 +36,13 @@ with workflow.unsafe.imports_passed_through():
     from workflows.run.context import WORKFLOW_TASK_TIMEOUT, RunContext, slack
 
 PROMPT_DRAIN_S = 5.0  # beyond a generate's heartbeat timeout, for its prompt to end
-# A run-hosted prompt's end is kept for re-attach and the dashboard (DECISIONS 66): the
-# latest this many, their texts this many characters in all (they are carried across
-# continue-as-new: one payload, under the server's 512 KB warning even at 4 bytes a
-# character), the latest one always.
+# A run-hosted prompt's end is kept for its client (the ``prompt_end`` query, DECISIONS
+# 77), a re-attach and the dashboard (DECISIONS 66): the latest SERVED_HELD, their texts
+# SERVED_TEXT_HELD characters in all, the latest one always; continue-as-new carries the
+# latest SERVED_KEPT of them within SERVED_TEXT_KEPT characters (one payload, under the
+# server's 512 KB warning even at 4 bytes a character).
+SERVED_HELD = 1024
+SERVED_TEXT_HELD = 4 * 1024 * 1024
 SERVED_KEPT = 32
 SERVED_TEXT_KEPT = 96 * 1024
 
@@ -57,12 +63,53 @@ class Prompts:
         self._served: OrderedDict[str, ServedPrompt] = OrderedDict(  # ... that ended
             (p.workflow_id, p) for p in served[-SERVED_KEPT:]
         )
+        self._served_text = sum(_text_size(p) for p in self._served.values())
         self._started_children: set[str] = set()  # prompt workflows started (this run)
         self._early_cancels: dict[str, str] = {}  # cancels that came before their start
+        # Prompts admitted by ``admit_prompt`` and served on without their Update (DECISIONS
+        # 77): the tasks serving them, and the run-hosted ones' keys until they end.
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._open_hosted: set[str] = set()
 
     # ------------------------------------------------------------------ serving
     async def serve(self, args: Sequence[Any]) -> PromptTerminal:
-        """Admit the prompt, serve it in its turn, and return its one terminal event."""
+        """``submit_prompt``: admit the prompt, serve it in its turn, and return its one
+        terminal event (the Update is in flight all along)."""
+        _, serving = self._admit(args, awaited=True)
+        return await serving
+
+    def admit(self, args: Sequence[Any]) -> PromptAdmitted:
+        """``admit_prompt`` (DECISIONS 77): admit the prompt and return at once; it is
+        served on in a task of the run's, its end kept as ``submit_prompt``'s is."""
+        admitted, serving = self._admit(args, awaited=False)
+        if admitted.hosted:
+            self._open_hosted.add(admitted.prompt_id)
+        task = asyncio.create_task(self._serve_on(admitted, serving))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return admitted
+
+    async def _serve_on(
+        self, admitted: PromptAdmitted, serving: Coroutine[Any, Any, PromptTerminal]
+    ) -> None:
+        self._ctx.busy_handlers += 1  # teardown drains it as it drains a prompt's Update
+        try:
+            await serving
+        except Exception as err:  # a defect past serving's own guard: the run faults
+            workflow.logger.warning("prompt %s: %s", admitted.prompt_id, type(err).__name__)
+            self._on_run_fault(
+                f"prompt serving: prompt {admitted.prompt_id} failed ({type(err).__name__})"
+            )
+        finally:
+            self._ctx.busy_handlers -= 1
+            self._open_hosted.discard(admitted.prompt_id)
+
+    def _admit(
+        self, args: Sequence[Any], *, awaited: bool
+    ) -> tuple[PromptAdmitted, Coroutine[Any, Any, PromptTerminal]]:
+        """Admit the prompt (its place in the run's FIFO is fixed from here on) and return
+        it with the coroutine that serves it. ``awaited``: its Update waits for the end
+        (a re-attach can wait on that Update too)."""
         ctx, state, req = self._ctx, self._ctx.state, self._ctx.request
         prompt = prompt_of(args)
         if state.draws_seed(prompt.temperature, prompt.seed):
@@ -72,7 +119,8 @@ class Prompts:
         update_id = (workflow.current_update_info() or _NoUpdate()).id
         wf_id = names.prompt_workflow_id(state.run_id, prompt.request_id, _safe(update_id))
         hosted = state.prompt_host is PromptHost.RUN
-        record = state.admit(prompt.request_id, wf_id, update_id if hosted else None)
+        record = state.admit(prompt.request_id, wf_id, update_id if hosted and awaited else None)
+        ctx.admitted += 1
         admitted_at = workflow.now()
         head = state.head()
         # Next in line: the prompt is active from its start, so its workflow schedules
@@ -99,19 +147,25 @@ class Prompts:
             on_node_loss=req.on_node_loss,
             recovery_wait_s=slack(req.recovery.replacement_timeout_s),
         )
-        if hosted:
-            outcome = await self._host(inp, wf_id, record, admitted_at)
-        else:
-            outcome = await self._child(inp, wf_id, record, head)
-        ok = outcome.terminal.type == "done"
-        state.finish_prompt(
-            wf_id, ok, "" if ok else getattr(outcome.terminal, "error", ""), prompt.request_id
-        )
-        ctx.view.show()
-        if outcome.run_fault is not None and not state.is_recovering():
-            # The head's driver saw its pipeline fail: maybe a peer died (the watch names it).
-            self._on_run_fault(outcome.run_fault)
-        return outcome.terminal
+
+        async def serving() -> PromptTerminal:
+            if hosted:
+                outcome = await self._host(inp, wf_id, record, admitted_at)
+            else:
+                outcome = await self._child(inp, wf_id, record, head)
+            ok = outcome.terminal.type == "done"
+            state.finish_prompt(
+                wf_id, ok, "" if ok else getattr(outcome.terminal, "error", ""), prompt.request_id
+            )
+            ctx.view.show()
+            if outcome.run_fault is not None and not state.is_recovering():
+                # The head's driver saw its pipeline fail: maybe a peer died (the watch
+                # names it).
+                self._on_run_fault(outcome.run_fault)
+            return outcome.terminal
+
+        admitted = PromptAdmitted(request_id=prompt.request_id, prompt_id=wf_id, hosted=hosted)
+        return admitted, serving()
 
     async def _host(
         self, inp: PromptInput, wf_id: str, record: PromptRecord, admitted_at: datetime
@@ -147,15 +201,15 @@ class Prompts:
         return outcome
 
     def _keep_served(self, served: ServedPrompt) -> None:
-        """Keep ``served`` as the latest, within SERVED_KEPT and SERVED_TEXT_KEPT."""
+        """Keep ``served`` as the latest, within SERVED_HELD and SERVED_TEXT_HELD."""
         self._served.pop(served.workflow_id, None)
         self._served[served.workflow_id] = served
-        text = sum(_text_size(p) for p in self._served.values())
+        self._served_text += _text_size(served)
         while len(self._served) > 1 and (
-            len(self._served) > SERVED_KEPT or text > SERVED_TEXT_KEPT
+            len(self._served) > SERVED_HELD or self._served_text > SERVED_TEXT_HELD
         ):
             _, dropped = self._served.popitem(last=False)
-            text -= _text_size(dropped)
+            self._served_text -= _text_size(dropped)
 
     async def _child(
         self, inp: PromptInput, wf_id: str, record: PromptRecord, head: NodeState
@@ -265,7 +319,7 @@ class Prompts:
         t = self._ctx.request.timeouts
         try:
             await workflow.wait_condition(
-                lambda: not self._children and not self._hosted,
+                lambda: not self._children and not self._hosted and not self._tasks,
                 timeout=t.generate_heartbeat_s + PROMPT_DRAIN_S,
             )
         except TimeoutError:
@@ -290,9 +344,27 @@ class Prompts:
         served = self.served(request_id)
         return None if served is None else served.stop
 
+    def end(self, prompt_id: str) -> PromptEnd | None:
+        """The ``prompt_end`` query: run-hosted prompt ``prompt_id`` open, or its end as
+        the run keeps it; None where the run knows no such prompt (or no longer keeps it)."""
+        served = self._served.get(prompt_id)
+        if served is not None:
+            return PromptEnd(prompt_id=prompt_id, open=False, terminal=served.outcome.terminal)
+        if prompt_id in self._open_hosted or prompt_id in self._hosted:
+            return PromptEnd(prompt_id=prompt_id, open=True)
+        return None
+
     def kept(self) -> list[ServedPrompt]:
-        """The ends continue-as-new carries."""
-        return list(self._served.values())
+        """The ends continue-as-new carries: the latest SERVED_KEPT, their texts within
+        SERVED_TEXT_KEPT characters, the latest always."""
+        carried: list[ServedPrompt] = []
+        text = 0
+        for served in reversed(self._served.values()):
+            text += _text_size(served)
+            if carried and (len(carried) == SERVED_KEPT or text > SERVED_TEXT_KEPT):
+                break
+            carried.append(served)
+        return carried[::-1]
 
 
 class _NoUpdate:

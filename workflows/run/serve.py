@@ -13,6 +13,12 @@ with workflow.unsafe.imports_passed_through():
     from workflows.run.context import RunContext
 
 
+# A run continues as new after this many admissions at most, well before the server's
+# limit of 2,000 Updates in one execution's history (history.maxTotalUpdates, DECISIONS
+# 77), whatever its history's length.
+ADMITTED_PER_EXECUTION = 1500
+
+
 class ServeEnd(StrEnum):
     STOP = "stop"
     CONTINUE_AS_NEW = "continue_as_new"
@@ -23,7 +29,8 @@ async def serve(ctx: RunContext) -> ServeEnd:
     state, max_active = ctx.state, ctx.request.max_active_prompts
 
     def roll_over_now() -> bool:
-        return state.should_roll_over(workflow.info().is_continue_as_new_suggested())
+        suggested = workflow.info().is_continue_as_new_suggested()
+        return state.should_roll_over(suggested or ctx.admitted >= ADMITTED_PER_EXECUTION)
 
     while True:
         await workflow.wait_condition(

@@ -22,6 +22,8 @@ with workflow.unsafe.imports_passed_through():
         CancelPrompt,
         DatastreamAddress,
         LifecycleKind,
+        PromptAdmitted,
+        PromptEnd,
         PromptTerminal,
         RequestShutdown,
         RunOutcome,
@@ -201,6 +203,22 @@ class RunWorkflow:
     @submit_prompt.validator
     def _validate_prompt(self, *args: Any) -> None:
         admission.validate_prompt(self._request, self._state, args)
+
+    @workflow.update(name=names.UPDATE_ADMIT_PROMPT)
+    def admit_prompt(self, *args: Any) -> PromptAdmitted:
+        """Admit a prompt and answer at once (DECISIONS 77): it is served on without an
+        Update in flight, its end the PromptWorkflow's result or ``prompt_end``'s."""
+        return self._prompts.admit(args)
+
+    @admit_prompt.validator
+    def _validate_admission(self, *args: Any) -> None:
+        admission.validate_prompt(self._request, self._state, args)
+
+    @workflow.query(name=names.QUERY_PROMPT_END)
+    def prompt_end(self, prompt_id: str) -> PromptEnd | None:
+        """Run-hosted prompt ``prompt_id`` (its key, ``PromptAdmitted.prompt_id``): open, or
+        its terminal event while the run keeps it; None where the run knows none."""
+        return self._prompts.end(prompt_id)
 
     @workflow.query(name=names.QUERY_PROMPT_SERVED)
     def prompt_served(self, request_id: int) -> ServedPrompt | None:
