@@ -564,6 +564,63 @@ async def test_the_command_serves_an_existing_run_and_leaves_it_running(
     assert (await site.handle.describe()).status is WorkflowExecutionStatus.RUNNING
 
 
+async def test_the_command_beyond_loopback_needs_keys_and_answers_only_them(
+    site: Site, temporal_server: Any, tmp_path: Path
+):
+    """Listening beyond loopback without keys is refused; with keys (a file and the
+    environment) the official client gets 401 without the right one, and its answer with
+    it; no key reaches the gateway's output."""
+    key, other = "sk-mvp-file-0123456789", "sk-mvp-env-9876543210"
+    env = {**os.environ, "TEMPORAL_ADDRESS": temporal_server.address}
+    cmd = [
+        sys.executable,
+        "-m",
+        "workers.gateway.main",
+        "--workflow-id",
+        names.run_workflow_id(RUN),
+    ]
+    refused = subprocess.run(
+        [*cmd, "--listen", "0.0.0.0:0"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode == 1 and "needs API keys" in refused.stderr, refused.stderr
+    keys = tmp_path / "keys"
+    keys.write_text(f"# ours\n{key}\n")
+    proc = subprocess.Popen(
+        [*cmd, "--listen", "0.0.0.0:0", "--api-key-file", str(keys), "--log-level", "info"],
+        env={**env, "MVP_GATEWAY_API_KEYS": other},
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        line = ""
+        while " at http://" not in line:  # uvicorn's own lines come first at info
+            line = await asyncio.wait_for(asyncio.to_thread(proc.stderr.readline), 60)
+            assert line, "the gateway exited"
+        port = line.split(" at http://")[1].split()[0].rsplit(":", 1)[1].split("/")[0]
+        url = f"http://127.0.0.1:{port}/v1"
+        async with AsyncOpenAI(base_url=url, api_key="sk-wrong-0123456789", max_retries=0) as oai:
+            with pytest.raises(openai.AuthenticationError) as err:
+                await oai.completions.create(model=MODEL, prompt=TEXT, max_tokens=2)
+            assert err.value.code == "invalid_api_key"
+        for good in (key, other):
+            async with AsyncOpenAI(base_url=url, api_key=good, max_retries=0) as oai:
+                got = await oai.completions.create(
+                    model=MODEL, prompt=TEXT, max_tokens=2, temperature=0
+                )
+                assert got.usage is not None and got.usage.completion_tokens == 2
+        proc.send_signal(signal.SIGTERM)
+        out, rest = await asyncio.to_thread(proc.communicate, timeout=30)
+        assert proc.returncode == 0, rest
+        assert key not in line + rest + out and other not in line + rest + out
+        assert '"POST /v1/completions HTTP/1.1" 401' in out  # the refusal, never the key
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 async def test_the_command_starts_a_run_and_shuts_it_down_on_sigterm(
     site: Site, client: Client, temporal_server: Any, tmp_path: Path
 ):

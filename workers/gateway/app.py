@@ -16,20 +16,24 @@ cancelled at once). It never loads the model's tokenizer (nor the engine, nor to
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from starlette.applications import Starlette
 from temporalio.client import Client
 
 from temporal import telemetry
 from workers.gateway.attach import attach_routes
+from workers.gateway.auth import ApiKeyMiddleware, ApiKeys
 from workers.gateway.dashboard import dashboard_routes
 from workers.gateway.routes import EXCEPTION_HANDLERS, api_routes
 from workers.gateway.service import Gateway
 
 
-def create_app(client: Client, run_id: int, *, poll_cooldown_ms: int = 20) -> Starlette:
-    """The gateway of run ``mvp-run-<run_id>``, on an open Temporal client."""
+def create_app(
+    client: Client, run_id: int, *, poll_cooldown_ms: int = 20, api_keys: Sequence[str] = ()
+) -> Starlette:
+    """The gateway of run ``mvp-run-<run_id>``, on an open Temporal client; with
+    ``api_keys``, only requests that carry one of them reach the API and the dashboard."""
     gateway = Gateway(client, run_id, poll_cooldown_ms=poll_cooldown_ms)
 
     @contextlib.asynccontextmanager
@@ -46,6 +50,8 @@ def create_app(client: Client, run_id: int, *, poll_cooldown_ms: int = 20) -> St
         lifespan=lifespan,
     )
     app.state.gateway = gateway
+    if api_keys:
+        app.add_middleware(ApiKeyMiddleware, keys=ApiKeys(api_keys))
     if telemetry.current().tracing:  # off: no middleware at all
         app.add_middleware(telemetry.TracingMiddleware)
     return app

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -40,6 +41,7 @@ from temporal.client import RunHandle, RunNotOpen
 from temporal.connect import connect, temporal_address
 from workers import stdio
 from workers.gateway.app import create_app
+from workers.gateway.auth import API_KEYS_ENV, ApiKeyError, load_keys
 
 PROG = "mvp-gateway"
 DEFAULT_LISTEN = "127.0.0.1:8000"
@@ -85,6 +87,18 @@ def parser() -> argparse.ArgumentParser:
         help="(with --run-request) the run's id, workflow mvp-run-<id> (default: 1)",
     )
     p.add_argument(
+        "--api-key-file",
+        type=Path,
+        metavar="FILE",
+        help="API keys, one per line: every request to /v1 and the dashboard must carry one "
+        f"(also from ${API_KEYS_ENV}, comma-separated; never on the command line)",
+    )
+    p.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="serve anyone who reaches the port when listening beyond loopback without keys",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -99,6 +113,34 @@ def parse_listen(value: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         raise GatewayError(f"invalid --listen {value!r}: use HOST:PORT")
     return host, int(port)
+
+
+def loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to any address
+
+
+def api_keys(args: argparse.Namespace, host: str) -> list[str]:
+    """The configured API keys. Listening beyond loopback without any is refused unless
+    ``--no-auth`` says so: anyone who reaches the port would prompt the run."""
+    try:
+        keys = load_keys(args.api_key_file)
+    except ApiKeyError as err:
+        raise GatewayError(str(err)) from None
+    if keys and args.no_auth:
+        raise GatewayError(
+            "--no-auth goes without API keys (--api-key-file, $" + API_KEYS_ENV + ")"
+        )
+    if not keys and not args.no_auth and not loopback(host):
+        raise GatewayError(
+            f"listening on {host} needs API keys: --api-key-file FILE or ${API_KEYS_ENV} "
+            "(or --no-auth to serve anyone who reaches the port)"
+        )
+    return keys
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -158,6 +200,7 @@ class GatewayCommand:
         if args.run_id is not None and args.run_request is None:
             raise GatewayError("--run-id goes with --run-request")
         host, port = parse_listen(args.listen)
+        keys = api_keys(args, host)
         request = read_run_request(args.run_request) if args.run_request else None
         if request is None:
             run_id = names.run_id_from_workflow_id(args.workflow_id)
@@ -186,7 +229,7 @@ class GatewayCommand:
             loop.add_signal_handler(sig, self.on_signal)
         bound = sock.getsockname()
         url = f"http://{_url_host(str(bound[0]))}:{bound[1]}/v1"
-        app = create_app(client, run_id)
+        app = create_app(client, run_id, api_keys=keys)
         config = uvicorn.Config(
             app,
             log_level=args.log_level,
