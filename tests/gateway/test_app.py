@@ -4,6 +4,7 @@ is in tests/integration/test_gateway.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -111,7 +112,8 @@ def test_any_split_gives_the_text_before_the_first_stop(text, stops, cuts):
             "logprobs",
             "unsupported_parameter",
         ),
-        (b'{"model": "m", "prompt": "x", "n": 3}', CompletionRequest, "n", "unsupported_parameter"),
+        (b'{"model": "m", "prompt": "x", "n": 5}', CompletionRequest, "n", "invalid_value"),
+        (b'{"model": "m", "prompt": "x", "n": 0}', CompletionRequest, "n", "invalid_value"),
         (b'{"model": "m", "messages": []}', ChatRequest, "messages", "invalid_value"),
         (
             b'{"model": "m", "messages": [{"role": "robot", "content": "x"}]}',
@@ -497,3 +499,57 @@ async def test_a_retrieve_whose_run_stops_answering_midway_is_a_503_not_a_broken
     got = _events(r)
     assert got[0]["choices"][0]["text"] == "Once upon"
     assert got[-1]["error"]["code"] == "run_unavailable" and "[DONE]" not in got
+
+
+async def test_n_choices_are_prompts_of_their_own_streamed_and_not(fake):
+    """n=3: three prompts (a given seed + i each), three choices by index, usage with the
+    prompt once; streamed, each choice's text and finish by its index."""
+    fake.script = lambda p: _text(p, f"s{p.seed}", "!", reason="eos")
+    body = {"model": MODEL, "prompt": "hi", "temperature": 0.8, "seed": 41, "n": 3}
+    r = await fake.http.post("/v1/completions", json=body)
+    got = r.json()
+    assert r.status_code == 200, got
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in got["choices"]] == ["s41!", "s42!", "s43!"]
+    assert got["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+    assert [p.seed for p in fake.prompts] == [41, 42, 43]
+    assert len({p.request_id for p in fake.prompts}) == 3
+
+    r = await fake.http.post(
+        "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "seed": 7,
+            "n": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    events = _events(r)
+    assert events[-1] == "[DONE]"
+    text = {0: "", 1: ""}
+    finishes = {}
+    for ev in events[:-2]:
+        (choice,) = ev["choices"]
+        text[choice["index"]] += choice["delta"].get("content") or ""
+        if choice["finish_reason"]:
+            finishes[choice["index"]] = choice["finish_reason"]
+    assert text == {0: "s7!", 1: "s8!"} and finishes == {0: "stop", 1: "stop"}
+    assert events[-2]["usage"]["completion_tokens"] == 4
+
+
+async def test_a_refused_choice_cancels_the_choices_admitted_before_it(fake):
+    def script(p: SubmitPrompt) -> Any:
+        if len(fake.prompts) == 2:
+            return PromptRejected("PromptQueueFull", "full")
+        return _text(p, "x")[:-1]  # still generating: no terminal event yet
+
+    fake.script = script
+    r = await fake.http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 2})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "prompt_queue_full"
+    for _ in range(500):  # the cancel is sent in the background: until it was
+        if fake.cancelled:
+            break
+        await asyncio.sleep(0.01)
+    assert fake.cancelled == [fake.prompts[0].request_id]

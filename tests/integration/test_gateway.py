@@ -208,6 +208,25 @@ async def test_completion_equals_submit_prompt_streamed_and_not(site: Site):
     assert len({c.id for c in chunks}) == 1 and chunks[0].id != whole.id
 
 
+async def test_n_choices_are_each_the_single_choice_of_their_seed(site: Site):
+    """n=2 with the official client (the run holds 2 prompts): each choice is the completion a request of seed
+    s + i alone gives (its own sequence in the run's batch), streamed and not."""
+    kw: dict[str, Any] = {"model": MODEL, "prompt": TEXT, "max_tokens": 6, "temperature": 0.9}
+    alone = [
+        (await site.oai.completions.create(**kw, seed=500 + i)).choices[0].text for i in range(2)
+    ]
+    whole = await site.oai.completions.create(**kw, seed=500, n=2)
+    assert [c.index for c in whole.choices] == [0, 1]
+    assert [c.text for c in whole.choices] == alone
+    assert whole.usage is not None and whole.usage.completion_tokens == 12
+    stream = await site.oai.completions.create(**kw, seed=500, n=2, stream=True)
+    texts = ["", ""]
+    async for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == alone
+
+
 async def test_chat_equals_submit_prompt_of_the_chat_template(site: Site):
     ref = await site.reference(QUESTION, chat=True)
     rendered = site.tok.apply_chat_template([{"role": "user", "content": QUESTION}])

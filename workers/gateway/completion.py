@@ -24,6 +24,16 @@ class Prepared:
     stops: list[str]
     include_usage: bool
     stream: bool
+    n: int = 1  # choices: each its own prompt (a given seed + i for choice i)
+
+    def choice_fields(self, index: int) -> dict[str, Any]:
+        """Choice ``index``'s prompt: a sequence of its own. With a seed, choice i draws
+        with seed + i (so a request's choices differ, and repeat as a whole); without
+        one, the run draws each choice's seed."""
+        seed = self.fields.get("seed")
+        if index == 0 or seed is None:
+            return self.fields
+        return {**self.fields, "seed": (int(seed) + index) % (1 << 64)}
 
     @classmethod
     def of(
@@ -44,6 +54,7 @@ class Prepared:
             stops=req.stops(),
             include_usage=req.include_usage(),
             stream=bool(req.stream),
+            n=req.n or 1,
         )
 
 

@@ -11,6 +11,7 @@ events; errors become OpenAI's error objects.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -112,6 +113,30 @@ async def chat_completions(request: Request) -> Response:
     return await _respond(request, gateway, served, prep, chat=True)
 
 
+async def _open_all(
+    request: Request, gateway: Gateway, prep: Prepared
+) -> list[PromptSession] | None:
+    """Admit each choice's prompt (None: the client went away meanwhile). A refusal of
+    any choice closes (cancels) those admitted before it and raises its error."""
+    sessions: list[PromptSession] = []
+    try:
+        for index in range(prep.n):
+            fields = prep.choice_fields(index)
+            sessions.append(await unless_disconnected(request, gateway.open(fields)))
+    except ClientGone:
+        await _close_all(sessions)
+        return None
+    except BaseException:
+        await _close_all(sessions)
+        raise
+    return sessions
+
+
+async def _close_all(sessions: list[PromptSession]) -> None:
+    for session in sessions:
+        await session.close()
+
+
 async def _respond(
     request: Request,
     gateway: Gateway,
@@ -120,57 +145,97 @@ async def _respond(
     *,
     chat: bool,
 ) -> Response:
-    try:
-        session = await unless_disconnected(request, gateway.open(prep.fields))
-    except ClientGone:
+    sessions = await _open_all(request, gateway, prep)
+    if sessions is None:
         return Response(status_code=499)
     created = int(time.time())
-    ident = f"{'chatcmpl' if chat else 'cmpl'}-{gateway.run_id}-{session.request_id}"
+    ident = f"{'chatcmpl' if chat else 'cmpl'}-{gateway.run_id}-{sessions[0].request_id}"
     if prep.stream:
-        # No byte goes out before the prompt's first event: a prompt the head node
+        # No byte goes out before each prompt's first event: a prompt the head node
         # refuses is an HTTP error, not a 200 stream that carries one.
         try:
-            first = await unless_disconnected(request, session.peek())
+            firsts = await unless_disconnected(
+                request, asyncio.gather(*(session.peek() for session in sessions))
+            )
         except ClientGone:
-            await session.close()
+            await _close_all(sessions)
             return Response(status_code=499)
         except BaseException:
-            await session.close()
+            await _close_all(sessions)
             raise
-        if isinstance(first, Fault):
-            await session.close()
-            raise fault_error(first, prep.param, served)
-        chunks = _stream(session, prep, served, ident, created, chat)
-        return EventStream(chunks, on_close=session.close)
+        for first in firsts:
+            if isinstance(first, Fault):
+                await _close_all(sessions)
+                raise fault_error(first, prep.param, served)
+        chunks = _stream(sessions, prep, served, ident, created, chat)
+        return EventStream(chunks, on_close=lambda: _close_all(sessions))
     try:
-        out = await unless_disconnected(request, collect(session, prep, served))
+        outs = await unless_disconnected(
+            request, asyncio.gather(*(collect(session, prep, served) for session in sessions))
+        )
     except ClientGone:
         return Response(status_code=499)
     finally:
-        await session.close()
-    assert out.finish is not None
+        await _close_all(sessions)
     body: dict[str, Any] = {"id": ident, "created": created, "model": served.id}
-    if chat:
-        body["object"] = "chat.completion"
-        body["choices"] = [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": out.text, "refusal": None},
-                "logprobs": None,
-                "finish_reason": out.finish.reason,
-            }
-        ]
-    else:
-        body["object"] = "text_completion"
-        body["choices"] = [
-            {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish.reason}
-        ]
-    body["usage"] = usage(out.finish.prompt_tokens, out.finish.completion_tokens)
+    choices: list[dict[str, Any]] = []
+    for index, out in enumerate(outs):
+        assert out.finish is not None
+        if chat:
+            message = {"role": "assistant", "content": out.text, "refusal": None}
+            choice: dict[str, Any] = {"index": index, "message": message}
+        else:
+            choice = {"index": index, "text": out.text}
+        choices.append({**choice, "logprobs": None, "finish_reason": out.finish.reason})
+    body["object"] = "chat.completion" if chat else "text_completion"
+    body["choices"] = choices
+    body["usage"] = _usage([out.finish for out in outs if out.finish is not None])
     return JSONResponse(body)
 
 
+def _usage(finishes: list[Finish]) -> dict[str, int]:
+    """The request's usage: its prompt once (every choice encodes the same), the
+    completions of every choice."""
+    prompt = finishes[0].prompt_tokens if finishes else 0
+    return usage(prompt, sum(f.completion_tokens for f in finishes))
+
+
+async def _merged(
+    sessions: list[PromptSession], prep: Prepared, served: ServedModel
+) -> AsyncGenerator[tuple[int, str | Finish], None]:
+    """Every choice's text and Finish as they come, tagged with the choice's index; an
+    ApiError of any choice ends it (the others are closed by the stream's end)."""
+    if len(sessions) == 1:
+        async for item in drive(sessions[0], prep, served):
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, str | Finish] | BaseException] = asyncio.Queue()
+
+    async def pump(index: int, session: PromptSession) -> None:
+        try:
+            async for item in drive(session, prep, served):
+                queue.put_nowait((index, item))
+        except Exception as err:
+            queue.put_nowait(err)
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(sessions)]
+    try:
+        open_choices = len(sessions)
+        while open_choices:
+            got = await queue.get()
+            if isinstance(got, BaseException):
+                raise got
+            if isinstance(got[1], Finish):
+                open_choices -= 1
+            yield got
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def _stream(
-    session: PromptSession,
+    sessions: list[PromptSession],
     prep: Prepared,
     served: ServedModel,
     ident: str,
@@ -184,12 +249,17 @@ async def _stream(
         "model": served.id,
     }
 
-    def chunk(text: str | None, finish: str | None = None) -> bytes:
+    def chunk(index: int, text: str | None, finish: str | None = None) -> bytes:
         if chat:
             delta: dict[str, Any] = {} if text is None else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {
+                "index": index,
+                "text": text or "",
+                "logprobs": None,
+                "finish_reason": finish,
+            }
         body = {**head, "choices": [choice]}
         if prep.include_usage:
             body["usage"] = None
@@ -197,33 +267,27 @@ async def _stream(
 
     try:
         if chat:
-            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
-            first = {**head, "choices": [{**role, "finish_reason": None}]}
-            if prep.include_usage:
-                first["usage"] = None
-            yield sse(first)
-        finish: Finish | None = None
-        async for item in drive(session, prep, served):
+            for index in range(len(sessions)):
+                role = {"index": index, "delta": {"role": "assistant", "content": ""}}
+                first = {**head, "choices": [{**role, "logprobs": None, "finish_reason": None}]}
+                if prep.include_usage:
+                    first["usage"] = None
+                yield sse(first)
+        finishes: list[Finish] = []
+        async for index, item in _merged(sessions, prep, served):
             if isinstance(item, str):
-                yield chunk(item)
+                yield chunk(index, item)
             else:
-                finish = item
-        assert finish is not None
-        yield chunk(None, finish.reason)
+                finishes.append(item)
+                yield chunk(index, None, item.reason)
         if prep.include_usage:
-            yield sse(
-                {
-                    **head,
-                    "choices": [],
-                    "usage": usage(finish.prompt_tokens, finish.completion_tokens),
-                }
-            )
+            yield sse({**head, "choices": [], "usage": _usage(finishes)})
         yield SSE_DONE
     except ApiError as err:
         # Headers are gone: the error travels as an event (the openai client raises it).
         yield sse(err.body())
     finally:
-        await session.close()
+        await _close_all(sessions)
 
 
 async def api_error(request: Request, exc: Exception) -> Response:

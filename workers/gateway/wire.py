@@ -108,6 +108,9 @@ class ChatMessage(_Lenient):
         return "system" if self.role == "developer" else self.role
 
 
+MAX_CHOICES = 4  # n: each choice is a prompt of its own in the run's batch
+
+
 class _Generation(_Lenient):
     """Fields both endpoints share."""
 
@@ -161,8 +164,8 @@ class _Generation(_Lenient):
 
     def unsupported(self) -> None:
         """A 400 for an option that asks for what the run cannot give."""
-        if self.n not in (None, 1):
-            raise invalid("only n=1 is supported", "n", "unsupported_parameter")
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            raise invalid(f"n must be 1 to {MAX_CHOICES}", "n", "invalid_value")
         if self.logprobs not in (None, False, 0):
             raise invalid("logprobs are not supported", "logprobs", "unsupported_parameter")
         if self.top_logprobs not in (None, 0):
