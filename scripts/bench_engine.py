@@ -425,6 +425,46 @@ def paired(
 REFERENCES = (("llama_bench", "bench"), ("llama_cpp", "py"))
 
 
+def read_bandwidth(threads: int, size_mb: int = 1024, rounds: int = 3) -> float:
+    """This host's memory read rate in GB/s with ``threads`` threads: each sums its share
+    of a ``size_mb`` array (far beyond any cache; numpy drops the GIL in the sum), best
+    of ``rounds``. The ceiling a decode step's weight reads can reach."""
+    import threading
+
+    import numpy as np
+
+    data = np.ones(size_mb * (1 << 20) // 8, dtype=np.int64)  # touched: resident
+    shares = np.array_split(data, threads)
+    best = 0.0
+    for _ in range(rounds):
+        barrier = threading.Barrier(threads + 1)
+
+        def run(share: Any, barrier: threading.Barrier = barrier) -> None:
+            barrier.wait()
+            share.sum()
+
+        workers = [threading.Thread(target=run, args=(sh,)) for sh in shares]
+        for w in workers:
+            w.start()
+        barrier.wait()
+        t0 = time.perf_counter()
+        for w in workers:
+            w.join()
+        best = max(best, data.nbytes / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def weight_bytes(model: str) -> int:
+    """The bytes of a GGUF's tensors: what one decode token reads (every matrix once)."""
+    import mmap
+
+    from mvp_core.gguf_header import parse_header
+
+    with open(model, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        start = parse_header(buf, model).data_start
+    return Path(model).stat().st_size - start
+
+
 def summarize(result: dict[str, Any]) -> list[str]:
     """Medians per (model, threads, kind), paired ratios against each llama.cpp reference
     present (the C++ llama-bench, llama-cpp-python), best threads against best threads."""
@@ -477,6 +517,22 @@ def summarize(result: dict[str, Any]) -> list[str]:
                     (v, t), (lv, lt) = best[(kind, what)], best[(ref_kind, what)]
                     parts.append(f"{what} {v:.1f} ({t} thr) vs {lv:.1f} ({lt} thr) = {v / lv:.2f}x")
                 out.append(f"best threads, {kind} vs {ref_kind}: " + "; ".join(parts))
+    bandwidth = result.get("bandwidth_gbs") or {}
+    if bandwidth:
+        out.append(
+            "\nread bandwidth: "
+            + ", ".join(f"{t} thr {bw:.1f} GB/s" for t, bw in sorted(bandwidth.items()))
+        )
+        for (m, t, _kind), rows in by.items():
+            bw = bandwidth.get(str(t)) or bandwidth.get(t)
+            weights = result.get("weight_bytes", {}).get(m)
+            if bw and weights:
+                dec = _median([x["decode_tps"] for x in rows])
+                out.append(
+                    f"  {Path(m).name} {rows[0]['name']} {t} thr: decode reads "
+                    f"{dec * weights / 1e9:.1f} GB/s of weights = {dec * weights / 1e9 / bw:.0%} "
+                    "of the read bandwidth"
+                )
     for kind, why in result["skipped"].items():
         out.append(f"{kind}: skipped ({why})")
     return out
@@ -496,6 +552,10 @@ def main() -> None:
         "--stage-rss", default="1,2,3",
         help="splits whose every stage's RSS is measured alone in a process ('' for none)",
     )  # fmt: skip
+    ap.add_argument(
+        "--bandwidth", action="store_true",
+        help="also measure the host's read bandwidth and each decode's share of it",
+    )  # fmt: skip
     ap.add_argument("--json", type=Path, help="also write every run here")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--ids", help=argparse.SUPPRESS)
@@ -508,6 +568,9 @@ def main() -> None:
     models = [args.model] if args.model else [_bundled_path(k) for k in args.models.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
     result = paired(models, threads, args.rounds, args.tokens, args.only.split(","))
+    if args.bandwidth:
+        result["bandwidth_gbs"] = {str(t): read_bandwidth(t) for t in threads}
+        result["weight_bytes"] = {m: weight_bytes(m) for m in models}
     print("\n".join(summarize(result)))
     splits = [int(x) for x in args.stage_rss.split(",") if x]
     if splits:
