@@ -304,6 +304,40 @@ async def recovered(ctx: Ctx) -> WorkflowHandle[Any, Any]:
 
 
 Scenario = Callable[[Ctx], Awaitable[WorkflowHandle[Any, Any]]]
+
+
+async def admitted(ctx: Ctx) -> WorkflowHandle[Any, Any]:
+    """DECISIONS 77: run-hosted prompts admitted by admit_prompt (two at once, one of
+    them cancelled mid-stream), beside one by the spec's submit_prompt; stop by signal."""
+    run_id = 3108
+    handle = await ctx.start(run_id, faults=SLOW, prompt_host="run", max_active_prompts=2)
+    await wait_phase(handle, RunPhase.PROMPT_READY)
+    run = RunHandle(ctx.client, run_id)
+    first_delta = asyncio.Event()
+
+    async def long() -> Done | Fault:
+        prompt = SubmitPrompt(request_id=1, prompt_text="Once upon a time", max_tokens=64)
+        async for ev in run.stream(prompt):
+            if isinstance(ev, TextDelta):
+                first_delta.set()
+            else:
+                return ev
+        raise RuntimeError("stream ended without a terminal event")
+
+    a = asyncio.ensure_future(long())
+    await first_delta.wait()
+    b = await streamed(ctx, run_id, SubmitPrompt(request_id=2, prompt_text="Hi", max_tokens=3))
+    await run.cancel_prompt(1)
+    ra = await a
+    spec = await run.start_prompt(SubmitPrompt(request_id=3, prompt_text="Hi", max_tokens=2))
+    rc = await spec.result()
+    check(isinstance(ra, Fault) and "cancelled" in ra.error, f"cancelled {ra}")
+    check(isinstance(b, Done) and isinstance(rc, Done), f"{b} {rc}")
+    await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=run_id))
+    await stopped(handle)
+    return handle
+
+
 MAIN: dict[str, Scenario] = {
     "direct": direct,
     "two_stages": two_stages,
@@ -312,6 +346,7 @@ MAIN: dict[str, Scenario] = {
     "cancelled": cancelled,
     "malformed": malformed,
     "recovered": recovered,
+    "admitted": admitted,
 }
 ROLLING: dict[str, Scenario] = {"continue_as_new": continue_as_new}
 

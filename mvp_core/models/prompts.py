@@ -241,8 +241,10 @@ class PromptAdmitted(_Model):
 
 
 class PromptEnd(_Model):
-    """The ``prompt_end`` query's answer for one run-hosted prompt: still open (queued or
-    generating: ``terminal`` None) or ended (its one terminal event, as the run keeps it)."""
+    """The ``prompt_end`` query's answer for one prompt: still open (queued or generating)
+    or ended and counted by the run; a run-hosted prompt's end with its one terminal
+    event, as the run keeps it (a PromptWorkflow's terminal event is that workflow's
+    result)."""
 
     prompt_id: str
     open: bool

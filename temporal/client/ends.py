@@ -29,9 +29,6 @@ from temporal.client.lifecycle import RunLifecycle
 END_POLL_WHILE_STREAMING_S = 5.0
 END_POLL_S = (0.25, 1.0)  # first and longest pause between looks without a stream
 END_POLL_AFTER_TEXT_S = (0.01, 0.25)  # ... and once the text has ended
-# A child PromptWorkflow is started just after its admission was answered: "not found"
-# for this long is waited out; past it, the run is asked whether it still has the prompt.
-CHILD_START_WAIT_S = 30.0
 # A run that cannot answer (no worker has it now) is asked again this many times.
 UNANSWERED_RETRIES = 60
 
@@ -58,9 +55,25 @@ class PromptEnds(RunLifecycle):
         return await self._workflow_end(prompt_id, request_id)
 
     async def _workflow_end(self, prompt_id: str, request_id: int) -> Done | Fault:
+        """A PromptWorkflow's result (a long poll on that workflow), once the run has
+        counted its end too: so a client that sends its next prompt, or reads the run's
+        figures, right after an end finds the run past it, as after submit_prompt."""
+        terminal = await self._child_result(prompt_id, request_id)
+        pause = END_POLL_AFTER_TEXT_S[0]
+        while True:
+            try:
+                end = await self._ask_end(prompt_id)
+            except PromptUnavailable:
+                end = PromptEnd(prompt_id=prompt_id, open=True)
+            if end is None or not end.open:
+                return terminal
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, END_POLL_AFTER_TEXT_S[1])
+
+    async def _child_result(self, prompt_id: str, request_id: int) -> Done | Fault:
         handle = self.client.get_workflow_handle(prompt_id)
-        deadline = asyncio.get_running_loop().time() + CHILD_START_WAIT_S
         pause = 0.02
+        closed_before = False  # the run had ended the prompt at the last "not found"
         while True:
             try:
                 raw = await handle.result()
@@ -71,10 +84,19 @@ class PromptEnds(RunLifecycle):
             except RPCError as err:
                 if err.status is not RPCStatusCode.NOT_FOUND:
                     raise PromptUnavailable(f"prompt {prompt_id}: {err}") from None
-                if asyncio.get_running_loop().time() > deadline:
+                # Started just after its admission was answered, or not yet (a busy
+                # run): waited for while the run has the prompt. One that ended while
+                # this look was on its way is looked for once more.
+                try:
+                    end = await self._ask_end(prompt_id)
+                except PromptUnavailable:  # no worker has the run this moment
+                    end = PromptEnd(prompt_id=prompt_id, open=True)
+                closed = end is not None and not end.open
+                if end is None or (closed and closed_before):
                     raise PromptNotFound(
-                        f"prompt {prompt_id}: its workflow was never started"
+                        f"prompt {prompt_id}: the run has no such prompt workflow"
                     ) from None
+                closed_before = closed
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 0.5)
                 continue

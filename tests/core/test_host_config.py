@@ -1050,8 +1050,8 @@ def test_run_request_cpus_only_for_the_docker_provider():
         ("[runtime]\nstage_index = 1\n", "runtime.stage_index: a run plans its stages itself"),
         ("[runtime]\nlayer_end_exclusive = 12\n", "runtime.layer_end_exclusive is not supported"),
         (
-            "[prompt]\nmax_active_prompts = 33\n",
-            "invalid run request: max_active_prompts: Input should be less than or equal to 32",
+            "[prompt]\nmax_active_prompts = 65\n",
+            "invalid run request: max_active_prompts: Input should be less than or equal to 64",
         ),
     ],
 )

@@ -20,7 +20,7 @@ OK = RunRequest(model=ModelSource(bundled="SmolLM2-135M-Instruct.Q4_1"))
     ("value", "message"),
     [
         (0, "max_active_prompts: Input should be greater than or equal to 1"),
-        (33, "max_active_prompts: Input should be less than or equal to 32"),
+        (65, "max_active_prompts: Input should be less than or equal to 64"),
         (
             "8x",
             "max_active_prompts: Input should be a valid integer, unable to parse string as an integer",
@@ -34,8 +34,8 @@ def test_max_active_prompts_out_of_range_is_rejected_naming_it(value, message):
         )
     assert str(err.value) == f"invalid run request: {message}"
     assert (
-        parse_request({"model": {"bundled": "x"}, "max_active_prompts": 32}).max_active_prompts
-        == 32
+        parse_request({"model": {"bundled": "x"}, "max_active_prompts": 64}).max_active_prompts
+        == 64
     )
 
 

@@ -67,9 +67,11 @@ class Prompts:
         self._started_children: set[str] = set()  # prompt workflows started (this run)
         self._early_cancels: dict[str, str] = {}  # cancels that came before their start
         # Prompts admitted by ``admit_prompt`` and served on without their Update (DECISIONS
-        # 77): the tasks serving them, and the run-hosted ones' keys until they end.
+        # 77): the tasks serving them, their keys until they end, and the keys of the
+        # latest that ended (``prompt_end`` says so until the run has counted them).
         self._tasks: set[asyncio.Task[None]] = set()
-        self._open_hosted: set[str] = set()
+        self._open: set[str] = set()
+        self._closed: OrderedDict[str, None] = OrderedDict()
 
     # ------------------------------------------------------------------ serving
     async def serve(self, args: Sequence[Any]) -> PromptTerminal:
@@ -82,8 +84,7 @@ class Prompts:
         """``admit_prompt`` (DECISIONS 77): admit the prompt and return at once; it is
         served on in a task of the run's, its end kept as ``submit_prompt``'s is."""
         admitted, serving = self._admit(args, awaited=False)
-        if admitted.hosted:
-            self._open_hosted.add(admitted.prompt_id)
+        self._open.add(admitted.prompt_id)
         task = asyncio.create_task(self._serve_on(admitted, serving))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -102,7 +103,10 @@ class Prompts:
             )
         finally:
             self._ctx.busy_handlers -= 1
-            self._open_hosted.discard(admitted.prompt_id)
+            self._open.discard(admitted.prompt_id)
+            self._closed[admitted.prompt_id] = None
+            while len(self._closed) > SERVED_HELD:
+                self._closed.popitem(last=False)
 
     def _admit(
         self, args: Sequence[Any], *, awaited: bool
@@ -345,13 +349,17 @@ class Prompts:
         return None if served is None else served.stop
 
     def end(self, prompt_id: str) -> PromptEnd | None:
-        """The ``prompt_end`` query: run-hosted prompt ``prompt_id`` open, or its end as
-        the run keeps it; None where the run knows no such prompt (or no longer keeps it)."""
+        """The ``prompt_end`` query: prompt ``prompt_id`` open, or ended (counted by the
+        run: a run-hosted one with its terminal event as the run keeps it; a
+        PromptWorkflow's end is that workflow's result); None where the run knows no such
+        prompt (or no longer keeps it)."""
         served = self._served.get(prompt_id)
         if served is not None:
             return PromptEnd(prompt_id=prompt_id, open=False, terminal=served.outcome.terminal)
-        if prompt_id in self._open_hosted or prompt_id in self._hosted:
+        if prompt_id in self._open or prompt_id in self._hosted or prompt_id in self._children:
             return PromptEnd(prompt_id=prompt_id, open=True)
+        if prompt_id in self._closed:
+            return PromptEnd(prompt_id=prompt_id, open=False)
         return None
 
     def kept(self) -> list[ServedPrompt]:
