@@ -43,6 +43,7 @@ SCENARIOS = [
     "malformed",
     "continue_as_new",
     "recovered",
+    "admitted",
 ]
 # The workers' converter (pydantic payloads) without a payload key: the histories are
 # exported in plaintext, and replay needs only the payload and failure converters.
