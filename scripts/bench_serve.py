@@ -57,6 +57,7 @@ if str(REPO) not in sys.path:  # run as a script: scripts/ and the packages impo
 
 from mvp_core import names  # noqa: E402
 from mvp_core.models import (  # noqa: E402
+    MAX_ACTIVE_PROMPTS,
     PromptOutcome,
     RequestShutdown,
     RunPhase,
@@ -581,8 +582,8 @@ def main() -> None:
     args = p.parse_args()
     if args.cpus is not None and args.provider != "docker":
         p.error("--cpus is a docker setting: add --provider docker")
-    if not 1 <= max(args.levels) <= 32:
-        p.error("--levels: each from 1 to 32 (a run's max_active_prompts)")
+    if not 1 <= min(args.levels) or max(args.levels) > MAX_ACTIVE_PROMPTS:
+        p.error(f"--levels: each from 1 to {MAX_ACTIVE_PROMPTS} (a run's max_active_prompts)")
     levels = asyncio.run(bench(args))
     text = table(levels, args)
     print(text)
