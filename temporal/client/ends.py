@@ -85,14 +85,15 @@ class PromptEnds(RunLifecycle):
                 if err.status is not RPCStatusCode.NOT_FOUND:
                     raise PromptUnavailable(f"prompt {prompt_id}: {err}") from None
                 # Started just after its admission was answered, or not yet (a busy
-                # run): waited for while the run has the prompt. One that ended while
-                # this look was on its way is looked for once more.
+                # run): waited for while the run has the prompt. One that ran and ended
+                # while this look was on its way (the run may even have continued as new
+                # since, and no longer knows it) is looked for once more.
                 try:
                     end = await self._ask_end(prompt_id)
                 except PromptUnavailable:  # no worker has the run this moment
                     end = PromptEnd(prompt_id=prompt_id, open=True)
-                closed = end is not None and not end.open
-                if end is None or (closed and closed_before):
+                closed = end is None or not end.open
+                if closed and closed_before:
                     raise PromptNotFound(
                         f"prompt {prompt_id}: the run has no such prompt workflow"
                     ) from None
