@@ -968,6 +968,8 @@ def _node_kill(stage_index: int, phase: RunPhase, run_id: int, replace: bool = F
         faults = {
             RunPhase.PROMPT_READY: SLOW_TEXT,
             RunPhase.READINESS: sc.held_leases(),
+            # A load from the layout cache takes ~0.05 s: held, so the poll sees the phase.
+            RunPhase.STAGE_PROVISIONING: {"MVP_FAULT_PROVISION_DELAY_MS": "3000"},
         }.get(phase)
         policy = {"on_node_loss": "replace"} if replace else {}
         handle = await sc.start_run(run_id, 3, faults, **policy)
@@ -1262,7 +1264,8 @@ def _cells() -> list[Cell]:
                     "3-stage run, killed after the first text delta (MVP_FAULT_TEXT_DELAY_MS=20)"
                     if phase is RunPhase.PROMPT_READY
                     else "3-stage run, snapshot polled every 30 ms; readiness: once the victim"
-                    " reported NodeRuntimeReady; stage provisioning: while its stage loads"
+                    " reported NodeRuntimeReady; stage provisioning: while its stage loads (held 3 s by"
+                    " MVP_FAULT_PROVISION_DELAY_MS: a load from the layout cache takes ~0.05 s)"
                 )
                 expected = faulted(who)
                 if replace:

@@ -534,6 +534,9 @@ def prompt_timing(result: GenerationResult, first_published: float | None) -> Pr
 def _load_runtime(prov: StageProvision) -> StageRuntime:
     from workers.node.runtime import StageRuntime  # waits for the boot-time import
 
+    delay = FaultInjection.from_env().provision_delay_s
+    if delay:
+        time.sleep(delay)
     return StageRuntime.load(prov)
 
 

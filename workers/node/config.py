@@ -70,6 +70,9 @@ class FaultInjection:
     report_identity: str | None = None
     skew_token_out_sequence: bool = False
     text_delay_s: float = 0.0  # a slow node: each piece of text is held this long
+    # A slow load: the stage's weights are loaded after this long (a test catches the run
+    # in stage provisioning however fast a load from the layout cache is).
+    provision_delay_s: float = 0.0
     # A held prompt: every piece of text after the first waits until this file exists (a
     # test observes a prompt while it generates, however fast or loaded the machine).
     text_gate: str | None = None
@@ -93,6 +96,7 @@ class FaultInjection:
             report_identity=env.get("MVP_FAULT_REPORT_IDENTITY") or None,
             skew_token_out_sequence=env.get("MVP_FAULT_SKEW_OUT_SEQUENCE") == "1",
             text_delay_s=float(env.get("MVP_FAULT_TEXT_DELAY_MS", "0")) / 1000.0,
+            provision_delay_s=float(env.get("MVP_FAULT_PROVISION_DELAY_MS", "0")) / 1000.0,
             text_gate=env.get("MVP_FAULT_TEXT_GATE") or None,
             edge_delay_s=float(env.get("MVP_FAULT_EDGE_DELAY_MS", "0")) / 1000.0,
             native_write=env.get("MVP_FAULT_NATIVE_WRITE") or None,
