@@ -28,6 +28,9 @@ QUERY_SNAPSHOT = "snapshot"
 # A run-hosted prompt's end, by its key (DECISIONS 66).
 QUERY_PROMPT_SERVED = "prompt_served"
 QUERY_PROMPT_END = "prompt_end"  # a run-hosted prompt: open, or its terminal event
+# ... of many prompts in one query: a client asks once for all it waits on (DECISIONS 78)
+QUERY_PROMPT_ENDS = "prompt_ends"
+PROMPT_ENDS_PER_QUERY = 256  # the most prompt keys one prompt_ends query may name
 QUERY_PROMPT_STOPS = "prompt_stops"  # ... and the stop strings of one in flight or kept
 
 # Node reports (signals from node agents to the run).

@@ -2,7 +2,12 @@
 admitted by ``admit_prompt`` ends as its PromptWorkflow's result (a long poll on that
 workflow, not on the run), or, served by the run itself, as the run's ``prompt_end``
 query answers it. That query is asked rarely while the prompt's text still comes from
-its head node, and at once, then often for a moment, when that text has ended."""
+its head node, and at once, then often for a moment, when that text has ended.
+
+A handle asks for every prompt it waits on in one ``prompt_ends`` query, one at a time
+(DECISIONS 78): a server buffers one query per busy workflow by default
+(``history.MaxBufferedQueryCount``) and refuses the rest, so 64 streams each asking on
+its own were refused, retried, and late."""
 
 from __future__ import annotations
 
@@ -10,16 +15,12 @@ import asyncio
 import contextlib
 from typing import Any
 
-from temporalio.client import (
-    WorkflowFailureError,
-    WorkflowQueryFailedError,
-    WorkflowQueryRejectedError,
-)
+from temporalio.client import WorkflowFailureError
 from temporalio.service import RPCError, RPCStatusCode
 
 from mvp_core import names
 from mvp_core.models import Done, Fault, PromptEnd, PromptOutcome
-from mvp_core.names import QUERY_TIMEOUT
+from temporal.client.endboard import EndBoard
 from temporal.client.errors import PromptNotFound, PromptUnavailable
 from temporal.client.lifecycle import RunLifecycle
 
@@ -130,19 +131,23 @@ class PromptEnds(RunLifecycle):
             if not hint.streaming:
                 pause = min(pause * 1.5, END_POLL_S[1])
 
+    @property
+    def end_queries(self) -> int:
+        """How many ``prompt_ends`` queries this handle has sent (figures, tests)."""
+        return 0 if self._end_board is None else self._end_board.queries
+
     async def _ask_end(self, prompt_id: str) -> PromptEnd | None:
-        try:
-            answer: Any = await self.workflow.query(
-                names.QUERY_PROMPT_END, prompt_id, result_type=PromptEnd, rpc_timeout=QUERY_TIMEOUT
-            )
-        except RPCError as err:
-            if err.status is RPCStatusCode.NOT_FOUND:
-                raise PromptNotFound(f"run {self.run_id} does not exist") from None
-            raise PromptUnavailable(
-                f"run {self.run_id} cannot say how {prompt_id} is: {err}"
-            ) from None
-        except (WorkflowQueryFailedError, WorkflowQueryRejectedError) as err:
-            raise PromptUnavailable(
-                f"run {self.run_id} cannot say how {prompt_id} is: {err}"
-            ) from None
-        return answer if isinstance(answer, PromptEnd) else None
+        """What the run says of ``prompt_id`` (with every other prompt this handle waits
+        on: one ``prompt_ends`` query). PromptNotFound: no such run; PromptUnavailable:
+        it cannot answer now."""
+        if self._end_board is None:
+            self._end_board = EndBoard(self._ask_ends)
+        return await self._end_board.look(prompt_id)
+
+    async def _ask_ends(self, prompt_ids: list[str]) -> list[PromptEnd | None]:
+        answer: Any = await self._ask_run(
+            names.QUERY_PROMPT_ENDS, prompt_ids, list[PromptEnd | None], "its prompts"
+        )
+        if not isinstance(answer, list):
+            raise PromptUnavailable(f"run {self.run_id} answered no list of ends")
+        return [end if isinstance(end, PromptEnd) else None for end in answer]

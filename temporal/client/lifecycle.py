@@ -34,7 +34,8 @@ from mvp_core.names import QUERY_TIMEOUT
 from mvp_core.run_signals import signal_name
 from mvp_core.run_state import RunState
 from mvp_core.web_ui import run_details, run_summary
-from temporal.client.errors import RunClosed, RunNotOpen
+from temporal.client.endboard import EndBoard
+from temporal.client.errors import PromptNotFound, PromptUnavailable, RunClosed, RunNotOpen
 from temporal.client.updates import drop
 from temporal.text_stream import TextStreamTarget, host_secret
 from workflows.run import RunWorkflow
@@ -59,6 +60,7 @@ class RunLifecycle:
         self._prompt_host: PromptHost | None = None  # where the run serves prompts
         self.direct_streams = 0  # prompts whose text came from the head node to the end
         self._admitting: asyncio.Semaphore | None = None  # admissions in flight (made in use)
+        self._end_board: EndBoard | None = None  # prompts' ends, asked together (made in use)
 
     @property
     def workflow(self) -> WorkflowHandle[Any, Any]:
@@ -120,6 +122,25 @@ class RunLifecycle:
         cannot answer."""
         state: RunState = await self.workflow.query(RunWorkflow.snapshot, rpc_timeout=rpc_timeout)
         return state
+
+    async def _ask_run(self, query: str, arg: Any, result_type: Any, about: str) -> Any:
+        """One of the run's queries about its prompts. PromptNotFound: no such run;
+        PromptUnavailable: the run cannot answer now (no worker has it, a server that
+        refused or could not be reached)."""
+        try:
+            return await self.workflow.query(
+                query, arg, result_type=result_type, rpc_timeout=QUERY_TIMEOUT
+            )
+        except RPCError as err:
+            if err.status is RPCStatusCode.NOT_FOUND:
+                raise PromptNotFound(f"run {self.run_id} does not exist") from None
+            raise PromptUnavailable(
+                f"run {self.run_id} cannot answer {query} for {about} now: {err}"
+            ) from None
+        except (WorkflowQueryFailedError, WorkflowQueryRejectedError) as err:
+            raise PromptUnavailable(
+                f"run {self.run_id} cannot answer {query} for {about} now: {err}"
+            ) from None
 
     async def try_snapshot(self, *, rpc_timeout: timedelta = QUERY_TIMEOUT) -> RunState | None:
         """The run's state, or None when it cannot answer now (no worker has it yet, a

@@ -8,16 +8,11 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, cast
 
-from temporalio.client import (
-    WorkflowQueryFailedError,
-    WorkflowQueryRejectedError,
-    WorkflowUpdateFailedError,
-)
+from temporalio.client import WorkflowUpdateFailedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from mvp_core import names
 from mvp_core.models import Done, Fault, PromptHost, PromptOutcome, ServedPrompt, TextDelta
-from mvp_core.names import QUERY_TIMEOUT
 from temporal.client.errors import PromptNotFound, PromptUnavailable
 from temporal.client.text import PromptEvents, PromptText
 from temporal.client.updates import drop
@@ -97,21 +92,12 @@ class PromptLookup(PromptText):
         return list(stops) if isinstance(stops, list) else []
 
     async def _ask(self, query: str, request_id: int, result_type: Any) -> Any:
-        """One of the run's prompt queries; PromptUnavailable when the run cannot answer."""
+        """One of the run's prompt queries: None where there is no such run;
+        PromptUnavailable when the run cannot answer."""
         try:
-            return await self.workflow.query(
-                query, request_id, result_type=result_type, rpc_timeout=QUERY_TIMEOUT
-            )
-        except RPCError as err:
-            if err.status is RPCStatusCode.NOT_FOUND:
-                return None  # no such run
-            raise PromptUnavailable(
-                f"run {self.run_id} cannot say where prompt {request_id} is now: {err}"
-            ) from None
-        except (WorkflowQueryFailedError, WorkflowQueryRejectedError) as err:
-            raise PromptUnavailable(
-                f"run {self.run_id} cannot say where prompt {request_id} is now: {err}"
-            ) from None
+            return await self._ask_run(query, request_id, result_type, f"prompt {request_id}")
+        except PromptNotFound:
+            return None
 
     async def attach(self, request_id: int, *, poll_cooldown_ms: int = 20) -> PromptEvents:
         """Re-attach to a prompt, running or finished, from any client: the whole text so

@@ -16,7 +16,8 @@ import json
 from typing import Any
 
 import httpx
-from temporalio.client import WorkflowExecutionStatus
+import pytest
+from temporalio.client import WorkflowExecutionStatus, WorkflowQueryFailedError
 
 from mvp_core import names
 from mvp_core.models import Done, Fault, RunPhase, ShutdownReason, SubmitPrompt, TextDelta
@@ -152,6 +153,20 @@ async def test_a_run_hosted_prompt_is_served_streamed_cancelled_and_re_attached(
         assert isinstance(seen[-1], Done)
         assert "".join(e.text for e in seen if isinstance(e, TextDelta)) == seen[-1].final_text
     await asyncio.wait_for(owning, 120)
+    # Many ends in one query (DECISIONS 78), in the order asked; an unknown key: None.
+    # A malformed ask fails that query alone, saying what was wrong.
+    ends = await handle.query(
+        names.QUERY_PROMPT_ENDS, [found.workflow_id, "no-such-prompt"], result_type=list[Any]
+    )
+    assert ends[1] is None and ends[0]["open"] is False
+    assert Done.model_validate(ends[0]["terminal"]) == owner[-1]
+    for bad, says in (
+        (["k"] * (names.PROMPT_ENDS_PER_QUERY + 1), "at most 256 prompt keys"),
+        ([1, 2], "list of prompt keys"),
+        ({"keys": 1}, "list of prompt keys"),
+    ):
+        with pytest.raises(WorkflowQueryFailedError, match=says):
+            await handle.query(names.QUERY_PROMPT_ENDS, bad)
     for viewer in (RunHandle(runs.client, run_id), temporal_only):
         late = [e async for e in viewer.attach(4)]
         assert isinstance(late[-1], Done) and late[-1] == owner[-1]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -222,46 +223,63 @@ async def test_text_comes_from_the_head_node_and_history_does_not_grow_with_leng
 
 @pytest.mark.parametrize("host", ["run", "workflow"])
 async def test_sixty_four_streams_at_once_on_a_stock_server_all_generate_together(
-    runs: Runs, host: str
+    runs: Runs, host: str, tmp_path: Path
 ):
     """DECISIONS 77: a prompt's admission is the only Update it holds, so a run serves
     every prompt its max_active_prompts admits on a server with Temporal's defaults (this
-    suite's dev server sets no dynamic config: history.maxInFlightUpdates is 10). All 64
-    are admitted before any ends (none waits on the server's limit: that wait was ~15 s
-    of the SDK's retries), and each text is its text alone."""
+    suite's dev server sets no dynamic config: history.maxInFlightUpdates is 10). The
+    text after each prompt's first piece is held until all 64 are admitted and active
+    together (no prompt can end before: were an Update held for each, the eleventh would
+    wait for ever). Then each text is its text alone."""
     run_id = 2231 if host == "run" else 2232
+    gate = tmp_path / "text-open"
     handle = await runs.start(
         run_id,
         max_active_prompts=64,
         prompt_queue_capacity=1,
         max_context=128,
         prompt_host=host,
+        faults={"MVP_FAULT_TEXT_GATE": str(gate)},
     )
     await wait_phase(handle, RunPhase.PROMPT_READY, timeout=180)
     run = RunHandle(runs.client, run_id)
     texts = TEXTS[:4]
     tokens = 48
+    gate.touch()
     alone = [
         await run.submit(SubmitPrompt(request_id=i, prompt_text=t, max_tokens=tokens))
         for i, t in enumerate(texts)
     ]
-    loop = asyncio.get_running_loop()
-    admitted: list[float] = []
-    ended: list[float] = []
+    gate.unlink()
+    admitted = 0
+    all_admitted = asyncio.Event()
+
+    def on_admitted() -> None:
+        nonlocal admitted
+        admitted += 1
+        if admitted == 64:
+            all_admitted.set()
 
     async def one(i: int) -> tuple[str, Done | Fault]:
         prompt = SubmitPrompt(request_id=100 + i, prompt_text=texts[i % 4], max_tokens=tokens)
         text = ""
-        async for event in run.stream(prompt, on_admitted=lambda: admitted.append(loop.time())):
+        async for event in run.stream(prompt, on_admitted=on_admitted):
             if isinstance(event, TextDelta):
                 text += event.text
             else:
-                ended.append(loop.time())
                 return text, event
         raise AssertionError("no terminal event")
 
-    results = await asyncio.gather(*(one(i) for i in range(64)))
-    assert len(admitted) == 64 and max(admitted) < min(ended), "an admission waited"
+    streams = asyncio.gather(*(one(i) for i in range(64)))
+    try:
+        async with asyncio.timeout(180):
+            await all_admitted.wait()
+            while len((await run.snapshot()).actives()) < 64:
+                assert not streams.done(), streams
+                await asyncio.sleep(0.1)
+    finally:
+        gate.touch()
+    results = await streams
     for i, (text, end) in enumerate(results):
         ref = alone[i % 4]
         assert isinstance(end, Done) and isinstance(ref, Done), (i, end, ref)

@@ -362,6 +362,19 @@ class Prompts:
             return PromptEnd(prompt_id=prompt_id, open=False)
         return None
 
+    def ends(self, prompt_ids: object) -> list[PromptEnd | None]:
+        """The ``prompt_ends`` query: ``end`` of each key, in order. A query's argument
+        is untrusted: anything but a list of at most PROMPT_ENDS_PER_QUERY strings fails
+        the query (only the query) with what was wrong."""
+        if not isinstance(prompt_ids, list) or not all(isinstance(p, str) for p in prompt_ids):
+            raise ValueError("prompt_ends takes a list of prompt keys (strings)")
+        if len(prompt_ids) > names.PROMPT_ENDS_PER_QUERY:
+            raise ValueError(
+                f"prompt_ends takes at most {names.PROMPT_ENDS_PER_QUERY} prompt keys, "
+                f"not {len(prompt_ids)}"
+            )
+        return [self.end(p) for p in prompt_ids]
+
     def kept(self) -> list[ServedPrompt]:
         """The ends continue-as-new carries: the latest SERVED_KEPT, their texts within
         SERVED_TEXT_KEPT characters, the latest always."""

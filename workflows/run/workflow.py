@@ -220,6 +220,14 @@ class RunWorkflow:
         its terminal event while the run keeps it; None where the run knows none."""
         return self._prompts.end(prompt_id)
 
+    @workflow.query(name=names.QUERY_PROMPT_ENDS)
+    def prompt_ends(self, prompt_ids: Any) -> list[PromptEnd | None]:
+        """``prompt_end`` for each of ``prompt_ids`` (at most PROMPT_ENDS_PER_QUERY), in
+        order: one query for all the prompts a client waits on (DECISIONS 78; a server
+        buffers one query per busy workflow by default, and refuses the rest). Taken as
+        it comes and checked: a malformed ask fails this query alone, saying why."""
+        return self._prompts.ends(prompt_ids)
+
     @workflow.query(name=names.QUERY_PROMPT_SERVED)
     def prompt_served(self, request_id: int) -> ServedPrompt | None:
         """The latest run-hosted prompt ``request_id`` that ended, while the run keeps it
