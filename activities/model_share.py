@@ -4,7 +4,8 @@ Process and Docker nodes run on the provider's host: the start activity fetches 
 there (mvp_io.share_fetch) into this host's model cache, which the node reads (a Docker
 node through a read-only mount). A Vast.ai node's share is fetched on its instance, over
 the provider's SSH session (activities/providers/vastai/ssh.py: fetch_share_remote).
-Progress goes to the provider's log, which is the run's datastream (LogLine, stream
+Progress, wherever the share is fetched (here, or on a Vast.ai instance: DECISIONS 79),
+goes to the provider's log, which is the run's datastream (LogLine, stream
 Provider), once at the start, every PROGRESS_LOG_S and at the end; and, live, to the
 start activity's heartbeat details (``ShareProgress.details``), which the Temporal Web
 UI and ``temporal workflow describe`` show under the run's pending activities.

@@ -104,12 +104,17 @@ class ProviderActivities:
             try:
                 provider = self._provider(spec.provider)
                 fetched: int | None = None
-                if spec.model_share is not None and spec.provider in _FETCH_HERE:
+                progress = None
+                if spec.model_share is not None:
                     progress = ShareProgress(spec, spec.model_share)
-                    fetched = await in_thread(
-                        fetch_node_share, spec, progress, details=progress.details
-                    )
-                handle = await in_thread(provider.start, spec)
+                    if spec.provider in _FETCH_HERE:
+                        fetched = await in_thread(
+                            fetch_node_share, spec, progress, details=progress.details
+                        )
+                # A node that fetches its share on its own host (Vast.ai) tells the same
+                # progress, as this start's heartbeat details, while the provider starts it.
+                details = progress.details if progress is not None and fetched is None else None
+                handle = await in_thread(provider.start, spec, progress, details=details)
                 if spec.model_share is not None:
                     handle = handle.model_copy(
                         update={

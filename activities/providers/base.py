@@ -67,6 +67,10 @@ class NodeStartFailed(RuntimeError):
     without a GPU driver, an image that does not exist); nothing of it was left behind."""
 
 
+# What a start tells of a share fetched on the node's own host: (bytes held, bytes in all).
+Progress = Callable[[int, int], None]
+
+
 class Provider(Protocol):
     def check(self, spec_gpus: str | None) -> None:
         """Raise ProviderUnavailable unless this host can start nodes with these settings
@@ -82,8 +86,10 @@ class Provider(Protocol):
         """Remove one resource; idempotent, "not found" is success."""
         ...
 
-    def start(self, spec: NodeProvisionSpec) -> NodeHandle:
-        """Start a node; idempotent per (run_id, node_id, nonce)."""
+    def start(self, spec: NodeProvisionSpec, progress: Progress | None = None) -> NodeHandle:
+        """Start a node; idempotent per (run_id, node_id, nonce). A provider whose node
+        fetches its model share itself (Vast.ai) tells ``progress`` (bytes held, bytes in
+        all) as that fetch goes."""
         ...
 
     def stop(self, handle: NodeHandle, grace_s: float) -> StopNodeResult:

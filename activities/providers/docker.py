@@ -43,6 +43,7 @@ from docker.types import DeviceRequest, LogConfig, Mount
 from activities.providers.base import (
     NODE_STDERR_FILE,
     NodeStartFailed,
+    Progress,
     ProviderUnavailable,
     deployment_id,
     harness_crash,
@@ -342,7 +343,7 @@ class DockerProvider:
         return list(self.client().containers.list(all=True, filters=filters, ignore_removed=True))
 
     # ------------------------------------------------------------------ start
-    def start(self, spec: NodeProvisionSpec) -> NodeHandle:
+    def start(self, spec: NodeProvisionSpec, progress: Progress | None = None) -> NodeHandle:
         resource = names.node_resource_name(spec.run_id, spec.node_id, spec.nonce)
         existing: Container | None = None
         for c in self._containers(

@@ -27,6 +27,7 @@ import psutil
 from activities.providers.base import (
     NODE_STDERR_FILE,
     NodeStartFailed,
+    Progress,
     ProviderUnavailable,
     harness_crash,
     harness_faults,
@@ -169,7 +170,7 @@ class ProcessProvider:
     def _node_dir(self, run_id: int, node_id: int, nonce: str) -> Path:
         return state_dir() / "nodes" / names.node_resource_name(run_id, node_id, nonce)
 
-    def start(self, spec: NodeProvisionSpec) -> NodeHandle:
+    def start(self, spec: NodeProvisionSpec, progress: Progress | None = None) -> NodeHandle:
         node_dir = self._node_dir(spec.run_id, spec.node_id, spec.nonce)
         node_dir.mkdir(parents=True, exist_ok=True)
         # One attempt at a time per node: an attempt whose heartbeat timed out on a loaded

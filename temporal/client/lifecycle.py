@@ -36,6 +36,7 @@ from mvp_core.run_state import RunState
 from mvp_core.web_ui import run_details, run_summary
 from temporal.client.endboard import EndBoard
 from temporal.client.errors import PromptNotFound, PromptUnavailable, RunClosed, RunNotOpen
+from temporal.client.fetches import share_fetches
 from temporal.client.updates import drop
 from temporal.text_stream import TextStreamTarget, host_secret
 from workflows.run import RunWorkflow
@@ -149,6 +150,12 @@ class RunLifecycle:
             return await self.snapshot(rpc_timeout=rpc_timeout)
         except QUERY_FAILED:
             return None
+
+    async def fetches(self) -> dict[int, tuple[int, int]]:
+        """The model shares the run's nodes are fetching now, by node id: (bytes held,
+        bytes in all), from its pending start activities (DECISIONS 79); empty when none
+        is. The SDK's RPCError where the server cannot be asked."""
+        return await share_fetches(self.client, self.workflow_id)
 
     async def datastream(
         self, *, wait_s: float = 0.0, poll_s: float = 0.2

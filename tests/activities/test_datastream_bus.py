@@ -21,7 +21,7 @@ class FailingProvider:
     def check(self, spec_gpus: str | None) -> None:
         return None
 
-    def start(self, spec: NodeProvisionSpec) -> None:
+    def start(self, spec: NodeProvisionSpec, progress: object = None) -> None:
         logging.getLogger("mvp.provider.vastai").info("offer 17 tried: rate limited (HTTP 429)")
         raise NodeStartFailed("no offer left; HF_TOKEN=hf_abcdefghijklmnopqrstuvwxyz0123")
 

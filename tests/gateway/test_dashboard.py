@@ -808,7 +808,7 @@ async def test_a_share_being_fetched_shows_how_far_it_is_then_what_was_fetched()
 
 
 def test_only_a_start_activitys_fetch_details_count_as_progress():
-    from workers.gateway.dashboard import _fetch_progress
+    from temporal.client.fetches import fetch_progress as _fetch_progress
 
     good = {"fetch": {"node_id": 3, "bytes_held": 5, "bytes_total": 9, "seconds": 1.0}}
     assert _fetch_progress(good) == (3, 5, 9)

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -357,8 +358,67 @@ class _StartFails:
     def check(self, spec_gpus: str | None) -> None:
         return None
 
-    def start(self, spec: NodeProvisionSpec) -> None:
+    def start(self, spec: NodeProvisionSpec, progress: object = None) -> None:
         raise NodeStartFailed("no node in this test")
+
+
+class _FetchesOnItsHost:
+    """A provider whose node fetches its share on its own host (as Vast.ai's does): it
+    tells the start's progress as that fetch goes, then fails (the test watches the
+    heartbeats)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+
+    def check(self, spec_gpus: str | None) -> None:
+        return None
+
+    def start(self, spec: NodeProvisionSpec, progress: object = None) -> None:
+        assert callable(progress)
+        for held in (0, self.total // 2, self.total):
+            progress(held, self.total)
+            time.sleep(0.6)  # past the activity's 1 s heartbeat between two tellings
+        raise NodeStartFailed("no node in this test")
+
+
+async def test_a_share_fetched_on_the_nodes_own_host_heartbeats_its_progress(
+    hub: HubStandin, parts: list[Path], tmp_path: Path
+) -> None:
+    """A Vast.ai node fetches its share on its instance, during the provider's start: the
+    start activity's heartbeats carry that fetch as they carry one made here, and nothing
+    is fetched on this host."""
+    paths, pin = pin_hub_model(source(parts))
+    share = shares(paths, pin, tmp_path / "host")[1]
+    spec = node_spec(99103).model_copy(
+        update={"node_id": 4, "provider": ProviderKind.VASTAI, "model_share": share}
+    )
+    beats: list[object] = []
+    env = ActivityEnvironment()
+    env.on_heartbeat = lambda *details: beats.extend(details)
+    acts = ProviderActivities({ProviderKind.VASTAI: _FetchesOnItsHost(share.size)})  # type: ignore[dict-item]
+    with pytest.raises(ApplicationError, match="no node in this test"):
+        await env.run(acts.start_node, spec)
+    fetches = [b["fetch"] for b in beats if isinstance(b, dict) and "fetch" in b]
+    assert {(f["node_id"], f["bytes_total"]) for f in fetches} == {(4, share.size)}
+    held = [f["bytes_held"] for f in fetches]
+    assert held == sorted(held) and held[-1] > 0, held
+    assert fetch_share(share.model_dump(mode="json")) == share.size  # not fetched here
+
+
+def test_a_remote_fetchers_progress_lines_are_read_as_untrusted():
+    from activities.providers.vastai.ssh import _progress_line
+
+    assert _progress_line({"done": 3, "total": 10}) == (3, 10)
+    for bad in (
+        {"done": "3", "total": 10},
+        {"done": 11, "total": 10},
+        {"done": -1, "total": 10},
+        {"done": True, "total": 10},
+        {"done": 1.5, "total": 10},
+        {"fetched": 10},
+        {"error": "x"},
+    ):
+        assert _progress_line(bad) is None, bad
 
 
 async def test_the_start_activity_heartbeats_the_fetchs_progress(

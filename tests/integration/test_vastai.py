@@ -398,6 +398,8 @@ async def test_two_stage_run_on_two_rented_instances_serves_the_process_text(
         iid = node.handle.instance_id
         assert not re.search(rf"MB of model to instance {iid}\b", log_text)
         assert f"instance {iid} fetched " in log_text
+        # Its progress, told to the start activity (its heartbeat details), logged whole.
+        assert f"node {node.node_id} (stage {node.stage_index}) has " in log_text
 
     outcome = await shutdown(handle)
     assert outcome.outcome.value == "operator_stopped", outcome

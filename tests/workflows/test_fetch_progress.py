@@ -1,5 +1,5 @@
 """A node share's fetch progress, from its start activity's heartbeat to what the
-dashboard reads of the run (workers/gateway/dashboard.TemporalSource.fetches): through a
+dashboard and a client's ``RunHandle.fetches()`` read of the run (DECISIONS 79): through a
 real server's describe, with the project's data converter."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from mvp_core import names
+from temporal.client import RunHandle
 from tests.helpers.waits import eventually
 from workers.gateway.dashboard import TemporalSource
 
@@ -50,8 +51,9 @@ async def test_the_dashboard_reads_a_fetchs_progress_from_the_start_activitys_he
         workflows=[StartsOneNode],
         activities=[start_node_fetching],
     ):
+        run_id = 900_000 + sum(map(ord, task_queue)) % 99_999
         handle = await env.client.start_workflow(
-            StartsOneNode.run, id=f"fetch-progress-{task_queue}", task_queue=task_queue
+            StartsOneNode.run, id=names.run_workflow_id(run_id), task_queue=task_queue
         )
 
         async def seen() -> dict[int, tuple[int, int]] | None:
@@ -60,6 +62,8 @@ async def test_the_dashboard_reads_a_fetchs_progress_from_the_start_activitys_he
         assert await eventually(seen, timeout=30, what="the fetch's progress") == {
             4: (3_000_000, 8_000_000)
         }
+        assert await RunHandle(env.client, run_id).fetches() == {4: (3_000_000, 8_000_000)}
         RELEASE.set()
         await handle.result()
     assert await source.fetches(handle.id) == {}  # nothing pending: no progress
+    assert await RunHandle(env.client, run_id).fetches() == {}

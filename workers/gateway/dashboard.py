@@ -50,6 +50,7 @@ from mvp_core.datastream import Redactor
 from mvp_core.models import NodeHandle, PromptHost, PromptOutcome
 from mvp_core.run_state import RunState
 from temporal.client import QUERY_TIMEOUT, PromptUnavailable, RunHandle
+from temporal.client.fetches import share_fetches
 from workers.gateway.dashboard_feed import DatastreamFeed
 from workers.gateway.dashboard_view import (
     RECENT_PROMPTS,
@@ -135,19 +136,6 @@ class RunSource(Protocol):
         ...
 
 
-def _fetch_progress(details: object) -> tuple[int, int, int] | None:
-    """(node, bytes held, bytes in all) of a start activity's heartbeat details
-    (activities/model_share.ShareProgress.details); None for any other details."""
-    fetch = details.get("fetch") if isinstance(details, dict) else None
-    if not isinstance(fetch, dict):
-        return None
-    values = [fetch.get(k) for k in ("node_id", "bytes_held", "bytes_total")]
-    ints = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
-    if len(ints) != 3 or not 0 <= ints[1] <= ints[2]:
-        return None
-    return ints[0], ints[1], ints[2]
-
-
 class TemporalSource:
     """Reads of Temporal only: describe, query, visibility list and history."""
 
@@ -168,27 +156,9 @@ class TemporalSource:
 
     async def fetches(self, workflow_id: str) -> dict[int, tuple[int, int]]:
         try:
-            desc = await self.client.get_workflow_handle(workflow_id).describe(
-                rpc_timeout=QUERY_TIMEOUT
-            )
+            return await share_fetches(self.client, workflow_id)
         except RPCError as err:
             raise SourceError(f"describe failed: {err.message}") from None
-        found: dict[int, tuple[int, int]] = {}
-        for pending in desc.raw_description.pending_activities:
-            if pending.activity_type.name != names.ACT_START_NODE:
-                continue
-            payloads = pending.heartbeat_details.payloads
-            if not payloads:
-                continue
-            try:
-                details = await self.client.data_converter.decode(payloads)
-            except Exception:  # details this gateway cannot read: no progress shown
-                continue
-            for d in details:
-                got = _fetch_progress(d)
-                if got is not None:
-                    found[got[0]] = got[1:]
-        return found
 
     async def snapshot(self, workflow_id: str) -> RunState:
         try:

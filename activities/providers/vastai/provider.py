@@ -13,7 +13,12 @@ import socket
 import time
 from typing import Any
 
-from activities.providers.base import NodeStartFailed, ProviderUnavailable, node_exited
+from activities.providers.base import (
+    NodeStartFailed,
+    Progress,
+    ProviderUnavailable,
+    node_exited,
+)
 from activities.providers.vastai import records
 from activities.providers.vastai.api import NOT_RUNNING, VastApi, VastApiError
 from activities.providers.vastai.node_agent import bootstrap, stop_node_agent
@@ -97,9 +102,9 @@ class VastAiProvider:
         return fingerprint(public)
 
     # ------------------------------------------------------------------ start
-    def start(self, spec: NodeProvisionSpec) -> NodeHandle:
+    def start(self, spec: NodeProvisionSpec, progress: Progress | None = None) -> NodeHandle:
         try:
-            return self._start(spec)
+            return self._start(spec, progress)
         except VastApiError as err:
             if err.status != 429:
                 raise
@@ -107,7 +112,7 @@ class VastAiProvider:
             # search quota): another attempt would only meet the same limit.
             raise NodeStartFailed(f"vastai node {spec.node_id}: {err}") from None
 
-    def _start(self, spec: NodeProvisionSpec) -> NodeHandle:
+    def _start(self, spec: NodeProvisionSpec, progress: Progress | None) -> NodeHandle:
         """Adopt or rent an instance until one runs and answers SSH (an unusable one is
         destroyed and another offer tried), then upload the models, reach Temporal and
         start the node agent."""
@@ -147,7 +152,7 @@ class VastAiProvider:
             fetched: int | None = None
             if share is not None:  # the instance fetches its own share from the hub
                 token = hub_token() if share.pin.needs_token else None
-                fetched = fetch_share_remote(record, share, token, phases)
+                fetched = fetch_share_remote(record, share, token, phases, progress)
             temporal = temporal_for(record)
             bootstrap(record, spec, settings, row, temporal, phases)
         except SshFailed as err:

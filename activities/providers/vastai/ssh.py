@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from activities.providers.base import ProviderUnavailable
+from activities.providers.base import Progress, ProviderUnavailable
 from activities.providers.vastai import records
 from activities.providers.vastai.api import backoff
 from activities.providers.vastai.records import InstanceRecord
@@ -235,14 +235,29 @@ REMOTE_FETCH_DIR = "/var/lib/mvp/fetch"
 FETCH_LOG_EVERY_S = 5.0
 
 
+def _progress_line(line: dict[str, Any]) -> tuple[int, int] | None:
+    """(bytes held, bytes in all) of a remote fetcher's progress line; None for any other
+    line, or one whose figures are not two whole numbers 0 <= held <= total (the
+    instance's output is untrusted)."""
+    done, total = line.get("done"), line.get("total")
+    if type(done) is not int or type(total) is not int or not 0 <= done <= total:
+        return None
+    return done, total
+
+
 def fetch_share_remote(
-    record: InstanceRecord, share: ModelShare, token: str | None, phases: dict[str, float]
+    record: InstanceRecord,
+    share: ModelShare,
+    token: str | None,
+    phases: dict[str, float],
+    progress: Progress | None = None,
 ) -> int:
     """The node's share of a hub model fetched on the instance itself, from the hub
-    (DECISIONS 72): mvp_io/share_fetch.py (standard library only) is sent over SSH and run
-    with ``python3``; the job, and the hub token where this host has one, go on its stdin
-    (never a command line or a file). Progress is logged here. Returns the bytes fetched;
-    ShareFetchError (as planned, the share cannot be had) or HubUnreachable (try again)."""
+        (DECISIONS 72): mvp_io/share_fetch.py (standard library only) is sent over SSH and run
+        with ``python3``; the job, and the hub token where this host has one, go on its stdin
+        (never a command line or a file). Progress is logged here and told to ``progress`` (the
+    start activity's heartbeat details) line by line. Returns the bytes fetched;
+        ShareFetchError (as planned, the share cannot be had) or HubUnreachable (try again)."""
     t0 = time.monotonic()
     d = shlex.quote(REMOTE_FETCH_DIR)
     ssh_ok(
@@ -279,14 +294,19 @@ def fetch_share_remote(
             if not isinstance(line, dict):
                 continue
             last = line
-            if "done" in line and time.monotonic() - shown >= FETCH_LOG_EVERY_S:
+            held = _progress_line(line)
+            if held is None:
+                continue
+            if progress is not None:  # the start's heartbeat details, and its own log
+                progress(*held)
+            elif time.monotonic() - shown >= FETCH_LOG_EVERY_S:
                 shown = time.monotonic()
                 log.info(
                     "%s: instance %s has %.1f of %.1f MB of its share of %s",
                     record.label,
                     record.instance_id,
-                    int(line["done"]) / 1e6,
-                    int(line["total"]) / 1e6,
+                    held[0] / 1e6,
+                    held[1] / 1e6,
                     share.pin.describe(),
                 )
         proc.wait()
