@@ -1,11 +1,14 @@
 """A hub model at size through the whole product, by stage count (issue 35; not in CI).
 
     python scripts/bench_big_model.py FIRST-PART.gguf [--stages 1 2 3] [--tokens 32]
+        [--provider process|docker] [--cpus C] [--llama-bench PATH]
 
 The model's files (a split model's parts beside FIRST-PART, as llama.cpp finds them)
 are served by the hub stand-in (tests/helpers/hub_standin.py) on loopback. For each stage
 count a fresh dev server's run, on a fresh orchestrator worker with an empty model cache,
-serves it on process nodes of this host, and the script reports:
+serves it on process nodes of this host (``--provider docker``: on containers of a private
+Docker daemon the script starts, each limited to its own stage's planned memory need,
+``memory_per_stage``, and to ``--cpus`` CPUs), and the script reports:
 
 - the time from the run's start to prompt-ready, in phases from the run's history:
   planning (the plan activity: headers only), start (each node's share fetched on this
@@ -15,7 +18,12 @@ serves it on process nodes of this host, and the script reports:
   its share + KV cache, and the stage's planned memory need;
 - the hub's bytes in all against the model's size;
 - decode tok/s through the system (one greedy prompt of --tokens tokens: the engine
-  loop's figure, Done.tokens_generated / Done.elapsed_ms).
+  loop's figure, Done.tokens_generated / Done.elapsed_ms);
+- with ``--llama-bench``: llama.cpp's decode (``-p 0 -n --tokens``) on the same file,
+  once with each thread count the stages used, in the same run.
+
+A container's memory is its cgroup's (usage less inactive file pages, as ``docker
+stats`` shows it) and the most it used (the cgroup's peak, where the kernel keeps one).
 
 Runs one after another (one model in memory at a time). Name the CPU beside the figures.
 """
@@ -92,12 +100,67 @@ async def milestones(handle: Any) -> dict[str, float]:
     return out
 
 
+def container_memory(dclient: Any, run_id: int) -> dict[int, dict[str, float | None]]:
+    """Each node container of run ``run_id``: its memory now and its peak (MB), by node."""
+    out: dict[int, dict[str, float | None]] = {}
+    for c in dclient.containers.list(filters={"label": [f"mvp.run-id={run_id}"]}):
+        stats = c.stats(stream=False)["memory_stats"]
+        inner = stats.get("stats", {})
+        used = stats.get("usage", 0) - inner.get(
+            "inactive_file", inner.get("total_inactive_file", 0)
+        )
+        peak = stats.get("max_usage")
+        if peak is None:  # cgroup v2: the container's own memory.peak, where there is one
+            try:
+                peak = int(c.exec_run("cat /sys/fs/cgroup/memory.peak").output.strip())
+            except (ValueError, AttributeError):
+                peak = None
+        out[int(c.labels["mvp.node-id"])] = {
+            "mem_mb": round(used / 1e6, 1),
+            "peak_mb": None if peak is None else round(peak / 1e6, 1),
+            "limit_mb": round(c.attrs["HostConfig"]["Memory"] / 1e6, 1),
+        }
+    return out
+
+
+def llama_bench(binary: Path, model: Path, tokens: int, threads: int) -> float:
+    """llama-bench's decode tok/s on ``model`` (mean of its repetitions)."""
+    out = subprocess.run(
+        [
+            str(binary),
+            "-m",
+            str(model),
+            "-p",
+            "0",
+            "-n",
+            str(tokens),
+            "-t",
+            str(threads),
+            "-r",
+            "2",
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return round(float(json.loads(out)[0]["avg_ts"]), 2)
+
+
 async def one_config(
-    stages: int, hub: HubStandin, work: Path, tokens: int, model_bytes: int, first: str
+    stages: int,
+    hub: HubStandin,
+    work: Path,
+    tokens: int,
+    model_bytes: int,
+    first: str,
+    docker_host: str | None = None,
+    cpus: float | None = None,
 ) -> dict[str, Any]:
     d = work / f"stages-{stages}"
     d.mkdir()
-    server = start_dev_server(str(d / "t.db"))
+    server = start_dev_server(str(d / "t.db"), ip="0.0.0.0" if docker_host else "127.0.0.1")
     env = {
         **os.environ,
         **local_server_env(server.address),
@@ -106,6 +169,7 @@ async def one_config(
         "HF_ENDPOINT": hub.url,
         "HF_HUB_DISABLE_TELEMETRY": "1",
         names.REAPER_INTERVAL_ENV: "0",
+        **({"DOCKER_HOST": docker_host} if docker_host else {}),
     }
     env.pop("HF_TOKEN", None)
     log = open(d / "orchestrator.log", "wb")
@@ -120,13 +184,15 @@ async def one_config(
                 raise RuntimeError(f"the orchestrator worker did not start: see {d}")
             await asyncio.sleep(0.2)
         client = await connect(server.address)
-        request = RunRequest.model_validate(
-            {
-                "model": {"hf": {"repo": HUB_REPO, "file": first}},
-                "pipeline_stages": stages,
-                "max_context": MAX_CONTEXT,
-            }
-        )
+        fields: dict[str, Any] = {
+            "model": {"hf": {"repo": HUB_REPO, "file": first}},
+            "pipeline_stages": stages,
+            "max_context": MAX_CONTEXT,
+        }
+        if docker_host:
+            fields["provider"] = "docker"
+            fields["docker"] = {"memory_per_stage": True, "cpus": cpus}
+        request = RunRequest.model_validate(fields)
         run_id = 900 + stages
         t0 = time.perf_counter()
         handle = await client.start_workflow(
@@ -145,6 +211,13 @@ async def one_config(
         ready_s = time.perf_counter() - t0
         plan = state.plan
         assert plan is not None
+        containers: dict[int, dict[str, float | None]] = {}
+        if docker_host:
+            import docker
+
+            dclient = docker.DockerClient(base_url=docker_host, timeout=60)
+            containers = container_memory(dclient, run_id)
+            dclient.close()
         nodes = []
         for node in sorted(state.nodes, key=lambda n: n.stage_index):
             h = node.handle
@@ -159,6 +232,7 @@ async def one_config(
                     "fetched_mb": round((h.share_fetched or 0) / 1e6, 1),
                     "rss_mb": None if rss is None else round(rss / 1e6, 1),
                     "need_mb": round((stage.memory_need or 0) / 1e6, 1),
+                    **containers.get(node.node_id, {}),
                 }
             )
         reply = await RunHandle(client, run_id).submit(
@@ -196,15 +270,40 @@ async def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     print(f"{args.model.name}: {size / 1e9:.2f} GB in {len(files)} file(s); {cpu_model()}")
     work = Path(tempfile.mkdtemp(prefix="bench-big-"))
     out = []
+    daemon = None
+    if args.provider == "docker":
+        from tests.helpers.dockerd import start_dockerd
+
+        daemon = start_dockerd(Path(tempfile.mkdtemp(prefix="bd", dir="/tmp")))
     try:
         with HubStandin() as hub:
             for p in files:
                 hub.add_file(HUB_REPO, p.name, p)
             for stages in args.stages:
-                row = await one_config(stages, hub, work, args.tokens, size, files[0].name)
+                row = await one_config(
+                    stages,
+                    hub,
+                    work,
+                    args.tokens,
+                    size,
+                    files[0].name,
+                    daemon.host if daemon else None,
+                    args.cpus,
+                )
+                row["provider"] = args.provider
                 out.append(row)
-                print(json.dumps(row))
+                print(json.dumps(row), flush=True)
+        if args.llama_bench:
+            for threads in sorted(set(args.llama_threads)):
+                ref = {"llama_bench_threads": threads}
+                ref["llama_bench_decode_tok_s"] = llama_bench(
+                    args.llama_bench, files[0], args.tokens, threads
+                )
+                out.append(ref)
+                print(json.dumps(ref), flush=True)
     finally:
+        if daemon is not None:
+            daemon.stop()
         shutil.rmtree(work, ignore_errors=True)
     return out
 
@@ -215,6 +314,12 @@ def main() -> None:
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--provider", choices=["process", "docker"], default="process")
+    ap.add_argument("--cpus", type=float, help="docker: CPUs per node container")
+    ap.add_argument("--llama-bench", type=Path, help="llama-bench, run on the same file")
+    ap.add_argument(
+        "--llama-threads", type=int, nargs="+", default=[1, 2], help="its thread counts"
+    )
     args = ap.parse_args()
     rows = asyncio.run(bench(args))
     if args.json:
