@@ -33,6 +33,10 @@ ANSWER = struct.Struct("<BH")  # status, reason length; then the reason
 ANSWER_OK, ANSWER_RETRY, ANSWER_REJECT = 0, 1, 2
 MAX_TOKEN_LEN = 1024
 TEXT_STREAM_EDGE_ID = 0xFFFF_FFFF  # no plan numbers an edge so
+# The hello token of a text-stream reader that holds no deployment secret but the key its
+# prompt was admitted with (SubmitPrompt.text_key, DECISIONS 80): the node checks that key
+# against the prompt's own once the prompt is on it. Public: the key is the credential.
+TEXT_READER_TOKEN = "prompt-key"
 
 
 class EdgeSecretError(ValueError):

@@ -6,6 +6,11 @@ state directory's ``edge-secret``, as the orchestrator worker's providers use it
 the run's text-stream token from the run's snapshot, connects to the head node's
 data-plane port with the data plane's handshake, names the prompt, and reads its deltas.
 Only text comes this way: the prompt's one terminal event is always Temporal's.
+
+A client without that secret reads the prompts it admitted itself, each with the random
+key it admitted it with (``SubmitPrompt.text_key``, DECISIONS 80): its hello shows
+TEXT_READER_TOKEN, its request the key, and the head node checks the key against the
+prompt's own.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 from mvp_core.edge_auth import (
     ANSWER,
     ANSWER_OK,
+    TEXT_READER_TOKEN,
     TEXT_STREAM_EDGE_ID,
     hello,
     read_edge_secret,
@@ -42,16 +48,27 @@ class TextStreamRefused(TextStreamError):
     """The head node refused the handshake (this host's secret is not the run's)."""
 
 
+class TextStreamUnreachable(TextStreamError):
+    """The head node's address cannot be reached from here (no route, refused, slow)."""
+
+
+class TextNotYet(TextStreamError):
+    """A keyed reader's prompt is not on the head node yet (still queued): ask again."""
+
+
 @dataclass(frozen=True)
 class TextStreamTarget:
     host: str
     port: int
-    token: str
+    token: str | None  # None: no secret here; a prompt is read with its own key
 
 
-def target_of(state: RunState, run_workflow_id: str, secret: bytes) -> TextStreamTarget | None:
-    """Where the run's head node serves its text stream, and its token; None before the
-    head node has reported its endpoint."""
+def target_of(
+    state: RunState, run_workflow_id: str, secret: bytes | None
+) -> TextStreamTarget | None:
+    """Where the run's head node serves its text stream, and its token (None without the
+    deployment's secret: keyed readers only); None before the head node has reported its
+    endpoint."""
     if not state.nodes:
         return None
     head = min(state.nodes, key=lambda n: n.stage_index)
@@ -60,7 +77,7 @@ def target_of(state: RunState, run_workflow_id: str, secret: bytes) -> TextStrea
     host, sep, port = head.runtime_ready.endpoint.rpartition(":")
     if not sep or not port.isdigit():
         return None
-    token = text_stream_token(secret, run_workflow_id, state.nonce)
+    token = None if secret is None else text_stream_token(secret, run_workflow_id, state.nonce)
     return TextStreamTarget(host.strip("[]"), int(port), token)
 
 
@@ -70,18 +87,23 @@ def host_secret() -> bytes | None:
 
 
 async def read_text(
-    target: TextStreamTarget, prompt_workflow_id: str, start: int = 0
+    target: TextStreamTarget, prompt_workflow_id: str, start: int = 0, key: str | None = None
 ) -> AsyncGenerator[TextDelta, None]:
     """The prompt's deltas from the ``start``-th; returns at the node's end line. Raises
-    TextStreamError when the stream cannot be opened or breaks off before its end."""
+    TextStreamError when the stream cannot be opened or breaks off before its end. Without
+    the run's token (no secret here) the reader shows ``key``, the prompt's ``text_key``."""
+    if key is None and target.token is None:
+        raise TextStreamError("no text-stream token here and no key for this prompt")
     try:
         async with asyncio.timeout(CONNECT_TIMEOUT_S):
             reader, writer = await asyncio.open_connection(target.host, target.port, limit=MAX_LINE)
     except (OSError, TimeoutError) as err:
-        raise TextStreamError(f"cannot connect to {target.host}:{target.port}: {err}") from None
+        raise TextStreamUnreachable(
+            f"cannot connect to {target.host}:{target.port}: {err}"
+        ) from None
     try:
         try:
-            writer.write(hello(TEXT_STREAM_EDGE_ID, target.token))
+            writer.write(hello(TEXT_STREAM_EDGE_ID, target.token or TEXT_READER_TOKEN))
             await writer.drain()
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
                 answer = await reader.readexactly(ANSWER.size)
@@ -89,7 +111,9 @@ async def read_text(
             reason = (await reader.readexactly(size)).decode(errors="replace") if size else ""
             if status != ANSWER_OK:
                 raise TextStreamRefused(f"the head node refused the text stream: {reason}")
-            request = {"prompt_workflow_id": prompt_workflow_id, "from": start}
+            request: dict[str, object] = {"prompt_workflow_id": prompt_workflow_id, "from": start}
+            if target.token is None:
+                request["key"] = key
             writer.write(json.dumps(request).encode() + b"\n")
             await writer.drain()
         except (OSError, TimeoutError, asyncio.IncompleteReadError) as err:
@@ -107,7 +131,8 @@ async def read_text(
                 if kind == "end":
                     return
                 if kind == "error":
-                    raise TextStreamError(f"the head node: {event.get('error')}")
+                    why = f"the head node: {event.get('error')}"
+                    raise TextNotYet(why) if event.get("retry") is True else TextStreamError(why)
                 delta = TextDelta.model_validate(event)
             except (ValueError, AttributeError) as err:
                 raise TextStreamError(f"bad line from the head node: {err}") from None

@@ -56,6 +56,16 @@ class SubmitPrompt(_Model):
             "text where the original response was cut"
         ),
     )
+    text_key: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{32}$",
+        description=(
+            "A key the client chose (32 lowercase hex digits, random) with which it reads "
+            "this prompt's text straight from the head node without the deployment's edge "
+            "secret (DECISIONS 80). It goes to the head node with the prompt; it opens that "
+            "prompt's text only, which the prompt's own result holds too"
+        ),
+    )
 
     @field_validator("request_id")
     @classmethod

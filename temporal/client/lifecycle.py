@@ -48,20 +48,30 @@ class RunLifecycle:
     """Run ``mvp-run-<run_id>``: its workflow handle, state, readiness and shutdown."""
 
     def __init__(self, client: Client, run_id: int, *, direct_text: bool = True) -> None:
-        """``direct_text``: read prompts' text from the run's head node where this host
-        holds the deployment's edge secret (DECISIONS 63); False: from Temporal only."""
+        """``direct_text``: read prompts' text from the run's head node: with the
+        deployment's edge secret where this host holds it (DECISIONS 63), else each prompt
+        this handle admits with its own random key (DECISIONS 80); False: from Temporal
+        only."""
         self.client = client
         self.run_id = run_id
         self.workflow_id = names.run_workflow_id(run_id)
         self._workflow: WorkflowHandle[Any, Any] | None = None
         self._cancelled: set[int] = set()  # request ids this handle has cancelled
         self._background: set[asyncio.Future[Any]] = set()
+        self._direct_text = direct_text
         self._secret = host_secret() if direct_text else None
         self._target: TextStreamTarget | None = None  # the head node's text stream
+        self._told_why = False  # a direct stream that could not be read: said once
         self._prompt_host: PromptHost | None = None  # where the run serves prompts
         self.direct_streams = 0  # prompts whose text came from the head node to the end
         self._admitting: asyncio.Semaphore | None = None  # admissions in flight (made in use)
         self._end_board: EndBoard | None = None  # prompts' ends, asked together (made in use)
+
+    @property
+    def holds_secret(self) -> bool:
+        """This handle reads text with the deployment's edge secret (DECISIONS 63), not
+        with a key per prompt (DECISIONS 80)."""
+        return self._secret is not None
 
     @property
     def workflow(self) -> WorkflowHandle[Any, Any]:

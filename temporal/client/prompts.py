@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -132,7 +133,11 @@ class PromptCalls(PromptText):
         ``on_admitted`` is called once the run has admitted the prompt (its place in the
         run's FIFO is fixed from then on). Leaving the stream before its terminal event
         cancels the prompt (``cancel_prompt``): the run's active slot is not held by a
-        prompt nobody reads."""
+        prompt nobody reads. A handle without the deployment's edge secret admits the
+        prompt with a random ``text_key`` of its own, and reads its text with it straight
+        from the head node (DECISIONS 80)."""
+        if self._direct_text and self._secret is None and prompt.text_key is None:
+            prompt = prompt.model_copy(update={"text_key": secrets.token_hex(16)})
         admit = asyncio.ensure_future(self._admit(prompt, uuid.uuid4().hex))
         try:
             admitted = await asyncio.shield(admit)
@@ -150,7 +155,7 @@ class PromptCalls(PromptText):
         terminal: Done | Fault | None = None
         try:
             async for event in self._events(
-                admitted.prompt_id, result_task, poll_cooldown_ms, hint=hint
+                admitted.prompt_id, result_task, poll_cooldown_ms, hint=hint, key=prompt.text_key
             ):
                 if isinstance(event, TextDelta):
                     yield event

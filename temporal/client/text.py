@@ -1,6 +1,7 @@
 """Where a prompt's text comes from: the run's head node, read directly where this host
-holds the deployment's edge secret (DECISIONS 63), followed from a replacement head when
-a run-hosted prompt's head is lost (DECISIONS 68); else the prompt workflow's stream.
+holds the deployment's edge secret (DECISIONS 63) or with the key the prompt was admitted
+with (DECISIONS 80), followed from a replacement head when a run-hosted prompt's head is
+lost (DECISIONS 68); else the prompt workflow's stream.
 Either way the reader gets the deltas once each, then the one terminal event."""
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from mvp_core import names
 from mvp_core.models import Done, Fault, PromptEvent, PromptHost, TextDelta
 from temporal.client.ends import EndHint, PromptEnds
 from temporal.text_stream import (
+    TextNotYet,
     TextStreamError,
     TextStreamRefused,
     TextStreamTarget,
+    TextStreamUnreachable,
     read_text,
     target_of,
 )
@@ -38,6 +41,23 @@ DIRECT_GRACE_S = 2.0
 DIRECT_RESUMES = 3
 NEW_HEAD_POLL_S = 0.3
 log = logging.getLogger("mvp.client")
+
+
+class _Read:
+    """The text a reader has had (from any stream), and the generated tokens it held."""
+
+    def __init__(self) -> None:
+        self.pieces: list[str] = []
+        self.tokens = 0
+        self.direct_end = False  # the head node's stream came to its end line
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def add(self, delta: TextDelta) -> None:
+        self.pieces.append(delta.text)
+        self.tokens += delta.tokens or 0
 
 
 def cut(delta: TextDelta, skip: int) -> tuple[TextDelta | None, int]:
@@ -61,36 +81,76 @@ class PromptText(PromptEnds):
         poll_cooldown_ms: int,
         start: int = 0,
         hint: EndHint | None = None,
+        key: str | None = None,
     ) -> PromptEvents:
         """The prompt's text deltas (from the head node where this host can read it
         directly, else from the prompt workflow's stream), then its terminal event: the
         stream's, or else the result's, after any text the deltas missed (a Done holds
         the whole text). ``start``: the deltas already seen of the workflow's stream.
         ``hint``: told whether a direct stream is open and when its text has ended, for
-        the wait on the result (DECISIONS 77)."""
+        the wait on the result (DECISIONS 77). ``key``: the prompt's ``text_key``, with
+        which a handle without the deployment's secret reads it directly (DECISIONS 80)."""
         hint = hint or EndHint()
-        sent: list[str] = []
-        tokens = 0  # ... and the generated tokens they held
-        direct_end = False
-        target = await self._text_target() if not result_task.done() else None
+        read = _Read()
+        target = await self._text_target(key) if not result_task.done() else None
         hint.streaming = target is not None
+        if target is not None:
+            async for delta in self._from_head(target, child_id, result_task, key, read):
+                yield delta
+            if read.direct_end:
+                hint.text_ended.set()
+        hint.streaming = False
+        terminal: Done | Fault | None = None
+        if not read.direct_end and not await self._hosts_prompts():
+            skip = len(read.text)
+            async for event in self._follow(child_id, result_task, poll_cooldown_ms, start):
+                if not isinstance(event, TextDelta):
+                    terminal = event
+                    break
+                piece, skip = cut(event, skip)
+                if piece is None:
+                    continue
+                read.add(piece)
+                yield piece
+        result = terminal if terminal is not None else cast(Done | Fault, await result_task)
+        rest = _rest(result, read.text, read.tokens)
+        if rest is not None:
+            yield rest
+        yield result
+
+    async def _from_head(
+        self,
+        target: TextStreamTarget | None,
+        child_id: str,
+        result_task: asyncio.Future[Any],
+        key: str | None,
+        read: _Read,
+    ) -> AsyncGenerator[TextDelta, None]:
+        """The prompt's deltas from its head node (``read.direct_end``: to its end line),
+        from a replacement head where the run replaces it (DECISIONS 68); nothing more
+        once the stream cannot be read there."""
         resumes = 0
         while target is not None:
-            skip = len("".join(sent))  # a new head's stream starts from the first text
+            skip = len(read.text)  # a new head's stream starts from the first text
             try:
-                async for got in self._direct(target, child_id, result_task):
+                async for got in self._direct(target, child_id, result_task, key):
                     delta, skip = cut(got, skip)
                     if delta is None:
                         continue
-                    sent.append(delta.text)
-                    tokens += delta.tokens or 0
+                    read.add(delta)
                     yield delta
-                direct_end = True
+                read.direct_end = True
                 self.direct_streams += 1
-                hint.text_ended.set()
             except TextStreamRefused as err:
-                log.info("%s: text from Temporal from now on: %s", self.workflow_id, err)
-                self._secret = None  # this host's secret is not the run's: never again
+                if target.token is not None:
+                    log.info("%s: this host's secret is not the run's: %s", self.workflow_id, err)
+                    self._secret = None  # never again: prompts admitted from now on use keys
+                    self._target = None
+                else:
+                    log.info("%s: text from Temporal: %s", child_id, err)
+            except TextNotYet:  # still queued: the head node holds it once it is its
+                if not result_task.done():
+                    continue
             except TextStreamError as err:
                 self._target = None  # asked again next time (the head may have moved)
                 if resumes < DIRECT_RESUMES and await self._hosts_prompts():
@@ -101,28 +161,23 @@ class PromptText(PromptEnds):
                     if target is not None:
                         log.info("%s: text from the new head: %s", child_id, err)
                         continue
-                log.info("%s: text from Temporal: %s", child_id, err)
-            break
-        hint.streaming = False
-        terminal: Done | Fault | None = None
-        if not direct_end and not await self._hosts_prompts():
-            skip = len("".join(sent))
-            async for event in self._follow(child_id, result_task, poll_cooldown_ms, start):
-                if not isinstance(event, TextDelta):
-                    terminal = event
-                    break
-                delta, skip = cut(event, skip)
-                if delta is None:
-                    continue
-                event = delta
-                sent.append(event.text)
-                tokens += event.tokens or 0
-                yield event
-        result = terminal if terminal is not None else cast(Done | Fault, await result_task)
-        rest = _rest(result, "".join(sent), tokens)
-        if rest is not None:
-            yield rest
-        yield result
+                self._tell_why(child_id, err)
+            return
+
+    def _tell_why(self, child_id: str, err: TextStreamError) -> None:
+        """A direct stream that could not be read: said once per handle as a warning (a
+        head node this host cannot reach: text comes from Temporal or with the end), then
+        quietly."""
+        if isinstance(err, TextStreamUnreachable) and not self._told_why:
+            self._told_why = True
+            log.warning(
+                "%s: prompts' text cannot be read from the head node here (%s): it comes "
+                "from Temporal, or whole with each end for a run-hosted prompt",
+                self.workflow_id,
+                err,
+            )
+        else:
+            log.info("%s: text from Temporal: %s", child_id, err)
 
     async def _new_head(
         self, old: TextStreamTarget, result_task: asyncio.Future[Any]
@@ -131,7 +186,7 @@ class PromptText(PromptEnds):
         replaced it); None if the prompt ends first."""
         while not result_task.done():
             state = await self.try_snapshot()
-            if state is not None and self._secret is not None:
+            if state is not None:
                 target = target_of(state, self.workflow_id, self._secret)
                 if target is not None and (target.host, target.port) != (old.host, old.port):
                     self._target = target
@@ -139,9 +194,10 @@ class PromptText(PromptEnds):
             await asyncio.wait({result_task}, timeout=NEW_HEAD_POLL_S)
         return None
 
-    async def _text_target(self) -> TextStreamTarget | None:
-        """The run's head node text stream, where this host can read it (cached)."""
-        if self._secret is None:
+    async def _text_target(self, key: str | None = None) -> TextStreamTarget | None:
+        """The run's head node text stream, where this host can read it: with the
+        deployment's secret, or the prompt's ``key`` (cached)."""
+        if self._secret is None and key is None:
             return None
         if self._target is None:
             state = await self.try_snapshot()
@@ -161,12 +217,16 @@ class PromptText(PromptEnds):
         return self._prompt_host is PromptHost.RUN
 
     async def _direct(
-        self, target: TextStreamTarget, child_id: str, result_task: asyncio.Future[Any]
+        self,
+        target: TextStreamTarget,
+        child_id: str,
+        result_task: asyncio.Future[Any],
+        key: str | None = None,
     ) -> AsyncGenerator[TextDelta, None]:
         """The head node's deltas of the prompt until its end line. A prompt that ends
         without generating (cancelled in the queue, refused) never opens there: once its
         result is in, what the node still sends within DIRECT_GRACE_S is taken, no more."""
-        deltas = read_text(target, child_id)
+        deltas = read_text(target, child_id, key=key)
         step: asyncio.Future[TextDelta] | None = None
         try:
             while True:

@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,9 +25,10 @@ import pytest
 from temporalio.client import WorkflowExecutionStatus, WorkflowQueryFailedError
 
 from mvp_core import names
+from mvp_core.edge_auth import EDGE_SECRET_ENV
 from mvp_core.models import Done, Fault, RunPhase, ShutdownReason, SubmitPrompt, TextDelta
 from temporal.client import RunHandle
-from tests.integration.conftest import Runs, wait_closed, wait_phase
+from tests.integration.conftest import REPO, Runs, wait_closed, wait_phase
 from tests.integration.test_gateway import serve
 from tests.integration.test_serve import COUNTING, TEXTS, _prompt, _stream_all, kill_under_eight
 
@@ -226,3 +232,64 @@ async def test_a_head_killed_while_eight_run_hosted_prompts_generate_ends_each_o
     request = {**HOSTED, "prompt_queue_capacity": 1}
     cause = await kill_under_eight(runs, 2241, 0, max_tokens=900, **request)
     assert "node" in cause or cause.startswith("prompt serving"), cause
+
+
+async def _streamed_chunks(url: str, prompt: str, tokens: int) -> list[str]:
+    """The text of each content chunk of a streamed /v1/completions, in order."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": tokens, "temperature": 0}
+    chunks: list[str] = []
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=180) as http,
+        http.stream("POST", "/completions", json={**body, "stream": True}) as resp,
+    ):
+        assert resp.status_code == 200, await resp.aread()
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {"):
+                text = json.loads(line[6:])["choices"][0]["text"]
+                if text:
+                    chunks.append(text)
+    return chunks
+
+
+async def test_a_gateway_without_the_edge_secret_streams_run_hosted_text_live(
+    runs: Runs, temporal_server: Any, tmp_path: Path
+):
+    """DECISIONS 80: a gateway on a host of its own (its own state directory, no
+    MVP_EDGE_SECRET) admits each prompt with a random key and reads its text with it
+    straight from the head node: a run-hosted completion streams in many chunks, as
+    through a gateway that holds the secret, not whole at its end, and the text is the
+    same; the gateway's host never gets the secret."""
+    run_id = 2245
+    handle = await runs.start(run_id, **HOSTED)
+    await wait_phase(handle, RunPhase.PROMPT_READY, timeout=180)
+    own_state = tmp_path / "gateway-state"
+    env = {k: v for k, v in os.environ.items() if k != EDGE_SECRET_ENV}
+    env |= {"TEMPORAL_ADDRESS": temporal_server.address, "MVP_STATE_DIR": str(own_state)}
+    wf_id = names.run_workflow_id(run_id)
+    gateway = ["workers.gateway.main", "--workflow-id", wf_id, "--listen", "127.0.0.1:0"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *gateway, "--log-level", "warning"],
+        env=env,
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stderr.readline), 60)
+        url = line.split(" at ")[1].split()[0]
+        apart = await _streamed_chunks(url, COUNTING, 120)
+        async with serve(runs.client, run_id) as local:  # this host: it holds the secret
+            together = await _streamed_chunks(f"{local}/v1", COUNTING, 120)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.to_thread(proc.wait, 30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert "".join(apart) == "".join(together)
+    # Whole at the end would be one chunk; live, the head node's flushes (every 100 ms).
+    assert len(apart) >= 3 and len(together) >= 3, (len(apart), len(together))
+    assert not (own_state / "edge-secret").exists()
+    await RunHandle(runs.client, run_id).shutdown_and_wait(ShutdownReason.OPERATOR_REQUESTED)
+    assert await wait_closed(handle) is WorkflowExecutionStatus.COMPLETED

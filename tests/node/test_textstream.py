@@ -6,6 +6,7 @@ come before the prompt starts, and refusals that name what was wrong."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from collections.abc import Iterator
 
@@ -120,3 +121,93 @@ def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+# ------------------------------------------------------------------ keyed readers (DECISIONS 80)
+
+READER_KEY = "0123456789abcdef0123456789abcdef"
+
+
+def _keyed(server: DataPlaneServer) -> TextStreamTarget:
+    """A reader on a host without the deployment's secret: no token, the prompt's key."""
+    return TextStreamTarget(server.host, server.port, None)
+
+
+async def test_a_keyed_reader_waits_for_its_prompt_then_reads_it_with_its_key(node):
+    server, hub = node
+    reading = asyncio.ensure_future(_keyed_read(_keyed(server), READER_KEY))
+    await asyncio.sleep(0.3)
+    assert hub.readers(KEY) == 0  # not a reader before its key was checked
+    hub.open(KEY, READER_KEY)
+    await eventually(lambda: hub.readers(KEY) == 1, timeout=10, what="the keyed reader admitted")
+    for i in range(3):
+        hub.put(KEY, _delta(i))
+    hub.end(KEY)
+    assert await asyncio.wait_for(reading, 10) == [_delta(i) for i in range(3)]
+    # A reader with the secret's token reads the same prompt without its key.
+    assert await _read(TextStreamTarget(server.host, server.port, TOKEN)) == [
+        _delta(i) for i in range(3)
+    ]
+
+
+async def _keyed_read(target: TextStreamTarget, key: str, prompt: str = KEY) -> list[TextDelta]:
+    return [d async for d in read_text(target, prompt, key=key)]
+
+
+async def test_a_wrong_or_missing_key_reads_nothing_and_counts_as_no_reader(node):
+    server, hub = node
+    hub.open(KEY, READER_KEY)
+    hub.put(KEY, _delta(0))
+    with pytest.raises(TextStreamError, match="wrong key for prompt"):
+        await _keyed_read(_keyed(server), "f" * 32)
+    hub.open("mvp-prompt-7-2-k")  # admitted without a key: no keyed reader at all
+    with pytest.raises(TextStreamError, match="wrong key for prompt"):
+        await _keyed_read(_keyed(server), READER_KEY, "mvp-prompt-7-2-k")
+    with pytest.raises(TextStreamError, match="no text-stream token here and no key"):
+        await _read(_keyed(server))
+    assert hub.readers(KEY) == 0 and hub.readers("mvp-prompt-7-2-k") == 0
+
+
+@pytest.mark.parametrize("shown", [None, 7, "ABCDEF0123456789ABCDEF0123456789", "0" * 31, "0" * 33])
+def test_a_keyed_request_without_a_well_formed_key_is_refused_by_name(node, shown):
+    from mvp_core.edge_auth import TEXT_READER_TOKEN
+
+    server, hub = node
+    hub.open("k", READER_KEY)
+    request: dict[str, object] = {"prompt_workflow_id": "k", "from": 0}
+    if shown is not None:
+        request["key"] = shown
+    with socket.create_connection((server.host, server.port), timeout=10) as sock:
+        sock.sendall(hello(TEXT_STREAM_EDGE_ID, TEXT_READER_TOKEN))
+        status, _ = ANSWER.unpack(sock.recv(ANSWER.size, socket.MSG_WAITALL))
+        assert status == ANSWER_OK
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        answer = sock.makefile("rb").readline()
+    assert b"key must be the prompt's key: 32 lowercase hex digits" in answer
+    assert hub.readers("k") == 0
+
+
+async def test_a_keyed_reader_whose_prompt_does_not_come_is_told_to_ask_again(node, monkeypatch):
+    from temporal.text_stream import TextNotYet
+    from workers.node import textpath
+
+    server, _hub = node
+    monkeypatch.setattr(textpath, "KEYED_WAIT_S", 0.5)
+    with pytest.raises(TextNotYet, match="not on this node yet"):
+        await _keyed_read(_keyed(server), READER_KEY)
+
+
+async def test_keyed_readers_at_once_are_bounded(node, monkeypatch):
+    from workers.node.dataplane import textserve
+
+    server, hub = node
+    monkeypatch.setattr(textserve, "MAX_KEYED_READERS", 1)
+    waiting = asyncio.ensure_future(_keyed_read(_keyed(server), READER_KEY))
+    await asyncio.sleep(0.3)  # held: its prompt is not here yet
+    with pytest.raises(TextStreamRefused, match="too many keyed readers"):
+        await _keyed_read(_keyed(server), READER_KEY)
+    hub.open(KEY, READER_KEY)
+    hub.end(KEY)
+    assert await asyncio.wait_for(waiting, 10) == []
+    # Its place is free again.
+    assert await _keyed_read(_keyed(server), READER_KEY) == []

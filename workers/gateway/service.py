@@ -75,6 +75,13 @@ class Gateway:
         self.run_id = run_id
         self.run = RunHandle(client, run_id)
         self.workflow_id = self.run.workflow_id
+        log.info(
+            "text of %s's prompts: from its head node, %s",
+            self.workflow_id,
+            "with this host's edge secret"
+            if self.run.holds_secret
+            else "with a key per prompt (no edge secret here: DECISIONS 80)",
+        )
         self.poll_cooldown_ms = poll_cooldown_ms
         self._served: ServedModel | None = None
         self._served_lock = asyncio.Lock()

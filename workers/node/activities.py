@@ -341,6 +341,7 @@ class NodeActivities:
             self.text,
             inp.prompt_workflow_id,
             stream.topic(names.PROMPT_STREAM_TOPIC, type=TextDelta),
+            inp.prompt.text_key,
         )
         gather_s = min(MAX_GATHER_S, max(TEXT_GATHER_S, inp.stream_batch_ms / 4000))
         batch_s = inp.stream_batch_ms / 1000

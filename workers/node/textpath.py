@@ -13,7 +13,10 @@
 The text stream: a client on a host with the deployment's edge secret connects to the
 node's data-plane port with the text-stream token (mvp_core.edge_auth), names a prompt
 by its workflow id, and reads the prompt's deltas as JSON lines (``TextDelta``) from the
-first one, then ``{"type": "end"}`` once the node has made its last text. The prompt's
+first one, then ``{"type": "end"}`` once the node has made its last text. A client
+without the secret shows TEXT_READER_TOKEN and, in its request, the key its prompt was
+admitted with (``SubmitPrompt.text_key``, DECISIONS 80): it is held until the prompt is
+on this node (at most KEYED_WAIT_S), then served if the key is the prompt's. The prompt's
 one terminal event still comes from Temporal (the Update's or the prompt workflow's
 result): this stream only carries text, so a client that loses it falls back to the
 prompt workflow's stream and the result. While a client reads a prompt here, the node
@@ -27,8 +30,10 @@ Nothing here imports the engine or torch (the agent imports them in the backgrou
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
+import re
 import select
 import socket
 import threading
@@ -169,11 +174,11 @@ class TextFanout:
     direct reader took is owed to Temporal and published in one delta as soon as no one
     reads directly any more (DECISIONS 63)."""
 
-    def __init__(self, hub: TextHub, key: str, topic: Any) -> None:
+    def __init__(self, hub: TextHub, key: str, topic: Any, reader_key: str | None = None) -> None:
         self.hub, self.key, self.topic = hub, key, topic
         self.first_at: float | None = None  # perf_counter: the first delta went out
         self._owed: list[TextDelta] = []
-        hub.open(key)
+        hub.open(key, reader_key)
 
     def put(self, delta: TextDelta) -> None:
         first = self.first_at is None
@@ -235,16 +240,26 @@ MAX_REQUEST = 4096  # bytes of a client's one request line
 REQUEST_TIMEOUT_S = 10.0
 SEND_TIMEOUT_S = 30.0  # a client that takes no text this long is dropped
 LINGER_S = 60.0  # an ended prompt's text stays readable this long
+# A keyed reader waits this long for its prompt to be on this node (a queued prompt's
+# client connects at admission), then is told to ask again.
+KEYED_WAIT_S = 120.0
+READER_KEY = re.compile(r"[0-9a-f]{32}")
 
 
 class TextRequestError(ValueError):
-    """A client's request line is not one this stream serves; the message says why."""
+    """A client's request line is not one this stream serves; the message says why.
+    ``retry``: the client may ask again (its prompt is not on this node yet)."""
+
+    def __init__(self, message: str, *, retry: bool = False) -> None:
+        super().__init__(message)
+        self.retry = retry
 
 
 @dataclass
 class _Text:
     lines: list[bytes] = field(default_factory=list)  # one JSON line per delta
     ended_at: float | None = None
+    reader_key: bytes | None = None  # the key a keyed reader must show (DECISIONS 80)
 
 
 class TextHub:
@@ -259,10 +274,10 @@ class TextHub:
         self._closed = False
 
     # ------------------------------------------------------------------ the generate side
-    def open(self, key: str) -> None:
+    def open(self, key: str, reader_key: str | None = None) -> None:
         with self._cond:
             self._prune()
-            self._texts[key] = _Text()
+            self._texts[key] = _Text(reader_key=reader_key.encode() if reader_key else None)
             self._cond.notify_all()
 
     def put(self, key: str, delta: TextDelta) -> None:
@@ -299,14 +314,19 @@ class TextHub:
             del self._texts[key]
 
     # ------------------------------------------------------------------ the client side
-    def serve(self, sock: socket.socket, peer: str) -> None:
+    def serve(self, sock: socket.socket, peer: str, keyed: bool = False) -> None:
         """One authenticated client (DataPlaneServer.serve_text): its request line, then
-        the prompt's deltas from the one it asks for, then the end line."""
+        the prompt's deltas from the one it asks for, then the end line. ``keyed``: it
+        showed no text-stream token, and is served only once its request's key is the
+        prompt's (DECISIONS 80); it counts as a reader from then on."""
         try:
-            key, start = _read_request(sock)
+            key, start, shown = _read_request(sock, keyed)
+            if keyed:
+                self._check_key(sock, key, shown)
         except TextRequestError as err:
-            log.warning("text stream: bad request from %s: %s", peer, err)
-            _send(sock, json.dumps({"type": "error", "error": str(err)}).encode() + b"\n")
+            log.warning("text stream: refused %s: %s", peer, err)
+            line = {"type": "error", "error": str(err)} | ({"retry": True} if err.retry else {})
+            _send(sock, json.dumps(line).encode() + b"\n")
             return
         with self._cond:
             self._readers[key] = self._readers.get(key, 0) + 1
@@ -319,6 +339,30 @@ class TextHub:
                     self._readers[key] = left
                 else:
                     del self._readers[key]
+
+    def _check_key(self, sock: socket.socket, key: str, shown: bytes) -> None:
+        """Wait until prompt ``key`` is on this node (KEYED_WAIT_S at most, while the
+        reader stays), then check that ``shown`` is its reader key: TextRequestError
+        where it is not, or the prompt never came."""
+        deadline = time.monotonic() + KEYED_WAIT_S
+        while True:
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: self._closed or key in self._texts,
+                    timeout=min(1.0, max(0.0, deadline - time.monotonic())),
+                )
+                text = self._texts.get(key)
+                closed = self._closed
+            if text is not None:
+                if text.reader_key is None or not hmac.compare_digest(shown, text.reader_key):
+                    raise TextRequestError(f"wrong key for prompt {key}")
+                return
+            if closed:
+                raise TextRequestError("this node's text stream is closed")
+            if time.monotonic() >= deadline:
+                raise TextRequestError(f"prompt {key} is not on this node yet", retry=True)
+            if _peer_gone(sock):
+                raise TextRequestError("left before its prompt came")
 
     def _stream(self, sock: socket.socket, key: str, pos: int) -> None:
         while True:
@@ -347,8 +391,10 @@ class TextHub:
         return text is not None and (len(text.lines) > pos or text.ended_at is not None)
 
 
-def _read_request(sock: socket.socket) -> tuple[str, int]:
-    """``{"prompt_workflow_id": str, "from": int}``: which prompt, from which delta."""
+def _read_request(sock: socket.socket, keyed: bool = False) -> tuple[str, int, bytes]:
+    """``{"prompt_workflow_id": str, "from": int}``: which prompt, from which delta; a
+    keyed reader's with ``"key"``, 32 lowercase hex digits (returned as bytes; b"" for a
+    reader with the text-stream token)."""
     sock.settimeout(REQUEST_TIMEOUT_S)
     data = b""
     while b"\n" not in data:
@@ -372,8 +418,14 @@ def _read_request(sock: socket.socket) -> tuple[str, int]:
         raise TextRequestError("prompt_workflow_id must be a non-empty string")
     if not isinstance(start, int) or isinstance(start, bool) or start < 0:
         raise TextRequestError("from must be a non-negative integer")
+    shown = b""
+    if keyed:
+        reader_key = req.get("key")
+        if not isinstance(reader_key, str) or not READER_KEY.fullmatch(reader_key):
+            raise TextRequestError("key must be the prompt's key: 32 lowercase hex digits")
+        shown = reader_key.encode()
     sock.settimeout(SEND_TIMEOUT_S)
-    return key, start
+    return key, start, shown
 
 
 def _send(sock: socket.socket, data: bytes) -> None:

@@ -123,8 +123,10 @@ class DataPlaneServer(Closing):
 
     def serve_text(self, token: str, handler: TextHandler) -> None:
         """Hand every connection that authenticates with ``token`` on the text-stream edge
-        id (mvp_core.edge_auth) to ``handler(sock, peer)``, in its own thread; the socket
-        is closed when the handler returns or the server closes."""
+        id (mvp_core.edge_auth) to ``handler(sock, peer, False)``, and one that shows
+        TEXT_READER_TOKEN to ``handler(sock, peer, True)`` (a keyed reader: the handler
+        checks its prompt's key), in its own thread; the socket is closed when the handler
+        returns or the server closes."""
         self._text.serve(token, handler)
 
     def close(self) -> None:

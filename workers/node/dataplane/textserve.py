@@ -1,6 +1,8 @@
 """The head node's text stream on the data-plane port: a connection whose hello names the
 reserved edge id (mvp_core.edge_auth.TEXT_STREAM_EDGE_ID) with the text-stream token is
-handed to the node's handler (workers/node/textpath.py) instead of becoming an edge."""
+handed to the node's handler (workers/node/textpath.py) instead of becoming an edge; one
+whose hello carries TEXT_READER_TOKEN is handed over as a keyed reader (DECISIONS 80),
+whose prompt key the handler checks, at most MAX_KEYED_READERS at once."""
 
 from __future__ import annotations
 
@@ -9,14 +11,18 @@ import socket
 import threading
 from collections.abc import Callable
 
-from mvp_core.edge_auth import ANSWER_REJECT
+from mvp_core.edge_auth import ANSWER_REJECT, TEXT_READER_TOKEN
 
 from .endpoint import log
 from .handshake import answer, answer_ok
 
 __all__ = ["TextHandler", "TextStreamGate"]
 
-TextHandler = Callable[[socket.socket, str], None]
+# handler(sock, peer, keyed): keyed, the reader showed no text-stream token, and must show
+# its prompt's key in its request.
+TextHandler = Callable[[socket.socket, str, bool], None]
+MAX_KEYED_READERS = 256  # keyed readers served at once (each holds a thread)
+_READER = TEXT_READER_TOKEN.encode()
 
 
 class TextStreamGate:
@@ -26,6 +32,7 @@ class TextStreamGate:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._served: tuple[bytes, TextHandler] | None = None
+        self._keyed = 0  # keyed readers being served
 
     def serve(self, token: str, handler: TextHandler) -> None:
         if not token:
@@ -42,14 +49,27 @@ class TextStreamGate:
             log.warning("text stream: rejected connection from %s: this node serves none", peer)
             answer(sock, ANSWER_REJECT, "this node serves no text stream")
             return False
-        if not hmac.compare_digest(token, served[0]):
+        keyed = token == _READER
+        if keyed:
+            with self._lock:
+                full = self._keyed >= MAX_KEYED_READERS
+                if not full:
+                    self._keyed += 1
+            if full:
+                answer(sock, ANSWER_REJECT, "too many keyed readers: try again")
+                return False
+        elif not hmac.compare_digest(token, served[0]):
             log.warning("text stream: authentication failed: wrong token from %s", peer)
             answer(sock, ANSWER_REJECT, "authentication failed: wrong text-stream token")
             return False
         try:
             answer_ok(sock)
             sock.settimeout(None)
-            served[1](sock, peer)
+            served[1](sock, peer, keyed)
         except OSError as e:
             log.debug("text stream to %s ended: %s", peer, e)
+        finally:
+            if keyed:
+                with self._lock:
+                    self._keyed -= 1
         return False  # closed by the handshake's own clean-up
