@@ -54,7 +54,9 @@ async def _run_events(run: RunHandle) -> int:
     return len([e async for e in run.workflow.fetch_history_events()])
 
 
-async def test_a_run_hosted_prompt_is_served_streamed_cancelled_and_re_attached(runs: Runs):
+async def test_a_run_hosted_prompt_is_served_streamed_cancelled_and_re_attached(
+    runs: Runs, temporal_server: Any, tmp_path: Path
+):
     run_id = 2240
     handle = await runs.start(run_id, **HOSTED)
     state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=180)
@@ -179,6 +181,7 @@ async def test_a_run_hosted_prompt_is_served_streamed_cancelled_and_re_attached(
         assert "".join(e.text for e in late if isinstance(e, TextDelta)) == late[-1].final_text
 
     await _through_the_gateway(runs, run_id)
+    await _through_a_gateway_of_its_own(runs, run_id, temporal_server, tmp_path)
     assert await _prompt_workflows(run) == 0
     await run.shutdown_and_wait(ShutdownReason.OPERATOR_REQUESTED)
     assert await wait_closed(handle) is WorkflowExecutionStatus.COMPLETED
@@ -251,17 +254,14 @@ async def _streamed_chunks(url: str, prompt: str, tokens: int) -> list[str]:
     return chunks
 
 
-async def test_a_gateway_without_the_edge_secret_streams_run_hosted_text_live(
-    runs: Runs, temporal_server: Any, tmp_path: Path
-):
+async def _through_a_gateway_of_its_own(
+    runs: Runs, run_id: int, temporal_server: Any, tmp_path: Path
+) -> None:
     """DECISIONS 80: a gateway on a host of its own (its own state directory, no
     MVP_EDGE_SECRET) admits each prompt with a random key and reads its text with it
     straight from the head node: a run-hosted completion streams in many chunks, as
     through a gateway that holds the secret, not whole at its end, and the text is the
     same; the gateway's host never gets the secret."""
-    run_id = 2245
-    handle = await runs.start(run_id, **HOSTED)
-    await wait_phase(handle, RunPhase.PROMPT_READY, timeout=180)
     own_state = tmp_path / "gateway-state"
     env = {k: v for k, v in os.environ.items() if k != EDGE_SECRET_ENV}
     env |= {"TEMPORAL_ADDRESS": temporal_server.address, "MVP_STATE_DIR": str(own_state)}
@@ -291,5 +291,3 @@ async def test_a_gateway_without_the_edge_secret_streams_run_hosted_text_live(
     # Whole at the end would be one chunk; live, the head node's flushes (every 100 ms).
     assert len(apart) >= 3 and len(together) >= 3, (len(apart), len(together))
     assert not (own_state / "edge-secret").exists()
-    await RunHandle(runs.client, run_id).shutdown_and_wait(ShutdownReason.OPERATOR_REQUESTED)
-    assert await wait_closed(handle) is WorkflowExecutionStatus.COMPLETED
