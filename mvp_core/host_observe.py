@@ -8,9 +8,11 @@ control: the run decides, the host only records what it saw (spec 9.18).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from mvp_core import datastream as ds
 from mvp_core.datastream import BootstrapPhase, BootstrapStatus, MembershipState, ProvisionEventKind
-from mvp_core.models import LifecycleKind, LifecycleReport
+from mvp_core.models import LifecycleKind, LifecycleReport, RunPhase
 from mvp_core.run_records import NodeState
 from mvp_core.run_state import RunState
 
@@ -31,6 +33,39 @@ _PHASE_OF_KIND = {
 }
 
 
+def _failed_phase(cur: RunState) -> tuple[BootstrapPhase, BootstrapStatus] | None:
+    """The bootstrap phase a startup fault failed in (process spec 10.15: a failure
+    record names its phase): from the run's phase at the fault and, in readiness and
+    stage provisioning, the first step some node had not passed. None for a fault while
+    serving (its RunFaulted report says so)."""
+    at = cur.fault_phase
+    nodes = sorted(cur.nodes, key=lambda n: n.stage_index)
+    failed = BootstrapStatus.FAILED
+    if at in (RunPhase.ACCEPTED, RunPhase.PLANNING):
+        return BootstrapPhase.RUN_PLAN, failed
+    if at is RunPhase.PROVISIONING:
+        if all(n.handle is not None for n in nodes):
+            return BootstrapPhase.NODE_RUNTIME_READY, failed
+        return BootstrapPhase.PROVIDER_START, failed
+    if at is RunPhase.READINESS:
+        steps: tuple[tuple[BootstrapPhase, Callable[[NodeState], bool]], ...] = (
+            (BootstrapPhase.PROVIDER_START, lambda n: n.handle is not None),
+            (BootstrapPhase.NODE_RUNTIME_READY, lambda n: n.runtime_ready is not None),
+            (BootstrapPhase.NODE_SWIM, lambda n: n.lease_started and not n.lease_lost),
+            (BootstrapPhase.NODE_ROUTE, lambda n: n.route_owned),
+            (BootstrapPhase.RUNTIME_READY_ACK, lambda n: n.acked),
+        )
+        for step, passed in steps:
+            if not all(passed(n) for n in nodes):
+                return step, failed
+        return BootstrapPhase.STAGE_PROVISION, failed
+    if at is RunPhase.STAGE_PROVISIONING:
+        if not all(n.stage_provisioned for n in nodes):
+            return BootstrapPhase.STAGE_PROVISION, failed
+        return BootstrapPhase.WEIGHTS_LOADED, failed
+    return None
+
+
 def _node(prev: RunState | None, node_id: int) -> NodeState | None:
     if prev is None:
         return None
@@ -48,8 +83,11 @@ def observe(prev: RunState | None, cur: RunState, provider: str) -> list[Record]
     for index, report in _new_reports(prev, cur):
         runs.append((ds.CHANNEL_LIFECYCLE, ds.lifecycle_record(report, index)))
         phase = _PHASE_OF_KIND.get(report.kind)
+        if report.kind is LifecycleKind.RUN_FAULTED:
+            phase = _failed_phase(cur)
         if phase is not None:
-            detail = {"detail": report.detail} if report.detail else None
+            key = "error" if phase[1] is BootstrapStatus.FAILED else "detail"
+            detail = {key: report.detail} if report.detail else None
             runs.append(
                 (ds.CHANNEL_BOOTSTRAP, ds.orch_bootstrap(phase[0], phase[1], run_id, 0, detail))
             )
@@ -169,17 +207,7 @@ def _observe_node(
         boot(BootstrapPhase.NODE_SWIM, BootstrapStatus.OBSERVED)
     if changed("lease_lost"):
         out.append((ds.CHANNEL_MEMBERSHIP, ds.membership_record(run_id, nid, MembershipState.DEAD)))
-    if changed("route_owned"):
-        identity = node.runtime_ready.worker_identity if node.runtime_ready else ""
-        out.append(
-            (
-                ds.CHANNEL_STAGE_ROUTE,
-                ds.stage_route_record(
-                    run_id, nid, node.stage_index, node.task_queue, identity, True
-                ),
-            )
-        )
-        boot(BootstrapPhase.NODE_ROUTE, BootstrapStatus.OBSERVED)
+    out += _route_records(run_id, node, before)
     if changed("acked"):
         boot(BootstrapPhase.RUNTIME_READY_ACK, BootstrapStatus.SENT)
     if changed("stage_provisioned"):
@@ -192,8 +220,55 @@ def _observe_node(
             BootstrapStatus.OBSERVED,
             {"stage_index": node.stage_index},
         )
-    if changed("provider_stopped"):
-        event(ProvisionEventKind.NODE_STOPPED)
-    if changed("exited") and not stopping:
-        event(ProvisionEventKind.PROVISION_FAILED, "node exited")
+    out += _stop_records(run_id, node, before, provider, stopping)
+    return out
+
+
+def _changed(node: NodeState, before: NodeState | None, field: str) -> bool:
+    return bool(getattr(node, field)) and not (before and getattr(before, field))
+
+
+def _route_records(run_id: int, node: NodeState, before: NodeState | None) -> list[Record]:
+    """A route check that found the node's worker owning its queue, or another owner."""
+    identity = node.runtime_ready.worker_identity if node.runtime_ready else ""
+    out: list[Record] = []
+    for owned, field in ((True, "route_owned"), (False, "route_failed")):
+        if not _changed(node, before, field):
+            continue
+        why = "" if owned else (node.route_failed or "")
+        route = ds.stage_route_record(
+            run_id, node.node_id, node.stage_index, node.task_queue, identity, owned, detail=why
+        )
+        out.append((ds.CHANNEL_STAGE_ROUTE, route))
+        status = BootstrapStatus.OBSERVED if owned else BootstrapStatus.FAILED
+        detail = None if owned else {"error": why}
+        boot = ds.orch_bootstrap(BootstrapPhase.NODE_ROUTE, status, run_id, node.node_id, detail)
+        out.append((ds.CHANNEL_BOOTSTRAP, boot))
+    return out
+
+
+def _stop_records(
+    run_id: int, node: NodeState, before: NodeState | None, provider: str, stopping: bool
+) -> list[Record]:
+    """A node stopped by its provider (and, alive until then, leaving the membership),
+    or one that exited on its own while the run was not stopping."""
+    out: list[Record] = []
+    nid = node.node_id
+    if _changed(node, before, "provider_stopped"):
+        stopped = ds.provision_event(run_id, nid, ProvisionEventKind.NODE_STOPPED, provider, "")
+        out.append((ds.CHANNEL_PROVISIONING_EVENTS, stopped))
+        if node.lease_started and not node.lease_lost:  # stopped on purpose: it leaves
+            out.append(
+                (ds.CHANNEL_MEMBERSHIP, ds.membership_record(run_id, nid, MembershipState.LEFT))
+            )
+    if _changed(node, before, "exited") and not stopping:
+        # Process spec 8.9: a provider's Exited is a node-stopped event (its message says
+        # the node was not asked to stop); ProvisionFailed is a start that failed.
+        kind = ProvisionEventKind.NODE_STOPPED
+        out.append(
+            (
+                ds.CHANNEL_PROVISIONING_EVENTS,
+                ds.provision_event(run_id, nid, kind, provider, "exited on its own"),
+            )
+        )
     return out

@@ -69,6 +69,7 @@ class NodeState(BaseModel):
     lease_started: bool = False
     lease_lost: bool = False
     route_owned: bool = False
+    route_failed: str | None = None  # a route check that found another owner: why
     acked: bool = False
     stage_provisioned: bool = False
     weights_ready: bool = False

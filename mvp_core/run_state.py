@@ -79,6 +79,8 @@ class RunState(BaseModel):
     # observer tells new reports by it, not by the list's length.
     lifecycle_recorded: int = 0
     first_fault: str | None = None
+    # The phase the run was in at its first fault (a startup fault's failed phase).
+    fault_phase: RunPhase | None = None
     first_stop_error: str | None = None
     provider_stop_error: str | None = None
     later_faults: list[str] = Field(default_factory=list)
@@ -145,6 +147,7 @@ class RunState(BaseModel):
                 self.later_faults.append(reason)
             return False
         self.first_fault = reason
+        self.fault_phase = self.phase
         self.record(LifecycleKind.RUN_FAULTED, reason)
         return True
 
@@ -283,10 +286,12 @@ class RunState(BaseModel):
         node.lease_started = True
         return True
 
-    def on_route_checked(self, node_id: int, owned: bool) -> None:
+    def on_route_checked(self, node_id: int, owned: bool, reason: str = "") -> None:
         node = self.node(node_id)
         if node is not None:
             node.route_owned = owned
+            if not owned:
+                node.route_failed = clip_reason(reason or "not owned by the node's worker")
 
     def on_ack(self, ack: NodeRuntimeReadyAck) -> bool:
         node = self._match(

@@ -121,7 +121,9 @@ def test_a_stage_recovery_tells_the_lost_node_the_replacement_and_the_steps():
         for c, r in records
         if c == ds.CHANNEL_PROVISIONING_EVENTS
     ]
-    assert (1, "ProvisionFailed") in events and (1, "NodeStopped") in events
+    # Process spec 8.9: its exit is a NodeStopped (not a failed start), then the
+    # provider's stop of what was left is one more.
+    assert events.count((1, "NodeStopped")) == 2 and (1, "ProvisionFailed") not in events
     assert (new.node_id, "ProvisionStart") in events
     assert observe(s, s, "process") == []  # nothing twice
 
@@ -130,3 +132,91 @@ def _handle(node_id: int) -> NodeHandle:
     return NodeHandle(
         run_id=7, node_id=node_id, provider=ProviderKind.PROCESS, host="h", resource_name="r"
     )
+
+
+def _ready(node_id: int = 1) -> NodeRuntimeReady:
+    return NodeRuntimeReady(
+        run_id=7,
+        node_id=node_id,
+        stage_index=0,
+        endpoint="10.0.0.2:5000",
+        node_actor="q",
+        worker_identity="w",
+        readiness_id="r",
+    )
+
+
+def _failures(records: list[tuple[str, dict[str, object]]]) -> list[tuple[str, object]]:
+    return [
+        (str(r["phase"]), r.get("detail"))
+        for c, r in records
+        if c == ds.CHANNEL_BOOTSTRAP and r["status"] == "failed"
+    ]
+
+
+def test_a_startup_fault_is_a_failure_record_of_the_phase_that_failed():
+    """Process spec 10.15: the phase that failed, status failed, the run, the error."""
+    from mvp_core.models import RunPhase
+
+    cases = [
+        (RunPhase.PLANNING, {}, "run_plan"),
+        (RunPhase.PROVISIONING, {"start_attempted": True}, "provider_start"),
+        (RunPhase.READINESS, {"handle": _handle(1)}, "node_runtime_ready"),
+        (RunPhase.READINESS, {"handle": _handle(1), "runtime_ready": _ready()}, "node_swim"),
+        (
+            RunPhase.READINESS,
+            {"handle": _handle(1), "runtime_ready": _ready(), "lease_started": True},
+            "node_route",
+        ),
+        (
+            RunPhase.READINESS,
+            {
+                "handle": _handle(1),
+                "runtime_ready": _ready(),
+                "lease_started": True,
+                "route_owned": True,
+            },
+            "runtime_ready_ack",
+        ),
+        (RunPhase.STAGE_PROVISIONING, {"acked": True}, "stage_provision"),
+        (RunPhase.STAGE_PROVISIONING, {"stage_provisioned": True}, "weights_loaded"),
+    ]
+    for phase, flags, failed in cases:
+        s = state()
+        s.phase = phase
+        s.nodes = [node(**flags)]
+        before = s.model_copy(deep=True)
+        s.fault(f"startup ({phase.value}): boom")
+        got = _failures(observe(before, s, "process"))
+        assert got == [(failed, {"error": f"startup ({phase.value}): boom"})], (phase, got)
+        assert observe(s, s, "process") == []
+    # A fault while serving names no bootstrap phase (its RunFaulted says it).
+    s = state()
+    s.phase = RunPhase.PROMPT_READY
+    before = s.model_copy(deep=True)
+    s.fault("prompt serving: boom")
+    assert _failures(observe(before, s, "process")) == []
+
+
+def test_a_failed_route_check_and_a_node_that_leaves_are_published():
+    s = state()
+    s.nodes = [node(handle=_handle(1), runtime_ready=_ready(), lease_started=True)]
+    before = s.model_copy(deep=True)
+    s.on_route_checked(1, False, "pollers: other-worker")
+    records = observe(before, s, "process")
+    routes = [r for c, r in records if c == ds.CHANNEL_STAGE_ROUTE]
+    assert len(routes) == 1 and routes[0]["status"] == "failed" and not routes[0]["owned"]
+    assert routes[0]["detail"] == "pollers: other-worker"
+    assert _failures(records) == [("node_route", {"error": "pollers: other-worker"})]
+    # Stopped on purpose while alive: NodeStopped, and membership Left.
+    before = s.model_copy(deep=True)
+    s.nodes[0].provider_stopped = True
+    records = observe(before, s, "process")
+    members = [r["state"] for c, r in records if c == ds.CHANNEL_MEMBERSHIP]
+    assert members == ["Left"]
+    # A node whose lease was lost does not leave again.
+    s2 = state()
+    s2.nodes = [node(lease_started=True, lease_lost=True)]
+    before = s2.model_copy(deep=True)
+    s2.nodes[0].provider_stopped = True
+    assert [c for c, _ in observe(before, s2, "process")] == [ds.CHANNEL_PROVISIONING_EVENTS]

@@ -166,7 +166,7 @@ class Startup:
                 f"check route of node {node.node_id} (stage {node.stage_index})",
             )
         )
-        self._ctx.state.on_route_checked(node.node_id, check.owned)
+        self._ctx.state.on_route_checked(node.node_id, check.owned, check.reason)
         if not check.owned:
             raise RuntimeError(
                 f"route owner of {node.task_queue} does not match node {node.node_id}: "
