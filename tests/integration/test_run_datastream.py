@@ -151,4 +151,10 @@ async def test_a_node_the_provider_cannot_start_is_a_provision_failed_event(
     failed = [e for e in events(frames) if e["kind"] == "ProvisionFailed"]
     assert failed and failed[0]["node_id"] == 1 and failed[0]["provider"] == "process"
     assert "injected start failure of node 1" in failed[0]["message"], failed
+    # The startup fault is a failure record of the phase that failed (DECISIONS 81).
+    boot = [
+        r for ch, r in records(frames) if ch == "mvp.orch.bootstrap" and r["status"] == "failed"
+    ]
+    assert [r["phase"] for r in boot] == ["provider_start"], boot
+    assert "injected start failure" in boot[0]["detail"]["error"]
     assert kinds(frames)[-1] == "RunTornDown", kinds(frames)
