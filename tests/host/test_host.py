@@ -43,9 +43,10 @@ class HostProcess:
         extra_toml: str = "",
         env: dict[str, str] | None = None,
         argv: list[str] | None = None,
+        port: int | None = None,
     ):
         self.root = root
-        self.port = free_port()
+        self.port = free_port() if port is None else port
         self.archive = root / "archive" / "frames.jsonl"
         self.config = root / "config.toml"
         self.config.write_text(
@@ -428,6 +429,54 @@ def test_a_provider_failure_at_start_exits_1_with_one_line_and_leaves_nothing(
     assert host.left_running() == []
     boot = [r["record"] for r in host.records() if r["record"].get("type") == "OrchBootstrap"]
     assert boot[-2]["phase"] == "orch_exit" and boot[-2]["status"] == "failed"
+
+
+def test_a_prompt_rpc_that_cannot_bind_exits_1_after_a_clean_teardown(
+    tmp_path: Path, hosts: list[HostProcess]
+):
+    """Process spec: an RPC bind failure is a startup failure of the prompt_rpc phase:
+    the run is torn down (nothing left), a prompt_rpc failed record is in the archive,
+    and the host exits 1 with one line naming the address."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        host = HostProcess(tmp_path, port=port)
+        hosts.append(host)
+        code = host.finish(240)
+    finally:
+        taken.close()
+    assert code == 1, host.stderr
+    lines = [line for line in host.stderr.splitlines() if line.startswith("mvp-orchestrator: ")]
+    assert lines[-1].startswith(f"mvp-orchestrator: prompt RPC cannot bind 127.0.0.1:{port}")
+    wait_until(lambda: host.left_running() == [], timeout=10, what="nothing left", interval=0.2)
+    records = host.records()
+    boot = [r["record"] for r in records if r["record"].get("type") == "OrchBootstrap"]
+    assert [b["status"] for b in boot if b["phase"] == "prompt_rpc"] == ["failed"], boot
+    kinds = [r["record"].get("kind") for r in records if r["record"].get("type") == "OrchLifecycle"]
+    assert kinds[-1] == "RunTornDown", kinds
+    assert READY_MARK not in host.stderr
+
+
+def test_a_provider_stop_that_fails_exits_1_naming_the_node(
+    tmp_path: Path, hosts: list[HostProcess]
+):
+    """Process spec 10.13: a controlled shutdown succeeds only if the provider stop does;
+    the run ends RunStopFailed and the host exits 1 with the node and the error."""
+    faults = tmp_path / "faults.json"
+    faults.write_text(json.dumps({"1": {"MVP_FAULT_PROVIDER_STOP": "1"}}))
+    host = HostProcess(tmp_path, env={"MVP_TEST_FAULTS_FILE": str(faults)})
+    hosts.append(host)
+    host.wait_ready()
+    assert host.proc.stdin is not None
+    host.proc.stdin.write(b"stop\n")
+    host.proc.stdin.flush()
+    code = host.finish(120)
+    assert code == 1, host.stderr
+    lines = [line for line in host.stderr.splitlines() if line.startswith("mvp-orchestrator: ")]
+    assert "provider stop node 1: injected provider stop failure" in lines[-1], host.stderr
+    wait_until(lambda: host.left_running() == [], timeout=10, what="nothing left", interval=0.2)
 
 
 def test_a_configuration_error_starts_nothing(tmp_path: Path):
