@@ -20,7 +20,11 @@ Docker daemon the script starts, each limited to its own stage's planned memory 
 - decode tok/s through the system (one greedy prompt of --tokens tokens: the engine
   loop's figure, Done.tokens_generated / Done.elapsed_ms);
 - with ``--llama-bench``: llama.cpp's decode (``-p 0 -n --tokens``) on the same file,
-  once with each thread count the stages used, in the same run.
+  once with each of ``--llama-threads`` (default 1 and 2), in the same run.
+
+With ``--provider docker`` the script's dev server listens on every address (the
+containers reach it through their network's gateway): run it on a host whose other
+interfaces are not exposed, as the benchmark host is.
 
 A container's memory is its cgroup's (usage less inactive file pages, as ``docker
 stats`` shows it) and the most it used (the cgroup's peak, where the kernel keeps one).

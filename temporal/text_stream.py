@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from mvp_core.edge_auth import (
     ANSWER,
     ANSWER_OK,
+    ANSWER_RETRY,
     TEXT_READER_TOKEN,
     TEXT_STREAM_EDGE_ID,
     hello,
@@ -53,7 +54,8 @@ class TextStreamUnreachable(TextStreamError):
 
 
 class TextNotYet(TextStreamError):
-    """A keyed reader's prompt is not on the head node yet (still queued): ask again."""
+    """Ask again a little later: a keyed reader's prompt is not on the head node yet
+    (still queued), or the node serves as many keyed readers as it may."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,8 @@ async def read_text(
                 answer = await reader.readexactly(ANSWER.size)
             status, size = ANSWER.unpack(answer)
             reason = (await reader.readexactly(size)).decode(errors="replace") if size else ""
+            if status == ANSWER_RETRY:
+                raise TextNotYet(f"the head node is busy: {reason}")
             if status != ANSWER_OK:
                 raise TextStreamRefused(f"the head node refused the text stream: {reason}")
             request: dict[str, object] = {"prompt_workflow_id": prompt_workflow_id, "from": start}

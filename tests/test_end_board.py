@@ -107,3 +107,20 @@ async def test_an_answer_of_the_wrong_length_is_no_answer():
     for look in looks:
         with pytest.raises(PromptUnavailable, match="answered 1 ends for 2 prompts"):
             await look
+
+
+async def test_a_query_cancelled_under_its_looks_fails_them_rather_than_leaving_them():
+    started = asyncio.Event()
+
+    async def stuck(keys: list[str]) -> list[PromptEnd | None]:
+        started.set()
+        await asyncio.Event().wait()
+        return []
+
+    board = EndBoard(stuck)
+    look = asyncio.ensure_future(board.look("p0"))
+    await started.wait()
+    assert board._asking is not None
+    board._asking.cancel()
+    with pytest.raises(PromptUnavailable, match="given up"):
+        await asyncio.wait_for(look, 5)

@@ -47,12 +47,28 @@ class EndBoard:
                         f"the run answered {len(answers)} ends for {len(keys)} prompts"
                     )
             except Exception as err:  # handed to each look: one query, many callers
-                for futures in batch.values():
-                    for future in futures:
-                        if not future.done():
-                            future.set_exception(err)
+                _fail(batch, err)
                 continue
+            except BaseException:  # cancelled (the loop closing): no look waits for ever
+                _fail(batch, PromptUnavailable("the look was given up"))
+                raise
             for key, answer in zip(keys, answers, strict=True):
                 for future in batch[key]:
                     if not future.done():
                         future.set_result(answer)
+
+
+def _fail(batch: dict[str, list[asyncio.Future[PromptEnd | None]]], err: Exception) -> None:
+    for futures in batch.values():
+        for future in futures:
+            if not future.done():
+                future.set_exception(_copy(err))
+
+
+def _copy(err: Exception) -> Exception:
+    """An error of its own for each look (one raised in many tasks would gather their
+    tracebacks)."""
+    try:
+        return type(err)(*err.args)
+    except Exception:
+        return PromptUnavailable(str(err))

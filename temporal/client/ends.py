@@ -61,10 +61,14 @@ class PromptEnds(RunLifecycle):
         figures, right after an end finds the run past it, as after submit_prompt."""
         terminal = await self._child_result(prompt_id, request_id)
         pause = END_POLL_AFTER_TEXT_S[0]
+        unanswered = 0
         while True:
             try:
                 end = await self._ask_end(prompt_id)
             except PromptUnavailable:
+                unanswered += 1
+                if unanswered > UNANSWERED_RETRIES:
+                    return terminal  # the end is in hand; the run cannot say it counted it
                 end = PromptEnd(prompt_id=prompt_id, open=True)
             if end is None or not end.open:
                 return terminal
@@ -145,9 +149,23 @@ class PromptEnds(RunLifecycle):
         return await self._end_board.look(prompt_id)
 
     async def _ask_ends(self, prompt_ids: list[str]) -> list[PromptEnd | None]:
-        answer: Any = await self._ask_run(
-            names.QUERY_PROMPT_ENDS, prompt_ids, list[PromptEnd | None], "its prompts"
-        )
+        if not self._ends_in_one:  # a run worker older than prompt_ends: one by one
+            return [await self._ask_one_end(p) for p in prompt_ids]
+        try:
+            answer: Any = await self._ask_run(
+                names.QUERY_PROMPT_ENDS, prompt_ids, list[PromptEnd | None], "its prompts"
+            )
+        except PromptUnavailable as err:
+            if f"'{names.QUERY_PROMPT_ENDS}' expected but not found" not in str(err):
+                raise
+            self._ends_in_one = False
+            return [await self._ask_one_end(p) for p in prompt_ids]
         if not isinstance(answer, list):
             raise PromptUnavailable(f"run {self.run_id} answered no list of ends")
         return [end if isinstance(end, PromptEnd) else None for end in answer]
+
+    async def _ask_one_end(self, prompt_id: str) -> PromptEnd | None:
+        answer: Any = await self._ask_run(
+            names.QUERY_PROMPT_END, prompt_id, PromptEnd, f"prompt {prompt_id}"
+        )
+        return answer if isinstance(answer, PromptEnd) else None

@@ -62,10 +62,12 @@ class RunLifecycle:
         self._secret = host_secret() if direct_text else None
         self._target: TextStreamTarget | None = None  # the head node's text stream
         self._told_why = False  # a direct stream that could not be read: said once
+        self._looking: asyncio.Future[RunState | None] | None = None  # a shared snapshot
         self._prompt_host: PromptHost | None = None  # where the run serves prompts
         self.direct_streams = 0  # prompts whose text came from the head node to the end
         self._admitting: asyncio.Semaphore | None = None  # admissions in flight (made in use)
         self._end_board: EndBoard | None = None  # prompts' ends, asked together (made in use)
+        self._ends_in_one = True  # False: the run's worker has no prompt_ends query
 
     @property
     def holds_secret(self) -> bool:
@@ -166,6 +168,15 @@ class RunLifecycle:
         bytes in all), from its pending start activities (DECISIONS 79); empty when none
         is. The SDK's RPCError where the server cannot be asked."""
         return await share_fetches(self.client, self.workflow_id)
+
+    async def shared_snapshot(self) -> RunState | None:
+        """``try_snapshot``, shared by every caller while one is in flight: a burst of
+        streams that each need the run's state (its head node, where it serves prompts)
+        makes one query, not one each (a server buffers one query per busy workflow,
+        DECISIONS 78)."""
+        if self._looking is None or self._looking.done():
+            self._looking = asyncio.ensure_future(self.try_snapshot())
+        return await asyncio.shield(self._looking)
 
     async def datastream(
         self, *, wait_s: float = 0.0, poll_s: float = 0.2

@@ -40,6 +40,9 @@ DIRECT_GRACE_S = 2.0
 # read again from the replacement head, at most this many times, while the prompt runs.
 DIRECT_RESUMES = 3
 NEW_HEAD_POLL_S = 0.3
+# A keyed reader told to ask again (its prompt queued, the node busy) waits this long
+# before it does, doubling up to the second figure, while its prompt runs.
+ASK_AGAIN_S = (0.25, 5.0)
 log = logging.getLogger("mvp.client")
 
 
@@ -130,6 +133,7 @@ class PromptText(PromptEnds):
         from a replacement head where the run replaces it (DECISIONS 68); nothing more
         once the stream cannot be read there."""
         resumes = 0
+        again = ASK_AGAIN_S[0]
         while target is not None:
             skip = len(read.text)  # a new head's stream starts from the first text
             try:
@@ -148,7 +152,9 @@ class PromptText(PromptEnds):
                     self._target = None
                 else:
                     log.info("%s: text from Temporal: %s", child_id, err)
-            except TextNotYet:  # still queued: the head node holds it once it is its
+            except TextNotYet:  # still queued, or a busy node: ask again while it runs
+                await asyncio.wait({result_task}, timeout=again)
+                again = min(again * 2, ASK_AGAIN_S[1])
                 if not result_task.done():
                     continue
             except TextStreamError as err:
@@ -185,7 +191,7 @@ class PromptText(PromptEnds):
         """The head node's text stream once another node is the head (a stage recovery
         replaced it); None if the prompt ends first."""
         while not result_task.done():
-            state = await self.try_snapshot()
+            state = await self.shared_snapshot()
             if state is not None:
                 target = target_of(state, self.workflow_id, self._secret)
                 if target is not None and (target.host, target.port) != (old.host, old.port):
@@ -197,10 +203,10 @@ class PromptText(PromptEnds):
     async def _text_target(self, key: str | None = None) -> TextStreamTarget | None:
         """The run's head node text stream, where this host can read it: with the
         deployment's secret, or the prompt's ``key`` (cached)."""
-        if self._secret is None and key is None:
+        if not self._direct_text or (self._secret is None and key is None):
             return None
         if self._target is None:
-            state = await self.try_snapshot()
+            state = await self.shared_snapshot()
             if state is not None:
                 self._prompt_host = state.prompt_host
                 self._target = target_of(state, self.workflow_id, self._secret)
@@ -210,7 +216,7 @@ class PromptText(PromptEnds):
         """The run serves its prompts itself (DECISIONS 66): they have no workflow, so no
         Temporal text stream (their text comes from the head node or with their end)."""
         if self._prompt_host is None:
-            state = await self.try_snapshot()
+            state = await self.shared_snapshot()
             if state is None:
                 return False
             self._prompt_host = state.prompt_host

@@ -415,6 +415,7 @@ def test_a_remote_fetchers_progress_lines_are_read_as_untrusted():
         {"done": -1, "total": 10},
         {"done": True, "total": 10},
         {"done": 1.5, "total": 10},
+        {"done": 1, "total": 10**400},  # a figure no share has (and no float holds)
         {"fetched": 10},
         {"error": "x"},
     ):

@@ -197,14 +197,18 @@ async def test_a_keyed_reader_whose_prompt_does_not_come_is_told_to_ask_again(no
         await _keyed_read(_keyed(server), READER_KEY)
 
 
-async def test_keyed_readers_at_once_are_bounded(node, monkeypatch):
+@pytest.mark.parametrize("bound", ["MAX_KEYED_READERS", "MAX_KEYED_PER_PEER"])
+async def test_keyed_readers_at_once_are_bounded(node, monkeypatch, bound):
+    """In all, and from one address (the hello token is public: one peer may not hold
+    every place); past the bound a reader is told the node is busy, to ask again."""
+    from temporal.text_stream import TextNotYet
     from workers.node.dataplane import textserve
 
     server, hub = node
-    monkeypatch.setattr(textserve, "MAX_KEYED_READERS", 1)
+    monkeypatch.setattr(textserve, bound, 1)
     waiting = asyncio.ensure_future(_keyed_read(_keyed(server), READER_KEY))
-    await asyncio.sleep(0.3)  # held: its prompt is not here yet
-    with pytest.raises(TextStreamRefused, match="too many keyed readers"):
+    await eventually(lambda: sum(server._text._keyed.values()) == 1, timeout=10, what="held")
+    with pytest.raises(TextNotYet, match="too many keyed readers"):
         await _keyed_read(_keyed(server), READER_KEY)
     hub.open(KEY, READER_KEY)
     hub.end(KEY)

@@ -324,7 +324,10 @@ class TextHub:
             if keyed:
                 self._check_key(sock, key, shown)
         except TextRequestError as err:
-            log.warning("text stream: refused %s: %s", peer, err)
+            # A keyed reader needs no secret to get here: its refusal is no alarm, and
+            # what it sent is quoted, never written as it came.
+            level = logging.DEBUG if keyed else logging.WARNING
+            log.log(level, "text stream: refused %s: %r", peer, str(err))
             line = {"type": "error", "error": str(err)} | ({"retry": True} if err.retry else {})
             _send(sock, json.dumps(line).encode() + b"\n")
             return
@@ -355,12 +358,12 @@ class TextHub:
                 closed = self._closed
             if text is not None:
                 if text.reader_key is None or not hmac.compare_digest(shown, text.reader_key):
-                    raise TextRequestError(f"wrong key for prompt {key}")
+                    raise TextRequestError(f"wrong key for prompt {key!r}")
                 return
             if closed:
                 raise TextRequestError("this node's text stream is closed")
             if time.monotonic() >= deadline:
-                raise TextRequestError(f"prompt {key} is not on this node yet", retry=True)
+                raise TextRequestError(f"prompt {key!r} is not on this node yet", retry=True)
             if _peer_gone(sock):
                 raise TextRequestError("left before its prompt came")
 

@@ -35,6 +35,9 @@ with workflow.unsafe.imports_passed_through():
     from workflows.run.admission import prompt_of
     from workflows.run.context import WORKFLOW_TASK_TIMEOUT, RunContext, slack
 
+# Characters of ended prompts' texts one prompt_ends answer holds (the first always):
+# well under a query result's 4 MB gRPC limit, whatever the texts' lengths.
+PROMPT_ENDS_TEXT = 1 << 20
 PROMPT_DRAIN_S = 5.0  # beyond a generate's heartbeat timeout, for its prompt to end
 # A run-hosted prompt's end is kept for its client (the ``prompt_end`` query, DECISIONS
 # 77), a re-attach and the dashboard (DECISIONS 66): the latest SERVED_HELD, their texts
@@ -365,7 +368,9 @@ class Prompts:
     def ends(self, prompt_ids: object) -> list[PromptEnd | None]:
         """The ``prompt_ends`` query: ``end`` of each key, in order. A query's argument
         is untrusted: anything but a list of at most PROMPT_ENDS_PER_QUERY strings fails
-        the query (only the query) with what was wrong."""
+        the query (only the query) with what was wrong. One answer holds at most
+        PROMPT_ENDS_TEXT characters of ended prompts' texts (the first always): a prompt
+        past that is answered open, and its client asks again."""
         if not isinstance(prompt_ids, list) or not all(isinstance(p, str) for p in prompt_ids):
             raise ValueError("prompt_ends takes a list of prompt keys (strings)")
         if len(prompt_ids) > names.PROMPT_ENDS_PER_QUERY:
@@ -373,7 +378,19 @@ class Prompts:
                 f"prompt_ends takes at most {names.PROMPT_ENDS_PER_QUERY} prompt keys, "
                 f"not {len(prompt_ids)}"
             )
-        return [self.end(p) for p in prompt_ids]
+        answers: list[PromptEnd | None] = []
+        text = 0
+        for key in prompt_ids:
+            end = self.end(key)
+            if end is not None and end.terminal is not None:
+                size = _terminal_size(end.terminal)
+                if text and text + size > PROMPT_ENDS_TEXT:
+                    # This answer is full: that prompt is asked for again in the next.
+                    end = PromptEnd(prompt_id=key, open=True)
+                else:
+                    text += size
+            answers.append(end)
+        return answers
 
     def kept(self) -> list[ServedPrompt]:
         """The ends continue-as-new carries: the latest SERVED_KEPT, their texts within
@@ -401,3 +418,11 @@ def _text_size(served: ServedPrompt) -> int:
 def _safe(update_id: str) -> str:
     cleaned = "".join(c for c in update_id if c.isalnum() or c == "-")
     return cleaned[:36] or "u"
+
+
+def _terminal_size(terminal: PromptTerminal) -> int:
+    """The characters of text a terminal event carries (a Done's whole text, a run-hosted
+    Fault's text so far)."""
+    if isinstance(terminal, Fault):
+        return len(terminal.text or "")
+    return len(getattr(terminal, "final_text", "") or "")

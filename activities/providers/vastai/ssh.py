@@ -237,10 +237,10 @@ FETCH_LOG_EVERY_S = 5.0
 
 def _progress_line(line: dict[str, Any]) -> tuple[int, int] | None:
     """(bytes held, bytes in all) of a remote fetcher's progress line; None for any other
-    line, or one whose figures are not two whole numbers 0 <= held <= total (the
+    line, or one whose figures are not two whole numbers 0 <= held <= total <= 2^53 (the
     instance's output is untrusted)."""
     done, total = line.get("done"), line.get("total")
-    if type(done) is not int or type(total) is not int or not 0 <= done <= total:
+    if type(done) is not int or type(total) is not int or not 0 <= done <= total <= 1 << 53:
         return None
     return done, total
 

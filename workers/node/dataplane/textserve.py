@@ -11,7 +11,7 @@ import socket
 import threading
 from collections.abc import Callable
 
-from mvp_core.edge_auth import ANSWER_REJECT, TEXT_READER_TOKEN
+from mvp_core.edge_auth import ANSWER_REJECT, ANSWER_RETRY, TEXT_READER_TOKEN
 
 from .endpoint import log
 from .handshake import answer, answer_ok
@@ -22,6 +22,8 @@ __all__ = ["TextHandler", "TextStreamGate"]
 # its prompt's key in its request.
 TextHandler = Callable[[socket.socket, str, bool], None]
 MAX_KEYED_READERS = 256  # keyed readers served at once (each holds a thread)
+MAX_KEYED_PER_PEER = 32  # ... from one address (the hello token is public: one peer
+# holding every slot would starve the rest)
 _READER = TEXT_READER_TOKEN.encode()
 
 
@@ -32,7 +34,7 @@ class TextStreamGate:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._served: tuple[bytes, TextHandler] | None = None
-        self._keyed = 0  # keyed readers being served
+        self._keyed: dict[str, int] = {}  # keyed readers being served, by peer address
 
     def serve(self, token: str, handler: TextHandler) -> None:
         if not token:
@@ -50,13 +52,17 @@ class TextStreamGate:
             answer(sock, ANSWER_REJECT, "this node serves no text stream")
             return False
         keyed = token == _READER
+        address = _address(peer)
         if keyed:
             with self._lock:
-                full = self._keyed >= MAX_KEYED_READERS
+                full = (
+                    sum(self._keyed.values()) >= MAX_KEYED_READERS
+                    or self._keyed.get(address, 0) >= MAX_KEYED_PER_PEER
+                )
                 if not full:
-                    self._keyed += 1
-            if full:
-                answer(sock, ANSWER_REJECT, "too many keyed readers: try again")
+                    self._keyed[address] = self._keyed.get(address, 0) + 1
+            if full:  # a busy node, not a refusal: the reader tries again a little later
+                answer(sock, ANSWER_RETRY, "too many keyed readers: try again")
                 return False
         elif not hmac.compare_digest(token, served[0]):
             log.warning("text stream: authentication failed: wrong token from %s", peer)
@@ -71,5 +77,15 @@ class TextStreamGate:
         finally:
             if keyed:
                 with self._lock:
-                    self._keyed -= 1
+                    left = self._keyed[address] - 1
+                    if left:
+                        self._keyed[address] = left
+                    else:
+                        del self._keyed[address]
         return False  # closed by the handshake's own clean-up
+
+
+def _address(peer: str) -> str:
+    """The host part of ``host:port`` (a peer's connections share its address)."""
+    host, sep, _ = peer.rpartition(":")
+    return host if sep else peer
