@@ -91,7 +91,8 @@ _PUMP_ERRORS: tuple[type[Exception], ...] = (*_DOCKER_ERRORS, OSError)
 
 
 def container_name(run_id: int, node_id: int, nonce: str) -> str:
-    """``mvp-orchestrator-<run_id>-<node_id>`` plus the execution's nonce (CONTRACTS)."""
+    """CONTRACTS' ``mvp-orchestrator-<run_id>-<node_id>`` plus the execution's nonce
+    (DECISIONS 82: a conflict adopts the container of this execution only)."""
     return f"mvp-orchestrator-{run_id}-{node_id}-{nonce[:8]}"
 
 

@@ -11,6 +11,14 @@ def test_no_payload_is_an_operator_shutdown():
     assert req.reason is ShutdownReason.OPERATOR_REQUESTED and req.run_id is None
     null = decode_one("request_shutdown", RequestShutdown, [None], missing_is_default=True)
     assert null == req
+    # The spec's reply_to is accepted and not used (DECISIONS 82); run_id may be absent.
+    spec_shaped = decode_one(
+        "request_shutdown",
+        RequestShutdown,
+        [{"reason": "host_requested", "reply_to": "orchestrator-7/replies"}],
+        missing_is_default=True,
+    )
+    assert spec_shaped.reason is ShutdownReason.HOST_REQUESTED and spec_shaped.run_id is None
 
 
 @pytest.mark.parametrize(

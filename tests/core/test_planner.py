@@ -77,6 +77,9 @@ def test_pipeline_edges_ids_and_object_specs():
     assert act.activation_dtype is ActivationDtype.FLOAT32
     assert (act.src_stage, act.dst_stage) == (0, 1)
     assert [e.activation_dtype for e in p.edges if e.kind is not EdgeKind.ACTIVATION] == [None] * 2
+    # Token-out carries one u32 token per record (DECISIONS 82): anything longer is
+    # refused at its header.
+    assert (p.edges[-1].max_extent, p.edges[-1].alignment) == (4, 4)
     ring = {r.edge_id: r for r in p.rings}
     assert ring[2].capacity == 40 + 256 * 576 * 4 and ring[2].alignment == 64
     assert ring[4].capacity == 40 + 256 * 4 and ring[4].alignment == 8
