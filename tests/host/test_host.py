@@ -462,16 +462,19 @@ def test_a_prompt_rpc_that_cannot_bind_exits_1_after_a_clean_teardown(
 def test_a_provider_stop_that_fails_exits_1_naming_the_node(
     tmp_path: Path, hosts: list[HostProcess]
 ):
-    """Process spec 10.13: a controlled shutdown succeeds only if the provider stop does;
-    the run ends RunStopFailed and the host exits 1 with the node and the error."""
+    """Process spec 10.13: a controlled shutdown (here the prompt RPC's shutdown control)
+    succeeds only if the provider stop does; the run ends RunStopFailed and the host
+    exits 1 with the node and the error."""
     faults = tmp_path / "faults.json"
     faults.write_text(json.dumps({"1": {"MVP_FAULT_PROVIDER_STOP": "1"}}))
     host = HostProcess(tmp_path, env={"MVP_TEST_FAULTS_FILE": str(faults)})
     hosts.append(host)
     host.wait_ready()
-    assert host.proc.stdin is not None
-    host.proc.stdin.write(b"stop\n")
-    host.proc.stdin.flush()
+    # Stopped through the prompt RPC's shutdown control, answered before the stop.
+    control = Client(host.port)
+    control.send({"control": "shutdown"})
+    assert control.event() == {"type": "shutdown_accepted"}
+    control.close()
     code = host.finish(120)
     assert code == 1, host.stderr
     lines = [line for line in host.stderr.splitlines() if line.startswith("mvp-orchestrator: ")]

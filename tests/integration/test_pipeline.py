@@ -9,6 +9,7 @@ import socket
 import struct
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -70,6 +71,24 @@ async def _shutdown(handle, run_id: int) -> RunOutcome:
     return RunOutcome.model_validate(await handle.result())
 
 
+async def _load_order(handle: Any) -> list[tuple[str, int]]:
+    """Each node's StageProvision scheduled and its WeightsReady received, in the run's
+    history order, by node id."""
+    import json as _json
+
+    order: list[tuple[str, int]] = []
+    async for e in handle.fetch_history_events():
+        sched = e.activity_task_scheduled_event_attributes
+        if sched.activity_type.name == names.ACT_NODE_PROVISION_STAGE:
+            body = _json.loads(sched.input.payloads[0].data)
+            order.append(("provision", int(body["node_id"])))
+        signaled = e.workflow_execution_signaled_event_attributes
+        if signaled.signal_name == names.SIGNAL_WEIGHTS_READY:
+            body = _json.loads(signaled.input.payloads[0].data)
+            order.append(("weights_ready", int(body["node_id"])))
+    return order
+
+
 async def test_two_stages_give_the_one_stage_text(runs: Runs):
     pipe = await runs.start(801, pipeline_stages=2)
     ref = await runs.start(802)
@@ -97,6 +116,14 @@ async def test_two_stages_give_the_one_stage_text(runs: Runs):
     assert _no_randomize(head) and _no_randomize(last)
     assert _code_at(head, "libtorch_cpu.so") == _code_at(last, "libtorch_cpu.so")
     assert not _no_randomize(node_pids(await snapshot(ref))[0])
+    # Weights load one stage after another, in stage order (actor spec 6.7): stage 1's
+    # StageProvision is scheduled only after stage 0's WeightsReady came.
+    assert await _load_order(pipe) == [
+        ("provision", 2),
+        ("weights_ready", 2),
+        ("provision", 3),
+        ("weights_ready", 3),
+    ]
     for i, text in enumerate([*EXACT_PROMPTS, *PROMPTS[:2]]):
         max_tokens = 48 if text in EXACT_PROMPTS else 32
         request = SubmitPrompt(request_id=i, prompt_text=text, max_tokens=max_tokens)
