@@ -22,6 +22,7 @@ from mvp_core.models import (
     NodeRuntimeReadyAck,
     PromptHead,
     PromptHost,
+    PromptTerminal,
     RecoverySettings,
     RunOutcome,
     RunOutcomeKind,
@@ -81,6 +82,8 @@ class RunState(BaseModel):
     first_fault: str | None = None
     # The phase the run was in at its first fault (a startup fault's failed phase).
     fault_phase: RunPhase | None = None
+    # A one-shot run's prompt, once it ended (actor spec 8): the outcome's one_shot.
+    one_shot: PromptTerminal | None = None
     first_stop_error: str | None = None
     provider_stop_error: str | None = None
     later_faults: list[str] = Field(default_factory=list)
@@ -218,6 +221,7 @@ class RunState(BaseModel):
             later_faults=list(self.later_faults),
             prompts_completed=self.prompts_completed,
             prompts_faulted=self.prompts_faulted,
+            one_shot=self.one_shot,
         )
 
     # ------------------------------------------------------------------ planning

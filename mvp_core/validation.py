@@ -102,6 +102,12 @@ def validate_request(request: RunRequest) -> None:
     _validate_provider_settings(request)
     for key in request.node_env:
         _validate_node_env_key(key)
+    shot = request.one_shot
+    if shot is not None:
+        if shot.messages is not None and not shot.chat:
+            raise RunRejectedError("one_shot.messages need one_shot.chat = true")
+        if not shot.prompt_text and not shot.messages:
+            raise RunRejectedError("one_shot.prompt_text must not be empty")
 
 
 def _validate_provider_settings(request: RunRequest) -> None:

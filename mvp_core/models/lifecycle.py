@@ -7,6 +7,7 @@ from enum import StrEnum
 from pydantic import Field
 
 from mvp_core.models._base import _Model
+from mvp_core.models.prompts import PromptTerminal
 
 
 class LifecycleKind(StrEnum):
@@ -78,4 +79,8 @@ class RunOutcome(_Model):
         "not a new outcome",
     )
     prompts_completed: int = 0
+    one_shot: PromptTerminal | None = Field(
+        default=None,
+        description="A one-shot run's prompt: its one terminal event (Done with the text)",
+    )
     prompts_faulted: int = 0

@@ -10,7 +10,7 @@ from pydantic import ConfigDict, Field, field_validator
 
 from mvp_core.errors import ErrorType
 from mvp_core.models._base import _DAY_S, _U32, _U64, _Model
-from mvp_core.models.run_request import NodeLossPolicy
+from mvp_core.models.policies import NodeLossPolicy
 from mvp_core.request_ids import request_id_problem
 
 
@@ -155,6 +155,7 @@ class ShutdownReason(StrEnum):
     HOST_REQUESTED = "host_requested"
     PROMPT_SESSION_CLOSED = "prompt_session_closed"
     FATAL_DEPENDENCY = "fatal_dependency"
+    ONE_SHOT_DONE = "one_shot_done"  # a one-shot run's prompt ended (actor spec 8)
 
 
 class RequestShutdown(_Model):

@@ -11,6 +11,8 @@ from pydantic import ConfigDict, Field, SerializerFunctionWrapHandler, model_ser
 from mvp_core.models._base import _DAY_S, _Model
 from mvp_core.models.engine_settings import ActivationDtype, EngineSettings
 from mvp_core.models.model_source import ModelSource
+from mvp_core.models.policies import NodeLossPolicy as NodeLossPolicy
+from mvp_core.models.prompts import SubmitPrompt
 from mvp_core.models.provider_settings import DockerSettings, ProviderKind, VastAiSettings
 
 
@@ -38,13 +40,6 @@ class PromptHost(StrEnum):
     # control plane's CPU per prompt; the text only from the head node (else the whole
     # text with the terminal event), a finished prompt kept by the run for re-attach.
     RUN = "run"
-
-
-class NodeLossPolicy(StrEnum):
-    """What a run does when a node is lost while it serves (DECISIONS 68)."""
-
-    FAIL = "fail"  # the specs' fail-stop: the run faults and tears down
-    REPLACE = "replace"  # a new node takes the lost one's layers; prompts continue
 
 
 class RecoverySettings(_Model):
@@ -171,6 +166,15 @@ class RunRequest(_Model):
     recovery: RecoverySettings = Field(default_factory=RecoverySettings)
     timeouts: RunTimeouts = Field(default_factory=RunTimeouts)
     engine: EngineSettings = Field(default_factory=EngineSettings)
+    one_shot: SubmitPrompt | None = Field(
+        default=None,
+        description=(
+            "A one-shot run (actor spec 8: the terminal prompt-serving policy): the run "
+            "serves this prompt once it is prompt-ready, then shuts itself down (reason "
+            "one_shot_done); its terminal event is the outcome's one_shot, so that "
+            "`temporal workflow execute` of such a run returns the text"
+        ),
+    )
     node_env: dict[str, str] = Field(
         default_factory=dict,
         description="Extra non-secret environment for node agents (secrets come from the worker's env)",
@@ -191,4 +195,11 @@ class RunRequest(_Model):
         return data
 
 
-_DROPPED_WHEN_NONE = ("run_id", "worker_image", "tokenizer", "default_max_tokens", "max_context")
+_DROPPED_WHEN_NONE = (
+    "run_id",
+    "worker_image",
+    "tokenizer",
+    "default_max_tokens",
+    "max_context",
+    "one_shot",
+)

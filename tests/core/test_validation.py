@@ -4,7 +4,14 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from mvp_core.models import DockerSettings, ModelSource, ProviderKind, RunRequest, VastAiSettings
+from mvp_core.models import (
+    DockerSettings,
+    ModelSource,
+    ProviderKind,
+    RunRequest,
+    SubmitPrompt,
+    VastAiSettings,
+)
 from mvp_core.validation import (
     RunRejectedError,
     describe_invalid,
@@ -138,6 +145,14 @@ def test_missing_run_id_is_rejected():
         ({"node_env": {"LD_PRELOAD": "/tmp/x.so"}}, "set by the provider"),
         ({"node_env": {"PYTHONPATH": "/tmp"}}, "set by the provider"),
         ({"node_env": {"PATH": "/tmp"}}, "set by the provider"),
+        (
+            {"one_shot": SubmitPrompt(request_id=1, prompt_text="")},
+            "^one_shot.prompt_text must not be empty$",
+        ),
+        (
+            {"one_shot": SubmitPrompt(request_id=1, prompt_text="x", messages=[])},
+            "^one_shot.messages need one_shot.chat = true$",
+        ),
     ],
 )
 def test_invalid_requests_are_rejected_naming_what_is_wrong(change, message):

@@ -19,6 +19,7 @@ from mvp_core.models import (
     TextDelta,
 )
 from temporal.client import PromptRejected, RunHandle
+from temporal.devserver import DevServer
 from tests.integration.conftest import Runs, snapshot, wait_closed, wait_phase, wait_state
 
 
@@ -190,3 +191,50 @@ async def test_prompts_are_rejected_before_prompt_ready(runs: Runs):
     assert rej.value.kind == "RunNotPromptReady"
     await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=402))
     await wait_closed(handle)
+
+
+async def test_a_one_shot_run_started_with_the_cli_returns_its_text_and_tears_down(
+    temporal_server: DevServer, runs: Runs
+):
+    """Actor spec 8, DECISIONS 83: `temporal workflow execute` of a run with `one_shot`
+    serves that prompt once prompt-ready, shuts itself down (reason one_shot_done), and
+    its result is the outcome with the prompt's Done: the text, on the command line."""
+    import json
+    from pathlib import Path
+
+    from tests.integration.conftest import REPO, node_processes
+    from tests.integration.test_cli_flow import cli
+
+    request = json.loads(Path(REPO / "docs/examples/run-direct.json").read_text())
+    request["one_shot"] = {
+        "request_id": 1,
+        "prompt_text": "The capital of France is",
+        "max_tokens": 16,
+    }
+    wf = names.run_workflow_id(9)
+    runs.handles.append(runs.client.get_workflow_handle(wf))
+    out = await asyncio.to_thread(
+        cli,
+        temporal_server,
+        "workflow",
+        "execute",
+        "--type",
+        "RunWorkflow",
+        "--task-queue",
+        names.ORCHESTRATOR_TASK_QUEUE,
+        "--workflow-id",
+        wf,
+        "--input",
+        json.dumps(request),
+        "-o",
+        "json",
+    )
+    printed = json.loads(out)
+    outcome = printed.get("result", printed)
+    assert outcome["outcome"] == "operator_stopped", outcome
+    done = outcome["one_shot"]
+    assert done["type"] == "done" and done["final_text"].startswith(" Paris."), done
+    kinds = [(r["kind"], r.get("detail")) for r in outcome["lifecycle"]]
+    assert ("RunOperatorStopped", "one_shot_done") in kinds and kinds[-1][0] == "RunTornDown"
+    assert outcome["prompts_completed"] == 1
+    assert node_processes(runs.orchestrator.state_dir) == []

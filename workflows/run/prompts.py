@@ -29,6 +29,7 @@ with workflow.unsafe.imports_passed_through():
         PromptStatus,
         PromptTerminal,
         ServedPrompt,
+        SubmitPrompt,
     )
     from mvp_core.run_records import NodeState, PromptRecord
     from workflows.prompt import PromptServing, PromptWorkflow
@@ -72,7 +73,7 @@ class Prompts:
         # Prompts admitted by ``admit_prompt`` and served on without their Update (DECISIONS
         # 77): the tasks serving them, their keys until they end, and the keys of the
         # latest that ended (``prompt_end`` says so until the run has counted them).
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[PromptTerminal | None]] = set()
         self._open: set[str] = set()
         self._closed: OrderedDict[str, None] = OrderedDict()
 
@@ -93,17 +94,26 @@ class Prompts:
         task.add_done_callback(self._tasks.discard)
         return admitted
 
+    async def one_shot(self, prompt: SubmitPrompt) -> PromptTerminal | None:
+        """A one-shot run's prompt (actor spec 8): admitted as ``admit_prompt`` admits
+        one (no Update), served in its turn, its end kept; its terminal event (None: a
+        defect past serving's guard, which faulted the run)."""
+        admitted, serving = self._admit([prompt.model_dump(mode="json")], awaited=False)
+        self._open.add(admitted.prompt_id)
+        return await self._serve_on(admitted, serving)
+
     async def _serve_on(
         self, admitted: PromptAdmitted, serving: Coroutine[Any, Any, PromptTerminal]
-    ) -> None:
+    ) -> PromptTerminal | None:
         self._ctx.busy_handlers += 1  # teardown drains it as it drains a prompt's Update
         try:
-            await serving
+            return await serving
         except Exception as err:  # a defect past serving's own guard: the run faults
             workflow.logger.warning("prompt %s: %s", admitted.prompt_id, type(err).__name__)
             self._on_run_fault(
                 f"prompt serving: prompt {admitted.prompt_id} failed ({type(err).__name__})"
             )
+            return None
         finally:
             self._ctx.busy_handlers -= 1
             self._open.discard(admitted.prompt_id)

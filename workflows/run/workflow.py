@@ -21,6 +21,7 @@ with workflow.unsafe.imports_passed_through():
     from mvp_core.models import (
         CancelPrompt,
         DatastreamAddress,
+        Fault,
         LifecycleKind,
         PromptAdmitted,
         PromptEnd,
@@ -31,6 +32,7 @@ with workflow.unsafe.imports_passed_through():
         RunRequest,
         ServedPrompt,
         ShutdownReason,
+        SubmitPrompt,
     )
     from mvp_core.run_state import RunState
     from mvp_core.validation import RunRejectedError, resolve_run_id, validate_request
@@ -80,6 +82,7 @@ class RunWorkflow:
         self._membership = Membership(ctx, on_loss=self._on_loss)
         self._startup = Startup(ctx, self._membership)
         self._prompts = Prompts(ctx, served, on_run_fault=self._suspicion.suspect)
+        self._one_shot: asyncio.Task[None] | None = None  # a one-shot run's prompt
         self._teardown = Teardown(ctx, self._membership, self._prompts)
         self._recovery = Recovery(
             ctx, self._startup, self._membership, self._prompts, self._teardown.stop_node
@@ -118,6 +121,10 @@ class RunWorkflow:
             if self._carry is None:
                 await plan(self._ctx, on_provider_queue=self._datastream.start)
                 await self._startup.run()
+                if self._request.one_shot is not None:
+                    self._one_shot = asyncio.create_task(
+                        self._serve_one_shot(self._request.one_shot)
+                    )
             else:
                 self._resume()
             end = await serve(self._ctx)
@@ -142,6 +149,22 @@ class RunWorkflow:
         await self._datastream.stop()  # after RunTornDown: it publishes it, then closes
         self._ctx.closing = True
         return self._end()
+
+    async def _serve_one_shot(self, prompt: SubmitPrompt) -> None:
+        """A one-shot run (actor spec 8, the terminal prompt-serving policy): its prompt
+        is served once the run is prompt-ready, then the run shuts itself down; the
+        prompt's terminal event is the outcome's ``one_shot``. A prompt the run would
+        refuse (the validator's reasons) ends as a Fault saying why."""
+        state = self._state
+        try:
+            admission.validate_prompt(self._request, state, [prompt.model_dump(mode="json")])
+        except ApplicationError as err:
+            state.one_shot = Fault(
+                request_id=prompt.request_id, error=f"one-shot prompt refused: {err.message}"
+            )
+        else:
+            state.one_shot = await self._prompts.one_shot(prompt)
+        state.request_shutdown(ShutdownReason.ONE_SHOT_DONE)
 
     def _resume(self) -> None:
         """After continue-as-new: leases, the watch and the datastream start again at once."""
