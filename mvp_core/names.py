@@ -87,6 +87,9 @@ WORKFLOW_TASK_TIMEOUT_S = 5
 STICKY_SCHEDULE_TO_START_S = 2
 # One query (or describe) of a run by a client: a run no worker has answers late.
 QUERY_TIMEOUT = timedelta(seconds=5)
+# An embedded orchestrator worker says it is ready on this inherited pipe (one line,
+# "ready"), not by a line its host would look for in its log.
+WORKER_READY_FD_ENV = "MVP_READY_FD"
 
 # Search attribute of a prompt workflow: done, cancelled or faulted.
 SEARCH_ATTRIBUTE_PROMPT = "MvpPromptStatus"

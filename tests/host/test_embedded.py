@@ -15,8 +15,8 @@ from workers.host.embedded import (
     DirLock,
     DirLockBusy,
     WorkerNotReady,
+    WorkerProcess,
     wait_worker_ready,
-    worker_said_ready,
 )
 from workers.stdio import SafeStream, safe
 
@@ -35,24 +35,45 @@ def test_a_directory_lock_is_one_holders_and_names_it(tmp_path: Path):
     second.release()
 
 
-async def test_the_worker_ready_wait_reads_past_the_offset_and_sees_an_exit(tmp_path: Path):
-    log = tmp_path / "orchestrator.log"
-    log.write_text("old run: mvp-orchestrator worker ready\n")
-    offset = log.stat().st_size
-    assert worker_said_ready(log) and not worker_said_ready(log, offset)
-    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
-    proc.wait()
-    with pytest.raises(WorkerNotReady, match="exited with 3"):
-        await wait_worker_ready(proc, log, offset=offset, timeout_s=30)
-    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+def _worker(code: str) -> WorkerProcess:
+    """A stand-in worker process that gets the ready pipe as the host's worker does; its
+    code sees the pipe's write end as ``w``."""
+    read_end, write_end = os.pipe()
+    proc = WorkerProcess([sys.executable, "-c", f"w = {write_end}\n{code}"], pass_fds=(write_end,))
+    os.close(write_end)
+    os.set_blocking(read_end, False)
+    proc.ready_fd = read_end
+    return proc
+
+
+async def test_the_worker_ready_wait_is_the_workers_own_line_on_its_pipe():
+    """Issue 38 item 6: the host knows its worker polls from the worker's line on a pipe
+    of its own, not from its log; an exit before it, a stop, a timeout each end the wait,
+    and the pipe is closed."""
+    ready = _worker("import os, time\ntime.sleep(0.2)\nos.write(w, b'ready\\n')\ntime.sleep(30)")
     try:
-        assert await wait_worker_ready(alive, log, offset=offset, stop=lambda: True) is False
-        with log.open("a") as f:
-            f.write("mvp-orchestrator worker ready: mvp-orchestrator\n")
-        assert await wait_worker_ready(alive, log, offset=offset, timeout_s=30) is True
+        assert await wait_worker_ready(ready, timeout_s=30) is True
+        assert ready.ready_fd is None
     finally:
-        alive.kill()
-        alive.wait()
+        ready.kill()
+        ready.wait()
+    exits = _worker("raise SystemExit(3)")
+    with pytest.raises(WorkerNotReady, match="exited with 3"):
+        await wait_worker_ready(exits, timeout_s=30)
+    # What it prints (its log) is no signal: only its pipe is.
+    talks = _worker(
+        "import time\nprint('mvp-orchestrator worker ready', flush=True)\ntime.sleep(30)"
+    )
+    try:
+        with pytest.raises(WorkerNotReady, match="did not start in 1 s"):
+            await wait_worker_ready(talks, timeout_s=1)
+        stopped = _worker("import time\ntime.sleep(30)")
+        assert await wait_worker_ready(stopped, timeout_s=30, stop=lambda: True) is False
+        stopped.kill()
+        stopped.wait()
+    finally:
+        talks.kill()
+        talks.wait()
 
 
 def test_a_safe_stream_drops_what_a_dead_pipe_cannot_take():
@@ -72,7 +93,6 @@ def test_a_safe_stream_drops_what_a_dead_pipe_cannot_take():
 
 async def test_process_exit_is_awaited_without_polling() -> None:
     """The host learns of its worker's exit from a pidfd, with its status."""
-    import subprocess
     import sys
 
     from workers.host.embedded import process_exit

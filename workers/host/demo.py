@@ -260,7 +260,11 @@ class Demo:
     # ------------------------------------------------------------------ processes
 
     def _start_worker(self, address: str) -> subprocess.Popen[bytes]:
-        return start_worker(address, self.state_dir, self.root / "orchestrator.log")
+        worker = start_worker(address, self.state_dir, self.root / "orchestrator.log")
+        if worker.ready_fd is not None:  # the demo waits on its run, not on this line
+            os.close(worker.ready_fd)
+            worker.ready_fd = None
+        return worker
 
     async def _stop_everything(self) -> None:
         """Run, then orchestrator worker, then dev server: the run's teardown needs both."""

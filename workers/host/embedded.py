@@ -20,6 +20,7 @@ from typing import Any
 from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 
+from mvp_core import names
 from mvp_core.errors import ErrorType
 from mvp_core.models import ProviderKind
 from mvp_core.names import parse_resource_name
@@ -84,33 +85,53 @@ def dev_server_ip(provider: ProviderKind) -> str:
     return "0.0.0.0" if provider is ProviderKind.DOCKER else "127.0.0.1"
 
 
+class WorkerProcess(subprocess.Popen[bytes]):
+    """The embedded orchestrator worker's process, and the read end of the pipe on which
+    it says it is ready (``MVP_READY_FD``)."""
+
+    ready_fd: int | None = None
+
+
 def start_worker(
     address: str, state_dir: Path, log_path: Path, extra_env: Mapping[str, str] | None = None
-) -> subprocess.Popen[bytes]:
+) -> WorkerProcess:
     """``python -m workers.orchestrator`` on the local dev server at ``address``, dying
     with this process, its output in ``log_path``. Its own process group: a terminal's
     Ctrl-C reaches the host alone, which stops the run while the worker can still run
     the run's teardown. It connects in plaintext to namespace default, whatever Temporal
-    settings (TLS, API key, profile) this process's environment holds."""
+    settings (TLS, API key, profile) this process's environment holds. It says it is
+    ready on a pipe of its own (``wait_worker_ready``)."""
+    read_end, write_end = os.pipe()
     env = {
         **local_server_env(address),
         "PYTHONUNBUFFERED": "1",
         # Node directories, the cwd of node processes, live in the host's state directory.
         "MVP_STATE_DIR": str(state_dir),
         **(extra_env or {}),
+        names.WORKER_READY_FD_ENV: str(write_end),
     }
     cmd = [sys.executable, "-m", "workers.orchestrator"]
     if sys.platform.startswith("linux"):
         cmd = [sys.executable, "-c", _EXEC_DYING_WITH_PARENT, str(os.getpid()), *cmd]
-    with open(log_path, "ab") as out:
-        return subprocess.Popen(
-            cmd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            process_group=0,
-        )
+    try:
+        with open(log_path, "ab") as out:
+            proc = WorkerProcess(
+                cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                process_group=0,
+                pass_fds=(write_end,),
+            )
+    except BaseException:
+        os.close(read_end)
+        raise
+    finally:
+        os.close(write_end)  # the worker's alone now: its exit is this pipe's end
+    os.set_blocking(read_end, False)
+    proc.ready_fd = read_end
+    return proc
 
 
 async def process_exit(proc: subprocess.Popen[bytes]) -> int:
@@ -205,7 +226,9 @@ def _read_record(fd: int) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-WORKER_READY_LINE = "worker ready"  # what workers.orchestrator logs once it polls
+# What workers.orchestrator also logs once it polls (for the harnesses that start it
+# themselves; the host waits on its pipe).
+WORKER_READY_LINE = "worker ready"
 
 
 class WorkerNotReady(Exception):
@@ -213,27 +236,41 @@ class WorkerNotReady(Exception):
 
 
 async def wait_worker_ready(
-    proc: subprocess.Popen[bytes],
-    log_path: Path,
+    proc: WorkerProcess,
     *,
-    offset: int = 0,
     timeout_s: float = 60.0,
     stop: Callable[[], bool] | None = None,
 ) -> bool:
-    """Wait until the worker ``proc`` logs that it is ready (in ``log_path``, past
-    ``offset``): True. False when ``stop()`` turned true first. Raises WorkerNotReady
-    when the worker exits or ``timeout_s`` passes."""
+    """Wait until the worker ``proc`` says on its pipe that it polls: True. False when
+    ``stop()`` turned true first. Raises WorkerNotReady when the worker exits (its pipe
+    ends without the line) or ``timeout_s`` passes. The pipe is closed either way."""
+    fd = proc.ready_fd
+    if fd is None:
+        raise WorkerNotReady("the orchestrator worker has no ready pipe")
     deadline = time.monotonic() + timeout_s
-    while True:
-        if await asyncio.to_thread(worker_said_ready, log_path, offset):
-            return True
-        if proc.poll() is not None:
-            raise WorkerNotReady(f"the orchestrator worker exited with {proc.returncode}")
-        if time.monotonic() > deadline:
-            raise WorkerNotReady(f"the orchestrator worker did not start in {timeout_s:.0f} s")
-        if stop is not None and stop():
-            return False
-        await asyncio.sleep(0.1)
+    said = b""
+    try:
+        while True:
+            try:
+                chunk: bytes | None = os.read(fd, 64)
+            except BlockingIOError:
+                chunk = None
+            if chunk is not None:
+                said += chunk
+                if b"ready\n" in said:
+                    return True
+                if chunk == b"":  # every writer gone: the worker exited first
+                    code = proc.wait(timeout=10) if proc.poll() is None else proc.returncode
+                    raise WorkerNotReady(f"the orchestrator worker exited with {code}")
+            if time.monotonic() > deadline:
+                raise WorkerNotReady(f"the orchestrator worker did not start in {timeout_s:.0f} s")
+            if stop is not None and stop():
+                return False
+            await asyncio.sleep(0.05)
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        proc.ready_fd = None
 
 
 def worker_said_ready(log_path: Path, offset: int = 0) -> bool:

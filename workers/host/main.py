@@ -277,15 +277,14 @@ class Host:
         except DevServerError as err:
             raise HostError(f"{err}; its log: {root / 'temporal.log'}") from None
         log = root / "orchestrator.log"
-        offset = log.stat().st_size if log.exists() else 0
-        self.worker = start_worker(
+        worker = start_worker(
             self.server.address, provider_state_dir(), log, vast_worker_env(self.cfg)
         )
+        self.worker = worker
         try:
-            # A stop ends the wait: _session sees it before it starts a run.
-            await wait_worker_ready(
-                self.worker, log, offset=offset, timeout_s=WORKER_READY_S, stop=self.stop.is_set
-            )
+            # A stop ends the wait: _session sees it before it starts a run. The worker
+            # says it polls on a pipe of its own, not in its log (issue 38 item 6).
+            await wait_worker_ready(worker, timeout_s=WORKER_READY_S, stop=self.stop.is_set)
         except WorkerNotReady:
             raise HostError(f"the orchestrator worker did not start; see {log}") from None
         self.temporal_address = self.server.address

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -104,6 +105,7 @@ async def run_worker(stop: asyncio.Event) -> None:
         f"mvp-orchestrator worker ready: {names.ORCHESTRATOR_TASK_QUEUE} + {host_queue}",
         flush=True,
     )
+    _say_ready()
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait([stopping, *running], return_when=asyncio.FIRST_COMPLETED)
     stopping.cancel()
@@ -157,3 +159,15 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _say_ready() -> None:
+    """Tell the host that started this worker that it polls (the pipe it handed over as
+    ``MVP_READY_FD``), then close it: the host waits on that line, or on its end."""
+    fd = os.environ.pop(names.WORKER_READY_FD_ENV, "")
+    if not fd.isdigit():
+        return
+    with contextlib.suppress(OSError):
+        os.write(int(fd), b"ready\n")
+    with contextlib.suppress(OSError):
+        os.close(int(fd))
