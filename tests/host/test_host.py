@@ -436,13 +436,16 @@ def test_a_prompt_rpc_that_cannot_bind_exits_1_after_a_clean_teardown(
 ):
     """Process spec: an RPC bind failure is a startup failure of the prompt_rpc phase:
     the run is torn down (nothing left), a prompt_rpc failed record is in the archive,
-    and the host exits 1 with one line naming the address."""
+    and the host exits 1 with one line naming the address. (And its native output is in
+    its datastream.)"""
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen(1)
     port = taken.getsockname()[1]
+    native = "native-write-0123"  # written by libc to fds 1 and 2, past Python's streams
+    env = {"MVP_TEST_HOST_NATIVE_WRITE": native}
     try:
-        host = HostProcess(tmp_path, port=port)
+        host = HostProcess(tmp_path, port=port, env=env)
         hosts.append(host)
         code = host.finish(240)
     finally:
@@ -457,6 +460,16 @@ def test_a_prompt_rpc_that_cannot_bind_exits_1_after_a_clean_teardown(
     kinds = [r["record"].get("kind") for r in records if r["record"].get("type") == "OrchLifecycle"]
     assert kinds[-1] == "RunTornDown", kinds
     assert READY_MARK not in host.stderr
+    # The host's own output is captured at the file descriptor (issue 38 item 6): native
+    # writes reach the datastream on their stream, and the terminal as before.
+    stdio = {
+        (r["record"]["line"]["stream"], r["record"]["line"]["line"])
+        for r in records
+        if r["frame"]["channel"].startswith("mvp.orch.stdio.")
+    }
+    assert ("Stdout", f"{native} on stdout") in stdio and ("Stderr", f"{native} on stderr") in stdio
+    assert f"{native} on stderr" in host.stderr
+    assert any(line.startswith("mvp-orchestrator: prompt RPC cannot bind") for _, line in stdio)
 
 
 def test_a_provider_stop_that_fails_exits_1_naming_the_node(

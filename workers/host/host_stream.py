@@ -7,14 +7,13 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 from pathlib import Path
-from typing import IO, Any
 
 from mvp_core.datastream import LogStream, Redactor, host_stream_id
 from mvp_core.host_config import HostConfig
 from mvp_io.datastream import Datastream, FrameArchive, LiveSubscribers, Sink
 from temporal.connect import TemporalConfigError, TemporalSettings
-from workers import stdio
 from workers.host.exits import HostError
 
 # Where a second process attaches to the live datastream (printed at start; ``--follow``
@@ -65,44 +64,89 @@ def open_datastream(
 
 class StdioCapture:
     """The host's own stdout/stderr lines also go to the datastream (spec 7.14); the
-    terminal still sees them."""
+    terminal still sees them. Captured at the file descriptor (issue 38 item 6): fds 1
+    and 2 become pipes that a thread each reads, copies to what they were (the terminal,
+    a file, a pipe) and splits into lines, so native code's writes (C libraries, the
+    Temporal SDK's core) and any child that shares them are in the datastream too, not
+    only Python's ``print``."""
 
     def __init__(self, stream: Datastream) -> None:
         self.stream = stream
-        self._orig = (sys.stdout, sys.stderr)
+        self._tees: list[_FdTee] = []
 
     def install(self) -> None:
-        # Behind SafeStreams: a terminal gone (a pipe nobody reads) never stops a shutdown.
-        sys.stdout = _Tee(stdio.safe(self._orig[0]), self.stream, LogStream.STDOUT)
-        sys.stderr = _Tee(stdio.safe(self._orig[1]), self.stream, LogStream.STDERR)
+        for fd, which in ((1, LogStream.STDOUT), (2, LogStream.STDERR)):
+            with contextlib.suppress(OSError, ValueError):
+                (sys.stdout if fd == 1 else sys.stderr).flush()
+            try:
+                tee = _FdTee(fd, self.stream, which)
+            except OSError:
+                continue  # no such fd (a daemon's closed stdio): nothing to capture
+            tee.start()
+            self._tees.append(tee)
 
     def remove(self) -> None:
-        for tee in (sys.stdout, sys.stderr):
-            if isinstance(tee, _Tee):
-                tee.flush_partial()
-        sys.stdout, sys.stderr = self._orig
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        for tee in self._tees:
+            tee.restore()
+        self._tees = []
 
 
-class _Tee:
-    def __init__(self, inner: IO[str], stream: Datastream, which: LogStream) -> None:
-        self._inner, self._stream, self._which = inner, stream, which
-        self._partial = ""
+MAX_LINE = 64 * 1024  # a longer run of bytes without a newline goes out as a line
 
-    def write(self, text: str) -> int:
-        self._inner.write(text)
-        lines = (self._partial + text).split("\n")
-        self._partial = lines.pop()
-        for line in lines:
-            self._stream.stdio_line(self._which, line)
-        return len(text)
 
-    def flush(self) -> None:
-        self._inner.flush()
+class _FdTee(threading.Thread):
+    """Fd ``fd`` made a pipe; its bytes copied to what the fd was, and its lines to the
+    datastream."""
 
-    def flush_partial(self) -> None:
-        if self._partial:
-            self._stream.stdio_line(self._which, self._partial)
-            self._partial = ""
+    def __init__(self, fd: int, stream: Datastream, which: LogStream) -> None:
+        super().__init__(name=f"stdio-capture-{fd}", daemon=True)
+        self._fd, self._stream, self._which = fd, stream, which
+        self._saved = os.dup(fd)
+        read_end, write_end = os.pipe()
+        os.dup2(write_end, fd)
+        os.close(write_end)
+        self._read_end = read_end
+        self._broken = False  # what the fd was is gone (a closed terminal): copy no more
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+    def run(self) -> None:
+        partial = b""
+        while True:
+            try:
+                data = os.read(self._read_end, 65536)
+            except OSError:
+                break
+            if not data:
+                break
+            self._copy(data)
+            lines = (partial + data).split(b"\n")
+            partial = lines.pop()
+            if len(partial) > MAX_LINE:
+                lines.append(partial)
+                partial = b""
+            for line in lines:
+                self._stream.stdio_line(self._which, line.decode(errors="replace"))
+        if partial:
+            self._stream.stdio_line(self._which, partial.decode(errors="replace"))
+
+    def _copy(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view and not self._broken:
+            try:
+                view = view[os.write(self._saved, view) :]
+            except OSError:
+                self._broken = True  # as SafeStream: a reader gone never stops the host
+
+    def restore(self) -> None:
+        """The fd is what it was again (the pipe's write end closes with it): the thread
+        reads to the pipe's end (bounded: a child that shares the fd keeps it open)."""
+        with contextlib.suppress(OSError):
+            os.dup2(self._saved, self._fd)
+        self.join(timeout=2.0)
+        if not self.is_alive():
+            with contextlib.suppress(OSError):
+                os.close(self._read_end)
+        with contextlib.suppress(OSError):
+            os.close(self._saved)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -660,6 +661,7 @@ def run(argv: list[str]) -> int:
         return 1
     capture = StdioCapture(stream)
     capture.install()
+    _native_write_for_tests()
     try:
         host = Host(cfg, stream, live.address)
         return asyncio.run(host.main())
@@ -668,6 +670,20 @@ def run(argv: list[str]) -> int:
         capture.remove()
         stream.close()
         lock.release()
+
+
+def _native_write_for_tests() -> None:
+    """Test harness only: ``MVP_TEST_HOST_NATIVE_WRITE``'s text written by libc's write(2)
+    to fds 1 and 2, past Python's streams, so that a test sees native output reach the
+    datastream (the host's environment allows ``MVP_TEST_`` variables only as the test
+    harness's)."""
+    text = os.environ.get("MVP_TEST_HOST_NATIVE_WRITE")
+    if not text:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    for fd, where in ((1, "stdout"), (2, "stderr")):
+        data = f"{text} on {where}\n".encode()
+        libc.write(fd, data, len(data))
 
 
 def main() -> None:
