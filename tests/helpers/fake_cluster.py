@@ -203,6 +203,7 @@ class FakeNode:
     @activity.defn(name=names.ACT_NODE_RUNTIME_READY_ACK)
     async def runtime_ready_ack(self, ack: NodeRuntimeReadyAck) -> NodeRuntimeReadyAck:
         self.cluster.calls.append(f"ack {ack.node_id}")
+        await self.cluster.wait_at("runtime_ready_ack")
         return ack
 
     @activity.defn(name=names.ACT_NODE_LEASE)

@@ -206,6 +206,26 @@ async def test_a_shutdown_while_a_startup_step_is_in_flight_stops_the_run(
     assert ("stop stage 0" in cluster.calls) is (step == "provision_stage")
 
 
+async def test_a_node_that_never_answers_the_ack_is_a_startup_fault_of_readiness(
+    env: WorkflowEnvironment, task_queue: str
+) -> None:
+    """Actor spec 9.2 (runtime-ready acknowledgement timeout): the ack is resent every
+    ack_resend_s until ack_s; a node that answers none of them faults the run in
+    readiness, naming the activity that timed out, and the started node is stopped."""
+    cluster = FakeCluster(env.client, task_queue)
+    release = cluster.hold("runtime_ready_ack")
+    async with cluster.serving():
+        handle = await cluster.start_run(125, timeouts={"ack_s": 4, "ack_resend_s": 1})
+        kind, message, outcome = await run_failure(handle)
+        release.set()
+    assert kind == "RunFaulted", kind
+    assert message.startswith("startup (readiness): "), message
+    assert "activity node.runtime_ready_ack timed out" in message, message
+    assert cluster.calls.count("ack 1") >= 2  # resent before it gave up
+    assert "provision stage 0" not in cluster.calls and "stop node 1" in cluster.calls
+    assert kinds(outcome)[-3:] == ["RunFaulted", *TEARDOWN]
+
+
 async def test_a_shutdown_during_readiness_stops_the_started_node(
     env: WorkflowEnvironment, task_queue: str
 ) -> None:

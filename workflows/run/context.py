@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import TimeoutError as TimeoutError_
 
 with workflow.unsafe.imports_passed_through():
     from mvp_core import names
@@ -97,6 +98,13 @@ def abandon(task: asyncio.Task[Any]) -> None:
 def describe(err: BaseException) -> str:
     """An error in words for a fault: an activity's cause, or the error's own message."""
     if isinstance(err, ActivityError):
+        inner: BaseException = err
+        while isinstance(inner, ActivityError) and inner.cause is not None:
+            inner = inner.cause
+        if isinstance(inner, TimeoutError_):
+            # "Timeout" alone names nothing (process spec 10: the operation that failed).
+            kind = inner.type.name.lower().replace("_", "-") if inner.type else "its"
+            return f"activity {err.activity_type} timed out ({kind} timeout)"
         return failure_cause(err)
     if isinstance(err, ApplicationError):
         return err.message
