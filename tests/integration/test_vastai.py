@@ -401,6 +401,27 @@ async def test_two_stage_run_on_two_rented_instances_serves_the_process_text(
         # Its progress, told to the start activity (its heartbeat details), logged whole.
         assert f"node {node.node_id} (stage {node.stage_index}) has " in log_text
 
+    # Each node's output reaches the run's datastream while the node runs (issue 38
+    # item 1): its streams followed over SSH into the node's directory, not at its stop.
+    address = await RunHandle(vast.client, run_id).datastream(wait_s=30)
+    assert address is not None
+    wanted = {n.node_id for n in state.nodes}
+
+    def nodes_heard() -> bool:
+        from mvp_core.datastream import decode_payload
+        from workers.host.follow import read_archive
+
+        heard = set()
+        for frame in read_archive(Path(address.archive)):
+            channel = frame["channel"]
+            if channel.startswith("mvp.provisioning.logs.node.") and channel.split(".")[-1] in (
+                "stdout",
+                "stderr",
+            ):
+                heard.add(int(decode_payload(frame)["line"]["node_id"]))
+        return heard >= wanted
+
+    await eventually(nodes_heard, timeout=60, what="every node's output, live")
     outcome = await shutdown(handle)
     assert outcome.outcome.value == "operator_stopped", outcome
     assert vast.standin.left_behind() == []

@@ -15,13 +15,12 @@ from typing import Any
 
 from activities.providers.base import node_environment
 from activities.providers.vastai import records
+from activities.providers.vastai.logpump import REMOTE_NODE_DIR, close_log_pump
 from activities.providers.vastai.records import InstanceRecord
 from activities.providers.vastai.ssh import SshFailed, mapped_port, ssh, ssh_ok
 from activities.providers.vastai.worker_env import server_url
 from mvp_core.models import NodeProvisionSpec, VastAiSettings
 from mvp_core.vastai_env import INSTANCE_ID_ENV, SERVER_URL_ENV
-
-REMOTE_NODE_DIR = "/var/lib/mvp/node"
 
 
 def bootstrap(
@@ -69,7 +68,7 @@ def bootstrap(
         f"cd {d} && "
         'if [ -f node.pid ] && kill -0 "$(cat node.pid)" 2>/dev/null; then exit 0; fi; '
         ". ./node.env && "
-        'nohup setsid sh -c "$MVP_BOOTSTRAP_COMMAND" > node.log 2>&1 < /dev/null & '
+        'nohup setsid sh -c "$MVP_BOOTSTRAP_COMMAND" > node.log 2> node.err < /dev/null & '
         "echo $! > node.pid"
     )
     ssh_ok(record, f"sh -c {shlex.quote(launch)}", "starting the node agent")
@@ -77,7 +76,8 @@ def bootstrap(
 
 
 def stop_node_agent(record: InstanceRecord, grace_s: float) -> None:
-    """Best effort, bounded: SIGTERM the node's session, wait, keep its log here."""
+    """Best effort, bounded: SIGTERM the node's session, wait, keep its log here: what
+    its followed streams hold (their sessions end now), else the log's last 2 MB."""
     d = shlex.quote(REMOTE_NODE_DIR)
     wait = max(int(grace_s * 10), 1)
     script = (
@@ -88,7 +88,8 @@ def stop_node_agent(record: InstanceRecord, grace_s: float) -> None:
     )
     with contextlib.suppress(SshFailed):
         done = ssh(record, f"sh -c {shlex.quote(script)}", timeout=grace_s + 20)
-        if done.returncode == 0:
+        followed = close_log_pump(record.label)
+        if done.returncode == 0 and not followed:
             node_dir = records.node_dir(record.label)
             node_dir.mkdir(parents=True, exist_ok=True)
             (node_dir / "node.log").write_bytes(done.stdout)

@@ -21,6 +21,11 @@ from activities.providers.base import (
 )
 from activities.providers.vastai import records
 from activities.providers.vastai.api import NOT_RUNNING, VastApi, VastApiError
+from activities.providers.vastai.logpump import (
+    close_log_pump,
+    ensure_log_pump,
+    keep_log_pump_up,
+)
 from activities.providers.vastai.node_agent import bootstrap, stop_node_agent
 from activities.providers.vastai.rental import InstanceUnusable, adopt, rent, wait_running
 from activities.providers.vastai.ssh import (
@@ -155,6 +160,7 @@ class VastAiProvider:
                 fetched = fetch_share_remote(record, share, token, phases, progress)
             temporal = temporal_for(record)
             bootstrap(record, spec, settings, row, temporal, phases)
+            ensure_log_pump(record)  # its output here as it comes, not at its stop
         except SshFailed as err:
             raise NodeStartFailed(f"vastai node {spec.node_id}: {err}") from None
         record.phases = phases
@@ -189,6 +195,7 @@ class VastAiProvider:
                 continue
             if record is not None:
                 keep_tunnel_up(handle.resource_name, record)
+                keep_log_pump_up(handle.resource_name, record)
             if now - self._last_poll.get(iid, 0.0) < _STATUS_POLL_S:
                 continue
             self._last_poll[iid] = now
@@ -223,6 +230,7 @@ class VastAiProvider:
         if record is not None and record.public_ip and record.ssh_port:
             stop_node_agent(record, grace_s)
         close_tunnel(label)
+        close_log_pump(label)
         errors = []
         for iid in sorted(ids):
             try:
