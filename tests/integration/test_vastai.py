@@ -63,6 +63,7 @@ from tests.integration.conftest import (
     Runs,
     harness_env,
     run_failure,
+    snapshot,
     wait_closed,
     wait_phase,
 )
@@ -519,6 +520,29 @@ async def test_every_failure_of_the_api_still_ends_in_a_served_run_with_nothing_
     sw.destroy_failures = 2  # retried within the stop
     assert (await shutdown(handle)).outcome.value == "operator_stopped"
     assert vast.standin.left_behind() == []
+
+
+async def test_one_node_failing_to_start_after_the_other_was_rented_destroys_both(vast: Vast):
+    """Issue 38 item 9: a 2-stage run whose starts run side by side; one node's instance
+    exits on start (its only offer), the other is rented and bootstrapped: the run faults
+    exactly once, in provisioning, and both instances are destroyed (no billing left)."""
+    vast.standin.switches.exit_on_start = 1
+    run_id = 3124
+    created = len(vast.standin.ledger())
+    handle = await vast.start(run_id, pipeline_stages=2, vastai=vast_settings(max_offers=1))
+    cause = await run_failure(handle)
+    assert cause.startswith("startup (provisioning): "), cause
+    assert "no usable instance after 1 offer(s)" in cause, cause
+    state = await snapshot(handle)
+    assert [r.kind.value for r in state.lifecycle].count("RunFaulted") == 1
+    mine = vast.standin.ledger()[created:]
+    assert len(mine) == 2, mine  # one that exited, one rented and started
+    assert [r.mode for r in mine].count("exit_on_start") == 1
+    assert all(r.destroyed_at is not None for r in mine), mine
+    assert vast.standin.left_behind() == []
+    rented = next(r for r in mine if r.mode == "normal")
+    assert rented.running_at is not None  # it ran, and is billed no longer
+    assert vast.standin.billed_seconds(rented.id) == rented.destroyed_at - rented.created_at
 
 
 async def test_offers_that_never_run_end_in_a_clean_run_fault(vast: Vast):
