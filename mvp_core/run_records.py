@@ -54,6 +54,8 @@ class NodeCondition(StrEnum):
     JOINED = "joined"  # the run acknowledged its runtime readiness
     LOADING = "loading"  # its stage was provisioned; weights or the stage not ready yet
     READY = "ready"  # weights loaded and stage ready
+    FAULTED = "faulted"  # its stage reported a fault (StageFault): it takes no new work
+    STOPPING = "stopping"  # StopRun was sent, its StageStopped not seen yet
     STAGE_STOPPED = "stage_stopped"  # StopRun answered
     STOPPED = "stopped"  # the provider stopped the node, or it ended after its stage
     EXITED = "exited"  # the node's process went away on its own, its stage not stopped
@@ -75,6 +77,8 @@ class NodeState(BaseModel):
     weights_ready: bool = False
     stage_ready: bool = False
     stage_stopped: bool = False
+    stage_faulted: bool = False  # a StageFault of this stage was taken (not an echo)
+    stop_sent: bool = False  # the run sent its StopRun
     exited: bool = False
     handle: NodeHandle | None = None
     start_attempted: bool = False
@@ -89,6 +93,10 @@ class NodeState(BaseModel):
             return NodeCondition.EXITED
         if self.stage_stopped:
             return NodeCondition.STAGE_STOPPED
+        if self.stop_sent:
+            return NodeCondition.STOPPING
+        if self.stage_faulted:
+            return NodeCondition.FAULTED
         if self.lease_lost:
             return NodeCondition.LOST
         if self.weights_ready and self.stage_ready:

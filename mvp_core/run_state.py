@@ -351,6 +351,7 @@ class RunState(BaseModel):
             # of the new pipeline, once it is wired, is one.)
             self.ignore("stage_fault", f"stage {report.stage_index}, during stage recovery")
             return False
+        node.stage_faulted = True
         self.suspect(f"{self.phase_word()}: stage {report.stage_index} fault: {report.reason}")
         return True
 

@@ -21,7 +21,7 @@ from mvp_core.models import (
     WeightsReady,
 )
 from mvp_core.planner import build_plan
-from mvp_core.run_records import NodeState, PromptRejection, prompt_limit
+from mvp_core.run_records import NodeCondition, NodeState, PromptRejection, prompt_limit
 from mvp_core.run_state import RunState
 
 RID = "abcd1234-1-0"
@@ -163,7 +163,16 @@ def test_stage_fault_report_faults_the_run_only_when_it_matches():
     assert not s.on_stage_fault(StageFault(run_id=7, stage_index=3, reason="x", readiness_id=RID))
     assert s.first_fault is None
     assert s.ignored[-1].kind == "stage_fault" and "stage 3" in s.ignored[-1].reason
+    assert s.nodes[0].condition() is not NodeCondition.FAULTED
     assert s.on_stage_fault(StageFault(run_id=7, stage_index=0, reason="oom", readiness_id=RID))
+    # The stage's own state says it (process spec: a faulted stage takes no new work)...
+    assert s.nodes[0].condition() is NodeCondition.FAULTED
+    # ... then stopping once its StopRun is sent, stage_stopped once answered.
+    s.nodes[0].stop_sent = True
+    assert s.nodes[0].condition() is NodeCondition.STOPPING
+    s.nodes[0].stage_stopped = True
+    assert s.nodes[0].condition() is NodeCondition.STAGE_STOPPED
+    s.nodes[0].stop_sent = s.nodes[0].stage_stopped = False
     # a survivor's report is suspected first: the grace may find the node that really died
     assert s.first_fault is None and "oom" in (s.suspected_fault or "")
     assert s.admission_rejection(1, 8) is PromptRejection.NOT_PROMPT_READY

@@ -79,6 +79,7 @@ class Teardown:
 
     async def _stop_stage(self, node: NodeState) -> None:
         state = self._ctx.state
+        node.stop_sent = True
         task = asyncio.ensure_future(
             calls.stop_stage(
                 StopRun(
