@@ -14,6 +14,7 @@ import os
 import shlex
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import psutil
@@ -36,19 +37,29 @@ def pump_file(label: str, local: str) -> Path:
     return records.node_dir(label) / f"logpump-{local}.json"
 
 
+RESTART_EVERY_S = 10.0  # a stream's dropped session is started again at most this often
+_restarted: dict[str, float] = {}  # label -> when its sessions were last (re)started
+
+
 def ensure_log_pump(record: InstanceRecord) -> None:
     """Follow each of the node's streams unless its recorded session runs (best effort:
-    a stream that cannot be followed is the node's log at its stop, as before)."""
+    a stream that cannot be followed is the node's log at its stop, as before). A session
+    started again goes on from the bytes this host has (the instance's files only grow),
+    so a drop loses nothing and repeats nothing, and an instance that is gone leaves
+    what was followed."""
     node_dir = records.node_dir(record.label)
     node_dir.mkdir(parents=True, exist_ok=True)
+    _restarted[record.label] = time.monotonic()
     for local, remote in STREAMS:
         record_file = pump_file(record.label, local)
         if recorded_alive(record_file) is not None:
             continue
+        target = node_dir / local
+        have = target.stat().st_size if target.exists() and record_file.exists() else 0
         path = shlex.quote(f"{REMOTE_NODE_DIR}/{remote}")
-        cmd = [*ssh_base(record), f"exec tail -c +1 -F {path} 2>/dev/null"]
+        cmd = [*ssh_base(record), f"exec tail -c +{have + 1} -F {path} 2>/dev/null"]
         try:
-            with open(node_dir / local, "wb") as out:  # from the start, as the first time
+            with open(target, "ab" if have else "wb") as out:
                 proc = subprocess.Popen(
                     cmd,
                     stdin=subprocess.DEVNULL,
@@ -62,7 +73,10 @@ def ensure_log_pump(record: InstanceRecord) -> None:
 
 
 def keep_log_pump_up(label: str, record: InstanceRecord) -> None:
-    """Restart a stream's session that dropped, for a node whose streams are followed."""
+    """Restart a stream's session that dropped, for a node whose streams are followed
+    (at most every RESTART_EVERY_S: an instance that is gone is not dialled each poll)."""
+    if time.monotonic() - _restarted.get(label, 0.0) < RESTART_EVERY_S:
+        return
     if any(pump_file(label, local).exists() for local, _ in STREAMS):
         ensure_log_pump(record)
 
@@ -80,4 +94,5 @@ def close_log_pump(label: str) -> bool:
                 os.killpg(session.pid, signal.SIGTERM)
         with contextlib.suppress(FileNotFoundError):
             record_file.unlink()
+    _restarted.pop(label, None)
     return had
