@@ -127,9 +127,15 @@ class _FdTee(threading.Thread):
                 lines.append(partial)
                 partial = b""
             for line in lines:
-                self._stream.stdio_line(self._which, line.decode(errors="replace"))
+                self._publish(line)
         if partial:
-            self._stream.stdio_line(self._which, partial.decode(errors="replace"))
+            self._publish(partial)
+
+    def _publish(self, line: bytes) -> None:
+        # Never raises: this thread dying would leave the fd a pipe nobody reads, and the
+        # host's next writes blocked on it.
+        with contextlib.suppress(Exception):
+            self._stream.stdio_line(self._which, line.decode(errors="replace"))
 
     def _copy(self, data: bytes) -> None:
         view = memoryview(data)
