@@ -129,6 +129,13 @@ def _validate_provider_settings(request: RunRequest) -> None:
                 "worker_image is a docker provider setting; a vastai run names its image in "
                 "vastai.image"
             )
+    if request.provider is ProviderKind.PROCESS and request.worker_image is not None:
+        # A process node is this installation's node agent (DECISIONS 47): an image it
+        # would ignore is refused, not dropped (issue 38 item 8).
+        raise RunRejectedError(
+            "worker_image is a docker provider setting; a process node runs this "
+            "installation's node agent (python -m workers.node)"
+        )
     if request.worker_image is not None and not _IMAGE_REF.fullmatch(request.worker_image):
         raise RunRejectedError(
             "invalid worker_image: not an image reference ([registry/]name[:tag][@digest])"

@@ -114,7 +114,7 @@ def test_missing_run_id_is_rejected():
             },
             "worker_image is a docker provider setting",
         ),
-        ({"worker_image": "bad image!"}, "invalid worker_image"),
+        ({"provider": ProviderKind.DOCKER, "worker_image": "bad image!"}, "invalid worker_image"),
         (
             {"provider": ProviderKind.DOCKER, "docker": DockerSettings(gpus="0;rm")},
             "invalid docker.gpus",
@@ -145,6 +145,10 @@ def test_missing_run_id_is_rejected():
         ({"node_env": {"LD_PRELOAD": "/tmp/x.so"}}, "set by the provider"),
         ({"node_env": {"PYTHONPATH": "/tmp"}}, "set by the provider"),
         ({"node_env": {"PATH": "/tmp"}}, "set by the provider"),
+        (
+            {"worker_image": "mvp-orchestrator-node:1"},
+            "^worker_image is a docker provider setting; a process node runs",
+        ),
         (
             {"one_shot": SubmitPrompt(request_id=1, prompt_text="")},
             "^one_shot.prompt_text must not be empty$",

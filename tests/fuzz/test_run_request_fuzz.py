@@ -94,6 +94,14 @@ def _sub(key: str, value: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str,
     return value.map(lambda v: {key: v})
 
 
+def _image_goes_with_docker(run: dict[str, Any]) -> dict[str, Any]:
+    """A worker image is a Docker run's (a process run refuses one): a valid request that
+    names one runs on Docker."""
+    if run.get("worker_image") is not None:
+        return {**run, "provider": "docker"}
+    return run
+
+
 # A valid RunRequest whose every string is a marker.
 _valid_source = st.one_of(
     _marker.map(lambda m: {"bundled": m}),
@@ -129,7 +137,7 @@ _valid_run = st.fixed_dictionaries(
         ),
         "node_env": st.dictionaries(st.sampled_from(["VAR_A", "LOG_LEVEL", "HF_HOME"]), _marker),
     },
-)
+).map(_image_goes_with_docker)
 
 # field -> (level, expected fragment of the message, strategy of the wrong value).
 # "parse": pydantic rejects it (the message names the path); "validate": it parses and
