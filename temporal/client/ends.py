@@ -135,11 +135,6 @@ class PromptEnds(RunLifecycle):
             if not hint.streaming:
                 pause = min(pause * 1.5, END_POLL_S[1])
 
-    @property
-    def end_queries(self) -> int:
-        """How many ``prompt_ends`` queries this handle has sent (figures, tests)."""
-        return 0 if self._end_board is None else self._end_board.queries
-
     async def _ask_end(self, prompt_id: str) -> PromptEnd | None:
         """What the run says of ``prompt_id`` (with every other prompt this handle waits
         on: one ``prompt_ends`` query). PromptNotFound: no such run; PromptUnavailable:
