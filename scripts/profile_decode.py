@@ -126,6 +126,14 @@ def main() -> None:
                 if session.position >= 500:
                     break
             step_s = statistics.median(steps)
+            native.profile(True)
+            n_prof = 0
+            for _ in range(args.reps):
+                if session.position >= 500:
+                    break
+                step()
+                n_prof += 1
+            phases = {k: v / max(n_prof, 1) for k, v in native.profile(False).items()}
             by_kind: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
             for path, lin in prods.items():
                 x = torch.randn(1, lin.in_features)
@@ -147,6 +155,28 @@ def main() -> None:
                 f"  {'all products':28} {len(prods):5d} {total * 1e3:8.2f} {whole / 1e6:8.1f} "
                 f"{whole / total / 1e9:6.1f}; the step reads {whole / step_s / 1e9:.1f} GB/s"
             )
+            if phases:
+                print_phases(phases, by_kind, step_s)
+
+
+def print_phases(phases: dict[str, float], by_kind: dict[str, list[float]], step_s: float) -> None:
+    """Inside the step (qmm.c's per-phase counters over the same decode steps): each of
+    the layers' phases per step, with its weights' read rate where it is a product."""
+    weights = {k.split(".")[-1]: b for k, (_, b, _) in by_kind.items() if k.startswith("layers.")}
+    print("  inside the step (qmm.c counters, per step):")
+    print(f"  {'phase':28} {'ms':>8} {'share':>6} {'GB/s':>6}")
+    for name in ("qkv", "attention", "wo", "gate_up", "activation", "down", "prep"):
+        s = phases.get(name, 0.0)
+        b = weights.get(name)
+        rate = f"{b / s / 1e9:6.1f}" if b and s > 0 else f"{'':6}"
+        note = " (inside the products above)" if name == "prep" else ""
+        print(f"  {name:28} {s * 1e3:8.2f} {s / step_s:6.0%} {rate}{note}")
+    layers = phases.get("layers", 0.0)
+    print(f"  {'layers (one C call)':28} {layers * 1e3:8.2f} {layers / step_s:6.0%}")
+    print(
+        f"  {'outside the layers':28} {(step_s - layers) * 1e3:8.2f} "
+        f"{(step_s - layers) / step_s:6.0%} (embedding, the head, Python)"
+    )
 
 
 if __name__ == "__main__":

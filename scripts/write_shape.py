@@ -59,7 +59,12 @@ SHAPES = {
 }
 
 # (elements per block, bytes per block, byte offsets of float16 scales in a block)
-BLOCKS = {QT.Q4_0: (32, 18, (0,)), QT.Q4_K: (256, 144, (0, 2)), QT.Q6_K: (256, 210, (208,))}
+BLOCKS = {
+    QT.Q4_0: (32, 18, (0,)),
+    QT.Q8_0: (32, 34, (0,)),
+    QT.Q4_K: (256, 144, (0, 2)),
+    QT.Q6_K: (256, 210, (208,)),
+}
 
 
 def use_more_bits(i: int, n: int) -> bool:
@@ -73,6 +78,8 @@ def plan(s: Shape, quant: str) -> list[tuple[str, tuple[int, int] | tuple[int], 
     def q(name: str, layer: int = -1) -> QT:
         if quant == "q4_0":
             return QT.Q4_0
+        if quant == "q8_0":
+            return QT.Q8_0
         if name == "output.weight":
             return QT.Q6_K
         if name in ("attn_v.weight", "ffn_down.weight") and use_more_bits(layer, s.layers):
@@ -167,7 +174,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("shape", choices=sorted(SHAPES))
     ap.add_argument("out", type=Path)
-    ap.add_argument("--quant", choices=["q4_0", "q4_k_m"], default="q4_k_m")
+    ap.add_argument("--quant", choices=["q4_0", "q8_0", "q4_k_m"], default="q4_k_m")
     ap.add_argument("--split", type=int, default=1, help="write N gguf-split parts")
     args = ap.parse_args()
     write(SHAPES[args.shape], args.shape, args.out, args.quant)

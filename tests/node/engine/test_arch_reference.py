@@ -111,6 +111,50 @@ def test_engine_computes_llamacpps_logits(
         assert ours == theirs or margin <= NEAR_TIE, f"{case} step {i}: margin {margin}"
 
 
+# Issue 36: thread counts and prefetch distances that must leave every bit as it is.
+_RUNS = [(1, None), (5, 0), (3, 1 << 16)]  # (threads, prefetch bytes; None: the default)
+
+
+def _exact_cases() -> list[str]:
+    return [c for c in case_names() if spec_of(c).qtype in EXACT]
+
+
+@pytest.mark.parametrize("case", _exact_cases())
+def test_any_thread_count_and_prefetch_distance_keep_llamacpps_logits(
+    tmp_path: Path, case: str, record: tuple[dict[str, Any], Any]
+) -> None:
+    """Every exact file at 1 thread, at a forced 5 (more than this machine's cores) without
+    prefetching and at 3 prefetching 64 KiB ahead: the prompt and four steps are llama.cpp's
+    recorded logits bit for bit (each row's sum is one thread's, in one order; a prefetch
+    moves no data)."""
+    meta, arrays = record
+    lib = native.library()
+    assert lib is not None, native.why_not()
+    model = write_case(case, tmp_path)
+    spec = spec_of(case)
+    tokens = meta["cases"][case]["tokens"][:4]
+    default = lib.mvk_set_prefetch(-1)
+    try:
+        for threads, distance in _RUNS:
+            assert lib.mvk_set_prefetch(default if distance is None else distance) == (
+                default if distance is None else distance
+            )
+            stage = load_stage(
+                model.path, 0, spec.n_layers, EngineOptions(device="cpu", threads=threads)
+            )
+            try:
+                assert native.threads() == threads
+                session = stage.new_session(CONTEXT)
+                rows = [session.forward_tokens(PROMPT).numpy()]
+                rows += [session.forward_tokens([t]).numpy() for t in tokens]
+            finally:
+                stage.close()
+            want = arrays[case][: len(rows)]
+            assert np.array_equal(np.stack(rows), want), (case, threads, distance)
+    finally:
+        lib.mvk_set_prefetch(default)
+
+
 def test_a_stage_split_gives_the_same_logits(
     tmp_path: Path, record: tuple[dict[str, Any], Any]
 ) -> None:

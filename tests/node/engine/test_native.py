@@ -289,6 +289,26 @@ def test_a_stage_runs_the_thread_count_it_was_loaded_with_in_both_directions() -
     assert all(torch.equal(v, logits[1]) for v in logits.values())
 
 
+def test_the_layers_profile_counts_only_while_on() -> None:
+    """scripts/profile_decode.py's per-phase figures (qmm.c mvk_profile): while on, a step
+    adds to every phase of the layers, the phases within the whole; off, nothing moves."""
+    with native_stage(str(SMOLLM), 30, threads=1) as stage:
+        session = stage.new_session(32)
+        session.forward_tokens(ONCE_UPON_A_TIME)
+        native.profile(True)
+        session.forward_tokens([42])
+        on = native.profile(False)
+        session.forward_tokens([43])
+        off = native.profile(False)
+        session.close()
+    assert set(on) == set(native.PROFILE_PHASES)
+    products = ("qkv", "attention", "wo", "gate_up", "activation", "down")
+    assert all(on[p] > 0 for p in (*products, "prep", "layers")), on
+    assert sum(on[p] for p in products) <= on["layers"]
+    assert on["prep"] < sum(on[p] for p in ("qkv", "wo", "gate_up", "down"))
+    assert all(v == 0 for v in off.values()), off
+
+
 def test_fused_parts_with_different_zero_codes_keep_mins(lib: ctypes.CDLL) -> None:
     """Gemma's q|k|v fuses Q5_0 (zero 16) with Q8_0 (zero 128): one layout with mins."""
     a = _case((64, 640, 5, 32, 16, native.Q8_0_ACT, True), seed=7)

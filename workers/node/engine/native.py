@@ -179,6 +179,10 @@ def load(path: Path) -> ctypes.CDLL:
     lib.mvk_threads.restype = _C
     lib.mvk_last_ran.argtypes = []
     lib.mvk_last_ran.restype = _C
+    lib.mvk_set_prefetch.argtypes = [_C]
+    lib.mvk_set_prefetch.restype = _C
+    lib.mvk_profile.argtypes = [_C, _P]
+    lib.mvk_profile.restype = _C
     lib.mvk_simd.argtypes = []
     lib.mvk_simd.restype = _C
     lib.mvk_rope_cache.argtypes = [ctypes.c_float, ctypes.c_float, _P, _I, _I, _I, _P, _P]
@@ -287,6 +291,21 @@ def last_ran() -> int:
     """How many threads ran a part of the kernel's last product (the caller's included)."""
     lib = library()
     return 0 if lib is None else int(lib.mvk_last_ran())
+
+
+PROFILE_PHASES = ("qkv", "attention", "wo", "gate_up", "activation", "down", "prep", "layers")
+
+
+def profile(on: bool) -> dict[str, float]:
+    """The layers' time by phase in seconds since the last call (qmm.c mvk_profile: each
+    product's bracket includes its activations' preparation, which ``prep`` also counts;
+    ``layers`` is the whole of mvk_layers), and counting switched on or off from now."""
+    lib = library()
+    if lib is None:
+        return {}
+    out = (ctypes.c_int64 * len(PROFILE_PHASES))()
+    n = int(lib.mvk_profile(int(on), ctypes.addressof(out)))
+    return {name: out[i] / 1e9 for i, name in enumerate(PROFILE_PHASES[:n])}
 
 
 def usable_cores() -> int:

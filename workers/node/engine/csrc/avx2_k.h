@@ -41,6 +41,7 @@ static void rows8_avx2_k(const mvk_job *j, int64_t n, int64_t t0, int tt) {
                     const __m256i sc = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(s8));
                     const __m256i mn = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(m8));
                     const int8_t *q = qx + 32 * sb;
+                    if (t == 0) prefetch_ahead(wg + sb * 256 - 32 * h, 256);
                     __m256i e = _mm256_setzero_si256();
                     for (int c = 0; c < 4; c++) {
                         const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + sb * 256 + 64 * c));
@@ -80,6 +81,7 @@ static void rows8_avx2_k(const mvk_job *j, int64_t n, int64_t t0, int tt) {
                 for (int p = 0; p < 8; p++) {
                     const uint8_t *w = wg + (8 * b + p) * 384;
                     const int8_t *q = qx + 256 * b + 32 * p;
+                    if (t == 0) prefetch_ahead(w - 32 * h, 384);
                     for (int l = 0; l < 8; l++) {
                         const __m256i lo4 = _mm256_loadu_si256((const __m256i *)(w + 64 * (l / 2)));
                         const __m256i hi2 = _mm256_loadu_si256((const __m256i *)(w + 256 + 64 * (l / 4)));

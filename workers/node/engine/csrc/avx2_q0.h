@@ -104,6 +104,7 @@ static void rows8_avx2_q0(const mvk_job *j, int64_t n, int64_t t0, int tt) {
                                            _mm256_set1_ps(de[g * 8]));
             if (!j->nibble) {
                 const uint8_t *b = j->codes + at * (j->bits5 ? 320 : 512) + 32 * h;
+                if (t == 0) prefetch_ahead(b - 32 * h, j->bits5 ? 320 : 512);
                 for (int l = 0; l < 8; l++) {
                     __m256i c;
                     if (j->bits5) { /* 5 bits a code (see unpack5) */
@@ -125,6 +126,7 @@ static void rows8_avx2_q0(const mvk_job *j, int64_t n, int64_t t0, int tt) {
                 continue;
             }
             const uint8_t *b = j->codes + at * 256 + 32 * h;
+            if (t == 0) prefetch_ahead(b - 32 * h, 256);
             for (int p = 0; p < 4; p++) {
                 __m256i x0, x1, i0, i1;
                 nibble_dots_avx2(b, q + g * 32, p, &x0, &x1, &i0, &i1);

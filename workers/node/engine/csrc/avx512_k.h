@@ -32,6 +32,7 @@ static inline __attribute__((always_inline)) void q4k_tile(const mvk_job *j, int
                 _mm_loadu_si128((const __m128i *)((const uint8_t *)j->ksc + (G * ns + sb) * 16)));
             const __m512i mn = _mm512_cvtepu8_epi32(
                 _mm_loadu_si128((const __m128i *)(j->kmin + (G * ns + sb) * 16)));
+            prefetch_ahead(wg + sb * 256, 256);
             __m512i w[8];
             _Pragma("GCC unroll 8") for (int c = 0; c < 4; c++) {
                 const __m512i v = _mm512_loadu_si512(wg + sb * 256 + 64 * c);
@@ -132,6 +133,7 @@ static inline __attribute__((always_inline)) void q6k_tile(const mvk_job *j, int
         for (int l = 0; l < 8; l++) lane[l] = _mm512_setzero_si512();
         const int8_t *q = j->qx + t0 * kp + 256 * b;
         for (int p = 0; p < 8; p++) {
+            prefetch_ahead(wg + (8 * b + p) * Q6K_PIECE, Q6K_PIECE);
             __m512i s2[2];
             for (int h = 0; h < 2; h++) {
                 const __m512i s = _mm512_cvtepi8_epi32(
@@ -166,6 +168,7 @@ static inline void q5k_piece(const mvk_job *j, int64_t G, int64_t sb, const uint
     const int64_t at = (G * (j->kp / 32) + sb) * 16;
     *sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)j->ksc + at)));
     *mn = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(j->kmin + at)));
+    prefetch_ahead(wg + sb * (j->bits5 ? Q5_PIECE : 512), j->bits5 ? Q5_PIECE : 512);
     if (j->bits5)
         unpack5(wg + sb * Q5_PIECE, w, 0, 8);
     else

@@ -76,6 +76,7 @@ static inline __attribute__((always_inline)) void q0_tile(const mvk_job *j, int6
         _Pragma("GCC unroll 8") for (int t = 0; t < T; t++)
             _Pragma("GCC unroll 8") for (int l = 0; l < LP; l++) acc[t][l] = _mm512_setzero_ps();
         for (int64_t b = 0; b < ns; b++) {
+            if (p == 0) prefetch_ahead(wg + b * piece, (int)piece);
             const __m512 sc = scales16(j->scale, sbase + 16 * b, 0xffff, f32);
             __m512 dd[Q0_MAXT];
             _Pragma("GCC unroll 8") for (int t = 0; t < T; t++)
@@ -135,6 +136,7 @@ static inline __attribute__((always_inline)) void q0r_tile(const mvk_job *j, int
     __m512 acc[Q0_MAXT];
     _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < ns; b++) {
+        prefetch_ahead(wg + b * (nib ? 256 : 512), nib ? 256 : 512);
         const __m512 sc = scales16(j->scale, sbase + 16 * b, 0xffff, f32);
         __m512i w[8];
         if (nib) {

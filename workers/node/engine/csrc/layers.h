@@ -102,13 +102,17 @@ int mvk_layers_batch(const mvk_dims *d, const mvk_layer *layers, int64_t n_layer
     uint8_t *rowk = (uint8_t *)(dec + n_segs);
     for (int64_t s = 0; s < n_segs; s++)
         for (int64_t r = 0; r < segs[s].t; r++) rowk[segs[s].row0 + r] = seg_kind(r, segs[s].t);
+    const int64_t l0 = PROF_START();
     for (int64_t i = 0; i < n_layers; i++) {
         const mvk_layer *L = layers + i;
         if (L->round_scale > 0.0f) {
             const float inv = 1.0f / L->round_scale;
             for (int64_t e = 0; e < t * hid; e++) h[e] = f16r(h[e] * L->round_scale) * inv;
         }
+        int64_t p0 = PROF_START();
         if (mvk_linear_rows(L->qkv, h, t, hid, hid, qkv, L->qkv_bias, 0, rowk) != 0) return -1;
+        PROF_ADD(PROF_QKV, p0);
+        p0 = PROF_START();
         for (int64_t r = 0; r < t; r++) {
             const float *src = qkv + r * ld;
             float *dst = qk + r * (qd + kvd);
@@ -156,6 +160,8 @@ int mvk_layers_batch(const mvk_dims *d, const mvk_layer *layers, int64_t n_layer
             mvk_attention(dec[0].q, 1, nh, hd, dec[0].kc, dec[0].vc, nkv, dec[0].max_seq,
                           dec[0].pos, L->window, L->kq_scale, dec[0].out, scr);
         }
+        PROF_ADD(PROF_ATTN, p0);
+        p0 = PROF_START();
         if (L->post_attn) {
             if (mvk_linear_rows(L->wo, att, t, qd, qd, y, NULL, 0, rowk) != 0) return -1;
             rms_norm(y, t, hid, hid, L->post_attn, d->eps, y);
@@ -163,13 +169,19 @@ int mvk_layers_batch(const mvk_dims *d, const mvk_layer *layers, int64_t n_layer
         } else if (mvk_linear_rows(L->wo, att, t, qd, qd, h, h, hid, rowk) != 0) {
             return -1;
         }
+        PROF_ADD(PROF_WO, p0);
         if (L->out_last)
             for (int64_t s = 0; s < n_segs; s++) rowk[segs[s].row0 + segs[s].t - 1] = 0;
+        p0 = PROF_START();
         if (mvk_linear_rows(L->gate_up, h, t, hid, hid, gu, NULL, 0, rowk) != 0) return -1;
+        PROF_ADD(PROF_GATE_UP, p0);
+        p0 = PROF_START();
         if (L->geglu)
             mvk_geglu(gu, t, ffn, 2 * ffn, act);
         else if (mvk_swiglu(gu, t, ffn, 2 * ffn, act) != 0)
             return -2;
+        PROF_ADD(PROF_ACT, p0);
+        p0 = PROF_START();
         if (L->post_ffn) {
             if (mvk_linear_rows(L->down, act, t, ffn, ffn, y, NULL, 0, rowk) != 0) return -1;
             rms_norm(y, t, hid, hid, L->post_ffn, d->eps, y);
@@ -177,7 +189,9 @@ int mvk_layers_batch(const mvk_dims *d, const mvk_layer *layers, int64_t n_layer
         } else if (mvk_linear_rows(L->down, act, t, ffn, ffn, h, h, hid, rowk) != 0) {
             return -1;
         }
+        PROF_ADD(PROF_DOWN, p0);
     }
+    PROF_ADD(PROF_LAYERS, l0);
     return 0;
 }
 

@@ -105,10 +105,12 @@ static int linear_part(const mvk_weights *w, const float *x, int64_t t_rows, int
     if (q0) c.nq = (int8_t *)((past + 63) & ~(uintptr_t)63);
     if (nz) c.corr = (int32_t *)(((uintptr_t)(c.nq + t_rows * kp) + 63) & ~(uintptr_t)63);
     if (kq) c.qs16 = (int32_t *)((past + 63) & ~(uintptr_t)63);
+    const int64_t p0 = PROF_START();
     if (t_rows >= 16) /* a prompt's rows over the pool, 8 at a time */
         dispatch_task(prep_task, &c, (t_rows + 7) / 8);
     else
         prep_rows(&c, 0, t_rows);
+    PROF_ADD(PROF_PREP, p0);
     int8_t *nq = c.nq;
     int32_t *corr = c.corr, *qs16 = c.qs16;
     mvk_job j = {qx, dxe, s16, s32, t_rows, kp, w->codes, w->scale, w->min, w->n, w->nibble,

@@ -70,6 +70,29 @@ static inline int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+/* An optional per-phase profile of the layers (mvk_profile): nanoseconds by phase,
+ * counted only while switched on (one test of a flag per phase otherwise). */
+enum { PROF_QKV, PROF_ATTN, PROF_WO, PROF_GATE_UP, PROF_ACT, PROF_DOWN, PROF_PREP, PROF_LAYERS,
+       PROF_N };
+static int g_prof_on;
+static int64_t g_prof[PROF_N];
+#define PROF_START() (g_prof_on ? now_ns() : 0)
+#define PROF_ADD(i, t0)                                                                    \
+    do {                                                                                   \
+        if (g_prof_on) g_prof[i] += now_ns() - (t0);                                       \
+    } while (0)
+
+/* Copies the counters (PROF_N of them, nanoseconds) into out where not NULL, zeroes them,
+ * and switches counting on or off. Returns PROF_N. */
+int mvk_profile(int on, int64_t *out) {
+    for (int i = 0; i < PROF_N; i++) {
+        if (out) out[i] = g_prof[i];
+        g_prof[i] = 0;
+    }
+    g_prof_on = on != 0;
+    return PROF_N;
+}
+
 /* How long an idle worker spins before it sleeps: longer than the gap between a decode
  * step's products (the torch ops between them), short enough to give a busy machine its
  * core back as soon as decoding pauses. */

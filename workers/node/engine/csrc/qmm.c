@@ -49,6 +49,24 @@ int mvk_simd(void) {
 #endif
 }
 
+/* How far ahead (bytes) a decode product's weight streams are prefetched (see
+ * prefetch_ahead): mvk_set_prefetch sets it (0: no prefetch), returns the one in effect. */
+static int g_pf_dist = 3072;
+int mvk_set_prefetch(int bytes) {
+    if (bytes >= 0 && bytes <= (1 << 16)) g_pf_dist = bytes;
+    return g_pf_dist;
+}
+
+/* Decode reads each weight byte once, from memory: the hardware's prefetchers stop at
+ * every 4 KiB page, so each piece's bytes a fixed distance ahead are asked for now (past
+ * the matrix's end too: a prefetch never faults). */
+#if defined(MVK_AVX512) || defined(MVK_AVX2)
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *p, int bytes) {
+    const uint8_t *a = p + g_pf_dist;
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(a + o), _MM_HINT_T0);
+}
+#endif
+
 /* ---- the pieces ----------------------------------------------------------------------
  * One translation unit, so one compiler call builds the one library (native.py): each
  * piece below is included once, in this order, and uses only what the pieces before it
