@@ -33,6 +33,10 @@ static inline __attribute__((always_inline)) void q4k_tile(const mvk_job *j, int
             const __m512i mn = _mm512_cvtepu8_epi32(
                 _mm_loadu_si128((const __m128i *)(j->kmin + (G * ns + sb) * 16)));
             prefetch_ahead(wg + sb * 256, 256);
+            if ((sb & 3) == 0) {
+                _mm_prefetch((const char *)j->ksc + (G * ns + sb) * 16 + g_pf_dist / 16, _MM_HINT_T0);
+                _mm_prefetch((const char *)j->kmin + (G * ns + sb) * 16 + g_pf_dist / 16, _MM_HINT_T0);
+            }
             __m512i w[8];
             _Pragma("GCC unroll 8") for (int c = 0; c < 4; c++) {
                 const __m512i v = _mm512_loadu_si512(wg + sb * 256 + 64 * c);
