@@ -153,22 +153,25 @@ def test_layouts_built_by_row_chunks_are_the_whole_matrixs(
     case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A matrix's layout built 32 rows at a time and joined (loader.CHUNKED_LAYOUTS: a
-    chunk's temporaries instead of the matrix's) is the layout built whole, field by
-    field, for every product of every format family."""
+    chunk's temporaries instead of the matrix's), on one thread or by three at once (the
+    stage's thread count), is the layout built whole, field by field, for every product
+    of every format family."""
     from workers.node.engine import loader
 
     model = write_case(case, tmp_path)
     monkeypatch.setattr(loader, "_CHUNK_ROWS", 32)
     built = {}
-    for chunked in (False, True):
+    for chunked, threads in ((False, 1), (True, 1), (True, 3)):
         monkeypatch.setattr(loader, "CHUNKED_LAYOUTS", chunked)
         with native_kernel():
-            opts = EngineOptions(device="cpu", threads=1, layout_cache=False)
+            opts = EngineOptions(device="cpu", threads=threads, layout_cache=False)
             stage = load_stage(model.path, 0, model.spec.n_layers, opts)
-            built[chunked] = [lin.layouts for lin in _native_linears(stage.model, [])]
+            built[chunked, threads] = [lin.layouts for lin in _native_linears(stage.model, [])]
             stage.close()
-    assert built[True] and len(built[True]) == len(built[False])
-    for whole, joined in zip(built[False], built[True], strict=True):
+    assert built[True, 1] and len(built[True, 1]) == len(built[False, 1])
+    pairs = [*zip(built[False, 1], built[True, 1], strict=True)]
+    pairs += zip(built[False, 1], built[True, 3], strict=True)
+    for whole, joined in pairs:
         assert len(whole) == len(joined)
         for a, b in zip(whole, joined, strict=True):
             for f in fields(a):

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import ctypes
 import math
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -286,15 +288,55 @@ class WeightBuilder:
         if not by_chunks:
             return native_layout(list(pieces()), bits, self.llamacpp_order)
         joiner = LayoutJoiner(sum(shape[0] for _, shape, _, _ in members))
-        for piece in pieces():
-            layout = native_layout([piece], bits, self.llamacpp_order)
+        for layout, rows in self._chunk_layouts(members, k, bits):
             if layout is None:
                 return None
-            joiner.add(layout, piece.q.shape[0])
+            joiner.add(layout, rows)
         joined = joiner.layout()
         if joined is None:  # chunks that do not join (cannot happen for the above)
             return native_layout(list(pieces()), bits, self.llamacpp_order)
         return joined
+
+    def _chunk_layouts(
+        self, members: list[tuple[Part, tuple[int, ...], int, bool]], k: int, bits: int
+    ) -> Iterator[tuple[NativeLayout | None, int]]:
+        """Each row chunk's layout and rows, in order, built by as many threads as the
+        stage's kernel runs (its pool idles while loading; torch's ops let go of the
+        interpreter): at most that many chunks in conversion at once, each chunk's file
+        pages released once it is converted."""
+        step = native_chunk_rows(k)
+
+        def convert(
+            part: Part, t: int, repacked: bool, r: int, n: int, raw: torch.Tensor
+        ) -> tuple[NativeLayout | None, int]:
+            try:
+                piece = self._native_piece(part, t, k, repacked, n, raw)
+                return native_layout([piece], bits, self.llamacpp_order), n
+            finally:
+                self.f.release_range(part.name, r * (raw.numel() // n), raw.numel())
+
+        spans = (
+            (part, t, repacked, r, n, raw)
+            for part, shape, t, repacked in members
+            for r, n, raw in self._chunk_spans(part, shape, step)
+        )
+        workers = max(1, native.threads())
+        if workers == 1:
+            for span in spans:
+                yield convert(*span)
+            return
+        with ThreadPoolExecutor(workers, thread_name_prefix="mvp-layout") as pool:
+            window: deque[Future[tuple[NativeLayout | None, int]]] = deque()
+            try:
+                for span in spans:
+                    window.append(pool.submit(convert, *span))
+                    if len(window) >= workers:
+                        yield window.popleft().result()
+                while window:
+                    yield window.popleft().result()
+            finally:
+                for pending in window:
+                    pending.cancel()
 
     def _layout_what(self, parts: list[Part], types: list[int]) -> dict[str, object]:
         """What a product's layouts are made of, for their cache key (layout_cache.py)."""
@@ -319,35 +361,41 @@ class WeightBuilder:
     ) -> Iterator[NativePart]:
         """One matrix's rows as the native kernel's pieces (row chunks)."""
         for _, n, raw in self._chunks(part, shape, native_chunk_rows(k)):
-            g = q6_k_groups(raw, (n, k)) if t == Q6_K else affine_groups(raw, t, (n, k))
-            width = 16 if t == Q6_K else 32
-            q, scale, offset = g.q, g.scale * part.row_scale, g.offset * part.row_scale
-            if part.perm is not None:
-                q, scale, offset = q[part.perm], scale[part.perm], offset[part.perm]
-            _, zero, mode, f16_scales = _NATIVE[t]
-            # a power-of-two row scale keeps float16 scales float16 values
-            pow2 = _pow2(part.row_scale)
-            exact16 = f16_scales and pow2
-            ks = None
-            if t in (Q4_K, Q5_K, Q6_K) and pow2:  # their own integer arithmetic (qmm.c)
-                ks = k_scales(raw, t, (n, k))
-                dmin = None if ks.dmin is None else ks.dmin * part.row_scale
-                ks = KScales(ks.sc, ks.mins, ks.d * part.row_scale, dmin)
-                if part.perm is not None:
-                    p = part.perm
-                    ks = KScales(
-                        ks.sc[p],
-                        None if ks.mins is None else ks.mins[p],
-                        ks.d[p],
-                        None if ks.dmin is None else ks.dmin[p],
-                    )
-            yield NativePart(q, scale, offset, width, zero, mode, exact16, ks, repacked)
+            yield self._native_piece(part, t, k, repacked, n, raw)
 
-    def _chunks(
-        self, part: Part, shape: tuple[int, ...], step: int = _CHUNK_ROWS
+    def _native_piece(
+        self, part: Part, t: int, k: int, repacked: bool, n: int, raw: torch.Tensor
+    ) -> NativePart:
+        """``n`` rows of a matrix (its GGUF blocks ``raw``) as one native kernel piece."""
+        g = q6_k_groups(raw, (n, k)) if t == Q6_K else affine_groups(raw, t, (n, k))
+        width = 16 if t == Q6_K else 32
+        q, scale, offset = g.q, g.scale * part.row_scale, g.offset * part.row_scale
+        if part.perm is not None:
+            q, scale, offset = q[part.perm], scale[part.perm], offset[part.perm]
+        _, zero, mode, f16_scales = _NATIVE[t]
+        # a power-of-two row scale keeps float16 scales float16 values
+        pow2 = _pow2(part.row_scale)
+        exact16 = f16_scales and pow2
+        ks = None
+        if t in (Q4_K, Q5_K, Q6_K) and pow2:  # their own integer arithmetic (qmm.c)
+            ks = k_scales(raw, t, (n, k))
+            dmin = None if ks.dmin is None else ks.dmin * part.row_scale
+            ks = KScales(ks.sc, ks.mins, ks.d * part.row_scale, dmin)
+            if part.perm is not None:
+                p = part.perm
+                ks = KScales(
+                    ks.sc[p],
+                    None if ks.mins is None else ks.mins[p],
+                    ks.d[p],
+                    None if ks.dmin is None else ks.dmin[p],
+                )
+        return NativePart(q, scale, offset, width, zero, mode, exact16, ks, repacked)
+
+    def _chunk_spans(
+        self, part: Part, shape: tuple[int, ...], step: int
     ) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """(row offset, rows, raw bytes) of chunks of ``step`` rows; a permuted part comes
-        whole."""
+        """(row offset, rows, raw bytes) of chunks of ``step`` rows, nothing released (a
+        permuted part comes whole)."""
         raw = self.raw(part.name)
         rows = shape[0]
         step = rows if part.perm is not None else step
@@ -355,8 +403,16 @@ class WeightBuilder:
         for r in range(0, rows, step):
             n = min(step, rows - r)
             yield r, n, raw[r * row_bytes : (r + n) * row_bytes]
-            # converted: its file pages leave this process (the page cache keeps them)
-            self.f.release_range(part.name, r * row_bytes, n * row_bytes)
+
+    def _chunks(
+        self, part: Part, shape: tuple[int, ...], step: int = _CHUNK_ROWS
+    ) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """(row offset, rows, raw bytes) of chunks of ``step`` rows; a permuted part comes
+        whole. Each chunk's file pages leave this process once the consumer takes the
+        next (the page cache keeps them)."""
+        for r, n, raw in self._chunk_spans(part, shape, step):
+            yield r, n, raw
+            self.f.release_range(part.name, r * (raw.numel() // n), raw.numel())
 
     def _int4(
         self, parts: list[Part], shapes: list[tuple[int, ...]], bits: int, bias: torch.Tensor | None
