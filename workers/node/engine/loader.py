@@ -302,9 +302,11 @@ class WeightBuilder:
     ) -> Iterator[tuple[NativeLayout | None, int]]:
         """Each row chunk's layout and rows, in order, built by as many threads as the
         stage's kernel runs (its pool idles while loading; torch's ops let go of the
-        interpreter): at most that many chunks in conversion at once, each chunk's file
-        pages released once it is converted."""
-        step = native_chunk_rows(k)
+        interpreter): that many chunks, each 1/threads of a serial one, in conversion at
+        once; each chunk's file pages released once it is converted."""
+        workers = max(1, native.threads())
+        # the chunks in conversion together hold one serial chunk's temporaries
+        step = max(16, native_chunk_rows(k) // workers // 16 * 16)
 
         def convert(
             part: Part, t: int, repacked: bool, r: int, n: int, raw: torch.Tensor
@@ -320,7 +322,6 @@ class WeightBuilder:
             for part, shape, t, repacked in members
             for r, n, raw in self._chunk_spans(part, shape, step)
         )
-        workers = max(1, native.threads())
         if workers == 1:
             for span in spans:
                 yield convert(*span)
