@@ -9,12 +9,13 @@ import os
 from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from tests.node.engine.arch_cases import PROMPT, write_case
-from workers.node.engine import EngineOptions, load_stage
+from workers.node.engine import EngineOptions, load_stage, native
 from workers.node.engine.kernels import NativeLinear
 from workers.node.engine.layout_cache import ENV_DIR, ENV_GB, LayoutCache, open_cache
 
@@ -146,6 +147,75 @@ def _native_linears(obj: object, out: list[NativeLinear], depth: int = 0) -> lis
         for x in vars(obj).values():
             _native_linears(x, out, depth + 1)
     return out
+
+
+def _assert_same_layouts(a_list: list[Any], b_list: list[Any]) -> None:
+    assert a_list and len(a_list) == len(b_list)
+    for whole, other in zip(a_list, b_list, strict=True):
+        assert len(whole) == len(other)
+        for a, b in zip(whole, other, strict=True):
+            for f in fields(a):
+                x, y = getattr(a, f.name), getattr(b, f.name)
+                if isinstance(x, torch.Tensor):
+                    assert isinstance(y, torch.Tensor) and x.dtype == y.dtype, f.name
+                    assert x.shape == y.shape and torch.equal(x, y), f.name
+                else:
+                    assert x == y, f.name
+
+
+@pytest.mark.parametrize(
+    "case", ["llama-Q4_K", "phi3-Q6_K", "llama3-Q4_K_M", "gemma3-mix", "qwen2-Q5_K_M"]
+)
+def test_k_layouts_from_blocks_are_the_decoded_codes_layouts(
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Q4_K and Q6_K layouts built straight from the GGUF blocks in C (loader.BLOCKS_DIRECT)
+    are, field for field, the ones built through the decoded codes in torch: every product
+    of files with those formats alone, fused with each other (a Q4_K_M q/k/v), beside
+    others (Gemma's mix; Q5_K, which stays in torch), in chunks of 32 rows by 1 and 3
+    threads."""
+    from workers.node.engine import loader
+    from workers.node.engine.kernels import KBlocksLayout
+
+    model = write_case(case, tmp_path)
+    monkeypatch.setattr(loader, "_CHUNK_ROWS", 32)
+    direct_calls = []
+    fill = KBlocksLayout.fill
+
+    def counted(self: KBlocksLayout, *args: Any, **kw: Any) -> None:
+        direct_calls.append(self.q6k)
+        fill(self, *args, **kw)
+
+    monkeypatch.setattr(KBlocksLayout, "fill", counted)
+    built = {}
+    for direct, threads in ((False, 1), (True, 1), (True, 3)):
+        monkeypatch.setattr(loader, "BLOCKS_DIRECT", direct)
+        with native_kernel():
+            opts = EngineOptions(device="cpu", threads=threads, layout_cache=False)
+            stage = load_stage(model.path, 0, model.spec.n_layers, opts)
+            built[direct, threads] = [lin.layouts for lin in _native_linears(stage.model, [])]
+            stage.close()
+    _assert_same_layouts(built[False, 1], built[True, 1])
+    _assert_same_layouts(built[False, 1], built[True, 3])
+    assert direct_calls, "no chunk came from its blocks"
+    if case == "llama3-Q4_K_M":
+        assert set(direct_calls) == {False, True}  # Q4_K and Q6_K chunks both
+
+
+def test_k_layouts_from_blocks_refuse_blocks_that_do_not_fit() -> None:
+    """The C builder is handed exactly its matrix's bytes, or a clear error (it would read
+    past them)."""
+    from workers.node.engine.kernels import KBlocksLayout, k_layout_from_blocks
+
+    lib = native.library()
+    assert lib is not None
+    with pytest.raises(ValueError, match="16 x 256 Q4_K blocks do not fit 2000 bytes"):
+        k_layout_from_blocks(lib, torch.zeros(2000, dtype=torch.uint8), False, 16, 256)
+    with pytest.raises(ValueError, match="a 8 x 256 K-format layout needs 16-row groups"):
+        k_layout_from_blocks(lib, torch.zeros(8 * 210, dtype=torch.uint8), True, 8, 256)
+    built = KBlocksLayout(lib, True, 32, 256)
+    with pytest.raises(ValueError, match=r"rows \[16, 48\) of 32 are not whole groups"):
+        built.fill(torch.zeros(32 * 210, dtype=torch.uint8), 16, 32)
 
 
 @pytest.mark.parametrize("case", CASES)

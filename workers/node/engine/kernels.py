@@ -747,6 +747,82 @@ def native_layout(
     )
 
 
+class KBlocksLayout:
+    """The layout ``native_layout`` builds for Q4_K (``q6k`` False) or Q6_K matrices of
+    ``rows`` rows in all (a multiple of 16) and ``k`` inputs (a multiple of 256) in
+    llama.cpp's order, field for field the same, filled straight from their GGUF blocks in
+    C (qmm.c mvk_build_q4k / _q6k): each ``fill`` writes its rows' place in tensors
+    allocated once, so a load holds no chunk beside the matrix, and fills of different
+    rows may run on different threads at once (ctypes lets go of the interpreter)."""
+
+    def __init__(self, lib: ctypes.CDLL, q6k: bool, rows: int, k: int) -> None:
+        if rows % 16 or k % 256 or rows <= 0:
+            raise ValueError(f"a {rows} x {k} K-format layout needs 16-row groups, 256-blocks")
+        self.lib, self.q6k, self.rows, self.k = lib, q6k, rows, k
+        g, nb = rows // 16, k // 256
+        self.kd = torch.empty(g, nb, 16, dtype=torch.float32)
+        if q6k:
+            self.codes = torch.empty(g * (k // 32) * 384, dtype=torch.uint8)
+            self.ksc = torch.empty(g, k // 16, 16, dtype=torch.int8)
+        else:
+            self.codes = torch.empty(g * (k // 32) * 256, dtype=torch.uint8)
+            self.ksc = torch.empty(g, k // 32, 16, dtype=torch.uint8)
+            self.kmin = torch.empty(g, k // 32, 16, dtype=torch.uint8)
+            self.kdmin = torch.empty(g, nb, 16, dtype=torch.float32)
+
+    def fill(self, raw: torch.Tensor, row0: int, n: int, d_scale: float = 1.0) -> None:
+        """Rows ``[row0, row0 + n)`` (whole 16-row groups) from their blocks ``raw``;
+        ``d_scale`` (a power of two) multiplies each block's d and dmin."""
+        size = 210 if self.q6k else 144
+        k = self.k
+        if row0 % 16 or n % 16 or n <= 0 or row0 + n > self.rows:
+            raise ValueError(f"rows [{row0}, {row0 + n}) of {self.rows} are not whole groups")
+        if raw.numel() != n * (k // 256) * size or raw.dtype != torch.uint8:
+            name = "Q6_K" if self.q6k else "Q4_K"
+            raise ValueError(f"{n} x {k} {name} blocks do not fit {raw.numel()} bytes")
+        raw = raw.contiguous()
+        g0, g1 = row0 // 16, (row0 + n) // 16
+        codes = self.codes.view(self.rows // 16, -1)[g0:g1]
+        if self.q6k:
+            self.lib.mvk_build_q6k(
+                raw.data_ptr(), n, k, codes.data_ptr(), self.ksc[g0:g1].data_ptr(),
+                self.kd[g0:g1].data_ptr(),
+            )  # fmt: skip
+        else:
+            self.lib.mvk_build_q4k(
+                raw.data_ptr(), n, k, codes.data_ptr(), self.ksc[g0:g1].data_ptr(),
+                self.kmin[g0:g1].data_ptr(), self.kd[g0:g1].data_ptr(),
+                self.kdmin[g0:g1].data_ptr(),
+            )  # fmt: skip
+        if d_scale != 1.0:
+            self.kd[g0:g1] *= d_scale
+            if not self.q6k:
+                self.kdmin[g0:g1] *= d_scale
+
+    def layout(self) -> NativeLayout:
+        empty = torch.empty(0, dtype=torch.float32)
+        if self.q6k:
+            return NativeLayout(
+                codes=self.codes, scale=empty, offset=None, nibble=False, sub=16, zero=32,
+                mode=native.Q8_K_ACT, kp=self.k, arith=native.ARITH_Q6K, ksc=self.ksc,
+                kd=self.kd,
+            )  # fmt: skip
+        return NativeLayout(
+            codes=self.codes, scale=empty, offset=empty.clone(), nibble=True, sub=32, zero=0,
+            mode=native.Q8_K_ACT, kp=self.k, arith=native.ARITH_Q4K, ksc=self.ksc,
+            kmin=self.kmin, kd=self.kd, kdmin=self.kdmin,
+        )  # fmt: skip
+
+
+def k_layout_from_blocks(
+    lib: ctypes.CDLL, raw: torch.Tensor, q6k: bool, n: int, k: int, d_scale: float = 1.0
+) -> NativeLayout:
+    """One matrix's KBlocksLayout, filled whole."""
+    built = KBlocksLayout(lib, q6k, n, k)
+    built.fill(raw, 0, n, d_scale)
+    return built.layout()
+
+
 # NativeLayout's tensor fields, all of them: one row (or 16-row group) of each per row.
 _ROW_FIELDS = tuple(f.name for f in dataclasses.fields(NativeLayout) if "Tensor" in str(f.type))
 

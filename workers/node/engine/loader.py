@@ -12,9 +12,10 @@ from __future__ import annotations
 import ctypes
 import math
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
@@ -25,6 +26,7 @@ from .gguf_reader import GGUFError, GGUFFile
 from .kernels import (
     DenseLinear,
     Int4Linear,
+    KBlocksLayout,
     LayoutJoiner,
     Linear,
     NativeLayout,
@@ -69,11 +71,39 @@ _CHUNK_ROWS = 4096
 _CHUNK_WEIGHTS = 4096 * 2048
 
 
+R = TypeVar("R")
+
+
+def _in_order(fn: Callable[..., R], spans: Sequence[tuple[Any, ...]], workers: int) -> Iterator[R]:
+    """``fn(*span)`` for each span, results in order: on ``workers`` threads, at most that
+    many spans at once (one thread: here, one after another). A failure is raised where
+    its result would have come; later spans are not started."""
+    if workers <= 1:
+        for span in spans:
+            yield fn(*span)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="mvp-layout") as pool:
+        window: deque[Future[R]] = deque()
+        try:
+            for span in spans:
+                window.append(pool.submit(fn, *span))
+                if len(window) >= workers:
+                    yield window.popleft().result()
+            while window:
+                yield window.popleft().result()
+        finally:
+            for pending in window:
+                pending.cancel()
+
+
 def native_chunk_rows(k: int) -> int:
     """Rows of one chunk of a native layout's build, for ``k`` inputs (a multiple of 16)."""
     return min(_CHUNK_ROWS, max(16, _CHUNK_WEIGHTS // max(k, 1) // 16 * 16))
 
 
+# Q4_K and Q6_K layouts built from their blocks in C (WeightBuilder._blocks_direct);
+# False: through their decoded codes in torch (the tests compare the two).
+BLOCKS_DIRECT = True
 # Native layouts built chunk by chunk and joined (WeightBuilder._run_layout); False: a
 # matrix's layout built whole (the tests compare the two).
 CHUNKED_LAYOUTS = True
@@ -285,6 +315,9 @@ class WeightBuilder:
             and len({_NATIVE[t][1:] for _, _, t, _ in members}) == 1
             and len({_pow2(p.row_scale) for p, _, _, _ in members}) == 1
         )
+        direct = self._direct_layout(members, k, bits)
+        if direct is not None:
+            return direct
         if not by_chunks:
             return native_layout(list(pieces()), bits, self.llamacpp_order)
         joiner = LayoutJoiner(sum(shape[0] for _, shape, _, _ in members))
@@ -317,27 +350,59 @@ class WeightBuilder:
             finally:
                 self.f.release_range(part.name, r * (raw.numel() // n), raw.numel())
 
-        spans = (
+        spans = [
             (part, t, repacked, r, n, raw)
             for part, shape, t, repacked in members
             for r, n, raw in self._chunk_spans(part, shape, step)
-        )
-        if workers == 1:
-            for span in spans:
-                yield convert(*span)
-            return
-        with ThreadPoolExecutor(workers, thread_name_prefix="mvp-layout") as pool:
-            window: deque[Future[tuple[NativeLayout | None, int]]] = deque()
+        ]
+        yield from _in_order(convert, spans, workers)
+
+    def _direct_layout(
+        self, members: list[tuple[Part, tuple[int, ...], int, bool]], k: int, bits: int
+    ) -> NativeLayout | None:
+        """A run of Q4_K or Q6_K matrices' layout filled straight from their blocks in C
+        (kernels.KBlocksLayout), chunk by chunk by the stage's threads; None where the
+        run is not one for it (WeightBuilder._blocks_direct)."""
+        types = {t for _, _, t, _ in members}
+        t = next(iter(types))
+        if len(types) != 1 or not all(
+            self._blocks_direct(part, t, k, shape[0], bits) for part, shape, _, _ in members
+        ):
+            return None
+        lib = native.library()
+        assert lib is not None  # _native checked it
+        out = KBlocksLayout(lib, t == Q6_K, sum(shape[0] for _, shape, _, _ in members), k)
+        workers = max(1, native.threads())
+        step = max(16, native_chunk_rows(k) // workers // 16 * 16)
+
+        def fill(part: Part, row0: int, r: int, n: int, raw: torch.Tensor) -> None:
             try:
-                for span in spans:
-                    window.append(pool.submit(convert, *span))
-                    if len(window) >= workers:
-                        yield window.popleft().result()
-                while window:
-                    yield window.popleft().result()
+                out.fill(raw, row0 + r, n, part.row_scale)
             finally:
-                for pending in window:
-                    pending.cancel()
+                self.f.release_range(part.name, r * (raw.numel() // n), raw.numel())
+
+        spans, row0 = [], 0
+        for part, shape, _, _ in members:
+            spans += [(part, row0, r, n, raw) for r, n, raw in self._chunk_spans(part, shape, step)]
+            row0 += shape[0]
+        for _ in _in_order(fill, spans, workers):
+            pass
+        return out.layout()
+
+    def _blocks_direct(self, part: Part, t: int, k: int, n: int, bits: int) -> bool:
+        """Whether a chunk's layout comes straight from its GGUF blocks (qmm.c
+        mvk_build_q4k / _q6k): Q4_K or Q6_K in llama.cpp's order, in its own bits (not
+        widened for a fused part of more), rows in file order, a power-of-two row scale."""
+        return (
+            BLOCKS_DIRECT
+            and self.llamacpp_order
+            and t in (Q4_K, Q6_K)
+            and bits == _NATIVE[t][0]
+            and part.perm is None
+            and _pow2(part.row_scale)
+            and k % 256 == 0
+            and n % 16 == 0
+        )
 
     def _layout_what(self, parts: list[Part], types: list[int]) -> dict[str, object]:
         """What a product's layouts are made of, for their cache key (layout_cache.py)."""

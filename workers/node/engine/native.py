@@ -179,6 +179,10 @@ def load(path: Path) -> ctypes.CDLL:
     lib.mvk_threads.restype = _C
     lib.mvk_last_ran.argtypes = []
     lib.mvk_last_ran.restype = _C
+    lib.mvk_build_q4k.argtypes = [_P, _I, _I, _P, _P, _P, _P, _P]
+    lib.mvk_build_q4k.restype = None
+    lib.mvk_build_q6k.argtypes = [_P, _I, _I, _P, _P, _P]
+    lib.mvk_build_q6k.restype = None
     lib.mvk_set_prefetch.argtypes = [_C]
     lib.mvk_set_prefetch.restype = _C
     lib.mvk_profile.argtypes = [_C, _P]

@@ -92,6 +92,7 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *
  *   attention.h      attention (mvk_attention)
  *   glu.h            SwiGLU and GeGLU (mvk_swiglu, mvk_geglu)
  *   layers.h         whole decoder layers in one call (mvk_layers, mvk_layers_batch)
+ *   build.h          a load: Q4_K / Q6_K layouts from GGUF blocks (mvk_build_q4k, _q6k)
  * They are the one file this was, cut where its sections began, in its order (but for
  * mvk_rms_norm, mvk_rope_norm and MVK_ATTN_SCRATCH, moved to their kind): the same code,
  * compiled to the same instructions. native.py's build cache is keyed by every file here;
@@ -116,3 +117,4 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *
 #include "attention.h"
 #include "glu.h"
 #include "layers.h"
+#include "build.h"

@@ -1,0 +1,95 @@
+/* Part of qmm.c, its one translation unit: included there once, in its order (see
+ * there). A stage's load: the interleaved layouts of Q4_K and Q6_K matrices built straight
+ * from their GGUF blocks (mvk_build_q4k, mvk_build_q6k), byte for byte what kernels.py's
+ * native_layout builds from the decoded codes, in one pass over the blocks. */
+
+/* Code m (0..31) of 32-element sub-block j (0..7) of a Q4_K block's 128 code bytes: the
+ * low nibbles of 32 bytes hold sub-block 2i, their high nibbles sub-block 2i + 1. */
+static inline uint8_t q4k_code(const uint8_t *qs, int j, int m) {
+    const uint8_t v = qs[(j / 2) * 32 + m];
+    return (j & 1) ? (uint8_t)(v >> 4) : (uint8_t)(v & 15);
+}
+
+/* Rows [0, n) (n a multiple of 16) of a Q4_K matrix of k inputs (a multiple of 256),
+ * its blocks at `raw` (row-major, 144 bytes each), into the q4k_tile layout: codes
+ * [n / 16][k / 32][256] (vector c of a sub-block: lanes 2c and 2c + 1 as low and high
+ * nibbles, row r's 4 codes at byte 4r), ksc and kmin [n / 16][k / 32][16] (the 6-bit
+ * scales and mins), kd and kdmin [n / 16][k / 256][16] (float32). */
+void mvk_build_q4k(const uint8_t *raw, int64_t n, int64_t k, uint8_t *codes, uint8_t *ksc,
+                   uint8_t *kmin, float *kd, float *kdmin) {
+    const int64_t nb = k / 256, ns = k / 32;
+    for (int64_t G = 0; G < n / 16; G++)
+        for (int r = 0; r < 16; r++)
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = raw + ((G * 16 + r) * nb + b) * 144;
+                uint16_t h;
+                memcpy(&h, blk, 2);
+                kd[(G * nb + b) * 16 + r] = h2f(h);
+                memcpy(&h, blk + 2, 2);
+                kdmin[(G * nb + b) * 16 + r] = h2f(h);
+                const uint8_t *s = blk + 4, *qs = blk + 16;
+                for (int j = 0; j < 8; j++) {
+                    const int64_t at = (G * ns + 8 * b + j) * 16 + r;
+                    if (j < 4) {
+                        ksc[at] = s[j] & 63;
+                        kmin[at] = s[j + 4] & 63;
+                    } else {
+                        ksc[at] = (uint8_t)((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4));
+                        kmin[at] = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+                    }
+                    uint8_t *out = codes + (G * ns + 8 * b + j) * 256 + 4 * r;
+                    for (int c = 0; c < 4; c++)
+                        for (int i = 0; i < 4; i++)
+                            out[64 * c + i] = (uint8_t)(q4k_code(qs, j, 8 * c + i) |
+                                                        (q4k_code(qs, j, 8 * c + 4 + i) << 4));
+                }
+            }
+}
+
+/* A Q6_K block's 256 codes (0..63) from ql[128] and qh[64], as llama.cpp's
+ * dequantize_row_q6_K reads them. */
+static inline void q6k_codes(const uint8_t *ql, const uint8_t *qh, uint8_t q[256]) {
+    for (int half = 0; half < 2; half++, ql += 64, qh += 32, q += 128)
+        for (int m = 0; m < 32; m++) {
+            q[m] = (uint8_t)((ql[m] & 15) | ((qh[m] & 3) << 4));
+            q[m + 32] = (uint8_t)((ql[m + 32] & 15) | (((qh[m] >> 2) & 3) << 4));
+            q[m + 64] = (uint8_t)((ql[m] >> 4) | (((qh[m] >> 4) & 3) << 4));
+            q[m + 96] = (uint8_t)((ql[m + 32] >> 4) | (((qh[m] >> 6) & 3) << 4));
+        }
+}
+
+/* Rows [0, n) of a Q6_K matrix (blocks of 210 bytes: ql, qh, 16 int8 scales, d) into the
+ * q6k_tile layout: codes [n / 16][k / 32][Q6K_PIECE] (unpack6's: the low nibbles as
+ * Q4_K's, then vector h's byte 4r + e holding the high 2 bits of lanes 4h..4h+3 of row r,
+ * lane 4h + i in bits 2i, 2i + 1), ksc [n / 16][k / 16][16] (int8), kd [n / 16][k / 256]
+ * [16] (float32). */
+void mvk_build_q6k(const uint8_t *raw, int64_t n, int64_t k, uint8_t *codes, int8_t *ksc,
+                   float *kd) {
+    const int64_t nb = k / 256, ns = k / 32, ns16 = k / 16;
+    for (int64_t G = 0; G < n / 16; G++)
+        for (int r = 0; r < 16; r++)
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = raw + ((G * 16 + r) * nb + b) * 210;
+                uint16_t h;
+                memcpy(&h, blk + 208, 2);
+                kd[(G * nb + b) * 16 + r] = h2f(h);
+                for (int s = 0; s < 16; s++)
+                    ksc[(G * ns16 + 16 * b + s) * 16 + r] = (int8_t)blk[192 + s];
+                uint8_t qb[256];
+                q6k_codes(blk, blk + 128, qb);
+                for (int p = 0; p < 8; p++) {
+                    const uint8_t *q = qb + 32 * p;
+                    uint8_t *out = codes + (G * ns + 8 * b + p) * 384 + 4 * r;
+                    for (int c = 0; c < 4; c++)
+                        for (int i = 0; i < 4; i++)
+                            out[64 * c + i] = (uint8_t)((q[8 * c + i] & 15) | ((q[8 * c + 4 + i] & 15) << 4));
+                    /* lane 4hh + i of row r: bits 2i, 2i + 1 of byte 256 + 64 hh + 4r + e */
+                    for (int hh = 0; hh < 2; hh++)
+                        for (int e = 0; e < 4; e++)
+                            out[256 + 64 * hh + e] = (uint8_t)(
+                                ((q[16 * hh + e] >> 4) & 3) | (((q[16 * hh + 4 + e] >> 4) & 3) << 2) |
+                                (((q[16 * hh + 8 + e] >> 4) & 3) << 4) |
+                                (((q[16 * hh + 12 + e] >> 4) & 3) << 6));
+                }
+            }
+}
