@@ -96,6 +96,8 @@ def run_engine(
         own = sum(f.tensors[nm].n_bytes for nm in stages[-1].tensor_names_loaded)
         stage_ratios.append((_rss() - before) / own)
     rss = _rss() - base
+    # the process's peak so far, above the baseline: the imports before it stayed below it
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     names = set().union(*(s.tensor_names_loaded for s in stages))
     weight_bytes = sum(f.tensors[nm].n_bytes for nm in names)
     # Prefill: the prompt through all stages once (fp16 between stages, as in generate).
@@ -127,6 +129,7 @@ def run_engine(
         "load_s": load_s,
         "rss_mb": rss / 2**20,
         "rss_run_mb": rss_after / 2**20,
+        "peak_load_mb": peak / 2**20,
         "weights_mb": weight_bytes / 2**20,
         "rss_ratio": rss / weight_bytes,
         "stage_ratio_max": max(stage_ratios),
@@ -467,6 +470,15 @@ def weight_bytes(model: str) -> int:
     return Path(model).stat().st_size - start
 
 
+def _peak_held(rows: list[dict[str, Any]]) -> str:
+    """An engine configuration's peak RSS while loading and RSS after its run (every
+    weight page touched), medians; blank for the references."""
+    if not all("peak_load_mb" in x and "rss_run_mb" in x for x in rows):
+        return ""
+    peak = _median([x["peak_load_mb"] for x in rows])
+    return f"{peak:.0f}/{_median([x['rss_run_mb'] for x in rows]):.0f}"
+
+
 def summarize(result: dict[str, Any]) -> list[str]:
     """Medians per (model, threads, kind), paired ratios against each llama.cpp reference
     present (the C++ llama-bench, llama-cpp-python), best threads against best threads."""
@@ -481,7 +493,7 @@ def summarize(result: dict[str, Any]) -> list[str]:
             f"\n{model}: medians of {result['rounds']} rounds, {result['tokens']} decode tokens"
         )
         head = f"{'configuration':26} {'thr':>3} {'load s':>7} {'RSS MB':>7} "
-        head += f"{'prefill t/s':>11} {'decode t/s':>10}"
+        head += f"{'peak/held MB':>13} {'prefill t/s':>11} {'decode t/s':>10}"
         for _, label in refs:
             head += f" {'pre/' + label:>9} {'dec/' + label:>9}"
         out += [head, "-" * len(head)]
@@ -493,7 +505,8 @@ def summarize(result: dict[str, Any]) -> list[str]:
             pre = _median([x["prefill_tps"] for x in rows])
             line = (
                 f"{rows[0]['name']:26} {t:3d} {_median([x['load_s'] for x in rows]):7.2f} "
-                f"{_median([x['rss_mb'] for x in rows]):7.1f} {pre:11.1f} {dec:10.1f}"
+                f"{_median([x['rss_mb'] for x in rows]):7.1f} {_peak_held(rows):>13} "
+                f"{pre:11.1f} {dec:10.1f}"
             )
             for ref_kind, _ in refs:
                 cells = ["", ""]
@@ -540,6 +553,32 @@ def summarize(result: dict[str, Any]) -> list[str]:
     return out
 
 
+def shape_file(spec: str, where: Path) -> str:
+    """The random-weight GGUF of ``SHAPE[:QUANT]`` (write_shape.py's shapes and quants;
+    Q4_K_M by default) under ``where``, written the first time (under a temporary name,
+    then renamed: a stopped write leaves no file that looks whole)."""
+    shape, _, quant = spec.partition(":")
+    quant = quant or "q4_k_m"
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import write_shape
+
+    if shape not in write_shape.SHAPES:
+        raise SystemExit(f"--shapes: no shape {shape!r} (one of {sorted(write_shape.SHAPES)})")
+    if quant not in ("q4_0", "q8_0", "q4_k_m"):
+        raise SystemExit(f"--shapes: no quant {quant!r} (q4_0, q8_0 or q4_k_m)")
+    where.mkdir(parents=True, exist_ok=True)
+    path = where / f"{shape}-{quant}.gguf"
+    if not path.exists():
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        t0 = time.perf_counter()
+        write_shape.write(write_shape.SHAPES[shape], shape, tmp, quant)
+        tmp.rename(path)
+        print(
+            f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB, {time.perf_counter() - t0:.0f} s)"
+        )
+    return str(path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -558,6 +597,16 @@ def main() -> None:
         "--bandwidth", action="store_true",
         help="also measure the host's read bandwidth and each decode's share of it",
     )  # fmt: skip
+    ap.add_argument(
+        "--shapes", default="",
+        help="random-weight GGUFs of real models' shapes instead of --models, written once "
+        "into --shape-dir (scripts/write_shape.py): SHAPE[:QUANT],... e.g. "
+        "llama-3.2-1b:q4_k_m,llama-3.2-1b:q4_0,llama-3.2-1b:q8_0,qwen2.5-3b,llama-3.1-8b",
+    )  # fmt: skip
+    ap.add_argument(
+        "--shape-dir", type=Path, default=Path.home() / ".cache/mvp-orchestrator/shapes",
+        help="where --shapes are kept (outside the repository)",
+    )  # fmt: skip
     ap.add_argument("--json", type=Path, help="also write every run here")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--ids", help=argparse.SUPPRESS)
@@ -567,7 +616,12 @@ def main() -> None:
         args.model = args.model or DEFAULT_MODEL
         _child(args)
         return
-    models = [args.model] if args.model else [_bundled_path(k) for k in args.models.split(",")]
+    if args.shapes:
+        models = [shape_file(x, args.shape_dir) for x in args.shapes.split(",") if x]
+    elif args.model:
+        models = [args.model]
+    else:
+        models = [_bundled_path(k) for k in args.models.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
     result = paired(models, threads, args.rounds, args.tokens, args.only.split(","))
     if args.bandwidth:
