@@ -571,8 +571,11 @@ def shape_file(spec: str, where: Path) -> str:
     if not path.exists():
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         t0 = time.perf_counter()
-        write_shape.write(write_shape.SHAPES[shape], shape, tmp, quant)
-        tmp.rename(path)
+        try:
+            write_shape.write(write_shape.SHAPES[shape], shape, tmp, quant)
+            tmp.rename(path)
+        finally:
+            tmp.unlink(missing_ok=True)
         print(
             f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB, {time.perf_counter() - t0:.0f} s)"
         )

@@ -50,6 +50,10 @@ class TinySpec:
     # another type for some matrices, by name without "blk.N." and ".weight" (a Q4_K_M
     # file's attn_v and ffn_down in Q6_K): {"attn_v": QT.Q6_K, "output": QT.Q6_K}
     overrides: dict[str, QT] = field(default_factory=dict)
+    # realistic dimensions (realistic_cases.py): K-format matrices written as random
+    # blocks without their float values or a float64 copy (hundreds of millions of
+    # weights); the numpy reference forward is then unavailable
+    lean: bool = False
 
 
 def _random_k_blocks(qtype: QT, n_blocks: int, rng: np.random.Generator, amp: float) -> np.ndarray:
@@ -140,6 +144,17 @@ class TinyModel:
             writer.add_uint32(k, v)
 
         def add(name: str, shape: tuple[int, ...], qtype: QT, scale: float = 0.08) -> None:
+            if spec.lean and len(shape) == 2:
+                qtype = spec.overrides.get(name.split(".")[-2], qtype)
+                if qtype not in _K_BYTES or shape[1] % 256:
+                    raise ValueError(
+                        f"a lean file's matrices are K formats, not {qtype.name} {shape}"
+                    )
+                # the largest of many normal values is about 5 sigma
+                blocks = _random_k_blocks(qtype, shape[0] * shape[1] // 256, rng, 5 * scale)
+                blocks = blocks.reshape(shape[0], -1)
+                writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=qtype)
+                return
             values = rng.standard_normal(shape).astype(np.float32) * scale
             if len(shape) == 1:
                 data = values.astype(np.float32)
