@@ -50,6 +50,14 @@ def _rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
+def _hwm() -> int:
+    """This process's peak RSS in bytes (VmHWM of /proc/self/status)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def _prompt_ids(model: str) -> list[int]:
     try:
         from workers.node.engine.tokenizer import Tokenizer
@@ -96,8 +104,9 @@ def run_engine(
         own = sum(f.tensors[nm].n_bytes for nm in stages[-1].tensor_names_loaded)
         stage_ratios.append((_rss() - before) / own)
     rss = _rss() - base
-    # the process's peak so far, above the baseline: the imports before it stayed below it
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    # this process's peak so far (VmHWM: not ru_maxrss, which keeps the peak of the
+    # process that started it), above the baseline: the imports before it stayed below it
+    peak = _hwm() - base
     names = set().union(*(s.tensor_names_loaded for s in stages))
     weight_bytes = sum(f.tensors[nm].n_bytes for nm in names)
     # Prefill: the prompt through all stages once (fp16 between stages, as in generate).
