@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -54,7 +53,9 @@ def _child(model: str, start: int, end: int, threads: int, cache: bool) -> dict[
     t0 = time.perf_counter()
     stage = load_stage(model, start, end, opts)
     load_s = time.perf_counter() - t0
-    peak_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # VmHWM: this process's own peak (ru_maxrss would keep that of the process that
+    # started it, the benchmark's, where that was higher: a mapped load's "peak" was it)
+    peak_load = _status_mb("VmHWM")
     session = stage.new_session(64)
     with torch.inference_mode():
         if stage.is_first:
@@ -81,6 +82,46 @@ def _measure(args: argparse.Namespace, cache_dir: Path | None) -> dict[str, Any]
     return result
 
 
+def _in_docker(args: argparse.Namespace, limit_mb: float) -> dict[str, Any] | str:
+    """The build (no layout cache, as every Docker node loads) in a container of this
+    host's node image limited to ``limit_mb`` of memory and no swap, on a private Docker
+    daemon: its figures, or why it failed (a container killed for memory: "OOM")."""
+    from activities.providers.docker import DockerProvider
+    from tests.helpers.dockerd import start_dockerd
+
+    daemon = start_dockerd(Path(tempfile.mkdtemp(prefix="bl", dir="/tmp")))
+    os.environ["DOCKER_HOST"] = daemon.host
+    try:
+        provider = DockerProvider()
+        tag, mounts, python = provider.host_image()
+        model_dir = os.path.realpath(Path(args.model).parent)
+        binds = {m: {"bind": m, "mode": "ro"} for m in [*mounts, model_dir]}
+        start, end = args.layers
+        limit = int(limit_mb * 2**20)
+        container = provider.client().containers.run(
+            tag,
+            [python, str(Path(__file__).resolve()), os.path.realpath(args.model), "--child",
+             f"{start}:{end}", "--threads", str(args.threads), "--cache", "0"],
+            environment={"MVP_LAYOUT_CACHE": "off", "HOME": "/root", "PYTHONUNBUFFERED": "1"},
+            volumes=binds, mem_limit=limit, memswap_limit=limit, network_mode="none",
+            detach=True,
+        )  # fmt: skip
+        try:
+            status = container.wait(timeout=600)
+            container.reload()
+            oom = bool(container.attrs["State"].get("OOMKilled"))
+            out = container.logs(stdout=True, stderr=False).decode(errors="replace")
+            if oom or status.get("StatusCode") != 0:
+                err = container.logs(stdout=False, stderr=True).decode(errors="replace")
+                return "OOM" if oom else f"exit {status.get('StatusCode')}: {err[-300:]}"
+            return dict(json.loads(out.strip().splitlines()[-1]))
+        finally:
+            container.remove(force=True)
+    finally:
+        daemon.stop()
+        os.environ.pop("DOCKER_HOST", None)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -89,6 +130,11 @@ def main() -> None:
     ap.add_argument("--layers", default=None, help="START:END (default: every layer)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2, help="mapped loads to time")
+    ap.add_argument(
+        "--docker-limit", type=float, default=0.0,
+        help="also load in a Docker container limited to this many times the build's held "
+        "RSS (e.g. 1.2; a private daemon, this host's node image)",
+    )  # fmt: skip
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--cache", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -121,6 +167,13 @@ def main() -> None:
         stored = sum(p.stat().st_size for p in tmp.iterdir())
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if args.docker_limit:
+        limit_mb = args.docker_limit * rows[0][1]["held_mb"]
+        in_docker = _in_docker(args, limit_mb)
+        if isinstance(in_docker, str):
+            print(f"in Docker, --memory {limit_mb:.0f} MB ({args.docker_limit}x held): {in_docker}")
+        else:
+            rows.append((f"build in Docker, --memory {limit_mb:.0f} MB", in_docker))
     print(f"layouts stored: {stored / 1e6:.0f} MB")
     print("| load | time | peak RSS while loading | RSS after a step (anonymous + file) |")
     print("|---|---|---|---|")
