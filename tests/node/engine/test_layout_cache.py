@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as QT
 
 from tests.node.engine.arch_cases import PROMPT, write_case
 from workers.node.engine import EngineOptions, load_stage, native
@@ -164,29 +165,34 @@ def _assert_same_layouts(a_list: list[Any], b_list: list[Any]) -> None:
 
 
 @pytest.mark.parametrize(
-    "case", ["llama-Q4_K", "phi3-Q6_K", "llama3-Q4_K_M", "gemma3-mix", "qwen2-Q5_K_M"]
-)
-def test_k_layouts_from_blocks_are_the_decoded_codes_layouts(
+    "case",
+    [
+        "llama-Q4_K", "phi3-Q6_K", "llama3-Q4_K_M", "gemma3-mix", "qwen2-Q5_K_M",
+        "qwen3-Q4_0", "llama3-Q8_0", "mistral-Q4_0-mix", "gemma3-Q4_0",
+    ],
+)  # fmt: skip
+def test_layouts_from_blocks_are_the_decoded_codes_layouts(
     case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Q4_K and Q6_K layouts built straight from the GGUF blocks in C (loader.BLOCKS_DIRECT)
-    are, field for field, the ones built through the decoded codes in torch: every product
-    of files with those formats alone, fused with each other (a Q4_K_M q/k/v), beside
-    others (Gemma's mix; Q5_K, which stays in torch), in chunks of 32 rows by 1 and 3
+    """Q4_K, Q6_K, Q4_0 (repacked or not) and Q8_0 layouts built straight from the GGUF
+    blocks in C (loader.BLOCKS_DIRECT) are, field for field, the ones built through the
+    decoded codes in torch: every product of files with those formats alone, fused with
+    each other (a Q4_K_M q/k/v; a q/k/v of repacked Q4_0 and Q8_0), beside others
+    (Gemma's mix: Q5_0, and Q5_K, which stay in torch), in chunks of 32 rows by 1 and 3
     threads."""
     from workers.node.engine import loader
-    from workers.node.engine.kernels import KBlocksLayout
+    from workers.node.engine.kernels import BlocksLayout
 
     model = write_case(case, tmp_path)
     monkeypatch.setattr(loader, "_CHUNK_ROWS", 32)
-    direct_calls: list[tuple[int, bool]] = []
-    fill = KBlocksLayout.fill
+    direct_calls: list[tuple[int, int]] = []
+    fill = BlocksLayout.fill
 
-    def counted(self: KBlocksLayout, *args: Any, **kw: Any) -> None:
-        direct_calls.append((id(self.codes), self.q6k))
+    def counted(self: BlocksLayout, *args: Any, **kw: Any) -> None:
+        direct_calls.append((id(self.codes), self.type))
         fill(self, *args, **kw)
 
-    monkeypatch.setattr(KBlocksLayout, "fill", counted)
+    monkeypatch.setattr(BlocksLayout, "fill", counted)
     built = {}
     for direct, threads in ((False, 1), (True, 1), (True, 3)):
         monkeypatch.setattr(loader, "BLOCKS_DIRECT", direct)
@@ -197,28 +203,38 @@ def test_k_layouts_from_blocks_are_the_decoded_codes_layouts(
             stage.close()
     _assert_same_layouts(built[False, 1], built[True, 1])
     _assert_same_layouts(built[False, 1], built[True, 3])
-    # every Q4_K and Q6_K layout of the direct builds came from its blocks (of those
-    # files, none is permuted or scaled by other than a power of two)
-    k_arith = (native.ARITH_Q4K, native.ARITH_Q6K)
+    # every layout of a llama.cpp-order Q4_K, Q6_K, Q4_0 or Q8_0 product of the direct
+    # builds came from its blocks (of those files, none is permuted or scaled by other
+    # than a power of two)
+    k_arith, q0_arith = (native.ARITH_Q4K, native.ARITH_Q6K), (native.ARITH_Q0, native.ARITH_Q0R)
     for key in ((True, 1), (True, 3)):
-        codes = {id(x.codes) for lays in built[key] for x in lays if x.arith in k_arith}
-        assert codes and codes <= {c for c, _ in direct_calls}, key
+        codes = {
+            id(x.codes)
+            for lays in built[key]
+            for x in lays
+            if x.arith in k_arith or (x.arith in q0_arith and x.zero in (8, 128) and not x.bits5)
+        }
+        assert codes, key
+        assert codes <= {c for c, _ in direct_calls}, key
     if case == "llama3-Q4_K_M":
-        assert {q6k for _, q6k in direct_calls} == {False, True}  # Q4_K and Q6_K both
+        assert {t for _, t in direct_calls} == {int(QT.Q4_K), int(QT.Q6_K)}
 
 
-def test_k_layouts_from_blocks_refuse_blocks_that_do_not_fit() -> None:
+def test_layouts_from_blocks_refuse_blocks_that_do_not_fit() -> None:
     """The C builder is handed exactly its matrix's bytes, or a clear error (it would read
     past them)."""
-    from workers.node.engine.kernels import KBlocksLayout, k_layout_from_blocks
+    from workers.node.engine.kernels import BlocksLayout, layout_from_blocks
 
     lib = native.library()
     assert lib is not None
-    with pytest.raises(ValueError, match="16 x 256 Q4_K blocks do not fit 2000 bytes"):
-        k_layout_from_blocks(lib, torch.zeros(2000, dtype=torch.uint8), False, 16, 256)
-    with pytest.raises(ValueError, match="a 8 x 256 K-format layout needs 16-row groups"):
-        k_layout_from_blocks(lib, torch.zeros(8 * 210, dtype=torch.uint8), True, 8, 256)
-    built = KBlocksLayout(lib, True, 32, 256)
+    q4k, q6k, q8 = int(QT.Q4_K), int(QT.Q6_K), int(QT.Q8_0)
+    with pytest.raises(ValueError, match="16 x 256 blocks of type 12 do not fit 2000 bytes"):
+        layout_from_blocks(lib, torch.zeros(2000, dtype=torch.uint8), q4k, 16, 256)
+    with pytest.raises(ValueError, match="a 8 x 256 layout of type 14 needs 16-row groups"):
+        layout_from_blocks(lib, torch.zeros(8 * 210, dtype=torch.uint8), q6k, 8, 256)
+    with pytest.raises(ValueError, match="a 16 x 48 layout of type 8 needs 16-row groups"):
+        layout_from_blocks(lib, torch.zeros(16 * 51, dtype=torch.uint8), q8, 16, 48)
+    built = BlocksLayout(lib, q6k, 32, 256)
     with pytest.raises(ValueError, match=r"rows \[16, 48\) of 32 are not whole groups"):
         built.fill(torch.zeros(32 * 210, dtype=torch.uint8), 16, 32)
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from . import native
 from .native import Weights
-from .quants import AFFINE_BITS, KScales, dequantize
+from .quants import AFFINE_BITS, Q4_0, Q4_K, Q6_K, Q8_0, KScales, dequantize
 
 GROUP = 32
 _BLOCK_N = 64
@@ -747,42 +747,75 @@ def native_layout(
     )
 
 
-class KBlocksLayout:
-    """The layout ``native_layout`` builds for Q4_K (``q6k`` False) or Q6_K matrices of
-    ``rows`` rows in all (a multiple of 16) and ``k`` inputs (a multiple of 256) in
-    llama.cpp's order, field for field the same, filled straight from their GGUF blocks in
-    C (qmm.c mvk_build_q4k / _q6k): each ``fill`` writes its rows' place in tensors
+class BlocksLayout:
+    """The layout ``native_layout`` builds in llama.cpp's order for Q4_K, Q6_K, Q4_0 or
+    Q8_0 matrices (``ggml_type``; a Q4_0 ``repacked`` or not) of ``rows`` rows in all (a
+    multiple of 16) and ``k`` inputs (a multiple of 256 for the K formats, of 32 for the
+    others), field for field the same, filled straight from their GGUF blocks in C (qmm.c
+    mvk_build_q4k / _q6k / _q0): each ``fill`` writes its rows' place in tensors
     allocated once, so a load holds no chunk beside the matrix, and fills of different
     rows may run on different threads at once (ctypes lets go of the interpreter)."""
 
-    def __init__(self, lib: ctypes.CDLL, q6k: bool, rows: int, k: int) -> None:
-        if rows % 16 or k % 256 or rows <= 0:
-            raise ValueError(f"a {rows} x {k} K-format layout needs 16-row groups, 256-blocks")
-        self.lib, self.q6k, self.rows, self.k = lib, q6k, rows, k
-        g, nb = rows // 16, k // 256
+    BLOCK_BYTES = {Q4_K: (256, 144), Q6_K: (256, 210), Q4_0: (32, 18), Q8_0: (32, 34)}
+
+    def __init__(
+        self, lib: ctypes.CDLL, ggml_type: int, rows: int, k: int, repacked: bool = False
+    ) -> None:
+        per, _ = self.BLOCK_BYTES[ggml_type]
+        if rows % 16 or k % per or rows <= 0 or k <= 0:
+            raise ValueError(f"a {rows} x {k} layout of type {ggml_type} needs 16-row groups")
+        self.lib, self.type, self.rows, self.k, self.repacked = lib, ggml_type, rows, k, repacked
+        self.q6k = ggml_type == Q6_K
+        g, nb, ns = rows // 16, k // 256, k // 32
+        self.refused = False  # Q4_0, Q8_0: a scale or offset beyond float16's range
+        if ggml_type in (Q4_0, Q8_0):
+            self.codes = torch.empty(
+                g * ns * (256 if ggml_type == Q4_0 else 512), dtype=torch.uint8
+            )
+            self.scale = torch.empty(g, ns, 16, dtype=torch.float16)
+            return
         self.kd = torch.empty(g, nb, 16, dtype=torch.float32)
-        if q6k:
-            self.codes = torch.empty(g * (k // 32) * 384, dtype=torch.uint8)
+        if self.q6k:
+            self.codes = torch.empty(g * ns * 384, dtype=torch.uint8)
             self.ksc = torch.empty(g, k // 16, 16, dtype=torch.int8)
         else:
-            self.codes = torch.empty(g * (k // 32) * 256, dtype=torch.uint8)
-            self.ksc = torch.empty(g, k // 32, 16, dtype=torch.uint8)
-            self.kmin = torch.empty(g, k // 32, 16, dtype=torch.uint8)
+            self.codes = torch.empty(g * ns * 256, dtype=torch.uint8)
+            self.ksc = torch.empty(g, ns, 16, dtype=torch.uint8)
+            self.kmin = torch.empty(g, ns, 16, dtype=torch.uint8)
             self.kdmin = torch.empty(g, nb, 16, dtype=torch.float32)
 
     def fill(self, raw: torch.Tensor, row0: int, n: int, d_scale: float = 1.0) -> None:
         """Rows ``[row0, row0 + n)`` (whole 16-row groups) from their blocks ``raw``;
-        ``d_scale`` (a power of two) multiplies each block's d and dmin."""
-        size = 210 if self.q6k else 144
+        ``d_scale`` (a power of two) multiplies each block's scales as native_layout does
+        (K formats: d and dmin in float32; Q4_0, Q8_0: d, then rounded to float16)."""
+        per, size = self.BLOCK_BYTES[self.type]
         k = self.k
         if row0 % 16 or n % 16 or n <= 0 or row0 + n > self.rows:
             raise ValueError(f"rows [{row0}, {row0 + n}) of {self.rows} are not whole groups")
-        if raw.numel() != n * (k // 256) * size or raw.dtype != torch.uint8:
-            name = "Q6_K" if self.q6k else "Q4_K"
-            raise ValueError(f"{n} x {k} {name} blocks do not fit {raw.numel()} bytes")
-        raw = raw.contiguous()
+        if raw.numel() != n * (k // per) * size or raw.dtype != torch.uint8:
+            raise ValueError(f"{n} x {k} blocks of type {self.type} do not fit {raw.numel()} bytes")
+        # A load runs under inference mode, which is per thread: a fill on a pool thread
+        # updates the tensors made under it in that mode too.
+        with torch.inference_mode():
+            self._fill(raw.contiguous(), row0, n, d_scale)
+
+    def _fill(self, raw: torch.Tensor, row0: int, n: int, d_scale: float) -> None:
+        k = self.k
         g0, g1 = row0 // 16, (row0 + n) // 16
         codes = self.codes.view(self.rows // 16, -1)[g0:g1]
+        if self.type in (Q4_0, Q8_0):
+            scale = self.scale[g0:g1]
+            self.lib.mvk_build_q0(
+                raw.data_ptr(), n, k, int(self.type == Q8_0), codes.data_ptr(), scale.data_ptr()
+            )
+            s = scale.float() * d_scale  # native_layout's float32 scale, then float16
+            scale.copy_(s.to(torch.float16))
+            # native_layout refuses a chunk whose scales or offsets (zero x scale) pass
+            # float16's range (its max over a chunk with a NaN is NaN: not refused)
+            zero = 8.0 if self.type == Q4_0 else 128.0
+            m = float(s.abs().max())
+            self.refused = self.refused or zero * m > _F16_MAX
+            return
         if self.q6k:
             self.lib.mvk_build_q6k(
                 raw.data_ptr(), n, k, codes.data_ptr(), self.ksc[g0:g1].data_ptr(),
@@ -799,8 +832,21 @@ class KBlocksLayout:
             if not self.q6k:
                 self.kdmin[g0:g1] *= d_scale
 
-    def layout(self) -> NativeLayout:
+    def layout(self) -> NativeLayout | None:
+        """The filled layout; None where native_layout refuses it (a Q4_0 or Q8_0 scale
+        or offset beyond float16's range)."""
         empty = torch.empty(0, dtype=torch.float32)
+        if self.type in (Q4_0, Q8_0):
+            if self.refused:
+                return None
+            zero = 8 if self.type == Q4_0 else 128
+            return NativeLayout(
+                codes=self.codes, scale=self.scale, offset=None, nibble=self.type == Q4_0,
+                sub=32, zero=zero, mode=native.Q8_0_ACT, kp=self.k,
+                arith=native.ARITH_Q0R if self.repacked else native.ARITH_Q0,
+                zrow=torch.full((self.rows,), zero, dtype=torch.uint8),
+                zg=torch.zeros(self.rows // 16, dtype=torch.int8), zlist=(zero,),
+            )  # fmt: skip
         if self.q6k:
             return NativeLayout(
                 codes=self.codes, scale=empty, offset=None, nibble=False, sub=16, zero=32,
@@ -814,11 +860,11 @@ class KBlocksLayout:
         )  # fmt: skip
 
 
-def k_layout_from_blocks(
-    lib: ctypes.CDLL, raw: torch.Tensor, q6k: bool, n: int, k: int, d_scale: float = 1.0
-) -> NativeLayout:
-    """One matrix's KBlocksLayout, filled whole."""
-    built = KBlocksLayout(lib, q6k, n, k)
+def layout_from_blocks(
+    lib: ctypes.CDLL, raw: torch.Tensor, ggml_type: int, n: int, k: int, d_scale: float = 1.0
+) -> NativeLayout | None:
+    """One matrix's BlocksLayout, filled whole."""
+    built = BlocksLayout(lib, ggml_type, n, k)
     built.fill(raw, 0, n, d_scale)
     return built.layout()
 

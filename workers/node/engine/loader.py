@@ -24,9 +24,9 @@ from .arch_table import traits_of
 from .config import ArchConfig
 from .gguf_reader import GGUFError, GGUFFile
 from .kernels import (
+    BlocksLayout,
     DenseLinear,
     Int4Linear,
-    KBlocksLayout,
     LayoutJoiner,
     Linear,
     NativeLayout,
@@ -101,7 +101,7 @@ def native_chunk_rows(k: int) -> int:
     return min(_CHUNK_ROWS, max(16, _CHUNK_WEIGHTS // max(k, 1) // 16 * 16))
 
 
-# Q4_K and Q6_K layouts built from their blocks in C (WeightBuilder._blocks_direct);
+# Q4_K, Q6_K, Q4_0 and Q8_0 layouts built from their blocks in C (_blocks_direct);
 # False: through their decoded codes in torch (the tests compare the two).
 BLOCKS_DIRECT = True
 # Native layouts built chunk by chunk and joined (WeightBuilder._run_layout); False: a
@@ -360,9 +360,10 @@ class WeightBuilder:
     def _direct_layout(
         self, members: list[tuple[Part, tuple[int, ...], int, bool]], k: int, bits: int
     ) -> NativeLayout | None:
-        """A run of Q4_K or Q6_K matrices' layout filled straight from their blocks in C
-        (kernels.KBlocksLayout), chunk by chunk by the stage's threads; None where the
-        run is not one for it (WeightBuilder._blocks_direct)."""
+        """A run of Q4_K, Q6_K, Q4_0 or Q8_0 matrices' layout filled straight from their
+        blocks in C (kernels.BlocksLayout), chunk by chunk by the stage's threads; None
+        where the run is not one for it (WeightBuilder._blocks_direct) or native_layout
+        would refuse it."""
         types = {t for _, _, t, _ in members}
         t = next(iter(types))
         if len(types) != 1 or not all(
@@ -371,7 +372,9 @@ class WeightBuilder:
             return None
         lib = native.library()
         assert lib is not None  # _native checked it
-        out = KBlocksLayout(lib, t == Q6_K, sum(shape[0] for _, shape, _, _ in members), k)
+        repacked = members[0][3]
+        rows = sum(shape[0] for _, shape, _, _ in members)
+        out = BlocksLayout(lib, t, rows, k, repacked)
         workers = max(1, native.threads())
         step = max(16, native_chunk_rows(k) // workers // 16 * 16)
 
@@ -387,20 +390,21 @@ class WeightBuilder:
             row0 += shape[0]
         for _ in _in_order(fill, spans, workers):
             pass
+        # None: refused as native_layout would (its path then says so again)
         return out.layout()
 
     def _blocks_direct(self, part: Part, t: int, k: int, n: int, bits: int) -> bool:
-        """Whether a chunk's layout comes straight from its GGUF blocks (qmm.c
-        mvk_build_q4k / _q6k): Q4_K or Q6_K in llama.cpp's order, in its own bits (not
+        """Whether a matrix's layout comes straight from its GGUF blocks (qmm.c
+        mvk_build_*): Q4_K, Q6_K, Q4_0 or Q8_0 in llama.cpp's order, in its own bits (not
         widened for a fused part of more), rows in file order, a power-of-two row scale."""
         return (
             BLOCKS_DIRECT
             and self.llamacpp_order
-            and t in (Q4_K, Q6_K)
+            and t in BlocksLayout.BLOCK_BYTES
             and bits == _NATIVE[t][0]
             and part.perm is None
             and _pow2(part.row_scale)
-            and k % 256 == 0
+            and k % BlocksLayout.BLOCK_BYTES[t][0] == 0
             and n % 16 == 0
         )
 
@@ -464,6 +468,8 @@ class WeightBuilder:
         permuted part comes whole)."""
         raw = self.raw(part.name)
         rows = shape[0]
+        if rows <= 0:
+            raise GGUFError(f"{part.name} has no rows")
         step = rows if part.perm is not None else step
         row_bytes = raw.numel() // rows
         for r in range(0, rows, step):

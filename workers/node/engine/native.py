@@ -183,9 +183,11 @@ def load(path: Path) -> ctypes.CDLL:
     lib.mvk_build_q4k.restype = None
     lib.mvk_build_q6k.argtypes = [_P, _I, _I, _P, _P, _P]
     lib.mvk_build_q6k.restype = None
+    lib.mvk_build_q0.argtypes = [_P, _I, _I, _C, _P, _P]
+    lib.mvk_build_q0.restype = None
     lib.mvk_set_prefetch.argtypes = [_C]
     lib.mvk_set_prefetch.restype = _C
-    lib.mvk_profile.argtypes = [_C, _P]
+    lib.mvk_profile.argtypes = [_C, _P, _C]
     lib.mvk_profile.restype = _C
     lib.mvk_simd.argtypes = []
     lib.mvk_simd.restype = _C
@@ -308,7 +310,7 @@ def profile(on: bool) -> dict[str, float]:
     if lib is None:
         return {}
     out = (ctypes.c_int64 * len(PROFILE_PHASES))()
-    n = int(lib.mvk_profile(int(on), ctypes.addressof(out)))
+    n = int(lib.mvk_profile(int(on), ctypes.addressof(out), len(out)))
     return {name: out[i] / 1e9 for i, name in enumerate(PROFILE_PHASES[:n])}
 
 

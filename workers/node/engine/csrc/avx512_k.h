@@ -33,7 +33,7 @@ static inline __attribute__((always_inline)) void q4k_tile(const mvk_job *j, int
             const __m512i mn = _mm512_cvtepu8_epi32(
                 _mm_loadu_si128((const __m128i *)(j->kmin + (G * ns + sb) * 16)));
             prefetch_ahead(wg + sb * 256, 256);
-            if ((sb & 3) == 0) {
+            if ((sb & 3) == 0 && g_pf_dist) {
                 _mm_prefetch((const char *)j->ksc + (G * ns + sb) * 16 + g_pf_dist / 16, _MM_HINT_T0);
                 _mm_prefetch((const char *)j->kmin + (G * ns + sb) * 16 + g_pf_dist / 16, _MM_HINT_T0);
             }

@@ -1,7 +1,8 @@
 /* Part of qmm.c, its one translation unit: included there once, in its order (see
- * there). A stage's load: the interleaved layouts of Q4_K and Q6_K matrices built straight
- * from their GGUF blocks (mvk_build_q4k, mvk_build_q6k), byte for byte what kernels.py's
- * native_layout builds from the decoded codes, in one pass over the blocks. */
+ * there). A stage's load: the interleaved layouts of Q4_K, Q6_K, Q4_0 and Q8_0 matrices
+ * built straight from their GGUF blocks (mvk_build_q4k, mvk_build_q6k, mvk_build_q0),
+ * byte for byte what kernels.py's native_layout builds from the decoded codes, in one
+ * pass over the blocks. */
 
 /* Code m (0..31) of 32-element sub-block j (0..7) of a Q4_K block's 128 code bytes: the
  * low nibbles of 32 bytes hold sub-block 2i, their high nibbles sub-block 2i + 1. */
@@ -90,6 +91,39 @@ void mvk_build_q6k(const uint8_t *raw, int64_t n, int64_t k, uint8_t *codes, int
                                 ((q[16 * hh + e] >> 4) & 3) | (((q[16 * hh + 4 + e] >> 4) & 3) << 2) |
                                 (((q[16 * hh + 8 + e] >> 4) & 3) << 4) |
                                 (((q[16 * hh + 12 + e] >> 4) & 3) << 6));
+                }
+            }
+}
+
+/* Rows [0, n) of a Q4_0 (q8 0) or Q8_0 (q8 1) matrix (blocks of 18 / 34 bytes: a float16
+ * d, then 16 bytes of nibbles / 32 int8 codes) into rows_q0's interleaved layout: codes
+ * [n / 16][k / 32][256 or 512] (Q4_0: element j of a block in qs[j]'s low nibble, j + 16
+ * in its high one; Q8_0: code + 128 as a byte), scales [n / 16][k / 32][16] (d's float16
+ * bits). */
+void mvk_build_q0(const uint8_t *raw, int64_t n, int64_t k, int q8, uint8_t *codes,
+                  uint16_t *scales) {
+    const int64_t ns = k / 32, size = q8 ? 34 : 18, piece = q8 ? 512 : 256;
+    for (int64_t G = 0; G < n / 16; G++)
+        for (int r = 0; r < 16; r++)
+            for (int64_t b = 0; b < ns; b++) {
+                const uint8_t *blk = raw + ((G * 16 + r) * ns + b) * size;
+                memcpy(scales + (G * ns + b) * 16 + r, blk, 2);
+                uint8_t q[32];
+                if (q8) {
+                    for (int e = 0; e < 32; e++) q[e] = (uint8_t)((int)(int8_t)blk[2 + e] + 128);
+                } else {
+                    for (int e = 0; e < 16; e++) {
+                        q[e] = blk[2 + e] & 15;
+                        q[e + 16] = blk[2 + e] >> 4;
+                    }
+                }
+                uint8_t *out = codes + (G * ns + b) * piece + 4 * r;
+                if (q8) {
+                    for (int l = 0; l < 8; l++) memcpy(out + 64 * l, q + 4 * l, 4);
+                } else {
+                    for (int c = 0; c < 4; c++)
+                        for (int i = 0; i < 4; i++)
+                            out[64 * c + i] = (uint8_t)(q[8 * c + i] | (q[8 * c + 4 + i] << 4));
                 }
             }
 }

@@ -79,14 +79,15 @@ static int64_t g_prof[PROF_N];
 #define PROF_START() (g_prof_on ? now_ns() : 0)
 #define PROF_ADD(i, t0)                                                                    \
     do {                                                                                   \
-        if (g_prof_on) g_prof[i] += now_ns() - (t0);                                       \
+        if (g_prof_on && (t0) != 0) g_prof[i] += now_ns() - (t0);                          \
     } while (0)
 
-/* Copies the counters (PROF_N of them, nanoseconds) into out where not NULL, zeroes them,
- * and switches counting on or off. Returns PROF_N. */
-int mvk_profile(int on, int64_t *out) {
+/* Copies the first `n` counters (nanoseconds; PROF_N in all) into out where not NULL,
+ * zeroes them all, and switches counting on or off. Returns PROF_N. A phase that began
+ * while counting was off adds nothing when it ends (PROF_START gave 0). */
+int mvk_profile(int on, int64_t *out, int n) {
     for (int i = 0; i < PROF_N; i++) {
-        if (out) out[i] = g_prof[i];
+        if (out && i < n) out[i] = g_prof[i];
         g_prof[i] = 0;
     }
     g_prof_on = on != 0;

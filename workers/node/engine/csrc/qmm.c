@@ -62,6 +62,7 @@ int mvk_set_prefetch(int bytes) {
  * the matrix's end too: a prefetch never faults). */
 #if defined(MVK_AVX512) || defined(MVK_AVX2)
 static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *p, int bytes) {
+    if (g_pf_dist == 0) return;
     const uint8_t *a = p + g_pf_dist;
     for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(a + o), _MM_HINT_T0);
 }
@@ -92,7 +93,7 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *
  *   attention.h      attention (mvk_attention)
  *   glu.h            SwiGLU and GeGLU (mvk_swiglu, mvk_geglu)
  *   layers.h         whole decoder layers in one call (mvk_layers, mvk_layers_batch)
- *   build.h          a load: Q4_K / Q6_K layouts from GGUF blocks (mvk_build_q4k, _q6k)
+ *   build.h          a load: Q4_K / Q6_K / Q4_0 / Q8_0 layouts from GGUF blocks (mvk_build_*)
  * They are the one file this was, cut where its sections began, in its order (but for
  * mvk_rms_norm, mvk_rope_norm and MVK_ATTN_SCRATCH, moved to their kind): the same code,
  * compiled to the same instructions. native.py's build cache is keyed by every file here;
