@@ -62,6 +62,7 @@ from mvp_core.models import (
     StopNodeResult,
 )
 from mvp_core.names import NODE_MODULE, resource_arg
+from mvp_io.kernel_dirs import PREBUILT_ENV, kernel_dir
 from temporal.connect import temporal_address
 
 CREATED_BY = "mvp-orchestrator"
@@ -388,7 +389,17 @@ class DockerProvider:
             if not any(path == c or path.startswith(c + "/") for c in covered):
                 mounts.append(Mount(path, real, type="bind", read_only=True))
                 covered.append(path)
+        # The host's builds of the engine's kernel, read-only: a node loads the one of
+        # its source instead of compiling it at every container start (DECISIONS 87).
+        kernels = kernel_dir()
+        prebuilt = {}
+        if kernels.is_dir() and not any(str(kernels).startswith(c + "/") for c in covered):
+            mounts.append(
+                Mount(str(kernels), os.path.realpath(kernels), type="bind", read_only=True)
+            )
+            prebuilt = {PREBUILT_ENV: str(kernels)}
         host_env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
+        host_env.update(prebuilt)
         host_env.update(
             {
                 "MVP_DATAPLANE_HOST": "0.0.0.0",

@@ -32,6 +32,7 @@ from mvp_core.models import (
 )
 from mvp_core.run_records import NodeState
 from mvp_io.gguf_files import open_model
+from mvp_io.kernel_dirs import PREBUILT_ENV, kernel_dir
 from temporal.client import RunHandle
 from temporal.connect import connect
 from temporal.devserver import start_dev_server
@@ -159,6 +160,7 @@ async def test_docker_pipeline_gives_the_process_text_over_container_addresses(
     example = json.loads((REPO / "docs" / "examples" / "run-docker.json").read_text())
     memory = 1 << 30
     limited = {**example, "pipeline_stages": stages, "docker": {"cpus": 1, "memory": memory}}
+    kernel_dir().mkdir(parents=True, exist_ok=True)  # lent to the containers (below)
     handle = await druns.start(run_id, **limited)
     state = await wait_phase(handle, RunPhase.PROMPT_READY, timeout=READY_S)
     assert await greedy(druns.client, run_id) == expected
@@ -179,6 +181,11 @@ async def test_docker_pipeline_gives_the_process_text_over_container_addresses(
     for node_id, c in containers.items():
         assert c.attrs["HostConfig"]["Memory"] == limits[node_id]  # type: ignore[attr-defined]
         assert c.attrs["HostConfig"]["MemorySwap"] == limits[node_id]  # type: ignore[attr-defined]
+        # The host's kernel builds, lent read-only (the folder made before the run)
+        kernels = str(kernel_dir())
+        mounts = c.attrs["Mounts"]  # type: ignore[attr-defined]
+        assert [m["RW"] for m in mounts if m["Destination"] == kernels] == [False]
+        assert f"{PREBUILT_ENV}={kernels}" in c.attrs["Config"]["Env"]  # type: ignore[attr-defined]
     net = run_networks(dclient, run_id)[0]
     by_stage = sorted(state.nodes, key=lambda n: n.stage_index)
     endpoints = []

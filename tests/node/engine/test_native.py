@@ -345,6 +345,29 @@ def test_build_is_cached_and_failures_say_why(tmp_path: Path) -> None:
             raise RuntimeError(str(e)) from e
 
 
+def test_a_prebuilt_kernel_folder_is_looked_in_and_never_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MVP_KERNELS_PREBUILT (a Docker node's read-only view of its host's builds, DECISIONS
+    87): a build of this source there is used as it is; a folder without one is not
+    written to: the build goes to the node's own folder."""
+    from mvp_io.kernel_dirs import KERNELS_DIR_ENV, PREBUILT_ENV
+
+    built = native.build()
+    pre, own, empty = tmp_path / "pre", tmp_path / "own", tmp_path / "empty"
+    pre.mkdir()
+    empty.mkdir()
+    shutil.copy(built, pre / built.name)
+    monkeypatch.setenv(KERNELS_DIR_ENV, str(own))
+    monkeypatch.setenv(PREBUILT_ENV, str(pre))
+    assert native.build() == pre / built.name
+    assert not own.exists()
+    monkeypatch.setenv(PREBUILT_ENV, str(empty))
+    with pytest.raises(RuntimeError, match="failed"):
+        native.build(compiler="false")  # a compiler that fails: where did it try?
+    assert not any(empty.iterdir()) and own.is_dir()
+
+
 def test_the_choice_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     try:
         monkeypatch.setenv(native.ENV_CHOICE, "torch")

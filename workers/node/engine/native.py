@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from mvp_io.kernel_dirs import KERNELS_DIR_ENV, PREBUILT_ENV, kernel_dir
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "qmm.c"  # includes the other csrc/ files
@@ -70,12 +72,14 @@ _C = ctypes.c_int
 
 
 def _cache_dirs() -> list[Path]:
-    """Where a build may go: ``MVP_KERNELS_DIR``, else the user's cache, else the
-    temporary directory (a container whose home is read-only)."""
-    if os.environ.get("MVP_KERNELS_DIR"):
-        return [Path(os.environ["MVP_KERNELS_DIR"])]
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return [cache / "mvp-orchestrator" / "kernels", Path(tempfile.gettempdir()) / "mvp-kernels"]
+    """Where a build is looked for, then may go: ``MVP_KERNELS_PREBUILT`` (looked in
+    only: a container's read-only view of its host's builds), then ``MVP_KERNELS_DIR``,
+    else the user's cache, else the temporary directory (a container whose home is
+    read-only)."""
+    first = [Path(p)] if (p := os.environ.get(PREBUILT_ENV)) else []
+    if os.environ.get(KERNELS_DIR_ENV):
+        return [*first, kernel_dir()]
+    return [*first, kernel_dir(), Path(tempfile.gettempdir()) / "mvp-kernels"]
 
 
 def _compiler() -> str | None:
@@ -109,9 +113,12 @@ def build(
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
     key = cache_key(cc, extra_flags)
     if out_dir is None:
+        prebuilt = os.environ.get(PREBUILT_ENV)
         for candidate in _cache_dirs():
             if (candidate / f"qmm-{key}.so").exists():
                 return candidate / f"qmm-{key}.so"
+            if prebuilt and candidate == Path(prebuilt):
+                continue  # looked in, never written
             try:
                 candidate.mkdir(parents=True, exist_ok=True)
             except OSError:
