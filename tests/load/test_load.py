@@ -241,7 +241,9 @@ async def test_hundreds_of_prompts_across_continue_as_new_keep_history_bounded(s
     await stop(latest, run_id)
     assert not site.task_failures(), site.task_failures()[:3]
     histories = await chain(client, handle)
-    assert len(histories) == state.continued + 1
+    # The snapshot above may be taken with a rollover under way (phase rolling_over): the
+    # chain then holds one run more than it counted.
+    assert len(histories) - 1 in (state.continued, state.continued + 1), (len(histories), state)
     sizes = [len(h.events) for h in histories]
     assert max(sizes) <= HISTORY_BOUND, sizes
     served = collections.Counter(rid for h in histories for rid in prompt_children(h))
