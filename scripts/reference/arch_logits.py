@@ -53,21 +53,28 @@ except ImportError:
     llama_cpp = None  # type: ignore[assignment,unused-ignore]
 
 
-def record(path: str, threads: int) -> tuple[np.ndarray, list[int]]:
-    """llama.cpp's last-position logits [1 + STEPS, vocab] and its greedy tokens."""
+def record(
+    path: str,
+    threads: int,
+    prompt: list[int] = PROMPT,
+    steps: int = STEPS,
+    context: int = CONTEXT,
+) -> tuple[np.ndarray, list[int]]:
+    """llama.cpp's last-position logits [1 + steps, vocab] after ``prompt`` in one batch
+    and each greedy step, and its greedy tokens."""
     llm = Llama(
-        model_path=path, n_ctx=CONTEXT, n_batch=CONTEXT, n_threads=threads,
+        model_path=path, n_ctx=context, n_batch=context, n_threads=threads,
         logits_all=False, verbose=False,
     )  # fmt: skip
     n_vocab = llm.n_vocab()
     rows: list[np.ndarray] = []
     tokens: list[int] = []
-    llm.eval(PROMPT)
-    for step in range(STEPS + 1):
+    llm.eval(prompt)
+    for step in range(steps + 1):
         ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
         logits = np.ctypeslib.as_array(ptr, shape=(n_vocab,)).copy()
         rows.append(logits)
-        if step == STEPS:
+        if step == steps:
             break
         token = int(np.argmax(logits))
         tokens.append(token)

@@ -27,10 +27,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file, too
 
+from scripts.reference.arch_logits import record  # llama.cpp's run of a file
 from tests.node.engine.arch_cases import file_digest
 from tests.node.engine.realistic_cases import (
     CONTEXT,
@@ -45,31 +44,8 @@ from tests.node.engine.realistic_cases import (
 
 try:  # an offline tool: --help works without it, a run needs it
     import llama_cpp
-    from llama_cpp import Llama
 except ImportError:
     llama_cpp = None  # type: ignore[assignment,unused-ignore]
-
-
-def record(path: str, threads: int) -> tuple[list[np.ndarray], list[int]]:
-    """llama.cpp's last-position logits (1 + STEPS rows) and its greedy tokens."""
-    llm = Llama(
-        model_path=path, n_ctx=CONTEXT, n_batch=CONTEXT, n_threads=threads,
-        logits_all=False, verbose=False,
-    )  # fmt: skip
-    n_vocab = llm.n_vocab()
-    rows: list[np.ndarray] = []
-    tokens: list[int] = []
-    llm.eval(PROMPT)
-    for step in range(STEPS + 1):
-        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
-        rows.append(np.ctypeslib.as_array(ptr, shape=(n_vocab,)).astype(np.float32))
-        if step == STEPS:
-            break
-        token = int(np.argmax(rows[-1]))
-        tokens.append(token)
-        llm.eval([token])
-    llm.close()
-    return rows, tokens
 
 
 def main() -> None:
@@ -96,7 +72,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for case in cases:
             model = write_case(case, Path(tmp))
-            rows, tokens = record(model.path, args.threads)
+            rows, tokens = record(model.path, args.threads, PROMPT, STEPS, CONTEXT)
             meta["cases"][case] = {
                 "sha256": file_digest(model.path),
                 "tokens": tokens,

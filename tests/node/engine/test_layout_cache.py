@@ -150,6 +150,16 @@ def _native_linears(obj: object, out: list[NativeLinear], depth: int = 0) -> lis
     return out
 
 
+def _built_layouts(path: str, n_layers: int, threads: int) -> list[Any]:
+    """Every native product's layouts of a whole-model stage, built (no layout cache)."""
+    with native_kernel():
+        opts = EngineOptions(device="cpu", threads=threads, layout_cache=False)
+        stage = load_stage(path, 0, n_layers, opts)
+        layouts = [lin.layouts for lin in _native_linears(stage.model, [])]
+        stage.close()
+    return layouts
+
+
 def _assert_same_layouts(a_list: list[Any], b_list: list[Any]) -> None:
     assert a_list and len(a_list) == len(b_list)
     for whole, other in zip(a_list, b_list, strict=True):
@@ -196,11 +206,7 @@ def test_layouts_from_blocks_are_the_decoded_codes_layouts(
     built = {}
     for direct, threads in ((False, 1), (True, 1), (True, 3)):
         monkeypatch.setattr(loader, "BLOCKS_DIRECT", direct)
-        with native_kernel():
-            opts = EngineOptions(device="cpu", threads=threads, layout_cache=False)
-            stage = load_stage(model.path, 0, model.spec.n_layers, opts)
-            built[direct, threads] = [lin.layouts for lin in _native_linears(stage.model, [])]
-            stage.close()
+        built[direct, threads] = _built_layouts(model.path, model.spec.n_layers, threads)
     _assert_same_layouts(built[False, 1], built[True, 1])
     _assert_same_layouts(built[False, 1], built[True, 3])
     # every layout of a llama.cpp-order Q4_K, Q6_K, Q4_0 or Q8_0 product of the direct
@@ -255,21 +261,6 @@ def test_layouts_built_by_row_chunks_are_the_whole_matrixs(
     built = {}
     for chunked, threads in ((False, 1), (True, 1), (True, 3)):
         monkeypatch.setattr(loader, "CHUNKED_LAYOUTS", chunked)
-        with native_kernel():
-            opts = EngineOptions(device="cpu", threads=threads, layout_cache=False)
-            stage = load_stage(model.path, 0, model.spec.n_layers, opts)
-            built[chunked, threads] = [lin.layouts for lin in _native_linears(stage.model, [])]
-            stage.close()
-    assert built[True, 1] and len(built[True, 1]) == len(built[False, 1])
-    pairs = [*zip(built[False, 1], built[True, 1], strict=True)]
-    pairs += zip(built[False, 1], built[True, 3], strict=True)
-    for whole, joined in pairs:
-        assert len(whole) == len(joined)
-        for a, b in zip(whole, joined, strict=True):
-            for f in fields(a):
-                x, y = getattr(a, f.name), getattr(b, f.name)
-                if isinstance(x, torch.Tensor):
-                    assert isinstance(y, torch.Tensor) and x.dtype == y.dtype, f.name
-                    assert torch.equal(x, y), f.name
-                else:
-                    assert x == y, f.name
+        built[chunked, threads] = _built_layouts(model.path, model.spec.n_layers, threads)
+    _assert_same_layouts(built[False, 1], built[True, 1])
+    _assert_same_layouts(built[False, 1], built[True, 3])

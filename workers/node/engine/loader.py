@@ -74,6 +74,14 @@ _CHUNK_WEIGHTS = 4096 * 2048
 R = TypeVar("R")
 
 
+def _parallel_chunks(k: int) -> tuple[int, int]:
+    """The threads that convert a matrix of ``k`` inputs (the stage's kernel count) and
+    the rows of each's chunk: 1/threads of a serial chunk, so that the chunks in
+    conversion together hold one serial chunk's temporaries."""
+    workers = max(1, native.threads())
+    return workers, max(16, native_chunk_rows(k) // workers // 16 * 16)
+
+
 def _in_order(fn: Callable[..., R], spans: Sequence[tuple[Any, ...]], workers: int) -> Iterator[R]:
     """``fn(*span)`` for each span, results in order: on ``workers`` threads, at most that
     many spans at once (one thread: here, one after another). A failure is raised where
@@ -337,9 +345,7 @@ class WeightBuilder:
         stage's kernel runs (its pool idles while loading; torch's ops let go of the
         interpreter): that many chunks, each 1/threads of a serial one, in conversion at
         once; each chunk's file pages released once it is converted."""
-        workers = max(1, native.threads())
-        # the chunks in conversion together hold one serial chunk's temporaries
-        step = max(16, native_chunk_rows(k) // workers // 16 * 16)
+        workers, step = _parallel_chunks(k)
 
         def convert(
             part: Part, t: int, repacked: bool, r: int, n: int, raw: torch.Tensor
@@ -375,8 +381,7 @@ class WeightBuilder:
         repacked = members[0][3]
         rows = sum(shape[0] for _, shape, _, _ in members)
         out = BlocksLayout(lib, t, rows, k, repacked)
-        workers = max(1, native.threads())
-        step = max(16, native_chunk_rows(k) // workers // 16 * 16)
+        workers, step = _parallel_chunks(k)
 
         def fill(part: Part, row0: int, r: int, n: int, raw: torch.Tensor) -> None:
             try:
