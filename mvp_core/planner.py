@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 from mvp_core.memory_plan import KV_BYTES, closest_ranges, size_text, stage_needs
 from mvp_core.models import (
+    MAX_TOP_LOGPROBS,
     ActivationDtype,
     EdgeKind,
     EdgePlan,
@@ -25,6 +26,10 @@ RECORD_HEADER_BYTES = 40
 # DECISIONS 19: the begin record of token-in carries a sampling header ahead of the
 # prompt tokens. Keep in step with workers.node.dataplane.records.SAMPLING_HEADER_BYTES.
 SAMPLING_HEADER_BYTES = 40
+# A token-out record: the u32 token, and for a prompt that asked for logprobs its f32
+# logprob and up to MAX_TOP_LOGPROBS (u32 id, f32 logprob) pairs. Keep in step with
+# workers.node.dataplane.records.token_out_max_extent.
+TOKEN_OUT_BYTES = 8 + 8 * MAX_TOP_LOGPROBS
 MAX_RING_BYTES = 1 << 32
 MAX_BALANCED_SEARCH = 2_000_000  # stages x layers^2: 16 stages of 350 layers, about 1 s
 
@@ -192,7 +197,7 @@ def plan_edges(
             kind=EdgeKind.TOKEN_OUT,
             src_stage=stage_count - 1,
             dst_stage=None,
-            max_extent=4,
+            max_extent=TOKEN_OUT_BYTES,
             alignment=4,
         )
     )

@@ -118,7 +118,7 @@ def pipeline_rate(driver: Driver, tokens: int, request_id: int) -> float:
             SamplingParams(),
             max_new_tokens=tokens,
             max_seq_len=MAX_SEQ,
-            on_token=out.append,
+            on_token=lambda token, _: out.append(token),
             should_stop=lambda: False,
         )
     return len(out) / (time.perf_counter() - t0)

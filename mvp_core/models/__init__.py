@@ -59,6 +59,7 @@ from mvp_core.models.plan import (
     StagePlan,
 )
 from mvp_core.models.prompts import (
+    MAX_TOP_LOGPROBS,
     CancelPrompt,
     ChatMessage,
     Done,
@@ -81,6 +82,8 @@ from mvp_core.models.prompts import (
     StopReason,
     SubmitPrompt,
     TextDelta,
+    TokenLogprob,
+    TopLogprob,
 )
 from mvp_core.models.provider_settings import (
     MAX_DOCKER_CPUS,
@@ -120,6 +123,7 @@ __all__ = [
     "HUB_REVISION_MAX",
     "MAX_ACTIVE_PROMPTS",
     "MAX_DOCKER_CPUS",
+    "MAX_TOP_LOGPROBS",
     "ActivationDtype",
     "ByteRange",
     "CancelPrompt",
@@ -196,6 +200,8 @@ __all__ = [
     "SubmitPrompt",
     "TextDelta",
     "TokenEndpointsReady",
+    "TokenLogprob",
+    "TopLogprob",
     "VastAiSettings",
     "WatchNodesInput",
     "WeightsReady",

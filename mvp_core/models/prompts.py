@@ -6,12 +6,16 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from mvp_core.errors import ErrorType
 from mvp_core.models._base import _DAY_S, _U32, _U64, _Model
 from mvp_core.models.policies import NodeLossPolicy
 from mvp_core.request_ids import request_id_problem
+
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives a prompt may ask log probabilities of per token (OpenAI's chat
+limit; the token-out record is sized for it: mvp_core.planner.TOKEN_OUT_BYTES)."""
 
 
 class ChatMessage(_Model):
@@ -56,6 +60,20 @@ class SubmitPrompt(_Model):
             "text where the original response was cut"
         ),
     )
+    logprobs: bool = Field(
+        default=False,
+        description=(
+            "Each generated token's log probability (the model's log-softmax over the whole "
+            "vocabulary of the step's raw logits, before temperature and top-k/top-p) travels "
+            "with the text deltas (TextDelta.logprobs)"
+        ),
+    )
+    top_logprobs: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="With logprobs: the most likely tokens of each step to report too (0-20)",
+    )
     text_key: str | None = Field(
         default=None,
         pattern=r"^[0-9a-f]{32}$",
@@ -75,6 +93,28 @@ class SubmitPrompt(_Model):
             raise ValueError(problem)
         return value
 
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> SubmitPrompt:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs")
+        return self
+
+
+class TopLogprob(_Model):
+    """One candidate token of a step: its text (its bytes as UTF-8, a broken character as
+    U+FFFD), its bytes, and its log probability."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    """A generated token's log probability, and the step's ``top_logprobs`` most likely
+    tokens (most likely first, ties by token id), as OpenAI's chat API shapes them."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list, max_length=MAX_TOP_LOGPROBS)
+
 
 class TextDelta(_Model):
     type: Literal["text_delta"] = "text_delta"
@@ -90,6 +130,11 @@ class TextDelta(_Model):
         default=None,
         ge=0,
         description="On a prompt's first delta: its tokens as the head node encoded them",
+    )
+    logprobs: list[TokenLogprob] | None = Field(
+        default=None,
+        description="A prompt that asked for logprobs: those of the tokens this delta "
+        "completes, in order (None otherwise, or for tokens resumed after a stage recovery)",
     )
 
 

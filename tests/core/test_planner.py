@@ -79,7 +79,7 @@ def test_pipeline_edges_ids_and_object_specs():
     assert [e.activation_dtype for e in p.edges if e.kind is not EdgeKind.ACTIVATION] == [None] * 2
     # Token-out carries one u32 token per record (DECISIONS 82): anything longer is
     # refused at its header.
-    assert (p.edges[-1].max_extent, p.edges[-1].alignment) == (4, 4)
+    assert (p.edges[-1].max_extent, p.edges[-1].alignment) == (8 + 8 * 20, 4)
     ring = {r.edge_id: r for r in p.rings}
     assert ring[2].capacity == 40 + 256 * 576 * 4 and ring[2].alignment == 64
     assert ring[4].capacity == 40 + 256 * 4 and ring[4].alignment == 8

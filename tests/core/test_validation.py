@@ -228,6 +228,9 @@ def test_unbounded_timeouts_are_rejected_before_anything_starts(raw, field):
         {"top_k": 2**32},
         {"temperature": float("inf")},
         {"top_p": 1e-50},
+        {"logprobs": True, "top_logprobs": 21},
+        {"logprobs": True, "top_logprobs": -1},
+        {"top_logprobs": 2},  # without logprobs
     ],
 )
 def test_prompt_values_the_data_plane_cannot_carry_are_invalid(change):
@@ -237,6 +240,21 @@ def test_prompt_values_the_data_plane_cannot_carry_are_invalid(change):
 
     with pytest.raises(ValidationError):
         SubmitPrompt.model_validate({"request_id": 1, "prompt_text": "x", **change})
+
+
+def test_a_prompts_logprobs_are_off_by_default_and_name_their_field():
+    from pydantic import ValidationError
+
+    from mvp_core.models import SubmitPrompt
+
+    plain = SubmitPrompt(request_id=1, prompt_text="x")
+    assert (plain.logprobs, plain.top_logprobs) == (False, 0)
+    asks = SubmitPrompt(request_id=1, prompt_text="x", logprobs=True, top_logprobs=20)
+    assert (asks.logprobs, asks.top_logprobs) == (True, 20)
+    with pytest.raises(ValidationError, match="top_logprobs needs logprobs"):
+        SubmitPrompt(request_id=1, prompt_text="x", top_logprobs=3)
+    with pytest.raises(ValidationError, match="top_logprobs"):
+        SubmitPrompt(request_id=1, prompt_text="x", logprobs=True, top_logprobs=21)
 
 
 def test_a_huge_malformed_request_is_refused_in_a_bounded_message():

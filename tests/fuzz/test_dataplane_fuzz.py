@@ -56,7 +56,7 @@ from workers.node.dataplane import (
     decode_activation,
     decode_begin_payload,
     decode_sampling_header,
-    decode_token_out,
+    decode_token_choice,
     decode_tokens,
     encode_sampling_header,
     token_in_spec,
@@ -72,7 +72,7 @@ TOKEN_IN = token_in_spec(MAX_SEQ)  # edge 1, max 40 + 16*4 = 104, alignment 4
 # float16 activation edges (the opt-in format): its 2-byte alignment leaves the fuzz odd
 # extents to reject; float32 rows are covered by tests/node/dataplane.
 ACT = activation_spec(2, MAX_SEQ, HIDDEN, ActivationDtype.FLOAT16)  # max 16*8*2 = 256, alignment 2
-TOKEN_OUT = token_out_spec(3, MAX_SEQ)  # edge 3, max 4, alignment 4
+TOKEN_OUT = token_out_spec(3, MAX_SEQ)  # edge 3, max 168 (a token, logprobs), alignment 4
 ACT_SPARE = activation_spec(
     4, MAX_SEQ, HIDDEN, ActivationDtype.FLOAT16
 )  # the hello fuzz's already-connected edge
@@ -725,24 +725,37 @@ def test_record_fuzz(caplog: pytest.LogCaptureFixture) -> None:
 # --------------------------------------------------------------------------- payloads
 
 _f32 = st.floats(width=32)
-_valid_sampling_fields = st.tuples(
-    _u64_near(),  # request_id
-    st.just(0),  # seed (none)
-    st.integers(0, _U32),  # max_new_tokens
-    st.floats(0.0, 4.0, width=32),  # temperature
-    st.integers(0, _U32),  # top_k
-    st.floats(0.0, 1.0, exclude_min=True, width=32),  # top_p
-    st.just(0),  # sampling flags
-    st.just(0),  # reserved
-) | st.tuples(
-    _u64_near(),
-    _u64_near(),  # seed, with the has_seed flag
-    st.integers(0, _U32),
-    st.floats(0.0, 4.0, width=32),
-    st.integers(0, _U32),
-    st.floats(0.0, 1.0, exclude_min=True, width=32),
-    st.just(1),
-    st.just(0),
+_valid_sampling_fields = (
+    st.tuples(
+        _u64_near(),  # request_id
+        st.just(0),  # seed (none)
+        st.integers(0, _U32),  # max_new_tokens
+        st.floats(0.0, 4.0, width=32),  # temperature
+        st.integers(0, _U32),  # top_k
+        st.floats(0.0, 1.0, exclude_min=True, width=32),  # top_p
+        st.just(0),  # sampling flags
+        st.just(0),  # reserved
+    )
+    | st.tuples(
+        _u64_near(),
+        _u64_near(),  # seed, with the has_seed flag
+        st.integers(0, _U32),
+        st.floats(0.0, 4.0, width=32),
+        st.integers(0, _U32),
+        st.floats(0.0, 1.0, exclude_min=True, width=32),
+        st.just(1),
+        st.just(0),
+    )
+    | st.tuples(
+        _u64_near(),
+        st.just(0),
+        st.integers(0, _U32),
+        st.floats(0.0, 4.0, width=32),
+        st.integers(0, _U32),
+        st.floats(0.0, 1.0, exclude_min=True, width=32),
+        st.just(2),  # logprobs
+        st.integers(0, 20),  # top_logprobs
+    )
 )
 _sampling_fields = _valid_sampling_fields | st.tuples(
     _u64_near(),  # request_id
@@ -751,19 +764,19 @@ _sampling_fields = _valid_sampling_fields | st.tuples(
     st.one_of(_f32, st.sampled_from([0.0, -0.0, 1.0, math.inf, -math.inf, math.nan])),
     st.integers(0, _U32),  # top_k
     st.one_of(_f32, st.sampled_from([0.0, 1.0, 0.5, 1.0000001, math.inf, math.nan])),
-    st.sampled_from([0, 1, 2, 3, 0x8000_0000]) | st.integers(0, _U32),  # sampling flags
-    st.sampled_from([0, 0, 1]) | st.integers(0, _U32),  # reserved
+    st.sampled_from([0, 1, 2, 3, 4, 0x8000_0000]) | st.integers(0, _U32),  # sampling flags
+    st.sampled_from([0, 0, 1, 20, 21]) | st.integers(0, _U32),  # top_logprobs
 )
 
 
 def _sampling_oracle(header: bytes) -> list[str]:
     """The fields a receiver must reject in a 40-byte sampling header."""
-    _rid, seed, _max, temperature, _k, top_p, sflags, reserved = _SAMPLING.unpack(header)
+    _rid, seed, _max, temperature, _k, top_p, sflags, top = _SAMPLING.unpack(header)
     bad = []
-    if sflags & ~1:
+    if sflags & ~3:
         bad.append("unknown flag bits")
-    if reserved:
-        bad.append("reserved")
+    if top > 20 or (top and not sflags & 2):
+        bad.append("top_logprobs")
     if not sflags & 1 and seed:
         bad.append("seed")
     if not (math.isfinite(temperature) and temperature >= 0):
@@ -812,7 +825,9 @@ def test_payload_fuzz() -> None:
                     assert not _sampling_oracle(payload[:SAMPLING_HEADER_LEN])
                     assert len(prompt) >= 1
                 elif spec is TOKEN_OUT:
-                    assert decode_token_out(got) == struct.unpack("<I", payload)[0]
+                    token, logprobs = decode_token_choice(got)
+                    assert token == struct.unpack_from("<I", payload)[0]
+                    assert (logprobs is None) == (len(payload) == 4)
                 else:
                     rows = decode_activation(got, HIDDEN, ActivationDtype.FLOAT16)
                     assert rows.shape == (len(payload) // (2 * HIDDEN), HIDDEN)
@@ -827,7 +842,7 @@ def test_payload_fuzz() -> None:
                     assert bad and msg.startswith("sampling header: "), (msg, bad)
                     assert any(field in msg for field in bad), (msg, bad)
                 elif spec is TOKEN_OUT:
-                    assert "token-out payload must be exactly 4 bytes" in msg, msg
+                    assert "token-out payload of" in msg or "not a log probability" in msg, msg
                 else:
                     assert f"not a positive multiple of hidden {HIDDEN}" in msg, msg
 

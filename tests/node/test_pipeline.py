@@ -24,8 +24,9 @@ from mvp_core.models import ActivationDtype, EdgeKind
 from mvp_core.planner import balanced_layer_ranges, plan_edges, stage_layer_ranges
 from mvp_io.model_store import DEFAULT_BUNDLED, fetch_bundled
 from tests.node.engine.tiny_models import TinyModel, TinySpec
-from workers.node.dataplane import DataPlaneServer, EdgeGroup, EdgeSpec
+from workers.node.dataplane import DataPlaneServer, EdgeGroup, EdgeSpec, TokenLogprobs
 from workers.node.engine import EngineOptions, SamplingParams, generate, load_stage
+from workers.node.engine.batch_generate import BatchGenerator
 from workers.node.pipeline import Driver, Endpoint, ResumeDiverged, StageLink
 
 PROMPTS = [
@@ -56,6 +57,7 @@ class Pipeline:
             assert layers != stage_layer_ranges(self._layers(path), stages)
         edges = plan_edges(stages, max_seq_len, hidden, **plan)
         self.faults: list[str] = []
+        self.logprobs: dict[int, list[TokenLogprobs | None]] = {}  # request id -> per token
         self.ready = threading.Semaphore(0)
         self.servers = [DataPlaneServer() for _ in range(stages)]
         self.groups = [EdgeGroup(f"node{i}") for i in range(stages)]
@@ -125,9 +127,11 @@ class Pipeline:
         resume: Sequence[int] = (),
     ) -> list[int]:
         out: list[int] = []
+        self.logprobs[request_id] = got = []
 
-        def take(token: int) -> None:
+        def take(token: int, logprobs: TokenLogprobs | None) -> None:
             out.append(token)
+            got.append(logprobs)
             on_token(token)
 
         self.driver.run(
@@ -311,6 +315,42 @@ def test_prompts_at_once_on_a_pipeline_give_each_prompts_tokens_alone(
     assert got_greedy == greedy
     assert got_seeded == seeded
     assert len({tuple(t) for t in seeded}) == len(PROMPTS)  # they differ: it means something
+
+
+def test_logprobs_on_a_pipeline_are_one_stages_batched_or_alone(smollm: str) -> None:
+    """A prompt that asks for logprobs gets them on its token-out records: the same alone
+    and beside the others on a 2-stage pipeline as one stage's continuous batching gives
+    them (the log-softmax of bit-identical logits); a prompt that does not ask gets none."""
+    asks = SamplingParams(logprobs=True, top_logprobs=5)
+    whole = load_stage(smollm, 0, 30, EngineOptions(device="cpu", threads=1))
+    try:
+        gen = BatchGenerator([whole], slots=len(PROMPTS), max_seq_len=256)
+        for rid, ids in enumerate(PROMPTS):
+            gen.add(rid, ids, sampling=asks, max_new_tokens=6)
+        ref: dict[int, list[TokenLogprobs | None]] = {rid: [] for rid in range(len(PROMPTS))}
+        while gen.active:
+            for ev in gen.step():
+                if ev.token is not None:
+                    assert isinstance(ev.seq_id, int)
+                    ref[ev.seq_id].append(ev.logprobs)
+        gen.close()
+    finally:
+        whole.close()
+    with pipeline(smollm, 2, 256, 576, slots=len(PROMPTS)) as p:
+        alone = {rid: (p.run(rid, ids, 6, 256, asks), p.logprobs[rid])
+                 for rid, ids in enumerate(PROMPTS)}  # fmt: skip
+        tokens = _at_once(
+            [lambda r=rid, i=ids: p.run(r, i, 6, 256, asks) for rid, ids in enumerate(PROMPTS)]
+        )
+        batched = dict(p.logprobs)
+        assert p.run(9, PROMPTS[0], 3, 256) and p.logprobs[9] == [None] * 3
+        assert not p.faults
+    for rid, got in enumerate(tokens):
+        assert isinstance(got, list) and got == alone[rid][0]
+        assert batched[rid] == alone[rid][1] == ref[rid], rid
+        for token, lp in zip(got, batched[rid], strict=True):  # greedy: the top one
+            assert lp is not None and len(lp.top) == 5 and lp.top[0] == (token, lp.logprob)
+    assert max(link.largest_batch for link in p.links) > 1  # they did run batched
 
 
 def test_a_cancelled_prompt_on_a_pipeline_leaves_the_others_untouched(smollm: str) -> None:

@@ -16,7 +16,14 @@ import pytest
 
 from mvp_core.errors import ErrorType
 from mvp_core.generation import PromptRefused
-from mvp_core.models import ChatMessage, EngineSettings, LayerRange, StageProvision, SubmitPrompt
+from mvp_core.models import (
+    ChatMessage,
+    EngineSettings,
+    LayerRange,
+    StageProvision,
+    SubmitPrompt,
+    TokenLogprob,
+)
 from mvp_io.model_store import DEFAULT_BUNDLED, fetch_bundled
 from workers.node.runtime import GenerationResult, StageRuntime
 
@@ -196,3 +203,30 @@ def test_a_resumed_prompt_gives_the_undisturbed_text_and_streams_only_what_is_ne
     streamed = "".join(t for t, _ in pieces)
     assert streamed and whole.text.endswith(streamed) and len(streamed) < len(whole.text)
     assert pieces[0][1] > k and pieces[-1][1] == 24
+
+
+def test_logprobs_side_by_side_are_each_prompts_alone_with_their_tokens_texts(runtime):
+    """Direct mode (the scheduler's batch): a prompt that asks for logprobs gets one entry
+    per generated token, its text the token's own (together the prompt's text), the same
+    alone and beside the others; greedy, its logprob is the first of its step's top."""
+
+    def run(i: int, text: str) -> tuple[GenerationResult, list[TokenLogprob | None]]:
+        prompt = SubmitPrompt(request_id=i, prompt_text=text, logprobs=True, top_logprobs=4)
+        got: list[TokenLogprob | None] = []
+        return runtime.run(prompt, 6, lambda t, n: None, lambda: False, logprobs=got), got
+
+    alone = [run(i, t) for i, t in enumerate(TEXTS)]
+    together = _at_once(runtime, [lambda i=i, t=t: run(i, t) for i, t in enumerate(TEXTS)])
+    for (result, entries), b in zip(alone, together, strict=True):
+        assert isinstance(b, tuple), b
+        assert (b[0].text, b[1]) == (result.text, entries)
+        assert len(entries) == result.tokens == 6
+        assert "".join(e.token for e in entries if e is not None) == result.text
+        for e in entries:
+            assert e is not None and len(e.top_logprobs) == 4
+            assert (e.top_logprobs[0].token, e.top_logprobs[0].logprob) == (e.token, e.logprob)
+    # Not asked: nothing.
+    none: list[TokenLogprob | None] = []
+    runtime.run(SubmitPrompt(request_id=9, prompt_text=TEXTS[0]), 2, lambda t, n: None,
+                lambda: False, logprobs=none)  # fmt: skip
+    assert none == []

@@ -13,11 +13,11 @@ from collections.abc import Iterator
 import pytest
 
 from mvp_core.edge_auth import ANSWER, ANSWER_OK, TEXT_STREAM_EDGE_ID, hello, text_stream_token
-from mvp_core.models import TextDelta
+from mvp_core.models import TextDelta, TokenLogprob
 from temporal.text_stream import TextStreamError, TextStreamRefused, TextStreamTarget, read_text
 from tests.helpers.waits import eventually
 from workers.node.dataplane import DataPlaneServer
-from workers.node.textpath import TextHub
+from workers.node.textpath import TextFanout, TextHub
 
 TOKEN = text_stream_token(b"s" * 32, "mvp-run-7", "0123456789abcdef")
 KEY = "mvp-prompt-7-1-abc"
@@ -217,3 +217,33 @@ async def test_keyed_readers_at_once_are_bounded(node, monkeypatch, bound):
     # after the reader has the end line: a client told "busy" asks again).
     await eventually(lambda: not server._text._keyed, timeout=10, what="the place freed")
     assert await _keyed_read(_keyed(server), READER_KEY) == []
+
+
+def test_deltas_owed_to_temporal_keep_their_logprobs_in_order() -> None:
+    """What a direct reader took goes to Temporal in one delta when it leaves: the text,
+    the token count and the logprobs of every delta it holds, in order (none: None)."""
+
+    class Topic:
+        def __init__(self) -> None:
+            self.got: list[TextDelta] = []
+
+        def publish(self, item: TextDelta, *, force_flush: bool = False) -> None:
+            self.got.append(item)
+
+    def lp(token: str) -> TokenLogprob:
+        return TokenLogprob(token=token, logprob=-1.0, bytes=list(token.encode()))
+
+    hub, topic = TextHub(), Topic()
+    out = TextFanout(hub, "p", topic)
+    hub._readers["p"] = 1  # a direct reader: the deltas are owed to Temporal
+    out.put(TextDelta(request_id=1, text="a", tokens=1, logprobs=[lp("a")]))
+    out.put(TextDelta(request_id=1, text="bc", tokens=2, logprobs=[lp("b"), lp("c")]))
+    out.end(done=False)
+    assert [(d.text, d.tokens, [e.token for e in d.logprobs or ()]) for d in topic.got] == [
+        ("abc", 3, ["a", "b", "c"])
+    ]
+    plain = TextFanout(hub, "q", topic)
+    hub._readers["q"] = 1
+    plain.put(TextDelta(request_id=2, text="x", tokens=1))
+    plain.end(done=False)
+    assert topic.got[-1].logprobs is None

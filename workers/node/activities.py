@@ -40,6 +40,7 @@ from mvp_core.models import (
     StopRun,
     TextDelta,
     TokenEndpointsReady,
+    TokenLogprob,
     WeightsReady,
 )
 from mvp_core.run_signals import signal_name
@@ -312,6 +313,8 @@ class NodeActivities:
         on_text = _held_text(FaultInjection.from_env(), pipe.put, stopped)
         prompt_tokens: list[int] = []  # set once, by the engine thread, before any text
         generated: list[int] = []  # the tokens so far (the engine thread appends)
+        # Their logprobs, where the prompt asks for them (the engine thread appends).
+        logprobs: list[TokenLogprob | None] | None = [] if inp.prompt.logprobs else None
 
         def work():  # type: ignore[no-untyped-def]
             try:
@@ -324,6 +327,7 @@ class NodeActivities:
                     resume=inp.resume,
                     text_from=inp.text_from,
                     generated=generated,
+                    logprobs=logprobs,
                 )
             finally:
                 pipe.close()
@@ -364,6 +368,7 @@ class NodeActivities:
                                 prompt_tokens=prompt_tokens[0]
                                 if out.first_at is None and prompt_tokens
                                 else None,
+                                logprobs=_taken(logprobs, published_tokens, pipe.tokens_taken),
                             )
                         )
                         published_tokens = pipe.tokens_taken
@@ -476,6 +481,16 @@ def _beat(inp: GenerateInput, generated: list[int]) -> None:
         activity.heartbeat(GenerateCheckpoint(tokens=list(generated)))
     else:
         activity.heartbeat()
+
+
+def _taken(
+    logprobs: list[TokenLogprob | None] | None, start: int, end: int
+) -> list[TokenLogprob] | None:
+    """The logprobs of generated tokens ``start`` to ``end`` (those whose text a delta
+    completes; a resumed token has none); None where the prompt did not ask for them."""
+    if logprobs is None:
+        return None
+    return [e for e in logprobs[start:end] if e is not None]
 
 
 def _held_text(

@@ -18,7 +18,9 @@ Record conventions (CONTRACTS, DECISIONS 19):
   where the run asks for it: the edge's plan says which), so the last stage can sample;
   later records carry the rows only. Sequences mirror token-in.
 - token-out: one u32 token with the sequence of the record it answers; the first of a
-  prompt has BEGIN, the model's end-of-generation token has EOS.
+  prompt has BEGIN, the model's end-of-generation token has EOS. Where the prompt's
+  sampling header has the logprobs flag, the token's f32 logprob and its top_logprobs
+  (u32 id, f32 logprob) pairs follow it (DECISIONS 88).
 """
 
 from __future__ import annotations
@@ -50,22 +52,24 @@ from workers.node.dataplane import (
     EdgeSender,
     EdgeSpec,
     EdgeTimeout,
+    RecordError,
     RecordHeader,
     SequenceChecker,
     connect_edge,
     decode_activation,
     decode_begin_payload,
     decode_sampling_header,
-    decode_token_out,
+    decode_token_choice,
     decode_tokens,
     encode_activation,
     encode_begin_payload,
     encode_sampling_header,
+    encode_token_choice,
     encode_tokens,
 )
 from workers.node.engine import Sampler, SamplingParams, Stage
 from workers.node.engine.boundary import from_boundary, to_boundary
-from workers.node.engine.sampling import check_resume
+from workers.node.engine.sampling import TokenLogprobs, check_resume
 from workers.node.engine.session import BatchSession, NoFreeSlot
 
 log = logging.getLogger("mvp.pipeline")
@@ -265,10 +269,10 @@ class StageLink:
             if stage.is_last:
                 if w.flow.sampler is None:
                     raise RuntimeError(f"token record for prompt {w.object_id} before its BEGIN")
-                token = w.flow.sampler.sample(got)
+                token, logprobs = w.flow.sampler.choose(got)
                 flags = (FLAG_BEGIN if w.begin else 0) | (FLAG_EOS if token in self.stop_ids else 0)
                 seq = w.sequence + (self.sequence_skew if w.sequence else 0)
-                out.send(w.object_id, seq, encode_tokens([token]), flags)
+                out.send(w.object_id, seq, encode_token_choice(token, logprobs), flags)
             else:
                 assert self.outbound_dtype is not None
                 act = encode_activation(to_boundary(stage, got, self.outbound_dtype).numpy())
@@ -412,12 +416,13 @@ class Driver:
         *,
         max_new_tokens: int | None,
         max_seq_len: int,
-        on_token: Callable[[int], None],
+        on_token: Callable[[int, TokenLogprobs | None], None],
         should_stop: Callable[[], bool],
         resume: Sequence[int] = (),
     ) -> str:
         """Drive one prompt through the pipeline beside the others; returns why it
-        stopped.
+        stopped. ``on_token`` gets each token and, where ``sampling`` asks for them, its
+        logprobs (the last stage's, on its token-out record).
 
         ``resume``: the tokens the prompt already generated on an earlier pipeline (stage
         recovery). They are fed back as they were the first time, one record each, so
@@ -452,14 +457,19 @@ class Driver:
                     while True:
                         hdr, payload = self._answer(answers, request_id)
                         checker.check(hdr.sequence)
-                        token = decode_token_out(payload)
+                        token, logprobs = decode_token_choice(payload, sampling.top_logprobs)
+                        if (logprobs is None) is sampling.logprobs:
+                            raise RecordError(
+                                f"token-out record for request {request_id} "
+                                f"{'lacks' if sampling.logprobs else 'has'} logprobs"
+                            )
                         if seq < len(resume):
                             if hdr.eos or token != resume[seq]:
                                 break  # this prompt's fault, not the pipeline's: below
                         elif hdr.eos:
                             return "eos"
                         else:
-                            on_token(token)
+                            on_token(token, logprobs)
                         rule.accept(token, len(prompt_ids) + rule.generated + 1)
                         if rule.reason is not None:
                             return rule.reason

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mvp_core.generation import ChatTemplateRefused, PromptRefused, PromptTooLong
-from mvp_core.models import EdgeKind, StageProvision, SubmitPrompt
+from mvp_core.models import EdgeKind, StageProvision, SubmitPrompt, TokenLogprob
 from temporal import telemetry
 from workers.node.affinity import Placement, compute_set, cpu_quota
 from workers.node.config import FaultInjection
@@ -267,6 +267,7 @@ class StageRuntime:
         resume: Sequence[int] = (),
         text_from: int | None = None,
         generated: list[int] | None = None,
+        logprobs: list[TokenLogprob | None] | None = None,
     ) -> GenerationResult:
         """Generate in this thread (in-process, or over the pipeline when this node is the
         head of one); ``on_encoded`` gets the prompt's token count once it is encoded,
@@ -277,14 +278,20 @@ class StageRuntime:
         text is the result's but goes to ``on_text`` no more (its reader has it).
         ``text_from``: the generated tokens whose text the reader has (None: the resumed
         ones): the text of every token after them goes to ``on_text``, resumed or new.
-        ``generated``: a list the generated tokens are appended to as they come."""
+        ``generated``: a list the generated tokens are appended to as they come;
+        ``logprobs``: one for their logprobs, where the prompt asks for them (an entry
+        per generated token, None for a resumed one)."""
         started = time.perf_counter()
         ids = self.encode(prompt)
         encoded = time.perf_counter()
         if on_encoded is not None:
             on_encoded(len(ids))
         text = Detokenizer(
-            self.tokenizer, on_text, len(resume) if text_from is None else text_from, generated
+            self.tokenizer,
+            on_text,
+            len(resume) if text_from is None else text_from,
+            generated,
+            logprobs if prompt.logprobs else None,
         )
         text.prime(resume)
         recoveries = 0
@@ -439,5 +446,10 @@ def default_threads(
 
 def sampling_of(prompt: SubmitPrompt) -> SamplingParams:
     return SamplingParams(
-        temperature=prompt.temperature, top_k=prompt.top_k, top_p=prompt.top_p, seed=prompt.seed
+        temperature=prompt.temperature,
+        top_k=prompt.top_k,
+        top_p=prompt.top_p,
+        seed=prompt.seed,
+        logprobs=prompt.logprobs,
+        top_logprobs=prompt.top_logprobs,
     )

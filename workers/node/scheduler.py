@@ -27,6 +27,7 @@ from temporal.telemetry import ForwardTimer
 from workers.node.affinity import Placement
 from workers.node.engine import SamplingParams, Stage
 from workers.node.engine.batch_generate import BatchGenerator, Finish
+from workers.node.engine.sampling import TokenLogprobs
 
 log = logging.getLogger("mvp.scheduler")
 
@@ -47,7 +48,7 @@ class _Job:
     prompt_ids: list[int]
     sampling: SamplingParams
     max_new_tokens: int | None
-    on_token: Callable[[int], None]
+    on_token: Callable[[int, TokenLogprobs | None], None]
     should_stop: Callable[[], bool]
     resume: Sequence[int] = ()
     done: threading.Event = field(default_factory=threading.Event)
@@ -96,12 +97,13 @@ class Scheduler:
         sampling: SamplingParams,
         *,
         max_new_tokens: int | None,
-        on_token: Callable[[int], None],
+        on_token: Callable[[int, TokenLogprobs | None], None],
         should_stop: Callable[[], bool],
         resume: Sequence[int] = (),
     ) -> str:
         """Generate for one sequence beside the others; returns why it stopped. Raises
         what the engine raised for it (ContextOverflow: the prompt does not fit).
+        ``on_token`` gets each token and, where ``sampling`` asks for them, its logprobs.
         ``resume``: tokens it generated before (BatchGenerator.add), not passed to
         ``on_token`` again."""
         job = _Job(list(prompt_ids), sampling, max_new_tokens, on_token, should_stop, resume)
@@ -233,7 +235,7 @@ class Scheduler:
             job = seq
             try:
                 if ev.token is not None:
-                    job.on_token(ev.token)
+                    job.on_token(ev.token, ev.logprobs)
             except Exception as err:  # the caller's side failed: end this sequence
                 if ev.finish is None:
                     gen.cancel(job)

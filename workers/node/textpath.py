@@ -42,9 +42,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mvp_core.models import TextDelta
+from mvp_core.models import TextDelta, TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
+    from workers.node.dataplane.records import TokenLogprobs
     from workers.node.engine.tokenizer import Tokenizer
 
 __all__ = [
@@ -64,7 +65,9 @@ log = logging.getLogger("mvp.textstream")
 
 class Detokenizer:
     """Generated tokens -> text: each complete piece goes to ``on_text`` as it forms, and
-    the whole is kept for the terminal event."""
+    the whole is kept for the terminal event. ``logprobs``: a list that gets one entry per
+    generated token, its logprobs with its and its alternatives' texts (None for a token
+    that came without: one resumed after a stage recovery); None: not asked for."""
 
     def __init__(
         self,
@@ -72,7 +75,10 @@ class Detokenizer:
         on_text: Callable[[str, int], None],
         quiet: int = 0,
         ids: list[int] | None = None,
+        logprobs: list[TokenLogprob | None] | None = None,
     ) -> None:
+        self._tokenizer = tokenizer
+        self.logprobs = logprobs
         self._decoder = tokenizer.incremental_decoder()
         self._on_text = on_text
         self._pieces: list[str] = []
@@ -92,15 +98,28 @@ class Detokenizer:
         goes to ``on_text`` only past what the reader has."""
         for token in tokens:
             self.ids.append(token)
+            if self.logprobs is not None:
+                self.logprobs.append(None)
             self.tokens += 1
             self._emit(self._decoder.push(token))
 
-    def push(self, token: int) -> None:
+    def push(self, token: int, logprobs: TokenLogprobs | None = None) -> None:
         if self.first_at is None:
             self.first_at = time.perf_counter()
         self.ids.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(None if logprobs is None else self._entry(token, logprobs))
         self.tokens += 1
         self._emit(self._decoder.push(token))
+
+    def _top(self, token: int, logprob: float) -> TopLogprob:
+        raw = self._tokenizer.token_to_bytes(token)
+        return TopLogprob(token=raw.decode("utf-8", "replace"), logprob=logprob, bytes=list(raw))
+
+    def _entry(self, token: int, lp: TokenLogprobs) -> TokenLogprob:
+        """OpenAI's shape: each token's text is its own bytes (as UTF-8)."""
+        top = [self._top(t, v) for t, v in lp.top]
+        return TokenLogprob(**self._top(token, lp.logprob).model_dump(), top_logprobs=top)
 
     def finish(self) -> str:
         self._emit(self._decoder.flush())
@@ -196,11 +215,13 @@ class TextFanout:
         parts = [*self._owed, *([delta] if delta is not None else [])]
         self._owed = []
         counts = [p.prompt_tokens for p in parts if p.prompt_tokens is not None]
+        has_logprobs = any(p.logprobs is not None for p in parts)
         return TextDelta(
             request_id=parts[0].request_id,
             text="".join(p.text for p in parts),
             tokens=sum(p.tokens or 0 for p in parts),
             prompt_tokens=counts[0] if counts else None,
+            logprobs=[e for p in parts for e in p.logprobs or ()] if has_logprobs else None,
         )
 
     def end(self, *, done: bool) -> None:

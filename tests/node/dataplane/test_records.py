@@ -20,21 +20,25 @@ from workers.node.dataplane import (
     RecordOrder,
     SamplingParams,
     SequenceChecker,
+    TokenLogprobs,
     TokenSequenceError,
     activation_spec,
     decode_activation,
     decode_begin_payload,
     decode_header,
     decode_sampling_header,
+    decode_token_choice,
     decode_token_out,
     decode_tokens,
     encode_activation,
     encode_begin_payload,
     encode_header,
     encode_sampling_header,
+    encode_token_choice,
     encode_tokens,
     pipeline_edge_specs,
     token_in_max_extent,
+    token_out_max_extent,
     token_out_spec,
 )
 
@@ -121,9 +125,52 @@ def test_sampling_header_and_begin_payload() -> None:
     with pytest.raises(RecordError, match=r"top_p 0\.0 must be in"):
         encode_sampling_header(SamplingParams(request_id=1, top_p=0.0))
     bad = bytearray(raw)
-    bad[36] = 1
-    with pytest.raises(RecordError, match="sampling header: non-zero reserved"):
+    bad[36] = 1  # top_logprobs (the field was reserved before logprobs) without the flag
+    with pytest.raises(RecordError, match="top_logprobs 1 without the logprobs flag"):
         decode_sampling_header(bad)
+    bad[32] |= 4
+    with pytest.raises(RecordError, match="sampling header: unknown flag bits 0x4"):
+        decode_sampling_header(bad)
+
+
+def test_sampling_header_carries_logprobs_and_reads_a_header_from_before_them() -> None:
+    p = SamplingParams(request_id=7, seed=5, logprobs=True, top_logprobs=20)
+    raw = encode_sampling_header(p)
+    assert decode_sampling_header(raw) == p
+    assert struct.unpack_from("<II", raw, 32) == (3, 20)  # has_seed | logprobs, the count
+    only = SamplingParams(request_id=7, logprobs=True)
+    assert decode_sampling_header(encode_sampling_header(only)) == only
+    # A header from before logprobs (flags has_seed, the reserved field 0): logprobs off.
+    old = struct.pack("<QQIfIfII", 7, 5, 0, 0.0, 0, 1.0, 1, 0)
+    assert decode_sampling_header(old) == SamplingParams(request_id=7, seed=5)
+    assert encode_sampling_header(SamplingParams(request_id=7, seed=5)) == old
+    for bad in (SamplingParams(top_logprobs=21, logprobs=True), SamplingParams(top_logprobs=2)):
+        with pytest.raises(RecordError, match="top_logprobs"):
+            encode_sampling_header(bad)
+
+
+def test_token_out_carries_logprobs_only_where_asked() -> None:
+    assert encode_token_choice(42) == struct.pack("<I", 42)
+    assert decode_token_choice(struct.pack("<I", 42)) == (42, None)
+    lp = TokenLogprobs(-0.25, ((42, -0.25), (7, -1.5)))
+    raw = encode_token_choice(42, lp)
+    assert len(raw) == 8 + 2 * 8
+    assert decode_token_choice(raw) == (42, lp)
+    assert decode_token_choice(encode_token_choice(3, TokenLogprobs(-2.0))) == (
+        3,
+        TokenLogprobs(-2.0),
+    )
+    widest = encode_token_choice(1, TokenLogprobs(-1.0, tuple((i, -1.0) for i in range(20))))
+    assert len(widest) == token_out_max_extent(0) == 168
+    with pytest.raises(RecordError, match="k <= 1"):
+        decode_token_choice(raw, max_top=1)  # more than the prompt asked for
+    for n in (0, 6, 12, 176):
+        with pytest.raises(RecordError, match=f"payload of {n} bytes"):
+            decode_token_choice(b"\0" * n)
+    with pytest.raises(RecordError, match="not a log probability"):
+        decode_token_choice(struct.pack("<If", 1, 0.5))
+    with pytest.raises(RecordError, match="21 top logprobs"):
+        encode_token_choice(1, TokenLogprobs(-1.0, tuple((i, -1.0) for i in range(21))))
 
 
 def test_activation_round_trip_zero_copy() -> None:
@@ -211,11 +258,18 @@ def test_pipeline_edge_specs() -> None:
     half = pipeline_edge_specs(3, max_seq_len=512, hidden=2048, dtype=ActivationDtype.FLOAT16)
     assert [(s.max_extent, s.alignment) for s in half[1:3]] == [(512 * 2048 * 2, 2)] * 2
     assert specs[0].max_extent == SAMPLING_HEADER_LEN + 512 * 4 and specs[0].alignment == 4
-    assert specs[3].max_extent == 4 and specs[3].alignment == 4
+    assert specs[3].max_extent == 8 + 8 * 20 and specs[3].alignment == 4
+
+
+def test_a_plan_from_before_logprobs_reads_with_the_token_out_extent_of_now() -> None:
+    planner = pytest.importorskip("mvp_core.planner")
+    old = planner.plan_edges(2, 512, 2048)[-1].model_copy(update={"max_extent": 4})
+    assert EdgeSpec.from_plan(old) == token_out_spec(3, 512)
 
 
 def test_specs_agree_with_the_planner() -> None:
     planner = pytest.importorskip("mvp_core.planner")
     assert planner.SAMPLING_HEADER_BYTES == SAMPLING_HEADER_LEN
+    assert planner.TOKEN_OUT_BYTES == token_out_max_extent(0)
     planned = [EdgeSpec.from_plan(p) for p in planner.plan_edges(3, 512, 2048)]
     assert planned == pipeline_edge_specs(3, max_seq_len=512, hidden=2048)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from workers.node.engine import Sampler, SamplingParams
+from workers.node.engine.sampling import token_logprobs
 
 LOGITS = torch.tensor([0.0, 3.0, 2.9, -1.0, 1.0])
 
@@ -75,3 +76,40 @@ def test_an_unseeded_sampler_draws_its_seed_once_and_can_be_resumed() -> None:
 def test_a_negative_index_is_rejected() -> None:
     with pytest.raises(ValueError, match="index"):
         Sampler(SamplingParams(), index=-1)
+
+
+# --------------------------------------------------------------------------- logprobs
+
+
+def test_token_logprobs_are_the_log_softmax_of_the_raw_logits_sorted_ties_by_id() -> None:
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(4000, generator=gen) * 4
+    logits[[10, 3000, 17]] = 20.0  # a three-way tie at the top, ids out of order
+    logits[[5, 6]] = 19.0
+    ref = torch.log_softmax(logits, dim=-1)
+    got = token_logprobs(logits, 123, 6)
+    assert got.logprob == float(ref[123])
+    assert [t for t, _ in got.top] == [10, 17, 3000, 5, 6, int(torch.argsort(ref)[-6])]
+    assert [v for _, v in got.top] == [float(ref[t]) for t, _ in got.top]
+    assert [v for _, v in got.top] == sorted((v for _, v in got.top), reverse=True)
+    # Cut inside a tie: the lower ids win.
+    assert [t for t, _ in token_logprobs(logits, 0, 2).top] == [10, 17]
+    assert token_logprobs(logits, 0, 0).top == ()
+
+
+def test_token_logprobs_ignore_temperature_and_a_rows_place_in_a_batch() -> None:
+    batch = torch.randn(5, 300, generator=torch.Generator().manual_seed(1))
+    alone = batch[3].clone()
+    hot = Sampler(SamplingParams(temperature=1.7, top_k=5, top_p=0.5, seed=3, logprobs=True,
+                                 top_logprobs=4))  # fmt: skip
+    token, lp = hot.choose(batch[3])
+    assert lp is not None
+    assert lp == token_logprobs(alone, token, 4)
+    assert lp.logprob == float(torch.log_softmax(alone, -1)[token])
+
+
+def test_greedy_choice_is_the_top_logprob_and_off_computes_nothing() -> None:
+    token, lp = Sampler(SamplingParams(logprobs=True, top_logprobs=3)).choose(LOGITS)
+    assert token == 1 and lp is not None
+    assert lp.top[0] == (1, lp.logprob) and [t for t, _ in lp.top] == [1, 2, 4]
+    assert Sampler(SamplingParams()).choose(LOGITS) == (1, None)

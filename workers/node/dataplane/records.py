@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from mvp_core.generation import TokenFeedback, TokenSequenceViolation
-from mvp_core.models import ActivationDtype, EdgeKind
+from mvp_core.models import MAX_TOP_LOGPROBS, ActivationDtype, EdgeKind
 
 __all__ = [
     "FLAG_ABORT",
@@ -38,6 +38,7 @@ __all__ = [
     "RecordOrder",
     "SamplingParams",
     "SequenceChecker",
+    "TokenLogprobs",
     "TokenSequenceError",
     "activation_max_extent",
     "activation_spec",
@@ -45,12 +46,14 @@ __all__ = [
     "decode_begin_payload",
     "decode_header",
     "decode_sampling_header",
+    "decode_token_choice",
     "decode_token_out",
     "decode_tokens",
     "encode_activation",
     "encode_begin_payload",
     "encode_header",
     "encode_sampling_header",
+    "encode_token_choice",
     "encode_tokens",
     "pipeline_edge_specs",
     "token_in_max_extent",
@@ -125,7 +128,11 @@ class EdgeSpec:
         dtype = plan.activation_dtype
         if kind is EdgeKind.ACTIVATION and dtype is None and plan.alignment == 2:
             dtype = ActivationDtype.FLOAT16  # a plan committed before the field: float16
-        return cls(plan.edge_id, kind, plan.max_extent, plan.alignment, dtype)
+        extent = plan.max_extent
+        if kind is EdgeKind.TOKEN_OUT:
+            # A plan committed before logprobs sized token-out for the token alone (4).
+            extent = max(extent, token_out_max_extent(0))
+        return cls(plan.edge_id, kind, extent, plan.alignment, dtype)
 
     def __post_init__(self) -> None:
         if not 0 < self.edge_id <= _U32_MAX:
@@ -317,21 +324,75 @@ def decode_tokens(payload: bytes | bytearray | memoryview) -> list[int]:
 
 
 def decode_token_out(payload: bytes | bytearray | memoryview) -> int:
-    """A token-out record carries exactly one u32 token."""
+    """A token-out record that carries exactly one u32 token (no logprobs)."""
     if len(payload) != 4:
         raise RecordError(f"token-out payload must be exactly 4 bytes, got {len(payload)}")
     return int(struct.unpack("<I", payload)[0])
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A sampled token's log probability and the step's most likely tokens: (token id,
+    logprob) pairs, most likely first, ties by token id. The log-softmax of the step's
+    raw logits (before temperature, top-k and top-p)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+_TOKEN_LOGPROB = struct.Struct("<If")  # (u32 token id, f32 logprob)
+
+
+def encode_token_choice(token: int, logprobs: TokenLogprobs | None = None) -> bytes:
+    """A token-out payload: the u32 token; with ``logprobs`` its f32 logprob, then each
+    top (u32 id, f32 logprob) pair (DECISIONS 88). 4 bytes without logprobs, as before."""
+    if logprobs is None:
+        return encode_tokens([token])
+    if len(logprobs.top) > MAX_TOP_LOGPROBS:
+        raise RecordError(
+            f"{len(logprobs.top)} top logprobs in a token-out record; at most {MAX_TOP_LOGPROBS}"
+        )
+    pairs = [(token, logprobs.logprob), *logprobs.top]
+    for t, _ in pairs:
+        if not 0 <= t <= _U32_MAX:
+            raise RecordError(f"token id {t} out of u32 range")
+    return b"".join(_TOKEN_LOGPROB.pack(t, lp) for t, lp in pairs)
+
+
+def decode_token_choice(
+    payload: bytes | bytearray | memoryview, max_top: int = MAX_TOP_LOGPROBS
+) -> tuple[int, TokenLogprobs | None]:
+    """A token-out payload (``encode_token_choice``): the token, and its logprobs where
+    the record carries them (its length says so: 4 bytes is the token alone). More than
+    ``max_top`` top pairs, a length of neither form or a NaN logprob is a RecordError."""
+    n = len(payload)
+    if n == 4:
+        return decode_token_out(payload), None
+    if n < 8 or n % 8 or n > 8 + 8 * max_top:
+        raise RecordError(
+            f"token-out payload of {n} bytes: expected 4 (a token) or 8 + 8k with k <= "
+            f"{max_top} (a token, its logprob and k top logprobs)"
+        )
+    pairs = [(int(t), float(lp)) for t, lp in _TOKEN_LOGPROB.iter_unpack(payload)]
+    for _, lp in pairs:
+        if math.isnan(lp) or lp > 0.0:
+            raise RecordError(f"token-out logprob {lp} is not a log probability")
+    (token, logprob), *top = pairs
+    return token, TokenLogprobs(logprob, tuple(top))
+
+
 # --------------------------------------------------------------------------- sampling header
 
 # request_id u64 | seed u64 | max_new_tokens u32 | temperature f32 | top_k u32 | top_p f32
-# | sampling flags u32 (bit 0 = has_seed) | reserved u32 = 0   -> 40 bytes (a multiple of 8)
+# | sampling flags u32 (bit 0 = has_seed, bit 1 = logprobs) | top_logprobs u32 (0-20; the
+# field was reserved = 0 before logprobs, DECISIONS 88)   -> 40 bytes (a multiple of 8)
 _SAMPLING = struct.Struct("<QQIfIfII")
 SAMPLING_HEADER_LEN = _SAMPLING.size
 SAMPLING_HEADER_BYTES = SAMPLING_HEADER_LEN  # the name mvp_core.planner refers to
 assert SAMPLING_HEADER_LEN == 40
 _SAMPLING_HAS_SEED = 1
+_SAMPLING_LOGPROBS = 2
+_SAMPLING_FLAGS = _SAMPLING_HAS_SEED | _SAMPLING_LOGPROBS
 _F32 = struct.Struct("<f")
 
 
@@ -354,6 +415,8 @@ class SamplingParams:
     ``top_p`` 1.0 disable those cuts. A seed makes the sequence reproducible (its own
     generator, no global RNG state). ``request_id`` and ``max_new_tokens`` travel on the
     wire only: the engine takes a sequence's id and cap as their own arguments.
+    ``logprobs``: the last stage reports each sampled token's log probability and the
+    step's ``top_logprobs`` most likely tokens (0-20) with it; off, nothing is computed.
     """
 
     request_id: int = 0
@@ -362,6 +425,8 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def validate(self) -> None:
         if not 0 <= self.request_id <= _U64_MAX:
@@ -391,6 +456,14 @@ class SamplingParams:
             )
         if self.seed is not None and not 0 <= self.seed <= _U64_MAX:
             raise RecordError(f"sampling header: seed {self.seed} out of u64 range")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise RecordError(
+                f"sampling header: top_logprobs {self.top_logprobs} outside 0..{MAX_TOP_LOGPROBS}"
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise RecordError(
+                f"sampling header: top_logprobs {self.top_logprobs} without the logprobs flag"
+            )
 
 
 def encode_sampling_header(params: SamplingParams) -> bytes:
@@ -402,19 +475,18 @@ def encode_sampling_header(params: SamplingParams) -> bytes:
         params.temperature,
         params.top_k,
         params.top_p,
-        _SAMPLING_HAS_SEED if params.seed is not None else 0,
-        0,
+        (_SAMPLING_HAS_SEED if params.seed is not None else 0)
+        | (_SAMPLING_LOGPROBS if params.logprobs else 0),
+        params.top_logprobs,
     )
 
 
 def decode_sampling_header(data: bytes | bytearray | memoryview) -> SamplingParams:
     if len(data) != SAMPLING_HEADER_LEN:
         raise RecordError(f"sampling header must be {SAMPLING_HEADER_LEN} bytes, got {len(data)}")
-    request_id, seed, max_new, temperature, top_k, top_p, sflags, reserved = _SAMPLING.unpack(data)
-    if sflags & ~_SAMPLING_HAS_SEED:
-        raise RecordError(f"sampling header: unknown flag bits 0x{sflags & ~_SAMPLING_HAS_SEED:x}")
-    if reserved:
-        raise RecordError(f"sampling header: non-zero reserved field 0x{reserved:08x}")
+    request_id, seed, max_new, temperature, top_k, top_p, sflags, top = _SAMPLING.unpack(data)
+    if sflags & ~_SAMPLING_FLAGS:
+        raise RecordError(f"sampling header: unknown flag bits 0x{sflags & ~_SAMPLING_FLAGS:x}")
     if not sflags & _SAMPLING_HAS_SEED and seed:
         raise RecordError(f"sampling header: seed {seed} given without the has_seed flag")
     params = SamplingParams(
@@ -424,6 +496,8 @@ def decode_sampling_header(data: bytes | bytearray | memoryview) -> SamplingPara
         top_k=top_k,
         top_p=top_p,
         seed=seed if sflags & _SAMPLING_HAS_SEED else None,
+        logprobs=bool(sflags & _SAMPLING_LOGPROBS),
+        top_logprobs=top,
     )
     params.validate()
     return params
@@ -495,13 +569,15 @@ def token_in_max_extent(max_seq_len: int) -> int:
 
 
 def token_out_max_extent(max_seq_len: int) -> int:
-    """One u32 token per record (as mvp_core.planner plans it).
+    """One u32 token per record, with its logprob and up to MAX_TOP_LOGPROBS top (id,
+    logprob) pairs where its prompt asked for them (as mvp_core.planner plans it:
+    TOKEN_OUT_BYTES).
 
     The contract's generic token object spec (max_seq_len*4) only sizes the ring; a
-    token-out record longer than one token is a protocol error, so reject it at the header.
+    longer token-out record is a protocol error, so reject it at the header.
     """
     del max_seq_len
-    return 4
+    return 8 + 8 * MAX_TOP_LOGPROBS
 
 
 def activation_max_extent(

@@ -33,7 +33,7 @@ from mvp_core.batch_plan import Capacity, Entry, Row, plan_step
 from mvp_core.models import ActivationDtype
 
 from .boundary import from_boundary, to_boundary
-from .sampling import Sampler, SamplingParams, check_resume
+from .sampling import Sampler, SamplingParams, TokenLogprobs, check_resume
 from .session import BatchRow, BatchSession, ContextOverflow, NoFreeSlot
 from .stage import Stage, check_whole_model
 
@@ -49,12 +49,14 @@ class Finish(Enum):
 
 @dataclass(frozen=True)
 class Event:
-    """What one step did for one sequence: ``token`` emitted (or None), and ``finish``
-    where the sequence left in this step (its slot is free again)."""
+    """What one step did for one sequence: ``token`` emitted (or None), ``finish``
+    where the sequence left in this step (its slot is free again), and the token's
+    ``logprobs`` where its sampling parameters ask for them."""
 
     seq_id: Hashable
     token: int | None
     finish: Finish | None = None
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass
@@ -219,16 +221,16 @@ class BatchGenerator:
         """generate._generate's order: the context's end, the stop ids, the limit."""
         if self.sessions[0].position(q.slot) >= self.max_seq_len:
             return Event(q.seq_id, None, Finish.CONTEXT)
-        token = q.sampler.sample(logits)
+        token, lp = q.sampler.choose(logits)
         if token in q.stops:
             return Event(q.seq_id, None, Finish.STOP)
         q.generated.append(token)
         q.pending = token
         if q.max_new_tokens is not None and len(q.generated) >= q.max_new_tokens:
-            return Event(q.seq_id, token, Finish.LENGTH)
+            return Event(q.seq_id, token, Finish.LENGTH, lp)
         if q.stop_when is not None and q.stop_when(q.generated):
-            return Event(q.seq_id, token, Finish.STOP)
-        return Event(q.seq_id, token)
+            return Event(q.seq_id, token, Finish.STOP, lp)
+        return Event(q.seq_id, token, logprobs=lp)
 
     def _leave(self, q: _Seq) -> None:
         del self._seqs[q.seq_id]

@@ -7,9 +7,16 @@ import secrets
 import torch
 
 # One definition of the parameters, torch-free, beside the wire header that carries them.
-from workers.node.dataplane.records import SamplingParams
+from workers.node.dataplane.records import SamplingParams, TokenLogprobs
 
-__all__ = ["Sampler", "SamplingParams", "check_resume", "draw_seed"]
+__all__ = [
+    "Sampler",
+    "SamplingParams",
+    "TokenLogprobs",
+    "check_resume",
+    "draw_seed",
+    "token_logprobs",
+]
 
 _MASK64 = (1 << 64) - 1
 
@@ -30,6 +37,29 @@ def draw_seed(seed: int, index: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return z ^ (z >> 31)
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """``token``'s log probability under ``logits`` (one step's raw logits [vocab]: the
+    log-softmax over the whole vocabulary, before temperature, top-k and top-p), and the
+    ``top`` most likely tokens' (most likely first, ties by the lower token id).
+
+    A function of the row's values only: a row's logits are the same batched or alone
+    (session.BatchSession), so are its logprobs. The row is copied into a tensor of its
+    own first, so that its place in a batch's logits cannot matter either."""
+    row = logits.detach().reshape(-1).to(device="cpu", dtype=torch.float32).clone()
+    lp = torch.log_softmax(row, dim=-1)
+    pairs: tuple[tuple[int, float], ...] = ()
+    k = min(top, lp.numel())
+    if k > 0:
+        # Every token at least as likely as the k-th (ties past it included), then sorted
+        # by (logprob descending, id ascending): torch.topk orders ties as it likes.
+        kth = torch.topk(lp, k).values[-1]
+        ids = torch.nonzero(lp >= kth).view(-1).tolist()
+        values = lp[ids].tolist()
+        ranked = sorted(zip(ids, values, strict=True), key=lambda p: (-p[1], p[0]))[:k]
+        pairs = tuple((int(i), float(v)) for i, v in ranked)
+    return TokenLogprobs(float(lp[token]), pairs)
 
 
 class Sampler:
@@ -53,6 +83,13 @@ class Sampler:
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.index = index
         self._gen = torch.Generator()
+
+    def choose(self, logits: torch.Tensor) -> tuple[int, TokenLogprobs | None]:
+        """``sample``, with the token's logprobs where the parameters ask for them."""
+        token = self.sample(logits)
+        if not self.params.logprobs:
+            return token, None
+        return token, token_logprobs(logits, token, self.params.top_logprobs)
 
     def sample(self, logits: torch.Tensor) -> int:
         p = self.params
