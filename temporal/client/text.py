@@ -18,7 +18,7 @@ from temporalio.contrib.workflow_streams import WorkflowStreamClient
 from temporalio.service import RPCError
 
 from mvp_core import names
-from mvp_core.models import Done, Fault, PromptEvent, PromptHost, TextDelta
+from mvp_core.models import Done, Fault, PromptEvent, PromptHost, TextDelta, TokenLogprob
 from temporal.client.ends import EndHint, PromptEnds
 from temporal.text_stream import (
     TextNotYet,
@@ -71,7 +71,20 @@ def cut(delta: TextDelta, skip: int) -> tuple[TextDelta | None, int]:
     n = min(skip, len(delta.text))
     if n == len(delta.text):
         return None, skip - n
-    return delta.model_copy(update={"text": delta.text[n:]}), skip - n
+    update: dict[str, Any] = {"text": delta.text[n:]}
+    if delta.logprobs is not None:
+        # The logprobs of the tokens whose text the reader has are its too (DECISIONS 88).
+        update["logprobs"] = [e for e, end in _token_ends(delta) if end > n]
+    return delta.model_copy(update=update), skip - n
+
+
+def _token_ends(delta: TextDelta) -> list[tuple[TokenLogprob, int]]:
+    """Each logprob entry of ``delta`` with where its token's text ends in the delta."""
+    out, at = [], 0
+    for entry in delta.logprobs or ():
+        at += len(entry.token)
+        out.append((entry, at))
+    return out
 
 
 class PromptText(PromptEnds):

@@ -16,7 +16,15 @@ from hypothesis import strategies as st
 from temporalio.service import RPCError, RPCStatusCode
 
 from mvp_core.errors import ErrorType
-from mvp_core.models import ChatMessage, Done, Fault, SubmitPrompt, TextDelta
+from mvp_core.models import (
+    ChatMessage,
+    Done,
+    Fault,
+    SubmitPrompt,
+    TextDelta,
+    TokenLogprob,
+    TopLogprob,
+)
 from temporal.client import PromptRejected
 from workers.gateway.app import create_app
 from workers.gateway.service import ServedModel
@@ -107,10 +115,58 @@ def test_any_split_gives_the_text_before_the_first_stop(text, stops, cuts):
             "unsupported_parameter",
         ),
         (
-            b'{"model": "m", "prompt": "x", "logprobs": 2}',
+            b'{"model": "m", "prompt": "x", "logprobs": 6}',
             CompletionRequest,
             "logprobs",
+            "invalid_value",
+        ),
+        (
+            b'{"model": "m", "prompt": "x", "logprobs": -1}',
+            CompletionRequest,
+            "logprobs",
+            "invalid_value",
+        ),
+        (
+            b'{"model": "m", "prompt": "x", "logprobs": true}',
+            CompletionRequest,
+            "logprobs",
+            "invalid_value",
+        ),
+        (
+            b'{"model": "m", "prompt": "x", "top_logprobs": 2}',
+            CompletionRequest,
+            "top_logprobs",
             "unsupported_parameter",
+        ),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}',
+            ChatRequest,
+            "top_logprobs",
+            "invalid_value",
+        ),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": -1}',
+            ChatRequest,
+            "top_logprobs",
+            "invalid_value",
+        ),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}',
+            ChatRequest,
+            "top_logprobs",
+            "invalid_value",
+        ),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": false, "top_logprobs": 0}',
+            ChatRequest,
+            "top_logprobs",
+            "invalid_value",
+        ),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": 1}',
+            ChatRequest,
+            "logprobs",
+            "invalid_value",
         ),
         (b'{"model": "m", "prompt": "x", "n": 5}', CompletionRequest, "n", "invalid_value"),
         (b'{"model": "m", "prompt": "x", "n": 0}', CompletionRequest, "n", "invalid_value"),
@@ -141,6 +197,24 @@ def test_bad_requests_are_400_naming_the_parameter(body, model, param, code):
     assert err.value.status == 400
     assert (err.value.param, err.value.code) == (param, code)
     assert set(err.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": MODEL, "prompt": "x", "logprobs": 9},
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+         "top_logprobs": 21},
+    ],
+)  # fmt: skip
+async def test_a_bad_logprobs_request_is_a_400_and_reaches_no_node(fake, body):
+    path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+    r = await fake.http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] in ("logprobs", "top_logprobs") and error["param"] in error["message"]
+    assert fake.prompts == []
 
 
 def test_defaults_follow_openai_and_unknown_fields_are_ignored():
@@ -553,3 +627,117 @@ async def test_a_refused_choice_cancels_the_choices_admitted_before_it(fake):
             break
         await asyncio.sleep(0.01)
     assert fake.cancelled == [fake.prompts[0].request_id]
+
+
+# --------------------------------------------------------------------------- logprobs
+
+
+def _lp(token: str, logprob: float, *top: tuple[str, float]) -> TokenLogprob:
+    alts = [TopLogprob(token=t, logprob=v, bytes=list(t.encode())) for t, v in top]
+    return TokenLogprob(token=token, logprob=logprob, bytes=list(token.encode()), top_logprobs=alts)
+
+
+LPS = [
+    _lp("Hel", -0.5, ("Hel", -0.5), ("Hi", -1.0)),
+    _lp("lo", -0.25, ("lo", -0.25), ("p", -2.0)),
+    _lp(" END", -0.75, (" END", -0.75), ("!", -1.5)),
+    _lp(" x", -0.1, (" x", -0.1), (" y", -3.0)),
+]
+
+
+def _with_logprobs(prompt: SubmitPrompt, pieces: list[list[int]]) -> list[Any]:
+    """Deltas of several tokens each (``pieces``: indices into LPS), then Done."""
+    rid = prompt.request_id
+    deltas = [
+        TextDelta(
+            request_id=rid,
+            text="".join(LPS[i].token for i in idx),
+            tokens=len(idx),
+            prompt_tokens=PROMPT_TOKENS if k == 0 else None,
+            logprobs=[LPS[i] for i in idx] if prompt.logprobs else None,
+        )
+        for k, idx in enumerate(pieces)
+    ]
+    text = "".join(d.text for d in deltas)
+    n = sum(len(idx) for idx in pieces)
+    done = Done(request_id=rid, final_text=text, tokens_generated=n, elapsed_ms=1,
+                stop_reason="max_tokens", prompt_tokens=PROMPT_TOKENS)  # fmt: skip
+    return [*deltas, done]
+
+
+async def test_chat_logprobs_streamed_and_not_in_openais_shape(fake):
+    fake.script = lambda p: _with_logprobs(p, [[0], [1, 2]])
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+            "top_logprobs": 2}  # fmt: skip
+    r = await fake.http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"] == "Hello END"
+    content = choice["logprobs"]["content"]
+    assert [c["token"] for c in content] == ["Hel", "lo", " END"]
+    assert content[0] == {
+        "token": "Hel",
+        "logprob": -0.5,
+        "bytes": list(b"Hel"),
+        "top_logprobs": [
+            {"token": "Hel", "logprob": -0.5, "bytes": list(b"Hel")},
+            {"token": "Hi", "logprob": -1.0, "bytes": list(b"Hi")},
+        ],
+    }
+    assert (fake.prompts[-1].logprobs, fake.prompts[-1].top_logprobs) == (True, 2)
+    r = await fake.http.post("/v1/chat/completions", json={**body, "stream": True})
+    events = _events(r)
+    assert events[0]["choices"][0]["logprobs"] is None  # the role chunk
+    texts = [e["choices"][0]["delta"].get("content") for e in events[1:-2]]
+    lps = [[c["token"] for c in e["choices"][0]["logprobs"]["content"]] for e in events[1:-2]]
+    assert (texts, lps) == (["Hel", "lo END"], [["Hel"], ["lo", " END"]])
+    assert events[-2]["choices"][0]["logprobs"] is None and events[-1] == "[DONE]"
+
+
+async def test_completion_logprobs_with_offsets_and_a_stop_string(fake):
+    fake.script = lambda p: _with_logprobs(p, [[0, 1], [2, 3]])
+    body = {"model": MODEL, "prompt": "x", "logprobs": 1, "stop": "ND x"}
+    r = await fake.http.post("/v1/completions", json=body)
+    choice = r.json()["choices"][0]
+    # The stop string cuts " END x" after " E": the token that begins before it stays.
+    assert (choice["text"], choice["finish_reason"]) == ("Hello E", "stop")
+    assert choice["logprobs"] == {
+        "tokens": ["Hel", "lo", " END"],
+        "token_logprobs": [-0.5, -0.25, -0.75],
+        "top_logprobs": [{"Hel": -0.5, "Hi": -1.0}, {"lo": -0.25, "p": -2.0},
+                         {" END": -0.75, "!": -1.5}],
+        "text_offset": [0, 3, 5],
+    }  # fmt: skip
+    r = await fake.http.post("/v1/completions", json={**body, "stream": True, "stop": None})
+    events = _events(r)[:-1]
+    got = [e["choices"][0]["logprobs"] for e in events]
+    assert [g["tokens"] for g in got[:-1]] == [["Hel", "lo"], [" END", " x"]]
+    assert [g["text_offset"] for g in got[:-1]] == [[0, 3], [5, 9]]
+    assert got[-1] is None  # the finish chunk
+
+
+async def test_no_logprobs_unless_asked_and_none_where_the_text_came_whole(fake):
+    fake.script = lambda p: _with_logprobs(p, [[0, 1]])
+    r = await fake.http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert r.json()["choices"][0]["logprobs"] is None
+    prompt = fake.prompts[-1]
+    assert "logprobs" not in prompt.model_dump(exclude_defaults=True)  # an old run reads it
+    # A run-hosted prompt whose text came whole with its end carries none.
+    fake.script = lambda p: _with_logprobs(p, [[0, 1]])[-1:]
+    r = await fake.http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "logprobs": 0})
+    assert r.json()["choices"][0]["text"] == "Hello"
+    assert r.json()["choices"][0]["logprobs"] is None
+
+
+def test_a_delta_cut_where_the_reader_switches_streams_keeps_only_its_new_tokens_logprobs():
+    """A reader that goes on from another stream (temporal.client.text.cut) has the first
+    characters of a delta already: their tokens' logprobs too."""
+    from temporal.client.text import cut
+
+    delta = TextDelta(request_id=1, text="Hello END", tokens=3, logprobs=LPS[:3])
+    rest, left = cut(delta, 4)  # "Hell": "Hel" is had, "lo" is half had: kept
+    assert rest is not None and left == 0
+    assert (rest.text, [e.token for e in rest.logprobs or ()]) == ("o END", ["lo", " END"])
+    assert cut(delta, 9) == (None, 0)
+    plain, _ = cut(TextDelta(request_id=1, text="abc", tokens=1), 1)
+    assert plain is not None and plain.logprobs is None

@@ -1,6 +1,7 @@
 """A prompt's events as an OpenAI completion: the request turned into the run's prompt
-(:class:`Prepared`), its text with the request's stop strings applied, the head node's
-token counts, and a prompt's Fault as its HTTP error (by its type, never by its text)."""
+(:class:`Prepared`), its text with the request's stop strings applied (and the logprobs
+of that text's tokens, where asked), the head node's token counts, and a prompt's Fault
+as its HTTP error (by its type, never by its text)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any, Literal
 
 from mvp_core.errors import ErrorType
 from mvp_core.models import Done, Fault, TextDelta
+from workers.gateway.logprobs import LogprobTrack, Placed
 from workers.gateway.service import PromptSession, ServedModel
 from workers.gateway.stops import StopMatcher, cut_at_stop
 from workers.gateway.wire import ApiError, ChatRequest, CompletionRequest, invalid
@@ -25,6 +27,7 @@ class Prepared:
     include_usage: bool
     stream: bool
     n: int = 1  # choices: each its own prompt (a given seed + i for choice i)
+    logprobs: bool = False  # the prompt asks for its tokens' logprobs
 
     def choice_fields(self, index: int) -> dict[str, Any]:
         """Choice ``index``'s prompt: a sequence of its own. With a seed, choice i draws
@@ -49,12 +52,14 @@ class Prepared:
                 "max_tokens": req.token_limit(),
                 "stop": req.stops(),
                 **req.sampling(),
+                **req.logprob_fields(),
             },
             param=param,
             stops=req.stops(),
             include_usage=req.include_usage(),
             stream=bool(req.stream),
             n=req.n or 1,
+            logprobs=bool(req.logprob_fields()),
         )
 
 
@@ -64,6 +69,15 @@ class Finish:
     completion_tokens: int
     prompt_tokens: int  # as the head node encoded the prompt (0: a node that did not say)
     final_text: str | None = None  # the run's whole text, when no stop string cut it
+    logprobs_missing: bool = False  # some text came without its tokens' logprobs
+
+
+@dataclass
+class Piece:
+    """Text of a choice, and where asked the logprobs of the tokens it completes."""
+
+    text: str
+    logprobs: list[Placed] = field(default_factory=list)
 
 
 @dataclass
@@ -71,37 +85,47 @@ class Collected:
     text: str = ""
     finish: Finish | None = None
     pieces: list[str] = field(default_factory=list)
+    logprobs: list[Placed] = field(default_factory=list)
 
 
 async def drive(
     session: PromptSession, prep: Prepared, served: ServedModel
-) -> AsyncIterator[str | Finish]:
+) -> AsyncIterator[Piece | Finish]:
     """The prompt's text with stop strings applied, then one Finish. A Fault raises its
     ApiError. Token counts are the head node's: the prompt's from its first delta (or its
     Done), the completion's at a stop string the tokens of the deltas up to the one that
-    completed it."""
+    completed it. Where the prompt asked for logprobs, each piece has those of the tokens
+    whose text it completes (at a stop string: the tokens that begin before it)."""
     matcher = StopMatcher(prep.stops)
+    track = LogprobTrack()
     prompt_tokens: int | None = None
     tokens = 0
+    emitted = 0  # characters of text yielded
     async for event in session.events():
         if isinstance(event, TextDelta):
             if prompt_tokens is None:
                 prompt_tokens = event.prompt_tokens
             tokens += event.tokens or 0
+            if prep.logprobs:
+                track.push(event)
             text, hit = matcher.push(event.text)
-            if text:
-                yield text
+            emitted += len(text)
+            placed = (track.cut if hit else track.release)(emitted) if prep.logprobs else []
+            if text or placed:
+                yield Piece(text, placed)
             if hit:
                 session.cancel()
-                yield Finish("stop", tokens, prompt_tokens or 0)
+                yield Finish("stop", tokens, prompt_tokens or 0, None, track.missing)
                 return
         elif isinstance(event, Done):
             tail = matcher.flush()
-            if tail:
-                yield tail
+            placed = track.rest() if prep.logprobs else []
+            if tail or placed:
+                yield Piece(tail, placed)
             reason: Literal["stop", "length"] = "stop" if event.stop_reason == "eos" else "length"
             n_prompt = event.prompt_tokens if event.prompt_tokens is not None else prompt_tokens
-            yield Finish(reason, event.tokens_generated, n_prompt or 0, event.final_text)
+            missing = track.missing or (prep.logprobs and event.tokens_generated > tokens)
+            yield Finish(reason, event.tokens_generated, n_prompt or 0, event.final_text, missing)
             return
         else:
             raise fault_error(event, prep.param, served)
@@ -129,8 +153,9 @@ def fault_error(fault: Fault, param: str, served: ServedModel) -> ApiError:
 async def collect(session: PromptSession, prep: Prepared, served: ServedModel) -> Collected:
     out = Collected()
     async for item in drive(session, prep, served):
-        if isinstance(item, str):
-            out.pieces.append(item)
+        if isinstance(item, Piece):
+            out.pieces.append(item.text)
+            out.logprobs.extend(item.logprobs)
         else:
             out.finish = item
     out.text = "".join(out.pieces)

@@ -23,7 +23,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mvp_core.models import Fault, RunPhase
-from workers.gateway.completion import Finish, Prepared, collect, drive, fault_error
+from workers.gateway.completion import Finish, Piece, Prepared, collect, drive, fault_error
+from workers.gateway.logprobs import Placed, chat_logprobs, completion_logprobs
 from workers.gateway.service import Gateway, PromptSession, ServedModel
 from workers.gateway.streaming import ClientGone, EventStream, unless_disconnected
 from workers.gateway.wire import (
@@ -186,11 +187,22 @@ async def _respond(
             choice: dict[str, Any] = {"index": index, "message": message}
         else:
             choice = {"index": index, "text": out.text}
-        choices.append({**choice, "logprobs": None, "finish_reason": out.finish.reason})
+        logprobs = _logprobs(prep, chat, out.logprobs, out.finish.logprobs_missing)
+        choices.append({**choice, "logprobs": logprobs, "finish_reason": out.finish.reason})
     body["object"] = "chat.completion" if chat else "text_completion"
     body["choices"] = choices
     body["usage"] = _usage([out.finish for out in outs if out.finish is not None])
     return JSONResponse(body)
+
+
+def _logprobs(
+    prep: Prepared, chat: bool, placed: list[Placed], missing: bool = False
+) -> dict[str, Any] | None:
+    """A choice's ``logprobs``: None where not asked for, or where its text came without
+    them (whole, with the prompt's end: docs/gateway.md)."""
+    if not prep.logprobs or (missing and not placed):
+        return None
+    return chat_logprobs(placed) if chat else completion_logprobs(placed)
 
 
 def _usage(finishes: list[Finish]) -> dict[str, int]:
@@ -202,14 +214,14 @@ def _usage(finishes: list[Finish]) -> dict[str, int]:
 
 async def _merged(
     sessions: list[PromptSession], prep: Prepared, served: ServedModel
-) -> AsyncGenerator[tuple[int, str | Finish], None]:
+) -> AsyncGenerator[tuple[int, Piece | Finish], None]:
     """Every choice's text and Finish as they come, tagged with the choice's index; an
     ApiError of any choice ends it (the others are closed by the stream's end)."""
     if len(sessions) == 1:
         async for item in drive(sessions[0], prep, served):
             yield 0, item
         return
-    queue: asyncio.Queue[tuple[int, str | Finish] | BaseException] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, Piece | Finish] | BaseException] = asyncio.Queue()
 
     async def pump(index: int, session: PromptSession) -> None:
         try:
@@ -249,15 +261,16 @@ async def _stream(
         "model": served.id,
     }
 
-    def chunk(index: int, text: str | None, finish: str | None = None) -> bytes:
+    def chunk(index: int, piece: Piece | None, finish: str | None = None) -> bytes:
+        logprobs = None if piece is None else _logprobs(prep, chat, piece.logprobs)
         if chat:
-            delta: dict[str, Any] = {} if text is None else {"content": text}
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            delta: dict[str, Any] = {} if piece is None else {"content": piece.text}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {
                 "index": index,
-                "text": text or "",
-                "logprobs": None,
+                "text": "" if piece is None else piece.text,
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }
         body = {**head, "choices": [choice]}
@@ -275,7 +288,7 @@ async def _stream(
                 yield sse(first)
         finishes: list[Finish] = []
         async for index, item in _merged(sessions, prep, served):
-            if isinstance(item, str):
+            if isinstance(item, Piece):
                 yield chunk(index, item)
             else:
                 finishes.append(item)

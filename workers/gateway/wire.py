@@ -3,8 +3,8 @@ response objects and stream chunks, shaped as the ``openai`` package's types rea
 
 Requests are validated by the models here (extra fields are ignored, as OpenAI's own
 clients send fields this server has no use for); options whose effect the run cannot
-give (several choices, log probabilities, tools, echo) are refused with a 400 naming
-the parameter rather than silently dropped.
+give (tools, echo, more than 4 choices) are refused with a 400 naming the parameter
+rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -109,6 +109,8 @@ class ChatMessage(_Lenient):
 
 
 MAX_CHOICES = 4  # n: each choice is a prompt of its own in the run's batch
+MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's bounds: chat top_logprobs 0-20, completions logprobs 0-5
+MAX_COMPLETION_LOGPROBS = 5
 
 
 class _Generation(_Lenient):
@@ -125,8 +127,6 @@ class _Generation(_Lenient):
     stream_options: StreamOptions | None = None
     # Accepted only with the values that ask for nothing the run cannot do.
     n: int | None = None
-    logprobs: Any = None
-    top_logprobs: Any = None
     response_format: Any = None
     tools: Any = None
     functions: Any = None
@@ -166,10 +166,6 @@ class _Generation(_Lenient):
         """A 400 for an option that asks for what the run cannot give."""
         if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
             raise invalid(f"n must be 1 to {MAX_CHOICES}", "n", "invalid_value")
-        if self.logprobs not in (None, False, 0):
-            raise invalid("logprobs are not supported", "logprobs", "unsupported_parameter")
-        if self.top_logprobs not in (None, 0):
-            raise invalid("logprobs are not supported", "top_logprobs", "unsupported_parameter")
         if self.tools or self.functions:
             param = "tools" if self.tools else "functions"
             raise invalid("tools and functions are not supported", param, "unsupported_parameter")
@@ -189,6 +185,15 @@ class CompletionRequest(_Generation):
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    top_logprobs: Any = None  # chat's: refused here
+
+    def logprob_fields(self) -> dict[str, Any]:
+        """SubmitPrompt's logprob fields: none unless asked (a run from before them
+        refuses fields it does not know)."""
+        if self.logprobs is None:
+            return {}
+        return {"logprobs": True, "top_logprobs": self.logprobs}
 
     def prompt_text(self) -> str:
         if isinstance(self.prompt, str):
@@ -209,6 +214,12 @@ class CompletionRequest(_Generation):
             raise invalid("only best_of=1 is supported", "best_of", "unsupported_parameter")
         if self.suffix:
             raise invalid("suffix is not supported", "suffix", "unsupported_parameter")
+        if self.top_logprobs is not None:
+            raise invalid(
+                "top_logprobs is a chat parameter; completions take logprobs (0-5)",
+                "top_logprobs",
+                "unsupported_parameter",
+            )
 
     def token_limit(self) -> int:
         return COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
@@ -217,9 +228,20 @@ class CompletionRequest(_Generation):
 class ChatRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1, max_length=10_000)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=U32)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+
+    def logprob_fields(self) -> dict[str, Any]:
+        """SubmitPrompt's logprob fields: none unless asked (a run from before them
+        refuses fields it does not know)."""
+        if not self.logprobs:
+            return {}
+        return {"logprobs": True, "top_logprobs": self.top_logprobs or 0}
 
     def unsupported(self) -> None:
         super().unsupported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
         for i, m in enumerate(self.messages):
             if m.tool_calls:
                 raise invalid(
