@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 
 from temporalio import activity
@@ -23,6 +24,8 @@ from mvp_core import names
 from mvp_core.datastream import CHANNEL_PROVISIONING_EVENTS, ProvisionEventKind, provision_event
 from mvp_core.errors import ErrorType
 from mvp_core.models import (
+    CompleteBootstrapInput,
+    CompleteBootstrapResult,
     NodeExited,
     NodeHandle,
     NodeProvisionSpec,
@@ -34,6 +37,8 @@ from mvp_core.models import (
 from mvp_io.share_fetch import ShareFetchError
 
 WATCH_INTERVAL_S = 0.5
+# A provider's records are its nodes' provider log lines (datastream_bus.PROVIDER_LOGGERS).
+log = logging.getLogger("mvp.provider")
 # Providers whose nodes run on this host: their share of a hub model is fetched here.
 _FETCH_HERE = frozenset({ProviderKind.PROCESS, ProviderKind.DOCKER})
 
@@ -152,6 +157,22 @@ class ProviderActivities:
             if delay:
                 await heartbeat_for(float(delay), "test delay")
             return await in_thread(provider.stop, h, inp.grace_s)
+
+    @activity.defn(name=names.ACT_COMPLETE_BOOTSTRAP)
+    async def complete_bootstrap(self, inp: CompleteBootstrapInput) -> CompleteBootstrapResult:
+        """Each node's provider completes its bootstrap (process spec 7.6); a node's
+        failure is a line of the result (redacted: it may quote the node's host), the
+        other nodes still done."""
+        errors: list[str] = []
+        for h in inp.handles:
+            with datastream_bus.run_context(h.run_id, h.node_id, h.provider.value):
+                try:
+                    await in_thread(self._provider(h.provider).complete_bootstrap, h)
+                except Exception as err:
+                    text = node_text(f"node {h.node_id}: {type(err).__name__}: {err}")[:500]
+                    log.warning("complete_bootstrap of %s", text)
+                    errors.append(text)
+        return CompleteBootstrapResult(errors=errors)
 
     @activity.defn(name=names.ACT_WATCH_NODES)
     async def watch_nodes(self, inp: WatchNodesInput) -> NodeExited:

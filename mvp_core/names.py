@@ -66,6 +66,7 @@ ACT_PREPARE_PLAN = "orch.prepare_plan"
 ACT_CHECK_ROUTE = "orch.check_route"
 ACT_START_NODE = "provider.start_node"
 ACT_STOP_NODE = "provider.stop_node"
+ACT_COMPLETE_BOOTSTRAP = "provider.complete_bootstrap"
 ACT_WATCH_NODES = "provider.watch_nodes"
 # The run's datastream (DECISIONS 58): on the provider queue, beside the providers.
 ACT_RUN_DATASTREAM = "provider.run_datastream"
@@ -174,6 +175,7 @@ PATCH_RUN_DATASTREAM = "run-datastream"  # DECISIONS 58
 PATCH_SHUTDOWN_WAITS_CLOSE = "shutdown-waits-close"  # DECISIONS 59
 PATCH_CANCEL_BEFORE_CHILD_START = "cancel-before-child-start"  # DECISIONS 61
 PATCH_STOP_GENERATE = "stop-generate"  # DECISIONS 65
+PATCH_COMPLETE_BOOTSTRAP = "complete-bootstrap"  # DECISIONS 84
 
 # --------------------------------------------------------------------------- metrics
 # Our own metrics (OpenTelemetry names; a Prometheus scrape shows them with dots as

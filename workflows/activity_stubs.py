@@ -53,6 +53,11 @@ async def stop_node(inp: m.StopNodeInput) -> m.StopNodeResult:
     raise _stub()
 
 
+@activity.defn(name=names.ACT_COMPLETE_BOOTSTRAP)
+async def complete_bootstrap(inp: m.CompleteBootstrapInput) -> m.CompleteBootstrapResult:
+    raise _stub()
+
+
 @activity.defn(name=names.ACT_WATCH_NODES)
 async def watch_nodes(inp: m.WatchNodesInput) -> m.NodeExited:
     raise _stub()

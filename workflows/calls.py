@@ -21,6 +21,8 @@ with workflow.unsafe.imports_passed_through():
     from mvp_core.errors import ErrorType
     from mvp_core.models import (
         CheckRouteInput,
+        CompleteBootstrapInput,
+        CompleteBootstrapResult,
         GenerateInput,
         LeaseInput,
         NodeExited,
@@ -56,6 +58,10 @@ PROVIDER_QUEUE_TIMEOUT = timedelta(seconds=10)
 PLAN_TIMEOUT = timedelta(minutes=10)  # a model's header read, or its download
 PLAN_RETRY = RetryPolicy(maximum_attempts=3, non_retryable_error_types=[ErrorType.PLANNING_ERROR])
 START_RETRY = RetryPolicy(maximum_attempts=3)
+# One SSH command a rented node at most; a worker without the activity (an older one) is
+# a failure the run records, not a retry forever.
+COMPLETE_BOOTSTRAP_TIMEOUT = timedelta(seconds=60)
+COMPLETE_BOOTSTRAP_RETRY = RetryPolicy(maximum_attempts=3)
 ROUTE_CHECK_TIMEOUT = timedelta(seconds=10)  # one DescribeTaskQueue
 # A node's poller shows within ~0.1 s of its start: look again soon, then less often.
 ROUTE_RETRY = RetryPolicy(
@@ -147,6 +153,19 @@ async def start_node(
         "retry_policy": START_RETRY,
     }
     return await workflow.execute_activity(stub.start_node, spec, **config)
+
+
+async def complete_bootstrap(
+    inp: CompleteBootstrapInput, queue: str, summary: str
+) -> CompleteBootstrapResult:
+    config: ActivityConfig = {
+        **PROVIDER_CONFIG,
+        "task_queue": queue,
+        "start_to_close_timeout": COMPLETE_BOOTSTRAP_TIMEOUT,
+        "summary": summary,
+        "retry_policy": COMPLETE_BOOTSTRAP_RETRY,
+    }
+    return await workflow.execute_activity(stub.complete_bootstrap, inp, **config)
 
 
 async def watch_nodes(

@@ -92,6 +92,11 @@ class Provider(Protocol):
         all) as that fetch goes."""
         ...
 
+    def complete_bootstrap(self, handle: NodeHandle) -> None:
+        """The node's runtime-ready acknowledgement succeeded (process spec 7.6): undo
+        what only its start needed. Idempotent; raises (any error) where it could not."""
+        ...
+
     def stop(self, handle: NodeHandle, grace_s: float) -> StopNodeResult:
         """Stop a node; idempotent, "not found" is success."""
         ...

@@ -517,6 +517,11 @@ class DockerProvider:
                 return  # another stop is removing it
             raise
 
+    def complete_bootstrap(self, handle: NodeHandle) -> None:
+        """Nothing it can undo: the node's environment is its container's configuration,
+        which the daemon keeps (for those who may use the daemon) while the container
+        lives."""
+
     def stop(self, handle: NodeHandle, grace_s: float) -> StopNodeResult:
         try:
             found = self._find(handle)

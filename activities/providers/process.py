@@ -247,6 +247,10 @@ class ProcessProvider:
         rec = read_record(Path(handle.log_path).with_name("pid.json"))
         return None if rec is None else rec[1]
 
+    def complete_bootstrap(self, handle: NodeHandle) -> None:
+        """Nothing to undo: the node's environment was given to its process alone (no
+        file of it is left on the host)."""
+
     def stop(self, handle: NodeHandle, grace_s: float) -> StopNodeResult:
         result = self._stop(handle, grace_s)
         if (

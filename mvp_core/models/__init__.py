@@ -93,6 +93,8 @@ from mvp_core.models.provider_settings import (
 )
 from mvp_core.models.provisioning import (
     CheckRouteInput,
+    CompleteBootstrapInput,
+    CompleteBootstrapResult,
     NodeExited,
     NodeHandle,
     NodeProvisionSpec,
@@ -129,6 +131,8 @@ __all__ = [
     "CancelPrompt",
     "ChatMessage",
     "CheckRouteInput",
+    "CompleteBootstrapInput",
+    "CompleteBootstrapResult",
     "DatastreamAddress",
     "DockerSettings",
     "Done",

@@ -89,6 +89,19 @@ class StopNodeInput(_Model):
     grace_s: float
 
 
+class CompleteBootstrapInput(_Model):
+    """The nodes whose runtime-ready acknowledgement succeeded (process spec 7.6)."""
+
+    handles: list[NodeHandle] = Field(max_length=1024)
+
+
+class CompleteBootstrapResult(_Model):
+    """What a provider could not finish of those nodes' bootstrap, one line a node (a
+    node's bootstrap that fails to complete still serves: the run records it, no fault)."""
+
+    errors: list[str] = Field(default_factory=list)
+
+
 class StopNodeResult(_Model):
     node_id: int
     stopped: bool

@@ -47,6 +47,8 @@ from mvp_core import names
 from mvp_core.errors import ErrorType
 from mvp_core.models import (
     CheckRouteInput,
+    CompleteBootstrapInput,
+    CompleteBootstrapResult,
     Done,
     GenerateInput,
     LeaseInput,
@@ -299,11 +301,16 @@ class FakeCluster:
     # Knobs.
     plan_error: str | None = None  # prepare_plan fails with a PlanningError
     start_error: str | None = None  # start_node fails (NodeStartFailed)
+    start_errors: dict[int, str] = field(default_factory=dict)  # ... of these nodes only
     # Nodes whose NodeRuntimeReady never arrives (their worker polls, their lease runs).
     silent_nodes: set[int] = field(default_factory=set)
     route_owner: str | None = None  # check_route sees this poller instead of the node
     stage_load_error: str | None = None  # provision_stage fails (StageLoadFailed)
     stop_node_error: str | None = None  # stop_node reports the node not stopped
+    stop_node_errors: dict[int, str] = field(default_factory=dict)  # ... these nodes only
+    bootstrap_errors: dict[int, str] = field(default_factory=dict)  # complete_bootstrap's
+    # Seconds (real time) a node's provider stop takes before it answers.
+    stop_node_delays: dict[int, float] = field(default_factory=dict)
     generate: Generate = echo_generate
     # Steps that wait until the test releases them (plan, start_node, provision_stage).
     holds: dict[str, asyncio.Event] = field(default_factory=dict)
@@ -311,6 +318,7 @@ class FakeCluster:
     reached: dict[str, asyncio.Event] = field(default_factory=dict)
     calls: list[str] = field(default_factory=list)
     nodes: dict[int, FakeNode] = field(default_factory=dict)
+    bootstrapped: list[int] = field(default_factory=list)  # complete_bootstrap's nodes
     exits: dict[int, str] = field(default_factory=dict)  # node id -> what the watch says
     datastreams: list[int] = field(default_factory=list)  # run ids whose datastream started
     datastreams_ended: list[int] = field(default_factory=list)  # ... and ended, when cancelled
@@ -364,6 +372,7 @@ class FakeCluster:
                     self.prepare_plan,
                     self.start_node,
                     self.stop_node,
+                    self.complete_bootstrap,
                     self.watch_nodes,
                     self.run_datastream,
                 ],
@@ -450,8 +459,9 @@ class FakeCluster:
     async def start_node(self, spec: NodeProvisionSpec) -> NodeHandle:
         self.calls.append(f"start node {spec.node_id}")
         await self.wait_at("start_node")
-        if self.start_error is not None:
-            raise ApplicationError(self.start_error, type="NodeStartFailed", non_retryable=True)
+        error = self.start_errors.get(spec.node_id, self.start_error)
+        if error is not None:
+            raise ApplicationError(error, type="NodeStartFailed", non_retryable=True)
         node = self.nodes.get(spec.node_id)
         if node is None:  # a retried start finds the node it started (by its name)
             node = self.nodes[spec.node_id] = FakeNode(self, spec)
@@ -471,11 +481,24 @@ class FakeCluster:
         node_id = inp.handle.node_id
         self.calls.append(f"stop node {node_id}")
         node = self.nodes.get(node_id)
-        if self.stop_node_error is not None:
-            return StopNodeResult(node_id=node_id, stopped=False, error=self.stop_node_error)
+        await asyncio.sleep(self.stop_node_delays.get(node_id, 0.0))
+        error = self.stop_node_errors.get(node_id, self.stop_node_error)
+        if error is not None:
+            return StopNodeResult(node_id=node_id, stopped=False, error=error)
         if node is not None:
             node.stopped.set()
         return StopNodeResult(node_id=node_id, stopped=True)
+
+    @activity.defn(name=names.ACT_COMPLETE_BOOTSTRAP)
+    async def complete_bootstrap(self, inp: CompleteBootstrapInput) -> CompleteBootstrapResult:
+        ids = [h.node_id for h in inp.handles]
+        self.calls.append(f"complete bootstrap {','.join(map(str, ids))}")
+        self.bootstrapped.extend(ids)
+        return CompleteBootstrapResult(
+            errors=[
+                f"node {i}: {self.bootstrap_errors[i]}" for i in ids if i in self.bootstrap_errors
+            ]
+        )
 
     @activity.defn(name=names.ACT_WATCH_NODES)
     async def watch_nodes(self, inp: WatchNodesInput) -> NodeExited:

@@ -32,6 +32,7 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.planning import provider_host
 from activities.providers.vastai import VastAiProvider, VastApiError, retry_after_s
+from activities.providers.vastai.logpump import REMOTE_NODE_DIR
 from activities.provisioning import ProviderActivities
 from mvp_core import names
 from mvp_core.models import (
@@ -375,6 +376,11 @@ async def test_two_stage_run_on_two_rented_instances_serves_the_process_text(
         # Each node advertises its instance's public address and the mapped port.
         assert host == vast.standin.public_ip
         assert int(port) == record.ports[7000]
+        # Once acknowledged, the node's environment file (its secrets) is gone from the
+        # rented disk (complete_bootstrap), its log still there.
+        box = vast.standin.docker.containers.get(record.container_id)
+        assert box.exec_run(["test", "-e", f"{REMOTE_NODE_DIR}/node.env"]).exit_code == 1
+        assert box.exec_run(["test", "-e", f"{REMOTE_NODE_DIR}/node.log"]).exit_code == 0
     # The nodes reach Temporal through the provider's tunnels, one per instance.
     assert len(tunnel_processes(vast.identity)) == 2
     figures = {label: phases(vast, label) for label in sorted(labels)}

@@ -99,6 +99,26 @@ async def test_a_provisioning_fault_faults_the_run_and_stops_the_node_it_tried(
     assert cluster.calls == ["plan", "start node 1", "stop node 1"]
 
 
+async def test_a_later_nodes_start_failure_faults_once_and_stops_the_nodes_already_started(
+    env: WorkflowEnvironment, task_queue: str
+) -> None:
+    """Actor spec 12.6 with a stub provider: the second of 3 nodes (ids 2-4) fails to start
+    after the first started. One fault names it; the first and the node that failed (a
+    failed start may have launched it) are stopped; the third is never started, so never
+    stopped."""
+    cluster = FakeCluster(env.client, task_queue, start_errors={3: "no GPU on this host"})
+    async with cluster.serving():
+        handle = await cluster.start_run(144, pipeline_stages=3)
+        kind, message, outcome = await run_failure(handle)
+        final = await snapshot(handle)
+    assert kind == ErrorType.RUN_FAULTED
+    assert message == "startup (provisioning): no GPU on this host"
+    assert kinds(outcome) == [*STARTUP, "RunFaulted", *TEARDOWN]
+    assert cluster.calls[:3] == ["plan", "start node 2", "start node 3"]
+    assert sorted(cluster.calls[3:]) == ["stop node 2", "stop node 3"]
+    assert final.phase is RunPhase.TORN_DOWN
+
+
 async def test_a_node_that_never_reports_runtime_ready_faults_readiness_at_its_deadline(
     env: WorkflowEnvironment, task_queue: str
 ) -> None:
@@ -297,6 +317,54 @@ async def test_a_provider_stop_that_fails_in_teardown_is_a_stop_failed_run(
     assert final.phase is RunPhase.TORN_DOWN
     assert kinds(outcome)[-2:] == TEARDOWN
     assert cluster.calls[-2:] == ["stop stage 0", "stop node 1"]
+
+
+async def test_bootstrap_completes_once_for_every_acknowledged_node_and_its_failure_is_no_fault(
+    env: WorkflowEnvironment, task_queue: str
+) -> None:
+    """Process spec 7.6: after every node's runtime-ready acknowledgement, and before any
+    stage is provisioned, the provider completes each node's bootstrap, once; a node
+    whose completion fails (a rented host's file not removed) still serves."""
+    cluster = FakeCluster(env.client, task_queue, bootstrap_errors={3: "ssh: connection reset"})
+    async with cluster.serving():
+        handle = await cluster.start_run(146, pipeline_stages=2)
+        await wait_phase(handle, RunPhase.PROMPT_READY)
+        outcome = await shut_down(handle)
+    assert outcome.outcome is RunOutcomeKind.OPERATOR_STOPPED
+    assert cluster.bootstrapped == [2, 3]
+    at = cluster.calls.index("complete bootstrap 2,3")
+    assert cluster.calls[:at] == ["plan", "start node 2", "start node 3", "ack 2", "ack 3"]
+    assert cluster.calls[at + 1].startswith("provision stage")
+
+
+async def test_a_failing_stop_among_several_keeps_the_first_error_and_stops_every_node(
+    env: WorkflowEnvironment, task_queue: str
+) -> None:
+    """Actor spec 12.6: the provider stops of the first and last of 3 nodes (ids 2-4) fail,
+    the last's answer last. Every node's stop is tried, and the run's stop failure is the
+    first error (node 2's), not the last."""
+    cluster = FakeCluster(
+        env.client,
+        task_queue,
+        stop_node_errors={2: "destroy refused", 4: "instance API timed out"},
+        stop_node_delays={4: 0.5},
+    )
+    async with cluster.serving():
+        handle = await cluster.start_run(145, pipeline_stages=3)
+        await wait_phase(handle, RunPhase.PROMPT_READY)
+        await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown())
+        kind, message, outcome = await run_failure(handle)
+        final = await snapshot(handle)
+    assert kind == ErrorType.RUN_STOP_FAILED
+    assert "provider stop node 2: destroy refused" in message
+    assert "node 4" not in message
+    assert outcome.outcome is RunOutcomeKind.OPERATOR_STOPPED
+    assert final.phase is RunPhase.TORN_DOWN
+    assert sorted(c for c in cluster.calls if c.startswith("stop node")) == [
+        "stop node 2",
+        "stop node 3",
+        "stop node 4",
+    ]
 
 
 async def test_a_prompt_is_served_to_done_and_counted(

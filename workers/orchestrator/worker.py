@@ -81,6 +81,7 @@ async def run_worker(stop: asyncio.Event) -> None:
             planning.prepare_plan,
             providers.start_node,
             providers.stop_node,
+            providers.complete_bootstrap,
             providers.watch_nodes,
             run_datastream,
             reaper.list_resources,

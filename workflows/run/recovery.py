@@ -104,6 +104,7 @@ class Recovery:
         self._membership.widen_watch()
         self._membership.start_lease(node, req.recovery.replacement_timeout_s)
         await self._startup.join(node, deadline)
+        await self._startup.complete_bootstrap([node])
         state.replacement_joined(now_ms())
         state.next_epoch()
         ctx.view.show()

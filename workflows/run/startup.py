@@ -11,11 +11,14 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from temporalio import workflow
+from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
+    from mvp_core import names
     from mvp_core.generation import fixed_address_layout
     from mvp_core.models import (
         CheckRouteInput,
+        CompleteBootstrapInput,
         EdgeEndpoint,
         EdgePlan,
         LifecycleKind,
@@ -29,6 +32,7 @@ with workflow.unsafe.imports_passed_through():
     from mvp_core.providers import fetch_allowance_s
     from mvp_core.run_records import NodeState
     from workflows import calls
+    from workflows.prompt import failure_cause
     from workflows.run.context import RunContext, Stopping, slack
     from workflows.run.membership import Membership
 
@@ -138,6 +142,29 @@ class Startup:
             self._membership.start_lease(node, req.timeouts.readiness_s)
         for node in state.nodes:
             await self.join(node, deadline)
+        await self.complete_bootstrap(state.nodes)
+
+    async def complete_bootstrap(self, nodes: Sequence[NodeState]) -> None:
+        """Process spec 7.6: once every node is acknowledged, its provider completes its
+        bootstrap (a rented node's environment file, its secrets, removed from its disk).
+        What a provider could not do is logged (and is its node's provider log line in
+        the datastream); the node serves all the same."""
+        handles = [n.handle for n in nodes if n.handle is not None]
+        if not handles or not workflow.patched(names.PATCH_COMPLETE_BOOTSTRAP):
+            return
+        assert self._ctx.state.provider_queue is not None
+        ids = ", ".join(str(h.node_id) for h in handles)
+        try:
+            result = await calls.complete_bootstrap(
+                CompleteBootstrapInput(handles=handles),
+                self._ctx.state.provider_queue,
+                f"complete bootstrap of node(s) {ids}",
+            )
+            errors = result.errors
+        except ActivityError as err:
+            errors = [failure_cause(err)]
+        for error in errors:
+            workflow.logger.warning("complete_bootstrap: %s", error)
 
     async def join(self, node: NodeState, deadline: datetime) -> None:
         """The node's readiness barrier: its runtime report, its lease, its route, its ack."""

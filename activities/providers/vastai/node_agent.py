@@ -75,6 +75,14 @@ def bootstrap(
     phases["bootstrap"] = time.monotonic() - t0
 
 
+def remove_node_environment(record: InstanceRecord) -> None:
+    """Remove the node's environment file once its node has read it (complete_bootstrap):
+    its secrets stay in the node's memory only. The launch above reads it only where
+    no node of this execution runs, which is never true again for this node."""
+    d = shlex.quote(REMOTE_NODE_DIR)
+    ssh_ok(record, f"rm -f {d}/node.env {d}/node.env.part", "removing the node environment")
+
+
 def stop_node_agent(record: InstanceRecord, grace_s: float) -> None:
     """Best effort, bounded: SIGTERM the node's session, wait, keep its log here: what
     its followed streams hold (their sessions end now), else the log's last 2 MB."""

@@ -26,7 +26,11 @@ from activities.providers.vastai.logpump import (
     ensure_log_pump,
     keep_log_pump_up,
 )
-from activities.providers.vastai.node_agent import bootstrap, stop_node_agent
+from activities.providers.vastai.node_agent import (
+    bootstrap,
+    remove_node_environment,
+    stop_node_agent,
+)
 from activities.providers.vastai.rental import InstanceUnusable, adopt, rent, wait_running
 from activities.providers.vastai.ssh import (
     SshFailed,
@@ -210,6 +214,14 @@ class VastAiProvider:
                 why = str(row.get("status_msg") or "")[:200]
                 return node_exited(handle, f"instance {iid} is {status}: {why}")
         return None
+
+    def complete_bootstrap(self, handle: NodeHandle) -> None:
+        """The node has read its environment file (its secrets: edge token, payload key,
+        the Temporal connection's certificates): remove it from the rented disk."""
+        record = records.load(handle.resource_name)
+        if record is None or not record.public_ip or not record.ssh_port:
+            raise RuntimeError(f"no SSH record of {handle.resource_name}")
+        remove_node_environment(record)
 
     def stop(self, handle: NodeHandle, grace_s: float) -> StopNodeResult:
         """Ask the node to stop, keep its log, destroy the instance (never stop it)."""
