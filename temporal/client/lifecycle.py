@@ -47,12 +47,16 @@ QUERY_FAILED = (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError)
 class RunLifecycle:
     """Run ``mvp-run-<run_id>``: its workflow handle, state, readiness and shutdown."""
 
-    def __init__(self, client: Client, run_id: int, *, direct_text: bool = True) -> None:
+    def __init__(
+        self, client: Client, run_id: int, *, direct_text: bool = True, quick_refusals: bool = False
+    ) -> None:
         """``direct_text``: read prompts' text from the run's head node: with the
         deployment's edge secret where this host holds it (DECISIONS 63), else each prompt
         this handle admits with its own random key (DECISIONS 80); False: from Temporal
-        only."""
+        only. ``quick_refusals``: an admission the server refuses past its limits fails
+        within a second instead of after the SDK's retries (temporal/client/refusals.py)."""
         self.client = client
+        self._quick_refusals = quick_refusals
         self.run_id = run_id
         self.workflow_id = names.run_workflow_id(run_id)
         self._workflow: WorkflowHandle[Any, Any] | None = None

@@ -23,6 +23,7 @@ from mvp_core.models import CancelPrompt, Done, Fault, PromptAdmitted, SubmitPro
 from mvp_core.run_signals import signal_name
 from temporal.client.ends import EndHint
 from temporal.client.errors import rejection
+from temporal.client.refusals import quick_client
 from temporal.client.text import PromptEvents, PromptText
 from temporal.client.updates import OUTCOME_PEEK, drop, resent_when_not_ready
 from workflows.run import RunWorkflow
@@ -45,12 +46,13 @@ class PromptCalls(PromptText):
         raises PromptRejected."""
         if self._admitting is None:
             self._admitting = asyncio.Semaphore(ADMISSIONS_AT_ONCE)
+        workflow = self.workflow
+        if self._quick_refusals:
+            workflow = (await quick_client(self.client)).get_workflow_handle(self.workflow_id)
         try:
             async with self._admitting:
                 admitted: PromptAdmitted = await resent_when_not_ready(
-                    lambda: self.workflow.execute_update(
-                        RunWorkflow.admit_prompt, prompt, id=update_id
-                    )
+                    lambda: workflow.execute_update(RunWorkflow.admit_prompt, prompt, id=update_id)
                 )
         except WorkflowUpdateFailedError as err:
             raise rejection(err) from None

@@ -73,7 +73,8 @@ class Gateway:
     def __init__(self, client: Client, run_id: int, *, poll_cooldown_ms: int = 20) -> None:
         self.client = client
         self.run_id = run_id
-        self.run = RunHandle(client, run_id)
+        # A refusal past the server's limits is a 429 within a second (issue 37).
+        self.run = RunHandle(client, run_id, quick_refusals=True)
         self.workflow_id = self.run.workflow_id
         log.info(
             "text of %s's prompts: from its head node, %s",
