@@ -149,7 +149,7 @@ class FormatMasks:
         if self.rec.complete(state):
             for t in vocab.eos_ids:
                 mask[t] = 1
-        if not any(mask):  # no token can go on (it should not happen): let it end
+        if 1 not in mask:  # no token can go on (it should not happen): let it end
             for t in vocab.eos_ids:
                 mask[t] = 1
         self._cache[state] = mask

@@ -155,3 +155,26 @@ def test_formatted_sequences_in_a_batch_write_their_schema_and_leave_the_others_
         else:  # out of tokens: an incomplete value, still on course
             assert finish is Finish.LENGTH and rec.feed(rec.start, text.encode()), text
     assert batched["greedy"][1] is Finish.STOP, tokenizer.decode(batched["greedy"][0])
+
+
+def test_a_resumed_formatted_sequence_goes_on_with_its_undisturbed_tokens(
+    smollm_path: str, tokenizer: Tokenizer
+) -> None:
+    """Stage recovery (DECISIONS 68): the resumed tokens advance the constraint as the
+    sampled ones did, so the tokens after them are the undisturbed run's."""
+    stage = load_stage(smollm_path, 0, 30, EngineOptions(device="cpu", threads=THREADS))
+    formats = StageFormats(tokenizer, _eos(tokenizer))
+    ids = tokenizer.encode(PROMPT)
+    sampling = SamplingParams(temperature=0.8, seed=5, response_format=CITY_FORMAT)
+    try:
+        g = BatchGenerator([stage], slots=1, max_seq_len=256, formats=formats)
+        g.add(0, ids, sampling=sampling, max_new_tokens=20)
+        whole = g.run()[0]
+        g.close()
+        g = BatchGenerator([stage], slots=1, max_seq_len=256, formats=formats)
+        g.add(0, ids, sampling=sampling, max_new_tokens=20, resume=whole[:8])
+        rest = g.run()[0]
+        g.close()
+    finally:
+        stage.close()
+    assert len(whole) == 20 and rest == whole[8:]
