@@ -15,13 +15,15 @@ where the value is complete; tokens of no bytes (control tokens) never are.
 
 from __future__ import annotations
 
+import codecs
 import json
+import re
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from mvp_core.constrain.recognizer import Recognizer, State, utf8_next
+from mvp_core.constrain.recognizer import Recognizer, State
 from mvp_core.constrain.schema import compile_format
 
 __all__ = ["Constraint", "FormatCache", "FormatMasks", "TokenVocabulary"]
@@ -41,10 +43,9 @@ class _Sorted:
         for i in range(1, len(self.texts)):
             a, b = self.texts[i - 1], self.texts[i]
             n = min(len(a), len(b))
-            k = 0
-            while k < n and a[k] == b[k]:
-                k += 1
-            self.lcp[i] = k
+            # The first differing byte, from the XOR of the two as big-endian integers.
+            x = int.from_bytes(a[:n], "big") ^ int.from_bytes(b[:n], "big")
+            self.lcp[i] = n - (x.bit_length() + 7) // 8
 
     def walk(self, rec: Recognizer, start: State, mask: bytearray) -> None:
         """Set ``mask`` for every token ``rec`` can take from ``start``."""
@@ -83,20 +84,28 @@ def _after(prefix: bytes) -> bytes:
     return bytes(p)
 
 
+_LEAVES_STRING = re.compile(rb'["\\\x00-\x1f]')
+
+
 def _string_safe(data: bytes) -> bool:
     """Whether ``data`` stays inside a free string from between two characters (no
-    '"', '\\' nor control byte; UTF-8 well formed, maybe ending inside a character)."""
-    pending: int | None = 0
-    for b in data:
-        if pending:
-            pending = utf8_next(pending, b)
-        elif b in (0x22, 0x5C) or b < 0x20:
-            return False
-        elif b >= 0x80:
-            pending = utf8_next(0, b)
-        if pending is None:
-            return False
-    return True  # it may end inside a character: the string's next token goes on
+    '"', '\\' nor control byte; UTF-8 well formed, maybe ending inside a character:
+    the string's next token goes on with it). Python's UTF-8 decoder refuses what the
+    recognizer refuses (overlong forms, surrogates, past U+10FFFF)."""
+    if _LEAVES_STRING.search(data):
+        return False
+    if data.isascii():
+        return True
+    try:
+        data.decode()
+        return True
+    except UnicodeDecodeError:
+        pass  # maybe a character cut at the end
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(data, final=False)
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 class TokenVocabulary:

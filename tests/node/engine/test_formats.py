@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mvp_core.constrain import Recognizer, TokenVocabulary, compile_schema, format_text
+from mvp_io.model_store import GEMMA3_BUNDLED, fetch_bundled
 from tests.core.test_constrain import PERSON, _brute_mask, _states, validates
 from workers.node.engine import EngineOptions, SamplingParams, load_stage
 from workers.node.engine.batch_generate import BatchGenerator, Finish
@@ -67,6 +68,18 @@ def test_masks_over_a_real_vocabulary_equal_the_token_by_token_check(tokenizer: 
     states.append(rec.feed(rec.start, b'{"name": "Zo'))  # inside a free string
     for state in states:
         assert masks.mask(state) == _brute_mask(masks, state)
+
+
+def test_masks_over_gemmas_vocabulary_equal_the_token_by_token_check() -> None:
+    """Gemma 3's 262k SentencePiece tokens (spaces as U+2581, byte tokens): the start,
+    inside a free string (the fast path), and inside an enum's value."""
+    tok = Tokenizer.from_gguf(fetch_bundled(GEMMA3_BUNDLED))
+    vocab = TokenVocabulary([tok.token_to_bytes(i) for i in range(tok.vocab_size)], _eos(tok))
+    masks = vocab.masks({"type": "json_schema", "schema": PERSON})
+    rec = masks.rec
+    for prefix in (b"", b'{"name": "Zo\xc3\xab ', b'{"name": "", "city": "Z'):
+        state = rec.feed(rec.start, prefix)
+        assert state and masks.mask(state) == _brute_mask(masks, state)
 
 
 def test_the_sampler_masks_its_row_and_keeps_the_greedy_token_where_allowed(
