@@ -17,88 +17,19 @@ from mvp_core.constrain import (
     MAX_WS,
     Recognizer,
     SchemaError,
-    State,
     TokenVocabulary,
     compile_format,
     compile_schema,
 )
 from mvp_core.constrain.recognizer import MAX_TRAILING_WS
-from mvp_core.constrain.vocab import FormatMasks
+from tests.helpers.json_formats import PERSON, brute_mask, random_text, states_along, validates
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string"},
-        "age": {"type": "integer"},
-        "height": {"type": "number"},
-        "city": {"enum": ["Paris", "Rome", "Zürich"]},
-        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
-        "address": {
-            "type": "object",
-            "properties": {"street": {"type": "string"}, "zip": {"const": "75001"}},
-            "required": ["street"],
-            "additionalProperties": False,
-        },
-        "spouse": {"anyOf": [{"type": "null"}, {"type": "string"}]},
-        "alive": {"type": "boolean"},
-        "kind": {"type": ["integer", "null"]},
-    },
-    "required": ["name", "age", "address"],
-    "additionalProperties": False,
-}
 LIST = {"type": "array", "items": {"enum": [1, 12, "a"]}, "minItems": 1, "maxItems": 2}
 SCHEMAS = {"person": PERSON, "list": LIST, "number": {"type": "number"}, "any": {}}
 
 
 def recognizer(schema: Any) -> Recognizer:
     return Recognizer(compile_schema(schema))
-
-
-def validates(value: Any, s: Any) -> bool:
-    """The subset's JSON Schema semantics, written out (no jsonschema in the project)."""
-    if s is True or s == {}:
-        return True
-    if "const" in s:
-        return _same(value, s["const"])
-    if "enum" in s:
-        return any(_same(value, v) for v in s["enum"])
-    if "anyOf" in s:
-        return any(validates(value, a) for a in s["anyOf"])
-    kinds = s["type"] if isinstance(s["type"], list) else [s["type"]]
-    return any(_typed(value, s, k) for k in kinds)
-
-
-def _same(a: Any, b: Any) -> bool:
-    return type(a) is type(b) and a == b
-
-
-def _typed(value: Any, s: dict[str, Any], kind: str) -> bool:
-    if kind == "object":
-        if not isinstance(value, dict) or not set(s.get("required", [])) <= value.keys():
-            return False
-        props = s.get("properties", {})
-        extra = s.get("additionalProperties", True)
-        for k, v in value.items():
-            sub = props.get(k, extra)
-            if sub is False or not validates(v, sub):
-                return False
-        return True
-    if kind == "array":
-        lo, hi = s.get("minItems", 0), s.get("maxItems", 10**9)
-        items = s.get("items", True)
-        return (
-            isinstance(value, list)
-            and lo <= len(value) <= hi
-            and all(validates(v, items) for v in value)
-        )
-    checks = {
-        "string": lambda v: isinstance(v, str),
-        "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-        "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
-        "boolean": lambda v: isinstance(v, bool),
-        "null": lambda v: v is None,
-    }
-    return bool(checks[kind](value))
 
 
 # --------------------------------------------------------------------------- texts
@@ -177,34 +108,12 @@ def test_a_complete_value_takes_only_bounded_whitespace() -> None:
     assert rec.complete(state) and not any(rec.advance(state, b) for b in range(256))
 
 
-# The bytes random texts are made of: ASCII, and a few of UTF-8's leads and continuations.
-_BYTES = [*range(0x7F), 0x80, 0x9F, 0xA9, 0xBC, 0xC3, 0xE0, 0xE2, 0xED, 0xF0, 0xF4, 0xFF]
-
-
-def _random_text(rec: Recognizer, rnd: random.Random, limit: int = 300) -> bytes | None:
-    """A random walk through the bytes the recognizer allows, ending where it may."""
-    state, out = rec.start, bytearray()
-    for _ in range(limit):
-        if rec.complete(state) and rnd.random() < 0.3:
-            return bytes(out)
-        choices = [b for b in _BYTES if rec.advance(state, b)]
-        if not choices:  # only a complete value (its whitespace bound reached) ends so
-            assert rec.complete(state), f"a dead end after {bytes(out)!r}"
-            return bytes(out)
-        # Prefer closing brackets and quotes so that walks end within the limit.
-        closers = [b for b in choices if b in b'}]"']
-        b = rnd.choice(closers if closers and rnd.random() < 0.3 else choices)
-        out.append(b)
-        state = rec.advance(state, b)
-    return bytes(out) if rec.complete(state) else None
-
-
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32))
 def test_every_text_the_recognizer_lets_end_parses_and_validates(name: str, seed: int) -> None:
     rec = recognizer(SCHEMAS[name])
-    text = _random_text(rec, random.Random(seed))
+    text = random_text(rec, random.Random(seed))
     if text is None:
         return
     value = json.loads(text.decode("utf-8"))
@@ -287,29 +196,6 @@ def test_annotations_are_ignored_and_an_empty_schema_is_any_value() -> None:
 # --------------------------------------------------------------------------- masks
 
 
-def _brute_mask(masks: FormatMasks, state: State) -> bytearray:
-    rec, vocab = masks.rec, masks.vocab
-    out = bytearray(vocab.size)
-    for i, piece in enumerate(vocab.pieces):
-        if i in vocab.eos_ids:
-            out[i] = rec.complete(state)
-        elif piece and rec.feed(state, piece):
-            out[i] = 1
-    if not any(out):  # no token goes on: the end tokens, so that it ends (vocab.py)
-        for i in vocab.eos_ids:
-            out[i] = 1
-    return out
-
-
-def _states(rec: Recognizer, texts: list[bytes], rnd: random.Random) -> list[State]:
-    """States along random prefixes of valid texts (and the start)."""
-    out = [rec.start]
-    for text in texts:
-        for cut in sorted(rnd.sample(range(len(text) + 1), min(6, len(text) + 1))):
-            out.append(rec.feed(rec.start, text[:cut]))
-    return out
-
-
 PIECES = [
     b"{", b"}", b'{"', b'"', b'",', b'":', b'": "', b'"}', b"}}", b"[", b"]", b"],", b",",
     b" ", b"  ", b"\n", b"\n  ", b" \"", b"name", b'"name', b'"name":', b"age", b"Paris",
@@ -326,7 +212,7 @@ def test_masks_equal_the_token_by_token_check(name: str) -> None:
     vocab = TokenVocabulary([*PIECES, b"", b"<eos>"], eos_ids=[len(PIECES) + 1])
     masks = vocab.masks({"type": "json_schema", "schema": SCHEMAS[name]})
     rec = masks.rec
-    texts = [t for t in (_random_text(rec, rnd) for _ in range(20)) if t is not None]
-    for state in _states(rec, texts, rnd):
-        assert masks.mask(state) == _brute_mask(masks, state)
-        assert masks.mask(state) == _brute_mask(masks, state)  # cached: the same
+    texts = [t for t in (random_text(rec, rnd) for _ in range(20)) if t is not None]
+    for state in states_along(rec, texts, rnd):
+        assert masks.mask(state) == brute_mask(masks, state)
+        assert masks.mask(state) == brute_mask(masks, state)  # cached: the same

@@ -23,7 +23,7 @@ from temporalio.client import Client, WorkflowExecutionStatus
 
 from mvp_core import names
 from mvp_core.models import RequestShutdown, RunPhase
-from tests.core.test_constrain import validates
+from tests.helpers.json_formats import validates
 from tests.helpers.runs import log_sizes, task_failures
 from tests.integration.conftest import (
     OrchestratorProcess,

@@ -14,7 +14,7 @@ import torch
 
 from mvp_core.constrain import Recognizer, TokenVocabulary, compile_schema, format_text
 from mvp_io.model_store import GEMMA3_BUNDLED, fetch_bundled
-from tests.core.test_constrain import PERSON, _brute_mask, _states, validates
+from tests.helpers.json_formats import PERSON, brute_mask, states_along, validates
 from workers.node.engine import EngineOptions, SamplingParams, load_stage
 from workers.node.engine.batch_generate import BatchGenerator, Finish
 from workers.node.engine.formats import StageFormats
@@ -64,10 +64,10 @@ def test_masks_over_a_real_vocabulary_equal_the_token_by_token_check(tokenizer: 
         indent=1, ensure_ascii=False,
     ).encode()  # fmt: skip
     rec = masks.rec
-    states = _states(rec, [text], random.Random(3))
+    states = states_along(rec, [text], random.Random(3))
     states.append(rec.feed(rec.start, b'{"name": "Zo'))  # inside a free string
     for state in states:
-        assert masks.mask(state) == _brute_mask(masks, state)
+        assert masks.mask(state) == brute_mask(masks, state)
 
 
 def test_masks_over_gemmas_vocabulary_equal_the_token_by_token_check() -> None:
@@ -79,7 +79,7 @@ def test_masks_over_gemmas_vocabulary_equal_the_token_by_token_check() -> None:
     rec = masks.rec
     for prefix in (b"", b'{"name": "Zo\xc3\xab ', b'{"name": "", "city": "Z'):
         state = rec.feed(rec.start, prefix)
-        assert state and masks.mask(state) == _brute_mask(masks, state)
+        assert state and masks.mask(state) == brute_mask(masks, state)
 
 
 def test_the_sampler_masks_its_row_and_keeps_the_greedy_token_where_allowed(
