@@ -4,10 +4,11 @@ generate input, and the outcome a prompt workflow returns."""
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from mvp_core.constrain import MAX_FORMAT_BYTES, SchemaError, compile_format, format_text
 from mvp_core.errors import ErrorType
 from mvp_core.models._base import _DAY_S, _U32, _U64, _Model
 from mvp_core.models.policies import NodeLossPolicy
@@ -24,6 +25,41 @@ class ChatMessage(_Model):
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str = Field(max_length=1_000_000)
+
+
+class ResponseFormat(_Model):
+    """The shape the generated text must have (DECISIONS 89): any JSON object, or a JSON
+    value valid under ``json_schema`` (the subset mvp_core.constrain compiles). The last
+    stage masks each step's logits to the tokens that keep the text on course. A format
+    the compiler refuses, or whose JSON exceeds 16 KiB, is refused here."""
+
+    type: Literal["json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = Field(
+        default=None, description="With json_schema: the JSON Schema the text validates against"
+    )
+
+    def spec(self) -> dict[str, Any]:
+        """The format as mvp_core.constrain.compile_format takes it."""
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        return {"type": "json_schema", "schema": self.json_schema}
+
+    def text(self) -> str:
+        """Its canonical JSON: what the pipeline's begin record carries."""
+        return format_text(self.spec())
+
+    @model_validator(mode="after")
+    def _compiles(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema (the schema) goes with type json_schema, and only there")
+        size = len(self.text().encode())
+        if size > MAX_FORMAT_BYTES:
+            raise ValueError(f"the format's JSON is {size} bytes; at most {MAX_FORMAT_BYTES}")
+        try:
+            compile_format(self.spec())
+        except SchemaError as err:
+            raise ValueError(f"json_schema: {err}") from None
+        return self
 
 
 class SubmitPrompt(_Model):
@@ -73,6 +109,13 @@ class SubmitPrompt(_Model):
         ge=0,
         le=MAX_TOP_LOGPROBS,
         description="With logprobs: the most likely tokens of each step to report too (0-20)",
+    )
+    response_format: ResponseFormat | None = Field(
+        default=None,
+        description=(
+            "The text must be JSON of this format (constrained decoding, DECISIONS 89); "
+            "None: free text"
+        ),
     )
     text_key: str | None = Field(
         default=None,

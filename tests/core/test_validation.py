@@ -257,6 +257,35 @@ def test_a_prompts_logprobs_are_off_by_default_and_name_their_field():
         SubmitPrompt(request_id=1, prompt_text="x", logprobs=True, top_logprobs=21)
 
 
+def test_a_prompts_response_format_is_checked_and_bounded():
+    """DECISIONS 89: a format is compiled when the prompt is validated (in the pure
+    core, before the run admits it); its JSON is at most 16 KiB."""
+    from pydantic import ValidationError
+
+    from mvp_core.models import ResponseFormat, SubmitPrompt
+
+    assert SubmitPrompt(request_id=1, prompt_text="x").response_format is None
+    obj = SubmitPrompt(request_id=1, prompt_text="x", response_format={"type": "json_object"})
+    assert obj.response_format == ResponseFormat(type="json_object")
+    assert obj.response_format.text() == '{"type":"json_object"}'
+    schema = {"type": "object", "properties": {"b": {"type": "string"}, "a": {"const": 1}}}
+    fmt = ResponseFormat(type="json_schema", json_schema=schema)
+    assert (
+        fmt.text()
+        == '{"schema":{"properties":{"a":{"const":1},"b":{"type":"string"}},"type":"object"},"type":"json_schema"}'
+    )
+    for bad, message in [
+        ({"type": "json_schema"}, "goes with type json_schema"),
+        ({"type": "json_object", "json_schema": {}}, "goes with type json_schema"),
+        ({"type": "text"}, "type"),
+        ({"type": "json_schema", "json_schema": {"type": "string", "maxLength": 3}},
+         "'maxLength' not supported"),
+        ({"type": "json_schema", "json_schema": {"enum": ["x" * 1000] * 17}}, "at most 16384"),
+    ]:  # fmt: skip
+        with pytest.raises(ValidationError, match=message):
+            SubmitPrompt(request_id=1, prompt_text="x", response_format=bad)
+
+
 def test_a_huge_malformed_request_is_refused_in_a_bounded_message():
     raw = {"model": {"bundled": "m"}, **{f"a{i}": 0 for i in range(5000)}}
     with pytest.raises(RunRejectedError) as err:

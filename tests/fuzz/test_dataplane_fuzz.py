@@ -59,6 +59,8 @@ from workers.node.dataplane import (
     decode_token_choice,
     decode_tokens,
     encode_sampling_header,
+    encode_tokens,
+    sampling_header_size,
     token_in_spec,
     token_out_spec,
 )
@@ -770,10 +772,11 @@ _sampling_fields = _valid_sampling_fields | st.tuples(
 
 
 def _sampling_oracle(header: bytes) -> list[str]:
-    """The fields a receiver must reject in a 40-byte sampling header."""
+    """The fields a receiver must reject in a 40-byte sampling header (a format block
+    after it, flag bit 2, is checked by its own messages)."""
     _rid, seed, _max, temperature, _k, top_p, sflags, top = _SAMPLING.unpack(header)
     bad = []
-    if sflags & ~3:
+    if sflags & ~7:
         bad.append("unknown flag bits")
     if top > 20 or (top and not sflags & 2):
         bad.append("top_logprobs")
@@ -792,6 +795,10 @@ def _payload_case(draw: st.DrawFn) -> tuple[EdgeSpec, bytes]:
     n = draw(st.integers(0, spec.max_extent // spec.alignment)) * spec.alignment
     if spec is ACT and draw(st.booleans()):  # whole rows, the common shape
         n = draw(st.integers(0, MAX_SEQ)) * HIDDEN * 2
+    if spec is TOKEN_IN and draw(st.integers(0, 5)) == 0:  # a response format's block
+        fmt = draw(st.text(min_size=1, max_size=64))
+        head = encode_sampling_header(SamplingParams(request_id=1, response_format=fmt))
+        return spec, head + encode_tokens(draw(st.lists(st.integers(0, _U32), max_size=4)))
     if spec is TOKEN_IN and n >= SAMPLING_HEADER_LEN and draw(st.booleans()):
         header = _SAMPLING.pack(*draw(_sampling_fields))
         return spec, header + draw(st.binary(min_size=n - len(header), max_size=n - len(header)))
@@ -820,8 +827,9 @@ def test_payload_fuzz() -> None:
             try:
                 if spec is TOKEN_IN:
                     params, prompt = decode_begin_payload(got)
-                    assert prompt == decode_tokens(payload[SAMPLING_HEADER_LEN:])
-                    assert params == decode_sampling_header(payload[:SAMPLING_HEADER_LEN])
+                    size = sampling_header_size(payload)
+                    assert prompt == decode_tokens(payload[size:])
+                    assert params == decode_sampling_header(payload[:size])
                     assert not _sampling_oracle(payload[:SAMPLING_HEADER_LEN])
                     assert len(prompt) >= 1
                 elif spec is TOKEN_OUT:
@@ -837,6 +845,12 @@ def test_payload_fuzz() -> None:
                 kinds[f"{spec.kind}_rejected"] += 1
                 if spec is TOKEN_IN and len(payload) < SAMPLING_HEADER_LEN + 4:
                     assert "shorter than the sampling header" in msg, msg
+                elif (
+                    spec is TOKEN_IN
+                    and payload[32] & 4
+                    and ("response format" in msg or "shorter than its sampling header" in msg)
+                ):
+                    pass  # the format block's length, padding or text
                 elif spec is TOKEN_IN:
                     bad = _sampling_oracle(payload[:SAMPLING_HEADER_LEN])
                     assert bad and msg.startswith("sampling header: "), (msg, bad)

@@ -183,12 +183,6 @@ def test_any_split_gives_the_text_before_the_first_stop(text, stops, cuts):
             "tools",
             "unsupported_parameter",
         ),
-        (
-            b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}',
-            ChatRequest,
-            "response_format",
-            "unsupported_parameter",
-        ),
     ],
 )
 def test_bad_requests_are_400_naming_the_parameter(body, model, param, code):
@@ -215,6 +209,67 @@ async def test_a_bad_logprobs_request_is_a_400_and_reaches_no_node(fake, body):
     error = r.json()["error"]
     assert error["param"] in ("logprobs", "top_logprobs") and error["param"] in error["message"]
     assert fake.prompts == []
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}, "n": {"type": "integer"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        {"type": "xml"},
+        "json_object",
+        {"type": "json_schema"},
+        {"type": "json_schema", "json_schema": {"schema": SCHEMA}},  # no name
+        {"type": "json_schema", "json_schema": {"name": "a b", "schema": SCHEMA}},
+        {"type": "json_schema", "json_schema": {"name": "a", "schema": [1]}},
+        {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": 1}},
+        {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "date"}}},
+        {"type": "json_schema",
+         "json_schema": {"name": "a", "schema": {"type": "string", "pattern": "^a$"}}},
+        {"type": "json_schema", "json_schema": {"name": "a", "schema": {"enum": ["x" * 20000]}}},
+        {"type": "json_schema",
+         "json_schema": {"name": "a", "schema": {"type": "object", "required": ["q"]}}},
+    ],
+)  # fmt: skip
+async def test_a_format_the_run_cannot_honour_is_a_400_and_reaches_no_node(fake, fmt):
+    for body in (
+        {"model": MODEL, "prompt": "x", "response_format": fmt},
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": fmt},
+    ):
+        path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+        r = await fake.http.post(path, json=body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert (error["param"], error["code"]) == ("response_format", "invalid_value")
+        assert error["type"] == "invalid_request_error" and error["message"]
+    assert fake.prompts == []
+
+
+def test_the_format_goes_to_the_prompt_only_where_asked():
+    chat = b'{"model": "m", "messages": [{"role": "user", "content": "x"}]'
+    assert parse_body(chat + b"}", ChatRequest).format_fields() == {}
+    text = parse_body(chat + b', "response_format": {"type": "text"}}', ChatRequest)
+    assert text.format_fields() == {}
+    obj = parse_body(b'{"model": "m", "prompt": "x", "response_format": {"type": "json_object"}}',
+                     CompletionRequest)  # fmt: skip
+    assert obj.format_fields() == {"response_format": {"type": "json_object"}}
+    spec = {"name": "city", "schema": SCHEMA, "strict": True}
+    body = {
+        "model": "m",
+        "prompt": "x",
+        "response_format": {"type": "json_schema", "json_schema": spec},
+    }
+    req = parse_body(json.dumps(body).encode(), CompletionRequest)
+    fields = req.format_fields()
+    assert fields == {"response_format": {"type": "json_schema", "json_schema": SCHEMA}}
+    prompt = SubmitPrompt(request_id=1, prompt_text="x", **fields)
+    assert prompt.response_format is not None and prompt.response_format.json_schema == SCHEMA
 
 
 def test_defaults_follow_openai_and_unknown_fields_are_ignored():

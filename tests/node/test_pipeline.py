@@ -11,6 +11,7 @@ stage ends every one of them at once.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from activities.gguf_facts import read_model_facts
+from mvp_core.constrain import format_text
 from mvp_core.models import ActivationDtype, EdgeKind
 from mvp_core.planner import balanced_layer_ranges, plan_edges, stage_layer_ranges
 from mvp_io.model_store import DEFAULT_BUNDLED, fetch_bundled
@@ -27,6 +29,8 @@ from tests.node.engine.tiny_models import TinyModel, TinySpec
 from workers.node.dataplane import DataPlaneServer, EdgeGroup, EdgeSpec, TokenLogprobs
 from workers.node.engine import EngineOptions, SamplingParams, generate, load_stage
 from workers.node.engine.batch_generate import BatchGenerator
+from workers.node.engine.formats import StageFormats
+from workers.node.engine.tokenizer import Tokenizer
 from workers.node.pipeline import Driver, Endpoint, ResumeDiverged, StageLink
 
 PROMPTS = [
@@ -47,6 +51,8 @@ class Pipeline:
         hidden: int,
         slots: int = 1,
         balanced: bool = False,
+        formats: StageFormats | None = None,
+        stop_ids: frozenset[int] = frozenset(),
         **plan: ActivationDtype,
     ) -> None:
         layers = stage_layer_ranges(self._layers(path), stages)
@@ -81,12 +87,13 @@ class Pipeline:
                     consumer=Endpoint(target.host, target.port),
                     token=token,
                     max_seq_len=max_seq_len,
-                    stop_ids=set(),
+                    stop_ids=stop_ids,
                     connect_timeout_s=20,
                     on_ready=self.ready.release,
                     on_fault=self.faults.append,
                     slots=slots,
                     depth=stages,
+                    formats=formats if i == stages - 1 else None,
                 )
             )
         tin = next(e for e in edges if e.kind is EdgeKind.TOKEN_IN)
@@ -165,10 +172,14 @@ def pipeline(
     hidden: int,
     slots: int = 1,
     balanced: bool = False,
+    formats: StageFormats | None = None,
+    stop_ids: frozenset[int] = frozenset(),
     **plan: ActivationDtype,
 ) -> Iterator[Pipeline]:
-    """``plan``: ``activation_dtype=`` for plan_edges (unset: the planner's default)."""
-    p = Pipeline(path, stages, max_seq_len, hidden, slots, balanced, **plan)
+    """``plan``: ``activation_dtype=`` for plan_edges (unset: the planner's default);
+    ``formats``: the last stage's vocabulary for response formats, ``stop_ids`` its end
+    tokens (none: every prompt runs to its token count)."""
+    p = Pipeline(path, stages, max_seq_len, hidden, slots, balanced, formats, stop_ids, **plan)
     try:
         yield p
     finally:
@@ -351,6 +362,42 @@ def test_logprobs_on_a_pipeline_are_one_stages_batched_or_alone(smollm: str) -> 
         for token, lp in zip(got, batched[rid], strict=True):  # greedy: the top one
             assert lp is not None and len(lp.top) == 5 and lp.top[0] == (token, lp.logprob)
     assert max(link.largest_batch for link in p.links) > 1  # they did run batched
+
+
+def test_a_response_format_crosses_the_pipeline_to_the_last_stage(smollm: str) -> None:
+    """The format rides the begin records' sampling header through the middle stage to
+    the last one, whose sampler masks to it: the text is one stage's, alone and beside
+    free prompts, and is JSON of its schema; the free prompts keep their tokens."""
+    tok = Tokenizer.from_gguf(smollm)
+    stops = frozenset(tok.eog_token_ids)
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer"}},
+        "required": ["answer", "n"],
+        "additionalProperties": False,
+    }
+    fmt = SamplingParams(response_format=format_text({"type": "json_schema", "schema": schema}))
+    ids = tok.encode("Is Paris in France? Answer in JSON:")
+    whole = load_stage(smollm, 0, 30, EngineOptions(device="cpu", threads=1))
+    try:
+        gen = BatchGenerator([whole], slots=1, max_seq_len=256, formats=StageFormats(tok, stops))
+        gen.add(0, ids, sampling=fmt, max_new_tokens=24, stop_ids=stops)
+        ref = gen.run()[0]
+        gen.close()
+    finally:
+        whole.close()
+    text = tok.decode(ref)
+    assert json.loads(text)["answer"] in ("yes", "no"), text
+    formats = StageFormats(tok, stops)
+    with pipeline(smollm, 2, 256, 576, slots=3, formats=formats, stop_ids=stops) as p:
+        alone = p.run(0, ids, 24, 256, fmt)
+        got = _at_once(
+            [lambda: p.run(1, ids, 24, 256, fmt)]
+            + [lambda r=rid: p.run(r, PROMPTS[r], 8, 256) for rid in (2, 3)]
+        )
+        assert not p.faults
+    assert alone == ref and got[0] == ref
+    assert got[1:] == [reference(smollm, PROMPTS[r], 8, (), 256) for r in (2, 3)]
 
 
 def test_a_cancelled_prompt_on_a_pipeline_leaves_the_others_untouched(smollm: str) -> None:

@@ -9,6 +9,7 @@ cancelled one ends at its next step while the others go on."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
@@ -230,3 +231,32 @@ def test_logprobs_side_by_side_are_each_prompts_alone_with_their_tokens_texts(ru
     runtime.run(SubmitPrompt(request_id=9, prompt_text=TEXTS[0]), 2, lambda t, n: None,
                 lambda: False, logprobs=none)  # fmt: skip
     assert none == []
+
+
+def test_a_response_format_in_direct_mode_gives_json_of_it_beside_free_prompts(runtime):
+    """Direct mode (the scheduler's batch, DECISIONS 89): the stage's vocabulary masks a
+    prompt with a format to JSON of its schema; the free prompts beside it keep their
+    texts."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "ok": {"type": "boolean"}},
+        "required": ["name", "ok"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": schema}
+
+    def run(i: int, text: str, with_format: bool) -> GenerationResult:
+        extra = {"response_format": fmt} if with_format else {}
+        prompt = SubmitPrompt(request_id=i, prompt_text=text, **extra)
+        return runtime.run(prompt, 40, lambda t, n: None, lambda: False)
+
+    alone = run(9, "A JSON object:", True)
+    value = json.loads(alone.text)
+    assert alone.stop_reason == "eos" and set(value) == {"name", "ok"}, alone.text
+    free = [run(i, t, False).text for i, t in enumerate(TEXTS)]
+    together = _at_once(
+        runtime,
+        [lambda: run(9, "A JSON object:", True)]
+        + [lambda i=i, t=t: run(i, t, False) for i, t in enumerate(TEXTS)],
+    )
+    assert [r.text for r in together if isinstance(r, GenerationResult)] == [alone.text, *free]

@@ -53,6 +53,7 @@ class Prepared:
                 "stop": req.stops(),
                 **req.sampling(),
                 **req.logprob_fields(),
+                **req.format_fields(),
             },
             param=param,
             stops=req.stops(),

@@ -10,9 +10,12 @@ rather than silently dropped.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from mvp_core.models import ResponseFormat
 
 U32 = 2**32 - 1
 U64 = 2**64 - 1
@@ -109,6 +112,8 @@ class ChatMessage(_Lenient):
 
 
 MAX_CHOICES = 4  # n: each choice is a prompt of its own in the run's batch
+_FORMAT_TYPES = ("text", "json_object", "json_schema")
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's bounds: chat top_logprobs 0-20, completions logprobs 0-5
 MAX_COMPLETION_LOGPROBS = 5
 
@@ -171,13 +176,59 @@ class _Generation(_Lenient):
             raise invalid("tools and functions are not supported", param, "unsupported_parameter")
         if self.tool_choice not in (None, "none", "auto"):
             raise invalid("tools are not supported", "tool_choice", "unsupported_parameter")
+        self.format_fields()  # a 400 for a format the run cannot honour
+
+    def format_fields(self) -> dict[str, Any]:
+        """SubmitPrompt's ``response_format`` (DECISIONS 89): none for text (the default;
+        a run from before formats refuses fields it does not know). A format that is not
+        OpenAI's shape, or a schema the constrainer cannot compile, is a 400 naming
+        ``response_format``."""
         fmt = self.response_format
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        if fmt is None:
+            return {}
+        if not isinstance(fmt, dict) or fmt.get("type") not in _FORMAT_TYPES:
             raise invalid(
-                "only response_format {'type': 'text'} is supported",
+                "response_format must be {'type': 'text'}, {'type': 'json_object'} or "
+                "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}",
                 "response_format",
-                "unsupported_parameter",
+                "invalid_value",
             )
+        kind = fmt["type"]
+        if kind == "text":
+            return {}
+        if kind == "json_object":
+            return {"response_format": {"type": "json_object"}}
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise invalid(
+                "response_format json_schema needs json_schema: {'name': ..., 'schema': {...}}",
+                "response_format",
+                "invalid_value",
+            )
+        name, schema, strict = spec.get("name"), spec.get("schema"), spec.get("strict")
+        if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
+            raise invalid(
+                "response_format json_schema.name must be 1-64 letters, digits, '_' or '-'",
+                "response_format",
+                "invalid_value",
+            )
+        if not isinstance(schema, dict) or not isinstance(strict, bool | None):
+            raise invalid(
+                "response_format json_schema.schema must be a JSON Schema object "
+                "(and strict a boolean)",
+                "response_format",
+                "invalid_value",
+            )
+        try:
+            checked = ResponseFormat(type="json_schema", json_schema=schema)
+        except ValidationError as err:
+            detail = str(err.errors(include_url=False)[0]["msg"]).removeprefix("Value error, ")
+            raise invalid(
+                f"Invalid schema for response_format '{name}': {detail}",
+                "response_format",
+                "invalid_value",
+            ) from None
+        return {"response_format": checked.model_dump(mode="json")}
 
 
 class CompletionRequest(_Generation):

@@ -44,7 +44,6 @@ from workers.node.dataplane import (
     FLAG_ABORT,
     FLAG_BEGIN,
     FLAG_EOS,
-    SAMPLING_HEADER_LEN,
     DataPlaneServer,
     EdgeError,
     EdgeGroup,
@@ -66,9 +65,11 @@ from workers.node.dataplane import (
     encode_sampling_header,
     encode_token_choice,
     encode_tokens,
+    sampling_header_size,
 )
 from workers.node.engine import Sampler, SamplingParams, Stage
 from workers.node.engine.boundary import from_boundary, to_boundary
+from workers.node.engine.formats import StageFormats
 from workers.node.engine.sampling import TokenLogprobs, check_resume
 from workers.node.engine.session import BatchSession, NoFreeSlot
 
@@ -106,8 +107,10 @@ class StageLink:
         sequence_skew: int = 0,
         placement: Placement | None = None,
         forward_timer: ForwardTimer | None = None,
+        formats: StageFormats | None = None,
     ) -> None:
         self.stage = stage
+        self.formats = formats  # the last stage's vocabulary for response formats
         # The pipeline's stages: a step takes at most 1/depth of the prompts in flight,
         # so that the others are on the other stages meanwhile (every stage busy).
         self.depth = max(1, depth)
@@ -245,13 +248,14 @@ class StageLink:
         else:
             body = memoryview(payload)
             if hdr.begin:
-                flow.header = bytes(body[:SAMPLING_HEADER_LEN])
-                body = body[SAMPLING_HEADER_LEN:]
+                size = sampling_header_size(body)
+                flow.header = bytes(body[:size])
+                body = body[size:]
             assert self.inbound_dtype is not None
             act = decode_activation(body, self.hidden, self.inbound_dtype)
             rows = from_boundary(stage, torch.from_numpy(act))
         if stage.is_last and hdr.begin:
-            flow.sampler = Sampler(decode_sampling_header(flow.header))
+            flow.sampler = Sampler(decode_sampling_header(flow.header), formats=self.formats)
         return _Work(hdr.object_id, hdr.sequence, hdr.begin, flow, rows)
 
     def _step(self, session: BatchSession, batch: list[_Work], out: EdgeSender) -> None:

@@ -30,6 +30,7 @@ from workers.node.engine import (
     usable_cores,
     uses_native_kernel,
 )
+from workers.node.engine.formats import StageFormats
 from workers.node.engine.tokenizer import Tokenizer, TokenizerError
 from workers.node.pipeline import Driver, Endpoint, StageLink
 from workers.node.scheduler import Scheduler
@@ -67,6 +68,8 @@ class StageRuntime:
         self.stage = stage
         self.tokenizer = tokenizer
         self.load_s = load_s
+        # Response formats' vocabulary (DECISIONS 89): built at the first prompt that asks.
+        self.formats = StageFormats(tokenizer, self.stop_ids)
         self.threads = 0  # the engine's CPU threads (set by load)
         self.scheduler: Scheduler | None = None  # direct mode: the whole model here
         self._scheduler_lock = threading.Lock()
@@ -167,6 +170,7 @@ class StageRuntime:
             sequence_skew=1 if FaultInjection.from_env().skew_token_out_sequence else 0,
             placement=self.placement,
             forward_timer=telemetry.current().forward_timer(prov.stage_index),
+            formats=self.formats if self.stage.is_last else None,
         )
         if prov.driver_edges:
             token_in = next(e for e in prov.driver_edges if e.kind is EdgeKind.TOKEN_IN)
@@ -350,6 +354,7 @@ class StageRuntime:
                     stop_ids=self.stop_ids,
                     placement=self.placement,
                     forward_timer=telemetry.current().forward_timer(prov.stage_index),
+                    formats=self.formats,
                 )
             return self.scheduler
 
@@ -452,4 +457,5 @@ def sampling_of(prompt: SubmitPrompt) -> SamplingParams:
         seed=prompt.seed,
         logprobs=prompt.logprobs,
         top_logprobs=prompt.top_logprobs,
+        response_format=None if prompt.response_format is None else prompt.response_format.text(),
     )

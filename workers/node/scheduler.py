@@ -27,6 +27,7 @@ from temporal.telemetry import ForwardTimer
 from workers.node.affinity import Placement
 from workers.node.engine import SamplingParams, Stage
 from workers.node.engine.batch_generate import BatchGenerator, Finish
+from workers.node.engine.formats import StageFormats
 from workers.node.engine.sampling import TokenLogprobs
 
 log = logging.getLogger("mvp.scheduler")
@@ -74,6 +75,7 @@ class Scheduler:
         stop_ids: Collection[int],
         placement: Placement | None = None,
         forward_timer: ForwardTimer | None = None,
+        formats: StageFormats | None = None,
     ) -> None:
         if slots <= 0:
             raise ValueError("slots must be positive")
@@ -83,6 +85,7 @@ class Scheduler:
         self.stop_ids = frozenset(stop_ids)
         self.placement = placement or Placement()
         self.forward_timer = forward_timer
+        self.formats = formats  # the vocabulary of prompts with a response format
         self._cond = threading.Condition()
         self._joining: deque[_Job] = deque()
         self._running: list[_Job] = []
@@ -147,6 +150,7 @@ class Scheduler:
                         slots=self.slots,
                         max_seq_len=self.max_seq_len,
                         chunk_size=self.max_seq_len,  # a prompt in one chunk, as alone
+                        formats=self.formats,
                     )
                 try:
                     self._join(gen)

@@ -12,6 +12,7 @@ from workers.node.dataplane import (
     FLAG_ABORT,
     FLAG_BEGIN,
     FLAG_EOS,
+    FORMAT_BLOCK_MAX,
     HEADER_LEN,
     SAMPLING_HEADER_LEN,
     EdgeSpec,
@@ -37,6 +38,7 @@ from workers.node.dataplane import (
     encode_token_choice,
     encode_tokens,
     pipeline_edge_specs,
+    sampling_header_size,
     token_in_max_extent,
     token_out_max_extent,
     token_out_spec,
@@ -119,7 +121,7 @@ def test_sampling_header_and_begin_payload() -> None:
     assert greedy == SamplingParams(request_id=1)  # seed None, temperature 0, no caps
     params, toks = decode_begin_payload(encode_begin_payload(p, [5, 6, 7]))
     assert toks == [5, 6, 7] and params.request_id == 99
-    assert token_in_max_extent(512) == SAMPLING_HEADER_LEN + 512 * 4
+    assert token_in_max_extent(512) == SAMPLING_HEADER_LEN + FORMAT_BLOCK_MAX + 512 * 4
     with pytest.raises(RecordError, match="at least one prompt token"):
         encode_begin_payload(p, [])
     with pytest.raises(RecordError, match=r"top_p 0\.0 must be in"):
@@ -128,9 +130,38 @@ def test_sampling_header_and_begin_payload() -> None:
     bad[36] = 1  # top_logprobs (the field was reserved before logprobs) without the flag
     with pytest.raises(RecordError, match="top_logprobs 1 without the logprobs flag"):
         decode_sampling_header(bad)
-    bad[32] |= 4
-    with pytest.raises(RecordError, match="sampling header: unknown flag bits 0x4"):
+    bad[32] |= 8
+    with pytest.raises(RecordError, match="sampling header: unknown flag bits 0x8"):
         decode_sampling_header(bad)
+
+
+def test_sampling_header_carries_a_response_format_in_its_block() -> None:
+    fmt = '{"schema":{"enum":["é"]},"type":"json_schema"}'
+    p = SamplingParams(request_id=7, seed=5, response_format=fmt)
+    raw = encode_sampling_header(p)
+    n = len(fmt.encode())
+    assert len(raw) == SAMPLING_HEADER_LEN + (4 + n + 7) // 8 * 8 and len(raw) % 8 == 0
+    assert struct.unpack_from("<II", raw, 32) == (1 | 4, 0)  # has_seed | format
+    assert struct.unpack_from("<I", raw, SAMPLING_HEADER_LEN) == (n,)
+    assert sampling_header_size(raw + b"rows") == len(raw)
+    assert decode_sampling_header(raw) == p
+    params, toks = decode_begin_payload(encode_begin_payload(p, [5, 6]))
+    assert (params, toks) == (p, [5, 6])
+    # The largest format fits the allowance every edge adds to its planned extent.
+    big = SamplingParams(response_format="x" * 16384)
+    assert len(encode_sampling_header(big)) == SAMPLING_HEADER_LEN + FORMAT_BLOCK_MAX
+    with pytest.raises(RecordError, match="a response format of 16385 bytes"):
+        encode_sampling_header(SamplingParams(response_format="x" * 16385))
+    with pytest.raises(RecordError, match="sampling header: a response format of 47 bytes"):
+        decode_begin_payload(raw[:48])  # cut inside the block
+    padded = bytearray(raw)
+    padded[-1] = 1
+    with pytest.raises(RecordError, match="non-zero padding"):
+        decode_sampling_header(padded)
+    not_utf8 = bytearray(raw)
+    not_utf8[SAMPLING_HEADER_LEN + 4] = 0xFF
+    with pytest.raises(RecordError, match="not UTF-8"):
+        decode_sampling_header(not_utf8)
 
 
 def test_sampling_header_carries_logprobs_and_reads_a_header_from_before_them() -> None:
@@ -196,7 +227,11 @@ def test_activation_round_trip_zero_copy() -> None:
 
 def test_an_activation_spec_knows_its_rows_element_type() -> None:
     spec = activation_spec(2, 16, 8)
-    assert (spec.dtype, spec.alignment, spec.max_extent) == (ActivationDtype.FLOAT32, 4, 512)
+    assert (spec.dtype, spec.alignment, spec.max_extent) == (
+        ActivationDtype.FLOAT32,
+        4,
+        512 + FORMAT_BLOCK_MAX,
+    )
     assert spec.activation() is ActivationDtype.FLOAT32
     with pytest.raises(ValueError, match="float16 activations need alignment 2, got 4"):
         EdgeSpec(2, EdgeKind.ACTIVATION, 64, 4, ActivationDtype.FLOAT16)
@@ -254,10 +289,13 @@ def test_pipeline_edge_specs() -> None:
         (3, EdgeKind.ACTIVATION),
         (4, EdgeKind.TOKEN_OUT),
     ]
-    assert specs[1].max_extent == 512 * 2048 * 4 and specs[1].alignment == 4
+    assert specs[1].max_extent == 512 * 2048 * 4 + FORMAT_BLOCK_MAX and specs[1].alignment == 4
     half = pipeline_edge_specs(3, max_seq_len=512, hidden=2048, dtype=ActivationDtype.FLOAT16)
-    assert [(s.max_extent, s.alignment) for s in half[1:3]] == [(512 * 2048 * 2, 2)] * 2
-    assert specs[0].max_extent == SAMPLING_HEADER_LEN + 512 * 4 and specs[0].alignment == 4
+    assert [(s.max_extent, s.alignment) for s in half[1:3]] == [
+        (512 * 2048 * 2 + FORMAT_BLOCK_MAX, 2)
+    ] * 2
+    assert specs[0].max_extent == SAMPLING_HEADER_LEN + FORMAT_BLOCK_MAX + 512 * 4
+    assert specs[0].alignment == 4
     assert specs[3].max_extent == 8 + 8 * 20 and specs[3].alignment == 4
 
 

@@ -19,6 +19,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from mvp_core.constrain import MAX_FORMAT_BYTES
 from mvp_core.generation import TokenFeedback, TokenSequenceViolation
 from mvp_core.models import MAX_TOP_LOGPROBS, ActivationDtype, EdgeKind
 
@@ -26,6 +27,7 @@ __all__ = [
     "FLAG_ABORT",
     "FLAG_BEGIN",
     "FLAG_EOS",
+    "FORMAT_BLOCK_MAX",
     "HEADER_LEN",
     "KNOWN_FLAGS",
     "MAGIC",
@@ -56,6 +58,7 @@ __all__ = [
     "encode_token_choice",
     "encode_tokens",
     "pipeline_edge_specs",
+    "sampling_header_size",
     "token_in_max_extent",
     "token_in_spec",
     "token_out_max_extent",
@@ -132,6 +135,10 @@ class EdgeSpec:
         if kind is EdgeKind.TOKEN_OUT:
             # A plan committed before logprobs sized token-out for the token alone (4).
             extent = max(extent, token_out_max_extent(0))
+        else:
+            # A begin record's sampling header may carry a response format (DECISIONS
+            # 89): the plan sizes the rows and the 40-byte header, both ends add this.
+            extent += FORMAT_BLOCK_MAX
         return cls(plan.edge_id, kind, extent, plan.alignment, dtype)
 
     def __post_init__(self) -> None:
@@ -384,15 +391,29 @@ def decode_token_choice(
 # --------------------------------------------------------------------------- sampling header
 
 # request_id u64 | seed u64 | max_new_tokens u32 | temperature f32 | top_k u32 | top_p f32
-# | sampling flags u32 (bit 0 = has_seed, bit 1 = logprobs) | top_logprobs u32 (0-20; the
-# field was reserved = 0 before logprobs, DECISIONS 88)   -> 40 bytes (a multiple of 8)
+# | sampling flags u32 (bit 0 = has_seed, bit 1 = logprobs, bit 2 = response format) |
+# top_logprobs u32 (0-20; the field was reserved = 0 before logprobs, DECISIONS 88)
+#   -> 40 bytes (a multiple of 8)
+# With bit 2 (DECISIONS 89) the format block follows: length u32, the format's canonical
+# JSON (UTF-8, 1 to MAX_FORMAT_BYTES bytes), zero bytes to a multiple of 8.
 _SAMPLING = struct.Struct("<QQIfIfII")
 SAMPLING_HEADER_LEN = _SAMPLING.size
 SAMPLING_HEADER_BYTES = SAMPLING_HEADER_LEN  # the name mvp_core.planner refers to
 assert SAMPLING_HEADER_LEN == 40
 _SAMPLING_HAS_SEED = 1
 _SAMPLING_LOGPROBS = 2
-_SAMPLING_FLAGS = _SAMPLING_HAS_SEED | _SAMPLING_LOGPROBS
+_SAMPLING_FORMAT = 4
+_SAMPLING_FLAGS = _SAMPLING_HAS_SEED | _SAMPLING_LOGPROBS | _SAMPLING_FORMAT
+_U32 = struct.Struct("<I")
+
+
+def _format_block_len(text_bytes: int) -> int:
+    return (4 + text_bytes + 7) // 8 * 8
+
+
+FORMAT_BLOCK_MAX = _format_block_len(MAX_FORMAT_BYTES)
+"""The most a begin record's format block adds to its payload (token-in's sampling
+header, and each activation edge's first record, which carries the header on)."""
 _F32 = struct.Struct("<f")
 
 
@@ -417,6 +438,8 @@ class SamplingParams:
     wire only: the engine takes a sequence's id and cap as their own arguments.
     ``logprobs``: the last stage reports each sampled token's log probability and the
     step's ``top_logprobs`` most likely tokens (0-20) with it; off, nothing is computed.
+    ``response_format``: the canonical JSON of a format the text must have
+    (mvp_core.constrain, DECISIONS 89); the last stage masks the logits to it.
     """
 
     request_id: int = 0
@@ -427,6 +450,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    response_format: str | None = None
 
     def validate(self) -> None:
         if not 0 <= self.request_id <= _U64_MAX:
@@ -464,11 +488,18 @@ class SamplingParams:
             raise RecordError(
                 f"sampling header: top_logprobs {self.top_logprobs} without the logprobs flag"
             )
+        if self.response_format is not None:
+            n = len(self.response_format.encode())
+            if not 0 < n <= MAX_FORMAT_BYTES:
+                raise RecordError(
+                    f"sampling header: a response format of {n} bytes (1 to {MAX_FORMAT_BYTES})"
+                )
 
 
 def encode_sampling_header(params: SamplingParams) -> bytes:
+    """The 40-byte header, and the format block where ``params`` has a response format."""
     params.validate()
-    return _SAMPLING.pack(
+    head = _SAMPLING.pack(
         params.request_id,
         params.seed if params.seed is not None else 0,
         params.max_new_tokens,
@@ -476,19 +507,66 @@ def encode_sampling_header(params: SamplingParams) -> bytes:
         params.top_k,
         params.top_p,
         (_SAMPLING_HAS_SEED if params.seed is not None else 0)
-        | (_SAMPLING_LOGPROBS if params.logprobs else 0),
+        | (_SAMPLING_LOGPROBS if params.logprobs else 0)
+        | (_SAMPLING_FORMAT if params.response_format is not None else 0),
         params.top_logprobs,
     )
+    if params.response_format is None:
+        return head
+    text = params.response_format.encode()
+    block = _U32.pack(len(text)) + text
+    return head + block + bytes(_format_block_len(len(text)) - len(block))
+
+
+def sampling_header_size(data: bytes | bytearray | memoryview) -> int:
+    """How many of ``data``'s first bytes are the sampling header (40, or 40 and the
+    format block where its flags say one follows); a RecordError where they cannot be."""
+    if len(data) < SAMPLING_HEADER_LEN:
+        raise RecordError(
+            f"sampling header must be at least {SAMPLING_HEADER_LEN} bytes, got {len(data)}"
+        )
+    sflags = _U32.unpack_from(data, 32)[0]
+    if not sflags & _SAMPLING_FORMAT:
+        return SAMPLING_HEADER_LEN
+    if len(data) < SAMPLING_HEADER_LEN + 4:
+        raise RecordError("sampling header: the format flag without the format's length")
+    n = _U32.unpack_from(data, SAMPLING_HEADER_LEN)[0]
+    if not 0 < n <= MAX_FORMAT_BYTES:
+        raise RecordError(
+            f"sampling header: a response format of {n} bytes (1 to {MAX_FORMAT_BYTES})"
+        )
+    size = SAMPLING_HEADER_LEN + _format_block_len(n)
+    if len(data) < size:
+        raise RecordError(
+            f"sampling header: a response format of {n} bytes, {len(data)} bytes in all"
+        )
+    return size
 
 
 def decode_sampling_header(data: bytes | bytearray | memoryview) -> SamplingParams:
-    if len(data) != SAMPLING_HEADER_LEN:
-        raise RecordError(f"sampling header must be {SAMPLING_HEADER_LEN} bytes, got {len(data)}")
-    request_id, seed, max_new, temperature, top_k, top_p, sflags, top = _SAMPLING.unpack(data)
+    """The header ``encode_sampling_header`` wrote: 40 bytes, with the format block
+    where its flag bit 2 says so (an older header never has it: no format)."""
+    size = sampling_header_size(data)
+    if len(data) != size:
+        raise RecordError(f"sampling header must be {size} bytes, got {len(data)}")
+    view = memoryview(data)
+    request_id, seed, max_new, temperature, top_k, top_p, sflags, top = _SAMPLING.unpack(
+        view[:SAMPLING_HEADER_LEN]
+    )
     if sflags & ~_SAMPLING_FLAGS:
         raise RecordError(f"sampling header: unknown flag bits 0x{sflags & ~_SAMPLING_FLAGS:x}")
     if not sflags & _SAMPLING_HAS_SEED and seed:
         raise RecordError(f"sampling header: seed {seed} given without the has_seed flag")
+    fmt = None
+    if sflags & _SAMPLING_FORMAT:
+        n = _U32.unpack_from(view, SAMPLING_HEADER_LEN)[0]
+        start = SAMPLING_HEADER_LEN + 4
+        if any(view[start + n :]):
+            raise RecordError("sampling header: non-zero padding after the response format")
+        try:
+            fmt = bytes(view[start : start + n]).decode()
+        except UnicodeDecodeError:
+            raise RecordError("sampling header: the response format is not UTF-8") from None
     params = SamplingParams(
         request_id=request_id,
         max_new_tokens=max_new,
@@ -498,6 +576,7 @@ def decode_sampling_header(data: bytes | bytearray | memoryview) -> SamplingPara
         seed=seed if sflags & _SAMPLING_HAS_SEED else None,
         logprobs=bool(sflags & _SAMPLING_LOGPROBS),
         top_logprobs=top,
+        response_format=fmt,
     )
     params.validate()
     return params
@@ -519,10 +598,13 @@ def decode_begin_payload(
             f"({SAMPLING_HEADER_LEN}) plus one token"
         )
     view = memoryview(payload)
-    return (
-        decode_sampling_header(view[:SAMPLING_HEADER_LEN]),
-        decode_tokens(view[SAMPLING_HEADER_LEN:]),
-    )
+    size = sampling_header_size(view)
+    if len(payload) < size + 4:
+        raise RecordError(
+            f"begin payload of {len(payload)} bytes is shorter than its sampling header "
+            f"({size}) plus one token"
+        )
+    return decode_sampling_header(view[:size]), decode_tokens(view[size:])
 
 
 # --------------------------------------------------------------------------- activations
@@ -564,8 +646,9 @@ def decode_activation(
 
 
 def token_in_max_extent(max_seq_len: int) -> int:
-    """Sampling header plus a full-context prompt of u32 tokens."""
-    return SAMPLING_HEADER_LEN + max_seq_len * 4
+    """Sampling header (and its format block at the most) plus a full-context prompt of
+    u32 tokens."""
+    return SAMPLING_HEADER_LEN + FORMAT_BLOCK_MAX + max_seq_len * 4
 
 
 def token_out_max_extent(max_seq_len: int) -> int:
@@ -583,8 +666,10 @@ def token_out_max_extent(max_seq_len: int) -> int:
 def activation_max_extent(
     max_seq_len: int, hidden: int, dtype: ActivationDtype = ActivationDtype.FLOAT32
 ) -> int:
-    """A full-context prompt's rows (as mvp_core.planner plans it)."""
-    return max_seq_len * hidden * dtype.itemsize
+    """A full-context prompt's rows (as mvp_core.planner plans it), and the format block
+    a first record may carry with its sampling header at the most (the nodes' own
+    allowance, DECISIONS 89: EdgeSpec.from_plan)."""
+    return max_seq_len * hidden * dtype.itemsize + FORMAT_BLOCK_MAX
 
 
 def token_in_spec(max_seq_len: int) -> EdgeSpec:

@@ -33,6 +33,7 @@ from mvp_core.batch_plan import Capacity, Entry, Row, plan_step
 from mvp_core.models import ActivationDtype
 
 from .boundary import from_boundary, to_boundary
+from .formats import StageFormats
 from .sampling import Sampler, SamplingParams, TokenLogprobs, check_resume
 from .session import BatchRow, BatchSession, ContextOverflow, NoFreeSlot
 from .stage import Stage, check_whole_model
@@ -89,8 +90,12 @@ class BatchGenerator:
         max_seq_len: int,
         chunk_size: int = DEFAULT_CHUNK,
         activation_dtype: ActivationDtype = ActivationDtype.FLOAT32,
+        formats: StageFormats | None = None,
     ) -> None:
+        """``formats``: the last stage's vocabulary for prompts with a response format
+        (DECISIONS 89); None: such a prompt is refused at ``add``."""
         check_whole_model(stages)
+        self.formats = formats
         if chunk_size <= 0:
             raise ValueError("chunk_size must be positive")
         self.stages = list(stages)
@@ -149,7 +154,7 @@ class BatchGenerator:
                 f"max_seq_len {self.max_seq_len}"
             )
         check_resume(len(resume), sampling, max_new_tokens)
-        sampler = Sampler(sampling)
+        sampler = Sampler(sampling, formats=self.formats)
         if max_new_tokens is not None and max_new_tokens <= len(resume):
             return False
         if self.free_slots == 0:
@@ -209,7 +214,7 @@ class BatchGenerator:
             if len(q.generated) < len(q.replay):  # resumed: the token it had, no event
                 q.pending = q.replay[len(q.generated)]
                 q.generated.append(q.pending)
-                q.sampler.index += 1  # the draw this token took the first time
+                q.sampler.skip(q.pending)  # the draw this token took the first time
                 continue
             ev = self._sample(q, out[q.slot])
             if ev.finish is not None:

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import secrets
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from mvp_core.constrain import Constraint
+
+    from .formats import StageFormats
 
 # One definition of the parameters, torch-free, beside the wire header that carries them.
 from workers.node.dataplane.records import SamplingParams, TokenLogprobs
@@ -68,9 +74,16 @@ class Sampler:
     is reseeded from (seed, index) for every token. So a sequence that is re-prefilled
     with its prompt and the tokens it already has (stage recovery) continues with a
     Sampler made at ``index=len(generated)`` and samples exactly what it would have.
-    Without a seed one is drawn at random once (``seed`` says which)."""
+    Without a seed one is drawn at random once (``seed`` says which).
 
-    def __init__(self, params: SamplingParams, index: int = 0) -> None:
+    A prompt with a ``response_format`` (DECISIONS 89) gets its constraint from the
+    stage's ``formats``: each step's logits are masked (a refused token's logit -inf,
+    the others untouched) before temperature, top-k and top-p, and the sampled token
+    advances it. Its mask is its own: other rows of a batch are never touched."""
+
+    def __init__(
+        self, params: SamplingParams, index: int = 0, formats: StageFormats | None = None
+    ) -> None:
         if params.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if params.top_k < 0:
@@ -83,6 +96,28 @@ class Sampler:
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.index = index
         self._gen = torch.Generator()
+        self.constraint: Constraint | None = None
+        if params.response_format is not None:
+            if formats is None:
+                raise ValueError("a response format needs the stage's vocabulary (formats)")
+            self.constraint = formats.constraint(params.response_format)
+
+    def skip(self, token: int) -> None:
+        """``token`` was taken without a draw (a resumed one): the next draws as after it."""
+        self.index += 1
+        if self.constraint is not None:
+            self.constraint.take(token)
+
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` (one row, float32 on the CPU) with the tokens the format refuses
+        at -inf; the row itself where there is no format."""
+        if self.constraint is None:
+            return logits
+        allowed = torch.frombuffer(self.constraint.allowed(), dtype=torch.bool)
+        n = logits.numel()
+        if allowed.numel() < n:  # logits past the tokenizer's vocabulary: never
+            allowed = torch.cat([allowed, allowed.new_zeros(n - allowed.numel())])
+        return logits.masked_fill(~allowed[:n], float("-inf"))
 
     def choose(self, logits: torch.Tensor) -> tuple[int, TokenLogprobs | None]:
         """``sample``, with the token's logprobs where the parameters ask for them."""
@@ -95,7 +130,13 @@ class Sampler:
         p = self.params
         index = self.index
         self.index += 1
-        logits = logits.detach().float().view(-1).cpu()
+        logits = self.masked(logits.detach().float().view(-1).cpu())
+        token = self._draw(logits, p, index)
+        if self.constraint is not None:
+            self.constraint.take(token)
+        return token
+
+    def _draw(self, logits: torch.Tensor, p: SamplingParams, index: int) -> int:
         if p.temperature == 0.0:
             return int(torch.argmax(logits))
         self._gen.manual_seed(draw_seed(self.seed, index))
