@@ -107,6 +107,21 @@ class RunLifecycle:
     async def describe(self) -> WorkflowExecutionDescription:
         return await self.workflow.describe()
 
+    async def request(self) -> RunRequest | None:
+        """The run's RunRequest, from its current execution's input (a RunRequest, or the
+        ``request`` of the RunCarry a continued run starts with); None when that input is
+        not one. The SDK's RPCError where the history cannot be read."""
+        handle = self.client.get_workflow_handle(self.workflow_id)
+        async for event in handle.fetch_history_events(page_size=1):
+            payloads = event.workflow_execution_started_event_attributes.input.payloads
+            (start,) = await self.client.data_converter.decode(payloads, [dict[str, Any]])
+            raw = start.get("request", start) if isinstance(start, dict) else None
+            try:
+                return RunRequest.model_validate(raw)
+            except ValueError:
+                return None
+        return None
+
     async def check_open(self, address: str) -> None:
         """Raise RunNotOpen unless the run exists and is running."""
         try:

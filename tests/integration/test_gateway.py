@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from tests.integration.conftest import (
 )
 from workers.gateway.app import create_app
 from workers.gateway.main import SignallessServer
+from workers.gateway.runs import RunSpec
 from workers.node.engine.tokenizer import Tokenizer
 
 RUN = 3301
@@ -97,8 +98,8 @@ class Site:
 
 
 @contextlib.asynccontextmanager
-async def serve(client: Client, run_id: int) -> AsyncIterator[str]:
-    """The gateway app of ``run_id`` on a free loopback port."""
+async def serve(client: Client, run_id: int | Sequence[RunSpec]) -> AsyncIterator[str]:
+    """The gateway app of ``run_id`` (or of several runs) on a free loopback port."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(64)

@@ -1,7 +1,7 @@
 """Re-attach through the gateway: ``GET /v1/chat/completions/{id}`` and
-``GET /v1/completions/{id}`` return a completion of this run by the id the gateway gave
-it (``chatcmpl-<run>-<request>``, ``cmpl-<run>-<request>``), running or finished, from
-any client (``temporal.client.RunHandle.attach``).
+``GET /v1/completions/{id}`` return a completion of a run the gateway serves by the id
+the gateway gave it (``chatcmpl-<run>-<request>``, ``cmpl-<run>-<request>``: the id names
+the run), running or finished, from any client (``temporal.client.RunHandle.attach``).
 
 Without ``?stream=true`` the answer waits for the prompt's end and is the completion
 object; with it, server-sent events as ``POST`` streams them: the whole text so far in
@@ -31,6 +31,7 @@ from temporalio.client import Client
 
 from mvp_core.models import Done, Fault, PromptInput, TextDelta
 from temporal.client import PromptNotFound, PromptUnavailable, RunHandle
+from workers.gateway.runs import RunSet
 from workers.gateway.service import Gateway
 from workers.gateway.stops import StopMatcher, cut_at_stop
 from workers.gateway.streaming import EventStream
@@ -45,17 +46,22 @@ def not_found(message: str) -> ApiError:
     return ApiError(404, message, type="invalid_request_error", code="not_found")
 
 
-def parse_id(raw: str, chat: bool, run_id: int) -> int:
-    """The request id behind a completion id of this run, or a 404 saying why not."""
+def parse_id(raw: str, chat: bool) -> tuple[int, int]:
+    """The run and request ids behind a completion id, or a 404 saying why not."""
     m = _ID.match(raw)
     kind = "chatcmpl" if chat else "cmpl"
     if m is None or m.group(1) != kind:
         raise not_found(f"No completion found with id '{raw[:80]}' (expected {kind}-RUN-REQUEST)")
-    if int(m.group(2)) != run_id:
-        raise not_found(
-            f"completion '{raw}' belongs to run {m.group(2)}; this gateway serves {run_id}"
-        )
-    return int(m.group(3))
+    return int(m.group(2)), int(m.group(3))
+
+
+def served_run(runs: RunSet, raw: str, run_id: int) -> Gateway:
+    """The gateway of the run a completion id names, or a 404 naming the runs served."""
+    gateway = runs.get(run_id)
+    if gateway is None:
+        served = ", ".join(str(g.run_id) for g in runs.gateways()) or "none"
+        raise not_found(f"completion '{raw}' belongs to run {run_id}; this gateway serves {served}")
+    return gateway
 
 
 def finish_of(terminal: Done | Fault) -> tuple[str | None, dict[str, Any]]:
@@ -128,12 +134,12 @@ async def view(
         yield Viewed(reason, extra)
 
 
-def attach_routes(gateway: Gateway) -> list[Route]:
+def attach_routes(runs: RunSet) -> list[Route]:
     async def chat(request: Request) -> Response:
-        return await retrieve(request, gateway, chat=True)
+        return await retrieve(request, runs, chat=True)
 
     async def completion(request: Request) -> Response:
-        return await retrieve(request, gateway, chat=False)
+        return await retrieve(request, runs, chat=False)
 
     return [
         Route("/v1/chat/completions/{completion_id}", chat, methods=["GET"]),
@@ -141,9 +147,10 @@ def attach_routes(gateway: Gateway) -> list[Route]:
     ]
 
 
-async def retrieve(request: Request, gateway: Gateway, *, chat: bool) -> Response:
+async def retrieve(request: Request, runs: RunSet, *, chat: bool) -> Response:
     ident = request.path_params["completion_id"]
-    request_id = parse_id(ident, chat, gateway.run_id)
+    run_id, request_id = parse_id(ident, chat)
+    gateway = served_run(runs, ident, run_id)
     served = await gateway.served()
     events = gateway.run.attach(request_id, poll_cooldown_ms=gateway.poll_cooldown_ms)
     try:

@@ -2,10 +2,10 @@
 
 Keys come from a file (``--api-key-file``: one per line, ``#`` comments and blank lines
 ignored) and from ``MVP_GATEWAY_API_KEYS`` (comma-separated), never from the command line,
-where ``ps`` would show them. With any key configured, every request to ``/v1/*`` and to
-the dashboard must carry one: ``Authorization: Bearer <key>`` (OpenAI's clients send their
-``api_key`` so), or HTTP Basic with the key as the password (what a browser asks for on
-the dashboard). A missing or wrong key is a 401 with OpenAI's error body; ``/health``
+where ``ps`` would show them. With any key configured, every request to ``/v1/*``, to the
+admin API (``/admin``) and to the dashboard must carry one: ``Authorization: Bearer
+<key>`` (OpenAI's clients send their ``api_key`` so), or HTTP Basic with the key as the
+password (what a browser asks for on the dashboard). A missing or wrong key is a 401 with OpenAI's error body; ``/health``
 stays open (a load balancer's probe). Each presented key is compared with every
 configured one in constant time; no key ever goes into a log line, a span or an error.
 """
@@ -105,7 +105,7 @@ def presented_key(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
 
 
 def protected(path: str) -> bool:
-    return path == "/v1" or path.startswith(("/v1/", "/dashboard"))
+    return path in ("/v1", "/admin") or path.startswith(("/v1/", "/admin/", "/dashboard"))
 
 
 def _refusal(missing: bool, browser: bool) -> tuple[dict[str, Any], list[tuple[bytes, bytes]]]:

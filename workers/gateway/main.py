@@ -1,6 +1,7 @@
-"""``mvp-gateway``: an OpenAI-compatible HTTP API over one run.
+"""``mvp-gateway``: an OpenAI-compatible HTTP API over one run or several.
 
     mvp-gateway --workflow-id mvp-run-7                       # serve a run that exists
+    mvp-gateway --workflow-id mvp-run-7 --workflow-id mvp-run-8=smol-b  # several (alias)
     mvp-gateway --run-request docs/examples/run-pipeline.json # start run 1 and serve it
 
 It connects to Temporal at ``$TEMPORAL_ADDRESS`` (default localhost:7233), where an
@@ -8,8 +9,10 @@ orchestrator worker must be running. With ``--run-request`` it starts run ``--ru
 (default 1) and, on SIGINT or SIGTERM, asks it to shut down (``request_shutdown``) and
 waits for it to close; with ``--workflow-id`` it leaves the run as it is. The API is at
 ``http://HOST:PORT/v1`` (docs/gateway.md); until the run is prompt-ready it answers 503.
-Exit status: 0 after a signal, 1 when the run ends on its own or the gateway cannot
-start (one line on stderr), 2 for bad arguments.
+A request goes to the run its ``model`` names (of replicas, the shortest queue); runs are
+added and removed while it serves (``POST``/``DELETE /admin/runs``). Exit status: 0
+after a signal, 1 when its last run ends on its own or the gateway cannot start (one
+line on stderr), 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ from temporal.connect import connect, temporal_address
 from workers import stdio
 from workers.gateway.app import create_app
 from workers.gateway.auth import API_KEYS_ENV, ApiKeyError, load_keys
+from workers.gateway.runs import RunSet, RunSpec
+from workers.gateway.selection import AliasError, check_alias
 
 PROG = "mvp-gateway"
 DEFAULT_LISTEN = "127.0.0.1:8000"
@@ -72,7 +77,12 @@ def parser() -> argparse.ArgumentParser:
         help="where the HTTP API listens (default: %(default)s; port 0 picks one)",
     )
     which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--workflow-id", metavar="mvp-run-N", help="serve this existing run")
+    which.add_argument(
+        "--workflow-id",
+        action="append",
+        metavar="mvp-run-N[=ALIAS]",
+        help="serve this existing run (repeat for several; =ALIAS lists its model as ALIAS)",
+    )
     which.add_argument(
         "--run-request",
         metavar="FILE",
@@ -158,6 +168,26 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def run_specs(values: list[str]) -> list[RunSpec]:
+    """The runs ``--workflow-id`` names: ``mvp-run-N`` or ``mvp-run-N=ALIAS`` each."""
+    specs: list[RunSpec] = []
+    for value in values:
+        wid, sep, alias = value.partition("=")
+        run_id = names.run_id_from_workflow_id(wid)
+        if run_id is None:
+            shape = "mvp-run-N=ALIAS" if sep else "mvp-run-N"
+            raise GatewayError(f"invalid --workflow-id {value!r}: use {shape}")
+        if sep:
+            try:
+                check_alias(alias)
+            except AliasError as err:
+                raise GatewayError(f"invalid alias in --workflow-id {value!r}: {err}") from None
+        if any(s.run_id == run_id for s in specs):
+            raise GatewayError(f"--workflow-id {wid} is given twice")
+        specs.append(RunSpec(run_id, alias if sep else None))
+    return specs
+
+
 def read_run_request(path: Path) -> RunRequest:
     try:
         text = path.read_text()
@@ -203,13 +233,12 @@ class GatewayCommand:
         keys = api_keys(args, host)
         request = read_run_request(args.run_request) if args.run_request else None
         if request is None:
-            run_id = names.run_id_from_workflow_id(args.workflow_id)
-            if run_id is None:
-                raise GatewayError(f"invalid --workflow-id {args.workflow_id!r}: use mvp-run-N")
+            specs = run_specs(args.workflow_id)
         else:
             run_id = 1 if args.run_id is None else args.run_id
             if run_id < 0:
                 raise GatewayError("--run-id must be 0 or more")
+            specs = [RunSpec(run_id)]
         sock = bind(host, port)
         try:
             address = temporal_address()
@@ -220,16 +249,18 @@ class GatewayCommand:
                 text = f"cannot connect to Temporal: {text}"
             raise GatewayError(text) from None
         if request is None:
-            handle = RunHandle(client, run_id)
-            await self._check_running(handle, address)
+            for spec in specs:
+                await self._check_running(RunHandle(client, spec.run_id), address)
+            handle = None
         else:
-            handle = await self._start(client, run_id, request)
+            handle = await self._start(client, specs[0].run_id, request)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.on_signal)
         bound = sock.getsockname()
         url = f"http://{_url_host(str(bound[0]))}:{bound[1]}/v1"
-        app = create_app(client, run_id, api_keys=keys)
+        app = create_app(client, specs, api_keys=keys, notify=say)
+        runs: RunSet = app.state.runs
         config = uvicorn.Config(
             app,
             log_level=args.log_level,
@@ -238,14 +269,18 @@ class GatewayCommand:
         )
         server = SignallessServer(config)
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))
-        closed = asyncio.ensure_future(self._closed(handle))
-        ready = asyncio.ensure_future(self._announce(handle, url))
+        closed = asyncio.ensure_future(runs.emptied.wait())  # its last run ended by itself
+        ready = [
+            asyncio.ensure_future(self._announce(RunHandle(client, s.run_id), url, s.alias))
+            for s in specs
+        ]
         stopping = asyncio.ensure_future(self.stop.wait())
         try:
             await asyncio.wait({serving, closed, stopping}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            ready.cancel()
-            app.state.gateway.close_viewers()  # an open dashboard holds no shutdown up
+            for announce in ready:
+                announce.cancel()
+            runs.close_viewers()  # an open dashboard holds no shutdown up
             server.should_exit = True
             if self.signals > 1:
                 server.force_exit = True
@@ -253,13 +288,13 @@ class GatewayCommand:
                 async with asyncio.timeout(SERVER_STOP_S):
                     await serving
             stopping.cancel()
-        if closed.done():
-            raise GatewayError(await self._ended(handle))
+        if closed.done() and runs.last_ended is not None:
+            raise GatewayError(await self._ended(runs.last_ended.run))
         closed.cancel()
         if serving.done() and not self.stop.is_set():
             why = serving.exception() if not serving.cancelled() else None
             raise GatewayError(f"the HTTP server stopped: {why or 'without a reason'}")
-        if request is not None:
+        if handle is not None:
             await self._shutdown(handle)
         return 0
 
@@ -286,25 +321,16 @@ class GatewayCommand:
         )
         return handle
 
-    async def _announce(self, handle: RunHandle, url: str) -> None:
+    async def _announce(self, handle: RunHandle, url: str, alias: str | None) -> None:
         wid = handle.workflow_id
         say(f"serving run {wid} at {url} (503 until it is prompt-ready)")
         while True:
             state = await handle.try_snapshot()
             if state is not None and state.phase is RunPhase.PROMPT_READY and state.plan:
-                model = os.path.basename(state.plan.model_path).removesuffix(".gguf")
+                model = alias or os.path.basename(state.plan.model_path).removesuffix(".gguf")
                 say(f"run {wid} is prompt-ready: model {model!r} at {url}")
                 return
             await asyncio.sleep(WATCH_EVERY_S)
-
-    async def _closed(self, handle: RunHandle) -> None:
-        """Returns when the run has closed (a Temporal outage is waited out)."""
-        while True:
-            try:
-                await handle.wait_closed()
-                return
-            except RPCError:
-                await asyncio.sleep(WATCH_EVERY_S)
 
     async def _ended(self, handle: RunHandle) -> str:
         wid = handle.workflow_id

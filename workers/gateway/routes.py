@@ -2,11 +2,13 @@
 (``service.Gateway``) and its answer into OpenAI's response, whole or as server-sent
 events; errors become OpenAI's error objects.
 
-- ``GET /v1/models`` (and ``/v1/models/{id}``): the run's model, named after its GGUF
-  file (``SmolLM2-135M-Instruct.Q4_1``), from the plan in the run's ``snapshot``.
+- ``GET /v1/models`` (and ``/v1/models/{id}``): the models of the runs served, each
+  named after its GGUF file (``SmolLM2-135M-Instruct.Q4_1``, from the plan in the run's
+  ``snapshot``) or the alias the operator gave its run; replicas are listed once.
 - ``POST /v1/completions`` and ``POST /v1/chat/completions``: each request is one
-  prompt of the run, streamed as server-sent events or returned whole.
-- ``GET /health``: 200 while the run is prompt-ready, else 503.
+  prompt of the run its ``model`` names (of replicas, the one with the shortest queue:
+  ``runs.py``), streamed as server-sent events or returned whole.
+- ``GET /health``: 200 while a run is prompt-ready, else 503.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mvp_core.models import Fault, RunPhase
+from mvp_core.run_state import RunState
 from workers.gateway.completion import Finish, Piece, Prepared, collect, drive, fault_error
 from workers.gateway.logprobs import Placed, chat_logprobs, completion_logprobs
+from workers.gateway.runs import RunSet
 from workers.gateway.service import Gateway, PromptSession, ServedModel
 from workers.gateway.streaming import ClientGone, EventStream, unless_disconnected
 from workers.gateway.wire import (
@@ -58,47 +62,60 @@ async def read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-def _gateway(request: Request) -> Gateway:
-    gateway: Gateway = request.app.state.gateway
-    return gateway
+def _runs(request: Request) -> RunSet:
+    runs: RunSet = request.app.state.runs
+    return runs
 
 
 async def list_models(request: Request) -> Response:
-    served = await _gateway(request).served()
-    return JSONResponse({"object": "list", "data": [model_object(served.id, served.created)]})
+    models = await _runs(request).models()
+    data = [model_object(served.id, served.created) for served in models]
+    return JSONResponse({"object": "list", "data": data})
 
 
 async def get_model(request: Request) -> Response:
-    served = await _gateway(request).served()
-    served.check(request.path_params["model"])
+    served = await _runs(request).model(request.path_params["model"])
     return JSONResponse(model_object(served.id, served.created))
 
 
 async def health(request: Request) -> Response:
-    gateway = _gateway(request)
-    state = await gateway.snapshot()
+    """One run: its phase, as ever. Several: each run's, and 200 while any serves."""
+    gateways = _runs(request).gateways()
+    if len(gateways) == 1:
+        gateway = gateways[0]
+        state = await gateway.snapshot()
+        ready = state.phase is RunPhase.PROMPT_READY and not state.stopping
+        body = {"status": "ok" if ready else "unavailable", "run": gateway.workflow_id}
+        return JSONResponse({**body, "phase": state.phase.value}, status_code=200 if ready else 503)
+    states = await asyncio.gather(*(g.snapshot() for g in gateways), return_exceptions=True)
+    runs = [_run_health(g, s) for g, s in zip(gateways, states, strict=True)]
+    ready = any(run["ready"] for run in runs)
+    status = "ok" if ready else "unavailable"
+    return JSONResponse({"status": status, "runs": runs}, status_code=200 if ready else 503)
+
+
+def _run_health(gateway: Gateway, state: RunState | BaseException) -> dict[str, Any]:
+    served = gateway.known()
+    model = served.id if served is not None else gateway.alias
+    if isinstance(state, BaseException):  # an ApiError: the run cannot answer now
+        return {"run": gateway.workflow_id, "model": model, "phase": None, "ready": False}
     ready = state.phase is RunPhase.PROMPT_READY and not state.stopping
-    body = {"status": "ok" if ready else "unavailable", "run": gateway.workflow_id}
-    return JSONResponse({**body, "phase": state.phase.value}, status_code=200 if ready else 503)
+    return {"run": gateway.workflow_id, "model": model, "phase": state.phase.value, "ready": ready}
 
 
 async def completions(request: Request) -> Response:
-    gateway = _gateway(request)
     req: CompletionRequest = parse_body(await read_body(request), CompletionRequest)
-    served = await gateway.served()
-    served.check(req.model)
+    candidates = await _runs(request).select(req.model)
     text = req.prompt_text()
     if not text:
         raise invalid("the prompt must not be empty", "prompt", "invalid_value")
     prep = Prepared.of(req, {"prompt_text": text, "chat": False}, "prompt")
-    return await _respond(request, gateway, served, prep, chat=False)
+    return await _respond(request, candidates, prep, chat=False)
 
 
 async def chat_completions(request: Request) -> Response:
-    gateway = _gateway(request)
     req: ChatRequest = parse_body(await read_body(request), ChatRequest)
-    served = await gateway.served()
-    served.check(req.model)
+    candidates = await _runs(request).select(req.model)
     messages = [{"role": m.template_role(), "content": m.text()} for m in req.messages]
     # The head node renders the conversation with the model's own chat template and
     # encodes its control tokens as such; a model without one, or a template that refuses
@@ -111,7 +128,7 @@ async def chat_completions(request: Request) -> Response:
     else:
         fields = {"prompt_text": "", "messages": messages, "chat": True}
     prep = Prepared.of(req, fields, "messages")
-    return await _respond(request, gateway, served, prep, chat=True)
+    return await _respond(request, candidates, prep, chat=True)
 
 
 async def _open_all(
@@ -138,15 +155,31 @@ async def _close_all(sessions: list[PromptSession]) -> None:
         await session.close()
 
 
+async def _open_on_one(
+    request: Request, candidates: list[Gateway], prep: Prepared
+) -> tuple[Gateway, ServedModel, list[PromptSession] | None]:
+    """Every choice's prompt in one run: the first candidate that admits them (a run
+    whose queue is full, or that is not prompt-ready, passes the request on to the next
+    replica; the last one's refusal is the answer)."""
+    for index, gateway in enumerate(candidates):
+        served = await gateway.served()  # known: it was chosen by its model
+        try:
+            return gateway, served, await _open_all(request, gateway, prep)
+        except ApiError as err:
+            if err.status not in (429, 503) or index + 1 == len(candidates):
+                raise
+            log.info("%s refused a prompt (%s): next replica", gateway.workflow_id, err.code)
+    raise AssertionError("no candidate run")  # select() returns at least one
+
+
 async def _respond(
     request: Request,
-    gateway: Gateway,
-    served: ServedModel,
+    candidates: list[Gateway],
     prep: Prepared,
     *,
     chat: bool,
 ) -> Response:
-    sessions = await _open_all(request, gateway, prep)
+    gateway, served, sessions = await _open_on_one(request, candidates, prep)
     if sessions is None:
         return Response(status_code=499)
     created = int(time.time())
@@ -322,7 +355,7 @@ async def server_error(request: Request, exc: Exception) -> Response:
 
 
 def api_routes() -> list[Route]:
-    """The OpenAI routes and the health check (the service is ``app.state.gateway``)."""
+    """The OpenAI routes and the health check (the runs are ``app.state.runs``)."""
     return [
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),

@@ -1,12 +1,14 @@
-"""The gateway's service: what an HTTP request does against its run, apart from HTTP.
+"""The gateway's service: what an HTTP request does against a run, apart from HTTP.
 
 :class:`Gateway` is one run's prompt API as the routes need it: the run's model (from
-its committed plan), admission of a prompt with a request id the gateway allots (a
-refusal becomes its HTTP error: a full queue a 429, a run that is not prompt-ready a
-503), and cancellation. :class:`PromptSession` is one admitted prompt: its events in
-order, peeked before a stream commits to 200, and cancelled when the request ends first
-(a stop string, a client gone). The run is reached only through
-``temporal.client.RunHandle``.
+its committed plan, under the operator's alias where given), admission of a prompt with
+a request id the gateway allots (a refusal becomes its HTTP error: a full queue a 429, a
+run that is not prompt-ready a 503), cancellation, and what choosing among replicas
+needs of the run without asking it (its prompts in flight from this gateway, its
+capacity, whether it was prompt-ready; ``runs.py``, ``selection.py``).
+:class:`PromptSession` is one admitted prompt: its events in order, peeked before a
+stream commits to 200, and cancelled when the request ends first (a stop string, a
+client gone). The run is reached only through ``temporal.client.RunHandle``.
 """
 
 from __future__ import annotations
@@ -20,11 +22,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from temporalio.client import Client, WorkflowQueryFailedError, WorkflowQueryRejectedError
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowQueryFailedError,
+    WorkflowQueryRejectedError,
+)
 from temporalio.service import RPCError, RPCStatusCode
 
 from mvp_core.errors import ErrorType
-from mvp_core.models import Done, Fault, SubmitPrompt, TextDelta
+from mvp_core.models import Done, Fault, RunPhase, SubmitPrompt, TextDelta
 from mvp_core.request_ids import RequestIds
 from mvp_core.run_state import RunState
 from temporal.client import (
@@ -40,11 +47,19 @@ log = logging.getLogger("mvp.gateway")
 
 ADMIT_TRIES = 4  # a duplicate id (another client's) or a rollover: try again
 ROLLOVER_RETRY_S = 0.5
+WARM_EVERY_S = 1.0  # how often a run is asked its state until it is prompt-ready
+NOT_READY_HOLD_S = 2.0  # a run that refused a prompt as not ready is tried last this long
 # Rejections that mean "not now": the run is starting, stopping or rolling over (a 503).
 _NOT_SERVING = (
     ErrorType.RUN_NOT_PROMPT_READY,
     ErrorType.RUN_SHUTTING_DOWN,
     ErrorType.RUN_ROLLING_OVER,
+)
+# Faults of the prompt itself; any other may be the run's end (asked before it is told).
+_PROMPT_FAULTS = (
+    ErrorType.PROMPT_TOO_LONG,
+    ErrorType.CHAT_TEMPLATE_REFUSED,
+    ErrorType.INVALID_PROMPT,
 )
 
 
@@ -57,8 +72,11 @@ class ServedModel:
     created: int
     max_seq_len: int
 
+    def answers(self, name: str) -> bool:
+        return name == self.id or name in self.aliases
+
     def check(self, name: str) -> None:
-        if name != self.id and name not in self.aliases:
+        if not self.answers(name):
             raise model_not_found(name)
 
 
@@ -67,12 +85,32 @@ def model_id_of(model_path: str) -> str:
     return base[: -len(".gguf")] if base.lower().endswith(".gguf") else base
 
 
+def run_ended(workflow_id: str, how: str) -> ApiError:
+    """What a request in flight in a run that ended gets (DECISIONS 90)."""
+    return ApiError(
+        503,
+        f"run {workflow_id} ended ({how}) while this prompt was in flight; the gateway no "
+        "longer serves it",
+        type="server_error",
+        code="run_ended",
+        retry_after_s=1,
+    )
+
+
 class Gateway:
     """One run's prompt API, as the HTTP handlers need it."""
 
-    def __init__(self, client: Client, run_id: int, *, poll_cooldown_ms: int = 20) -> None:
+    def __init__(
+        self,
+        client: Client,
+        run_id: int,
+        *,
+        poll_cooldown_ms: int = 20,
+        alias: str | None = None,
+    ) -> None:
         self.client = client
         self.run_id = run_id
+        self.alias = alias  # the model id the operator gave the run (else its file's)
         # A refusal past the server's limits is a 429 within a second (issue 37).
         self.run = RunHandle(client, run_id, quick_refusals=True)
         self.workflow_id = self.run.workflow_id
@@ -93,6 +131,13 @@ class Gateway:
         self._background: set[asyncio.Task[Any]] = set()
         self._warm: asyncio.Task[None] | None = None
         self.viewers: list[Callable[[], None]] = []  # end the read-only streams (dashboard)
+        # What choosing among replicas knows without asking the run (selection.py).
+        self._live: set[PromptSession] = set()  # prompts of this gateway not ended yet
+        self.max_active = 1  # the run's max_active_prompts, once read
+        self.ready_seen = False  # the run was prompt-ready when last asked or admitting
+        self._not_ready_until = 0.0  # a refusal as not ready: tried last until then
+        self.last_chosen = 0  # set by the RunSet each time it sends the run a request
+        self.ended_how: str | None = None  # how the run ended, once the gateway knows
 
     def close_viewers(self) -> None:
         """End the streams that only watch (they would hold the server's shutdown for its
@@ -103,6 +148,43 @@ class Gateway:
     # ------------------------------------------------------------------ run facts
     def handle(self) -> Any:
         return self.run.workflow
+
+    @property
+    def in_flight(self) -> int:
+        """This gateway's prompts in the run: being admitted, queued or generating."""
+        return len(self._live)
+
+    @property
+    def ready(self) -> bool:
+        """Prompt-ready as far as the gateway knows, without asking the run."""
+        return self.ready_seen and time.monotonic() >= self._not_ready_until
+
+    def known(self) -> ServedModel | None:
+        """The run's model once learned (None before its plan was read)."""
+        return self._served
+
+    def mark_ended(self, how: str) -> None:
+        """The run ended (``how``: completed, failed, terminated): every request in
+        flight in it gets ``run_ended`` now."""
+        self.ended_how = how
+        err = run_ended(self.workflow_id, how)
+        for session in list(self._live):
+            session.abort(err)
+
+    async def closed_how(self) -> str | None:
+        """How the run ended, or None while it runs (a continued run runs) or cannot be
+        asked: one ``describe``, asked only when a prompt of the run failed (a Fault, a
+        stream lost), so that a run's end reaches its requests as ``run_ended`` whichever
+        news comes first."""
+        if self.ended_how is not None:
+            return self.ended_how
+        try:
+            status = (await self.run.describe()).status
+        except Exception:
+            return None
+        if status is None or status is WorkflowExecutionStatus.RUNNING:
+            return None
+        return status.name.lower()
 
     async def snapshot(self) -> RunState:
         try:
@@ -139,12 +221,16 @@ class Gateway:
                 if desc.start_time is not None:
                     created = int(desc.start_time.timestamp())
             model_id = model_id_of(plan.model_path)
+            other = {plan.model_facts.name, os.path.basename(plan.model_path), model_id}
+            served_id = self.alias or model_id
             self._served = ServedModel(
-                id=model_id,
-                aliases=frozenset({plan.model_facts.name, os.path.basename(plan.model_path)}),
+                id=served_id,
+                aliases=frozenset(other - {served_id}),
                 created=created,
                 max_seq_len=plan.max_seq_len,
             )
+            if state.phase is RunPhase.PROMPT_READY:
+                self.ready_seen = True
             return self._served
 
     # ------------------------------------------------------------------ prompts
@@ -154,9 +240,13 @@ class Gateway:
         for attempt in range(ADMIT_TRIES):
             prompt = SubmitPrompt(request_id=next(self._ids), **fields)
             session = PromptSession(self, prompt)
+            self._live.add(session)
             try:
                 await session.open()
+                self.ready_seen, self._not_ready_until = True, 0.0
                 return session
+            except ApiError:
+                raise  # the run ended under it (abort)
             except PromptRejected as err:
                 if err.kind == ErrorType.DUPLICATE_REQUEST_ID and attempt + 1 < ADMIT_TRIES:
                     continue
@@ -202,6 +292,7 @@ class Gateway:
                 retry_after_s=1,
             )
         if err.kind in _NOT_SERVING:
+            self._not_ready_until = time.monotonic() + NOT_READY_HOLD_S
             return unavailable(
                 f"run {self.workflow_id} is not prompt-ready ({err})", "run_not_ready"
             )
@@ -229,12 +320,35 @@ class Gateway:
         self._warm = asyncio.ensure_future(self._warm_up())
 
     async def _warm_up(self) -> None:
+        """The run's capacity (its request, read once), then its model, then whether it is
+        prompt-ready (asked every second until it is)."""
+        try:
+            request = await self.run.request()
+        except Exception as err:  # no such run yet, a server gone: assume 1
+            log.info("capacity of %s: %s: %s", self.workflow_id, type(err).__name__, err)
+            request = None
+        if request is not None:
+            self.max_active = request.max_active_prompts
         while True:
             try:
                 await self.served()
-                return
+                break
             except Exception:
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(WARM_EVERY_S)
+        while not self.ready_seen:
+            state = await self.run.try_snapshot()
+            if state is not None and state.phase is RunPhase.PROMPT_READY:
+                self.ready_seen = True
+            elif state is not None and state.stopping:
+                return
+            else:
+                await asyncio.sleep(WARM_EVERY_S)
+
+    def retire(self) -> None:
+        """No longer served (removed, or ended): stop learning about the run; prompts in
+        flight finish."""
+        if self._warm is not None:
+            self._warm.cancel()
 
     async def aclose(self) -> None:
         if self._warm is not None:
@@ -259,6 +373,21 @@ class PromptSession:
         self._peeked: TextDelta | Done | Fault | None = None
         self.ended = False  # the terminal event arrived, or the prompt was cancelled
 
+    def _end(self) -> None:
+        self.ended = True
+        self.gateway._live.discard(self)  # no longer in flight for choosing a replica
+
+    def abort(self, err: ApiError) -> None:
+        """The run ended under the prompt: its reader gets ``err`` next (an admission in
+        flight raises it)."""
+        if self.ended:
+            return
+        self._error = err
+        self._events.put_nowait(err)
+        task = self._task
+        if task is not None and not self._admitted.is_set():
+            task.cancel()
+
     async def open(self) -> None:
         self._task = asyncio.ensure_future(self._pump())
         admitted = asyncio.ensure_future(self._admitted.wait())
@@ -270,7 +399,7 @@ class PromptSession:
         finally:
             admitted.cancel()
         if not self._admitted.is_set():
-            self.ended = True  # refused: nothing to cancel
+            self._end()  # refused: nothing to cancel
             assert self._error is not None
             raise self._error
 
@@ -291,8 +420,18 @@ class PromptSession:
             event, self._peeked = self._peeked, None
             return event
         item = await self._events.get()
+        if isinstance(item, ApiError):
+            self._end()  # the run ended under it (abort)
+            raise item
+        if isinstance(item, (Fault, Exception)) and not (
+            isinstance(item, Fault) and item.kind in _PROMPT_FAULTS
+        ):
+            how = await self.gateway.closed_how()
+            if how is not None:
+                self._end()
+                raise run_ended(self.gateway.workflow_id, how)
         if isinstance(item, BaseException):
-            self.ended = True  # lost: the run, if it is there, still has the prompt
+            self._end()  # lost: the run, if it is there, still has the prompt
             log.warning("prompt %d lost: %s: %s", self.request_id, type(item).__name__, item)
             self.gateway.cancel_soon(self.request_id)
             raise unavailable(
@@ -300,7 +439,7 @@ class PromptSession:
                 "run_unreachable",
             )
         if not isinstance(item, TextDelta):
-            self.ended = True
+            self._end()
         return item
 
     async def peek(self) -> TextDelta | Done | Fault:
@@ -322,7 +461,7 @@ class PromptSession:
         """End the prompt now (a stop string, a client gone): the run cancels it."""
         if self.ended:
             return
-        self.ended = True
+        self._end()
         task = self._task
         if self._admitted.is_set() or task is None or task.done():
             if self._admitted.is_set():
