@@ -25,6 +25,7 @@ from mvp_core.models import (
     TokenLogprob,
 )
 from mvp_io.model_store import DEFAULT_BUNDLED, fetch_bundled
+from workers.node.engine import SamplingParams, generate
 from workers.node.runtime import GenerationResult, StageRuntime
 
 CONTEXT = 64
@@ -230,3 +231,25 @@ def test_logprobs_side_by_side_are_each_prompts_alone_with_their_tokens_texts(ru
     runtime.run(SubmitPrompt(request_id=9, prompt_text=TEXTS[0]), 2, lambda t, n: None,
                 lambda: False, logprobs=none)  # fmt: skip
     assert none == []
+
+
+def test_a_prompt_that_starts_as_a_recent_one_reports_its_cached_tokens(runtime):
+    """DECISIONS 91: the stage keeps the whole 16-token blocks of a prompt it ran; the next
+    prompt that starts the same way takes them from the cache (at least 8 of its tokens
+    still computed) and says how many, with the text it has without them."""
+    shared = "one two three four five six seven eight nine ten " * 3  # 30 words
+    first = SubmitPrompt(request_id=21, prompt_text=shared + "What comes next? Eleven")
+    second = SubmitPrompt(request_id=22, prompt_text=shared + "And after ten? It is eleven")
+    told: list[int] = []
+    a = runtime.run(first, 4, lambda t, n: None, lambda: False, on_cached=told.append)
+    b = runtime.run(second, 4, lambda t, n: None, lambda: False, on_cached=told.append)
+    ids, before = runtime.encode(second), runtime.encode(first)
+    common = next(i for i, (x, y) in enumerate(zip(ids, before, strict=False)) if x != y)
+    want = min(common, len(ids) - 8) // 16 * 16
+    assert want >= 16
+    assert (a.cached_tokens, b.cached_tokens) == (0, want) and told == [0, want]
+    alone = generate([runtime.stage], ids, max_new_tokens=4, max_seq_len=CONTEXT,
+                     sampling=SamplingParams(), stop_ids=runtime.stop_ids)  # fmt: skip
+    assert b.token_ids == list(alone)
+    assert runtime.scheduler is not None and runtime.scheduler.prefix is not None
+    assert runtime.scheduler.prefix.stats.reused_tokens == want
