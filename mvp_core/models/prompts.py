@@ -174,6 +174,13 @@ class TextDelta(_Model):
         ge=0,
         description="On a prompt's first delta: its tokens as the head node encoded them",
     )
+    cached_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description="On a prompt's first delta: its prompt tokens the head stage took from "
+        "its prefix cache instead of computing them (DECISIONS 91; None: a node that did "
+        "not say)",
+    )
     logprobs: list[TokenLogprob] | None = Field(
         default=None,
         description="A prompt that asked for logprobs: those of the tokens this delta "
@@ -199,6 +206,12 @@ class Done(_Model):
         ge=0,
         description="The prompt's tokens as the head node encoded them (None: a node that "
         "did not report them)",
+    )
+    cached_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description="Of those, the tokens the head stage took from its prefix cache "
+        "(DECISIONS 91; None: a node that did not report them)",
     )
     recoveries: int = Field(
         default=0,

@@ -390,6 +390,36 @@ async def test_completion_maps_done_and_usage(fake):
     assert fake.cancelled == []
 
 
+async def test_the_head_nodes_cached_prompt_tokens_are_in_usage_streamed_and_not(fake):
+    """DECISIONS 91: the head stage's prefix cache gave some of the prompt's tokens; the
+    node says how many on the first delta and the Done, the usage says it as OpenAI's
+    prompt_tokens_details.cached_tokens (and not at all for a node that did not say)."""
+
+    def script(p: SubmitPrompt) -> list[Any]:
+        first, *rest, done = _text(p, "Hel", "lo", " you")
+        assert isinstance(done, Done)
+        first.cached_tokens = 2
+        done.cached_tokens = 2
+        return [first, *rest, done]
+
+    fake.script = script
+    want = {
+        "prompt_tokens": 3,
+        "completion_tokens": 3,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hey"}]}
+    r = await fake.http.post("/v1/chat/completions", json=body)
+    assert r.json()["usage"] == want
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    r = await fake.http.post("/v1/chat/completions", json=streamed)
+    assert _events(r)[-2]["usage"] == want
+    # Cut by a stop string before the Done: the first delta's count.
+    r = await fake.http.post("/v1/chat/completions", json={**streamed, "stop": ["lo"]})
+    assert _events(r)[-2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
+
+
 async def test_one_user_message_takes_the_runs_chat_path(fake):
     fake.script = lambda p: _text(p, "Hi")
     r = await fake.http.post(

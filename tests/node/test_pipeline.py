@@ -493,3 +493,48 @@ def test_a_resume_that_diverges_is_named_and_frees_its_slot(smollm: str) -> None
             p.run(2, PROMPTS[0], 2, 256, resume=whole[:3])
         assert p.run(2, PROMPTS[0], 3, 256, resume=whole[:3]) == []  # it had them all
         assert not p.faults
+
+
+def test_a_shared_prefix_on_a_pipeline_is_reused_by_every_stage_and_a_cleared_one_recomputes(
+    smollm: str,
+) -> None:
+    """Prefix reuse on the data plane (DECISIONS 91): each stage keys its prefix cache by
+    what it receives (the first the token ids, the second the rows) and every row still
+    travels on, so a stage that lost its cache (a replacement's is empty) computes the
+    prefix itself. The tokens are one stage's without reuse, greedy and seeded."""
+    prefix = ([t for ids in PROMPTS for t in ids] * 4)[:64]
+    # Tails of 8 tokens or more: a one-chunk prompt computes at least 8 rows after a reused
+    # prefix (prefix_cache.reuse_bounds), so all 64 come from the caches.
+    prompts = [prefix + PROMPTS[i] + PROMPTS[i + 1] for i in range(4)]
+    with pipeline(smollm, 2, 256, 576) as p:
+        p.run(9, prompts[0], 8, 256)  # fills both stages' caches
+        first, second = (link.prefix for link in p.links)
+        if first is None or second is None:
+            pytest.skip("this CPU runs the torch kernels, which keep no prefixes")
+        for rid, params in ((10, SamplingParams()), (11, _seeded(1))):
+            assert p.run(rid, prompts[1], 8, 256, params) == reference_of(
+                smollm, prompts[1], params
+            )
+            assert p.links[0].reused[rid] == 64
+        assert first.stats.reused_tokens == second.stats.reused_tokens == 2 * 64
+        second.clear()  # as a replacement stage starts
+        got = p.run(12, prompts[2], 8, 256, _seeded(2))
+        assert got == reference_of(smollm, prompts[2], _seeded(2))
+        assert (first.stats.reused_tokens, second.stats.reused_tokens) == (3 * 64, 2 * 64)
+        assert p.run(13, prompts[3], 8, 256) == reference_of(smollm, prompts[3], SamplingParams())
+        assert (first.stats.reused_tokens, second.stats.reused_tokens) == (4 * 64, 3 * 64)
+        assert not p.faults
+
+
+def reference_of(path: str, ids: list[int], params: SamplingParams) -> list[int]:
+    """One stage's tokens for ``ids`` without prefix reuse (greedy or seeded)."""
+    stage = load_stage(path, 0, Pipeline._layers(path), EngineOptions(device="cpu", threads=1))
+    try:
+        gen = BatchGenerator([stage], slots=1, max_seq_len=256, chunk_size=256)
+        try:
+            gen.add(0, ids, sampling=params, max_new_tokens=8)
+            return gen.run()[0]
+        finally:
+            gen.close()
+    finally:
+        stage.close()

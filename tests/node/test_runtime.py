@@ -26,6 +26,7 @@ from mvp_core.models import (
     TokenLogprob,
 )
 from mvp_io.model_store import DEFAULT_BUNDLED, fetch_bundled
+from workers.node.engine import SamplingParams, generate
 from workers.node.runtime import GenerationResult, StageRuntime
 
 CONTEXT = 64
@@ -260,3 +261,27 @@ def test_a_response_format_in_direct_mode_gives_json_of_it_beside_free_prompts(r
         + [lambda i=i, t=t: run(i, t, False) for i, t in enumerate(TEXTS)],
     )
     assert [r.text for r in together if isinstance(r, GenerationResult)] == [alone.text, *free]
+
+
+def test_a_prompt_that_starts_as_a_recent_one_reports_its_cached_tokens(runtime):
+    """DECISIONS 91: the stage keeps the whole 16-token blocks of a prompt it ran; the next
+    prompt that starts the same way takes them from the cache (at least 8 of its tokens
+    still computed) and says how many, with the text it has without them."""
+    shared = "one two three four five six seven eight nine ten " * 3  # 30 words
+    first = SubmitPrompt(request_id=21, prompt_text=shared + "What comes next? Eleven")
+    second = SubmitPrompt(request_id=22, prompt_text=shared + "And after ten? It is eleven")
+    told: list[int] = []
+    a = runtime.run(first, 4, lambda t, n: None, lambda: False, on_cached=told.append)
+    assert runtime.scheduler is not None
+    if runtime.scheduler.prefix is None:
+        pytest.skip("this CPU runs the torch kernels, which keep no prefixes")
+    b = runtime.run(second, 4, lambda t, n: None, lambda: False, on_cached=told.append)
+    ids, before = runtime.encode(second), runtime.encode(first)
+    common = next(i for i, (x, y) in enumerate(zip(ids, before, strict=False)) if x != y)
+    want = min(common, len(ids) - 8) // 16 * 16
+    assert want >= 16
+    assert (a.cached_tokens, b.cached_tokens) == (0, want) and told == [0, want]
+    alone = generate([runtime.stage], ids, max_new_tokens=4, max_seq_len=CONTEXT,
+                     sampling=SamplingParams(), stop_ids=runtime.stop_ids)  # fmt: skip
+    assert b.token_ids == list(alone)
+    assert runtime.scheduler.prefix.stats.reused_tokens == want

@@ -71,6 +71,7 @@ class Finish:
     prompt_tokens: int  # as the head node encoded the prompt (0: a node that did not say)
     final_text: str | None = None  # the run's whole text, when no stop string cut it
     logprobs_missing: bool = False  # some text came without its tokens' logprobs
+    cached_tokens: int | None = None  # of the prompt's, from the head's prefix cache
 
 
 @dataclass
@@ -100,12 +101,15 @@ async def drive(
     matcher = StopMatcher(prep.stops)
     track = LogprobTrack()
     prompt_tokens: int | None = None
+    cached: int | None = None
     tokens = 0
     emitted = 0  # characters of text yielded
     async for event in session.events():
         if isinstance(event, TextDelta):
             if prompt_tokens is None:
                 prompt_tokens = event.prompt_tokens
+            if cached is None:
+                cached = event.cached_tokens
             tokens += event.tokens or 0
             if prep.logprobs:
                 track.push(event)
@@ -116,7 +120,7 @@ async def drive(
                 yield Piece(text, placed)
             if hit:
                 session.cancel()
-                yield Finish("stop", tokens, prompt_tokens or 0, None, track.missing)
+                yield Finish("stop", tokens, prompt_tokens or 0, None, track.missing, cached)
                 return
         elif isinstance(event, Done):
             tail = matcher.flush()
@@ -126,7 +130,10 @@ async def drive(
             reason: Literal["stop", "length"] = "stop" if event.stop_reason == "eos" else "length"
             n_prompt = event.prompt_tokens if event.prompt_tokens is not None else prompt_tokens
             missing = track.missing or (prep.logprobs and event.tokens_generated > tokens)
-            yield Finish(reason, event.tokens_generated, n_prompt or 0, event.final_text, missing)
+            n_cached = event.cached_tokens if event.cached_tokens is not None else cached
+            yield Finish(
+                reason, event.tokens_generated, n_prompt or 0, event.final_text, missing, n_cached
+            )
             return
         else:
             raise fault_error(event, prep.param, served)

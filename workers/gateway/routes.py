@@ -238,11 +238,12 @@ def _logprobs(
     return chat_logprobs(placed) if chat else completion_logprobs(placed)
 
 
-def _usage(finishes: list[Finish]) -> dict[str, int]:
-    """The request's usage: its prompt once (every choice encodes the same), the
-    completions of every choice."""
+def _usage(finishes: list[Finish]) -> dict[str, Any]:
+    """The request's usage: its prompt once (every choice encodes the same; its cached
+    tokens the first choice's), the completions of every choice."""
     prompt = finishes[0].prompt_tokens if finishes else 0
-    return usage(prompt, sum(f.completion_tokens for f in finishes))
+    cached = finishes[0].cached_tokens if finishes else None
+    return usage(prompt, sum(f.completion_tokens for f in finishes), cached)
 
 
 async def _merged(

@@ -341,12 +341,19 @@ def parse_body(raw: bytes, model: type[_Generation]) -> Any:
 # --------------------------------------------------------------------------- responses
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage; ``prompt_tokens_details.cached_tokens`` where the head node said
+    how many prompt tokens its prefix cache gave (DECISIONS 91)."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def model_object(model_id: str, created: int) -> dict[str, Any]:

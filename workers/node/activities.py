@@ -312,6 +312,7 @@ class NodeActivities:
 
         on_text = _held_text(FaultInjection.from_env(), pipe.put, stopped)
         prompt_tokens: list[int] = []  # set once, by the engine thread, before any text
+        cached_tokens: list[int] = []  # of them, from the prefix cache (set before any text)
         generated: list[int] = []  # the tokens so far (the engine thread appends)
         # Their logprobs, where the prompt asks for them (the engine thread appends).
         logprobs: list[TokenLogprob | None] | None = [] if inp.prompt.logprobs else None
@@ -328,6 +329,7 @@ class NodeActivities:
                     text_from=inp.text_from,
                     generated=generated,
                     logprobs=logprobs,
+                    on_cached=cached_tokens.append,
                 )
             finally:
                 pipe.close()
@@ -367,6 +369,9 @@ class NodeActivities:
                                 tokens=pipe.tokens_taken - published_tokens,
                                 prompt_tokens=prompt_tokens[0]
                                 if out.first_at is None and prompt_tokens
+                                else None,
+                                cached_tokens=cached_tokens[0]
+                                if out.first_at is None and cached_tokens
                                 else None,
                                 logprobs=_taken(logprobs, published_tokens, pipe.tokens_taken),
                             )
@@ -437,6 +442,7 @@ class NodeActivities:
                 elapsed_ms=result.elapsed_ms,
                 stop_reason=result.stop_reason,
                 prompt_tokens=result.prompt_tokens,
+                cached_tokens=result.cached_tokens,
                 recoveries=result.recoveries,
             ),
             timing=prompt_timing(result, first_published),

@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from time import monotonic, perf_counter
@@ -70,12 +70,14 @@ from workers.node.dataplane import (
 from workers.node.engine import Sampler, SamplingParams, Stage
 from workers.node.engine.boundary import from_boundary, to_boundary
 from workers.node.engine.formats import StageFormats
+from workers.node.engine.prefix_cache import PrefixCache, ids_bytes, reuse_bounds
 from workers.node.engine.sampling import TokenLogprobs, check_resume
 from workers.node.engine.session import BatchSession, NoFreeSlot
 
 log = logging.getLogger("mvp.pipeline")
 IDLE_POLL_S = 1.0
 RECORD_READ_S = 5.0  # the rest of a record whose first bytes have come
+REUSED_KEPT = 1024  # prompts whose reused prefix length the first stage remembers
 
 
 @dataclass(frozen=True)
@@ -108,9 +110,16 @@ class StageLink:
         placement: Placement | None = None,
         forward_timer: ForwardTimer | None = None,
         formats: StageFormats | None = None,
+        prefix_budget: int | None = None,
     ) -> None:
         self.stage = stage
         self.formats = formats  # the last stage's vocabulary for response formats
+        # The stage's prefix cache in bytes (None: the node's setting; 0: none), while
+        # serving (its stats: what it holds and did; DECISIONS 91), and on the first
+        # stage the prompt tokens each prompt's BEGIN took from it (by object id).
+        self.prefix_budget = prefix_budget
+        self.prefix: PrefixCache | None = None
+        self.reused: OrderedDict[int, int] = OrderedDict()  # the latest REUSED_KEPT
         # The pipeline's stages: a step takes at most 1/depth of the prompts in flight,
         # so that the others are on the other stages meanwhile (every stage busy).
         self.depth = max(1, depth)
@@ -177,7 +186,13 @@ class StageLink:
                 self.on_fault(f"{type(first).__name__}: {first}")
 
     def _serve(self, inbound: EdgeReceiver, out: EdgeSender) -> None:
-        session = self.stage.new_batch_session(self.slots, self.max_seq_len)
+        session = self.stage.new_batch_session(
+            self.slots,
+            self.max_seq_len,
+            prefix_budget=self.prefix_budget,
+            keep_rows=not self.stage.is_last,
+        )
+        self.prefix = session.prefix
         flows: dict[int, _Flow] = {}  # object id -> the prompt's slot, header, sampler
         backlog: deque[tuple[RecordHeader, bytearray]] = deque()  # come in, not yet run
         try:
@@ -212,6 +227,9 @@ class StageLink:
                 if batch:
                     self._step(session, batch, out)
         finally:
+            if self.prefix is not None:
+                log.info("stage [%d,%d) prefix cache: %s", self.stage.layer_start,
+                         self.stage.layer_end, self.prefix.stats)  # fmt: skip
             session.close()
 
     def _work(
@@ -239,10 +257,13 @@ class StageLink:
         if flow is None:
             raise RuntimeError(f"record for prompt {hdr.object_id} before its BEGIN record")
         rows: Sequence[int] | torch.Tensor
+        keys: bytes | memoryview = b""  # what the prefix cache keys a BEGIN's rows by
+        width = 0
         if stage.is_first:
             if hdr.begin:
                 wire, rows = decode_begin_payload(payload)
                 flow.header = encode_sampling_header(wire)
+                keys, width = ids_bytes(rows), 4
             else:
                 rows = decode_tokens(payload)
         else:
@@ -254,9 +275,35 @@ class StageLink:
             assert self.inbound_dtype is not None
             act = decode_activation(body, self.hidden, self.inbound_dtype)
             rows = from_boundary(stage, torch.from_numpy(act))
+            keys, width = body, self.hidden * self.inbound_dtype.itemsize
         if stage.is_last and hdr.begin:
             flow.sampler = Sampler(decode_sampling_header(flow.header), formats=self.formats)
-        return _Work(hdr.object_id, hdr.sequence, hdr.begin, flow, rows)
+        work = _Work(hdr.object_id, hdr.sequence, hdr.begin, flow, rows)
+        if hdr.begin and session.prefix is not None:
+            self._reuse(session, work, keys, width)
+        return work
+
+    def _reuse(self, session: BatchSession, w: _Work, keys: bytes | memoryview, width: int) -> None:
+        """A prompt's BEGIN starts at the longest prefix of its rows that this stage's
+        prefix cache holds (keyed by what it receives: the token ids on the first stage,
+        the rows on a later one; the prompt goes in as one chunk) and computes the rest
+        (DECISIONS 91). Each stage decides alone: rows for every position travel on, so
+        a stage without the prefix (a replacement, an eviction) computes it all."""
+        assert session.prefix is not None
+        n = len(w.rows)
+        limit, _, upto = reuse_bounds(n, None)
+        digests = session.prefix.chain(keys, width)
+        w.keep = _Keep(digests, keys, width, upto)
+        length = session.prefix.match(digests, keys, width, limit)
+        if self.stage.is_first:
+            self.reused[w.object_id] = length
+            while len(self.reused) > REUSED_KEPT:
+                self.reused.popitem(last=False)
+        if length:
+            w.keep.head = session.load_prefix(w.flow.slot, digests, length)
+            if session.keep_rows and w.keep.head is None:
+                raise RuntimeError("prefix cache: a reused prefix without its output rows")
+            w.rows = w.rows[length:]
 
     def _step(self, session: BatchSession, batch: list[_Work], out: EdgeSender) -> None:
         """One forward over the batch's rows; one record out per prompt."""
@@ -270,6 +317,14 @@ class StageLink:
             timer.record(perf_counter() - t0, prefill)
         for w in batch:
             got = result[w.flow.slot]
+            if w.keep is not None:  # a prompt's rows: the prefix cache keeps its blocks
+                keep = w.keep
+                if keep.head is not None and not stage.is_last:
+                    got = torch.cat([keep.head, got])  # the next stage gets every row
+                rows = None if stage.is_last else got
+                session.store_prefix(
+                    w.flow.slot, keep.digests, keep.keys, keep.width, keep.upto, rows
+                )
             if stage.is_last:
                 if w.flow.sampler is None:
                     raise RuntimeError(f"token record for prompt {w.object_id} before its BEGIN")
@@ -304,12 +359,25 @@ class _Flow:
 
 
 @dataclass
+class _Keep:
+    """A prompt's keys for the prefix cache (``width`` bytes a position, their block
+    digests), the positions it may store, and the output rows of its reused prefix."""
+
+    digests: list[bytes]
+    keys: bytes | memoryview
+    width: int
+    upto: int
+    head: torch.Tensor | None = None
+
+
+@dataclass
 class _Work:
     object_id: int
     sequence: int
     begin: bool
     flow: _Flow
     rows: Sequence[int] | torch.Tensor
+    keep: _Keep | None = None
 
 
 class ResumeDiverged(RuntimeError):

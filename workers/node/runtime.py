@@ -31,6 +31,7 @@ from workers.node.engine import (
     uses_native_kernel,
 )
 from workers.node.engine.formats import StageFormats
+from workers.node.engine.sampling import TokenLogprobs
 from workers.node.engine.tokenizer import Tokenizer, TokenizerError
 from workers.node.pipeline import Driver, Endpoint, StageLink
 from workers.node.scheduler import Scheduler
@@ -56,6 +57,27 @@ class GenerationResult:
     started_at: float = 0.0
     token_ids: list[int] = dataclasses.field(default_factory=list)  # resumed ones first
     recoveries: int = 0  # pipelines lost under it and replaced (stage recovery)
+    cached_tokens: int = 0  # prompt tokens the head stage took from its prefix cache
+
+
+def _telling_cached(
+    link: StageLink | None,
+    request_id: int,
+    on_cached: Callable[[int], None],
+    push: Callable[[int, TokenLogprobs | None], None],
+) -> Callable[[int, TokenLogprobs | None], None]:
+    """``push``, after telling ``on_cached`` at the first token how many prompt tokens the
+    head stage's prefix cache gave (it took the prompt's BEGIN before any token came)."""
+    told = False
+
+    def on_token(token: int, logprobs: TokenLogprobs | None) -> None:
+        nonlocal told
+        if not told:
+            told = True
+            on_cached(link.reused.get(request_id, 0) if link is not None else 0)
+        push(token, logprobs)
+
+    return on_token
 
 
 class StageRuntime:
@@ -272,6 +294,7 @@ class StageRuntime:
         text_from: int | None = None,
         generated: list[int] | None = None,
         logprobs: list[TokenLogprob | None] | None = None,
+        on_cached: Callable[[int], None] | None = None,
     ) -> GenerationResult:
         """Generate in this thread (in-process, or over the pipeline when this node is the
         head of one); ``on_encoded`` gets the prompt's token count once it is encoded,
@@ -284,7 +307,9 @@ class StageRuntime:
         ones): the text of every token after them goes to ``on_text``, resumed or new.
         ``generated``: a list the generated tokens are appended to as they come;
         ``logprobs``: one for their logprobs, where the prompt asks for them (an entry
-        per generated token, None for a resumed one)."""
+        per generated token, None for a resumed one). ``on_cached`` gets, before the first
+        token's text, how many of the prompt's tokens the head stage took from its prefix
+        cache (DECISIONS 91)."""
         started = time.perf_counter()
         ids = self.encode(prompt)
         encoded = time.perf_counter()
@@ -299,13 +324,22 @@ class StageRuntime:
         )
         text.prime(resume)
         recoveries = 0
+        cached: list[int] = []
+
+        def note_cached(n: int) -> None:
+            cached.append(n)
+            if on_cached is not None:
+                on_cached(n)
+
         if self.provision.driver_edges:
             with self.placement.applied():
                 reason, recoveries = self._run_pipeline(
-                    prompt, ids, max_new_tokens, text, should_stop
+                    prompt, ids, max_new_tokens, text, should_stop, note_cached
                 )
         else:  # the scheduler's thread runs on the token path's cores
-            reason = self._run_direct(prompt, ids, max_new_tokens, text, should_stop, resume)
+            reason = self._run_direct(
+                prompt, ids, max_new_tokens, text, should_stop, resume, note_cached
+            )
         return GenerationResult(
             text=text.finish(),
             tokens=text.tokens,
@@ -317,6 +351,7 @@ class StageRuntime:
             started_at=started,
             token_ids=text.ids,
             recoveries=recoveries,
+            cached_tokens=cached[-1] if cached else 0,
         )
 
     def _run_direct(
@@ -327,6 +362,7 @@ class StageRuntime:
         text: Detokenizer,
         should_stop: Callable[[], bool],
         resume: Sequence[int],
+        on_cached: Callable[[int], None],
     ) -> str:
         """Generate beside the run's other active prompts (scheduler.py); returns why it
         stopped."""
@@ -338,6 +374,7 @@ class StageRuntime:
                 on_token=text.push,
                 should_stop=should_stop,
                 resume=resume,
+                on_cached=on_cached,
             )
         except ContextOverflow as err:
             raise PromptTooLong(str(err), prompt_tokens=len(ids)) from None
@@ -365,6 +402,7 @@ class StageRuntime:
         max_new_tokens: int | None,
         text: Detokenizer,
         should_stop: Callable[[], bool],
+        on_cached: Callable[[int], None],
     ) -> tuple[str, int]:
         """The head's driver runs the token loop over the data plane (DECISIONS 19);
         returns why it stopped, and how many lost pipelines the prompt outlived.
@@ -385,13 +423,14 @@ class StageRuntime:
             try:
                 if driver is None:
                     raise EdgeError("the head's token endpoints are not connected")
+                on_token = _telling_cached(self.link, prompt.request_id, on_cached, text.push)
                 reason = driver.run(
                     prompt.request_id,
                     ids,
                     sampling,
                     max_new_tokens=max_new_tokens,
                     max_seq_len=self.provision.max_seq_len,
-                    on_token=text.push,
+                    on_token=on_token,
                     should_stop=should_stop,
                     resume=list(text.ids),
                 )

@@ -28,6 +28,7 @@ from workers.node.affinity import Placement
 from workers.node.engine import SamplingParams, Stage
 from workers.node.engine.batch_generate import BatchGenerator, Finish
 from workers.node.engine.formats import StageFormats
+from workers.node.engine.prefix_cache import PrefixCache
 from workers.node.engine.sampling import TokenLogprobs
 
 log = logging.getLogger("mvp.scheduler")
@@ -52,6 +53,7 @@ class _Job:
     on_token: Callable[[int, TokenLogprobs | None], None]
     should_stop: Callable[[], bool]
     resume: Sequence[int] = ()
+    on_cached: Callable[[int], None] | None = None
     done: threading.Event = field(default_factory=threading.Event)
     reason: str | None = None
     error: BaseException | None = None
@@ -86,6 +88,8 @@ class Scheduler:
         self.placement = placement or Placement()
         self.forward_timer = forward_timer
         self.formats = formats  # the vocabulary of prompts with a response format
+        # The stage's prefix cache (its stats: what it holds and did; DECISIONS 91).
+        self.prefix: PrefixCache | None = None
         self._cond = threading.Condition()
         self._joining: deque[_Job] = deque()
         self._running: list[_Job] = []
@@ -103,13 +107,17 @@ class Scheduler:
         on_token: Callable[[int, TokenLogprobs | None], None],
         should_stop: Callable[[], bool],
         resume: Sequence[int] = (),
+        on_cached: Callable[[int], None] | None = None,
     ) -> str:
         """Generate for one sequence beside the others; returns why it stopped. Raises
         what the engine raised for it (ContextOverflow: the prompt does not fit).
         ``on_token`` gets each token and, where ``sampling`` asks for them, its logprobs.
         ``resume``: tokens it generated before (BatchGenerator.add), not passed to
-        ``on_token`` again."""
-        job = _Job(list(prompt_ids), sampling, max_new_tokens, on_token, should_stop, resume)
+        ``on_token`` again. ``on_cached`` gets, as it joins, how many of its prompt's
+        tokens came from the prefix cache (DECISIONS 91)."""
+        job = _Job(
+            list(prompt_ids), sampling, max_new_tokens, on_token, should_stop, resume, on_cached
+        )
         with self._cond:
             if self._closed:
                 raise SchedulerClosed("the stage is stopped")
@@ -151,7 +159,9 @@ class Scheduler:
                         max_seq_len=self.max_seq_len,
                         chunk_size=self.max_seq_len,  # a prompt in one chunk, as alone
                         formats=self.formats,
+                        prefix_budget=None,  # the node's setting (DECISIONS 91)
                     )
+                    self.prefix = gen.sessions[0].prefix
                 try:
                     self._join(gen)
                     self._cancel(gen)
@@ -205,6 +215,13 @@ class Scheduler:
         if not joined:
             job.finish("max_tokens")  # nothing to generate
             return
+        if job.on_cached is not None:
+            try:
+                job.on_cached(gen.reused(job))
+            except Exception as err:  # the caller's side failed: this one only
+                gen.cancel(job)
+                job.finish(error=err)
+                return
         with self._cond:
             self._running.append(job)
 

@@ -215,12 +215,14 @@ class TextFanout:
         parts = [*self._owed, *([delta] if delta is not None else [])]
         self._owed = []
         counts = [p.prompt_tokens for p in parts if p.prompt_tokens is not None]
+        cached = [p.cached_tokens for p in parts if p.cached_tokens is not None]
         has_logprobs = any(p.logprobs is not None for p in parts)
         return TextDelta(
             request_id=parts[0].request_id,
             text="".join(p.text for p in parts),
             tokens=sum(p.tokens or 0 for p in parts),
             prompt_tokens=counts[0] if counts else None,
+            cached_tokens=cached[0] if cached else None,
             logprobs=[e for p in parts for e in p.logprobs or ()] if has_logprobs else None,
         )
 

@@ -46,6 +46,7 @@ from workers.node.dataplane import (
     token_in_spec,
     token_out_spec,
 )
+from workers.node.dataplane.records import FORMAT_BLOCK_MAX
 
 MAX_SEQ = 512
 HIDDEN = 2048
@@ -121,7 +122,9 @@ def test_token_out_and_sequence_checker(server) -> None:
 @pytest.mark.parametrize("dtype", list(ActivationDtype), ids=lambda d: d.value)
 def test_activation_records_round_trip(server, dtype: ActivationDtype) -> None:
     spec = activation_spec(2, MAX_SEQ, HIDDEN, dtype)
-    assert spec.alignment == dtype.itemsize and spec.max_extent == MAX_SEQ * HIDDEN * spec.alignment
+    # A full context's rows, and the response format a first record may carry (DECISIONS 89).
+    rows = MAX_SEQ * HIDDEN * spec.alignment
+    assert spec.alignment == dtype.itemsize and spec.max_extent == rows + FORMAT_BLOCK_MAX
     sender, receiver = pair(server, spec)
     rng = np.random.default_rng(0)
     np_type = np.float32 if dtype is ActivationDtype.FLOAT32 else np.float16
@@ -147,7 +150,10 @@ def test_activation_records_round_trip(server, dtype: ActivationDtype) -> None:
 
 ROGUE_CASES = {
     "bad_magic": ([raw_header(magic=b"BAD!")], "bad magic b'BAD!' (expected b'MO01')"),
-    "oversized": ([raw_header(extent=MAX_SEQ * HIDDEN * 2 + 2)], "exceeds the edge's max extent"),
+    "oversized": (
+        [raw_header(extent=MAX_SEQ * HIDDEN * 2 + FORMAT_BLOCK_MAX + 2)],
+        "exceeds the edge's max extent",
+    ),
     "unaligned": ([raw_header(extent=7)], "extent 7 is not a multiple of alignment 2"),
     "unknown_flags": ([raw_header(flags=0x40)], "unknown flag bits 0x40"),
     "reserved": ([raw_header(reserved=1)], "non-zero reserved field 0x00000001"),

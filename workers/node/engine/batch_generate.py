@@ -18,6 +18,12 @@ change no sums on Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 models (SmolLM2: the same tokens); on
 Q4_K/Q5_K/Q6_K ones a chunk boundary moves some of llama.cpp's row-count-dependent sums
 (as a different n_ubatch would in llama.cpp itself), so chunk_size is a trade between that
 and how long a prompt's chunk holds up the others' next token.
+
+Prefix reuse (DECISIONS 91, prefix_cache.py): where the stages keep prefixes
+(``prefix_budget``), a joining sequence starts at the longest prefix of its prompt that
+every stage holds (keyed by its token ids: the stages are in this process), copied into
+its slot, and prefills only the rest, cut on the chunk boundaries it has alone; once its
+prompt is fed, every stage keeps its prompt's whole blocks. The same tokens either way.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from mvp_core.models import ActivationDtype
 
 from .boundary import from_boundary, to_boundary
 from .formats import StageFormats
+from .prefix_cache import PrefixCache, ids_bytes, reuse_bounds
 from .sampling import Sampler, SamplingParams, TokenLogprobs, check_resume
 from .session import BatchRow, BatchSession, ContextOverflow, NoFreeSlot
 from .stage import Stage, check_whole_model
@@ -73,6 +80,7 @@ class _Seq:
     pending: int | None = None  # the last sampled token, to feed next
     generated: list[int] = field(default_factory=list)
     replay: list[int] = field(default_factory=list)  # tokens it had: fed, not sampled
+    reused: int = 0  # prompt tokens taken from the prefix caches
 
 
 class BatchGenerator:
@@ -80,7 +88,8 @@ class BatchGenerator:
     stage holding a BatchSession; the hidden state crosses each boundary as the data
     plane carries it (``activation_dtype``, boundary.py: float32 gives the 1-stage tokens
     bit for bit). ``step`` runs one forward over all active sequences and says what each
-    did; ``close`` frees the caches."""
+    did; ``close`` frees the caches. ``prefix_budget``: each stage's prefix cache in
+    bytes (0: none; None: the node's setting, session.BatchSession)."""
 
     def __init__(
         self,
@@ -91,6 +100,7 @@ class BatchGenerator:
         chunk_size: int = DEFAULT_CHUNK,
         activation_dtype: ActivationDtype = ActivationDtype.FLOAT32,
         formats: StageFormats | None = None,
+        prefix_budget: int | None = 0,
     ) -> None:
         """``formats``: the last stage's vocabulary for prompts with a response format
         (DECISIONS 89); None: such a prompt is refused at ``add``."""
@@ -105,7 +115,9 @@ class BatchGenerator:
         self.sessions: list[BatchSession] = []
         try:
             for s in stages:
-                self.sessions.append(s.new_batch_session(slots, max_seq_len))
+                self.sessions.append(
+                    s.new_batch_session(slots, max_seq_len, prefix_budget=prefix_budget)
+                )
         except BaseException:
             self.close()
             raise
@@ -165,6 +177,7 @@ class BatchGenerator:
             seq_id, slots.pop(), list(prompt_ids), sampler, frozenset(stop_ids),
             max_new_tokens, stop_when, replay=list(resume),
         )  # fmt: skip
+        self._reuse(self._seqs[seq_id])
         return True
 
     def cancel(self, seq_id: Hashable) -> bool:
@@ -175,6 +188,42 @@ class BatchGenerator:
         for s in self.sessions:
             s.release(seq.slot)
         return True
+
+    def reused(self, seq_id: Hashable) -> int:
+        """How many of a running sequence's prompt tokens came from the prefix caches."""
+        return self._seqs[seq_id].reused
+
+    def _caches(self) -> list[PrefixCache]:
+        """Every stage's prefix cache, or none where a stage keeps no prefixes."""
+        caches = [s.prefix for s in self.sessions]
+        return [c for c in caches if c is not None] if all(caches) else []
+
+    def _reuse(self, q: _Seq) -> None:
+        """A joining sequence starts at the longest prefix every stage holds."""
+        caches = self._caches()
+        if not caches:
+            return
+        chunk = self.chunk_size if self.chunk_size < len(q.prompt) else None
+        limit, multiple, _ = reuse_bounds(len(q.prompt), chunk)
+        keys = ids_bytes(q.prompt)
+        digests = caches[0].chain(keys, 4)
+        length = min(c.match(digests, keys, 4, limit, multiple) for c in caches)
+        if length > 0:
+            for s in self.sessions:
+                s.load_prefix(q.slot, digests, length)
+            q.fed = q.reused = length
+
+    def _keep(self, q: _Seq) -> None:
+        """Every stage keeps the whole blocks of a sequence's prompt, just fed."""
+        caches = self._caches()
+        if not caches:
+            return
+        chunk = self.chunk_size if self.chunk_size < len(q.prompt) else None
+        upto = reuse_bounds(len(q.prompt), chunk)[2]
+        keys = ids_bytes(q.prompt)
+        digests = caches[0].chain(keys, 4)
+        for s in self.sessions:
+            s.store_prefix(q.slot, digests, keys, 4, upto)
 
     @staticmethod
     def _feed(seq: _Seq, row: Row) -> list[int]:
@@ -209,6 +258,8 @@ class BatchGenerator:
         events = []
         for q, r in zip(seqs, plan.rows, strict=True):
             q.fed += r.prompt_tokens
+            if r.prompt_tokens and q.fed == len(q.prompt):
+                self._keep(q)
             if not r.samples:  # in the middle of its prompt
                 continue
             if len(q.generated) < len(q.replay):  # resumed: the token it had, no event

@@ -10,6 +10,7 @@ import torch
 
 from .config import ArchConfig
 from .models import StageModel
+from .prefix_cache import PrefixCache, budget_from_env, default_budget, supported
 
 
 class _Embedding(Protocol):
@@ -157,9 +158,22 @@ class BatchSession:
     chunk). A sequence's outputs are those it gets alone (a StageSession fed the same
     chunks), bit for bit, whatever else runs beside it (StageModel.forward_batch).
     ``acquire`` takes a free slot, ``release`` frees it (a joining sequence starts at 0).
+
+    ``prefix``: the stage's cache of recent prompts' prefixes (prefix_cache.py), where
+    ``prefix_budget`` (bytes; None: ``MVP_PREFIX_CACHE_MB``, else a tenth of the slots'
+    KV cache and at least 64 MiB) is positive and the stage computes with the native layers; ``keep_rows``: the
+    blocks keep the stage's output rows too (a stage that hands its rows on).
     """
 
-    def __init__(self, stage: SessionStage, slots: int, max_seq_len: int) -> None:
+    def __init__(
+        self,
+        stage: SessionStage,
+        slots: int,
+        max_seq_len: int,
+        *,
+        prefix_budget: int | None = 0,
+        keep_rows: bool = False,
+    ) -> None:
         if slots <= 0:
             raise ValueError("slots must be positive")
         k, v = _kv_caches(stage, max_seq_len, slots)
@@ -170,6 +184,12 @@ class BatchSession:
         self._v: torch.Tensor | None = v
         self._positions = [0] * slots
         self._used = [False] * slots
+        self.keep_rows = keep_rows
+        self.prefix: PrefixCache | None = None
+        if prefix_budget is None:
+            prefix_budget = budget_from_env(default_budget(2 * k.numel() * k.element_size()))
+        if prefix_budget > 0 and supported(stage.model):
+            self.prefix = PrefixCache(prefix_budget, keep_keys=stage.is_first)
 
     @property
     def free_slots(self) -> int:
@@ -196,6 +216,31 @@ class BatchSession:
     def position(self, slot: int) -> int:
         self._check_slot(slot)
         return self._positions[slot]
+
+    def load_prefix(self, slot: int, digests: Sequence[bytes], length: int) -> torch.Tensor | None:
+        """Start ``slot`` (at position 0) at ``length``, its first positions copied from
+        the prefix cache (a ``PrefixCache.match`` of this session's cache); returns their
+        output rows [length, hidden] where the cache keeps them."""
+        self._check_slot(slot)
+        if self._k is None or self._v is None or self.prefix is None:
+            raise RuntimeError("session has no prefix cache")
+        if self._positions[slot] != 0:
+            raise ValueError(f"slot {slot} is at position {self._positions[slot]}, not 0")
+        rows = self.prefix.load(digests, length, self._k[slot], self._v[slot])
+        self._positions[slot] = length
+        return rows
+
+    def store_prefix(
+        self, slot: int, digests: Sequence[bytes], keys: bytes | memoryview, width: int,
+        upto: int, rows: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
+        """Keep the whole blocks of ``slot``'s first ``upto`` positions in the prefix cache
+        (``rows``: the stage's output rows of those positions, where it keeps rows)."""
+        self._check_slot(slot)
+        if self._k is None or self._v is None or self.prefix is None:
+            return
+        upto = min(upto, self._positions[slot])
+        self.prefix.store(digests, keys, width, upto, self._k[slot], self._v[slot], rows)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.slots:
@@ -267,3 +312,5 @@ class BatchSession:
         self._k = None
         self._v = None
         self._used = [False] * self.slots
+        if self.prefix is not None:
+            self.prefix.clear()

@@ -105,11 +105,21 @@ class Stage:
             raise RuntimeError("stage is closed")
         return StageSession(self, max_seq_len)
 
-    def new_batch_session(self, slots: int, max_seq_len: int) -> BatchSession:
-        """State for up to ``slots`` sequences at once (session.BatchSession)."""
+    def new_batch_session(
+        self,
+        slots: int,
+        max_seq_len: int,
+        *,
+        prefix_budget: int | None = 0,
+        keep_rows: bool = False,
+    ) -> BatchSession:
+        """State for up to ``slots`` sequences at once (session.BatchSession), with a
+        prefix cache of ``prefix_budget`` bytes (0: none; None: the node's setting)."""
         if self.closed:
             raise RuntimeError("stage is closed")
-        return BatchSession(self, slots, max_seq_len)
+        return BatchSession(
+            self, slots, max_seq_len, prefix_budget=prefix_budget, keep_rows=keep_rows
+        )
 
     def close(self) -> None:
         """Drop the weights and the file mapping."""
