@@ -31,6 +31,7 @@ from mvp_core.run_records import NodeCondition, NodeState
 from mvp_core.run_state import RunState
 
 REPORTS_KEPT = 512  # the stream's latest lifecycle reports, by index
+NODES_KEPT = 256  # nodes told of (a run has a handful; replacements add one each)
 
 # The phase a lifecycle report leaves the run in (a report of no phase change: absent).
 PHASE_OF: dict[LifecycleKind, RunPhase] = {
@@ -170,8 +171,8 @@ class StreamFacts:
     def _node(self, node_id: Any) -> NodeFacts | None:
         if not isinstance(node_id, int) or isinstance(node_id, bool) or node_id < 0:
             return None
-        if node_id not in self.nodes and len(self.nodes) >= REPORTS_KEPT:
-            return None  # bounded: a run has a handful of nodes
+        if node_id not in self.nodes and len(self.nodes) >= NODES_KEPT:
+            return None  # bounded
         return self.nodes.setdefault(node_id, NodeFacts())
 
     def _report(self, record: dict[str, Any]) -> bool:
