@@ -18,6 +18,7 @@ secret value, and :class:`HostConfig` holds its secrets as ``SecretStr``.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -92,12 +93,15 @@ ARG_RUNTIME_CONFIG = "--runtime-config"
 ARG_PROVIDER = "--provider"
 ARG_WORKER_BIN = "--worker-bin"
 ARG_VASTAI_SSH_IDENTITY = "--vastai-ssh-identity"
+# Ours, beyond the spec's five: the run's live dashboard (DECISIONS 92), loopback only.
+ARG_DASHBOARD = "--dashboard"
 ARGUMENTS = (
     ARG_RUNTIME_CONFIG,
     ARG_PROVIDER,
     ARG_WORKER_BIN,
     ARG_PIPELINE_STAGES,
     ARG_VASTAI_SSH_IDENTITY,
+    ARG_DASHBOARD,
 )
 
 VASTAI_API_KEY_ENV = vastai_env.API_KEY_ENV
@@ -199,6 +203,7 @@ class HostConfig(_Frozen):
     docker_memory: int | None = None  # [docker].memory_mib, in bytes: each container's limit
     node_memory: list[int] | None = None  # [runtime].node_memory_mib, in bytes (DECISIONS 71)
     rpc_bind: SocketAddress = SocketAddress(host=DEFAULT_RPC_HOST, port=DEFAULT_RPC_PORT)
+    dashboard: SocketAddress | None = None  # --dashboard: where the run's dashboard listens
     run_id: int = 1
     node_id: int = 1
     stage_index: int = 0
@@ -210,7 +215,6 @@ class HostConfig(_Frozen):
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_active_prompts: int = 1  # [prompt].max_active_prompts (DECISIONS 62)
     prompt_host: PromptHost = PromptHost.WORKFLOW  # [prompt].host (DECISIONS 66)
-    dashboard: bool = False
     max_context: int | None = None
     relay: RelayConfig = RelayConfig()
     vastai: VastAiSettings | None = None
@@ -240,6 +244,7 @@ class HostArguments(_Frozen):
     worker_bin: str | None = None
     pipeline_stages: str | None = None
     vastai_ssh_identity: str | None = None
+    dashboard: str | None = None
 
 
 def parse_arguments(argv: Sequence[str]) -> HostArguments:
@@ -265,6 +270,28 @@ def parse_arguments(argv: Sequence[str]) -> HostArguments:
         values[name.removeprefix("--").replace("-", "_")] = value
         i += 1
     return HostArguments(**values)
+
+
+def dashboard_argument(text: str) -> SocketAddress:
+    """``--dashboard [HOST:]PORT``: a port alone is on 127.0.0.1. Loopback only: the
+    dashboard has no authentication here (the gateway's API keys are the gateway's), and
+    it shows the run's nodes, hosts and log tails (DECISIONS 92)."""
+    text = text.strip()
+    if re.fullmatch(r"[0-9]{1,5}", text):
+        text = f"{DEFAULT_RPC_HOST}:{text}"
+    elif text.startswith("localhost:"):
+        text = DEFAULT_RPC_HOST + text.removeprefix("localhost")
+    try:
+        addr = parse_socket_address(text)
+    except ValueError as err:
+        raise invalid(ARG_DASHBOARD, text, str(err)) from None
+    if not ipaddress.ip_address(addr.host).is_loopback:
+        raise ConfigError(
+            f"{ARG_DASHBOARD} {addr}: the host's dashboard listens on loopback only (it has "
+            "no authentication); reach it through an SSH tunnel, or serve the run with "
+            "mvp-gateway --api-key-file"
+        )
+    return addr
 
 
 def _stages_argument(text: str) -> int:
@@ -519,6 +546,7 @@ def resolve_config(
     constraints (spec 9.2). ``argv`` excludes the program name; ``cwd`` is absolute.
     Raises :class:`ConfigError`."""
     args = parse_arguments(argv)
+    dashboard = None if args.dashboard is None else dashboard_argument(args.dashboard)
     check_environment(environ)
     config_path, doc = _load(args, cwd, files)
 
@@ -566,6 +594,7 @@ def resolve_config(
         docker_memory=None if doc.docker.memory_mib is None else doc.docker.memory_mib << 20,
         node_memory=None if r.node_memory_mib is None else [v << 20 for v in r.node_memory_mib],
         rpc_bind=rpc_bind,
+        dashboard=dashboard,
         run_id=1 if r.run_id is None else r.run_id,
         node_id=1 if r.node_id is None else r.node_id,
         stage_index=r.stage_index or 0,

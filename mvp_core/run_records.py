@@ -84,9 +84,11 @@ class NodeState(BaseModel):
     start_attempted: bool = False
     provider_stopped: bool = False
 
-    def condition(self) -> NodeCondition:
+    def condition(self, *, launched: bool = False, runtime_ready: bool = False) -> NodeCondition:
         """Where the node is, from the run's own facts about it (latest first wins): the
-        dashboard's stage state and the ``mvp.run.nodes`` metric's ``state``."""
+        dashboard's stage state and the ``mvp.run.nodes`` metric's ``state``. ``launched``
+        and ``runtime_ready`` count as the handle and the runtime report (what a reader of
+        the run's datastream learnt before its snapshot showed them)."""
         if self.provider_stopped or (self.exited and self.stage_stopped):
             return NodeCondition.STOPPED  # a node may end on its own once its stage stopped
         if self.exited:
@@ -105,9 +107,9 @@ class NodeState(BaseModel):
             return NodeCondition.LOADING
         if self.acked:
             return NodeCondition.JOINED
-        if self.runtime_ready is not None:
+        if self.runtime_ready is not None or runtime_ready:
             return NodeCondition.RUNTIME_READY
-        if self.handle is not None:
+        if self.handle is not None or launched:
             return NodeCondition.LAUNCHED
         if self.start_attempted:
             return NodeCondition.STARTING

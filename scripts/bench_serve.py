@@ -69,7 +69,7 @@ from scripts.bench_gateway import _free_port, _wait_for  # noqa: E402
 from temporal.client import RunHandle  # noqa: E402
 from temporal.connect import connect  # noqa: E402
 from temporal.devserver import start_dev_server  # noqa: E402
-from workers.gateway.dashboard_view import finished_prompts  # noqa: E402
+from workers.dashboard.view import finished_prompts  # noqa: E402
 from workers.host.embedded import start_worker, stop_process  # noqa: E402
 
 RUN_ID = 980

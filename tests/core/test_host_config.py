@@ -119,7 +119,7 @@ def test_defaults_without_config_file():
     assert cfg.layer_end_exclusive is None
     assert cfg.pipeline_stages == 1
     assert cfg.default_max_tokens == 64
-    assert cfg.dashboard is False
+    assert cfg.dashboard is None
     assert cfg.max_context is None
     assert cfg.gguf_source is None and cfg.tokenizer_path is None
     # no relay: this implementation has none (DECISIONS "the spec's keys that would do nothing")
@@ -811,13 +811,25 @@ def test_every_argument_is_accepted_in_both_forms():
 
 
 def test_the_arguments_are_the_five_of_the_spec():
-    assert ARGUMENTS == (
+    assert ARGUMENTS[:5] == (
         "--runtime-config",
         "--provider",
         "--worker-bin",
         "--pipeline-stages",
         "--vastai-ssh-identity",
     )
+    assert ARGUMENTS[5:] == ("--dashboard",)  # ours (DECISIONS 92)
+
+
+def test_the_dashboard_listens_on_loopback_only():
+    assert resolve(argv=["--dashboard", "8080"]).dashboard == SocketAddress(
+        host="127.0.0.1", port=8080
+    )
+    assert str(resolve(argv=["--dashboard=[::1]:0"]).dashboard) == "[::1]:0"
+    with pytest.raises(ConfigError, match="loopback only"):
+        resolve(argv=["--dashboard", "0.0.0.0:8080"])
+    with pytest.raises(ConfigError, match="invalid --dashboard"):
+        resolve(argv=["--dashboard", "example.org:80"])
 
 
 @pytest.mark.parametrize(

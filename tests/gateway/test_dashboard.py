@@ -16,6 +16,8 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
 
+import workers.dashboard.hub as hub_module
+import workers.dashboard.observer as observer_module
 import workers.gateway.dashboard as dashboard
 from mvp_core.datastream import Redactor
 from mvp_core.models import (
@@ -36,18 +38,10 @@ from mvp_core.models import (
 from mvp_core.planner import build_plan
 from mvp_core.run_records import NodeState
 from mvp_core.run_state import RunState
-from workers.gateway.app import create_app
-from workers.gateway.dashboard import (
-    STREAM_PUBLISH_SIGNAL,
-    Hub,
-    LocalLogs,
-    Observer,
-    SourceError,
-    frames,
-    history_times,
-    sse_frame,
-)
-from workers.gateway.dashboard_view import (
+from workers.dashboard.hub import Hub, Refused, frames, sse_frame
+from workers.dashboard.observer import LocalLogs, Observer
+from workers.dashboard.sources import STREAM_PUBLISH_SIGNAL, SourceError, history_times
+from workers.dashboard.view import (
     LogTail,
     Observation,
     PromptFigures,
@@ -59,7 +53,7 @@ from workers.gateway.dashboard_view import (
     served_figures,
     stage_state,
 )
-from workers.gateway.wire import ApiError
+from workers.gateway.app import create_app
 
 HOST = "gw-host"
 BIG_ID = 2**56 + 1  # past what a JavaScript number holds exactly
@@ -321,14 +315,17 @@ def test_a_log_tail_is_the_last_lines_redacted_and_other_hosts_are_named(tmp_pat
     log.write_text("".join(f"line {i}\n" for i in range(40)) + f"token in use: {SECRET}\n\n")
     logs = LocalLogs(hostname=HOST, redactor=Redactor([SECRET]))
     tail = logs.tail(handle(2, str(log)))
-    assert tail.lines[-1] == "token in use: [redacted]" and len(tail.lines) == dashboard.LOG_LINES
-    assert tail.lines[0] == f"line {40 - dashboard.LOG_LINES + 1}"
+    assert (
+        tail.lines[-1] == "token in use: [redacted]"
+        and len(tail.lines) == observer_module.LOG_LINES
+    )
+    assert tail.lines[0] == f"line {40 - observer_module.LOG_LINES + 1}"
     assert SECRET not in json.dumps(tail.model_dump())
     assert "not readable" in (logs.tail(handle(2, str(log), host="elsewhere")).note or "")
     assert logs.tail(handle(2, str(tmp_path / "none.log"))).note == "no log written yet"
     assert logs.tail(handle(2, None)).note
     # A long log: only its end is read, and the cut first line is dropped.
-    log.write_text("x" * (dashboard.LOG_READ_BYTES * 2) + "\nlast\n")
+    log.write_text("x" * (observer_module.LOG_READ_BYTES * 2) + "\nlast\n")
     assert logs.tail(handle(2, str(log))).lines == ["last"]
 
 
@@ -407,7 +404,7 @@ async def test_the_observer_follows_a_run_from_absent_to_closed():
     assert src.count("figures", "mvp-run-7-prompt-11-a") == 1
     for _ in range(5):
         await obs.observe()
-    assert src.count("figures", "mvp-run-7-prompt-12-b") == dashboard.FIGURE_TRIES
+    assert src.count("figures", "mvp-run-7-prompt-12-b") == observer_module.FIGURE_TRIES
 
     # The snapshot query stops answering: the last state stays, with a note.
     src.states["mvp-run-7"] = SourceError("snapshot query failed: no worker")
@@ -519,7 +516,7 @@ async def test_a_stream_sends_a_frame_only_when_the_observation_changed():
     hub = Hub(scripted, interval_s=0.01)  # type: ignore[arg-type]
     sub = hub.subscribe()
     gen = frames(hub, sub, keepalive_s=0.05, lifetime_s=30)
-    assert await gen.__anext__() == f"retry: {dashboard.RETRY_MS}\n\n".encode()
+    assert await gen.__anext__() == f"retry: {hub_module.RETRY_MS}\n\n".encode()
     assert (await _next_data(gen))["runs"][0]["phase"] == "accepted"
     calls = scripted.calls
     # Unchanged observations: only keepalive comments, though the poller goes on.
@@ -541,7 +538,7 @@ async def test_a_stream_ends_after_its_lifetime_and_streams_are_bounded():
     assert chunks[0].startswith(b"retry: ") and any(b"data: " in c for c in chunks)
     assert hub.streams == 0 and not hub.polling
     a, b = hub.subscribe(), hub.subscribe()
-    with pytest.raises(ApiError) as err:
+    with pytest.raises(Refused) as err:
         hub.subscribe()
     assert err.value.status == 503
     a.close()
@@ -634,7 +631,7 @@ def _hub(app: Any) -> Hub:
 
 def test_the_decode_rate_is_the_head_nodes_own_when_it_reports_its_timing():
     from mvp_core.models import PromptTiming
-    from workers.gateway.dashboard_view import FinishedPrompt, prompt_view
+    from workers.dashboard.view import FinishedPrompt, prompt_view
 
     done = Done(
         request_id=5, final_text="x", tokens_generated=33, elapsed_ms=1000, stop_reason="eos"
@@ -682,7 +679,7 @@ async def test_closing_the_viewers_ends_open_streams_at_once_and_refuses_new_one
     hub.close()
     await asyncio.wait_for(rest, 2)  # ended now, not after its keepalive or lifetime
     assert hub.streams == 0 and not hub.polling
-    with pytest.raises(ApiError) as err:
+    with pytest.raises(Refused) as err:
         hub.subscribe()
     assert err.value.status == 503
 
@@ -732,7 +729,7 @@ def crowded_observation() -> dict[str, Any]:
 async def test_the_prompt_table_fits_its_card_at_1400_px():
     from tests.helpers.browser import chromium
 
-    html = (Path(dashboard.__file__).parent / "dashboard.html").read_text()
+    html = (Path(hub_module.__file__).parent / "page.html").read_text()
     async with chromium(width=1400) as page:
         await page.set_content(html)
         await page.evaluate("obs => render(obs)", crowded_observation())

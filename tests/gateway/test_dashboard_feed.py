@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 
-import workers.gateway.dashboard as dashboard
+import workers.dashboard.observer as dashboard
 from mvp_core import datastream as ds
-from mvp_core.models import DatastreamAddress, LifecycleKind, LifecycleReport
+from mvp_core.models import DatastreamAddress, LifecycleKind, LifecycleReport, RunPhase
 from mvp_core.run_state import RunState
 from mvp_io.datastream import Datastream, LiveSubscribers
 from tests.gateway.test_dashboard import HOST, SECRET, FakeSource, serving_state
 from tests.helpers.waits import eventually
-from workers.gateway.dashboard import LocalLogs, LogTail, Observer
-from workers.gateway.dashboard_feed import DatastreamFeed, event_text, node_of_log_channel
+from workers.dashboard.feed import DatastreamFeed, event_text, node_of_log_channel
+from workers.dashboard.observer import LocalLogs, LogTail, Observer
 
 RUN = 7
 # A secret only the gateway knows, in no shape the stream's own patterns catch: the feed
@@ -254,3 +254,85 @@ def test_a_frame_that_is_not_json_or_has_no_channel_is_skipped():
     for raw in (b"not json\n", b'{"payload": {}}\n', b'{"channel": "x"}\n', b"[1]\n"):
         feed.absorb(raw)
     assert feed.frames == 0 and feed.tails() == {} and feed.events() == []
+
+
+def provisioning_state(address: str) -> RunState:
+    """Run 7 planned, its nodes not yet asked to start: what the snapshot said last."""
+    state = with_datastream(address)
+    state.phase = RunPhase.PROVISIONING
+    state.lifecycle = state.lifecycle[:3]
+    state.lifecycle_recorded = 3
+    state.prompts_completed = state.prompts_faulted = 0
+    state.active, state.pending, state.also_active = None, [], []
+    for n in state.nodes:
+        for flag in ("start_attempted", "lease_started", "route_owned", "acked"):
+            setattr(n, flag, False)
+        n.stage_provisioned = n.weights_ready = n.stage_ready = False
+        n.handle = None
+    return state
+
+
+async def test_the_served_runs_state_is_fed_by_its_datastream_before_any_snapshot(
+    stream: Any, monkeypatch: pytest.MonkeyPatch
+):
+    """A node's steps and the run's lifecycle reach the page as the frames arrive; the
+    snapshot is read again only for what the stream does not carry (issue 38 item 5)."""
+    ds_stream, live = stream
+    monkeypatch.setattr(dashboard, "SNAPSHOT_EVERY_S", 3600.0)
+    monkeypatch.setattr(dashboard, "SNAPSHOT_ASKED_S", 3600.0)
+    src = FakeSource()
+    src.status["mvp-run-7"] = ("running", "e")
+    src.states["mvp-run-7"] = provisioning_state(live.address)
+    obs = watched(src)
+    try:
+        first = (await obs.observe()).runs[0]
+        assert first.phase == "provisioning" and {s.state for s in first.stages} == {"planned"}
+        await eventually(lambda: obs.feed.live, timeout=10, what="following", interval=0.01)
+        reads = obs.snapshots
+        ds_stream.publish(
+            ds.CHANNEL_PROVISIONING_EVENTS,
+            ds.provision_event(RUN, 2, ds.ProvisionEventKind.PROVISION_START, "process"),
+        )
+        ds_stream.publish(
+            ds.CHANNEL_PROVISIONING_EVENTS,
+            ds.provision_event(RUN, 2, ds.ProvisionEventKind.NODE_LIVE, "process", "mvp-7-2"),
+        )
+        ds_stream.publish(
+            ds.CHANNEL_PROVISIONING_EVENTS,
+            ds.provision_event(RUN, 3, ds.ProvisionEventKind.PROVISION_START, "process"),
+        )
+        for phase, status in (
+            (ds.BootstrapPhase.NODE_RUNTIME_READY, ds.BootstrapStatus.OBSERVED),
+            (ds.BootstrapPhase.RUNTIME_READY_ACK, ds.BootstrapStatus.SENT),
+            (ds.BootstrapPhase.STAGE_PROVISION, ds.BootstrapStatus.SENT),
+        ):
+            ds_stream.publish(ds.CHANNEL_BOOTSTRAP, ds.orch_bootstrap(phase, status, RUN, 2))
+        ready = LifecycleReport(kind=LifecycleKind.RUN_READINESS_STARTED, run_id=RUN)
+        ds_stream.publish(ds.CHANNEL_LIFECYCLE, ds.lifecycle_record(ready, 3))
+        await eventually(lambda: obs.feed.frames >= 7, timeout=10, what="frames", interval=0.01)
+        view = (await obs.observe()).runs[0]
+        assert obs.snapshots == reads  # no snapshot read: the stream said it
+        assert view.phase == "readiness"
+        assert [s.state for s in view.stages] == ["loading", "starting"]
+
+        # The stream's end of the run, before the snapshot shows it.
+        for index, kind in enumerate(
+            (LifecycleKind.RUN_TEARING_DOWN, LifecycleKind.RUN_TORN_DOWN), start=4
+        ):
+            report = LifecycleReport(kind=kind, run_id=RUN)
+            ds_stream.publish(ds.CHANNEL_LIFECYCLE, ds.lifecycle_record(report, index))
+        ds_stream.publish(
+            ds.CHANNEL_PROVISIONING_EVENTS,
+            ds.provision_event(RUN, 2, ds.ProvisionEventKind.NODE_STOPPED, "process"),
+        )
+        await eventually(lambda: obs.feed.frames >= 10, timeout=10, what="frames", interval=0.01)
+        view = (await obs.observe()).runs[0]
+        assert obs.snapshots == reads
+        assert view.phase == "torn_down" and view.stopping
+        assert view.stages[0].state == "stopped"
+        # A snapshot older than the stream never takes a step back; one past it wins.
+        assert obs.feed.facts.wants_snapshot  # RunTornDown asks for the run's last read
+        view = (await obs.observe(final=True)).runs[0]
+        assert obs.snapshots == reads + 1 and view.phase == "torn_down"
+    finally:
+        await obs.aclose()

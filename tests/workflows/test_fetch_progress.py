@@ -14,7 +14,7 @@ from temporalio.worker import Worker
 from mvp_core import names
 from temporal.client import RunHandle
 from tests.helpers.waits import eventually
-from workers.gateway.dashboard import TemporalSource
+from workers.dashboard.sources import TemporalSource
 
 RELEASE = asyncio.Event()
 

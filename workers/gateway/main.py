@@ -27,7 +27,6 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Generator
 from pathlib import Path
 from typing import NoReturn
 
@@ -47,6 +46,7 @@ from workers.gateway.app import create_app
 from workers.gateway.auth import API_KEYS_ENV, ApiKeyError, load_keys
 from workers.gateway.runs import RunSet, RunSpec
 from workers.gateway.selection import AliasError, check_alias
+from workers.web.server import SignallessServer
 
 PROG = "mvp-gateway"
 DEFAULT_LISTEN = "127.0.0.1:8000"
@@ -200,14 +200,6 @@ def read_run_request(path: Path) -> RunRequest:
             fields = sorted({".".join(str(p) for p in e["loc"]) or "request" for e in err.errors()})
             raise GatewayError(f"invalid run request {path}: {', '.join(fields[:8])}") from None
         raise GatewayError(f"invalid run request {path}: not JSON ({err})") from None
-
-
-class SignallessServer(uvicorn.Server):
-    """uvicorn without its own signal handling: the gateway stops it, then the run."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
 
 
 class GatewayCommand:

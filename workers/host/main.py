@@ -62,6 +62,7 @@ from temporal.connect import (
 )
 from temporal.devserver import DevServer, DevServerError, start_dev_server
 from workers import stdio
+from workers.host.dashboard import HostDashboard
 from workers.host.embedded import (
     DirLock,
     DirLockBusy,
@@ -152,6 +153,7 @@ class Host:
         self.forwarders: list[Forwarder] = []
         self.temporal_address = ""  # where the run's Temporal is, once known
         self.bind_error: str | None = None  # the RPC could not bind: exit 1 after shutdown
+        self.dashboard: HostDashboard | None = None  # --dashboard (DECISIONS 92)
 
     # ------------------------------------------------------------------ the whole session
     async def main(self) -> int:
@@ -175,12 +177,22 @@ class Host:
         return code
 
     async def _session(self) -> int:
+        if self.cfg.dashboard is not None:
+            try:  # bound first: a port in use starts nothing
+                self.dashboard = HostDashboard(self.cfg.dashboard)
+            except OSError as err:
+                raise HostError(
+                    f"dashboard cannot bind {self.cfg.dashboard}: {err.strerror or err}"
+                ) from None
         client = await self._connect()
         if self.stop.is_set():
             return 0  # stopped before a run was started: nothing to tear down
         if not await self._fetch_model():
             return 0  # stopped while the model downloaded: no run was started
         handle = await self._start_run(client)
+        if self.dashboard is not None:
+            self.dashboard.start(client, self.run_id)
+            say(f"run {handle.workflow_id} dashboard on {self.dashboard.url}")
         closed = asyncio.ensure_future(self._closed(handle))
         watch = asyncio.ensure_future(self._watch(handle))
         try:
@@ -597,6 +609,8 @@ class Host:
     async def _close(self) -> None:
         if self.rpc is not None:
             await self.rpc.close()
+        if self.dashboard is not None:
+            await self.dashboard.close()  # the run's end on its pages, then it stops
         await self._close_embedded()
 
     def _config_detail(self) -> dict[str, Any]:
@@ -622,11 +636,13 @@ def watch_interval(ready: bool, self_publish: bool, forwarder: Forwarder | None)
 
 USAGE = f"""usage: {PROG} [--runtime-config PATH] [--provider process|docker|vastai]
                         [--pipeline-stages N] [--vastai-ssh-identity PATH]
+                        [--dashboard [127.0.0.1:]PORT]
 
 Start a run of a GGUF model on worker nodes, serve prompts on the prompt RPC (default
 127.0.0.1:19777) once it is prompt-ready, and stop on stop/shutdown/quit on stdin,
 Ctrl-C or SIGTERM. Everything else is configured in TOML (--runtime-config, else
-.config/config.toml): see docs/host.md.
+.config/config.toml): see docs/host.md. --dashboard serves the run's live dashboard
+at http://127.0.0.1:PORT/dashboard (loopback only; docs/dashboard.md).
 """
 
 

@@ -1,7 +1,7 @@
 """What the dashboard shows of a run, shaped from the run's own observations.
 
 Pure functions over the run's ``snapshot`` (``RunState``), its status in Temporal, the
-figures of its finished prompts and the tails of its node logs; ``workers.gateway.dashboard``
+figures of its finished prompts and the tails of its node logs; ``workers.dashboard.observer``
 gathers those and streams the result. Ids, names, counts, timings and log lines only:
 never a prompt's text, the execution nonce or anything else the page does not show.
 """
@@ -256,10 +256,13 @@ def stage_views(
     state: RunState,
     logs: Mapping[int, LogTail],
     fetches: Mapping[int, tuple[int, int]] | None = None,
+    conditions: Mapping[int, StageState] | None = None,
 ) -> list[StageView]:
     """One row per planned stage (before the plan: per node the run knows); ``fetches``:
-    the shares being fetched now, by node (bytes held, bytes in all)."""
+    the shares being fetched now, by node (bytes held, bytes in all); ``conditions``: a
+    node's state where the run's datastream told more than the snapshot (by node)."""
     fetches = fetches or {}
+    conditions = conditions or {}
     by_stage = {n.stage_index: n for n in state.nodes}
     rows: list[StageView] = []
     planned = state.plan.stages if state.plan is not None else []
@@ -285,7 +288,7 @@ def stage_views(
                 share_mb=_mb(fetching[1] if fetching is not None else share),
                 fetched_mb=_mb(handle.share_fetched) if handle is not None else None,
                 fetching_mb=_mb(fetching[0]) if fetching is not None else None,
-                state=stage_state(node),
+                state=conditions.get(node_id) or stage_state(node),
                 log=logs.get(node_id),
             )
         )
@@ -303,6 +306,7 @@ def run_view(
     logs: Mapping[int, LogTail],
     note: str | None = None,
     fetches: Mapping[int, tuple[int, int]] | None = None,
+    conditions: Mapping[int, StageState] | None = None,
 ) -> RunView:
     view = RunView(workflow_id=workflow_id, run_id=run_id, served=served, status=status, note=note)
     if state is None:
@@ -338,7 +342,7 @@ def run_view(
         also_active=[str(p.request_id) for p in state.also_active],
         pending=[str(p.request_id) for p in state.pending],
     )
-    view.stages = stage_views(state, logs, fetches)
+    view.stages = stage_views(state, logs, fetches, conditions)
     view.recent = [
         prompt_view(p, figures_of.get(p.workflow_id) if p.workflow_id else None)
         for p in finished_prompts(state)

@@ -32,7 +32,8 @@ from typing import Any
 from mvp_core import datastream as ds
 from mvp_core.models import DatastreamAddress
 from mvp_io.datastream import parse_address
-from workers.gateway.dashboard_view import FeedEvent, LogTail, clip
+from workers.dashboard.facts import StreamFacts
+from workers.dashboard.view import FeedEvent, LogTail, clip
 
 LOG_LINES = 12  # per node
 EVENTS = 32  # the run's last events
@@ -115,6 +116,7 @@ class DatastreamFeed:
         self.frames = 0  # frames read from the current stream
         self._lines: dict[int, deque[str]] = {}
         self._events: deque[FeedEvent] = deque(maxlen=events)
+        self.facts = StreamFacts()  # the run's state as the stream tells it (facts.py)
         self._task: asyncio.Task[None] | None = None
         self._retry_at = 0.0
         self.changed = asyncio.Event()  # set on each frame; the waiter clears it
@@ -207,6 +209,7 @@ class DatastreamFeed:
         # The stream starts with everything its attempt published: start afresh.
         self._lines.clear()
         self._events.clear()
+        self.facts = StreamFacts()
         self.frames = 0
         self.live, self.note = True, None
         try:
@@ -249,8 +252,11 @@ class DatastreamFeed:
             text = clip(self.redactor.redact_text(tag + str(body["line"]).rstrip()), LINE_CHARS)
             self._lines.setdefault(node, deque(maxlen=self.log_lines)).append(text)
         else:
+            fact = self.facts.absorb(channel, record)
             text_or_none = event_text(channel, record)
             if text_or_none is None:
+                if fact:
+                    self.changed.set()
                 return
             text = clip(self.redactor.redact_text(text_or_none), LINE_CHARS)
             self._events.append(FeedEvent(at_ms=at_ms, channel=channel, text=text))
