@@ -628,11 +628,17 @@ async def test_a_rate_limited_create_waits_as_told_and_rents_the_same_offer(vast
     ours = [r for r in vast.standin.ledger() if r.label == label]
     offer = int(creates[0][1].rstrip("/").rsplit("/", 1)[-1])
     assert [r.offer_id for r in ours] == [offer], ours
-    # Defect 8: the worker's HF_TOKEN (the harness gives it one) never reaches the instance.
+    # Defect 8: the worker's HF_TOKEN (the harness gives it one) never reaches the instance:
+    # not in what the node got from its environment file (the file itself is gone once the
+    # node was acknowledged: complete_bootstrap, DECISIONS 84).
     container = vast.standin.docker.containers.get(ours[0].container_id)
-    code, out = container.exec_run(["cat", "/var/lib/mvp/node/node.env"])
+    d = REMOTE_NODE_DIR
+    code, out = container.exec_run(
+        ["sh", "-c", f'tr "\\0" "\\n" < /proc/$(cat {d}/node.pid)/environ']
+    )
     assert code == 0, out
     node_env = out.decode()
+    assert container.exec_run(["test", "-e", f"{d}/node.env"]).exit_code == 1
     assert "MVP_EDGE_TOKEN=" in node_env
     assert "HF_TOKEN" not in node_env and SECRET not in node_env and API_KEY not in node_env
     assert (await shutdown(handle)).outcome.value == "operator_stopped"

@@ -189,6 +189,7 @@ async def test_prompt_and_completion_are_encrypted_at_rest(tmp_path: Path):
                             names.PATCH_RUN_DATASTREAM,
                             names.PATCH_SHUTDOWN_WAITS_CLOSE,
                             names.PATCH_CANCEL_BEFORE_CHILD_START,
+                            names.PATCH_COMPLETE_BOOTSTRAP,
                         )
                     ]
                     continue
