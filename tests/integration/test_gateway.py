@@ -122,6 +122,40 @@ async def serve(client: Client, run_id: int | Sequence[RunSpec]) -> AsyncIterato
         await asyncio.wait_for(task, 20)
 
 
+@contextlib.asynccontextmanager
+async def openai_on_run(
+    client: Client,
+    orchestrator: OrchestratorProcess,
+    state_dir: Path,
+    faults_file: Path,
+    run_id: int,
+) -> AsyncIterator[AsyncOpenAI]:
+    """The official ``openai`` client on a gateway over run ``run_id``: a real 2-stage run
+    of the bundled model generating up to 4 prompts at once, shut down at the end, which
+    then checks that it completed, no workflow task failed and no node is left."""
+    runs = Runs(client, orchestrator, faults_file)
+    seen = log_sizes(orchestrator.log_dir)
+    handle = await runs.start(
+        run_id, pipeline_stages=2, max_active_prompts=4, prompt_queue_capacity=8, max_context=512
+    )
+    try:
+        async with serve(client, run_id) as url:
+            await wait_phase(handle, RunPhase.PROMPT_READY, timeout=120)
+            api = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            yield api
+            await api.close()
+        await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=run_id))
+        assert await wait_closed(handle) is WorkflowExecutionStatus.COMPLETED
+        assert not task_failures(orchestrator.log_dir, since=seen)
+        assert not node_processes(state_dir)
+    finally:
+        with contextlib.suppress(Exception):
+            await handle.terminate("test clean-up")
+        for p in node_processes(state_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+
+
 @pytest.fixture(scope="module")
 async def site(
     client: Client, orchestrator: OrchestratorProcess, state_dir: Path, faults_file: Path

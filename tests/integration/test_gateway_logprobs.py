@@ -8,28 +8,18 @@ the same logprobs for a prompt alone and beside three others in the run's batch.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from openai import AsyncOpenAI
-from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.client import Client
 
-from mvp_core import names
-from mvp_core.models import RequestShutdown, RunPhase
-from tests.helpers.runs import log_sizes, task_failures
 from tests.integration.conftest import (
     OrchestratorProcess,
-    Runs,
-    node_processes,
-    wait_closed,
-    wait_phase,
 )
-from tests.integration.test_gateway import serve
+from tests.integration.test_gateway import openai_on_run
 
 RUN = 3701
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -43,27 +33,8 @@ N = 8  # max_tokens: short, the suite's budget
 async def oai(
     client: Client, orchestrator: OrchestratorProcess, state_dir: Path, faults_file: Path
 ) -> AsyncIterator[AsyncOpenAI]:
-    runs = Runs(client, orchestrator, faults_file)
-    seen = log_sizes(orchestrator.log_dir)
-    handle = await runs.start(
-        RUN, pipeline_stages=2, max_active_prompts=4, prompt_queue_capacity=8, max_context=512
-    )
-    try:
-        async with serve(client, RUN) as url:
-            await wait_phase(handle, RunPhase.PROMPT_READY, timeout=120)
-            api = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-            yield api
-            await api.close()
-        await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=RUN))
-        assert await wait_closed(handle) is WorkflowExecutionStatus.COMPLETED
-        assert not task_failures(orchestrator.log_dir, since=seen)
-        assert not node_processes(state_dir)
-    finally:
-        with contextlib.suppress(Exception):
-            await handle.terminate("test clean-up")
-        for p in node_processes(state_dir):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
+    async with openai_on_run(client, orchestrator, state_dir, faults_file, RUN) as api:
+        yield api
 
 
 def _check_greedy_chat(content: list[Any], text: str, top: int, tokens: int) -> None:
