@@ -14,7 +14,6 @@ a retry never admits twice."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import weakref
 
@@ -32,33 +31,26 @@ QUICK_RETRY = RetryConfig(
 )
 
 _quick: weakref.WeakKeyDictionary[Client, Client] = weakref.WeakKeyDictionary()
-_lock: asyncio.Lock | None = None
 
 
 async def quick_client(client: Client) -> Client:
     """``client``'s connection, its retries bounded to ``QUICK_RETRY`` (one per client
     and process, made on first use; the same namespace, data converter and interceptors)."""
-    global _lock
     found = _quick.get(client)
     if found is not None:
         return found
-    if _lock is None:
-        _lock = asyncio.Lock()
-    async with _lock:
-        found = _quick.get(client)
-        if found is None:
-            config = dataclasses.replace(client.service_client.config, retry_config=QUICK_RETRY)
-            service = await ServiceClient.connect(config)
-            c = client.config()
-            found = _quick[client] = Client(
-                service,
-                namespace=c["namespace"],
-                data_converter=c["data_converter"],
-                plugins=c["plugins"],
-                interceptors=c["interceptors"],
-                default_workflow_query_reject_condition=c[
-                    "default_workflow_query_reject_condition"
-                ],
-                header_codec_behavior=c["header_codec_behavior"],
-            )
-    return found
+    config = dataclasses.replace(client.service_client.config, retry_config=QUICK_RETRY)
+    service = await ServiceClient.connect(config)
+    c = client.config()
+    made = Client(
+        service,
+        namespace=c["namespace"],
+        data_converter=c["data_converter"],
+        plugins=c["plugins"],
+        interceptors=c["interceptors"],
+        default_workflow_query_reject_condition=c["default_workflow_query_reject_condition"],
+        header_codec_behavior=c["header_codec_behavior"],
+    )
+    # Two first calls at once each connect; the first kept is everyone's (no lock: a
+    # lock made here would belong to one event loop).
+    return _quick.setdefault(client, made)
