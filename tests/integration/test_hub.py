@@ -146,7 +146,9 @@ async def test_a_split_hub_model_is_fetched_by_shares_and_a_replacement_keeps_th
         hub.add_file(SPLIT_REPO, part.name, part)
     before = {p.name: hub.bytes_sent(p) for p in parts}
     model = {"hf": {"repo": SPLIT_REPO, "file": parts[0].name}}
-    run, state = await kill_and_recover(runs, 1306, killed_stage=1, model=model)
+    run, state = await kill_and_recover(
+        runs, 1306, killed_stage=1, gate=tmp_path / "text-open", model=model
+    )
     assert state.plan is not None and state.plan.hub is not None
     assert [p.file for p in state.plan.hub.parts] == [p.name for p in parts]
     assert all(s.fetch for s in state.plan.stages)

@@ -14,6 +14,7 @@ import asyncio
 import os
 import signal
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,8 +44,7 @@ from tests.integration.conftest import (
 )
 
 MAX_TOKENS = 160
-# Each piece of text held 10 ms on the head node: no prompt can end before the kill,
-# however fast the machine.
+# Each piece of text held 10 ms on the head node: the kill lands mid-generation.
 SLOW_TEXT = {"MVP_FAULT_TEXT_DELAY_MS": "10"}
 
 
@@ -140,11 +140,15 @@ async def _all_streaming(
 
 
 async def start_replacing(
-    runs: Runs, run_id: int, **request: Any
+    runs: Runs, run_id: int, gate: Path | None = None, **request: Any
 ) -> tuple[WorkflowHandle[object, object], RunHandle]:
     """Run ``run_id`` (3 stages, 4 prompts at once, ``on_node_loss: "replace"`` unless
-    ``request`` says otherwise), prompt-ready."""
-    handle = await runs.start(run_id, faults=SLOW_TEXT, **_request(**request))
+    ``request`` says otherwise), prompt-ready. ``gate``: a file on this machine (local
+    nodes) that each prompt's text after its first piece waits for while it is absent."""
+    faults = SLOW_TEXT if gate is None else {**SLOW_TEXT, "MVP_FAULT_TEXT_GATE": str(gate)}
+    if gate is not None:
+        gate.touch()
+    handle = await runs.start(run_id, faults=faults, **_request(**request))
     await wait_phase(handle, RunPhase.PROMPT_READY, timeout=180)
     return handle, RunHandle(runs.client, run_id)
 
@@ -156,21 +160,33 @@ async def kill_once(
     kill: Callable[[NodeState], None] = kill_process,
     prompts: int = 4,
     base: int = 20,
+    gate: Path | None = None,
 ) -> RunState:
     """Stream ``prompts`` prompts and kill ``killed_stage``'s node (``kill``) once all
     stream: each ends Done with its undisturbed text, streamed whole, after one recovery,
-    and the run is prompt-ready again on a new node (returned: its state then)."""
+    and the run is prompt-ready again on a new node (returned: its state then).
+
+    With the run's text ``gate`` (start_replacing), each prompt's text is held after its
+    first piece until the kill, so none can end before it however long the others take to
+    start (a loaded machine); without one (nodes that cannot see this machine's files),
+    the head's slow text alone keeps them generating."""
     state = await snapshot(handle)
     done_before = state.recoveries_done
     undisturbed = await _undisturbed(run, _prompts(base)[:prompts])
+    if gate is not None:
+        gate.unlink()
     started = [asyncio.Event() for _ in range(prompts)]
     following = [
         asyncio.ensure_future(_stream(run, p, e))
         for p, e in zip(_prompts(base + 100)[:prompts], started, strict=True)
     ]
-    await _all_streaming(following, started, timeout=240)
-    victim = next(n for n in state.nodes if n.stage_index == killed_stage)
-    kill(victim)
+    try:
+        await _all_streaming(following, started, timeout=240)
+        victim = next(n for n in state.nodes if n.stage_index == killed_stage)
+        kill(victim)
+    finally:
+        if gate is not None:
+            gate.touch()
     results = await asyncio.wait_for(asyncio.gather(*following), 240)
     for before, (streamed, ends) in zip(undisturbed, results, strict=True):
         assert len(ends) == 1 and isinstance(ends[0], Done), ends
@@ -209,26 +225,28 @@ async def kill_and_recover(
     killed_stage: int,
     kill: Callable[[NodeState], None] = kill_process,
     prompts: int = 4,
+    gate: Path | None = None,
     **request: Any,
 ) -> tuple[RunHandle, RunState]:
     """A run (``request``) that loses ``killed_stage``'s node under ``prompts`` streaming
-    prompts and recovers (kill_once)."""
-    handle, run = await start_replacing(runs, run_id, **request)
-    return run, await kill_once(run, handle, killed_stage, kill, prompts)
+    prompts and recovers (kill_once; ``gate``: start_replacing's)."""
+    handle, run = await start_replacing(runs, run_id, gate, **request)
+    return run, await kill_once(run, handle, killed_stage, kill, prompts, gate=gate)
 
 
 @pytest.mark.parametrize(("prompt_host", "kills"), [("workflow", [1, 0, 2]), ("run", [0, 1])])
 async def test_killed_nodes_are_replaced_one_after_another_and_prompts_keep_their_text(
-    runs: Runs, prompt_host: str, kills: list[int]
+    runs: Runs, prompt_host: str, kills: list[int], tmp_path: Path
 ):
     """The middle, the head and the last node of 3 killed in turn, 4 prompts streaming
     at each kill, in prompt workflows of their own and served by the run itself
     (DECISIONS 66): each replaced, every prompt Done with its undisturbed text."""
     run_id = 2301 if prompt_host == "workflow" else 2305
-    handle, run = await start_replacing(runs, run_id, prompt_host=prompt_host)
+    gate = tmp_path / "text-open"
+    handle, run = await start_replacing(runs, run_id, gate, prompt_host=prompt_host)
     for i, stage in enumerate(kills):
         direct = run.direct_streams
-        await kill_once(run, handle, stage, base=20 + 1000 * i)
+        await kill_once(run, handle, stage, base=20 + 1000 * i, gate=gate)
         if prompt_host == "run":
             # Each prompt's text was read from the head node to its end: after a head
             # loss, from the replacement head (temporal/client/text.py), not in one piece at
