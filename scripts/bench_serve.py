@@ -36,10 +36,13 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from collections import Counter
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -123,6 +126,35 @@ class Level:
     # Medians over the level's prompts (their PromptOutcome): queued in the run, tokenize,
     # encode end -> first token (joining the batch and the prefill), first token -> text out.
     ttft_split_ms: list[float] | None = None
+    # The dev server's frontend calls per prompt, by operation (its /metrics), and its
+    # persistence requests per prompt: what the level cost the server, call by call.
+    server_calls_per_prompt: dict[str, float] | None = None
+    persistence_per_prompt: float | None = None
+
+
+METRIC_LINE = re.compile(r"^(\w+)\{([^}]*)\}\s+([0-9.eE+-]+)$")
+
+
+def server_calls(metrics_port: int | None) -> Counter[str]:
+    """The dev server's request counters now: frontend calls by operation, and
+    ``persistence`` (its requests to its database, all operations)."""
+    if metrics_port is None:
+        return Counter()
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: Counter[str] = Counter()
+    for line in text.splitlines():
+        m = METRIC_LINE.match(line)
+        if m is None:
+            continue
+        name, labels, value = m.groups()
+        if name == "persistence_requests":
+            out["persistence"] += int(float(value))
+        elif name == "service_requests" and 'service_name="frontend"' in labels:
+            op = re.search(r'operation="(\w+)"', labels)
+            if op is not None:
+                out[op.group(1)] += int(float(value))
+    return out
 
 
 def _cpu_s(pids: list[int]) -> float:
@@ -179,10 +211,12 @@ async def level(
     server: str,
     stages: int,
     client: Client | None = None,
+    metrics_port: int | None = None,
 ) -> Level:
     streams: list[Stream] = []
     wall = 0.0
     started = datetime.now(UTC)
+    calls0 = server_calls(metrics_port)
     cpu0 = _cpu_s(cpu_pids)
     each0 = [_cpu_s([pid]) for pid in cpu_pids]
     for r in range(args.rounds):
@@ -199,7 +233,11 @@ async def level(
         wall += time.perf_counter() - t0
     cpu = _cpu_s(cpu_pids) - cpu0
     each = [_cpu_s([pid]) - c0 for pid, c0 in zip(cpu_pids, each0, strict=True)]
+    calls = server_calls(metrics_port)
+    calls.subtract(calls0)
     tokens = sum(s.tokens for s in streams)
+    prompts = len(streams)
+    persistence = calls.pop("persistence", 0)
     ttft = [s.ttft_ms for s in streams if s.ttft_ms is not None]
     itl = [s.itl_ms for s in streams if s.itl_ms is not None]
     lv = Level(
@@ -220,6 +258,12 @@ async def level(
         else await ttft_split(
             client, started, args.prompt_host, names.run_workflow_id(RUN_ID + stages)
         ),
+        server_calls_per_prompt={op: n / prompts for op, n in calls.most_common() if n > 0}
+        if metrics_port is not None and prompts
+        else None,
+        persistence_per_prompt=persistence / prompts
+        if metrics_port is not None and prompts
+        else None,
     )
     return lv
 
@@ -352,8 +396,17 @@ async def bench_run(args: argparse.Namespace, stages: int, tmp: Path) -> list[Le
         # The control plane's cost with nothing generating: pollers, timers, heartbeats
         # of the run's long-lived activities (a floor under every level's per-token CPU).
         each0 = [_cpu_s([pid]) for pid in pids]
+        calls0 = server_calls(server.metrics_port)
         await asyncio.sleep(IDLE_S)
         rest = [(_cpu_s([pid]) - c0) * 1000 / IDLE_S for pid, c0 in zip(pids, each0, strict=True)]
+        calls = server_calls(server.metrics_port)
+        calls.subtract(calls0)
+        NOTES.append(
+            f"{stages} stage(s), at rest: the dev server per second: "
+            f"{calls.pop('persistence', 0) / IDLE_S:.1f} database requests; calls "
+            + ", ".join(f"{op} {n / IDLE_S:.2f}" for op, n in calls.most_common() if n > 0)
+        )
+        print(NOTES[-1], file=sys.stderr, flush=True)
         NOTES.append(
             f"{stages} stage(s), {args.provider}: the control plane at rest (a prompt-ready run, "
             f"no prompt) uses {sum(rest):.0f} ms CPU per second ("
@@ -374,7 +427,15 @@ async def bench_run(args: argparse.Namespace, stages: int, tmp: Path) -> list[Le
         for c in [0, *args.levels]:
             try:
                 got = await level(
-                    oai, model, c, args, pids, server=label, stages=stages, client=client
+                    oai,
+                    model,
+                    c,
+                    args,
+                    pids,
+                    server=label,
+                    stages=stages,
+                    client=client,
+                    metrics_port=server.metrics_port,
                 )
             except Exception as err:  # a level that fails is reported, the rest skipped
                 print(f"{label}, {stages} stage(s), level {c}: {err!r}", file=sys.stderr)
@@ -390,6 +451,15 @@ async def bench_run(args: argparse.Namespace, stages: int, tmp: Path) -> list[Le
                     + " ms (the rest is admission: the gateway, the Update, "
                     + ("" if args.prompt_host == "run" else "the prompt workflow's start, ")
                     + "the activity's dispatch)."
+                )
+                print(NOTES[-1], file=sys.stderr, flush=True)
+            if got.server_calls_per_prompt is not None:
+                what = f"{got.concurrency} at once" if got.concurrency else "one after another"
+                NOTES.append(
+                    f"{stages} stage(s), {what}: the dev server per prompt: "
+                    f"{got.persistence_per_prompt:.1f} database requests; calls "
+                    + ", ".join(f"{op} {n:.1f}" for op, n in got.server_calls_per_prompt.items())
+                    + " (long polls included: a poll answered or timed out)."
                 )
                 print(NOTES[-1], file=sys.stderr, flush=True)
             out.append(got)

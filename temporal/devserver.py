@@ -147,6 +147,9 @@ class DevServer:
     ui_port: int
     log_file: str | None = None
     log_offset: int = 0  # where this server's output begins in ``log_file``
+    # The server's Prometheus endpoint (http://127.0.0.1:PORT/metrics): the benchmarks
+    # read its request counters to say which calls a prompt costs the server.
+    metrics_port: int | None = None
 
     @property
     def address(self) -> str:
@@ -225,7 +228,7 @@ def start_dev_server(
     for attempt in range(3):
         try:
             return _start(
-                db_file, port or free_port(), free_port(), headless, dynamic_config,
+                db_file, port or free_port(), free_port(), free_port(), headless, dynamic_config,
                 log_file, timeout_s, nice, own_process_group, stop_with_parent, ip, namespaces,
                 SEARCH_ATTRIBUTES if search_attributes is None else search_attributes,
             )  # fmt: skip
@@ -240,6 +243,7 @@ def _start(
     db_file: str | None,
     port: int,
     ui_port: int,
+    metrics_port: int,
     headless: bool,
     dynamic_config: dict[str, str] | None,
     log_file: str | None,
@@ -261,6 +265,8 @@ def _start(
         str(port),
         "--ui-port",
         str(ui_port),
+        "--metrics-port",
+        str(metrics_port),
         "--log-level",
         "error",
     ]
@@ -320,5 +326,10 @@ def _start(
                 cause,
             )
     return DevServer(
-        process=proc, port=port, ui_port=ui_port, log_file=log_file, log_offset=start_offset
+        process=proc,
+        port=port,
+        ui_port=ui_port,
+        log_file=log_file,
+        log_offset=start_offset,
+        metrics_port=metrics_port,
     )
