@@ -46,7 +46,7 @@ from mvp_core import names
 from mvp_core.datastream import LogStream, Redactor
 from mvp_core.edge_auth import text_stream_token
 from mvp_core.host_observe import observe
-from mvp_core.models import DatastreamAddress, RunDatastreamInput
+from mvp_core.models import DatastreamAddress, RunDatastreamInput, RunPhase
 from mvp_core.providers import traits
 from mvp_core.run_signals import signal_name
 from mvp_core.run_state import RunState
@@ -61,6 +61,11 @@ DEFAULT_BIND = "127.0.0.1:0"
 # The first change after a quiet spell is published within POLL_IDLE_S.
 POLL_S = 0.25
 POLL_IDLE_S = 2.0
+# While the run serves prompts (prompt-ready before and after a read), what changes is
+# prompt traffic: read every SERVING_POLL_S at most. At 0.25 s, 8 streams kept the reads
+# going all along: about 20 ms of CPU each (dev server and worker), 0.3 ms per generated
+# token at 270 tok/s (bench_serve).
+SERVING_POLL_S = 1.0
 # A follower attaching late first gets the run's last frames (this attempt's): so the host
 # that started the run, or mvp-follow --run-id, sees the run from its start.
 REPLAY_FRAMES = 20_000
@@ -212,8 +217,14 @@ async def run_datastream(inp: RunDatastreamInput) -> None:
             interval = POLL_S
             while True:
                 activity.heartbeat()
+                serving = _serving(rs.prev)
                 changed = await _step(rs, handle)
-                interval = POLL_S if changed else min(interval * 2, POLL_IDLE_S)
+                if not changed:
+                    interval = min(interval * 2, POLL_IDLE_S)
+                elif serving and _serving(rs.prev):
+                    interval = SERVING_POLL_S
+                else:
+                    interval = POLL_S
                 await asyncio.sleep(interval)
         finally:
             # Cancelled (the run recorded RunTornDown) or failing: the last of it first.
@@ -221,6 +232,10 @@ async def run_datastream(inp: RunDatastreamInput) -> None:
                 async with asyncio.timeout(5.0):
                     await asyncio.shield(_step(rs, handle))
             await asyncio.to_thread(rs.close)
+
+
+def _serving(state: RunState | None) -> bool:
+    return state is not None and state.phase is RunPhase.PROMPT_READY and not state.stopping
 
 
 async def _step(rs: RunStream, handle: Any) -> bool:
