@@ -5,7 +5,9 @@ A client on a host that holds the deployment's edge secret (``MVP_EDGE_SECRET``,
 state directory's ``edge-secret``, as the orchestrator worker's providers use it) derives
 the run's text-stream token from the run's snapshot, connects to the head node's
 data-plane port with the data plane's handshake, names the prompt, and reads its deltas.
-Only text comes this way: the prompt's one terminal event is always Temporal's.
+Only text comes this way, and the end: the prompt's one terminal event is Temporal's,
+except that the end line of a prompt the node generated to its end in one go carries its
+Done, the run's own (DECISIONS 95), so its reader need not ask the run for it.
 
 A client without that secret reads the prompts it admitted itself, each with the random
 key it admitted it with (``SubmitPrompt.text_key``, DECISIONS 80): its hello shows
@@ -19,8 +21,9 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from mvp_core.edge_auth import (
     ANSWER,
@@ -32,7 +35,7 @@ from mvp_core.edge_auth import (
     read_edge_secret,
     text_stream_token,
 )
-from mvp_core.models import TextDelta
+from mvp_core.models import Done, TextDelta
 from mvp_core.run_state import RunState
 
 log = logging.getLogger("mvp.text_stream")
@@ -89,11 +92,16 @@ def host_secret() -> bytes | None:
 
 
 async def read_text(
-    target: TextStreamTarget, prompt_workflow_id: str, start: int = 0, key: str | None = None
+    target: TextStreamTarget,
+    prompt_workflow_id: str,
+    start: int = 0,
+    key: str | None = None,
+    on_terminal: Callable[[Done], None] | None = None,
 ) -> AsyncGenerator[TextDelta, None]:
     """The prompt's deltas from the ``start``-th; returns at the node's end line. Raises
     TextStreamError when the stream cannot be opened or breaks off before its end. Without
-    the run's token (no secret here) the reader shows ``key``, the prompt's ``text_key``."""
+    the run's token (no secret here) the reader shows ``key``, the prompt's ``text_key``.
+    ``on_terminal`` gets the prompt's Done where the end line carries it (DECISIONS 95)."""
     if key is None and target.token is None:
         raise TextStreamError("no text-stream token here and no key for this prompt")
     try:
@@ -133,6 +141,8 @@ async def read_text(
                 event = json.loads(line)
                 kind = event.get("type")
                 if kind == "end":
+                    if on_terminal is not None and (done := _terminal(event)) is not None:
+                        on_terminal(done)
                     return
                 if kind == "error":
                     why = f"the head node: {event.get('error')}"
@@ -145,3 +155,16 @@ async def read_text(
         writer.close()
         with contextlib.suppress(Exception):
             await writer.wait_closed()
+
+
+def _terminal(end: dict[str, Any]) -> Done | None:
+    """The Done an end line carries; None where it carries none, or none that reads as a
+    Done (the reader then asks the run for the end, as without one)."""
+    raw = end.get("terminal")
+    if raw is None:
+        return None
+    try:
+        return Done.model_validate(raw)
+    except ValueError:
+        log.info("the head node's end line carries no valid Done: ignored")
+        return None

@@ -32,16 +32,28 @@ END_POLL_S = (0.25, 1.0)  # first and longest pause between looks without a stre
 END_POLL_AFTER_TEXT_S = (0.01, 0.25)  # ... and once the text has ended
 # A run that cannot answer (no worker has it now) is asked again this many times.
 UNANSWERED_RETRIES = 60
+# Ends taken from end lines that the run may not have counted yet (DECISIONS 95): the
+# latest this many are remembered, and a refused admission waits this long at most for
+# the run to count them.
+ENDS_TO_COUNT_HELD = 256
+COUNT_WAIT_S = 10.0
 
 
 class EndHint:
     """What the reader of a prompt's text tells the wait for its end: a direct stream is
     open (``streaming``: the end is not near before its end line), and its end line came
-    (``text_ended``: the end follows within a workflow task or two)."""
+    (``text_ended``: the end follows within a workflow task or two), with the prompt's
+    Done where the line carried it (``terminal``, DECISIONS 95: then it is the end)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, reader: bool = False) -> None:
+        """``reader``: a reader of the prompt's text will say (``decided``) whether a
+        direct stream is open before the wait asks the run anything."""
         self.streaming = False
         self.text_ended = asyncio.Event()
+        self.terminal: Done | None = None
+        self.decided = asyncio.Event()
+        if not reader:
+            self.decided.set()
 
 
 class PromptEnds(RunLifecycle):
@@ -51,15 +63,59 @@ class PromptEnds(RunLifecycle):
         self, prompt_id: str, request_id: int, *, hosted: bool, hint: EndHint | None = None
     ) -> Done | Fault:
         """The terminal event of prompt ``prompt_id`` (``PromptAdmitted.prompt_id``)."""
+        hint = hint or EndHint()
         if hosted:
-            return await self._hosted_end(prompt_id, hint or EndHint())
-        return await self._workflow_end(prompt_id, request_id)
+            return await self._hosted_end(prompt_id, request_id, hint)
+        return await self._workflow_end(prompt_id, request_id, hint)
 
-    async def _workflow_end(self, prompt_id: str, request_id: int) -> Done | Fault:
+    def _told_end(self, prompt_id: str, request_id: int, hint: EndHint) -> Done | None:
+        """The Done the head node's end line carried (DECISIONS 95), noted as an end the
+        run has yet to count; None without one."""
+        done = hint.terminal
+        if done is None or done.request_id != request_id:
+            return None
+        self._ends_to_count[prompt_id] = request_id
+        while len(self._ends_to_count) > ENDS_TO_COUNT_HELD:
+            del self._ends_to_count[next(iter(self._ends_to_count))]
+        return done
+
+    async def wait_ends_counted(self) -> bool:
+        """Until the run has counted every end this handle took from an end line (at most
+        COUNT_WAIT_S); whether there were any. A refused admission (a full queue, a request
+        id in use) waits for them before it is tried again: the run may not have counted
+        the end its client saw."""
+        if not self._ends_to_count:
+            return False
+        deadline = asyncio.get_running_loop().time() + COUNT_WAIT_S
+        pause = END_POLL_AFTER_TEXT_S[0]
+        while self._ends_to_count:
+            ids = list(self._ends_to_count)
+            ends = await asyncio.gather(*map(self._ask_end, ids), return_exceptions=True)
+            for prompt_id, end in zip(ids, ends, strict=True):
+                if not isinstance(end, BaseException) and (end is None or not end.open):
+                    self._ends_to_count.pop(prompt_id, None)
+            if not self._ends_to_count or asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, END_POLL_AFTER_TEXT_S[1])
+        self._ends_to_count.clear()
+        return True
+
+    async def _workflow_end(self, prompt_id: str, request_id: int, hint: EndHint) -> Done | Fault:
         """A PromptWorkflow's result (a long poll on that workflow), once the run has
         counted its end too: so a client that sends its next prompt, or reads the run's
-        figures, right after an end finds the run past it, as after submit_prompt."""
-        terminal = await self._child_result(prompt_id, request_id)
+        figures, right after an end finds the run past it, as after submit_prompt. Where
+        the head node's end line carried the prompt's Done, that Done (DECISIONS 95)."""
+        child = asyncio.ensure_future(self._child_result(prompt_id, request_id))
+        told = asyncio.ensure_future(hint.text_ended.wait())
+        try:
+            await asyncio.wait({child, told}, return_when=asyncio.FIRST_COMPLETED)
+            if not child.done() and (done := self._told_end(prompt_id, request_id, hint)):
+                return done
+            terminal = await child
+        finally:
+            for task in (child, told):
+                task.cancel()
         pause = END_POLL_AFTER_TEXT_S[0]
         unanswered = 0
         while True:
@@ -108,10 +164,17 @@ class PromptEnds(RunLifecycle):
                 continue
             return PromptOutcome.model_validate(raw).terminal
 
-    async def _hosted_end(self, prompt_id: str, hint: EndHint) -> Done | Fault:
+    async def _hosted_end(self, prompt_id: str, request_id: int, hint: EndHint) -> Done | Fault:
         pause, after = END_POLL_S[0], 0.0
         unanswered = 0
+        await hint.decided.wait()
+        if hint.streaming:  # nothing to ask before the text ends (or a long while passes)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(END_POLL_WHILE_STREAMING_S):
+                    await hint.text_ended.wait()
         while True:
+            if hint.text_ended.is_set() and (done := self._told_end(prompt_id, request_id, hint)):
+                return done
             try:
                 end = await self._ask_end(prompt_id)
             except PromptUnavailable:

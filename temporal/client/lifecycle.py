@@ -72,6 +72,10 @@ class RunLifecycle:
         self._admitting: asyncio.Semaphore | None = None  # admissions in flight (made in use)
         self._end_board: EndBoard | None = None  # prompts' ends, asked together (made in use)
         self._ends_in_one = True  # False: the run's worker has no prompt_ends query
+        # Prompts whose end came with their text (DECISIONS 95), by prompt id: the run
+        # counts them a workflow task or two later, which an admission refused as a full
+        # queue or a request id in use waits for (PromptCalls._admit).
+        self._ends_to_count: dict[str, int] = {}
 
     @property
     def holds_secret(self) -> bool:

@@ -19,6 +19,7 @@ from temporalio.client import (
 )
 from temporalio.service import RPCError
 
+from mvp_core.errors import ErrorType
 from mvp_core.models import CancelPrompt, Done, Fault, PromptAdmitted, SubmitPrompt, TextDelta
 from mvp_core.run_signals import signal_name
 from temporal.client.ends import EndHint
@@ -35,6 +36,8 @@ CANCEL_TIMEOUT_S = 5.0  # a cancel_prompt signal that takes longer is given up
 # retries of the server's refusal (~15 s). Each admission is one workflow task long.
 ADMISSIONS_AT_ONCE = 8
 ADMIT_WAIT_S = 30.0  # a stream cancelled while its admission is in flight waits this long
+# Refusals an end the run has not counted yet can cause (DECISIONS 95).
+COUNTED_LATE = frozenset({ErrorType.PROMPT_QUEUE_FULL.value, ErrorType.DUPLICATE_REQUEST_ID.value})
 
 
 class PromptCalls(PromptText):
@@ -49,13 +52,27 @@ class PromptCalls(PromptText):
         workflow = self.workflow
         if self._quick_refusals:
             workflow = (await quick_client(self.client)).get_workflow_handle(self.workflow_id)
-        try:
+
+        async def admit(uid: str) -> PromptAdmitted:
+            assert self._admitting is not None
             async with self._admitting:
-                admitted: PromptAdmitted = await resent_when_not_ready(
-                    lambda: workflow.execute_update(RunWorkflow.admit_prompt, prompt, id=update_id)
+                return await resent_when_not_ready(
+                    lambda: workflow.execute_update(RunWorkflow.admit_prompt, prompt, id=uid)
                 )
-        except WorkflowUpdateFailedError as err:
-            raise rejection(err) from None
+
+        for attempt in range(2):
+            try:
+                admitted = await admit(update_id)
+                break
+            except WorkflowUpdateFailedError as err:
+                refused = rejection(err)
+                # An end this handle took from a head node's end line may not be counted
+                # by the run yet (DECISIONS 95): its slot or request id is then free a
+                # workflow task later. Asked again once the run has counted it.
+                if attempt == 0 and refused.kind in COUNTED_LATE and await self.wait_ends_counted():
+                    update_id = uuid.uuid4().hex
+                    continue
+                raise refused from None
         self._cancelled.discard(prompt.request_id)  # a new prompt of this id
         return admitted
 
@@ -148,7 +165,7 @@ class PromptCalls(PromptText):
             raise
         if on_admitted is not None:
             on_admitted()
-        hint = EndHint()
+        hint = EndHint(reader=True)
         result_task: asyncio.Future[Done | Fault] = asyncio.ensure_future(
             self.prompt_end(
                 admitted.prompt_id, prompt.request_id, hosted=admitted.hosted, hint=hint

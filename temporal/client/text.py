@@ -53,6 +53,7 @@ class _Read:
         self.pieces: list[str] = []
         self.tokens = 0
         self.direct_end = False  # the head node's stream came to its end line
+        self.terminal: Done | None = None  # ... with the prompt's Done (DECISIONS 95)
 
     @property
     def text(self) -> str:
@@ -108,12 +109,17 @@ class PromptText(PromptEnds):
         which a handle without the deployment's secret reads it directly (DECISIONS 80)."""
         hint = hint or EndHint()
         read = _Read()
-        target = await self._text_target(key) if not result_task.done() else None
-        hint.streaming = target is not None
+        target: TextStreamTarget | None = None
+        try:
+            target = await self._text_target(key) if not result_task.done() else None
+        finally:
+            hint.streaming = target is not None
+            hint.decided.set()
         if target is not None:
             async for delta in self._from_head(target, child_id, result_task, key, read):
                 yield delta
             if read.direct_end:
+                hint.terminal = read.terminal
                 hint.text_ended.set()
         hint.streaming = False
         terminal: Done | Fault | None = None
@@ -150,7 +156,7 @@ class PromptText(PromptEnds):
         while target is not None:
             skip = len(read.text)  # a new head's stream starts from the first text
             try:
-                async for got in self._direct(target, child_id, result_task, key):
+                async for got in self._direct(target, child_id, result_task, key, read):
                     delta, skip = cut(got, skip)
                     if delta is None:
                         continue
@@ -241,11 +247,18 @@ class PromptText(PromptEnds):
         child_id: str,
         result_task: asyncio.Future[Any],
         key: str | None = None,
+        read: _Read | None = None,
     ) -> AsyncGenerator[TextDelta, None]:
-        """The head node's deltas of the prompt until its end line. A prompt that ends
-        without generating (cancelled in the queue, refused) never opens there: once its
-        result is in, what the node still sends within DIRECT_GRACE_S is taken, no more."""
-        deltas = read_text(target, child_id, key=key)
+        """The head node's deltas of the prompt until its end line (its Done, where the
+        line carries one, to ``read.terminal``). A prompt that ends without generating
+        (cancelled in the queue, refused) never opens there: once its result is in, what
+        the node still sends within DIRECT_GRACE_S is taken, no more."""
+
+        def told(done: Done) -> None:
+            if read is not None:
+                read.terminal = done
+
+        deltas = read_text(target, child_id, key=key, on_terminal=told)
         step: asyncio.Future[TextDelta] | None = None
         try:
             while True:

@@ -92,9 +92,26 @@ async def test_a_run_hosted_prompt_is_served_streamed_cancelled_and_re_attached(
         # A client that cannot read the head node: the whole text, with its one end.
         assert len(ends) == 1 and isinstance(ends[0], Done), ends
         assert text == ends[0].final_text and ends[0].tokens_generated == tokens
+        # An end the head node told with the text (DECISIONS 95) is counted by the run a
+        # workflow task later.
+        await reader.wait_ends_counted()
         growth.append(await _run_events(run) - before)
     assert run.direct_streams >= 2 and temporal_only.direct_streams == 0
     assert max(growth) - min(growth) <= 9, growth  # a workflow task or two either way
+
+    # A prompt the head node generated in one go ends with its text's end line, which
+    # carries its Done (DECISIONS 95): the client asks the run nothing for it, and it is
+    # the run's own end.
+    told = RunHandle(runs.client, run_id)
+    text, ends = await _stream_all(
+        told, SubmitPrompt(request_id=300, prompt_text=COUNTING, max_tokens=24)
+    )
+    assert told.direct_streams == 1 and len(ends) == 1 and isinstance(ends[0], Done), ends
+    assert told._end_board is None, told._end_board.queries
+    async with asyncio.timeout(60):  # the run counts it a workflow task or two later
+        while (kept := await told.served(300)) is None:
+            await asyncio.sleep(0.05)
+    assert kept.outcome.terminal == ends[0] and text == ends[0].final_text
 
     # Cancel one of eight mid-stream: it ends cancelled, the other seven finish.
     victim = SubmitPrompt(request_id=40, prompt_text="1, 2, 3, 4, 5,", max_tokens=900)

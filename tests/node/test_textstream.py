@@ -13,11 +13,12 @@ from collections.abc import Iterator
 import pytest
 
 from mvp_core.edge_auth import ANSWER, ANSWER_OK, TEXT_STREAM_EDGE_ID, hello, text_stream_token
-from mvp_core.models import TextDelta, TokenLogprob
+from mvp_core.models import Done, TextDelta, TokenLogprob
 from temporal.text_stream import TextStreamError, TextStreamRefused, TextStreamTarget, read_text
 from tests.helpers.waits import eventually
+from workers.node import textpath
 from workers.node.dataplane import DataPlaneServer
-from workers.node.textpath import TextFanout, TextHub
+from workers.node.textpath import TextFanout, TextHub, end_line
 
 TOKEN = text_stream_token(b"s" * 32, "mvp-run-7", "0123456789abcdef")
 KEY = "mvp-prompt-7-1-abc"
@@ -247,3 +248,55 @@ def test_deltas_owed_to_temporal_keep_their_logprobs_in_order() -> None:
     plain.put(TextDelta(request_id=2, text="x", tokens=1))
     plain.end(done=False)
     assert topic.got[-1].logprobs is None
+
+
+def _done(text: str = "piece0 piece1 ") -> Done:
+    return Done(
+        request_id=1,
+        final_text=text,
+        tokens_generated=2,
+        elapsed_ms=40,
+        stop_reason="max_tokens",
+        prompt_tokens=5,
+    )
+
+
+async def test_an_end_with_the_prompts_done_hands_it_to_the_reader(node, monkeypatch):
+    """DECISIONS 95: the end line of a prompt the node generated to its end carries its
+    Done, which the reader gets with the end; a plain end, a Done too long for an end
+    line, or an end line whose Done does not read as one hand it nothing."""
+    server, hub = node
+    target = TextStreamTarget(server.host, server.port, TOKEN)
+
+    async def read_end(key: str) -> tuple[list[TextDelta], list[Done]]:
+        told: list[Done] = []
+        deltas = [d async for d in read_text(target, key, on_terminal=told.append)]
+        return deltas, told
+
+    hub.open(KEY)
+    hub.put(KEY, _delta(0))
+    hub.put(KEY, _delta(1))
+    hub.end(KEY, _done())
+    assert await read_end(KEY) == ([_delta(0), _delta(1)], [_done()])
+    hub.open("plain")
+    hub.put("plain", _delta(0))
+    hub.end("plain")
+    assert await read_end("plain") == ([_delta(0)], [])
+    assert end_line(_done("x" * 300)).startswith(b'{"type":"end","terminal":{')
+    monkeypatch.setattr(textpath, "MAX_TERMINAL_LINE", 300)
+    hub.open("long")
+    hub.end("long", _done("x" * 300))
+    assert await read_end("long") == ([], [])
+
+
+async def test_an_end_line_whose_done_is_not_one_is_a_plain_end(node):
+    server, hub = node
+    hub.open(KEY)
+    hub.put(KEY, _delta(0))
+    hub.end(KEY)
+    with hub._cond:  # a node that sends a malformed Done
+        hub._texts[KEY].end_line = b'{"type":"end","terminal":{"type":"done","final_text":7}}\n'
+    told: list[Done] = []
+    target = TextStreamTarget(server.host, server.port, TOKEN)
+    got = [d async for d in read_text(target, KEY, on_terminal=told.append)]
+    assert got == [_delta(0)] and told == []

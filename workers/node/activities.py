@@ -58,6 +58,10 @@ if TYPE_CHECKING:
 # How often a generate hands the SDK a heartbeat; the SDK sends at most one per the node
 # worker's throttle (2 s, workers/node/agent.py). A cancel's stop is pushed (DECISIONS 65).
 HEARTBEAT_EVERY_S = 0.5
+# A generate's first heartbeat waits this long (or 0.4 x its heartbeat timeout, if that
+# is shorter): a prompt that ends sooner costs the server no heartbeat (each ~3.7 ms of
+# its CPU; the SDK sends the first one it is handed at once).
+FIRST_BEAT_S = 2.0
 LEASE_GATE_POLL_S = 0.1  # a held-back lease report (fault injection) looks this often
 TEXT_GATE_POLL_S = 0.05  # held text (fault injection) looks for its gate this often
 MAX_EARLY_STOPS = 256  # stops remembered for generates not started yet
@@ -355,7 +359,11 @@ class NodeActivities:
         self.generating += 1
         self._stops[key] = stopped
         task.add_done_callback(lambda _: self._generate_ended(key, stopped))
-        last_beat = 0.0
+        timeout = activity.info().heartbeat_timeout
+        first_beat = (
+            FIRST_BEAT_S if timeout is None else min(FIRST_BEAT_S, 0.4 * timeout.total_seconds())
+        )
+        last_beat = time.monotonic() - HEARTBEAT_EVERY_S + first_beat
         # A resumed prompt's readers have the text of its first tokens (DECISIONS 68).
         published_tokens = len(inp.resume) if inp.text_from is None else inp.text_from
         async with stream:
@@ -390,6 +398,9 @@ class NodeActivities:
                     await asyncio.sleep(
                         min(MAX_GATHER_S, max(gather_s, batch_s * (self.generating - 1)))
                     )
+                # The engine's thread ends after its last text: a cancel that comes while
+                # it does (the answer to a heartbeat) is the cancel above, not an error.
+                await asyncio.wait({task})
             except asyncio.CancelledError:
                 stopped.set()
                 ended: GenerationResult | None = None
@@ -426,27 +437,34 @@ class NodeActivities:
                     ),
                     ErrorType.ENGINE_FAULT,
                 ) from None
+            finished = result.stop_reason in ("eos", "max_tokens", "context")
+            done = (
+                Done(
+                    request_id=request_id,
+                    final_text=result.text,
+                    tokens_generated=result.tokens,
+                    elapsed_ms=result.elapsed_ms,
+                    stop_reason=result.stop_reason,
+                    prompt_tokens=result.prompt_tokens,
+                    cached_tokens=result.cached_tokens,
+                    recoveries=result.recoveries,
+                )
+                if finished
+                else None
+            )
             # A finished prompt's Done carries its whole text: what a direct reader took
-            # need not go to Temporal too; any other end publishes what it owes.
-            out.end(done=result.stop_reason in ("eos", "max_tokens", "context"))
+            # need not go to Temporal too; any other end publishes what it owes. Its
+            # direct readers get that Done with the end, where it is the run's too (its
+            # first generate: a resumed one's says nothing of the run's recoveries), so
+            # they need not ask the run for it (DECISIONS 95).
+            first = not inp.resume and inp.text_from is None
+            out.end(done=finished, terminal=done if first else None)
             await stream.flush()
-        if result.stop_reason not in ("eos", "max_tokens", "context"):
+        if done is None:
             # A run-hosted prompt's text so far goes with its end: no stream holds it.
             return _cancelled(request_id, None if inp.temporal_text else result)
         telemetry.note_prompt_end(result.tokens, result.stop_reason)  # on RunActivity's span
-        return PromptOutcome(
-            terminal=Done(
-                request_id=request_id,
-                final_text=result.text,
-                tokens_generated=result.tokens,
-                elapsed_ms=result.elapsed_ms,
-                stop_reason=result.stop_reason,
-                prompt_tokens=result.prompt_tokens,
-                cached_tokens=result.cached_tokens,
-                recoveries=result.recoveries,
-            ),
-            timing=prompt_timing(result, first_published),
-        )
+        return PromptOutcome(terminal=done, timing=prompt_timing(result, first_published))
 
     @activity.defn(name=names.ACT_NODE_STOP_STAGE)
     async def stop_stage(self, cmd: StopRun) -> None:

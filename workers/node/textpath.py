@@ -17,9 +17,11 @@ first one, then ``{"type": "end"}`` once the node has made its last text. A clie
 without the secret shows TEXT_READER_TOKEN and, in its request, the key its prompt was
 admitted with (``SubmitPrompt.text_key``, DECISIONS 80): it is held until the prompt is
 on this node (at most KEYED_WAIT_S), then served if the key is the prompt's. The prompt's
-one terminal event still comes from Temporal (the Update's or the prompt workflow's
-result): this stream only carries text, so a client that loses it falls back to the
-prompt workflow's stream and the result. While a client reads a prompt here, the node
+one terminal event comes from Temporal (the Update's or the prompt workflow's result),
+except that a prompt the node generated to its end in one go, as the run serves it, has
+its Done in the end line (``"terminal"``: the run's own, DECISIONS 95) and its reader
+need not ask the run. A client that loses the stream falls back to the prompt
+workflow's stream and the result. While a client reads a prompt here, the node
 publishes nothing of its text to Temporal (the run's history stays a few events per
 prompt whatever its length); when the last reader leaves, the node publishes the text it
 owes at once and then as before.
@@ -42,7 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mvp_core.models import TextDelta, TokenLogprob, TopLogprob
+from mvp_core.models import Done, TextDelta, TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
     from workers.node.dataplane.records import TokenLogprobs
@@ -226,10 +228,11 @@ class TextFanout:
             logprobs=[e for p in parts for e in p.logprobs or ()] if has_logprobs else None,
         )
 
-    def end(self, *, done: bool) -> None:
-        """No more text: direct readers get the end; an unfinished prompt's owed text
+    def end(self, *, done: bool, terminal: Done | None = None) -> None:
+        """No more text: direct readers get the end (with ``terminal``, the prompt's Done
+        where the node's is the run's: DECISIONS 95); an unfinished prompt's owed text
         goes to Temporal (a finished one's is in its Done)."""
-        self.hub.end(self.key)
+        self.hub.end(self.key, terminal)
         if self._owed and not done:
             self.topic.publish(self._settle())
         self._owed = []
@@ -259,6 +262,9 @@ class NoTemporalText:
 # ------------------------------------------------------------------ the text stream
 
 END_LINE = b'{"type":"end"}\n'
+# An end line carries its prompt's Done only up to this size (the whole text is in it);
+# a longer one is a plain end, and the reader asks the run for the end as before.
+MAX_TERMINAL_LINE = 1 << 20
 MAX_REQUEST = 4096  # bytes of a client's one request line
 REQUEST_TIMEOUT_S = 10.0
 SEND_TIMEOUT_S = 30.0  # a client that takes no text this long is dropped
@@ -283,6 +289,7 @@ class _Text:
     lines: list[bytes] = field(default_factory=list)  # one JSON line per delta
     ended_at: float | None = None
     reader_key: bytes | None = None  # the key a keyed reader must show (DECISIONS 80)
+    end_line: bytes = END_LINE
 
 
 class TextHub:
@@ -311,11 +318,13 @@ class TextHub:
                 text.lines.append(line)
                 self._cond.notify_all()
 
-    def end(self, key: str) -> None:
+    def end(self, key: str, terminal: Done | None = None) -> None:
+        line = END_LINE if terminal is None else end_line(terminal)
         with self._cond:
             text = self._texts.get(key)
             if text is not None and text.ended_at is None:
                 text.ended_at = time.monotonic()
+                text.end_line = line
                 self._cond.notify_all()
 
     def readers(self, key: str) -> int:
@@ -403,11 +412,12 @@ class TextHub:
                 text = self._texts.get(key)
                 lines = text.lines[pos:] if text is not None else []
                 ended = text is not None and text.ended_at is not None
+                last = text.end_line if text is not None else END_LINE
             if lines:
                 _send(sock, b"".join(lines))
                 pos += len(lines)
             elif ended:
-                _send(sock, END_LINE)
+                _send(sock, last)
                 return
             elif _peer_gone(sock):
                 return
@@ -415,6 +425,13 @@ class TextHub:
     def _news(self, key: str, pos: int) -> bool:
         text = self._texts.get(key)
         return text is not None and (len(text.lines) > pos or text.ended_at is not None)
+
+
+def end_line(terminal: Done) -> bytes:
+    """The end line with the prompt's Done: ``{"type": "end", "terminal": {...}}``, or a
+    plain end where that would be longer than MAX_TERMINAL_LINE."""
+    line = b'{"type":"end","terminal":' + terminal.model_dump_json().encode() + b"}\n"
+    return line if len(line) <= MAX_TERMINAL_LINE else END_LINE
 
 
 def _read_request(sock: socket.socket, keyed: bool = False) -> tuple[str, int, bytes]:
