@@ -119,6 +119,7 @@ HOST_OPERATIONAL_ENV = frozenset(
         "MVP_MODELS_DIR",  # model cache (mvp_io/model_store.py)
         "MVP_PROVIDER_HOST",  # the provider host's name (activities/planning.py)
         "MVP_DOCKER_TEMPORAL_ADDRESS",  # where containers reach Temporal (docker provider)
+        "MVP_PROCESS_DATAPLANE_HOST",  # where process nodes listen (process provider)
         # the Vast.ai API's address, a Temporal address rented hosts reach as it is, how
         # long one provider stop keeps destroying (mvp_core/vastai_env.py)
         *vastai_env.HOST_OPERATIONAL,

@@ -91,6 +91,36 @@ def host_secret() -> bytes | None:
     return read_edge_secret()
 
 
+async def _connect(target: TextStreamTarget) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    try:
+        async with asyncio.timeout(CONNECT_TIMEOUT_S):
+            return await asyncio.open_connection(target.host, target.port, limit=MAX_LINE)
+    except (OSError, TimeoutError) as err:
+        raise TextStreamUnreachable(
+            f"cannot connect to {target.host}:{target.port}: {err or type(err).__name__}"
+        ) from None
+
+
+async def probe(target: TextStreamTarget) -> None:
+    """Whether the head node's text stream can be reached from here, before any prompt:
+    TextStreamUnreachable where it cannot connect (why), else nothing. It shows the
+    public TEXT_READER_TOKEN (never the run's token: no secret leaves for a probe), reads
+    the node's answer and leaves before its request line, which the node takes quietly
+    (a keyed reader's refusal is logged at debug level, DECISIONS 80)."""
+    reader, writer = await _connect(target)
+    try:
+        writer.write(hello(TEXT_STREAM_EDGE_ID, TEXT_READER_TOKEN))
+        await writer.drain()
+        async with asyncio.timeout(CONNECT_TIMEOUT_S):
+            await reader.readexactly(ANSWER.size)
+    except (OSError, TimeoutError, asyncio.IncompleteReadError) as err:
+        raise TextStreamError(f"text stream handshake failed: {err!r}") from None
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+
+
 async def read_text(
     target: TextStreamTarget,
     prompt_workflow_id: str,
@@ -104,13 +134,7 @@ async def read_text(
     ``on_terminal`` gets the prompt's Done where the end line carries it (DECISIONS 95)."""
     if key is None and target.token is None:
         raise TextStreamError("no text-stream token here and no key for this prompt")
-    try:
-        async with asyncio.timeout(CONNECT_TIMEOUT_S):
-            reader, writer = await asyncio.open_connection(target.host, target.port, limit=MAX_LINE)
-    except (OSError, TimeoutError) as err:
-        raise TextStreamUnreachable(
-            f"cannot connect to {target.host}:{target.port}: {err}"
-        ) from None
+    reader, writer = await _connect(target)
     try:
         try:
             writer.write(hello(TEXT_STREAM_EDGE_ID, target.token or TEXT_READER_TOKEN))

@@ -65,6 +65,12 @@ _PASS_ENV = (
 
 
 RUN_FILE = "run.json"
+# Where this host's process nodes listen on their data-plane port and what they advertise
+# (default 127.0.0.1: reachable from this host only). The operator's, never a run's: an
+# address of this host that readers of the head node's text on other hosts reach
+# (docs/gateway.md); a wildcard makes nodes advertise the address this host's name
+# resolves to.
+DATAPLANE_HOST_ENV = "MVP_PROCESS_DATAPLANE_HOST"
 log = logging.getLogger(__name__)
 
 
@@ -203,6 +209,9 @@ class ProcessProvider:
             shared_address=True,
         )
         env.update({"PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE"})
+        listen = os.environ.get(DATAPLANE_HOST_ENV, "").strip()
+        if listen:
+            env["MVP_DATAPLANE_HOST"] = listen
         if harness_faults(spec.run_id).get("MVP_FAULT_START_FAIL") == "1":
             # Test harness only: the provider cannot start this node (ProvisionFailed).
             raise NodeStartFailed(f"injected start failure of node {spec.node_id}")

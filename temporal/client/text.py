@@ -26,6 +26,7 @@ from temporal.text_stream import (
     TextStreamRefused,
     TextStreamTarget,
     TextStreamUnreachable,
+    probe,
     read_text,
     target_of,
 )
@@ -188,6 +189,27 @@ class PromptText(PromptEnds):
                         continue
                 self._tell_why(child_id, err)
             return
+
+    async def check_text_route(self) -> bool:
+        """Whether this handle can read prompts' text from the run's head node, asked
+        before any prompt (once the run is prompt-ready, its head's endpoint known):
+        where it cannot connect there, why is said now (the one warning a first prompt
+        would give, :meth:`_tell_why`). False: not known yet (the run's state could not
+        be read, or has no head endpoint): ask again; True otherwise (it can, it reads
+        no text directly, or why it cannot has been said)."""
+        if not self._direct_text or self._told_why:
+            return True
+        state = await self.shared_snapshot()
+        target = None if state is None else target_of(state, self.workflow_id, self._secret)
+        if target is None:
+            return False
+        try:
+            await probe(target)
+        except TextStreamUnreachable as err:
+            self._tell_why(self.workflow_id, err)
+        except TextStreamError as err:  # it answers, or half: a prompt's read says more
+            log.info("%s: text stream probe: %s", self.workflow_id, err)
+        return True
 
     def _tell_why(self, child_id: str, err: TextStreamError) -> None:
         """A direct stream that could not be read: said once per handle as a warning (a

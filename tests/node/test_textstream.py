@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 from collections.abc import Iterator
 
@@ -14,7 +15,14 @@ import pytest
 
 from mvp_core.edge_auth import ANSWER, ANSWER_OK, TEXT_STREAM_EDGE_ID, hello, text_stream_token
 from mvp_core.models import Done, TextDelta, TokenLogprob
-from temporal.text_stream import TextStreamError, TextStreamRefused, TextStreamTarget, read_text
+from temporal.text_stream import (
+    TextStreamError,
+    TextStreamRefused,
+    TextStreamTarget,
+    TextStreamUnreachable,
+    probe,
+    read_text,
+)
 from tests.helpers.waits import eventually
 from workers.node import textpath
 from workers.node.dataplane import DataPlaneServer
@@ -116,6 +124,26 @@ async def test_a_reader_that_leaves_is_no_longer_counted(node):
     await deltas.aclose()
     # The node notices within its 1 s idle check.
     await eventually(lambda: hub.readers(KEY) == 0, timeout=10, what="the reader no longer counted")
+
+
+async def test_a_probe_knocks_without_a_secret_and_the_node_stays_quiet(node, caplog):
+    """DECISIONS 94: the gateway's knock at start shows the public reader token, gets the
+    node's answer and leaves; the node counts no reader and warns of nothing. A port
+    nobody listens on is TextStreamUnreachable, naming the address."""
+    server, hub = node
+    with caplog.at_level("DEBUG"):
+        await probe(TextStreamTarget(server.host, server.port, TOKEN))
+        await probe(TextStreamTarget(server.host, server.port, None))
+
+        def taken() -> int:  # the node's thread has let each knock go (quietly)
+            return sum("closed before its request line" in r.getMessage() for r in caplog.records)
+
+        await eventually(lambda: taken() == 2, timeout=10, what="the node to let both go")
+        assert hub.readers(KEY) == 0
+    assert not [r for r in caplog.records if r.levelno > logging.DEBUG], caplog.records
+    port = _closed_port()
+    with pytest.raises(TextStreamUnreachable, match=f"cannot connect to 127.0.0.1:{port}: "):
+        await probe(TextStreamTarget("127.0.0.1", port, TOKEN))
 
 
 def _closed_port() -> int:

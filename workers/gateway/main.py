@@ -112,7 +112,8 @@ def parser() -> argparse.ArgumentParser:
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
-        help="uvicorn's log level; info includes one access line per request (default: info)",
+        help="uvicorn's and the gateway's own log level; info includes one access line per "
+        "request and how the gateway reads prompts' text (default: info)",
     )
     return p
 
@@ -387,6 +388,10 @@ say = stdio.sayer(PROG)
 def main() -> None:
     args = parser().parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # The gateway's own lines at the level asked for (at info: how it reads prompts'
+    # text, docs/gateway.md); the client library's stay at warnings (its "cannot read the
+    # head node here" is one; per-prompt notes are not the operator's).
+    logging.getLogger("mvp.gateway").setLevel(args.log_level.upper())
     code = 1
     try:
         tel = telemetry.setup(PROG)

@@ -73,10 +73,12 @@ class RunSet:
         self.last_ended: Gateway | None = None
 
     def notify(self, message: str) -> None:
-        """Tell the operator (the command's stderr) and the log."""
-        log.info("%s", message)
+        """Tell the operator: through ``notify`` where given (the command's stderr), else
+        the log (not both: the command's log is its stderr too)."""
         if self._notify is not None:
             self._notify(message)
+        else:
+            log.info("%s", message)
 
     # ------------------------------------------------------------------ the set
     def __len__(self) -> int:

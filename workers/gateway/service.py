@@ -48,6 +48,7 @@ log = logging.getLogger("mvp.gateway")
 ADMIT_TRIES = 4  # a duplicate id (another client's) or a rollover: try again
 ROLLOVER_RETRY_S = 0.5
 WARM_EVERY_S = 1.0  # how often a run is asked its state until it is prompt-ready
+ROUTE_TRIES = 10  # a prompt-ready run's state read for its head's endpoint (DECISIONS 94)
 NOT_READY_HOLD_S = 2.0  # a run that refused a prompt as not ready is tried last this long
 # Rejections that mean "not now": the run is starting, stopping or rolling over (a 503).
 _NOT_SERVING = (
@@ -321,7 +322,9 @@ class Gateway:
 
     async def _warm_up(self) -> None:
         """The run's capacity (its request, read once), then its model, then whether it is
-        prompt-ready (asked every second until it is)."""
+        prompt-ready (asked every second until it is), then whether its prompts' text can
+        be read live from its head node here: where it cannot, the gateway says why now,
+        once, not at a first prompt (issue 37)."""
         try:
             request = await self.run.request()
         except Exception as err:  # no such run yet, a server gone: assume 1
@@ -343,6 +346,14 @@ class Gateway:
                 return
             else:
                 await asyncio.sleep(WARM_EVERY_S)
+        for _ in range(ROUTE_TRIES):
+            try:
+                if await self.run.check_text_route():
+                    return
+            except Exception as err:  # a server gone: a first prompt says why, if need be
+                log.info("text route of %s: %s: %s", self.workflow_id, type(err).__name__, err)
+                return
+            await asyncio.sleep(WARM_EVERY_S)
 
     def retire(self) -> None:
         """No longer served (removed, or ended): stop learning about the run; prompts in
