@@ -208,8 +208,8 @@ class RunStream:
             follower = self.followers.get(node.node_id)
             gone = node.provider_stopped or node.exited or node.lease_lost
             if follower is not None:
-                if gone and follower.running:
-                    follower.stop(timeout_s=0)  # the node is gone: its last frames are in
+                if gone:
+                    follower.finish()  # the node is gone: its last frames, then no more
                 continue
             if gone or ready is None or not ready.datastream_publisher:
                 continue

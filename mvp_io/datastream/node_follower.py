@@ -9,7 +9,9 @@ its checks is dropped and logged (at most one log line per ``LOG_EVERY_S`` per n
 the count dropped meanwhile), at most ``MAX_FRAMES_PER_S`` frames a second are passed on
 (past that, counted and dropped), and a header of another run or node ends the follow. A
 connection that fails or ends without the node's end is made again (backoff up to
-``RETRY_MAX_S``) until ``stop``; a refusal (a wrong token) is logged once per change."""
+``RETRY_MAX_S``) until ``stop``, or until ``finish`` (the node is gone: the connection
+open now is read to its end, for at most ``grace_s``, and none is made again); a refusal
+(a wrong token) is logged once per change."""
 
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ class NodeFollower:
         self._token = token
         self.reader = NodeStreamReader(run_id, node_id, last)
         self._stop = threading.Event()
+        self._finish_by: float | None = None  # the node is gone: read no longer than this
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self.ended: str | None = None  # the node's end reason, once it said so
@@ -88,6 +91,17 @@ class NodeFollower:
         self._thread.start()
         return self
 
+    def finish(self, grace_s: float = 5.0) -> None:
+        """The node is gone: read what its open connection still brings (its last frames,
+        its end) for at most ``grace_s``, and make no new one."""
+        if self._finish_by is None:
+            self._finish_by = time.monotonic() + grace_s
+
+    def _finishing(self) -> bool:
+        return self._finish_by is not None and (
+            self.reader.header is None or time.monotonic() >= self._finish_by
+        )
+
     def stop(self, timeout_s: float = 2.0) -> None:
         """Stop following (a connection in progress is closed)."""
         self._stop.set()
@@ -109,7 +123,7 @@ class NodeFollower:
             except Exception as err:  # observation never dies of a node's bytes
                 self._say(f"node {self.node_id} datastream: {type(err).__name__}: {err}")
                 got = False
-            if self.ended is not None or self._stop.is_set():
+            if self.ended is not None or self._stop.is_set() or self._finish_by is not None:
                 break
             delay = RETRY_S if got else min(delay * 2, RETRY_MAX_S)
             self._stop.wait(delay)
@@ -149,7 +163,7 @@ class NodeFollower:
     def _read(self, sock: socket.socket) -> bool:
         buf = bytearray()
         skipping = False  # in a line too long: drop up to its newline
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not self._finishing():
             try:
                 data = sock.recv(65536)
             except TimeoutError:

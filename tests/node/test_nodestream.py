@@ -82,7 +82,8 @@ def test_a_follower_gets_the_nodes_frames_in_order_with_the_backlog_first(node) 
         stream.publish("mvp.node.load", {"loaded_bytes": 5})
         stream.publish("mvp.node.kv", {"slots_in_use": 9})
         wait_until(lambda: len(sink.frames) == 5, timeout=10, what="the live frames")
-        stream.close("stopped")
+        stream.close("stopped", wait_s=10)  # as the node exits: its followers have the end
+        assert stream.followers == 0
         wait_until(lambda: not follower.running, timeout=10, what="the end of the stream")
     finally:
         follower.stop()
@@ -195,6 +196,30 @@ def test_a_hostile_nodes_bytes_are_dropped_and_logged_never_raised(caplog) -> No
     assert follower.dropped >= 1
     assert "node 2 datastream: dropped a line" in caplog.text
     assert "node 2 datastream: header of mvp-node-7-3" in caplog.text
+
+
+def test_a_follower_of_a_node_gone_reads_its_connection_out_and_no_other() -> None:
+    payload = b"".join(
+        [
+            encode_message(StreamHeader(7, 2, 1)),
+            encode_message(ChannelDecl("mvp.node.kv", 0)),
+            encode_message(FrameMsg(0, 0, {"slots_in_use": 0})),
+        ]
+    )
+    hostile = HostileNode(payload)  # says no end, and keeps the connection open
+    sink = Collect()
+    ds = Datastream(run_id=7, node_id=0, sinks=[sink], summary_interval_s=None)
+    follower = NodeFollower(
+        ds, run_id=7, node_id=2, endpoint=f"127.0.0.1:{hostile.port}", token=TOKEN
+    ).start()
+    try:
+        wait_until(lambda: len(sink.frames) == 1, timeout=10, what="its frame")
+        follower.finish(grace_s=0.2)
+        wait_until(lambda: not follower.running, timeout=10, what="the follower to leave")
+    finally:
+        follower.stop()
+        hostile.close()
+    assert follower.connections == 1 and follower.ended is None
 
 
 class FakeEdge:

@@ -65,6 +65,7 @@ TEXT_GATE_POLL_S = 0.05  # held text (fault injection) looks for its gate this o
 MAX_EARLY_STOPS = 256  # stops remembered for generates not started yet
 TEXT_GATHER_S = 0.025  # the finest stream granularity: stream_batch_ms is at least this
 MAX_GATHER_S = 1.0  # the coarsest, however many prompts generate
+DATASTREAM_END_S = 3.0  # at exit, the node's datastream followers get its end within this
 
 
 class NodeActivities:
@@ -106,10 +107,11 @@ class NodeActivities:
             self.sampler = NodeSampler(self.datastream, lambda: self.runtime).start()
 
     def close_datastream(self, reason: str = "stopped") -> None:
-        """The last samples, then the stream's end (followers get it before the node exits)."""
+        """The last samples, then the stream's end: followers get it before the node exits
+        (bounded: its data plane closes their sockets next)."""
         if self.sampler is not None:
             self.sampler.stop()
-        self.datastream.close(reason)
+        self.datastream.close(reason, wait_s=DATASTREAM_END_S)
 
     def _generate_ended(self, key: str, stopped: threading.Event) -> None:
         self.generating -= 1
@@ -480,6 +482,8 @@ class NodeActivities:
         self.text.close()
         if runtime is not None:
             await asyncio.to_thread(runtime.close)
+            if self.sampler is not None:  # its last steps, its KV slots freed
+                await asyncio.to_thread(self.sampler.sample, runtime)
         await self._report(
             StageStopped(
                 run_id=cfg.run_id, stage_index=cfg.stage_index, readiness_id=cfg.readiness_id

@@ -196,12 +196,16 @@ class NodeDatastream:
             self._cond.notify_all()
         return True
 
-    def close(self, reason: str = "stopped") -> None:
-        """End the stream: every follower gets what is queued, then the end."""
+    def close(self, reason: str = "stopped", wait_s: float = 0.0) -> None:
+        """End the stream: every follower gets what is queued, then the end; waits up to
+        ``wait_s`` for them to have it (before the data plane closes their sockets)."""
+        deadline = time.monotonic() + wait_s
         with self._cond:
             if self._end is None:
                 self._end = encode_message(StreamEnd(reason))
                 self._cond.notify_all()
+            while self._followers and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
 
     def serve(self, sock: socket.socket, peer: str) -> None:
         """One follower's connection, until it leaves, lags past ``SEND_TIMEOUT_S``, or
@@ -233,6 +237,7 @@ class NodeDatastream:
         finally:
             with self._cond:
                 self._followers.remove(follower)
+                self._cond.notify_all()  # a close waiting for its followers
             if follower.dropped:
                 log.info("node datastream: %s lost %d frames", peer, follower.dropped)
 
@@ -375,6 +380,7 @@ class NodeSampler:
         self._edges_shown: tuple[tuple[int, str], ...] = ()
         self._edges_busy = False  # the last edges frame showed bytes moving
         self._at = time.monotonic()
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="node-sampler", daemon=True)
 
     def start(self) -> NodeSampler:
@@ -394,8 +400,13 @@ class NodeSampler:
             except Exception as err:  # observation never takes the node down
                 log.warning("node datastream: sampling failed: %s: %s", type(err).__name__, err)
 
-    def sample(self) -> None:
-        stage = self._stage()
+    def sample(self, stage: StageFigures | None = None) -> None:
+        """One sample of ``stage`` (the node's current one by default: a stage being
+        stopped gives its last figures this way)."""
+        with self._lock:
+            self._sample(stage if stage is not None else self._stage())
+
+    def _sample(self, stage: StageFigures | None) -> None:
         now = time.monotonic()
         interval_ms, self._at = int((now - self._at) * 1000), now
         if stage is None:
