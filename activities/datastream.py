@@ -203,6 +203,10 @@ class RunStream:
         until the node is gone (its own end of stream ends its follower sooner)."""
         if self.node_token is None:
             return
+        current = {n.node_id for n in cur.nodes}
+        for node_id, old in self.followers.items():
+            if node_id not in current:  # replaced (stage recovery): gone
+                old.finish()
         for node in cur.nodes:
             ready = node.runtime_ready
             follower = self.followers.get(node.node_id)
