@@ -112,10 +112,16 @@ def encode_message(msg: Message) -> bytes:
     return encode_record(body) + b"\n"
 
 
+def _shown(value: Any, limit: int = 40) -> str:
+    """A node's value as a log line may quote it: its repr, cut to ``limit``."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _int(body: Mapping[str, Any], key: str, upper: int) -> int:
     value = body.get(key)
     if type(value) is not int or not 0 <= value < upper:
-        raise WireError(f"{key} {value!r} is not an integer in 0..{upper - 1}")
+        raise WireError(f"{key} {_shown(value)} is not an integer in 0..{upper - 1}")
     return value
 
 
@@ -140,12 +146,12 @@ def decode_message(line: bytes) -> Message:
             _int(body, "stage_index", 1 << 31),
         )
         if body.get("stream") != header.stream:
-            raise WireError(f"stream {body.get('stream')!r} is not {header.stream!r}")
+            raise WireError(f"stream {_shown(body.get('stream'))} is not {header.stream!r}")
         return header
     if kind == "channel":
         channel = body.get("channel")
         if not isinstance(channel, str) or not valid_channel(channel):
-            raise WireError(f"channel {str(channel)[:80]!r} is not a node's (mvp.node.<name>)")
+            raise WireError(f"channel {_shown(channel)} is not a node's (mvp.node.<name>)")
         return ChannelDecl(channel, _int(body, "channel_id", MAX_CHANNELS))
     if kind == "frame":
         record = body.get("record")
@@ -157,7 +163,7 @@ def decode_message(line: bytes) -> Message:
     if kind == "end":
         reason = body.get("reason")
         return StreamEnd(str(reason)[:MAX_REASON] if reason is not None else "")
-    raise WireError(f"unknown message type {str(kind)[:40]!r}")
+    raise WireError(f"unknown message type {_shown(kind)}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -145,7 +145,8 @@ class NodeFollower:
             status, length = ANSWER.unpack(_recv_exact(sock, ANSWER.size))
             reason = _recv_exact(sock, length).decode("utf-8", "replace") if length else ""
             if status != ANSWER_OK:
-                self._say(f"node {self.node_id} datastream refused the follower: {reason}")
+                said = reason if len(reason) <= 200 else reason[:200] + "..."
+                self._say(f"node {self.node_id} datastream refused the follower: {said!r}")
                 return False
             self.reader.reconnected()
             sock.settimeout(READ_TIMEOUT_S)

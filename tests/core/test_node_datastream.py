@@ -201,3 +201,29 @@ def test_a_node_declares_at_most_its_share_of_channels() -> None:
     with pytest.raises(WireError):
         r.accept(encode_message(ChannelDecl("mvp.node.more", MAX_CHANNELS)))
     assert len(encode_message(FrameMsg(0, 0, {"x": "y" * 100}))) < MAX_LINE_BYTES
+
+
+def test_what_a_node_sent_is_quoted_short_in_a_drop_reason() -> None:
+    r = NodeStreamReader(7, 2)
+    long = "x" * 20_000
+    header = json.dumps(
+        {
+            "type": "header",
+            "version": 1,
+            "stream": long,
+            "run_id": 7,
+            "node_id": 2,
+            "stage_index": 0,
+        }
+    )
+    for line in (
+        header.encode(),
+        json.dumps({"type": long}).encode(),
+        json.dumps({"type": "channel", "channel": long, "channel_id": 0}).encode(),
+        json.dumps(
+            {"type": "frame", "channel_id": [0] * 5_000, "position": 0, "record": {}}
+        ).encode(),
+    ):
+        with pytest.raises(WireError) as err:
+            r.accept(line)
+        assert len(str(err.value)) < 200, str(err.value)[:300]
