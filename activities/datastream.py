@@ -19,11 +19,17 @@ the ``temporal`` CLI, the demo):
 - tails each node's log files that this host has (``node.log`` stdout, ``node.err``
   stderr, written live by the process and Docker providers) into ``mvp.provisioning.logs.node.<id>.<stdout|stderr>``;
 - drains the in-process bus (``activities/datastream_bus.py``) where the provider
-  activities put their progress (provider log lines) and ``ProvisionFailed`` events.
+  activities put their progress (provider log lines) and ``ProvisionFailed`` events;
+- follows each node's own datastream (DECISIONS 93: load progress, step timings, edge
+  throughput, KV slots) on the data-plane address its runtime-ready report names
+  (``datastream_publisher``), authenticated with the node-datastream token derived from
+  the run's edge token, from its report until it ends its stream or is stopped, a
+  replacement node too, and passes its frames on (source ``node_datastream``, the node's
+  stream ``mvp-node-<run_id>-<node_id>``, the node's positions).
 
 A retried attempt (or the continued run's activity) resumes from
 ``<state dir>/runs/<run_id>/observed.json``: the last snapshot it published from and how
-far it read each node log, so records are not published twice. Everything is redacted
+far it read each node log and each node channel, so records are not published twice. Everything is redacted
 (the worker's secrets, the run's edge token, what looks like a secret).
 """
 
@@ -44,13 +50,13 @@ from activities import datastream_bus
 from activities.providers.base import NODE_STDERR_FILE, edge_secret, edge_token, state_dir
 from mvp_core import names
 from mvp_core.datastream import LogStream, Redactor
-from mvp_core.edge_auth import text_stream_token
+from mvp_core.edge_auth import node_datastream_token, text_stream_token
 from mvp_core.host_observe import observe
 from mvp_core.models import DatastreamAddress, RunDatastreamInput, RunPhase
 from mvp_core.providers import traits
 from mvp_core.run_signals import signal_name
 from mvp_core.run_state import RunState
-from mvp_io.datastream import Datastream, FrameArchive, LiveSubscribers, LogTailer
+from mvp_io.datastream import Datastream, FrameArchive, LiveSubscribers, LogTailer, NodeFollower
 
 log = logging.getLogger("mvp.datastream")
 BIND_ENV = "MVP_DATASTREAM_BIND"
@@ -100,11 +106,15 @@ class RunStream:
         self.dir = run_dir(inp.run_id)
         self.dir.mkdir(parents=True, exist_ok=True)
         secrets: list[str] = []
+        self.node_token: str | None = None  # follows nodes' own datastreams (DECISIONS 93)
         if inp.nonce:
             with contextlib.suppress(Exception):
                 secret = edge_secret()
-                secrets.append(edge_token(secret, inp.run_workflow_id, inp.nonce))
+                token = edge_token(secret, inp.run_workflow_id, inp.nonce)
+                self.node_token = node_datastream_token(token)
+                secrets.append(token)
                 secrets.append(text_stream_token(secret, inp.run_workflow_id, inp.nonce))
+                secrets.append(self.node_token)
         self.archive = FrameArchive(self.dir / ARCHIVE_NAME)
         try:
             self.live = LiveSubscribers(bind_address(inp.run_id), replay_frames=REPLAY_FRAMES)
@@ -118,8 +128,10 @@ class RunStream:
             redactor=Redactor.from_env(os.environ, extra=secrets),
         )
         self.tailers: dict[tuple[int, str], LogTailer] = {}
+        self.followers: dict[int, NodeFollower] = {}
         self.prev: RunState | None = None
         self.offsets: dict[str, int] = {}
+        self.positions: dict[str, dict[str, int]] = {}  # node id -> channel -> last position
         self._load_observed()
 
     # -- the baseline an earlier attempt left
@@ -137,6 +149,11 @@ class RunStream:
             return
         self.prev = prev
         self.offsets = {str(k): int(v) for k, v in dict(saved.get("offsets", {})).items()}
+        with contextlib.suppress(TypeError, ValueError, AttributeError):
+            self.positions = {
+                str(node): {str(ch): int(pos) for ch, pos in dict(channels).items()}
+                for node, channels in dict(saved.get("node_positions", {})).items()
+            }
 
     def save_observed(self) -> None:
         if self.prev is None:
@@ -144,10 +161,14 @@ class RunStream:
         offsets = dict(self.offsets)
         for (node_id, which), tailer in self.tailers.items():
             offsets[f"{node_id}:{which}"] = tailer.offset
+        positions = dict(self.positions)
+        for node_id, follower in self.followers.items():
+            positions[str(node_id)] = follower.last
         body = {
             "workflow_id": self.inp.run_workflow_id,
             "state": self.prev.model_dump(mode="json"),
             "offsets": offsets,
+            "node_positions": positions,
         }
         tmp = self.dir / (OBSERVED_NAME + ".tmp")
         with contextlib.suppress(OSError):
@@ -160,6 +181,7 @@ class RunStream:
         for channel, record in records:
             self.stream.publish(channel, record)
         self._tail(cur)
+        self._follow(cur)
         changed = bool(records) or self.prev is None
         self.prev = cur
         return changed
@@ -181,6 +203,34 @@ class RunStream:
                     self.stream, path, node_id=node.node_id, stream=which, start_offset=start
                 ).start()
 
+    def _follow(self, cur: RunState) -> None:
+        """A follower for each node that named its datastream publisher, from its report
+        until the node is gone (its own end of stream ends its follower sooner)."""
+        if self.node_token is None:
+            return
+        current = {n.node_id for n in cur.nodes}
+        for node_id, old in self.followers.items():
+            if node_id not in current:  # replaced (stage recovery): gone
+                old.finish()
+        for node in cur.nodes:
+            ready = node.runtime_ready
+            follower = self.followers.get(node.node_id)
+            gone = node.provider_stopped or node.exited or node.lease_lost
+            if follower is not None:
+                if gone:
+                    follower.finish()  # the node is gone: its last frames, then no more
+                continue
+            if gone or ready is None or not ready.datastream_publisher:
+                continue
+            self.followers[node.node_id] = NodeFollower(
+                self.stream,
+                run_id=self.inp.run_id,
+                node_id=node.node_id,
+                endpoint=ready.datastream_publisher,
+                token=self.node_token,
+                last=self.positions.get(str(node.node_id)),
+            ).start()
+
     def drain_bus(self) -> int:
         items = datastream_bus.drain(self.inp.run_id)
         for item in items:
@@ -188,6 +238,10 @@ class RunStream:
         return len(items)
 
     def close(self) -> None:
+        for follower in self.followers.values():
+            follower.stop(timeout_s=0)
+        for follower in self.followers.values():
+            follower.stop()
         for tailer in self.tailers.values():
             tailer.stop()
         self.save_observed()

@@ -42,6 +42,31 @@ Records where the contract is silent (our choices):
   lost, Left when the node is stopped on purpose).
 - datastream health: ``OrchBootstrap`` with phase ``datastream``, status ``observed`` and
   detail ``{"published","drops":{<sink>:n},"final"}``.
+
+A node's own channels (DECISIONS 93): each node publishes them on its data-plane port
+(``mvp_core.node_datastream``: header, channel, frame, end); the run's datastream activity
+follows every node of the run and passes them on with source ``node_datastream`` on the
+node's stream ``mvp-node-<run_id>-<node_id>`` (beside its log lines), keeping the node's
+frame positions (a gap: frames the node dropped for a slow follower). Every record has
+``run_id``, ``node_id`` and ``stage_index``; none holds prompt text or a secret. At most
+one frame per channel per ``NODE_SAMPLE_S`` (load: per ``NODE_LOAD_EVERY_S``), and only
+when something changed:
+
+- ``mvp.node.load``, the stage's weights loading (provisioning):
+  ``{"type":"NodeLoad",...,"layers":[start,end],"loaded_bytes","total_bytes","status",
+  "elapsed_ms"}``; ``total_bytes`` the bytes of the stage's tensors in the model's files
+  (``mvp_core.stage_share.stage_tensors``), ``loaded_bytes`` those the loader has taken
+  up; ``status`` ``loading``, then ``loaded`` (``loaded_bytes == total_bytes``) or
+  ``failed``.
+- ``mvp.node.steps``, the stage's forward steps in the last interval:
+  ``{"type":"NodeSteps",...,"interval_ms","steps","prefill_steps","busy_ms","mean_ms",
+  "max_ms","largest_batch","steps_total"}`` (milliseconds of the forward passes; a
+  step runs one record of each prompt it batches).
+- ``mvp.node.edges``, the node's data-plane edges:
+  ``{"type":"NodeEdges",...,"interval_ms","in_bytes_per_s","out_bytes_per_s","edges":
+  [{"edge_id","direction":"in"|"out","bytes"}]}`` (``bytes``: since the edge connected).
+- ``mvp.node.kv``, the stage's KV cache slots: ``{"type":"NodeKv",...,"slots_in_use",
+  "slots_total"}`` (a slot holds one prompt in flight).
 """
 
 from __future__ import annotations
@@ -77,6 +102,22 @@ CORE_CHANNELS: tuple[str, ...] = (
     CHANNEL_STDIO_STDOUT,
     CHANNEL_STDIO_STDERR,
 )
+
+# A node's own channels (DECISIONS 93): any channel a node declares must start with
+# NODE_CHANNEL_PREFIX (a node cannot speak on the run's channels).
+NODE_CHANNEL_PREFIX = "mvp.node."
+CHANNEL_NODE_LOAD = "mvp.node.load"
+CHANNEL_NODE_STEPS = "mvp.node.steps"
+CHANNEL_NODE_EDGES = "mvp.node.edges"
+CHANNEL_NODE_KV = "mvp.node.kv"
+NODE_CHANNELS: tuple[str, ...] = (
+    CHANNEL_NODE_LOAD,
+    CHANNEL_NODE_STEPS,
+    CHANNEL_NODE_EDGES,
+    CHANNEL_NODE_KV,
+)
+NODE_SAMPLE_S = 0.5  # a node's steps, edges and KV channels: at most one frame per this
+NODE_LOAD_EVERY_S = 0.25  # ... its load progress (the first and last always)
 
 SOURCE_ORCHESTRATOR = "orchestrator"
 SOURCE_NODE_LOG = "node_log"
@@ -310,6 +351,97 @@ def drops_record(
         node_id,
         {"published": int(published), "drops": dict(sorted(drops.items())), "final": final},
     )
+
+
+class NodeLoadStatus(StrEnum):
+    LOADING = "loading"
+    LOADED = "loaded"
+    FAILED = "failed"
+
+
+def _node_fields(kind: str, run_id: int, node_id: int, stage_index: int) -> JsonRecord:
+    return {
+        "type": kind,
+        "run_id": int(run_id),
+        "node_id": int(node_id),
+        "stage_index": int(stage_index),
+    }
+
+
+def node_load_record(
+    run_id: int,
+    node_id: int,
+    stage_index: int,
+    layers: tuple[int, int],
+    loaded_bytes: int,
+    total_bytes: int,
+    status: NodeLoadStatus | str,
+    elapsed_ms: int,
+) -> JsonRecord:
+    """``mvp.node.load``: ``{"type":"NodeLoad","run_id","node_id","stage_index","layers",
+    "loaded_bytes","total_bytes","status","elapsed_ms"}``."""
+    return _node_fields("NodeLoad", run_id, node_id, stage_index) | {
+        "layers": [int(layers[0]), int(layers[1])],
+        "loaded_bytes": int(loaded_bytes),
+        "total_bytes": int(total_bytes),
+        "status": NodeLoadStatus(status).value,
+        "elapsed_ms": int(elapsed_ms),
+    }
+
+
+def node_steps_record(
+    run_id: int,
+    node_id: int,
+    stage_index: int,
+    *,
+    interval_ms: int,
+    steps: int,
+    prefill_steps: int,
+    busy_ms: float,
+    max_ms: float,
+    largest_batch: int,
+    steps_total: int,
+) -> JsonRecord:
+    """``mvp.node.steps``: the forward steps of one interval (``mean_ms`` derived)."""
+    return _node_fields("NodeSteps", run_id, node_id, stage_index) | {
+        "interval_ms": int(interval_ms),
+        "steps": int(steps),
+        "prefill_steps": int(prefill_steps),
+        "busy_ms": round(float(busy_ms), 3),
+        "mean_ms": round(float(busy_ms) / steps, 3) if steps else 0.0,
+        "max_ms": round(float(max_ms), 3),
+        "largest_batch": int(largest_batch),
+        "steps_total": int(steps_total),
+    }
+
+
+def node_edges_record(
+    run_id: int,
+    node_id: int,
+    stage_index: int,
+    *,
+    interval_ms: int,
+    in_bytes_per_s: float,
+    out_bytes_per_s: float,
+    edges: Iterable[tuple[int, str, int]],
+) -> JsonRecord:
+    """``mvp.node.edges``: each edge as ``(edge_id, "in"|"out", bytes so far)``."""
+    return _node_fields("NodeEdges", run_id, node_id, stage_index) | {
+        "interval_ms": int(interval_ms),
+        "in_bytes_per_s": round(float(in_bytes_per_s), 1),
+        "out_bytes_per_s": round(float(out_bytes_per_s), 1),
+        "edges": [{"edge_id": int(e), "direction": str(d), "bytes": int(n)} for e, d, n in edges],
+    }
+
+
+def node_kv_record(
+    run_id: int, node_id: int, stage_index: int, slots_in_use: int, slots_total: int
+) -> JsonRecord:
+    """``mvp.node.kv``: ``{"type":"NodeKv",...,"slots_in_use","slots_total"}``."""
+    return _node_fields("NodeKv", run_id, node_id, stage_index) | {
+        "slots_in_use": int(slots_in_use),
+        "slots_total": int(slots_total),
+    }
 
 
 # --------------------------------------------------------------------------- redaction

@@ -10,7 +10,8 @@ the head node checks (``text_stream_token``) from the run's snapshot.
 
 The connection handshake is the data plane's: ``HELLO`` (magic, edge id, token length)
 and the token, answered by ``ANSWER`` (status, reason length) and the reason; the text
-stream is the reserved edge id ``TEXT_STREAM_EDGE_ID``.
+stream is the reserved edge id ``TEXT_STREAM_EDGE_ID``, a node's own datastream
+(DECISIONS 93) ``NODE_DATASTREAM_EDGE_ID`` with ``node_datastream_token``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ ANSWER = struct.Struct("<BH")  # status, reason length; then the reason
 ANSWER_OK, ANSWER_RETRY, ANSWER_REJECT = 0, 1, 2
 MAX_TOKEN_LEN = 1024
 TEXT_STREAM_EDGE_ID = 0xFFFF_FFFF  # no plan numbers an edge so
+NODE_DATASTREAM_EDGE_ID = 0xFFFF_FFFE  # nor so: a node's own datastream (DECISIONS 93)
 # The hello token of a text-stream reader that holds no deployment secret but the key its
 # prompt was admitted with (SubmitPrompt.text_key, DECISIONS 80): the node checks that key
 # against the prompt's own once the prompt is on it. Public: the key is the credential.
@@ -95,6 +97,14 @@ def text_stream_token(secret: bytes, run_workflow_id: str, nonce: str) -> str:
     it from the run's snapshot, which shows the nonce's first 8 characters only."""
     msg = f"{run_workflow_id}/{nonce[:8]}/text-stream".encode()
     return hmac.new(secret, msg, hashlib.sha256).hexdigest()[:32]
+
+
+def node_datastream_token(edge_token: str) -> str:
+    """The token a follower of a node's own datastream shows (DECISIONS 93): derived from
+    the execution's edge token, which the node holds and its run's datastream activity
+    derives (``edge_token``), so it needs no handing over; it opens the node's
+    observations only, never an edge."""
+    return hmac.new(edge_token.encode(), b"node-datastream", hashlib.sha256).hexdigest()[:32]
 
 
 def hello(edge_id: int, token: str) -> bytes:

@@ -9,7 +9,8 @@ sink and counted, so a slow disk or a stuck subscriber never slows the run (the
 datastream is observational, process spec 8.15, 9.18). ``close`` flushes with a bound.
 
 One module per job, re-exported here: ``sinks`` (the bounded queue every sink has),
-``archive``, ``live_subscribers``, ``publisher`` (``Datastream``), ``tailer``, ``address``.
+``archive``, ``live_subscribers``, ``publisher`` (``Datastream``), ``tailer``,
+``node_follower``, ``address``.
 
 Sinks:
 
@@ -22,7 +23,9 @@ Sinks:
   publish sequence, so a gap shows what that subscriber lost). A subscriber that does not
   keep up loses frames (counted), it never slows the others or the run.
 
-``LogTailer`` follows a node's log file and publishes its lines as log records.
+``LogTailer`` follows a node's log file and publishes its lines as log records;
+``NodeFollower`` follows a node's own datastream on its data-plane port and passes its
+frames on (``Datastream.relay``, DECISIONS 93).
 ``workers/host/follow.py`` is the subscriber side; ``activities/datastream.py`` the run's activity (``python -m workers.host.follow``).
 
 Host wiring (sketch)::
@@ -42,6 +45,7 @@ from __future__ import annotations
 from mvp_io.datastream.address import format_address, parse_address
 from mvp_io.datastream.archive import FrameArchive, read_frame_lines
 from mvp_io.datastream.live_subscribers import LiveSubscribers
+from mvp_io.datastream.node_follower import NodeFollower
 from mvp_io.datastream.publisher import DEFAULT_SUMMARY_INTERVAL_S, Datastream
 from mvp_io.datastream.sinks import DEFAULT_CLOSE_TIMEOUT_S, DEFAULT_QUEUE_FRAMES, Sink
 from mvp_io.datastream.tailer import LogTailer
@@ -54,6 +58,7 @@ __all__ = [
     "FrameArchive",
     "LiveSubscribers",
     "LogTailer",
+    "NodeFollower",
     "Sink",
     "format_address",
     "parse_address",

@@ -15,6 +15,7 @@ from mvp_core.datastream import (
     CHANNEL_PROMPT,
     CHANNEL_PROVISIONING_EVENTS,
     CORE_CHANNELS,
+    SOURCE_NODE_DATASTREAM,
     SOURCE_ORCHESTRATOR,
     BootstrapPhase,
     BootstrapStatus,
@@ -161,6 +162,31 @@ class Datastream:
             for sink in self._sinks:
                 sink.offer(frame)
         return True
+
+    def relay(
+        self,
+        stream: str,
+        channel: str,
+        position: int,
+        payload: bytes,
+        *,
+        source: str = SOURCE_NODE_DATASTREAM,
+    ) -> None:
+        """Pass on a frame another publisher made (a node's own, DECISIONS 93) on
+        ``stream``: its channel id is this datastream's for (``stream``, ``channel``),
+        its position the publisher's own (a gap: frames it dropped), the arrival time
+        now. The payload is redacted with this datastream's secrets."""
+        raw = self.redactor.redact_bytes(payload)
+        now_ms = time.time_ns() // 1_000_000
+        with self._lock:
+            if self._closed:
+                self._after_close += 1
+                return
+            channel_id = self._registry.channel_id(stream, channel)
+            frame = Frame(self._seq, now_ms, source, stream, channel, channel_id, position, raw)
+            self._seq += 1
+            for sink in self._sinks:
+                sink.offer(frame)
 
     def bootstrap(
         self,

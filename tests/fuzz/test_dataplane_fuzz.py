@@ -29,7 +29,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from mvp_core.edge_auth import TEXT_STREAM_EDGE_ID
+from mvp_core.edge_auth import NODE_DATASTREAM_EDGE_ID, TEXT_STREAM_EDGE_ID
 from mvp_core.models import ActivationDtype
 from tests.helpers.leaks import nothing_left_behind
 from workers.node.dataplane import (
@@ -214,6 +214,8 @@ def _hello_oracle(stream: bytes) -> tuple[int | None, str, str]:
         return None, "", "incomplete hello from 127.0.0.1:"
     if edge_id == TEXT_STREAM_EDGE_ID:  # this server serves no text stream
         return _REJECT, "this node serves no text stream", "this node serves none"
+    if edge_id == NODE_DATASTREAM_EDGE_ID:  # nor a datastream of its own (DECISIONS 93)
+        return _REJECT, "this node serves no datastream", "none served"
     if edge_id == _EXPECTED_EDGE:
         assert token != TOKEN, "the strategy must never make the rightful hello"
         wrong = "authentication failed: wrong edge token"
@@ -305,6 +307,7 @@ def test_hello_fuzz(caplog: pytest.LogCaptureFixture) -> None:
         @settings(FUZZ, max_examples=300)
         @given(_hello_case())
         @example(("wrong_edge", _hello(TEXT_STREAM_EDGE_ID, TOKEN)))  # CI found it once
+        @example(("wrong_edge", _hello(NODE_DATASTREAM_EDGE_ID, TOKEN)))
         def case(kind_stream: tuple[str, bytes]) -> None:
             kind, stream = kind_stream
             kinds[kind] += 1
@@ -401,7 +404,7 @@ def test_connect_edge_typed_errors_fuzz() -> None:
         server.close()
 
 
-@pytest.mark.parametrize("edge_id", [5, 8064, TEXT_STREAM_EDGE_ID - 1])
+@pytest.mark.parametrize("edge_id", [5, 8064, NODE_DATASTREAM_EDGE_ID - 1])
 def test_connect_edge_to_an_edge_never_expected_times_out_saying_why(edge_id: int) -> None:
     """An edge the downstream never expects: connect_edge retries to its deadline, then
     EdgeTimeout with the downstream's last answer. The server's answers (any edge id) are

@@ -336,3 +336,58 @@ async def test_the_served_runs_state_is_fed_by_its_datastream_before_any_snapsho
         assert obs.snapshots == reads + 1 and view.phase == "torn_down"
     finally:
         await obs.aclose()
+
+
+async def test_each_nodes_own_channels_show_in_its_stage_row(stream: Any):
+    """DECISIONS 93: the latest of a node's load, steps, KV slots and edge rates, by the
+    node of the frame's stream (never the record's own word)."""
+    ds_stream, live = stream
+
+    def own(node: int, channel: str, record: dict[str, Any], position: int = 0) -> None:
+        payload = ds.encode_record(record)
+        ds_stream.relay(ds.node_stream_id(RUN, node), channel, position, payload)
+
+    own(
+        2,
+        ds.CHANNEL_NODE_LOAD,
+        ds.node_load_record(RUN, 2, 0, (0, 15), 10**6, 63 * 10**6, "loading", 5),
+    )
+    own(
+        2,
+        ds.CHANNEL_NODE_LOAD,
+        ds.node_load_record(RUN, 2, 0, (0, 15), 63 * 10**6, 63 * 10**6, "loaded", 9),
+        1,
+    )
+    own(2, ds.CHANNEL_NODE_STEPS, ds.node_steps_record(RUN, 2, 0, interval_ms=500, steps=10, prefill_steps=1,
+                                                       busy_ms=24.0, max_ms=9.0, largest_batch=1, steps_total=10))  # fmt: skip
+    own(2, ds.CHANNEL_NODE_KV, ds.node_kv_record(RUN, 2, 0, 1, 8))
+    own(2, ds.CHANNEL_NODE_EDGES, ds.node_edges_record(RUN, 2, 0, interval_ms=500, in_bytes_per_s=1500,
+                                                       out_bytes_per_s=42000, edges=[(1, "out", 9)]))  # fmt: skip
+    # Node 3 speaks of node 2 in its record: it is node 3's row that shows it.
+    own(3, ds.CHANNEL_NODE_KV, ds.node_kv_record(RUN, 2, 1, 5, 8))
+    # A node channel on a stream that is no node's is not a node's figure.
+    ds_stream.publish(ds.CHANNEL_NODE_KV, ds.node_kv_record(RUN, 2, 0, 7, 8))
+    src = FakeSource()
+    src.status["mvp-run-7"] = ("running", "e")
+    src.states["mvp-run-7"] = with_datastream(live.address)
+    obs = watched(src)
+    try:
+        await obs.observe()
+        await eventually(
+            lambda: obs.feed.frames >= 7, timeout=10, what="the frames read", interval=0.01
+        )
+        view = (await obs.observe()).runs[0]
+        node2 = next(s for s in view.stages if s.node_id == 2)
+        node3 = next(s for s in view.stages if s.node_id == 3)
+        assert node2.own is not None and node3.own is not None
+        assert (node2.own.load_status, node2.own.loaded_mb, node2.own.load_total_mb) == (
+            "loaded",
+            63.0,
+            63.0,
+        )
+        assert (node2.own.step_ms, node2.own.steps_per_s) == (2.4, 20.0)
+        assert (node2.own.kv_in_use, node2.own.kv_total) == (1, 8)
+        assert (node2.own.in_kb_s, node2.own.out_kb_s) == (1.5, 42.0)
+        assert (node3.own.kv_in_use, node3.own.load_status) == (5, None)
+    finally:
+        await obs.aclose()

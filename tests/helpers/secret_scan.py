@@ -4,7 +4,7 @@ It reads every workflow of a namespace (histories, search attributes, and the
 ``snapshot`` query of every run), plus log files, and reports each place where one of
 the given secrets occurs. The edge tokens to look for are derived from each run's
 execution nonce (read from its ``provider.start_node`` inputs) and the harness's edge
-secret, exactly as the provider derives them.
+secret, exactly as the provider derives them, with each one's node-datastream token.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from temporalio.service import RPCError
 
 from activities.providers.base import edge_token
 from mvp_core import names
+from mvp_core.edge_auth import node_datastream_token
 
 
 @dataclass
@@ -74,7 +75,9 @@ async def scan(
         desc = await handle.describe()
         texts.append((f"description of {wf.id}", MessageToJson(desc.raw_description)))
         for nonce in _nonces(history):
-            report.edge_tokens.add(edge_token(edge_secret, wf.id, nonce))
+            token = edge_token(edge_secret, wf.id, nonce)
+            report.edge_tokens.add(token)
+            report.edge_tokens.add(node_datastream_token(token))  # DECISIONS 93
         if wf.workflow_type == names.RUN_WORKFLOW:
             run_ids.append((wf.id, wf.run_id or ""))
     for wf_id, run_id in run_ids:

@@ -405,6 +405,20 @@ def test_a_two_stage_archive_holds_the_whole_session_in_order_and_sigint_ends_it
         assert any(f"node {node_id} stopped" in r["record"]["line"]["line"] for r in mine), node_id
     events = [r["record"]["event"]["kind"] for r in records if "event" in r["record"]]
     assert events.count("NodeLive") == 2 and events.count("NodeStopped") == 2
+    # Each node's own channels (DECISIONS 93), forwarded by the host from the run's
+    # datastream, on the node's stream, each channel in order.
+    for node_id in (2, 3):
+        own = [
+            r["frame"]
+            for r in records
+            if r["frame"]["source"] == "node_datastream"
+            and r["frame"]["stream"] == f"mvp-node-1-{node_id}"  # run_id = 1
+        ]
+        channels = {f["channel"] for f in own}
+        assert channels == {"mvp.node.load", "mvp.node.steps", "mvp.node.edges", "mvp.node.kv"}
+        for channel in channels:
+            positions = [f["position"] for f in own if f["channel"] == channel]
+            assert positions == sorted(set(positions)), (node_id, channel, positions)
     print(
         f"\n[figure] mvp-orchestrator start to RPC accepting, 2 stages: {ready_s:.1f} s; "
         f"first delta over the RPC: {first_s * 1000:.0f} ms"

@@ -21,6 +21,7 @@ import pytest
 from temporalio.client import WorkflowExecutionStatus, WorkflowHandle
 
 from mvp_core import names
+from mvp_core.datastream import decode_payload
 from mvp_core.models import (
     Done,
     Fault,
@@ -34,6 +35,7 @@ from mvp_core.models import (
 from mvp_core.run_records import NodeState
 from mvp_core.run_state import RunState
 from temporal.client import RunHandle
+from tests.helpers.waits import eventually
 from tests.integration.conftest import (
     Runs,
     run_failure,
@@ -42,6 +44,7 @@ from tests.integration.conftest import (
     wait_phase,
     wait_state,
 )
+from workers.host.follow import read_archive
 
 MAX_TOKENS = 160
 # Each piece of text held 10 ms on the head node: the kill lands mid-generation.
@@ -282,6 +285,20 @@ async def test_a_loss_past_the_bound_faults_the_run(runs: Runs):
     after = await wait_state(handle, recovered, "one recovery, then prompt-ready", timeout=120)
     new = next(n for n in after.nodes if n.stage_index == 1)
     assert new.handle is not None and new.handle.pid is not None
+    # The replacement's own datastream is followed too (DECISIONS 93): its load, loaded.
+    where = await RunHandle(runs.client, run_id).datastream(wait_s=30)
+    assert where is not None
+
+    def replacement_loaded() -> bool:
+        return any(
+            f["source"] == "node_datastream"
+            and f["stream"] == f"mvp-node-{run_id}-{new.node_id}"
+            and f["channel"] == "mvp.node.load"
+            and decode_payload(f)["status"] == "loaded"
+            for f in read_archive(Path(where.archive))
+        )
+
+    await eventually(replacement_loaded, timeout=30, what="the replacement's load, loaded")
     os.kill(new.handle.pid, signal.SIGKILL)
     cause = await run_failure(handle)
     assert f"node {new.node_id} exited" in cause and "no replacement left" in cause, cause

@@ -10,7 +10,9 @@ page shows of them, bounded:
 - each node's last log lines (``mvp.provisioning.logs.node.<id>.<stdout|stderr|provider>``:
   its output, its stderr, and its provider's progress: rent, SSH, bootstrap, waits);
 - the run's last events, one line each (bootstrap phases, provisioning events, lifecycle
-  reports, membership, stage routes).
+  reports, membership, stage routes);
+- each node's latest figures from its own channels (``mvp.node.*``, DECISIONS 93: load,
+  steps, KV slots, edge rates), by the node of the frame's stream.
 
 Everything is redacted again with the gateway's own secrets (the datastream redacts with
 the worker's). A frame wakes whoever waits on ``changed`` (the dashboard's poller: the
@@ -33,7 +35,7 @@ from mvp_core import datastream as ds
 from mvp_core.models import DatastreamAddress
 from mvp_io.datastream import parse_address
 from workers.dashboard.facts import StreamFacts
-from workers.dashboard.view import FeedEvent, LogTail, clip
+from workers.dashboard.view import FeedEvent, LogTail, NodeFigures, clip, node_figures
 
 LOG_LINES = 12  # per node
 EVENTS = 32  # the run's last events
@@ -93,6 +95,12 @@ def node_of_log_channel(channel: str) -> int | None:
     return int(head) if head.isdigit() else None
 
 
+def node_of_stream(stream: str) -> int | None:
+    """The node id of ``mvp-node-<run_id>-<node_id>``, else None."""
+    head, _, node = stream.rpartition("-")
+    return int(node) if head.startswith("mvp-node-") and node.isdigit() else None
+
+
 class DatastreamFeed:
     """Follows one run's datastream at a time (see the module doc)."""
 
@@ -115,6 +123,7 @@ class DatastreamFeed:
         self.note: str | None = None  # why there is no live stream
         self.frames = 0  # frames read from the current stream
         self._lines: dict[int, deque[str]] = {}
+        self._own: dict[int, NodeFigures] = {}  # each node's figures from its own channels
         self._events: deque[FeedEvent] = deque(maxlen=events)
         self.facts = StreamFacts()  # the run's state as the stream tells it (facts.py)
         self._task: asyncio.Task[None] | None = None
@@ -129,6 +138,9 @@ class DatastreamFeed:
             for node, lines in self._lines.items()
             if lines
         }
+
+    def node_figures(self) -> dict[int, NodeFigures]:
+        return dict(self._own)
 
     def events(self) -> list[FeedEvent]:
         return list(self._events)
@@ -208,6 +220,7 @@ class DatastreamFeed:
             return
         # The stream starts with everything its attempt published: start afresh.
         self._lines.clear()
+        self._own.clear()
         self._events.clear()
         self.facts = StreamFacts()
         self.frames = 0
@@ -243,6 +256,13 @@ class DatastreamFeed:
         except (ValueError, KeyError, TypeError):
             return
         self.frames += 1
+        if channel.startswith(ds.NODE_CHANNEL_PREFIX):
+            node = node_of_stream(str(frame.get("stream", "")))
+            got = None if node is None else node_figures(self._own.get(node), channel, record)
+            if node is not None and got is not None:
+                self._own[node] = got
+                self.changed.set()
+            return
         node = node_of_log_channel(channel)
         if node is not None:
             body = record.get("line") if isinstance(record, dict) else None

@@ -277,6 +277,7 @@ class Observer:
             note=clip(note) if note else None,
             fetches=fetches,
             conditions=conditions,
+            own=self.feed.node_figures() if served else None,
         )
         if served:
             view.events = self.feed.events()

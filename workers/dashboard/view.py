@@ -1,7 +1,8 @@
 """What the dashboard shows of a run, shaped from the run's own observations.
 
 Pure functions over the run's ``snapshot`` (``RunState``), its status in Temporal, the
-figures of its finished prompts and the tails of its node logs; ``workers.dashboard.observer``
+figures of its finished prompts, the tails of its node logs and the nodes' own figures
+(their datastream channels); ``workers.dashboard.observer``
 gathers those and streams the result. Ids, names, counts, timings and log lines only:
 never a prompt's text, the execution nonce or anything else the page does not show.
 """
@@ -9,10 +10,11 @@ never a prompt's text, the execution nonce or anything else the page does not sh
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from mvp_core import datastream as ds
 from mvp_core.models import LifecycleKind, PromptOutcome, PromptStatus, ServedPrompt
 from mvp_core.run_records import NodeCondition, NodeState
 from mvp_core.run_state import RunState
@@ -59,6 +61,54 @@ class FeedEvent(BaseModel):
     text: str
 
 
+class NodeFigures(BaseModel):
+    """A node's latest figures from its own channels (DECISIONS 93; the served run's
+    datastream): its load, its last steps' mean, its KV slots, its edges' rates."""
+
+    load_status: str | None = None  # loading, loaded, failed
+    loaded_mb: float | None = None
+    load_total_mb: float | None = None
+    step_ms: float | None = None  # the mean forward step of its last busy interval
+    steps_per_s: float | None = None
+    kv_in_use: int | None = None
+    kv_total: int | None = None
+    in_kb_s: float | None = None
+    out_kb_s: float | None = None
+
+
+def _number(record: Mapping[str, Any], key: str) -> float | None:
+    value = record.get(key)
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def node_figures(prev: NodeFigures | None, channel: str, record: Any) -> NodeFigures | None:
+    """``prev`` with a record of a node's own channel taken in (None: not one)."""
+    if not isinstance(record, dict):
+        return None
+    got = (prev or NodeFigures()).model_copy()
+    kind = record.get("type")
+    if channel == ds.CHANNEL_NODE_LOAD and kind == "NodeLoad":
+        loaded, total = _number(record, "loaded_bytes"), _number(record, "total_bytes")
+        got.load_status = clip(str(record.get("status")), 16)
+        got.loaded_mb = None if loaded is None else round(loaded / 1e6, 1)
+        got.load_total_mb = None if total is None else round(total / 1e6, 1)
+    elif channel == ds.CHANNEL_NODE_STEPS and kind == "NodeSteps":
+        steps, interval = _number(record, "steps"), _number(record, "interval_ms")
+        got.step_ms = _number(record, "mean_ms")
+        got.steps_per_s = round(steps * 1000 / interval, 1) if steps and interval else None
+    elif channel == ds.CHANNEL_NODE_KV and kind == "NodeKv":
+        in_use, total = _number(record, "slots_in_use"), _number(record, "slots_total")
+        got.kv_in_use = None if in_use is None else int(in_use)
+        got.kv_total = None if total is None else int(total)
+    elif channel == ds.CHANNEL_NODE_EDGES and kind == "NodeEdges":
+        rate_in, rate_out = _number(record, "in_bytes_per_s"), _number(record, "out_bytes_per_s")
+        got.in_kb_s = None if rate_in is None else round(rate_in / 1e3, 1)
+        got.out_kb_s = None if rate_out is None else round(rate_out / 1e3, 1)
+    else:
+        return None
+    return got
+
+
 class StageView(BaseModel):
     stage_index: int
     node_id: int
@@ -73,6 +123,7 @@ class StageView(BaseModel):
     fetching_mb: float | None = None
     state: StageState
     log: LogTail | None = None
+    own: NodeFigures | None = None  # the node's own channels (served run, DECISIONS 93)
 
 
 class PromptFigures(BaseModel):
@@ -257,12 +308,15 @@ def stage_views(
     logs: Mapping[int, LogTail],
     fetches: Mapping[int, tuple[int, int]] | None = None,
     conditions: Mapping[int, StageState] | None = None,
+    own: Mapping[int, NodeFigures] | None = None,
 ) -> list[StageView]:
     """One row per planned stage (before the plan: per node the run knows); ``fetches``:
     the shares being fetched now, by node (bytes held, bytes in all); ``conditions``: a
-    node's state where the run's datastream told more than the snapshot (by node)."""
+    node's state where the run's datastream told more than the snapshot (by node);
+    ``own``: each node's figures from its own channels (by node)."""
     fetches = fetches or {}
     conditions = conditions or {}
+    own = own or {}
     by_stage = {n.stage_index: n for n in state.nodes}
     rows: list[StageView] = []
     planned = state.plan.stages if state.plan is not None else []
@@ -290,6 +344,7 @@ def stage_views(
                 fetching_mb=_mb(fetching[0]) if fetching is not None else None,
                 state=conditions.get(node_id) or stage_state(node),
                 log=logs.get(node_id),
+                own=own.get(node_id),
             )
         )
     return rows
@@ -307,6 +362,7 @@ def run_view(
     note: str | None = None,
     fetches: Mapping[int, tuple[int, int]] | None = None,
     conditions: Mapping[int, StageState] | None = None,
+    own: Mapping[int, NodeFigures] | None = None,
 ) -> RunView:
     view = RunView(workflow_id=workflow_id, run_id=run_id, served=served, status=status, note=note)
     if state is None:
@@ -342,7 +398,7 @@ def run_view(
         also_active=[str(p.request_id) for p in state.also_active],
         pending=[str(p.request_id) for p in state.pending],
     )
-    view.stages = stage_views(state, logs, fetches, conditions)
+    view.stages = stage_views(state, logs, fetches, conditions, own)
     view.recent = [
         prompt_view(p, figures_of.get(p.workflow_id) if p.workflow_id else None)
         for p in finished_prompts(state)

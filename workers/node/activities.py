@@ -20,6 +20,7 @@ from temporalio.exceptions import ApplicationError
 
 from mvp_core import names
 from mvp_core.datastream import Redactor
+from mvp_core.edge_auth import node_datastream_token
 from mvp_core.errors import ErrorType
 from mvp_core.generation import PromptRefused
 from mvp_core.models import (
@@ -48,6 +49,7 @@ from temporal import telemetry
 from workers.node import layout
 from workers.node.config import FaultInjection, NodeConfig
 from workers.node.dataplane import DataPlaneServer
+from workers.node.nodestream import LoadProgress, NodeDatastream, NodeSampler
 from workers.node.textpath import NoTemporalText, TextFanout, TextHub, TextPipe
 
 if TYPE_CHECKING:
@@ -67,6 +69,7 @@ TEXT_GATE_POLL_S = 0.05  # held text (fault injection) looks for its gate this o
 MAX_EARLY_STOPS = 256  # stops remembered for generates not started yet
 TEXT_GATHER_S = 0.025  # the finest stream granularity: stream_batch_ms is at least this
 MAX_GATHER_S = 1.0  # the coarsest, however many prompts generate
+DATASTREAM_END_S = 3.0  # at exit, the node's datastream followers get its end within this
 
 
 class NodeActivities:
@@ -93,6 +96,26 @@ class NodeActivities:
         self.text = TextHub()
         if cfg.text_token:
             server.serve_text(cfg.text_token, self.text.serve)
+        # The node's own datastream (DECISIONS 93), for followers that show the token
+        # derived from the run's edge token: its load, steps, edges and KV slots.
+        self.datastream = NodeDatastream(
+            cfg.run_id, cfg.node_id, cfg.stage_index, redactor=Redactor.from_env(os.environ)
+        )
+        self.sampler: NodeSampler | None = None
+        if cfg.edge_token:
+            server.serve_datastream(node_datastream_token(cfg.edge_token), self.datastream.serve)
+
+    def start_datastream(self) -> None:
+        """Sample the stage for the node's datastream (the agent, once it serves)."""
+        if self.sampler is None:
+            self.sampler = NodeSampler(self.datastream, lambda: self.runtime).start()
+
+    def close_datastream(self, reason: str = "stopped") -> None:
+        """The last samples, then the stream's end: followers get it before the node exits
+        (bounded: its data plane closes their sockets next)."""
+        if self.sampler is not None:
+            self.sampler.stop()
+        self.datastream.close(reason, wait_s=DATASTREAM_END_S)
 
     def _generate_ended(self, key: str, stopped: threading.Event) -> None:
         self.generating -= 1
@@ -198,11 +221,14 @@ class NodeActivities:
                 ErrorType.STAGE_REJECTED,
             )
         if self.runtime is None:
-            task = await _heartbeating("loading", _load_runtime, prov)
+            progress = LoadProgress(self.datastream, (prov.layers.start, prov.layers.end))
+            task = await _heartbeating("loading", _load_runtime, prov, progress)
             try:
                 runtime = task.result()
+                progress.done()
                 self._join_data_plane(runtime)
             except Exception as err:
+                progress.failed()
                 raise _fatal(
                     self.redact(f"stage {cfg.stage_index} weight load failed: {err}"),
                     ErrorType.STAGE_LOAD_FAILED,
@@ -474,6 +500,8 @@ class NodeActivities:
         self.text.close()
         if runtime is not None:
             await asyncio.to_thread(runtime.close)
+            if self.sampler is not None:  # its last steps, its KV slots freed
+                await asyncio.to_thread(self.sampler.sample, runtime)
         await self._report(
             StageStopped(
                 run_id=cfg.run_id, stage_index=cfg.stage_index, readiness_id=cfg.readiness_id
@@ -571,13 +599,13 @@ def prompt_timing(result: GenerationResult, first_published: float | None) -> Pr
     )
 
 
-def _load_runtime(prov: StageProvision) -> StageRuntime:
+def _load_runtime(prov: StageProvision, progress: LoadProgress | None = None) -> StageRuntime:
     from workers.node.runtime import StageRuntime  # waits for the boot-time import
 
     delay = FaultInjection.from_env().provision_delay_s
     if delay:
         time.sleep(delay)
-    return StageRuntime.load(prov)
+    return StageRuntime.load(prov, progress)
 
 
 def preload_runtime() -> threading.Thread:

@@ -68,12 +68,15 @@ async def report_ready(
 ) -> None:
     """Re-send NodeRuntimeReady with backoff until acknowledged (DECISIONS 3); ``port``:
     the one peers connect to, when it is not the listener's own (a delay line's)."""
+    endpoint = f"{advertised_host(acts.server.host)}:{port or advertised_port(acts.server.port)}"
     report = NodeRuntimeReady(
         run_id=cfg.run_id,
         node_id=cfg.node_id,
         stage_index=cfg.stage_index,
-        endpoint=f"{advertised_host(acts.server.host)}:{port or advertised_port(acts.server.port)}",
+        endpoint=endpoint,
         node_actor=cfg.task_queue,
+        # The node's own datastream is served on its data-plane listener (DECISIONS 93).
+        datastream_publisher=endpoint if cfg.edge_token else None,
         worker_identity=FaultInjection.from_env().report_identity or cfg.identity,
         readiness_id=cfg.readiness_id,
     )
@@ -219,6 +222,7 @@ async def amain() -> None:
     if delay is not None:
         log.warning("fault injection: edges from peers delayed %.1f ms", faults.edge_delay_s * 1e3)
     acts = NodeActivities(cfg, client, server)
+    acts.start_datastream()
     worker = Worker(
         client,
         task_queue=cfg.task_queue,
@@ -259,6 +263,7 @@ async def amain() -> None:
     await worker.shutdown()
     if acts.runtime is not None:
         acts.runtime.close()
+    await asyncio.to_thread(acts.close_datastream)
     if delay is not None:
         writes, mean, worst = delay.lateness()
         log.info(

@@ -73,6 +73,7 @@ from workers.node.engine.formats import StageFormats
 from workers.node.engine.prefix_cache import PrefixCache, ids_bytes, reuse_bounds
 from workers.node.engine.sampling import TokenLogprobs, check_resume
 from workers.node.engine.session import BatchSession, NoFreeSlot
+from workers.node.nodestream import StepStats
 
 log = logging.getLogger("mvp.pipeline")
 IDLE_POLL_S = 1.0
@@ -111,8 +112,10 @@ class StageLink:
         forward_timer: ForwardTimer | None = None,
         formats: StageFormats | None = None,
         prefix_budget: int | None = None,
+        step_stats: StepStats | None = None,
     ) -> None:
         self.stage = stage
+        self.step_stats = step_stats  # the node's datastream: steps, KV slots (DECISIONS 93)
         self.formats = formats  # the last stage's vocabulary for response formats
         # The stage's prefix cache in bytes (None: the node's setting; 0: none), while
         # serving (its stats: what it holds and did; DECISIONS 91), and on the first
@@ -226,7 +229,11 @@ class StageLink:
                     batch.append(self._work(session, flows, hdr, payload))
                 if batch:
                     self._step(session, batch, out)
+                if self.step_stats is not None:
+                    self.step_stats.slots_in_use = len(flows)
         finally:
+            if self.step_stats is not None:
+                self.step_stats.slots_in_use = 0
             if self.prefix is not None:
                 log.info("stage [%d,%d) prefix cache: %s", self.stage.layer_start,
                          self.stage.layer_end, self.prefix.stats)  # fmt: skip
@@ -307,14 +314,19 @@ class StageLink:
 
     def _step(self, session: BatchSession, batch: list[_Work], out: EdgeSender) -> None:
         """One forward over the batch's rows; one record out per prompt."""
-        stage, timer = self.stage, self.forward_timer
+        stage, timer, stats = self.stage, self.forward_timer, self.step_stats
         self.largest_batch = max(self.largest_batch, len(batch))
         prefill = any(w.begin for w in batch)
-        t0 = perf_counter() if timer is not None and timer.wants(prefill) else None
+        sampled = timer is not None and timer.wants(prefill)
+        t0 = perf_counter() if sampled or stats is not None else 0.0
         result = session.forward([(w.flow.slot, w.rows) for w in batch])
-        if t0 is not None:
-            assert timer is not None
-            timer.record(perf_counter() - t0, prefill)
+        if sampled or stats is not None:
+            took = perf_counter() - t0
+            if sampled:
+                assert timer is not None
+                timer.record(took, prefill)
+            if stats is not None:
+                stats.record(took, prefill, len(batch))
         for w in batch:
             got = result[w.flow.slot]
             if w.keep is not None:  # a prompt's rows: the prefix cache keeps its blocks

@@ -20,10 +20,18 @@ from mvp_core.models import EdgeKind, StageProvision, SubmitPrompt, TokenLogprob
 from temporal import telemetry
 from workers.node.affinity import Placement, compute_set, cpu_quota
 from workers.node.config import FaultInjection
-from workers.node.dataplane import DataPlaneServer, EdgeClosed, EdgeError, EdgeGroup, EdgeSpec
+from workers.node.dataplane import (
+    DataPlaneServer,
+    Edge,
+    EdgeClosed,
+    EdgeError,
+    EdgeGroup,
+    EdgeSpec,
+)
 from workers.node.engine import (
     ContextOverflow,
     EngineOptions,
+    LoadObserver,
     SamplingParams,
     Stage,
     load_stage,
@@ -33,6 +41,7 @@ from workers.node.engine import (
 from workers.node.engine.formats import StageFormats
 from workers.node.engine.sampling import TokenLogprobs
 from workers.node.engine.tokenizer import Tokenizer, TokenizerError
+from workers.node.nodestream import StepStats
 from workers.node.pipeline import Driver, Endpoint, StageLink
 from workers.node.scheduler import Scheduler
 from workers.node.textpath import Detokenizer
@@ -93,6 +102,8 @@ class StageRuntime:
         # Response formats' vocabulary (DECISIONS 89): built at the first prompt that asks.
         self.formats = StageFormats(tokenizer, self.stop_ids)
         self.threads = 0  # the engine's CPU threads (set by load)
+        # Its steps and KV slots in use, for the node's datastream (DECISIONS 93).
+        self.steps = StepStats(provision.max_active_prompts)
         self.scheduler: Scheduler | None = None  # direct mode: the whole model here
         self._scheduler_lock = threading.Lock()
         self.link: StageLink | None = None
@@ -112,7 +123,7 @@ class StageRuntime:
         )
 
     @classmethod
-    def load(cls, provision: StageProvision) -> StageRuntime:
+    def load(cls, provision: StageProvision, progress: LoadObserver | None = None) -> StageRuntime:
         started = time.perf_counter()
         settings = provision.engine
         # Nodes sharing a host share its cores (DECISIONS 20).
@@ -129,11 +140,22 @@ class StageRuntime:
             native_kernel=uses_native_kernel(provision.model_path, opts),
         )
         opts = dataclasses.replace(opts, threads=threads)
-        stage = load_stage(provision.model_path, provision.layers.start, provision.layers.end, opts)
+        stage = load_stage(
+            provision.model_path,
+            provision.layers.start,
+            provision.layers.end,
+            opts,
+            progress=progress,
+        )
         tokenizer = Tokenizer.from_gguf(provision.tokenizer_path)
         runtime = cls(provision, stage, tokenizer, time.perf_counter() - started)
         runtime.threads = opts.threads or 0
         return runtime
+
+    def edges(self) -> list[Edge]:
+        """The data-plane edges of the stage's pipeline now (none in direct mode)."""
+        group = self.group
+        return [] if group is None else group.edges()
 
     @property
     def stop_ids(self) -> set[int]:
@@ -193,6 +215,7 @@ class StageRuntime:
             placement=self.placement,
             forward_timer=telemetry.current().forward_timer(prov.stage_index),
             formats=self.formats if self.stage.is_last else None,
+            step_stats=self.steps,
         )
         if prov.driver_edges:
             token_in = next(e for e in prov.driver_edges if e.kind is EdgeKind.TOKEN_IN)
@@ -392,6 +415,7 @@ class StageRuntime:
                     placement=self.placement,
                     forward_timer=telemetry.current().forward_timer(prov.stage_index),
                     formats=self.formats,
+                    step_stats=self.steps,
                 )
             return self.scheduler
 

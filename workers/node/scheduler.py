@@ -30,6 +30,7 @@ from workers.node.engine.batch_generate import BatchGenerator, Finish
 from workers.node.engine.formats import StageFormats
 from workers.node.engine.prefix_cache import PrefixCache
 from workers.node.engine.sampling import TokenLogprobs
+from workers.node.nodestream import StepStats
 
 log = logging.getLogger("mvp.scheduler")
 
@@ -78,6 +79,7 @@ class Scheduler:
         placement: Placement | None = None,
         forward_timer: ForwardTimer | None = None,
         formats: StageFormats | None = None,
+        step_stats: StepStats | None = None,
     ) -> None:
         if slots <= 0:
             raise ValueError("slots must be positive")
@@ -87,6 +89,7 @@ class Scheduler:
         self.stop_ids = frozenset(stop_ids)
         self.placement = placement or Placement()
         self.forward_timer = forward_timer
+        self.step_stats = step_stats  # the node's datastream: steps, KV slots (DECISIONS 93)
         self.formats = formats  # the vocabulary of prompts with a response format
         # The stage's prefix cache (its stats: what it holds and did; DECISIONS 91).
         self.prefix: PrefixCache | None = None
@@ -167,6 +170,8 @@ class Scheduler:
                     self._cancel(gen)
                     if self._running:
                         self._step(gen)
+                    if self.step_stats is not None:
+                        self.step_stats.slots_in_use = len(self._running)
                 except Exception as err:  # an engine fault: every sequence in it ends
                     log.error("batched step failed: %s: %s", type(err).__name__, err)
                     with self._cond:
@@ -176,6 +181,8 @@ class Scheduler:
                     gen.close()
                     gen = None
         finally:
+            if self.step_stats is not None:
+                self.step_stats.slots_in_use = 0
             if gen is not None:
                 gen.close()
             with self._cond:
@@ -241,13 +248,18 @@ class Scheduler:
             self._running.remove(job)
 
     def _step(self, gen: BatchGenerator) -> None:
-        timer = self.forward_timer
+        timer, stats = self.forward_timer, self.step_stats
         prefill = any(not j.prefilled for j in self._running)
-        t0 = time.perf_counter() if timer is not None and timer.wants(prefill) else None
+        sampled = timer is not None and timer.wants(prefill)
+        t0 = time.perf_counter() if sampled or stats is not None else 0.0
         events = gen.step()
-        if t0 is not None:
-            assert timer is not None
-            timer.record(time.perf_counter() - t0, prefill)
+        if sampled or stats is not None:
+            took = time.perf_counter() - t0
+            if sampled:
+                assert timer is not None
+                timer.record(took, prefill)
+            if stats is not None:
+                stats.record(took, prefill, len(self._running))
         for job in self._running:
             job.prefilled = True  # a prompt goes in one chunk: one step prefills it
         for ev in events:

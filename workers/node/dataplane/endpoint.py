@@ -32,6 +32,14 @@ class EdgeEnd(Closing):
         # The group this edge belongs to, told of its failure (group.py sets it).
         self._on_failure: Callable[[BaseException], None] | None = None
         self._timeout: float | None = None
+        # Bytes this end sent or received (records and their headers, not the hello),
+        # written by the edge's one thread, read by the node's datastream (DECISIONS 93).
+        self.bytes = 0
+
+    @property
+    def direction(self) -> str:
+        """``"out"`` for the sending end, ``"in"`` for the receiving one."""
+        return "in"
 
     @property
     def edge_id(self) -> int:

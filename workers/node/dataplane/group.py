@@ -76,6 +76,11 @@ class EdgeGroup(Closing):
                 else:
                     self._wake()
 
+    def edges(self) -> list[EdgeSender | EdgeReceiver]:
+        """The stage's edges so far (each with its ``bytes`` and ``direction``)."""
+        with self._lock:
+            return list(self._edges)
+
     def fail(self, exc: BaseException) -> None:
         """Record `exc` (if first) and close every edge, e.g. on an engine crash."""
         self._member_failed(exc)

@@ -62,6 +62,7 @@ class EdgeReceiver(EdgeEnd):
             ) from None
         except OSError as e:
             raise self._broken_by(self._os_error(e, "receiving")) from None
+        self.bytes += k
         if k == 0:
             if self._closed:
                 exc = EdgeClosed(f"edge {self.edge_id}: closed locally")

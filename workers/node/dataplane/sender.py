@@ -56,6 +56,7 @@ class EdgeSender(EdgeEnd):
         header = encode_header(object_id, sequence, body.nbytes, flags, self.spec)
         deadline = time.monotonic() + (self.send_timeout_s if timeout_s is None else timeout_s)
         bufs: list[memoryview] = [memoryview(header), body] if body.nbytes else [memoryview(header)]
+        size = len(header) + body.nbytes
         try:
             while bufs:
                 remaining = deadline - time.monotonic()
@@ -70,6 +71,7 @@ class EdgeSender(EdgeEnd):
                     else:
                         bufs[0] = bufs[0][sent:]
                         sent = 0
+            self.bytes += size
         except TimeoutError:
             raise self._broken_by(
                 EdgeTimeout(
@@ -80,6 +82,10 @@ class EdgeSender(EdgeEnd):
             ) from None
         except OSError as e:
             raise self._broken_by(self._os_error(e, "sending")) from None
+
+    @property
+    def direction(self) -> str:
+        return "out"
 
     def peer_closed(self) -> bool:
         """Non-blocking: has the downstream closed (or written, which it never should)?"""

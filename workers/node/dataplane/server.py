@@ -6,7 +6,8 @@ answer, so an upstream that connects early is accepted as soon as the edge is ex
 A node that expects no edge yet (its stage still loading) refuses such hellos quietly:
 that is the start-up order of a pipeline. Once it expects edges, a hello for another
 edge is logged as a warning. A hello on the text-stream edge id goes to the text stream
-(textserve.py).
+(textserve.py), one on the node-datastream edge id to the node's own datastream
+(streamserve.py, DECISIONS 93).
 """
 
 from __future__ import annotations
@@ -19,7 +20,12 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from mvp_core.edge_auth import ANSWER_REJECT, ANSWER_RETRY, TEXT_STREAM_EDGE_ID
+from mvp_core.edge_auth import (
+    ANSWER_REJECT,
+    ANSWER_RETRY,
+    NODE_DATASTREAM_EDGE_ID,
+    TEXT_STREAM_EDGE_ID,
+)
 
 from .endpoint import log
 from .errors import EdgeClosed, EdgeTimeout
@@ -27,6 +33,7 @@ from .handshake import answer, answer_ok, read_hello
 from .receiver import EdgeReceiver
 from .records import EdgeSpec
 from .sockets import Closing, Wakeup, hard_close
+from .streamserve import DatastreamGate, DatastreamHandler
 from .textserve import TextHandler, TextStreamGate
 
 __all__ = ["DataPlaneServer"]
@@ -76,6 +83,7 @@ class DataPlaneServer(Closing):
         self._handshaking: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
         self._text = TextStreamGate()  # the head node's text stream (serve_text)
+        self._datastream = DatastreamGate()  # the node's own datastream (serve_datastream)
         self._closing = False
         self._listener = socket.create_server((host, port), backlog=16)
         self._wakeup = Wakeup()
@@ -128,6 +136,12 @@ class DataPlaneServer(Closing):
         checks its prompt's key), in its own thread; the socket is closed when the handler
         returns or the server closes."""
         self._text.serve(token, handler)
+
+    def serve_datastream(self, token: str, handler: DatastreamHandler) -> None:
+        """Hand every connection that authenticates with ``token`` on the node-datastream
+        edge id (mvp_core.edge_auth) to ``handler(sock, peer)`` in its own thread; the
+        socket is closed when the handler returns or the server closes."""
+        self._datastream.serve(token, handler)
 
     def close(self) -> None:
         with self._lock:
@@ -209,6 +223,8 @@ class DataPlaneServer(Closing):
         edge_id, token = hello
         if edge_id == TEXT_STREAM_EDGE_ID:
             return self._text.handle(sock, peer, token)
+        if edge_id == NODE_DATASTREAM_EDGE_ID:
+            return self._datastream.handle(sock, peer, token)
         exp = self._admit(sock, peer, edge_id, token, deadline)
         if exp is None:
             return False

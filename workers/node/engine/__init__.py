@@ -6,7 +6,7 @@ from .generate import generate
 from .native import usable_cores
 from .sampling import Sampler, SamplingParams
 from .session import BatchSession, ContextOverflow, NoFreeSlot, StageSession
-from .stage import EngineOptions, Stage, load_stage, uses_native_kernel
+from .stage import EngineOptions, LoadObserver, Stage, load_stage, uses_native_kernel
 
 __all__ = [
     "BatchGenerator",
@@ -14,6 +14,7 @@ __all__ = [
     "ContextOverflow",
     "EngineModelFacts",
     "EngineOptions",
+    "LoadObserver",
     "NoFreeSlot",
     "Sampler",
     "SamplingParams",

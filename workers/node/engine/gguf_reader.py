@@ -8,6 +8,7 @@ tensor it materialises, so a stage can prove it never touched another stage's we
 from __future__ import annotations
 
 import mmap
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -45,7 +46,11 @@ class GGUFFile:
     def __init__(self, path: str, *, map_tensors: bool = True) -> None:
         self.path = path
         self.materialized: set[str] = set()
+        # Told the name of each tensor a loader takes up (``raw``, the loader's look-up):
+        # a stage's load progress (DECISIONS 93). None: nothing to tell.
+        self.on_tensor: Callable[[str], None] | None = None
         files = open_model(path)
+        self.header = files.header
         self.paths = files.paths
         # The mapped files' identity on this host (the layout cache's key: the files
         # read, whatever their paths name by the time the key is made).
@@ -81,6 +86,8 @@ class GGUFFile:
                 f"{self.paths[info.part]}: tensor {name} extends past the end of the file"
             )
         self.materialized.add(name)
+        if self.on_tensor is not None:
+            self.on_tensor(name)
         return np.frombuffer(buf, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
 
     def release_range(self, name: str, start: int, length: int) -> None:

@@ -199,6 +199,8 @@ class WeightBuilder:
         if name not in self.f.tensors:
             raise GGUFError(f"{self.f.path}: missing tensor {name}")
         info = self.f.tensors[name]
+        if self.f.on_tensor is not None:  # a layout from the cache never reads raw()
+            self.f.on_tensor(name)
         if info.ggml_type not in SUPPORTED_TYPES:
             raise GGUFError(f"{self.f.path}: tensor {name} has unsupported type {info.type_name}")
         return info.ggml_type, info.shape

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+
+from mvp_core.stage_share import stage_tensors
 
 from . import native
 from .config import ArchConfig, EngineModelFacts, arch_config, facts_of
@@ -149,10 +151,25 @@ def uses_native_kernel(path: str, options: EngineOptions) -> bool:
     return native.library() is not None
 
 
+class LoadObserver(Protocol):
+    """Told a stage's tensors (name -> bytes) once known, then each tensor's name as the
+    loader takes it up (a stage's load progress, DECISIONS 93)."""
+
+    def begin(self, sizes: Mapping[str, int]) -> None: ...
+
+    def tensor(self, name: str) -> None: ...
+
+
 def load_stage(
-    path: str, layer_start: int, layer_end: int, options: EngineOptions = EngineOptions()
+    path: str,
+    layer_start: int,
+    layer_end: int,
+    options: EngineOptions = EngineOptions(),
+    *,
+    progress: LoadObserver | None = None,
 ) -> Stage:
-    """Map the GGUF and build layers ``[layer_start, layer_end)`` (end exclusive)."""
+    """Map the GGUF and build layers ``[layer_start, layer_end)`` (end exclusive);
+    ``progress`` is told what it loads."""
     device = resolve_device(options.device)
     if device.type == "cpu":
         native.expect_formats(weight_formats(path))
@@ -174,6 +191,11 @@ def load_stage(
                 f"layer range [{layer_start}, {layer_end}) is outside the model's "
                 f"{cfg.n_layers} layers"
             )
+        if progress is not None:
+            first, last = layer_start == 0, layer_end == cfg.n_layers
+            wanted = stage_tensors(f.header, layer_start, layer_end, first=first, last=last)
+            progress.begin({t.name: t.n_bytes for t in wanted})
+            f.on_tensor = progress.tensor
         cache = None
         if device.type == "cpu" and options.precision == "default" and options.layout_cache:
             cache = open_cache()
@@ -194,6 +216,7 @@ def load_stage(
     except BaseException:
         f.close()
         raise
+    f.on_tensor = None
     model.attention_f16 = options.precision == "default"
     f.release_pages()
     trim_heap()
