@@ -98,6 +98,11 @@ SAME_REQUEST = {"repeat_penalty": 1.0}  # llama.cpp's default is 1.1; the gatewa
 LLAMA_THREADS = 2
 SEQUENTIAL = 8
 IDLE_S = 10.0
+# The dev server reports its counters every second or so: a level's calls are read this
+# long after it (less what the server does at rest meanwhile, REST_CALLS per second),
+# and this long after the previous level's reads.
+SETTLE_S = 2.0
+REST_CALLS: dict[str, float] = {}
 NOTES: list[str] = []  # lines under the table (the control plane at rest)
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -216,6 +221,8 @@ async def level(
     streams: list[Stream] = []
     wall = 0.0
     started = datetime.now(UTC)
+    if metrics_port is not None:
+        await asyncio.sleep(SETTLE_S)
     calls0 = server_calls(metrics_port)
     cpu0 = _cpu_s(cpu_pids)
     each0 = [_cpu_s([pid]) for pid in cpu_pids]
@@ -233,8 +240,12 @@ async def level(
         wall += time.perf_counter() - t0
     cpu = _cpu_s(cpu_pids) - cpu0
     each = [_cpu_s([pid]) - c0 for pid, c0 in zip(cpu_pids, each0, strict=True)]
+    if metrics_port is not None:
+        await asyncio.sleep(SETTLE_S)
     calls = server_calls(metrics_port)
     calls.subtract(calls0)
+    for op, rate in REST_CALLS.items():
+        calls[op] -= round(rate * SETTLE_S)
     tokens = sum(s.tokens for s in streams)
     prompts = len(streams)
     persistence = calls.pop("persistence", 0)
@@ -401,6 +412,8 @@ async def bench_run(args: argparse.Namespace, stages: int, tmp: Path) -> list[Le
         rest = [(_cpu_s([pid]) - c0) * 1000 / IDLE_S for pid, c0 in zip(pids, each0, strict=True)]
         calls = server_calls(server.metrics_port)
         calls.subtract(calls0)
+        REST_CALLS.clear()
+        REST_CALLS.update({op: n / IDLE_S for op, n in calls.items() if n > 0})
         NOTES.append(
             f"{stages} stage(s), at rest: the dev server per second: "
             f"{calls.pop('persistence', 0) / IDLE_S:.1f} database requests; calls "
