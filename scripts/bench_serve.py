@@ -94,6 +94,28 @@ PROMPTS = [
     "The recipe calls for",
     "Deep in the forest",
 ]
+# The chat workload's shared system prompt (~330 tokens of SmolLM2's vocabulary): every
+# request starts with it, as an application's chats do, so a server that reuses a shared
+# prefix prefills it once (DECISIONS 91; llama-server: its slots' prompt cache).
+SYSTEM = (
+    "You are a careful assistant for a small bakery's online shop. Answer in plain "
+    "sentences, at most a short paragraph, without lists or markdown. The shop sells "
+    "sourdough, rye and spelt loaves, croissants, cinnamon buns, seasonal fruit tarts and "
+    "birthday cakes made to order; cakes need two days' notice and a deposit of ten "
+    "percent. Opening hours are seven to six on weekdays, eight to two on Saturdays, and "
+    "the shop is closed on Sundays and public holidays. Deliveries go out within five "
+    "kilometres for a flat fee, free above forty euros, between ten and four. Every loaf "
+    "is baked the same morning; what is left at closing goes to the food bank down the "
+    "street. Allergens: all products are made in a kitchen that handles wheat, nuts, "
+    "milk, eggs and sesame, so nothing can be promised free of them, and customers with "
+    "allergies should call the shop before ordering. Payment is by card or cash in the "
+    "shop and by card online; gift vouchers can be bought in any amount and are valid for "
+    "a year. Returns: a product that is not right is replaced or refunded the same day "
+    "with the receipt. If a question is not about the shop, say politely that you can "
+    "only help with the bakery, and suggest calling the shop for anything you are not "
+    "sure of. Never invent prices: if asked, say that prices are on the website and in "
+    "the shop."
+)
 SAME_REQUEST = {"repeat_penalty": 1.0}  # llama.cpp's default is 1.1; the gateway ignores it
 LLAMA_THREADS = 2
 SEQUENTIAL = 8
@@ -178,26 +200,51 @@ def _pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
-async def one_stream(oai: AsyncOpenAI, model: str, text: str, tokens: int) -> Stream:
+async def one_stream(
+    oai: AsyncOpenAI, model: str, text: str, tokens: int, workload: str = "completion"
+) -> Stream:
+    """One greedy streamed request: a completion of ``text``, or (``workload`` "chat") a
+    chat turn asking ``text`` after the shared SYSTEM prompt."""
     start = time.perf_counter()
     first = last = None
     used = chunks = 0
-    stream = await oai.completions.create(
-        model=model,
-        prompt=text,
-        max_tokens=tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body=SAME_REQUEST,
-    )
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
-            last = time.perf_counter()
-            first = first or last
-            chunks += 1
-        if chunk.usage is not None:
-            used = chunk.usage.completion_tokens
+    if workload == "chat":
+        chat = await oai.chat.completions.create(
+            model=model,
+            messages=[
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": text},
+            ],
+            max_tokens=tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=SAME_REQUEST,
+        )
+        async for part in chat:
+            if part.choices and part.choices[0].delta.content:
+                last = time.perf_counter()
+                first = first or last
+                chunks += 1
+            if part.usage is not None:
+                used = part.usage.completion_tokens
+    else:
+        stream = await oai.completions.create(
+            model=model,
+            prompt=text,
+            max_tokens=tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=SAME_REQUEST,
+        )
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                last = time.perf_counter()
+                first = first or last
+                chunks += 1
+            if chunk.usage is not None:
+                used = chunk.usage.completion_tokens
     n = used or chunks  # llama-server streams a chunk per token
     ttft = None if first is None else (first - start) * 1000
     itl = None
@@ -231,11 +278,11 @@ async def level(
         if concurrency == 0:
             for i in range(SEQUENTIAL):
                 text = PROMPTS[(r + i) % len(PROMPTS)]
-                streams.append(await one_stream(oai, model, text, args.tokens))
+                streams.append(await one_stream(oai, model, text, args.tokens, args.workload))
         else:
             texts = [PROMPTS[(r + i) % len(PROMPTS)] for i in range(concurrency)]
             streams += await asyncio.gather(
-                *(one_stream(oai, model, t, args.tokens) for t in texts)
+                *(one_stream(oai, model, t, args.tokens, args.workload) for t in texts)
             )
         wall += time.perf_counter() - t0
     cpu = _cpu_s(cpu_pids) - cpu0
@@ -437,6 +484,8 @@ async def bench_run(args: argparse.Namespace, stages: int, tmp: Path) -> list[Le
             label = label[:-1] + f", {args.threads} engine thread(s))"
         if args.prompt_host == "workflow":
             label = label[:-1] + ", a prompt workflow each)"
+        if args.workload == "chat":
+            label = label[:-1] + ", chat with a shared system prompt)"
         for c in [0, *args.levels]:
             try:
                 got = await level(
@@ -538,7 +587,8 @@ async def bench_llama(args: argparse.Namespace, tmp: Path) -> list[Level]:
                             f"llama-server did not start: {log.read_text(errors='replace')[-1500:]}"
                         ) from None
                     await asyncio.sleep(0.5)
-            got = await level(oai, model, c, args, [], server="llama-server", stages=1)
+            name = "llama-server" + (" (chat)" if args.workload == "chat" else "")
+            got = await level(oai, model, c, args, [], server=name, stages=1)
             print(_row(got), file=sys.stderr, flush=True)
             out.append(got)
         finally:
@@ -660,6 +710,13 @@ def main() -> None:
         default=None,
         help="engine threads per node (engine.threads; default: the node's own choice, "
         "DECISIONS 20)",
+    )
+    p.add_argument(
+        "--workload",
+        choices=["completion", "chat"],
+        default="completion",
+        help="completions of short distinct prompts (the default), or chat turns that all "
+        "start with one shared ~330-token system prompt (prefix reuse, DECISIONS 91)",
     )
     p.add_argument("--report", type=Path, default=None, metavar="DIR")
     args = p.parse_args()
