@@ -225,14 +225,6 @@ def test_run_left_by_a_demo_killed_hard_is_terminated_not_resumed(data_dir: Path
 # --------------------------------------------------------------------------- failures
 
 
-def test_rejected_run_ends_the_demo_with_its_reason(data_dir: Path):
-    demo = Demo(data_dir, "--stages", "0")
-    assert demo.finish(timeout=60) == 1
-    assert "run rejected: --pipeline-stages must be greater than 0" in demo.stderr
-    assert "Traceback" not in demo.stdout + demo.stderr
-    assert leftovers(data_dir) == []
-
-
 def test_second_demo_on_a_data_dir_names_the_busy_database(data_dir: Path):
     model = str(fetch_bundled(DEFAULT_BUNDLED))
     prompt = "What is the capital of France?"
@@ -296,7 +288,7 @@ def test_chat_with_a_model_without_a_chat_template_is_refused_before_anything_st
 ):
     fetch_bundled(GEMMA3_BUNDLED)  # cached: the refusal is about the file, not a download
     demo = Demo(data_dir, "--chat", "--model", GEMMA3_BUNDLED)
-    assert demo.finish(timeout=60) == 1
+    assert demo.finish(timeout=60) == 2  # a flag refused, as argparse's refusals
     err = demo.stderr
     assert f"--chat: the model {GEMMA3_BUNDLED} has no chat template" in err, err
     assert DEFAULT_BUNDLED in err  # the model that has one
@@ -324,7 +316,7 @@ def test_help_names_the_bundled_model_that_has_a_chat_template():
 
 def test_model_that_is_neither_bundled_nor_a_file_is_named(data_dir: Path):
     demo = Demo(data_dir, "--model", "/no/such/model.gguf")
-    assert demo.finish(timeout=30) == 1
+    assert demo.finish(timeout=30) == 2
     assert "--model '/no/such/model.gguf' is neither a bundled model" in demo.stderr
     assert DEFAULT_BUNDLED in demo.stderr
 

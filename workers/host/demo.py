@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from pydantic import ValidationError
 from temporalio.client import (
     Client,
     WorkflowExecutionStatus,
@@ -36,24 +35,29 @@ from mvp_core import names
 from mvp_core.models import (
     Done,
     Fault,
-    ModelSource,
     PromptHost,
     ProviderKind,
     RunOutcome,
-    RunRequest,
     ShutdownReason,
-    SubmitPrompt,
     TextDelta,
 )
 from mvp_core.names import NODE_MODULE
 from mvp_core.run_state import RunState
-from mvp_core.validation import describe_invalid
 from mvp_io.model_store import BUNDLED, DEFAULT_BUNDLED
 from temporal.client import PromptRejected, RunClosed, RunHandle
 from temporal.connect import TemporalSettings, connect
 from temporal.devserver import DevServer, DevServerError, start_dev_server
 from workers import stdio
-from workers.host.demo_args import BUNDLED_CHAT, DemoError, check_chat, fetch_model, model_source
+from workers.host.demo_args import (
+    BUNDLED_CHAT,
+    DemoError,
+    DemoPlan,
+    FlagError,
+    check_flags,
+    check_model,
+    fetch_model,
+    flag_value,
+)
 from workers.host.embedded import (
     DirLock,
     DirLockBusy,
@@ -138,7 +142,7 @@ class Demo:
 
     args: argparse.Namespace
     root: Path
-    source: ModelSource
+    plan: DemoPlan
     state_dir: Path
     lock: DataDirLock
     server: DevServer | None = None
@@ -226,19 +230,9 @@ class Demo:
         self.worker = self._start_worker(self.server.address)
         self.lock.record("orchestrator worker", self.worker.pid)
         self.run_id = args.run_id or int(time.time()) % 1_000_000
-        try:
-            request = RunRequest(
-                model=self.source,
-                pipeline_stages=args.stages,
-                default_max_tokens=args.max_tokens,
-                max_active_prompts=args.max_active_prompts,
-                prompt_host=PromptHost(args.prompt_host),
-                provider=ProviderKind(args.provider),
-            )
-        except ValidationError as err:
-            raise DemoError(f"invalid run request: {describe_invalid(err)}") from None
         t0 = time.perf_counter()
-        self.handle = await RunHandle.start(client, self.run_id, request)
+        # Built and validated from the flags before anything started (check_flags).
+        self.handle = await RunHandle.start(client, self.run_id, self.plan.request)
         print(f"run {self.handle.workflow_id} started; waiting for prompt-ready", flush=True)
         state = await self._wait_prompt_ready(self.handle)
         print(
@@ -323,11 +317,8 @@ class Demo:
         t1 = time.perf_counter()
         first: float | None = None
         result: Done | Fault | None = None
-        prompt = SubmitPrompt(
-            request_id=1, prompt_text=args.prompt, max_tokens=args.max_tokens, chat=args.chat
-        )
         try:
-            async with contextlib.aclosing(run.stream(prompt)) as events:
+            async with contextlib.aclosing(run.stream(self.plan.prompt)) as events:
                 async for event in events:
                     if isinstance(event, TextDelta):
                         first = first or time.perf_counter()
@@ -532,15 +523,26 @@ def parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Everything before the event loop can be interrupted plainly (KeyboardInterrupt);
-    from the dev server on, signals go through :meth:`Demo.main`."""
+    """Every flag is checked first, before anything is created or started (a refusal
+    exits with 2, as argparse's own). Everything before the event loop can be
+    interrupted plainly (KeyboardInterrupt); from the dev server on, signals go through
+    :meth:`Demo.main`."""
+    try:
+        plan = check_flags(args)
+    except FlagError as err:
+        return usage_error(err)
     root = Path(args.data_dir)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     lock: DataDirLock | None = None
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        source = model_source(args.model)
-        lock = DataDirLock(root)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            lock = DataDirLock(root)
+        except OSError as err:
+            raise FlagError(
+                f"{flag_value('--data-dir', args.data_dir)}: cannot use it as the demo's "
+                f"data directory: {err.strerror or err}"
+            ) from None
         handler = logging.FileHandler(root / "demo.log")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         log.addHandler(handler)
@@ -548,14 +550,15 @@ def run(args: argparse.Namespace) -> int:
         killed = lock.stop_leftovers()
         if killed:
             print(f"killed the {' and '.join(killed)} an earlier demo left running", flush=True)
-        path = fetch_model(source)
-        if args.chat:
-            check_chat(path, args.model)
+        path = fetch_model(plan.source)
+        check_model(path, args)
         state_dir = Path(os.environ.get("MVP_STATE_DIR") or root / "state").resolve()
         if pruned := prune_node_dirs(state_dir):
             log.info("removed %d node directories of old runs: %s", len(pruned), pruned)
-        demo = Demo(args=args, root=root, source=source, state_dir=state_dir, lock=lock)
+        demo = Demo(args=args, root=root, plan=plan, state_dir=state_dir, lock=lock)
         return asyncio.run(demo.main())
+    except FlagError as err:
+        return usage_error(err)
     except DemoError as err:
         print(f"demo: {err}", file=sys.stderr)
         return 1
@@ -565,6 +568,14 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if lock is not None:
             lock.release()
+
+
+def usage_error(err: FlagError) -> int:
+    """A refused flag, said as argparse says its own: the usage line, then the reason."""
+    p = parser()
+    p.print_usage(sys.stderr)
+    print(f"{p.prog}: error: {err}", file=sys.stderr, flush=True)
+    return 2
 
 
 def main() -> None:
