@@ -151,6 +151,9 @@ class Demo:
     run_id: int = 0
     run_closed: bool = False
     interrupted: signal.Signals | None = None
+    # From the reply's end on: the run's own shutdown, which a first signal lets finish.
+    stopping_since: float | None = None
+    waited_for: signal.Signals | None = None  # the signal that said so
     mid_line: bool = False
     stopped: list[str] = field(default_factory=list)
 
@@ -185,9 +188,34 @@ class Demo:
         return code
 
     def _on_signal(self, sig: signal.Signals, session: asyncio.Future[int]) -> None:
-        if self.interrupted is None:  # a second signal changes nothing: shutdown is bounded
-            self.interrupted = sig
-            session.cancel()
+        if self.interrupted is not None:  # it changes nothing: the stop is bounded
+            return
+        if self.stopping_since is not None:
+            # The reply is done and everything is stopping as it should: a first signal
+            # lets the run's shutdown finish (bounded by RUN_END_WAIT_S), a second one
+            # terminates the run. Past the run, the processes' stop is bounded anyway.
+            if self.waited_for is None:
+                self.waited_for = sig
+                self._say_stopping(sig, session.done())
+                return
+            if session.done():
+                return
+        self.interrupted = sig
+        session.cancel()
+
+    def _say_stopping(self, sig: signal.Signals, run_closed: bool) -> None:
+        self._end_line()
+        took = f"{time.monotonic() - (self.stopping_since or time.monotonic()):.1f} s so far"
+        if run_closed:
+            what = "the run has shut down; the orchestrator worker and the dev server stop next"
+        else:
+            again = "Ctrl-C" if sig is signal.SIGINT else sig.name
+            what = (
+                f"the run is shutting down after its reply ({took}, at most "
+                f"{RUN_END_WAIT_S:.0f} s); waiting for it to finish ({again} again "
+                "terminates it)"
+            )
+        print(f"{sig.name}: already stopping: {what}", file=sys.stderr, flush=True)
 
     def _report(self, err: Exception) -> None:
         self._end_line()
@@ -240,6 +268,7 @@ class Demo:
             flush=True,
         )
         result = await self._prompt(self.handle)
+        self.stopping_since = time.monotonic()
         outcome = await self._shut_down_run(ShutdownReason.OPERATOR_REQUESTED, RUN_END_WAIT_S)
         if outcome is not None:
             print(
@@ -348,36 +377,59 @@ class Demo:
         self, reason: ShutdownReason, wait_s: float = RUN_STOP_WAIT_S
     ) -> RunOutcome | None:
         """Stop the run and wait (``wait_s``) until it is torn down and closed; past the
-        bound, terminate it (its nodes are then stopped by :func:`stop_nodes`)."""
+        bound, or on an interrupt while it waits, terminate it (its nodes are then
+        stopped by :func:`stop_nodes`), saying which of the two it was."""
         handle = self.handle
         assert handle is not None
         self.run_closed = True
-        deadline = time.monotonic() + wait_s
+        began = time.monotonic()
+        bound = asyncio.timeout(wait_s)
+        try:
+            async with bound:
+                outcome = await self._teardown(handle, reason)
+            self.stopped.append("the run")
+            return outcome
+        except WorkflowFailureError as err:
+            self._end_line()
+            print(f"demo: {failure_text(err)}", file=sys.stderr, flush=True)
+            return None
+        except (
+            TimeoutError,
+            asyncio.CancelledError,
+            WorkflowUpdateRPCTimeoutOrCancelledError,  # the SDK's word for a cancelled wait
+            RPCError,
+        ) as err:
+            task = asyncio.current_task()
+            if bound.expired():
+                why = f"its teardown took over {wait_s:.0f} s"
+            elif self.interrupted is not None and task is not None and task.cancelling():
+                # A second signal while the run shut down after its reply (the first
+                # one let it go on): said as such, not as a teardown that took too long.
+                again = " again" if self.waited_for is not None else ""
+                why = (
+                    f"{self.interrupted.name}{again} during its teardown, after "
+                    f"{time.monotonic() - began:.1f} s"
+                )
+            else:
+                why = f"it did not close: {err!r}"
+            await self._force_stop(handle, why)
+            if isinstance(err, asyncio.CancelledError):
+                raise
+            return None
+
+    async def _teardown(self, handle: RunHandle, reason: ShutdownReason) -> RunOutcome | None:
+        """The run's shutdown: the waiting Update, then the run's close."""
         outcome: RunOutcome | None = None
         try:
-            async with asyncio.timeout(wait_s):
-                torn_down = await handle.shutdown_and_wait(reason)
-            log.info("%s torn down: %s", handle.workflow_id, torn_down.outcome.value)
-            outcome = torn_down
-        except (TimeoutError, WorkflowUpdateRPCTimeoutOrCancelledError):
-            # The bound cancels the Update's wait, which the SDK reports as its own error.
-            await self._force_stop(handle, f"its teardown took over {wait_s:.0f} s")
-            return None
+            outcome = await handle.shutdown_and_wait(reason)
+            log.info("%s torn down: %s", handle.workflow_id, outcome.outcome.value)
         except (RPCError, WorkflowUpdateFailedError) as err:
             # Closed already (a fault: its result says why), or the Update did not get
             # through: the request_shutdown signal asks the same of a run still open.
             log.info("%s: shutdown update failed (%s); signalling", handle.workflow_id, err)
             with contextlib.suppress(RPCError):
                 await handle.request_shutdown(reason)
-        try:
-            async with asyncio.timeout(max(deadline - time.monotonic(), 0.5)):
-                await handle.workflow.result()
-            self.stopped.append("the run")
-        except WorkflowFailureError as err:
-            self._end_line()
-            print(f"demo: {failure_text(err)}", file=sys.stderr, flush=True)
-        except (TimeoutError, RPCError) as err:
-            await self._force_stop(handle, f"it did not close in {wait_s:.0f} s: {err!r}")
+        await handle.workflow.result()
         return outcome
 
     async def _force_stop(self, handle: RunHandle, why: str) -> None:
