@@ -12,6 +12,7 @@ from mvp_core.names import run_id_from_workflow_id
 
 MAX_PROMPT_QUEUE = 8
 MAX_ERRORS_SHOWN = 8  # a refusal names at most this many bad fields
+MAX_ERROR_CHARS = 300  # and says each one's reason in at most this many characters
 # Environment a run request may not set for its nodes: how they run and what they reach
 # is the provider's (a request could otherwise point a node holding secrets elsewhere).
 NODE_ENV_DENIED = frozenset({"PATH", "HOME", "VIRTUAL_ENV", "TMPDIR", "CUDA_VISIBLE_DEVICES"})
@@ -35,11 +36,15 @@ def describe_invalid(err: ValidationError) -> str:
     near-secrets): ``engine.token_path_nice: Input should be less than or equal to 19``."""
     errors = err.errors(include_url=False, include_input=False)
     shown = "; ".join(
-        f"{'.'.join(str(p) for p in e['loc'])[:80] or 'input'}: {e['msg']}"
+        f"{'.'.join(str(p) for p in e['loc'])[:80] or 'input'}: {_cut(e['msg'])}"
         for e in errors[:MAX_ERRORS_SHOWN]
     )
     more = len(errors) - MAX_ERRORS_SHOWN
     return shown if more <= 0 else f"{shown}; and {more} more"
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
 
 
 def parse_request(raw: Any) -> RunRequest:

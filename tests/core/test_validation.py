@@ -2,7 +2,7 @@ import json
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError, field_validator
 
 from mvp_core.models import (
     DockerSettings,
@@ -13,6 +13,8 @@ from mvp_core.models import (
     VastAiSettings,
 )
 from mvp_core.validation import (
+    MAX_ERROR_CHARS,
+    MAX_ERRORS_SHOWN,
     RunRejectedError,
     describe_invalid,
     parse_request,
@@ -314,6 +316,31 @@ def test_bad_vastai_numbers_are_rejected_naming_the_field(bad, message):
     with pytest.raises(ValidationError) as info:
         RunRequest.model_validate(raw)
     assert describe_invalid(info.value).startswith(message)
+
+
+def test_a_refusal_is_bounded_each_reason_and_the_fields_it_names():
+    """At most MAX_ERRORS_SHOWN fields, each path 80 and each reason MAX_ERROR_CHARS
+    characters at most (a reason a validator wrote may be long), never a value."""
+
+    class Wordy(BaseModel):
+        text: str
+
+        @field_validator("text")
+        @classmethod
+        def _never(cls, value: str) -> str:
+            raise ValueError("because " * 100)
+
+    with pytest.raises(ValidationError) as info:
+        Wordy(text="SECRET-VALUE")
+    text = describe_invalid(info.value)
+    assert text.startswith("text: Value error, because because") and text.endswith("...")
+    assert len(text) == len("text: ") + MAX_ERROR_CHARS and "SECRET" not in text
+    with pytest.raises(ValidationError) as info:
+        RunRequest.model_validate({f"field_{i}_{'x' * 200}": "SECRET" for i in range(20)})
+    text = describe_invalid(info.value)
+    assert text.count(": Extra inputs are not permitted") == MAX_ERRORS_SHOWN
+    assert text.endswith("; and 12 more") and "SECRET" not in text
+    assert len(text) < MAX_ERRORS_SHOWN * (80 + 40)
 
 
 def test_every_example_run_request_is_valid_and_the_serving_ones_replace_lost_nodes():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,7 +20,7 @@ from mvp_core.models import Done, SubmitPrompt, TextDelta
 from temporal.client import PromptRejected
 from workers.gateway import admin
 from workers.gateway.app import create_app
-from workers.gateway.main import GatewayError, run_specs
+from workers.gateway.main import GatewayError, read_run_request, run_specs
 from workers.gateway.runs import RunSet, RunSpec
 from workers.gateway.service import Gateway, ServedModel
 
@@ -324,6 +325,45 @@ def test_workflow_id_is_repeatable_with_an_alias_each() -> None:
         with pytest.raises(GatewayError) as err:
             run_specs(bad)
         assert str(err.value).startswith(why), err.value
+
+
+@pytest.mark.parametrize(
+    ("request_json", "why"),
+    [
+        pytest.param(
+            {"pipeline_stage": 2},
+            "pipeline_stage: Extra inputs are not permitted",
+            id="unknown-field",
+        ),
+        pytest.param(
+            {"pipeline_stages": "two", "max_active_prompts": 0},
+            "pipeline_stages: Input should be a valid integer, unable to parse string as an "
+            "integer; max_active_prompts: Input should be greater than or equal to 1",
+            id="two-bad-fields",
+        ),
+        pytest.param(
+            {"vastai": {"api_key": "sk-vast-SECRET-4711"}, "node_env": {"A": {"B": "tok-X"}}},
+            "vastai.api_key: Extra inputs are not permitted; node_env.A: Input should be a "
+            "valid string",
+            id="values-never-shown",
+        ),
+        pytest.param([{"pipeline_stages": 2}], "expected a JSON object, got an array", id="array"),
+        pytest.param(
+            "[1, 2", "not JSON (Expecting ',' delimiter: line 1 column 6 (char 5))", id="json"
+        ),
+    ],
+)
+def test_a_bad_run_request_file_names_each_field_with_its_reason(
+    tmp_path: Path, request_json: Any, why: str
+) -> None:
+    """Issue 38 item 13: ``mvp-gateway --run-request FILE`` says what is wrong with each
+    field, as a run's rejection does, never a value from the file."""
+    path = tmp_path / "rr.json"
+    path.write_text(request_json if isinstance(request_json, str) else json.dumps(request_json))
+    with pytest.raises(GatewayError) as err:
+        read_run_request(path)
+    assert str(err.value) == f"invalid run request {path}: {why}"
+    assert "SECRET" not in str(err.value) and "tok-X" not in str(err.value)
 
 
 async def test_a_name_two_aliased_runs_answer_to_is_a_404_listing_their_ids() -> None:

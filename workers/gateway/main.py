@@ -38,6 +38,7 @@ from temporalio.service import RPCError
 
 from mvp_core import names
 from mvp_core.models import RunOutcome, RunPhase, RunRequest, ShutdownReason
+from mvp_core.validation import describe_invalid, json_kind
 from temporal import telemetry
 from temporal.client import RunHandle, RunNotOpen
 from temporal.connect import connect, temporal_address
@@ -190,17 +191,25 @@ def run_specs(values: list[str]) -> list[RunSpec]:
 
 
 def read_run_request(path: Path) -> RunRequest:
+    """``--run-request FILE``: a refusal names each bad field with its reason, as the
+    run's own rejection does (``pipeline_stage: Extra inputs are not permitted``), at most
+    8 of them, each bounded, never a value from the file (it may hold near-secrets)."""
     try:
         text = path.read_text()
     except OSError as err:
         raise GatewayError(f"cannot read {path}: {err.strerror or err}") from None
     try:
-        return RunRequest.model_validate(json.loads(text))
-    except ValueError as err:  # JSON or validation (ValidationError is a ValueError)
-        if isinstance(err, ValidationError):
-            fields = sorted({".".join(str(p) for p in e["loc"]) or "request" for e in err.errors()})
-            raise GatewayError(f"invalid run request {path}: {', '.join(fields[:8])}") from None
+        raw = json.loads(text)
+    except ValueError as err:  # its position in the file, not the text there
         raise GatewayError(f"invalid run request {path}: not JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise GatewayError(
+            f"invalid run request {path}: expected a JSON object, got {json_kind(raw)}"
+        )
+    try:
+        return RunRequest.model_validate(raw)
+    except ValidationError as err:
+        raise GatewayError(f"invalid run request {path}: {describe_invalid(err)}") from None
 
 
 class GatewayCommand:

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from pydantic import ValidationError
 from temporalio.client import (
     Client,
     WorkflowExecutionStatus,
@@ -36,24 +35,29 @@ from mvp_core import names
 from mvp_core.models import (
     Done,
     Fault,
-    ModelSource,
     PromptHost,
     ProviderKind,
     RunOutcome,
-    RunRequest,
     ShutdownReason,
-    SubmitPrompt,
     TextDelta,
 )
 from mvp_core.names import NODE_MODULE
 from mvp_core.run_state import RunState
-from mvp_core.validation import describe_invalid
 from mvp_io.model_store import BUNDLED, DEFAULT_BUNDLED
 from temporal.client import PromptRejected, RunClosed, RunHandle
 from temporal.connect import TemporalSettings, connect
 from temporal.devserver import DevServer, DevServerError, start_dev_server
 from workers import stdio
-from workers.host.demo_args import BUNDLED_CHAT, DemoError, check_chat, fetch_model, model_source
+from workers.host.demo_args import (
+    BUNDLED_CHAT,
+    DemoError,
+    DemoPlan,
+    FlagError,
+    check_flags,
+    check_model,
+    fetch_model,
+    flag_value,
+)
 from workers.host.embedded import (
     DirLock,
     DirLockBusy,
@@ -138,7 +142,7 @@ class Demo:
 
     args: argparse.Namespace
     root: Path
-    source: ModelSource
+    plan: DemoPlan
     state_dir: Path
     lock: DataDirLock
     server: DevServer | None = None
@@ -147,6 +151,9 @@ class Demo:
     run_id: int = 0
     run_closed: bool = False
     interrupted: signal.Signals | None = None
+    # From the reply's end on: the run's own shutdown, which a first signal lets finish.
+    stopping_since: float | None = None
+    waited_for: signal.Signals | None = None  # the signal that said so
     mid_line: bool = False
     stopped: list[str] = field(default_factory=list)
 
@@ -181,9 +188,34 @@ class Demo:
         return code
 
     def _on_signal(self, sig: signal.Signals, session: asyncio.Future[int]) -> None:
-        if self.interrupted is None:  # a second signal changes nothing: shutdown is bounded
-            self.interrupted = sig
-            session.cancel()
+        if self.interrupted is not None:  # it changes nothing: the stop is bounded
+            return
+        if self.stopping_since is not None:
+            # The reply is done and everything is stopping as it should: a first signal
+            # lets the run's shutdown finish (bounded by RUN_END_WAIT_S), a second one
+            # terminates the run. Past the run, the processes' stop is bounded anyway.
+            if self.waited_for is None:
+                self.waited_for = sig
+                self._say_stopping(sig, session.done())
+                return
+            if session.done():
+                return
+        self.interrupted = sig
+        session.cancel()
+
+    def _say_stopping(self, sig: signal.Signals, run_closed: bool) -> None:
+        self._end_line()
+        took = f"{time.monotonic() - (self.stopping_since or time.monotonic()):.1f} s so far"
+        if run_closed:
+            what = "the run has shut down; the orchestrator worker and the dev server stop next"
+        else:
+            again = "Ctrl-C" if sig is signal.SIGINT else sig.name
+            what = (
+                f"the run is shutting down after its reply ({took}, at most "
+                f"{RUN_END_WAIT_S:.0f} s); waiting for it to finish ({again} again "
+                "terminates it)"
+            )
+        print(f"{sig.name}: already stopping: {what}", file=sys.stderr, flush=True)
 
     def _report(self, err: Exception) -> None:
         self._end_line()
@@ -226,19 +258,9 @@ class Demo:
         self.worker = self._start_worker(self.server.address)
         self.lock.record("orchestrator worker", self.worker.pid)
         self.run_id = args.run_id or int(time.time()) % 1_000_000
-        try:
-            request = RunRequest(
-                model=self.source,
-                pipeline_stages=args.stages,
-                default_max_tokens=args.max_tokens,
-                max_active_prompts=args.max_active_prompts,
-                prompt_host=PromptHost(args.prompt_host),
-                provider=ProviderKind(args.provider),
-            )
-        except ValidationError as err:
-            raise DemoError(f"invalid run request: {describe_invalid(err)}") from None
         t0 = time.perf_counter()
-        self.handle = await RunHandle.start(client, self.run_id, request)
+        # Built and validated from the flags before anything started (check_flags).
+        self.handle = await RunHandle.start(client, self.run_id, self.plan.request)
         print(f"run {self.handle.workflow_id} started; waiting for prompt-ready", flush=True)
         state = await self._wait_prompt_ready(self.handle)
         print(
@@ -246,6 +268,7 @@ class Demo:
             flush=True,
         )
         result = await self._prompt(self.handle)
+        self.stopping_since = time.monotonic()
         outcome = await self._shut_down_run(ShutdownReason.OPERATOR_REQUESTED, RUN_END_WAIT_S)
         if outcome is not None:
             print(
@@ -323,11 +346,8 @@ class Demo:
         t1 = time.perf_counter()
         first: float | None = None
         result: Done | Fault | None = None
-        prompt = SubmitPrompt(
-            request_id=1, prompt_text=args.prompt, max_tokens=args.max_tokens, chat=args.chat
-        )
         try:
-            async with contextlib.aclosing(run.stream(prompt)) as events:
+            async with contextlib.aclosing(run.stream(self.plan.prompt)) as events:
                 async for event in events:
                     if isinstance(event, TextDelta):
                         first = first or time.perf_counter()
@@ -357,36 +377,59 @@ class Demo:
         self, reason: ShutdownReason, wait_s: float = RUN_STOP_WAIT_S
     ) -> RunOutcome | None:
         """Stop the run and wait (``wait_s``) until it is torn down and closed; past the
-        bound, terminate it (its nodes are then stopped by :func:`stop_nodes`)."""
+        bound, or on an interrupt while it waits, terminate it (its nodes are then
+        stopped by :func:`stop_nodes`), saying which of the two it was."""
         handle = self.handle
         assert handle is not None
         self.run_closed = True
-        deadline = time.monotonic() + wait_s
+        began = time.monotonic()
+        bound = asyncio.timeout(wait_s)
+        try:
+            async with bound:
+                outcome = await self._teardown(handle, reason)
+            self.stopped.append("the run")
+            return outcome
+        except WorkflowFailureError as err:
+            self._end_line()
+            print(f"demo: {failure_text(err)}", file=sys.stderr, flush=True)
+            return None
+        except (
+            TimeoutError,
+            asyncio.CancelledError,
+            WorkflowUpdateRPCTimeoutOrCancelledError,  # the SDK's word for a cancelled wait
+            RPCError,
+        ) as err:
+            task = asyncio.current_task()
+            if bound.expired():
+                why = f"its teardown took over {wait_s:.0f} s"
+            elif self.interrupted is not None and task is not None and task.cancelling():
+                # A second signal while the run shut down after its reply (the first
+                # one let it go on): said as such, not as a teardown that took too long.
+                again = " again" if self.waited_for is not None else ""
+                why = (
+                    f"{self.interrupted.name}{again} during its teardown, after "
+                    f"{time.monotonic() - began:.1f} s"
+                )
+            else:
+                why = f"it did not close: {err!r}"
+            await self._force_stop(handle, why)
+            if isinstance(err, asyncio.CancelledError):
+                raise
+            return None
+
+    async def _teardown(self, handle: RunHandle, reason: ShutdownReason) -> RunOutcome | None:
+        """The run's shutdown: the waiting Update, then the run's close."""
         outcome: RunOutcome | None = None
         try:
-            async with asyncio.timeout(wait_s):
-                torn_down = await handle.shutdown_and_wait(reason)
-            log.info("%s torn down: %s", handle.workflow_id, torn_down.outcome.value)
-            outcome = torn_down
-        except (TimeoutError, WorkflowUpdateRPCTimeoutOrCancelledError):
-            # The bound cancels the Update's wait, which the SDK reports as its own error.
-            await self._force_stop(handle, f"its teardown took over {wait_s:.0f} s")
-            return None
+            outcome = await handle.shutdown_and_wait(reason)
+            log.info("%s torn down: %s", handle.workflow_id, outcome.outcome.value)
         except (RPCError, WorkflowUpdateFailedError) as err:
             # Closed already (a fault: its result says why), or the Update did not get
             # through: the request_shutdown signal asks the same of a run still open.
             log.info("%s: shutdown update failed (%s); signalling", handle.workflow_id, err)
             with contextlib.suppress(RPCError):
                 await handle.request_shutdown(reason)
-        try:
-            async with asyncio.timeout(max(deadline - time.monotonic(), 0.5)):
-                await handle.workflow.result()
-            self.stopped.append("the run")
-        except WorkflowFailureError as err:
-            self._end_line()
-            print(f"demo: {failure_text(err)}", file=sys.stderr, flush=True)
-        except (TimeoutError, RPCError) as err:
-            await self._force_stop(handle, f"it did not close in {wait_s:.0f} s: {err!r}")
+        await handle.workflow.result()
         return outcome
 
     async def _force_stop(self, handle: RunHandle, why: str) -> None:
@@ -532,15 +575,26 @@ def parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Everything before the event loop can be interrupted plainly (KeyboardInterrupt);
-    from the dev server on, signals go through :meth:`Demo.main`."""
+    """Every flag is checked first, before anything is created or started (a refusal
+    exits with 2, as argparse's own). Everything before the event loop can be
+    interrupted plainly (KeyboardInterrupt); from the dev server on, signals go through
+    :meth:`Demo.main`."""
+    try:
+        plan = check_flags(args)
+    except FlagError as err:
+        return usage_error(err)
     root = Path(args.data_dir)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     lock: DataDirLock | None = None
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        source = model_source(args.model)
-        lock = DataDirLock(root)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            lock = DataDirLock(root)
+        except OSError as err:
+            raise FlagError(
+                f"{flag_value('--data-dir', args.data_dir)}: cannot use it as the demo's "
+                f"data directory: {err.strerror or err}"
+            ) from None
         handler = logging.FileHandler(root / "demo.log")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         log.addHandler(handler)
@@ -548,14 +602,15 @@ def run(args: argparse.Namespace) -> int:
         killed = lock.stop_leftovers()
         if killed:
             print(f"killed the {' and '.join(killed)} an earlier demo left running", flush=True)
-        path = fetch_model(source)
-        if args.chat:
-            check_chat(path, args.model)
+        path = fetch_model(plan.source)
+        check_model(path, args)
         state_dir = Path(os.environ.get("MVP_STATE_DIR") or root / "state").resolve()
         if pruned := prune_node_dirs(state_dir):
             log.info("removed %d node directories of old runs: %s", len(pruned), pruned)
-        demo = Demo(args=args, root=root, source=source, state_dir=state_dir, lock=lock)
+        demo = Demo(args=args, root=root, plan=plan, state_dir=state_dir, lock=lock)
         return asyncio.run(demo.main())
+    except FlagError as err:
+        return usage_error(err)
     except DemoError as err:
         print(f"demo: {err}", file=sys.stderr)
         return 1
@@ -565,6 +620,14 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if lock is not None:
             lock.release()
+
+
+def usage_error(err: FlagError) -> int:
+    """A refused flag, said as argparse says its own: the usage line, then the reason."""
+    p = parser()
+    p.print_usage(sys.stderr)
+    print(f"{p.prog}: error: {err}", file=sys.stderr, flush=True)
+    return 2
 
 
 def main() -> None:
