@@ -5,10 +5,13 @@ module that fails on import, fails here instead of in a new user's terminal."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
 import re
 import subprocess
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 
@@ -48,8 +51,22 @@ def scripts() -> set[str]:
     return found
 
 
+@functools.cache
+def run_help(cmd: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+    """``cmd`` (ending in ``--help``) run once per test session: what it printed
+    (tests/test_doc_flags.py reads the same output for the flags the docs show).
+    ``temporal/dev-server --help`` would make its database's folder in the checkout:
+    its database is named elsewhere."""
+    env = {**os.environ, "MVP_TEMPORAL_DB": str(Path(tempfile.gettempdir()) / "mvp-help.db")}
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+
+
+def console_script_path(name: str) -> Path:
+    return Path(sys.executable).with_name(name)
+
+
 def assert_help(cmd: list[str], what: str) -> None:
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = run_help(tuple(cmd))
     assert done.returncode == 0, f"{what} --help exited {done.returncode}:\n{done.stderr}"
     assert done.stdout.startswith("usage:"), f"{what} --help printed:\n{done.stdout}"
 
@@ -59,7 +76,7 @@ def test_console_script_answers_help(name: str):
     target = console_scripts()[name]
     module = target.partition(":")[0]
     assert importlib.util.find_spec(module) is not None, f"{name} = {target!r}: no such module"
-    installed = Path(sys.executable).with_name(name)
+    installed = console_script_path(name)
     assert installed.exists(), f"{name} is not installed in the venv: pip install -e ."
     assert_help([str(installed), "--help"], name)
 

@@ -132,6 +132,16 @@ def deployment_id() -> str:
     return made.decode().strip()
 
 
+def temporal_scope(environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """The deployment this worker works for, where its resources share a place with other
+    deployments' (one host's state directory, which every deployment of a user shares by
+    default): the Temporal server and namespace of its connection settings, (address,
+    namespace). Its reaper judges runs by that server and namespace alone, so it sweeps
+    only what was made for them (DECISIONS 97)."""
+    settings = TemporalSettings.load(environ)
+    return settings.address.strip().lower(), settings.namespace
+
+
 def _made_once(name: str, make: Callable[[], bytes], mode: int) -> bytes:
     """The content of ``name`` in the state directory, made by ``make`` on first use. Two
     workers of one host that race to make it agree on the first one written."""

@@ -35,6 +35,7 @@ from activities.providers.base import (
     node_environment,
     node_exited,
     state_dir,
+    temporal_scope,
 )
 from activities.providers.pidstart import ProcessStart, read_record, write_record
 from mvp_core import names
@@ -64,6 +65,10 @@ _PASS_ENV = (
 )
 
 
+# A node directory's record of whose node it is, written before the node is launched:
+# its run's workflow id and the deployment (Temporal address and namespace) that started
+# it. A state directory is shared by every deployment of its user (the default one, or
+# one MVP_STATE_DIR names), so the reaper sweeps only its own deployment's (DECISIONS 97).
 RUN_FILE = "run.json"
 # Where this host's process nodes listen on their data-plane port and what they advertise
 # (default 127.0.0.1: reachable from this host only). The operator's, never a run's: an
@@ -74,12 +79,32 @@ DATAPLANE_HOST_ENV = "MVP_PROCESS_DATAPLANE_HOST"
 log = logging.getLogger(__name__)
 
 
-def _recorded_workflow_id(node_dir: Path) -> str | None:
+def write_run_record(node_dir: Path, run_workflow_id: str, scope: tuple[str, str]) -> None:
+    """Record whose node ``node_dir`` holds: ``run_workflow_id``, of the deployment
+    ``scope`` (:func:`temporal_scope`)."""
+    address, namespace = scope
+    record = {
+        "run_workflow_id": run_workflow_id,
+        "temporal_address": address,
+        "temporal_namespace": namespace,
+    }
+    tmp = node_dir / (RUN_FILE + ".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, node_dir / RUN_FILE)
+
+
+def read_run_record(node_dir: Path) -> tuple[str, tuple[str, str]] | None:
+    """(run workflow id, deployment scope) as recorded in ``node_dir``; None without a
+    whole record (a node of a release that recorded no deployment: no sweep's own)."""
     try:
-        value = json.loads((node_dir / RUN_FILE).read_text()).get("run_workflow_id")
-    except (OSError, ValueError, AttributeError):
+        rec = json.loads((node_dir / RUN_FILE).read_text())
+        values = (rec["run_workflow_id"], rec["temporal_address"], rec["temporal_namespace"])
+    except (OSError, ValueError, TypeError, KeyError):
         return None
-    return value if isinstance(value, str) and value else None
+    if not all(isinstance(v, str) and v for v in values):
+        return None
+    run_workflow_id, address, namespace = values
+    return run_workflow_id, (address, namespace)
 
 
 def _alive(pid: int, start: ProcessStart | None) -> bool:
@@ -168,6 +193,15 @@ class ProcessProvider:
     def __init__(self, *, python: str | None = None, host: str | None = None) -> None:
         self.python = python or sys.executable
         self.host = host or socket.gethostname()
+        self._scope: tuple[str, str] | None = None
+
+    @property
+    def scope(self) -> tuple[str, str]:
+        """This worker's deployment (Temporal address, namespace): its nodes record it,
+        and its sweep lists only nodes that do."""
+        if self._scope is None:
+            self._scope = temporal_scope()
+        return self._scope
 
     def check(self, spec_gpus: str | None) -> None:
         if not os.access(self.python, os.X_OK):
@@ -193,7 +227,7 @@ class ProcessProvider:
         log_path = node_dir / "node.log"
         run_file = node_dir / RUN_FILE
         if not run_file.exists():  # before the launch: the reaper reads whose node it is
-            run_file.write_text(json.dumps({"run_workflow_id": spec.run_workflow_id}))
+            write_run_record(node_dir, spec.run_workflow_id, self.scope)
         if pid_file.exists():
             rec = json.loads(pid_file.read_text())
             return self._handle(spec, name, int(rec["pid"]), log_path)
@@ -320,29 +354,38 @@ class ProcessProvider:
 
     # ------------------------------------------------------------------ the reaper's sweep
 
-    def _resource(self, name: str, detail: str) -> ProviderResource:
+    def _own_run(self, name: str) -> str | None:
+        """The run workflow id recorded for node ``name`` when this deployment started
+        it; None when another deployment did (or no record says which)."""
+        rec = read_run_record(_nodes_root() / name)
+        return rec[0] if rec is not None and rec[1] == self.scope else None
+
+    def _resource(self, name: str, run_workflow_id: str, detail: str) -> ProviderResource:
         parsed = parse_resource_name(name)
         assert parsed is not None
-        run_id, _, nonce8 = parsed
         return ProviderResource(
             provider=ProviderKind.PROCESS,
             kind="process",
             name=name,
             # The id the run was started with (any workflow id may carry a run_id), as
-            # recorded at start; a node of an older release has none: its default id.
-            run_workflow_id=_recorded_workflow_id(_nodes_root() / name)
-            or names.run_workflow_id(run_id),
-            nonce8=nonce8,
+            # recorded at start.
+            run_workflow_id=run_workflow_id,
+            nonce8=parsed[2],
             host=self.host,
             detail=detail,
         )
 
     def list_resources(self) -> list[ProviderResource]:
         """Live marked node processes of this state directory, and node directories
-        whose recorded process is gone ("dead": only the record is left to remove)."""
+        whose recorded process is gone ("dead": only the record is left to remove): of
+        those this deployment started alone. Another deployment's, whose runs this
+        deployment's Temporal does not know, are its own reaper's (DECISIONS 97)."""
         root = _nodes_root()
-        live = marked_node_processes(root)
-        found = {name: self._resource(name, f"live, pid {p.pid}") for name, p in live.items()}
+        found: dict[str, ProviderResource] = {}
+        for name, proc in marked_node_processes(root).items():
+            run = self._own_run(name)
+            if run is not None:
+                found[name] = self._resource(name, run, f"live, pid {proc.pid}")
         try:
             dirs = sorted(d for d in root.iterdir() if d.is_dir())
         except FileNotFoundError:
@@ -351,25 +394,38 @@ class ProcessProvider:
             name = node_dir.name
             if name in found or parse_resource_name(name) is None:
                 continue
+            run = self._own_run(name)
+            if run is None:
+                continue  # another deployment's, or a start before its record
             rec = read_record(node_dir / "pid.json")
             if rec is None:
                 continue  # never recorded (a start in flight) or already reaped
             pid, start = rec
             if _alive(pid, start):
-                found[name] = self._resource(name, f"live, pid {pid} (recorded)")
+                found[name] = self._resource(name, run, f"live, pid {pid} (recorded)")
             else:
-                found[name] = self._resource(name, f"dead: pid {pid} is gone, its record is left")
+                found[name] = self._resource(
+                    name, run, f"dead: pid {pid} is gone, its record is left"
+                )
         return [found[name] for name in sorted(found)]
 
     def destroy(self, resource: ProviderResource) -> None:
         """Stop the node as a run's stop does (SIGTERM to its group, grace, SIGKILL),
-        then remove its record (``pid.json``; ``node.log`` stays). "Not found" is success."""
+        then remove its record (``pid.json``; ``node.log`` stays). "Not found" is success;
+        another deployment's node is left alone (an error: DECISIONS 97)."""
         if parse_resource_name(resource.name) is None:
             return
         node_dir = _nodes_root() / resource.name
         pid_file = node_dir / "pid.json"
         rec = read_record(pid_file)
         running = marked_node_processes(_nodes_root()).get(resource.name)
+        if running is None and rec is None:
+            return
+        if self._own_run(resource.name) is None:
+            raise RuntimeError(
+                f"node {resource.name} is not this deployment's "
+                f"(Temporal {self.scope[0]}, namespace {self.scope[1]}): left alone"
+            )
         handle = NodeHandle(
             run_id=0,
             node_id=0,

@@ -24,7 +24,7 @@ from temporalio.client import (
 
 from activities.planning import provider_host
 from activities.providers.pidstart import ProcessStart
-from activities.providers.process import ProcessProvider
+from activities.providers.process import ProcessProvider, write_run_record
 from mvp_core import names
 from mvp_core.models import RequestShutdown, RunOutcome, RunPhase
 from mvp_core.reaper import ReapDecision, ReapReport
@@ -50,9 +50,18 @@ def gone_pid() -> int:
     return proc.pid
 
 
-def fake_node(cwd: Path, name: str) -> subprocess.Popen[bytes]:
-    """A process marked like a node agent, in ``cwd``, in its own session."""
+# The deployment (Temporal address, namespace) the provider tests' nodes were started by.
+SCOPE = ("localhost:7233", "default")
+
+
+def fake_node(
+    cwd: Path, name: str, scope: tuple[str, str] | None = SCOPE
+) -> subprocess.Popen[bytes]:
+    """A process marked like a node agent, in ``cwd``, in its own session, recorded as
+    started by the deployment ``scope`` (None: no record)."""
     cwd.mkdir(parents=True, exist_ok=True)
+    if scope is not None:
+        write_run_record(cwd, names.run_workflow_id(parse_run_id(name)), scope)
     return subprocess.Popen(
         [
             sys.executable,
@@ -66,9 +75,17 @@ def fake_node(cwd: Path, name: str) -> subprocess.Popen[bytes]:
     )
 
 
-def dead_record(nodes: Path, name: str) -> Path:
+def parse_run_id(name: str) -> int:
+    parsed = names.parse_resource_name(name)
+    assert parsed is not None
+    return parsed[0]
+
+
+def dead_record(nodes: Path, name: str, scope: tuple[str, str] = SCOPE) -> Path:
+    """The records of a node of deployment ``scope`` whose process is gone."""
     node_dir = nodes / name
     node_dir.mkdir(parents=True)
+    write_run_record(node_dir, names.run_workflow_id(parse_run_id(name)), scope)
     (node_dir / "pid.json").write_text(json.dumps({"pid": gone_pid(), "create_time": 1.0}))
     (node_dir / "node.log").write_text("node 1 stage 0 serving\n")
     return node_dir
@@ -92,11 +109,20 @@ def test_process_provider_lists_its_marked_nodes_and_dead_records_and_destroys_t
     state = tmp_path / "state"
     nodes = state / "nodes"
     monkeypatch.setenv("MVP_STATE_DIR", str(state))
+    monkeypatch.setenv("TEMPORAL_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("TEMPORAL_ADDRESS", SCOPE[0])
+    monkeypatch.setenv("TEMPORAL_NAMESPACE", SCOPE[1])
     provider = ProcessProvider(host="h1")
     live = fake_node(nodes / "mvp-7001-1-aaaaaaaa", "mvp-7001-1-aaaaaaaa")
     unrecorded = fake_node(nodes / "mvp-7001-2-aaaaaaaa", "mvp-7001-2-aaaaaaaa")
     # Another state directory's node (another deployment on this host): not ours.
     foreign = fake_node(tmp_path / "other" / "nodes" / "mvp-7003-1-cccccccc", "mvp-7003-1-cccccccc")
+    # Nodes in this state directory that this deployment did not start (DECISIONS 97):
+    # another deployment's, and one whose record names none (an older release's).
+    neighbour = fake_node(
+        nodes / "mvp-7005-1-eeeeeeee", "mvp-7005-1-eeeeeeee", ("localhost:7234", "default")
+    )
+    unscoped = fake_node(nodes / "mvp-7006-1-ffffffff", "mvp-7006-1-ffffffff", None)
     try:
         ProcessProvider._record(
             nodes / "mvp-7001-1-aaaaaaaa" / "pid.json",
@@ -124,12 +150,12 @@ def test_process_provider_lists_its_marked_nodes_and_dead_records_and_destroys_t
         assert wait_gone(live.pid) and wait_gone(unrecorded.pid)
         assert not (nodes / "mvp-7001-1-aaaaaaaa" / "pid.json").exists()
         assert not (dead / "pid.json").exists() and (dead / "node.log").exists()
-        assert foreign.poll() is None
+        assert foreign.poll() is None and neighbour.poll() is None and unscoped.poll() is None
         assert provider.list_resources() == []
         for resource in listed:
             provider.destroy(resource)  # idempotent: gone is success
     finally:
-        for proc in (live, unrecorded, foreign):
+        for proc in (live, unrecorded, foreign, neighbour, unscoped):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(5)
@@ -194,8 +220,9 @@ async def test_the_reaper_destroys_what_closed_runs_left_and_keeps_a_live_run(
     nodes = state_dir / "nodes"
     # What a provider may hold without a process: the records of an unknown run, and of
     # another execution of the live run.
-    unknown = dead_record(nodes, "mvp-1809-1-deadbeef")
-    stale = dead_record(nodes, "mvp-1802-7-0badc0de")
+    scope = (orchestrator.address.lower(), "default")
+    unknown = dead_record(nodes, "mvp-1809-1-deadbeef", scope)
+    stale = dead_record(nodes, "mvp-1802-7-0badc0de", scope)
 
     # Terminated: no teardown runs. Frozen, the node cannot leave by its dead-man switch
     # (nor act on SIGTERM): only the reaper's kill ends it.

@@ -15,7 +15,7 @@ import pytest
 from psutil import _pslinux
 
 from activities.providers.pidstart import ProcessStart
-from activities.providers.process import ProcessProvider
+from activities.providers.process import ProcessProvider, write_run_record
 from mvp_core.models import NodeHandle, ProviderKind
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="procfs")
@@ -61,6 +61,7 @@ def test_a_live_node_stays_alive_when_the_clock_is_stepped(
         start_ticks=kernel_start_ticks(live.pid),
     )
     provider = ProcessProvider(host="h")
+    write_run_record(tmp_path / "nodes" / "mvp-1-1-aaaaaaaa", "mvp-run-1", provider.scope)
     assert provider.poll_exited([handle]) is None
     step_clock(monkeypatch, step_s)
     assert psutil.Process(live.pid).create_time() != proc.create_time()  # the step shows
