@@ -37,6 +37,7 @@ UNANSWERED_RETRIES = 60
 # the run to count them.
 ENDS_TO_COUNT_HELD = 256
 COUNT_WAIT_S = 10.0
+STOP_COUNT_WAIT_S = 3.0  # ... and a stop this long
 
 
 class EndHint:
@@ -79,20 +80,21 @@ class PromptEnds(RunLifecycle):
             del self._ends_to_count[next(iter(self._ends_to_count))]
         return done
 
-    async def wait_ends_counted(self) -> bool:
+    async def wait_ends_counted(self, within_s: float = COUNT_WAIT_S) -> bool:
         """Until the run has counted every end this handle took from an end line (at most
-        COUNT_WAIT_S); whether there were any. A refused admission (a full queue, a request
-        id in use) waits for them before it is tried again: the run may not have counted
-        the end its client saw."""
+        ``within_s``; a prompt the run cannot be asked about is not waited for); whether
+        there were any. A refused admission (a full queue, a request id in use) waits for
+        them before it is tried again, and a stop before it is sent (so the run records
+        the ends its client saw before the stop): the run may not have counted them yet."""
         if not self._ends_to_count:
             return False
-        deadline = asyncio.get_running_loop().time() + COUNT_WAIT_S
+        deadline = asyncio.get_running_loop().time() + within_s
         pause = END_POLL_AFTER_TEXT_S[0]
         while self._ends_to_count:
             ids = list(self._ends_to_count)
             ends = await asyncio.gather(*map(self._ask_end, ids), return_exceptions=True)
             for prompt_id, end in zip(ids, ends, strict=True):
-                if not isinstance(end, BaseException) and (end is None or not end.open):
+                if isinstance(end, BaseException) or end is None or not end.open:
                     self._ends_to_count.pop(prompt_id, None)
             if not self._ends_to_count or asyncio.get_running_loop().time() > deadline:
                 break
@@ -100,6 +102,9 @@ class PromptEnds(RunLifecycle):
             pause = min(pause * 2, END_POLL_AFTER_TEXT_S[1])
         self._ends_to_count.clear()
         return True
+
+    async def _settle_ends(self) -> None:
+        await self.wait_ends_counted(STOP_COUNT_WAIT_S)
 
     async def _workflow_end(self, prompt_id: str, request_id: int, hint: EndHint) -> Done | Fault:
         """A PromptWorkflow's result (a long poll on that workflow), once the run has

@@ -241,9 +241,14 @@ class RunLifecycle:
         raw = await self.workflow.result()
         return RunOutcome.model_validate(raw)
 
+    async def _settle_ends(self) -> None:
+        """Before a stop: the ends this handle took from its prompts' text streams are
+        counted by the run first (PromptEnds; DECISIONS 95)."""
+
     async def request_shutdown(self, reason: ShutdownReason) -> bool:
         """Ask the run to shut down (signal ``request_shutdown``) without waiting; False
         when the run is closed already. Other RPC errors are raised."""
+        await self._settle_ends()
         try:
             request = RequestShutdown(run_id=self.run_id, reason=reason)
             await self.workflow.signal(signal_name(request), request)
@@ -256,6 +261,7 @@ class RunLifecycle:
     async def shutdown_and_wait(self, reason: ShutdownReason) -> RunOutcome:
         """Shut the run down and return once it is torn down (Update
         ``request_shutdown_and_wait``); the SDK's Update or RPC errors otherwise."""
+        await self._settle_ends()
         outcome = await self.workflow.execute_update(
             RunWorkflow.request_shutdown_and_wait,
             RequestShutdown(run_id=self.run_id, reason=reason),

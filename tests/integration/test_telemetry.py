@@ -256,12 +256,15 @@ async def test_the_prometheus_endpoints_after_prompts(site: Site):
     def scraped() -> str:  # the SDK's metric buffer drains every second
         text = scrape(site.metrics_port)
         ttft = samples(text, "mvp_prompt_time_to_first_token_milliseconds_count")
-        return text if ttft and sum(v for _, v in ttft) >= 3 else ""
+        # The last reply came with its text's end (DECISIONS 95): the run counts that
+        # end, and its queue empties, a workflow task later.
+        depth = [v for lab, v in samples(text, "mvp_run_prompt_queue_depth") if lab.get("run_id")]
+        return text if ttft and sum(v for _, v in ttft) >= 3 and depth == [0.0] else ""
 
     text = await eventually(
         scraped,
         timeout=30,
-        what="the time to first token of 3 prompts in the metrics",
+        what="the time to first token of 3 prompts, and an empty queue, in the metrics",
         interval=0.2,
         detail=lambda: scrape(site.metrics_port)[:3000],
     )

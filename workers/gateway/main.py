@@ -41,6 +41,7 @@ from mvp_core.models import RunOutcome, RunPhase, RunRequest, ShutdownReason
 from mvp_core.validation import describe_invalid, json_kind
 from temporal import telemetry
 from temporal.client import RunHandle, RunNotOpen
+from temporal.client.ends import STOP_COUNT_WAIT_S
 from temporal.connect import connect, temporal_address
 from workers import stdio
 from workers.gateway.app import create_app
@@ -297,6 +298,12 @@ class GatewayCommand:
             why = serving.exception() if not serving.cancelled() else None
             raise GatewayError(f"the HTTP server stopped: {why or 'without a reason'}")
         if handle is not None:
+            serving_run = runs.get(handle.run_id)
+            if serving_run is not None:
+                # The ends its requests had from the head node's end line are the run's
+                # before the stop (DECISIONS 95).
+                with contextlib.suppress(Exception):
+                    await serving_run.run.wait_ends_counted(STOP_COUNT_WAIT_S)
             await self._shutdown(handle)
         return 0
 

@@ -34,6 +34,7 @@ from temporalio.service import RPCError
 from mvp_core.models import Done, SubmitPrompt, TextDelta
 from mvp_core.request_ids import RequestIds
 from temporal.client import PromptRejected, RunHandle
+from temporal.client.ends import STOP_COUNT_WAIT_S
 
 log = logging.getLogger("mvp.host.rpc")
 
@@ -127,6 +128,10 @@ class PromptRpcServer:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(2):
                     await self._server.wait_closed()
+        # Ends its clients had from the head node's end line are the run's before the
+        # stop that follows (DECISIONS 95).
+        with contextlib.suppress(Exception):
+            await self.run.wait_ends_counted(STOP_COUNT_WAIT_S)
 
     # ------------------------------------------------------------------ connections
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
