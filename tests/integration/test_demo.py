@@ -408,9 +408,9 @@ async def test_chat_streams_replies_and_cancels_on_ctrl_c(runs: Runs, temporal_s
     proc.stdin.write(b"Once upon a time\n")
     proc.stdin.flush()
     assert await asyncio.to_thread(proc.stdout.read, 8)  # the reply streams
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGINT)  # cancels the reply; the session goes on to EOF
     out, err = await asyncio.to_thread(proc.communicate, None, 30)
-    assert proc.returncode == 130, err
+    assert proc.returncode == 0, err
     assert "cancelled request 1" in out.decode() and not err
 
     async def faulted() -> RunState | None:
