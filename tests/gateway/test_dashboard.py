@@ -125,7 +125,7 @@ def serving_state() -> RunState:
     state.admit(11, "mvp-run-7-prompt-11-a")
     state.finish_prompt("mvp-run-7-prompt-11-a", True, "", 11)
     state.admit(12, "mvp-run-7-prompt-12-b")
-    state.finish_prompt("mvp-run-7-prompt-12-b", False, "cancelled", 12)
+    state.finish_prompt("mvp-run-7-prompt-12-b", False, "cancelled", 12, cancelled=True)
     state.admit(11, "mvp-run-7-prompt-11-c")  # a request id used again after it ended
     state.finish_prompt("mvp-run-7-prompt-11-c", True, "", 11)
     state.admit(BIG_ID, "mvp-run-7-prompt-big")
@@ -231,6 +231,7 @@ def test_recent_prompts_pair_each_end_with_its_admission_and_keep_the_latest():
         "mvp-run-7-prompt-12-b",
         "mvp-run-7-prompt-11-c",
     ]
+    assert [p.cancelled for p in done] == [False, True, False]  # PromptCancelled
     # An end whose admission report was trimmed away still shows, without figures.
     state.lifecycle = [r for r in state.lifecycle if r.kind is not LifecycleKind.PROMPT_ACCEPTED]
     assert {p.workflow_id for p in finished_prompts(state)} == {None}
@@ -842,7 +843,9 @@ def long_ids_observation() -> dict[str, Any]:
     for i in range(4):
         wf = f"mvp-run-7-prompt-{top - i}-x"
         state.admit(top - i, wf)
-        state.finish_prompt(wf, i % 2 == 0, "" if i % 2 == 0 else "cancelled", top - i)
+        state.finish_prompt(
+            wf, i % 2 == 0, "" if i % 2 == 0 else "cancelled", top - i, cancelled=i % 2 == 1
+        )
         figs[wf] = PromptFigures(
             status=PromptStatus.DONE, tokens=4096, elapsed_ms=123_456, ttft_ms=12_345
         )
