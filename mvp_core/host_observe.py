@@ -117,6 +117,7 @@ _KIND_RANK = {
     "PromptAccepted": 10.5,
     "PromptCompleted": 10.5,
     "PromptFaulted": 10.5,
+    "PromptCancelled": 10.5,
     "StageLost": 10.6,
     "StageReplacing": 10.7,
     "StageRecovered": 10.8,

@@ -52,7 +52,12 @@ MAX_LATER_FAULTS = 8
 MAX_RECOVERIES_KEPT = 16  # the latest stage recoveries described in the snapshot
 _SERVING = (RunPhase.PROMPT_READY, RunPhase.RECOVERING, RunPhase.ROLLING_OVER)
 _PROMPT_REPORTS = frozenset(
-    {LifecycleKind.PROMPT_ACCEPTED, LifecycleKind.PROMPT_COMPLETED, LifecycleKind.PROMPT_FAULTED}
+    {
+        LifecycleKind.PROMPT_ACCEPTED,
+        LifecycleKind.PROMPT_COMPLETED,
+        LifecycleKind.PROMPT_FAULTED,
+        LifecycleKind.PROMPT_CANCELLED,
+    }
 )
 
 
@@ -91,6 +96,7 @@ class RunState(BaseModel):
     shutdown: ShutdownReason | None = None
     prompts_completed: int = 0
     prompts_faulted: int = 0
+    prompts_cancelled: int = 0  # (DECISIONS 98: not counted as faulted)
     continued: int = 0
     # Continue-as-new is due; prompts finish first and none is admitted (DECISIONS 13).
     # Neither carried nor in the snapshot (the phase says it): the next run serves.
@@ -221,6 +227,7 @@ class RunState(BaseModel):
             later_faults=list(self.later_faults),
             prompts_completed=self.prompts_completed,
             prompts_faulted=self.prompts_faulted,
+            prompts_cancelled=self.prompts_cancelled,
             one_shot=self.one_shot,
         )
 
@@ -675,8 +682,11 @@ class RunState(BaseModel):
                 return self.pending.pop(i)
         return None
 
-    def finish_prompt(self, workflow_id: str, ok: bool, detail: str, request_id: int) -> None:
-        """Clear the prompt's state after its one terminal event."""
+    def finish_prompt(
+        self, workflow_id: str, ok: bool, detail: str, request_id: int, cancelled: bool = False
+    ) -> None:
+        """Clear the prompt's state after its one terminal event: completed (``ok``),
+        cancelled (its client's cancel or the run's shutdown) or faulted."""
         if self.active is not None and self.active.workflow_id == workflow_id:
             # The next earliest takes its place (a snapshot's ``active`` is the oldest).
             self.active = self.also_active.pop(0) if self.also_active else None
@@ -687,6 +697,9 @@ class RunState(BaseModel):
         if ok:
             self.prompts_completed += 1
             self.record(LifecycleKind.PROMPT_COMPLETED, detail, request_id)
+        elif cancelled:
+            self.prompts_cancelled += 1
+            self.record(LifecycleKind.PROMPT_CANCELLED, detail, request_id)
         else:
             self.prompts_faulted += 1
             self.record(LifecycleKind.PROMPT_FAULTED, detail, request_id)

@@ -65,10 +65,18 @@ def console_script_path(name: str) -> Path:
     return Path(sys.executable).with_name(name)
 
 
-def assert_help(cmd: list[str], what: str) -> None:
+# The project's own records (docs/decisions.md, the contracts, issues): a user's --help
+# explains itself instead of citing them. scripts/ are the developers' tools and may.
+INTERNAL_RECORD = re.compile(r"\b(?:DECISIONS|CONTRACTS|ARCHITECTURE)\b|\bissue \d")
+
+
+def assert_help(cmd: list[str], what: str, for_users: bool = False) -> None:
     done = run_help(tuple(cmd))
     assert done.returncode == 0, f"{what} --help exited {done.returncode}:\n{done.stderr}"
     assert done.stdout.startswith("usage:"), f"{what} --help printed:\n{done.stdout}"
+    if for_users:
+        cited = [line.strip() for line in done.stdout.splitlines() if INTERNAL_RECORD.search(line)]
+        assert not cited, f"{what} --help cites the project's internal records: {cited}"
 
 
 @pytest.mark.parametrize("name", sorted(console_scripts()))
@@ -78,12 +86,12 @@ def test_console_script_answers_help(name: str):
     assert importlib.util.find_spec(module) is not None, f"{name} = {target!r}: no such module"
     installed = console_script_path(name)
     assert installed.exists(), f"{name} is not installed in the venv: pip install -e ."
-    assert_help([str(installed), "--help"], name)
+    assert_help([str(installed), "--help"], name, for_users=True)
 
 
 @pytest.mark.parametrize("module", sorted(documented_modules()))
 def test_python_m_module_answers_help(module: str):
-    assert_help([sys.executable, "-m", module, "--help"], f"python -m {module}")
+    assert_help([sys.executable, "-m", module, "--help"], f"python -m {module}", for_users=True)
 
 
 @pytest.mark.parametrize("script", sorted(scripts()))

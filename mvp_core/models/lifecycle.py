@@ -21,6 +21,9 @@ class LifecycleKind(StrEnum):
     PROMPT_ACCEPTED = "PromptAccepted"
     PROMPT_COMPLETED = "PromptCompleted"
     PROMPT_FAULTED = "PromptFaulted"
+    # A prompt cancelled, not faulted (DECISIONS 98): by its client (``cancel_prompt``, a
+    # stream left, a connection closed) or by the run's shutdown; the detail says which.
+    PROMPT_CANCELLED = "PromptCancelled"
     RUN_OPERATOR_STOPPED = "RunOperatorStopped"
     # Stage recovery (DECISIONS 68): a node lost, its replacement starting, the run
     # prompt-ready again on the new pipeline.
@@ -84,3 +87,4 @@ class RunOutcome(_Model):
         description="A one-shot run's prompt: its one terminal event (Done with the text)",
     )
     prompts_faulted: int = 0
+    prompts_cancelled: int = 0

@@ -695,7 +695,11 @@ async def judge(
 def _judge_prompts(sc: Scope, res: Result, state: RunState | None, want: dict[int, str]) -> None:
     reports: dict[int, int] = {}
     for r in state.lifecycle if state is not None else []:
-        if r.kind in (LifecycleKind.PROMPT_COMPLETED, LifecycleKind.PROMPT_FAULTED):
+        if r.kind in (
+            LifecycleKind.PROMPT_COMPLETED,
+            LifecycleKind.PROMPT_FAULTED,
+            LifecycleKind.PROMPT_CANCELLED,
+        ):
             assert r.request_id is not None
             reports[r.request_id] = reports.get(r.request_id, 0) + 1
     for probe in sc.probes:

@@ -125,7 +125,7 @@ def serving_state() -> RunState:
     state.admit(11, "mvp-run-7-prompt-11-a")
     state.finish_prompt("mvp-run-7-prompt-11-a", True, "", 11)
     state.admit(12, "mvp-run-7-prompt-12-b")
-    state.finish_prompt("mvp-run-7-prompt-12-b", False, "cancelled", 12)
+    state.finish_prompt("mvp-run-7-prompt-12-b", False, "cancelled", 12, cancelled=True)
     state.admit(11, "mvp-run-7-prompt-11-c")  # a request id used again after it ended
     state.finish_prompt("mvp-run-7-prompt-11-c", True, "", 11)
     state.admit(BIG_ID, "mvp-run-7-prompt-big")
@@ -231,6 +231,7 @@ def test_recent_prompts_pair_each_end_with_its_admission_and_keep_the_latest():
         "mvp-run-7-prompt-12-b",
         "mvp-run-7-prompt-11-c",
     ]
+    assert [p.cancelled for p in done] == [False, True, False]  # PromptCancelled
     # An end whose admission report was trimmed away still shows, without figures.
     state.lifecycle = [r for r in state.lifecycle if r.kind is not LifecycleKind.PROMPT_ACCEPTED]
     assert {p.workflow_id for p in finished_prompts(state)} == {None}
@@ -818,3 +819,59 @@ def test_only_a_start_activitys_fetch_details_count_as_progress():
         {"fetch": {"node_id": 3, "bytes_held": "1", "bytes_total": 9}},
     ):
         assert _fetch_progress(bad) is None, bad
+
+
+# Each request id shown (the recent prompts' first cell, the queue's chips): its lines,
+# and how far right it reaches against its card's inner edge.
+REQUEST_IDS = """() => [...document.querySelectorAll('.recent tr.prompt td:first-child, .queue .rid')].map(e => {
+  const range = document.createRange();
+  range.selectNodeContents(e);
+  let lines = 0, bottom = -Infinity;
+  for (const r of range.getClientRects()) if (r.top >= bottom - 1) { lines++; bottom = r.bottom; }
+  const card = e.closest("section.run"), style = getComputedStyle(card);
+  const inner = card.getBoundingClientRect().right - parseFloat(style.paddingRight)
+                - parseFloat(style.borderRightWidth);
+  return { text: e.textContent, lines, right: e.getBoundingClientRect().right, inner };
+})"""
+
+
+def long_ids_observation() -> dict[str, Any]:
+    """The longest request ids there are (20 digits, u64), finished, generating and queued."""
+    state = serving_state()
+    top = 2**64 - 1
+    figs: dict[str, PromptFigures] = {}
+    for i in range(4):
+        wf = f"mvp-run-7-prompt-{top - i}-x"
+        state.admit(top - i, wf)
+        state.finish_prompt(
+            wf, i % 2 == 0, "" if i % 2 == 0 else "cancelled", top - i, cancelled=i % 2 == 1
+        )
+        figs[wf] = PromptFigures(
+            status=PromptStatus.DONE, tokens=4096, elapsed_ms=123_456, ttft_ms=12_345
+        )
+    for i in range(4, 10):
+        state.admit(top - i, f"mvp-run-7-prompt-{top - i}-x")
+    state.activate_next(2)
+    view = run_view("mvp-run-7", 7, "running", state, served=True, figures_of=figs, logs={})
+    return Observation(served="mvp-run-7", runs=[view]).model_dump(mode="json")
+
+
+async def test_long_request_ids_keep_to_one_line_inside_their_card():
+    from tests.helpers.browser import chromium
+
+    html = (Path(hub_module.__file__).parent / "page.html").read_text()
+    obs = long_ids_observation()
+    async with chromium(width=1400) as page:
+        await page.set_content(html)
+        for width in (1400, 1024):  # side by side, then stacked
+            await page.set_viewport_size({"width": width, "height": 900})
+            await page.evaluate("obs => render(obs)", obs)
+            ids = await page.evaluate(REQUEST_IDS)
+            tables = await page.evaluate(MEASURE)
+            assert sum(str(2**64 - 1) in i["text"] for i in ids) == 1, ids
+            assert sum(len(i["text"]) >= 20 for i in ids) >= 9, ids  # queued and finished
+            for i in ids:
+                assert i["lines"] == 1, (width, i)
+                assert i["right"] <= i["inner"] + 0.5, (width, i)
+            for t in tables:
+                assert t["right"] <= t["inner"] + 0.5 and t["scroll"] <= t["parent"] + 0.5, t

@@ -262,7 +262,7 @@ def provisioning_state(address: str) -> RunState:
     state.phase = RunPhase.PROVISIONING
     state.lifecycle = state.lifecycle[:3]
     state.lifecycle_recorded = 3
-    state.prompts_completed = state.prompts_faulted = 0
+    state.prompts_completed = state.prompts_faulted = state.prompts_cancelled = 0
     state.active, state.pending, state.also_active = None, [], []
     for n in state.nodes:
         for flag in ("start_attempted", "lease_started", "route_owned", "acked"):

@@ -566,7 +566,7 @@ async def wait_completed(
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         state = await snapshot(handle)
-        if state.prompts_completed + state.prompts_faulted >= completed:
+        if state.prompts_completed + state.prompts_faulted + state.prompts_cancelled >= completed:
             return state
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"the run counts {state.prompts_completed} prompts: {state}")

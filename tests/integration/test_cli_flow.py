@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,6 +34,16 @@ def cli(server: DevServer, *args: str) -> str:
     )
     assert done.returncode == 0, done.stderr
     return done.stdout
+
+
+def documented_update_output() -> dict[str, Any]:
+    """The sample output of ``temporal workflow update execute ... -o json`` in
+    docs/cli-flow.md (step 4)."""
+    text = (REPO / "docs" / "cli-flow.md").read_text()
+    found = re.search(r"```json\n(\s*\{\s*\"name\": \"submit_prompt\".*?)```", text, re.S)
+    assert found is not None, "docs/cli-flow.md has no sample of the Update's output"
+    sample: dict[str, Any] = json.loads(found.group(1))
+    return sample
 
 
 def start_run(server: DevServer, workflow_id: str, *input_args: str) -> None:
@@ -77,6 +89,10 @@ async def test_cli_start_prompt_query_shutdown(
     assert done["type"] == "done", out
     assert done["final_text"].startswith(" Paris."), done
     assert 1 <= done["tokens_generated"] <= 16
+    # docs/cli-flow.md shows this output: the same fields, none missing, none extra.
+    sample = documented_update_output()
+    assert sorted(sample) == sorted(result), out
+    assert sorted(sample["result"]) == sorted(done), out
 
     snap = json.loads(
         cli(

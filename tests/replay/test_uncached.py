@@ -124,7 +124,8 @@ async def test_a_two_stage_run_serves_streams_cancels_and_stops_replaying_every_
     assert outcome.first_fault is None and outcome.first_stop_error is None, outcome
     kinds = [r.kind.value for r in outcome.lifecycle]
     assert kinds.count("RunTornDown") == 1 and kinds[-1] == "RunTornDown", kinds
-    assert outcome.prompts_completed == 2 and outcome.prompts_faulted == 1, outcome
+    assert outcome.prompts_completed == 2 and outcome.prompts_cancelled == 1, outcome
+    assert outcome.prompts_faulted == 0, outcome
     await eventually(
         lambda: node_processes(state_dir) == [],
         timeout=10,

@@ -560,4 +560,63 @@ async def test_run_hosted_prompts_cancelled_queued_and_at_shutdown_end_once_and_
     assert state.prompt_host.value == "run" and [p.request_id for p in state.actives()] == [1]
     assert state.actives()[0].update_id == updates[0].id
     assert active.request_id == 1 and active.error == "run is shutting down"
-    assert outcome.prompts_faulted == 2 and none is None
+    assert none is None
+    # Cancelled, not faulted (DECISIONS 98): the client's cancel, then the shutdown's.
+    assert prompt_ends(outcome) == [
+        ("PromptCancelled", "cancelled", 2),
+        ("PromptCancelled", "run is shutting down", 1),
+    ]
+    assert (outcome.prompts_cancelled, outcome.prompts_faulted) == (2, 0)
+
+
+def prompt_ends(outcome: RunOutcome) -> list[tuple[str, str, int | None]]:
+    ends = ("PromptCompleted", "PromptFaulted", "PromptCancelled")
+    return [(r.kind.value, r.detail, r.request_id) for r in outcome.lifecycle if r.kind in ends]
+
+
+async def test_a_prompt_its_client_cancels_is_recorded_cancelled_not_faulted(
+    env: WorkflowEnvironment, task_queue: str
+) -> None:
+    """DECISIONS 98: a generating prompt (in its own PromptWorkflow) that its client
+    cancels ends ``PromptCancelled`` with the reason, counted apart from the faults; a
+    fault stays ``PromptFaulted``."""
+    started: list[int] = []
+
+    async def held_or_broken(inp: GenerateInput) -> PromptOutcome:
+        started.append(inp.prompt.request_id)
+        if inp.prompt.prompt_text == "boom":
+            return PromptOutcome(terminal=Fault(request_id=inp.prompt.request_id, error="boom"))
+        while True:  # until cancelled
+            activity.heartbeat()
+            await asyncio.sleep(0.05)
+
+    async with FakeCluster(env.client, task_queue, generate=held_or_broken).serving() as cluster:
+        handle = await cluster.start_run(142)
+        await wait_phase(handle, RunPhase.PROMPT_READY)
+        held = await handle.start_update(
+            names.UPDATE_SUBMIT_PROMPT,
+            SubmitPrompt(request_id=5, prompt_text="p"),
+            wait_for_stage=WorkflowUpdateStage.ACCEPTED,
+            result_type=Fault,
+        )
+        for _ in range(400):
+            if started:
+                break
+            await asyncio.sleep(0.025)
+        await handle.signal(names.SIGNAL_CANCEL_PROMPT, CancelPrompt(request_id=5))
+        cancelled = await held.result()
+        broken = await handle.execute_update(
+            names.UPDATE_SUBMIT_PROMPT,
+            SubmitPrompt(request_id=6, prompt_text="boom"),
+            result_type=Fault,
+        )
+        state = await snapshot(handle)
+        outcome = await shut_down(handle)
+    assert started == [5, 6] and state.prompt_host.value == "workflow"
+    assert cancelled == Fault(request_id=5, error="cancelled") and broken.error == "boom"
+    assert prompt_ends(outcome) == [
+        ("PromptCancelled", "cancelled", 5),
+        ("PromptFaulted", "boom", 6),
+    ]
+    assert (state.prompts_cancelled, state.prompts_faulted, state.prompts_completed) == (1, 1, 0)
+    assert (outcome.prompts_cancelled, outcome.prompts_faulted) == (1, 1)

@@ -62,6 +62,7 @@ _ASK_SNAPSHOT = frozenset(
         LifecycleKind.PROMPT_ACCEPTED,
         LifecycleKind.PROMPT_COMPLETED,
         LifecycleKind.PROMPT_FAULTED,
+        LifecycleKind.PROMPT_CANCELLED,
         LifecycleKind.STAGE_REPLACING,
         LifecycleKind.RUN_TORN_DOWN,
     }
@@ -231,6 +232,8 @@ def overlay(state: RunState, facts: StreamFacts) -> RunState:
         + sum(r.kind is LifecycleKind.PROMPT_COMPLETED for r in fresh),
         "prompts_faulted": state.prompts_faulted
         + sum(r.kind is LifecycleKind.PROMPT_FAULTED for r in fresh),
+        "prompts_cancelled": state.prompts_cancelled
+        + sum(r.kind is LifecycleKind.PROMPT_CANCELLED for r in fresh),
     }
     phases = [PHASE_OF[r.kind] for r in fresh if r.kind in PHASE_OF]
     if phases:

@@ -224,6 +224,7 @@ class RunView(BaseModel):
     max_seq_len: int | None = None
     prompts_completed: int = 0
     prompts_faulted: int = 0
+    prompts_cancelled: int = 0
     continued: int = 0
     recoveries_done: int = 0  # stage recoveries (DECISIONS 68)
     recovering: str | None = None  # the stage being replaced now, and how far it is
@@ -250,6 +251,14 @@ class FinishedPrompt(BaseModel):
     workflow_id: str | None  # None when its PromptAccepted report was trimmed away
     ok: bool
     detail: str
+    cancelled: bool = False  # a PromptCancelled report (DECISIONS 98)
+
+
+_ENDS = (
+    LifecycleKind.PROMPT_COMPLETED,
+    LifecycleKind.PROMPT_FAULTED,
+    LifecycleKind.PROMPT_CANCELLED,
+)
 
 
 def finished_prompts(state: RunState, limit: int = RECENT_PROMPTS) -> list[FinishedPrompt]:
@@ -264,13 +273,14 @@ def finished_prompts(state: RunState, limit: int = RECENT_PROMPTS) -> list[Finis
             continue
         if report.kind is LifecycleKind.PROMPT_ACCEPTED:
             admitted[rid] = report.detail
-        elif report.kind in (LifecycleKind.PROMPT_COMPLETED, LifecycleKind.PROMPT_FAULTED):
+        elif report.kind in _ENDS:
             done.append(
                 FinishedPrompt(
                     request_id=rid,
                     workflow_id=admitted.pop(rid, None),
                     ok=report.kind is LifecycleKind.PROMPT_COMPLETED,
                     detail=report.detail,
+                    cancelled=report.kind is LifecycleKind.PROMPT_CANCELLED,
                 )
             )
     return done[-limit:] if limit > 0 else []
@@ -278,7 +288,13 @@ def finished_prompts(state: RunState, limit: int = RECENT_PROMPTS) -> list[Finis
 
 def prompt_view(prompt: FinishedPrompt, figs: PromptFigures | None) -> PromptView:
     if figs is None:
-        status = PromptStatus.DONE.value if prompt.ok else PromptStatus.FAULTED.value
+        status = (
+            PromptStatus.DONE
+            if prompt.ok
+            else PromptStatus.CANCELLED
+            if prompt.cancelled
+            else PromptStatus.FAULTED
+        ).value
         return PromptView(
             request_id=str(prompt.request_id), status=status, error=clip(prompt.detail) or None
         )
@@ -379,6 +395,7 @@ def run_view(
         view.max_seq_len = plan.max_seq_len
     view.prompts_completed = state.prompts_completed
     view.prompts_faulted = state.prompts_faulted
+    view.prompts_cancelled = state.prompts_cancelled
     view.continued = state.continued
     view.recoveries_done = state.recoveries_done
     view.recoveries = [

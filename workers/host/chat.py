@@ -9,9 +9,10 @@ template unless ``--raw``, and each reply ends with its token count and stop rea
 the demo; without ``--max-tokens`` the run's ``default_max_tokens`` applies.
 
 Every line read from standard input is one prompt. The run keeps no conversation: each
-line stands on its own. End with EOF (Ctrl-D), ``/quit`` or Ctrl-C; Ctrl-C during a
-reply cancels that prompt first (over the RPC: the host cancels the prompt of a client
-that goes away).
+line stands on its own. Ctrl-C during a reply cancels that prompt and the session goes
+on to the next one (over the RPC: the connection closes, the host cancels its prompt,
+and the next prompt opens another); end with EOF (Ctrl-D), ``/quit`` or Ctrl-C at the
+prompt. SIGTERM cancels a reply too, then ends the session.
 """
 
 from __future__ import annotations
@@ -209,8 +210,9 @@ class RpcChat:
             self._conn = None
 
 
-def run_turn(loop: asyncio.AbstractEventLoop, chat: Chat | RpcChat, text: str) -> bool:
-    """One prompt on the loop; Ctrl-C (or SIGTERM) cancels it. False when interrupted."""
+def run_turn(loop: asyncio.AbstractEventLoop, chat: Chat | RpcChat, text: str) -> int | None:
+    """One prompt on the loop. Ctrl-C cancels it and the session goes on (None); SIGTERM
+    cancels it and ends the session (its exit code). None when it ran to its end."""
     turn = loop.create_task(chat.reply(text))
     interrupted: list[int] = []
 
@@ -231,13 +233,15 @@ def run_turn(loop: asyncio.AbstractEventLoop, chat: Chat | RpcChat, text: str) -
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     if not interrupted:
-        return True
+        return None
     request_id = chat.in_flight
+    chat.in_flight = None
     if request_id is not None:
+        # (A second Ctrl-C meanwhile raises KeyboardInterrupt: the session ends.)
         with contextlib.suppress(RPCError, TimeoutError):
             loop.run_until_complete(_within(chat.cancel(request_id), 5))
         print(f"\ncancelled request {request_id}", flush=True)
-    return False
+    return None if interrupted[0] == signal.SIGINT else 128 + interrupted[0]
 
 
 def read_line(tty: bool) -> str | None:
@@ -261,8 +265,8 @@ def converse(loop: asyncio.AbstractEventLoop, chat: Chat | RpcChat) -> int:
             text = line.strip()
             if text == QUIT:
                 break
-            if text and not run_turn(loop, chat, text):
-                return 130
+            if text and (code := run_turn(loop, chat, text)) is not None:
+                return code
     except KeyboardInterrupt:
         print(flush=True)
         return 130

@@ -530,17 +530,15 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         metavar="N",
-        help="prompts the run generates at once (its max_active_prompts, DECISIONS 62; "
-        "mvp-gateway serves many clients with docs/examples/run-serve.json) "
-        "(default: %(default)s)",
+        help="prompts the run generates at once (its max_active_prompts; mvp-gateway "
+        "serves many clients with docs/examples/run-serve.json) (default: %(default)s)",
     )
     p.add_argument(
         "--prompt-host",
         choices=[h.value for h in PromptHost],
         default=PromptHost.WORKFLOW.value,
-        help="where the run serves its prompts (DECISIONS 66): a PromptWorkflow each, or "
-        "in the run's own Update at a fifth of the control plane's CPU per prompt "
-        "(default: %(default)s)",
+        help="where the run serves its prompts: a PromptWorkflow each, or in the run's "
+        "own Update at a fifth of the control plane's CPU per prompt (default: %(default)s)",
     )
     p.add_argument(
         "--chat",

@@ -5,6 +5,11 @@ One schedule per provider host, ``mvp-reaper-<host>``, starts a ReaperWorkflow e
 made nor changed). Every worker of the host makes it idempotently: the first one makes
 it, the others find it (and bring its interval in line with theirs when it differs).
 Overlap SKIP: a sweep that outlasts the interval is never joined by a second one.
+
+Each sweep is a workflow of its own in the namespace's list, one a minute: it carries a
+static summary (``reaper sweep of host <host>``) and, as every scheduled workflow does,
+the search attribute ``TemporalScheduledById`` (the schedule's id), so the Web UI can
+show it or leave it out: ``WorkflowType != "ReaperWorkflow"`` (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -33,6 +38,13 @@ from mvp_core.reaper import ReapInput
 log = logging.getLogger("mvp.reaper")
 # A sweep that hangs (a provider call that never returns) must not hold the SKIP forever.
 SWEEP_TIMEOUT = timedelta(minutes=10)
+# The Web UI's list query that leaves the sweeps out (docs/reliability.md "The reaper").
+HIDE_SWEEPS = f'WorkflowType != "{names.REAPER_WORKFLOW}"'
+
+
+def sweep_summary(host: str) -> str:
+    """The Web UI's one line for a sweep of ``host``."""
+    return f"reaper sweep of host {host}"
 
 
 def reaper_interval_s(environ: Mapping[str, str] | None = None) -> int:
@@ -62,6 +74,13 @@ def reaper_schedule(host: str, interval_s: int) -> Schedule:
             task_queue=names.ORCHESTRATOR_TASK_QUEUE,
             execution_timeout=SWEEP_TIMEOUT,
             task_timeout=timedelta(seconds=names.WORKFLOW_TASK_TIMEOUT_S),
+            # Ids only: where it sweeps, what starts it, and how to leave it out of a list.
+            static_summary=sweep_summary(host),
+            static_details=(
+                f"provider resources of host {host}, swept every {interval_s} s by the "
+                f"schedule {names.reaper_schedule_id(host)}; to leave the sweeps out of "
+                f"the workflow list, filter with {HIDE_SWEEPS}"
+            ),
         ),
         spec=ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(seconds=interval_s))]),
         policy=SchedulePolicy(
@@ -95,6 +114,8 @@ async def ensure_reaper_schedule(client: Client, host: str, interval_s: int) -> 
         and isinstance(current.action, ScheduleActionStartWorkflow)
         and current.action.workflow == names.REAPER_WORKFLOW
         and current.action.task_queue == names.ORCHESTRATOR_TASK_QUEUE
+        # (An older worker's schedule started its sweeps without a summary.)
+        and current.action.static_summary is not None
     ):
         return f"reaper schedule {schedule_id} exists: every {interval_s} s"
 

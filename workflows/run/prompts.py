@@ -172,7 +172,11 @@ class Prompts:
                 outcome = await self._child(inp, wf_id, record, head)
             ok = outcome.terminal.type == "done"
             state.finish_prompt(
-                wf_id, ok, "" if ok else getattr(outcome.terminal, "error", ""), prompt.request_id
+                wf_id,
+                ok,
+                "" if ok else getattr(outcome.terminal, "error", ""),
+                prompt.request_id,
+                cancelled=outcome.status is PromptStatus.CANCELLED,
             )
             ctx.view.show()
             if outcome.run_fault is not None and not state.is_recovering():
