@@ -591,7 +591,7 @@ async def test_a_prompt_its_client_cancels_is_recorded_cancelled_not_faulted(
             await asyncio.sleep(0.05)
 
     async with FakeCluster(env.client, task_queue, generate=held_or_broken).serving() as cluster:
-        handle = await cluster.start_run(142)
+        handle = await cluster.start_run(147)
         await wait_phase(handle, RunPhase.PROMPT_READY)
         held = await handle.start_update(
             names.UPDATE_SUBMIT_PROMPT,
