@@ -117,9 +117,12 @@ async def test_a_cancel_of_one_of_eight_leaves_the_other_seven(runs: Runs):
     await asyncio.wait_for(streaming, 60)
     results = await asyncio.gather(*others)
     assert len(ending) == 1 and isinstance(ending[0], Fault) and ending[0].error == "cancelled"
-    # The cancel was pushed to the head node, which answered (True: it stopped the
-    # generate; False: the heartbeat's answer had stopped it first).
-    assert len(await _stop_results(run, 40)) == 1
+    # The cancel was pushed to the head node (one stop_generate scheduled), which answered
+    # (True: it stopped the generate; False: the heartbeat's answer had stopped it first),
+    # or not at all: a stop still pending once the generate has ended is cancelled
+    # (DECISIONS 65), as when the heartbeat's answer came first on a busy machine.
+    scheduled, answers = await _stop_results(run, 40)
+    assert scheduled == 1 and len(answers) <= 1, (scheduled, answers)
     for a, b in zip(alone, results, strict=True):
         assert isinstance(a, Done) and isinstance(b, Done), (a, b)
         assert (b.final_text, b.tokens_generated) == (a.final_text, a.tokens_generated)
@@ -137,8 +140,9 @@ async def _stream_all(run: RunHandle, prompt: SubmitPrompt) -> tuple[str, list[D
     return text, ends
 
 
-async def _stop_results(run: RunHandle, request_id: int) -> list[bool]:
-    """What each node.stop_generate of the prompt returned (True: it stopped a generate)."""
+async def _stop_results(run: RunHandle, request_id: int) -> tuple[int, list[bool]]:
+    """How many node.stop_generate the prompt scheduled, and what each that completed
+    returned (True: it stopped a generate)."""
     wf_id = await run.find_prompt(request_id)
     assert wf_id is not None
     handle = run.client.get_workflow_handle(wf_id)
@@ -153,7 +157,7 @@ async def _stop_results(run: RunHandle, request_id: int) -> list[bool]:
             if done.scheduled_event_id in stops:
                 payload = done.result.payloads[0]
                 results.append(await run.client.data_converter.decode([payload], [bool]))
-    return [r[0] for r in results]
+    return len(stops), [r[0] for r in results]
 
 
 async def _history_events(run: RunHandle, request_id: int) -> int:
@@ -290,7 +294,12 @@ async def test_sixty_four_streams_at_once_on_a_stock_server_all_generate_togethe
         assert isinstance(end, Done) and isinstance(ref, Done), (i, end, ref)
         assert text == end.final_text == ref.final_text, i
         assert end.tokens_generated == ref.tokens_generated, i
-    assert (await run.snapshot()).most_active == 64
+    # The streams had their ends from the head node (DECISIONS 95): the run counts all 64
+    # of them now, and may answer a query late meanwhile (asked again).
+    async with asyncio.timeout(120):
+        while (state := await run.try_snapshot()) is None:
+            await asyncio.sleep(0.5)
+    assert state.most_active == 64
     await run.shutdown_and_wait(ShutdownReason.OPERATOR_REQUESTED)
     assert await wait_closed(handle) is WorkflowExecutionStatus.COMPLETED
 
