@@ -22,13 +22,14 @@ from pathlib import Path
 
 import psutil
 import pytest
-from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.client import WorkflowExecutionStatus
 
 from activities.providers.base import TEST_FAULTS_FILE_ENV
 from mvp_core import names
 from mvp_core.models import RequestShutdown, RunPhase
 from mvp_core.run_state import RunState
 from mvp_io.model_store import DEFAULT_BUNDLED, GEMMA3_BUNDLED, fetch_bundled
+from temporal.connect import connect
 from temporal.devserver import DevServerError, exit_cause, start_dev_server
 from tests.helpers.fake_cluster import wait_completed
 from tests.helpers.waits import eventually, wait_until
@@ -213,7 +214,8 @@ def run_status(data_dir: Path, workflow_id: str) -> WorkflowExecutionStatus | No
     try:
 
         async def status() -> WorkflowExecutionStatus | None:
-            client = await Client.connect(server.address)
+            # The project's connect waits out a frontend that is not healthy yet.
+            client = await connect(server.address)
             return (await client.get_workflow_handle(workflow_id).describe()).status
 
         return asyncio.run(status())
