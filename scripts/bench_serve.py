@@ -46,6 +46,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 from openai import AsyncOpenAI
@@ -208,43 +209,36 @@ async def one_stream(
     start = time.perf_counter()
     first = last = None
     used = chunks = 0
+    common: dict[str, Any] = {
+        "model": model,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "extra_body": SAME_REQUEST,
+    }
+    stream: Any
     if workload == "chat":
-        chat = await oai.chat.completions.create(
-            model=model,
-            messages=[
-                {"role": "system", "content": SYSTEM},
-                {"role": "user", "content": text},
-            ],
-            max_tokens=tokens,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body=SAME_REQUEST,
-        )
-        async for part in chat:
-            if part.choices and part.choices[0].delta.content:
-                last = time.perf_counter()
-                first = first or last
-                chunks += 1
-            if part.usage is not None:
-                used = part.usage.completion_tokens
+        messages: Any = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": text},
+        ]
+        stream = await oai.chat.completions.create(messages=messages, **common)
     else:
-        stream = await oai.completions.create(
-            model=model,
-            prompt=text,
-            max_tokens=tokens,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body=SAME_REQUEST,
+        stream = await oai.completions.create(prompt=text, **common)
+    async for chunk in stream:
+        choice = chunk.choices[0] if chunk.choices else None
+        piece = (
+            None
+            if choice is None
+            else (choice.delta.content if workload == "chat" else choice.text)
         )
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].text:
-                last = time.perf_counter()
-                first = first or last
-                chunks += 1
-            if chunk.usage is not None:
-                used = chunk.usage.completion_tokens
+        if piece:
+            last = time.perf_counter()
+            first = first or last
+            chunks += 1
+        if chunk.usage is not None:
+            used = chunk.usage.completion_tokens
     n = used or chunks  # llama-server streams a chunk per token
     ttft = None if first is None else (first - start) * 1000
     itl = None
