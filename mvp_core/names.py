@@ -176,6 +176,7 @@ PATCH_SHUTDOWN_WAITS_CLOSE = "shutdown-waits-close"  # DECISIONS 59
 PATCH_CANCEL_BEFORE_CHILD_START = "cancel-before-child-start"  # DECISIONS 61
 PATCH_STOP_GENERATE = "stop-generate"  # DECISIONS 65
 PATCH_COMPLETE_BOOTSTRAP = "complete-bootstrap"  # DECISIONS 84
+PATCH_HEAD_LOSS_ENDS_GENERATE = "head-loss-ends-generate"  # DECISIONS 101
 
 # --------------------------------------------------------------------------- metrics
 # Our own metrics (OpenTelemetry names; a Prometheus scrape shows them with dots as

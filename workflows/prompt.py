@@ -97,17 +97,24 @@ class PromptServing:
             self.cancel_reason = reason or "cancelled"
 
     def move_head(self, head: PromptHead) -> bool:
-        """The run's news of the head node: lost, or its replacement serving. Only in a run
-        that replaces lost nodes, and only a node of this run's (its task queue and
-        readiness id as the run names them): False, and nothing changes, otherwise."""
+        """The run's news of the head node: lost, or its replacement serving (in a run
+        that replaces lost nodes; in a fail-stop run only that its head is lost), and only
+        of a node of this run's (its task queue and readiness id as the run names them):
+        False, and nothing changes, otherwise."""
         inp = self.inp
         nonce8 = inp.readiness_id.split("-", 1)[0]
         if (
-            inp.on_node_loss is not NodeLossPolicy.REPLACE
-            or head.task_queue != names.node_task_queue(inp.run_id, head.node_id, nonce8)
+            head.task_queue != names.node_task_queue(inp.run_id, head.node_id, nonce8)
             or head.readiness_id != f"{nonce8}-{head.node_id}-0"
         ):
             return False
+        if inp.on_node_loss is not NodeLossPolicy.REPLACE:
+            # Fail-stop: only the news that this prompt's head is gone (no replacement
+            # comes): its generate is not waited for (DECISIONS 101).
+            if head.ready or head.task_queue != inp.head_task_queue:
+                return False
+            self.head_lost = True
+            return True
         if not head.ready:
             self.head_lost = True
             return True
@@ -230,18 +237,27 @@ class PromptServing:
         )
 
         def head_gone() -> bool:
-            return replace and (self.head_lost or self.head_moves > moves)
+            # A fail-stop run says only that the head is gone (DECISIONS 101).
+            return self.head_lost or (replace and self.head_moves > moves)
 
         await workflow.wait_condition(
             lambda: handle.done() or self.cancel_reason is not None or head_gone()
         )
         if not handle.done() and self.cancel_reason is None:
-            # The run says the head node is lost (DECISIONS 68): its generate is left to
-            # its heartbeat timeout, and the prompt goes on on the replacement head from
-            # the text its stream holds (regenerated there: the same tokens).
-            handle.add_done_callback(retrieve)
-            handle.cancel()
-            return self.cancelled(), []
+            if replace:
+                # The run says the head node is lost (DECISIONS 68): its generate is left
+                # to its heartbeat timeout, and the prompt goes on on the replacement head
+                # from the text its stream holds (regenerated there: the same tokens).
+                handle.add_done_callback(retrieve)
+                handle.cancel()
+                return self.cancelled(), []
+            if workflow.patched(names.PATCH_HEAD_LOSS_ENDS_GENERATE):
+                # Fail-stop: no replacement comes, and the dead head's generate would end
+                # only at its heartbeat timeout.
+                handle.add_done_callback(retrieve)
+                handle.cancel()
+                return self._head_gone_fault(where), None
+            await workflow.wait_condition(lambda: handle.done() or self.cancel_reason is not None)
         stop = None
         if not handle.done():
             handle.cancel()  # reaches the node with its next heartbeat's answer
@@ -256,6 +272,37 @@ class PromptServing:
                     inp.head_task_queue,
                     f"stop request {request_id} on {where} (run {inp.run_id})",
                 )
+        lost: list[int] | None = None
+        if not handle.done():
+            # A cancel: its generate's end, unless the run says its head is gone (then
+            # no end comes before its heartbeat timeout; DECISIONS 101, histories from
+            # before it waited).
+            await workflow.wait_condition(lambda: handle.done() or self.head_lost)
+        if not handle.done() and workflow.patched(names.PATCH_HEAD_LOSS_ENDS_GENERATE):
+            handle.add_done_callback(retrieve)
+            outcome = self.cancelled()
+        else:
+            outcome, lost = await self._generate_end(handle, moves)
+        if stop is not None:
+            await self._stopped(stop)
+        terminal = outcome.terminal
+        if isinstance(terminal, Fault) and outcome.status is PromptStatus.DONE:
+            # A prompt-local fault from the node (too long, or stopped: then it says why).
+            if self.cancel_reason is not None:
+                outcome = self.cancelled(terminal.text, terminal.tokens_generated)
+            elif terminal.error == "cancelled":
+                outcome.status = PromptStatus.CANCELLED
+            else:
+                outcome.status = PromptStatus.FAULTED
+        return outcome, lost
+
+    async def _generate_end(
+        self, handle: workflow.ActivityHandle[PromptOutcome], moves: int
+    ) -> tuple[PromptOutcome, list[int] | None]:
+        """A generate's end as the prompt's outcome, and the checkpoint's tokens where
+        its head was lost in a run that replaces lost nodes (else None)."""
+        inp, request_id = self.inp, self.inp.prompt.request_id
+        replace = inp.on_node_loss is NodeLossPolicy.REPLACE
         lost: list[int] | None = None
         try:
             outcome: PromptOutcome = await handle
@@ -278,18 +325,18 @@ class PromptServing:
                     else f"prompt serving: generate on {inp.head_task_queue} failed: {reason}",
                     status=PromptStatus.FAULTED,
                 )
-        if stop is not None:
-            await self._stopped(stop)
-        terminal = outcome.terminal
-        if isinstance(terminal, Fault) and outcome.status is PromptStatus.DONE:
-            # A prompt-local fault from the node (too long, or stopped: then it says why).
-            if self.cancel_reason is not None:
-                outcome = self.cancelled(terminal.text, terminal.tokens_generated)
-            elif terminal.error == "cancelled":
-                outcome.status = PromptStatus.CANCELLED
-            else:
-                outcome.status = PromptStatus.FAULTED
         return outcome, lost
+
+    def _head_gone_fault(self, where: str) -> PromptOutcome:
+        """A fail-stop run's prompt whose head node is gone: its Fault (the run's own
+        fault names the node and how it was lost)."""
+        return PromptOutcome(
+            terminal=Fault(
+                request_id=self.inp.prompt.request_id,
+                error=f"prompt serving fault: {where} was lost while it generated",
+            ),
+            status=PromptStatus.FAULTED,
+        )
 
     async def _head_was_lost(self, moves: int) -> bool:
         """The run says the head node is lost (or has replaced it since the generate

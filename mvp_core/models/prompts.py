@@ -370,7 +370,7 @@ class PromptInput(_Model):
     max_new_tokens: int | None
     head_task_queue: str
     head_node_id: int | None = None  # for the Web UI's activity summary only
-    generate_heartbeat_s: float = 5.0
+    generate_heartbeat_s: float = 30.0
     stream_batch_ms: int = 100
     # Next in line at admission: generate at once, without waiting for activation.
     start_active: bool = False

@@ -27,7 +27,7 @@ class RunTimeouts(_Model):
     stop_grace_s: float = Field(default=5.0, ge=0, le=_DAY_S)
     stage_stopped_wait_s: float = Field(default=10.0, ge=0, le=_DAY_S)
     lease_heartbeat_s: float = Field(default=10.0, gt=0, le=_DAY_S)
-    generate_heartbeat_s: float = Field(default=5.0, gt=0, le=_DAY_S)
+    generate_heartbeat_s: float = Field(default=30.0, gt=0, le=_DAY_S)
 
 
 class PromptHost(StrEnum):

@@ -85,6 +85,8 @@ _SERVING = re.compile(r"^node (\d+) stage \d+ serving \S+ as \S+:(\d+)$", re.MUL
 SLOW_TEXT = {"MVP_FAULT_TEXT_DELAY_MS": "20"}
 LONG_PROMPT = ("Once upon a time", 160)
 RESTART_HEARTBEAT_S = 20.0  # server-restart@generation's generate heartbeat timeout
+OUTAGE_HEARTBEAT_S = 5.0  # server-outage-10s@generation's: the outage outlasts it
+NEVER_HEARTBEAT_S = 600.0  # node kills at generation: longer than the cell may last
 STOP_DELAY_S = 4  # orch-kill@teardown: each node's stop activity waits this long first
 # The readiness cells hold every node's LeaseStarted until the cell opens the gate
 # (Scope.held_leases), so the run stays in readiness, with its nodes' NodeRuntimeReady in
@@ -975,7 +977,12 @@ def _node_kill(stage_index: int, phase: RunPhase, run_id: int, replace: bool = F
             # A load from the layout cache takes ~0.05 s: held, so the poll sees the phase.
             RunPhase.STAGE_PROVISIONING: {"MVP_FAULT_PROVISION_DELAY_MS": "3000"},
         }.get(phase)
-        policy = {"on_node_loss": "replace"} if replace else {}
+        policy: dict[str, Any] = {"on_node_loss": "replace"} if replace else {}
+        if phase is RunPhase.PROMPT_READY and not replace:
+            # Nothing may wait for a generate's heartbeat timeout: the prompt on a dead
+            # head ends on the run's news of it, one on a live head on its pushed stop
+            # (DECISIONS 101); with this timeout a wait for it would outlast the cell.
+            policy["timeouts"] = {"generate_heartbeat_s": NEVER_HEARTBEAT_S}
         handle = await sc.start_run(run_id, 3, faults, **policy)
         probe: Probe | None = None
         if phase is RunPhase.PROMPT_READY:
@@ -1008,6 +1015,10 @@ def _node_kill(stage_index: int, phase: RunPhase, run_id: int, replace: bool = F
             phase_word=word,
             prompts={1: "fault"} if probe is not None else None,
         )
+        if probe is not None and stage_index == 0:  # (another's loss: the edge's error)
+            error = getattr(probe.result, "error", None) or ""
+            if f"node {victim.node_id}" not in error:
+                res.problem(f"prompt 1's fault does not name the lost node: {error!r}")
 
     return cell
 
@@ -1064,8 +1075,8 @@ async def server_restart_generation(sc: Scope, res: Result) -> None:
     await sc.own_dev_server()
     await sc.orchestrator("a")
     # A restart well inside the generate's heartbeat timeout (a loaded machine's restart
-    # took 4.7 s, against the default 5 s); server-outage-10s@generation is the outage
-    # that outlasts it.
+    # took 4.7 s, against the 5 s that was the default); server-outage-10s@generation is
+    # the outage that outlasts one.
     handle = await sc.start_run(
         run_id, 2, SLOW_TEXT, timeouts={"generate_heartbeat_s": RESTART_HEARTBEAT_S}
     )
@@ -1116,7 +1127,11 @@ async def server_outage_generation(sc: Scope, res: Result) -> None:
     run_id = 1224
     await sc.own_dev_server()
     await sc.orchestrator("a")
-    handle = await sc.start_run(run_id, 2, SLOW_TEXT)
+    # An outage that outlasts the generate's heartbeat timeout (the default, 30 s, would
+    # outlast it: the prompt would just go on).
+    handle = await sc.start_run(
+        run_id, 2, SLOW_TEXT, timeouts={"generate_heartbeat_s": OUTAGE_HEARTBEAT_S}
+    )
     state = await until_phase(handle, RunPhase.PROMPT_READY)
     probe = await sc.prompt(run_id, 1, "Once upon a time", 400)
     await asyncio.wait_for(probe.first_delta.wait(), 60)

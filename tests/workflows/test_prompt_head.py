@@ -1,6 +1,6 @@
 """A prompt's news of its head node (DECISIONS 68) is untrusted input: the ``head``
-signal moves a prompt only in a run that replaces lost nodes, and only to a node the run
-itself would name."""
+signal moves a prompt only in a run that replaces lost nodes (a fail-stop run's prompt
+hears only that its head is gone), and only to a node the run itself would name."""
 
 from __future__ import annotations
 
@@ -65,7 +65,14 @@ def test_news_of_a_node_the_run_would_not_name_moves_nothing(bad: dict[str, str]
     assert s.inp == before and not s.head_lost and s.head_moves == 0
 
 
-def test_a_fail_stop_run_s_prompt_ignores_head_news():
+def test_a_fail_stop_run_s_prompt_hears_only_that_its_own_head_is_gone():
+    """No replacement comes in a fail-stop run: news of one moves nothing, and only the
+    loss of the prompt's own head is news (its generate is then not waited for,
+    DECISIONS 101)."""
     s = serving(NodeLossPolicy.FAIL)
     assert not s.move_head(news(4, ready=False)) and not s.head_lost
     assert not s.move_head(news(4, ready=True)) and s.head_moves == 0
+    assert not s.move_head(news(1, ready=True)) and not s.head_lost
+    assert not s.move_head(news(1, ready=False, readiness_id=f"{NONCE8}-1-1"))
+    assert s.move_head(news(1, ready=False)) and s.head_lost
+    assert s.inp.head_task_queue == names.node_task_queue(7, 1, NONCE8) and s.head_moves == 0

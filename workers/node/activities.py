@@ -57,12 +57,16 @@ if TYPE_CHECKING:
     # the background at boot (``preload_runtime``) while it connects and reports ready.
     from workers.node.runtime import GenerationResult, StageRuntime
 
-# How often a generate hands the SDK a heartbeat; the SDK sends at most one per the node
-# worker's throttle (2 s, workers/node/agent.py). A cancel's stop is pushed (DECISIONS 65).
+# A generate hands the SDK a heartbeat every BEAT_SHARE x its heartbeat timeout, the first
+# one too (each costs the server ~3.7 ms of CPU, and a prompt that ends sooner none; the SDK
+# sends one it is handed at once when none went in the node worker's throttle, 2 s,
+# workers/node/agent.py): with the default 30 s, every 12 s (DECISIONS 101). Its cancel's
+# stop is pushed (DECISIONS 65), a lost head is the run's news (DECISIONS 68, 101): the
+# heartbeat is the fallback for both, and in a run that replaces lost nodes the
+# checkpoint a resume starts from. Without a heartbeat timeout: the first after
+# FIRST_BEAT_S, then every HEARTBEAT_EVERY_S.
+BEAT_SHARE = 0.4
 HEARTBEAT_EVERY_S = 0.5
-# A generate's first heartbeat waits this long (or 0.4 x its heartbeat timeout, if that
-# is shorter): a prompt that ends sooner costs the server no heartbeat (each ~3.7 ms of
-# its CPU; the SDK sends the first one it is handed at once).
 FIRST_BEAT_S = 2.0
 LEASE_GATE_POLL_S = 0.1  # a held-back lease report (fault injection) looks this often
 TEXT_GATE_POLL_S = 0.05  # held text (fault injection) looks for its gate this often
@@ -385,11 +389,8 @@ class NodeActivities:
         self.generating += 1
         self._stops[key] = stopped
         task.add_done_callback(lambda _: self._generate_ended(key, stopped))
-        timeout = activity.info().heartbeat_timeout
-        first_beat = (
-            FIRST_BEAT_S if timeout is None else min(FIRST_BEAT_S, 0.4 * timeout.total_seconds())
-        )
-        last_beat = time.monotonic() - HEARTBEAT_EVERY_S + first_beat
+        beat_s, first_beat = generate_beats(activity.info().heartbeat_timeout)
+        last_beat = time.monotonic() - beat_s + first_beat
         # A resumed prompt's readers have the text of its first tokens (DECISIONS 68).
         published_tokens = len(inp.resume) if inp.text_from is None else inp.text_from
         async with stream:
@@ -413,7 +414,7 @@ class NodeActivities:
                         published_tokens = pipe.tokens_taken
                     if activity.is_cancelled():  # its CancelledError, should it be lost
                         raise asyncio.CancelledError
-                    if time.monotonic() - last_beat > HEARTBEAT_EVERY_S:
+                    if time.monotonic() - last_beat > beat_s:
                         _beat(inp, generated)
                         last_beat = time.monotonic()
                     # Let text gather: the stream flushes every batch interval anyway, and
@@ -524,6 +525,15 @@ def _fatal(message: str, kind: ErrorType) -> ApplicationError:
     """A failure the run must not retry: the message (already redacted where it may carry
     a secret) under its error type, for the workflow to act on."""
     return ApplicationError(message, type=kind, non_retryable=True)
+
+
+def generate_beats(timeout: timedelta | None) -> tuple[float, float]:
+    """A generate's heartbeat cadence and when its first heartbeat goes, in seconds, for
+    its heartbeat timeout (None: the activity has none)."""
+    if timeout is None:
+        return HEARTBEAT_EVERY_S, FIRST_BEAT_S
+    every = max(HEARTBEAT_EVERY_S, BEAT_SHARE * timeout.total_seconds())
+    return every, every
 
 
 def _beat(inp: GenerateInput, generated: list[int]) -> None:

@@ -13,8 +13,8 @@ from datetime import timedelta
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from mvp_core import metrics
-    from mvp_core.models import PromptHead, RunPhase
+    from mvp_core import metrics, names
+    from mvp_core.models import NodeLossPolicy, PromptHead, RunPhase
     from mvp_core.run_records import NodeState
     from workflows.run.context import RunContext, Stopping, describe, now_ms
     from workflows.run.membership import Membership
@@ -39,12 +39,31 @@ class Recovery:
         self._prompts = prompts
         self._stop_node = stop_node
         self._task: asyncio.Task[None] | None = None
+        self._told_gone: set[int] = set()  # heads whose prompts were told they are gone
+        self._news: list[asyncio.Task[None]] = []
 
     def on_loss(self) -> None:
         """A node was lost: replace it (and any lost after it), unless one is under way."""
         state = self._ctx.state
         if state.lost and self._task is None and not state.stopping:
             self._task = asyncio.ensure_future(self._recover())
+        self._head_gone_news()
+
+    def _head_gone_news(self) -> None:
+        """A head node gone where no replacement will serve its prompts (a fail-stop run,
+        or one that is stopping): its prompts are told, and end now rather than at their
+        generates' heartbeat timeout (DECISIONS 101). A run that replaces it tells them
+        in ``_replace``."""
+        state = self._ctx.state
+        head = state.head()
+        if not (head.exited or head.lease_lost) or head.node_id in self._told_gone:
+            return
+        if state.node_loss is NodeLossPolicy.REPLACE and not state.stopping:
+            return
+        if not workflow.patched(names.PATCH_HEAD_LOSS_ENDS_GENERATE):
+            return
+        self._told_gone.add(head.node_id)
+        self._news.append(asyncio.ensure_future(self._tell_prompts(head, ready=False)))
 
     async def stop(self) -> None:
         """The run ends: a replacement in flight stops where it is (a start in flight
