@@ -5,6 +5,7 @@ once more. The run here is a stand-in for the Temporal calls the handle makes.""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from temporalio.exceptions import ApplicationError
 
 from mvp_core.errors import ErrorType
 from mvp_core.models import Done, PromptAdmitted, PromptEnd, SubmitPrompt
-from temporal.client import RunHandle
+from temporal.client import RunHandle, ends
 from temporal.client.ends import EndHint
 from temporal.client.errors import PromptRejected
 
@@ -98,3 +99,26 @@ async def test_an_end_line_of_another_request_is_not_taken():
     handle._ask_ends = kept  # type: ignore[method-assign]
     assert await handle.prompt_end("p-1", 1, hosted=True, hint=hint) == _done(1)
     assert run.asked == 1
+
+
+async def test_streaming_prompts_look_for_their_ends_together(monkeypatch):
+    """Prompts whose text streams from the head look for their ends at the same instants
+    of the handle's clock (DECISIONS 101), however their streams started: each look
+    joins one query, rather than each prompt asking on its own period."""
+    monkeypatch.setattr(ends, "END_POLL_WHILE_STREAMING_S", 0.2)
+    run = Run(ErrorType.PROMPT_QUEUE_FULL, open_for=10**6)  # open all along
+    handle = _handle(run)
+    waits = []
+    for i in range(8):
+        hint = EndHint(reader=True)
+        hint.streaming = True
+        hint.decided.set()
+        waits.append(asyncio.create_task(handle.prompt_end(f"p-{i}", i, hosted=True, hint=hint)))
+        await asyncio.sleep(0.023)  # streams starting at different moments of a period
+    await asyncio.sleep(1.0)
+    for w in waits:
+        w.cancel()
+    await asyncio.gather(*waits, return_exceptions=True)
+    # ~1.2 s of 0.2 s periods: one query each (each prompt on its own: ~40 looks)
+    assert 1 <= run.asked <= 9, run.asked
+    assert all(0.1 < ends.streaming_look_in(0.2) <= 0.3 for _ in range(3))
