@@ -55,6 +55,8 @@ class Recovery:
         generates' heartbeat timeout (DECISIONS 101). A run that replaces it tells them
         in ``_replace``."""
         state = self._ctx.state
+        if not state.nodes:
+            return
         head = state.head()
         if not (head.exited or head.lease_lost) or head.node_id in self._told_gone:
             return
