@@ -905,7 +905,7 @@ class BlocksLayout:
         # native_layout's float32 scale and offset (a min, or -zero x scale), then float16
         d = scale.float()
         s = d * d_scale
-        o = (d * -float(zero) if mins is None else mins.float()) * d_scale
+        o = (mins.float() if mins is not None else d * -float(zero or 0)) * d_scale
         scale.copy_(s.to(torch.float16))
         if offset is not None:
             offset.copy_(o.to(torch.float16))
@@ -921,7 +921,8 @@ class BlocksLayout:
         if self.type in self._Q0:
             if self.refused:
                 return None
-            zrow, zg, zlist = self.zrow, None, ()
+            zrow, zg = self.zrow, None
+            zlist: tuple[int, ...] = ()
             if zrow is not None:
                 # as native_layout: groups of one zero code start from its term
                 groups = zrow.view(-1, 16).to(torch.int16)
