@@ -71,7 +71,7 @@ void mvk_build_q4k(const uint8_t *raw, int64_t n, int64_t k, uint8_t *codes, uin
 /* Rows [0, n) of a Q5_K matrix (blocks of 176 bytes: d, dmin, Q4_K's 12 scale bytes,
  * qh[32], qs[128]; code m of sub-block j: qs[(j / 2) * 32 + m]'s nibble j & 1, bit j of
  * qh[m] its fifth) into the q5k_tile layout: codes [n / 16][k / 32][320] (put_codes' 5
- * bits), ksc, kmin, kd and kdmin as Q4_K's. */
+ * bits, written here straight from qs and qh), ksc, kmin, kd and kdmin as Q4_K's. */
 void mvk_build_q5k(const uint8_t *raw, int64_t n, int64_t k, uint8_t *codes, uint8_t *ksc,
                    uint8_t *kmin, float *kd, float *kdmin) {
     const int64_t nb = k / 256, ns = k / 32;
@@ -85,6 +85,13 @@ void mvk_build_q5k(const uint8_t *raw, int64_t n, int64_t k, uint8_t *codes, uin
                 memcpy(&h, blk + 2, 2);
                 kdmin[(G * nb + b) * 16 + r] = h2f(h);
                 const uint8_t *s = blk + 4, *qh = blk + 16, *qs = blk + 48;
+                /* byte l of hy[i]: qh[4 l + i], whose bit j is the fifth bit of code
+                 * 4 l + i of sub-block j */
+                uint64_t hy[4];
+                for (int i = 0; i < 4; i++) {
+                    hy[i] = 0;
+                    for (int l = 0; l < 8; l++) hy[i] |= (uint64_t)qh[4 * l + i] << (8 * l);
+                }
                 for (int j = 0; j < 8; j++) {
                     const int64_t at = (G * ns + 8 * b + j) * 16 + r;
                     if (j < 4) {
@@ -94,10 +101,16 @@ void mvk_build_q5k(const uint8_t *raw, int64_t n, int64_t k, uint8_t *codes, uin
                         ksc[at] = (uint8_t)((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4));
                         kmin[at] = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
                     }
-                    uint8_t q[32];
-                    for (int m = 0; m < 32; m++)
-                        q[m] = (uint8_t)(q4k_code(qs, j, m) | (((qh[m] >> j) & 1) << 4));
-                    put_codes(q, 5, r, codes + (G * ns + 8 * b + j) * 320);
+                    uint8_t *out = codes + (G * ns + 8 * b + j) * 320 + 4 * r;
+                    for (int c = 0; c < 4; c++)
+                        for (int i = 0; i < 4; i++)
+                            out[64 * c + i] = (uint8_t)(q4k_code(qs, j, 8 * c + i) |
+                                                        (q4k_code(qs, j, 8 * c + 4 + i) << 4));
+                    /* put_codes' fifth-bit byte: bit j of byte l moved to bit l (the
+                     * products of the multiply land on distinct bits: no carries) */
+                    for (int i = 0; i < 4; i++)
+                        out[256 + i] = (uint8_t)((((hy[i] >> j) & 0x0101010101010101ull) *
+                                                  0x0102040810204080ull) >> 56);
                 }
             }
 }
