@@ -5,9 +5,9 @@ model in memory), for benchmarks at the sizes people run (not in CI).
 
 Shapes: llama-3.2-1b, qwen2.5-3b, llama-3.1-8b (their published hidden size, layers,
 heads, KV heads, feed-forward width and vocabulary; tied heads where the model ties
-them). ``--quant q4_0``: every matrix Q4_0; ``q4_k_m``: llama.cpp's Q4_K_M mix (Q4_K,
-with Q6_K for the output head and for attn_v and ffn_down in llama.cpp's
-``use_more_bits`` layers). Block scales are small positive float16 values and codes are
+them). ``--quant q4_0``: every matrix Q4_0 (``q4_1``, ``q8_0`` likewise); ``q4_k_m``:
+llama.cpp's Q4_K_M mix (Q4_K, with Q6_K for the output head and for attn_v and ffn_down in
+llama.cpp's ``use_more_bits`` layers); ``q5_k_m``: its Q5_K_M mix (the same with Q5_K). Block scales are small positive float16 values and codes are
 random, so the arithmetic is a real model's and the text is noise. A SentencePiece-style
 vocabulary of the shape's size lets the engine's tokenizer load. ``--split N`` writes the
 model as gguf-split's N parts instead (scripts/gguf_split.py), removing the single file.
@@ -61,8 +61,10 @@ SHAPES = {
 # (elements per block, bytes per block, byte offsets of float16 scales in a block)
 BLOCKS = {
     QT.Q4_0: (32, 18, (0,)),
+    QT.Q4_1: (32, 20, (0, 2)),
     QT.Q8_0: (32, 34, (0,)),
     QT.Q4_K: (256, 144, (0, 2)),
+    QT.Q5_K: (256, 176, (0, 2)),
     QT.Q6_K: (256, 210, (208,)),
 }
 
@@ -80,11 +82,13 @@ def plan(s: Shape, quant: str) -> list[tuple[str, tuple[int, int] | tuple[int], 
             return QT.Q4_0
         if quant == "q8_0":
             return QT.Q8_0
+        if quant == "q4_1":
+            return QT.Q4_1
         if name == "output.weight":
             return QT.Q6_K
         if name in ("attn_v.weight", "ffn_down.weight") and use_more_bits(layer, s.layers):
             return QT.Q6_K
-        return QT.Q4_K
+        return QT.Q5_K if quant == "q5_k_m" else QT.Q4_K
 
     out: list[tuple[str, tuple[int, int] | tuple[int], QT | None]] = [
         ("token_embd.weight", (s.vocab, s.hidden), q("token_embd.weight"))
@@ -174,7 +178,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("shape", choices=sorted(SHAPES))
     ap.add_argument("out", type=Path)
-    ap.add_argument("--quant", choices=["q4_0", "q8_0", "q4_k_m"], default="q4_k_m")
+    ap.add_argument(
+        "--quant", choices=["q4_0", "q4_1", "q8_0", "q4_k_m", "q5_k_m"], default="q4_k_m"
+    )
     ap.add_argument("--split", type=int, default=1, help="write N gguf-split parts")
     args = ap.parse_args()
     write(SHAPES[args.shape], args.shape, args.out, args.quant)

@@ -178,18 +178,19 @@ def _assert_same_layouts(a_list: list[Any], b_list: list[Any]) -> None:
     "case",
     [
         "llama-Q4_K", "phi3-Q6_K", "llama3-Q4_K_M", "gemma3-mix", "qwen2-Q5_K_M",
-        "qwen3-Q4_0", "llama3-Q8_0", "mistral-Q4_0-mix", "gemma3-Q4_0",
+        "qwen3-Q4_0", "llama3-Q8_0", "mistral-Q4_0-mix", "gemma3-Q4_0", "llama-Q4_1",
+        "qwen2-Q5_1",
     ],
 )  # fmt: skip
 def test_layouts_from_blocks_are_the_decoded_codes_layouts(
     case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Q4_K, Q6_K, Q4_0 (repacked or not) and Q8_0 layouts built straight from the GGUF
-    blocks in C (loader.BLOCKS_DIRECT) are, field for field, the ones built through the
-    decoded codes in torch: every product of files with those formats alone, fused with
-    each other (a Q4_K_M q/k/v; a q/k/v of repacked Q4_0 and Q8_0), beside others
-    (Gemma's mix: Q5_0, and Q5_K, which stay in torch), in chunks of 32 rows by 1 and 3
-    threads."""
+    """Layouts built straight from the GGUF blocks in C (loader.BLOCKS_DIRECT: Q4_K, Q5_K,
+    Q6_K, Q4_0 repacked or not, Q4_1, Q5_0, Q5_1, Q8_0) are, field for field, the ones
+    built through the decoded codes in torch: every product of files with those formats
+    alone, fused with each other (a Q4_K_M q/k/v; a q/k/v of repacked Q4_0 and Q8_0;
+    Gemma's mix of Q5_0 and Q8_0), beside products that stay in torch (permuted rows), in
+    chunks of 32 rows by 1 and 3 threads."""
     from workers.node.engine import loader
     from workers.node.engine.kernels import BlocksLayout
 
@@ -209,19 +210,15 @@ def test_layouts_from_blocks_are_the_decoded_codes_layouts(
         built[direct, threads] = _built_layouts(model.path, model.spec.n_layers, threads)
     _assert_same_layouts(built[False, 1], built[True, 1])
     _assert_same_layouts(built[False, 1], built[True, 3])
-    # every layout of a llama.cpp-order Q4_K, Q6_K, Q4_0 or Q8_0 product of the direct
-    # builds came from its blocks (of those files, none is permuted or scaled by other
-    # than a power of two)
-    k_arith, q0_arith = (native.ARITH_Q4K, native.ARITH_Q6K), (native.ARITH_Q0, native.ARITH_Q0R)
+    # every layout of a llama.cpp-order product of the direct builds came from its blocks
+    # (of those files, none is permuted or scaled by other than a power of two)
+    arith = (native.ARITH_Q4K, native.ARITH_Q5K, native.ARITH_Q6K)
+    arith += (native.ARITH_Q0, native.ARITH_Q0R)
     for key in ((True, 1), (True, 3)):
-        codes = {
-            id(x.codes)
-            for lays in built[key]
-            for x in lays
-            if x.arith in k_arith or (x.arith in q0_arith and x.zero in (8, 128) and not x.bits5)
-        }
+        codes = {id(x.codes) for lays in built[key] for x in lays if x.arith in arith}
+        from_blocks = {c for c, _ in direct_calls}
         assert codes, key
-        assert codes <= {c for c, _ in direct_calls}, key
+        assert codes <= from_blocks, key
     if case == "llama3-Q4_K_M":
         assert {t for _, t in direct_calls} == {int(QT.Q4_K), int(QT.Q6_K)}
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -30,7 +30,19 @@ import torch.nn.functional as F
 
 from . import native
 from .native import Weights
-from .quants import AFFINE_BITS, Q4_0, Q4_K, Q6_K, Q8_0, KScales, dequantize
+from .quants import (
+    AFFINE_BITS,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    KScales,
+    dequantize,
+)
 
 GROUP = 32
 _BLOCK_N = 64
@@ -748,73 +760,116 @@ def native_layout(
 
 
 class BlocksLayout:
-    """The layout ``native_layout`` builds in llama.cpp's order for Q4_K, Q6_K, Q4_0 or
-    Q8_0 matrices (``ggml_type``; a Q4_0 ``repacked`` or not) of ``rows`` rows in all (a
-    multiple of 16) and ``k`` inputs (a multiple of 256 for the K formats, of 32 for the
-    others), field for field the same, filled straight from their GGUF blocks in C (qmm.c
-    mvk_build_q4k / _q6k / _q0): each ``fill`` writes its rows' place in tensors
-    allocated once, so a load holds no chunk beside the matrix, and fills of different
-    rows may run on different threads at once (ctypes lets go of the interpreter)."""
+    """The layout ``native_layout`` builds in llama.cpp's order for Q4_K, Q5_K, Q6_K,
+    Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 matrices (``ggml_type``; a Q4_0 ``repacked`` or not)
+    of ``rows`` rows in all (a multiple of 16) and ``k`` inputs (a multiple of 256 for the
+    K formats, of 32 for the others), field for field the same, filled straight from their
+    GGUF blocks in C (qmm.c mvk_build_q4k / _q5k / _q6k / _q0): each ``fill`` writes its
+    rows' place in tensors allocated once, so a load holds no chunk beside the matrix, and
+    fills of different rows may run on different threads at once (ctypes lets go of the
+    interpreter). ``types``: a fused run's formats where they are several of one vec_dot
+    family (Q5_0 with Q8_0, Q4_1 with Q5_1: ``joins``), each fill naming its own; the
+    codes are then in the widest one's bits and, where their zero codes differ, each
+    row's zero code and offsets are kept as native_layout keeps them."""
 
-    BLOCK_BYTES = {Q4_K: (256, 144), Q6_K: (256, 210), Q4_0: (32, 18), Q8_0: (32, 34)}
+    BLOCK_BYTES = {
+        Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210), Q4_0: (32, 18),
+        Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
+    }  # fmt: skip
+    # the vec_dot formats: (mvk_build_q0's src, code bits, zero code or None for a min,
+    # activation quantisation)
+    _Q0 = {
+        Q4_0: (0, 4, 8, native.Q8_0_ACT), Q8_0: (1, 8, 128, native.Q8_0_ACT),
+        Q5_0: (2, 5, 16, native.Q8_0_ACT), Q4_1: (3, 4, None, native.Q8_1_ACT),
+        Q5_1: (4, 5, None, native.Q8_1_ACT),
+    }  # fmt: skip
+    _PIECE = {4: 256, 5: 320, 8: 512}
+
+    @classmethod
+    def joins(cls, types: Sequence[int]) -> bool:
+        """Whether matrices of these formats make one layout here: one format, or vec_dot
+        formats of one activation quantisation (as native_layout's q0 layout)."""
+        kinds = set(types)
+        if len(kinds) == 1:
+            return next(iter(kinds)) in cls.BLOCK_BYTES
+        return kinds <= cls._Q0.keys() and len({cls._Q0[t][3] for t in kinds}) == 1
 
     def __init__(
-        self, lib: ctypes.CDLL, ggml_type: int, rows: int, k: int, repacked: bool = False
+        self,
+        lib: ctypes.CDLL,
+        ggml_type: int,
+        rows: int,
+        k: int,
+        repacked: bool = False,
+        types: Sequence[int] = (),
     ) -> None:
-        per, _ = self.BLOCK_BYTES[ggml_type]
+        types = tuple(types) or (ggml_type,)
+        if ggml_type not in types or not self.joins(types):
+            raise ValueError(f"formats {sorted(set(types))} do not make one layout")
+        per = max(self.BLOCK_BYTES[t][0] for t in types)
         if rows % 16 or k % per or rows <= 0 or k <= 0:
             raise ValueError(f"a {rows} x {k} layout of type {ggml_type} needs 16-row groups")
         self.lib, self.type, self.rows, self.k, self.repacked = lib, ggml_type, rows, k, repacked
+        self.types = types
         self.q6k = ggml_type == Q6_K
         g, nb, ns = rows // 16, k // 256, k // 32
-        self.refused = False  # Q4_0, Q8_0: a scale or offset beyond float16's range
-        if ggml_type in (Q4_0, Q8_0):
-            self.codes = torch.empty(
-                g * ns * (256 if ggml_type == Q4_0 else 512), dtype=torch.uint8
-            )
+        self.refused = False  # vec_dot formats: a scale or offset beyond float16's range
+        if ggml_type in self._Q0:
+            zeros = {self._Q0[t][2] for t in types}
+            self.bits = max(self._Q0[t][1] for t in types)
+            self.zero = next(iter(zeros)) if len(zeros) == 1 else None
+            self.codes = torch.empty(g * ns * self._PIECE[self.bits], dtype=torch.uint8)
             self.scale = torch.empty(g, ns, 16, dtype=torch.float16)
+            # offsets: Q4_1/Q5_1's mins, or -zero x scale where the zero codes differ
+            self.offset = None if self.zero is not None else torch.empty_like(self.scale)
+            # each row's zero code (Q4_1, Q5_1: none)
+            self.zrow = None if None in zeros else torch.empty(rows, dtype=torch.uint8)
             return
         self.kd = torch.empty(g, nb, 16, dtype=torch.float32)
         if self.q6k:
             self.codes = torch.empty(g * ns * 384, dtype=torch.uint8)
             self.ksc = torch.empty(g, k // 16, 16, dtype=torch.int8)
         else:
-            self.codes = torch.empty(g * ns * 256, dtype=torch.uint8)
+            self.codes = torch.empty(
+                g * ns * (256 if ggml_type == Q4_K else 320), dtype=torch.uint8
+            )
             self.ksc = torch.empty(g, ns, 16, dtype=torch.uint8)
             self.kmin = torch.empty(g, ns, 16, dtype=torch.uint8)
             self.kdmin = torch.empty(g, nb, 16, dtype=torch.float32)
 
-    def fill(self, raw: torch.Tensor, row0: int, n: int, d_scale: float = 1.0) -> None:
-        """Rows ``[row0, row0 + n)`` (whole 16-row groups) from their blocks ``raw``;
+    def fill(
+        self,
+        raw: torch.Tensor,
+        row0: int,
+        n: int,
+        d_scale: float = 1.0,
+        ggml_type: int | None = None,
+    ) -> None:
+        """Rows ``[row0, row0 + n)`` (whole 16-row groups) from their blocks ``raw`` (of
+        ``ggml_type``, one of the layout's ``types``; default the layout's own);
         ``d_scale`` (a power of two) multiplies each block's scales as native_layout does
-        (K formats: d and dmin in float32; Q4_0, Q8_0: d, then rounded to float16)."""
-        per, size = self.BLOCK_BYTES[self.type]
+        (K formats: d and dmin in float32; the vec_dot formats: d and m, then rounded to
+        float16)."""
+        t = self.type if ggml_type is None else ggml_type
+        if t not in self.types:
+            raise ValueError(f"type {t} is not one of this layout's {list(self.types)}")
+        per, size = self.BLOCK_BYTES[t]
         k = self.k
         if row0 % 16 or n % 16 or n <= 0 or row0 + n > self.rows:
             raise ValueError(f"rows [{row0}, {row0 + n}) of {self.rows} are not whole groups")
         if raw.numel() != n * (k // per) * size or raw.dtype != torch.uint8:
-            raise ValueError(f"{n} x {k} blocks of type {self.type} do not fit {raw.numel()} bytes")
+            raise ValueError(f"{n} x {k} blocks of type {t} do not fit {raw.numel()} bytes")
         # A load runs under inference mode, which is per thread: a fill on a pool thread
         # updates the tensors made under it in that mode too.
         with torch.inference_mode():
-            self._fill(raw.contiguous(), row0, n, d_scale)
+            self._fill(raw.contiguous(), row0, n, d_scale, t)
 
-    def _fill(self, raw: torch.Tensor, row0: int, n: int, d_scale: float) -> None:
+    def _fill(self, raw: torch.Tensor, row0: int, n: int, d_scale: float, t: int) -> None:
         k = self.k
         g0, g1 = row0 // 16, (row0 + n) // 16
         codes = self.codes.view(self.rows // 16, -1)[g0:g1]
-        if self.type in (Q4_0, Q8_0):
-            scale = self.scale[g0:g1]
-            self.lib.mvk_build_q0(
-                raw.data_ptr(), n, k, int(self.type == Q8_0), codes.data_ptr(), scale.data_ptr()
-            )
-            s = scale.float() * d_scale  # native_layout's float32 scale, then float16
-            scale.copy_(s.to(torch.float16))
-            # native_layout refuses a chunk whose scales or offsets (zero x scale) pass
-            # float16's range (its max over a chunk with a NaN is NaN: not refused)
-            zero = 8.0 if self.type == Q4_0 else 128.0
-            m = float(s.abs().max())
-            self.refused = self.refused or zero * m > _F16_MAX
+        if t in self._Q0:
+            self._fill_q0(raw, codes, row0, n, d_scale, t)
             return
         if self.q6k:
             self.lib.mvk_build_q6k(
@@ -822,7 +877,8 @@ class BlocksLayout:
                 self.kd[g0:g1].data_ptr(),
             )  # fmt: skip
         else:
-            self.lib.mvk_build_q4k(
+            build = self.lib.mvk_build_q4k if t == Q4_K else self.lib.mvk_build_q5k
+            build(
                 raw.data_ptr(), n, k, codes.data_ptr(), self.ksc[g0:g1].data_ptr(),
                 self.kmin[g0:g1].data_ptr(), self.kd[g0:g1].data_ptr(),
                 self.kdmin[g0:g1].data_ptr(),
@@ -832,20 +888,54 @@ class BlocksLayout:
             if not self.q6k:
                 self.kdmin[g0:g1] *= d_scale
 
+    def _fill_q0(
+        self, raw: torch.Tensor, codes: torch.Tensor, row0: int, n: int, d_scale: float, t: int
+    ) -> None:
+        g0, g1 = row0 // 16, (row0 + n) // 16
+        src, _, zero, _ = self._Q0[t]
+        scale = self.scale[g0:g1]
+        offset = None if self.offset is None else self.offset[g0:g1]
+        mins = offset if zero is None else None
+        self.lib.mvk_build_q0(
+            raw.data_ptr(), n, self.k, src, self.bits, codes.data_ptr(), scale.data_ptr(),
+            None if mins is None else mins.data_ptr(),
+        )  # fmt: skip
+        if self.zrow is not None:
+            self.zrow[row0 : row0 + n] = zero or 0
+        # native_layout's float32 scale and offset (a min, or -zero x scale), then float16
+        d = scale.float()
+        s = d * d_scale
+        o = (mins.float() if mins is not None else d * -float(zero or 0)) * d_scale
+        scale.copy_(s.to(torch.float16))
+        if offset is not None:
+            offset.copy_(o.to(torch.float16))
+        # native_layout refuses a chunk whose scales or offsets pass float16's range (as
+        # it computes it: a NaN max is not refused)
+        big = max(float(s.abs().max()), float(o.abs().max()))
+        self.refused = self.refused or big > _F16_MAX
+
     def layout(self) -> NativeLayout | None:
-        """The filled layout; None where native_layout refuses it (a Q4_0 or Q8_0 scale
-        or offset beyond float16's range)."""
+        """The filled layout; None where native_layout refuses it (a vec_dot format's
+        scale or offset beyond float16's range)."""
         empty = torch.empty(0, dtype=torch.float32)
-        if self.type in (Q4_0, Q8_0):
+        if self.type in self._Q0:
             if self.refused:
                 return None
-            zero = 8 if self.type == Q4_0 else 128
+            zrow, zg = self.zrow, None
+            zlist: tuple[int, ...] = ()
+            if zrow is not None:
+                # as native_layout: groups of one zero code start from its term
+                groups = zrow.view(-1, 16).to(torch.int16)
+                uniform = (groups == groups[:, :1]).all(dim=1)
+                zlist = tuple(sorted({int(z) for z in groups[uniform, 0].tolist()})[:4])
+                zg = torch.full((groups.shape[0],), -1, dtype=torch.int8)
+                for i, z in enumerate(zlist):
+                    zg[uniform & (groups[:, 0] == z)] = i
             return NativeLayout(
-                codes=self.codes, scale=self.scale, offset=None, nibble=self.type == Q4_0,
-                sub=32, zero=zero, mode=native.Q8_0_ACT, kp=self.k,
+                codes=self.codes, scale=self.scale, offset=self.offset, nibble=self.bits == 4,
+                sub=32, zero=self.zero or 0, mode=self._Q0[self.type][3], kp=self.k,
                 arith=native.ARITH_Q0R if self.repacked else native.ARITH_Q0,
-                zrow=torch.full((self.rows,), zero, dtype=torch.uint8),
-                zg=torch.zeros(self.rows // 16, dtype=torch.int8), zlist=(zero,),
+                zrow=zrow, zg=zg, zlist=zlist, bits5=self.bits == 5,
             )  # fmt: skip
         if self.q6k:
             return NativeLayout(
@@ -853,10 +943,11 @@ class BlocksLayout:
                 mode=native.Q8_K_ACT, kp=self.k, arith=native.ARITH_Q6K, ksc=self.ksc,
                 kd=self.kd,
             )  # fmt: skip
+        q4k = self.type == Q4_K
         return NativeLayout(
-            codes=self.codes, scale=empty, offset=empty.clone(), nibble=True, sub=32, zero=0,
-            mode=native.Q8_K_ACT, kp=self.k, arith=native.ARITH_Q4K, ksc=self.ksc,
-            kmin=self.kmin, kd=self.kd, kdmin=self.kdmin,
+            codes=self.codes, scale=empty, offset=empty.clone(), nibble=q4k, sub=32, zero=0,
+            mode=native.Q8_K_ACT, kp=self.k, arith=native.ARITH_Q4K if q4k else native.ARITH_Q5K,
+            ksc=self.ksc, kmin=self.kmin, kd=self.kd, kdmin=self.kdmin, bits5=not q4k,
         )  # fmt: skip
 
 

@@ -109,8 +109,8 @@ def native_chunk_rows(k: int) -> int:
     return min(_CHUNK_ROWS, max(16, _CHUNK_WEIGHTS // max(k, 1) // 16 * 16))
 
 
-# Q4_K, Q6_K, Q4_0 and Q8_0 layouts built from their blocks in C (_blocks_direct);
-# False: through their decoded codes in torch (the tests compare the two).
+# Native layouts built from their blocks in C (_blocks_direct: every format _NATIVE
+# holds); False: through their decoded codes in torch (the tests compare the two).
 BLOCKS_DIRECT = True
 # Native layouts built chunk by chunk and joined (WeightBuilder._run_layout); False: a
 # matrix's layout built whole (the tests compare the two).
@@ -325,7 +325,7 @@ class WeightBuilder:
             and len({_NATIVE[t][1:] for _, _, t, _ in members}) == 1
             and len({_pow2(p.row_scale) for p, _, _, _ in members}) == 1
         )
-        direct = self._direct_layout(members, k, bits)
+        direct = self._direct_layout(members, k)
         if direct is not None:
             return direct
         if not by_chunks:
@@ -353,7 +353,7 @@ class WeightBuilder:
             part: Part, t: int, repacked: bool, r: int, n: int, raw: torch.Tensor
         ) -> tuple[NativeLayout | None, int]:
             try:
-                piece = self._native_piece(part, t, k, repacked, n, raw)
+                piece = native_piece(part, t, k, repacked, n, raw)
                 return native_layout([piece], bits, self.llamacpp_order), n
             finally:
                 self.f.release_range(part.name, r * (raw.numel() // n), raw.numel())
@@ -366,49 +366,50 @@ class WeightBuilder:
         yield from _in_order(convert, spans, workers)
 
     def _direct_layout(
-        self, members: list[tuple[Part, tuple[int, ...], int, bool]], k: int, bits: int
+        self, members: list[tuple[Part, tuple[int, ...], int, bool]], k: int
     ) -> NativeLayout | None:
-        """A run of Q4_K, Q6_K, Q4_0 or Q8_0 matrices' layout filled straight from their
-        blocks in C (kernels.BlocksLayout), chunk by chunk by the stage's threads; None
-        where the run is not one for it (WeightBuilder._blocks_direct) or native_layout
-        would refuse it."""
-        types = {t for _, _, t, _ in members}
-        t = next(iter(types))
-        if len(types) != 1 or not all(
-            self._blocks_direct(part, t, k, shape[0], bits) for part, shape, _, _ in members
+        """A run of matrices' layout filled straight from their blocks in C
+        (kernels.BlocksLayout), chunk by chunk by the stage's threads: one format of those
+        the native kernel holds, or vec_dot formats of one family (a Gemma q/k/v of Q5_0
+        and Q8_0); None where the run is not one for it (WeightBuilder._blocks_direct) or
+        native_layout would refuse it."""
+        types = [t for _, _, t, _ in members]
+        if not BlocksLayout.joins(types) or not all(
+            self._blocks_direct(part, t, k, shape[0]) for part, shape, t, _ in members
         ):
             return None
         lib = native.library()
         assert lib is not None  # _native checked it
         repacked = members[0][3]
         rows = sum(shape[0] for _, shape, _, _ in members)
-        out = BlocksLayout(lib, t, rows, k, repacked)
+        out = BlocksLayout(lib, types[0], rows, k, repacked, types)
         workers, step = _parallel_chunks(k)
 
-        def fill(part: Part, row0: int, r: int, n: int, raw: torch.Tensor) -> None:
+        def fill(part: Part, t: int, row0: int, r: int, n: int, raw: torch.Tensor) -> None:
             try:
-                out.fill(raw, row0 + r, n, part.row_scale)
+                out.fill(raw, row0 + r, n, part.row_scale, t)
             finally:
                 self.f.release_range(part.name, r * (raw.numel() // n), raw.numel())
 
         spans, row0 = [], 0
-        for part, shape, _, _ in members:
-            spans += [(part, row0, r, n, raw) for r, n, raw in self._chunk_spans(part, shape, step)]
+        for part, shape, t, _ in members:
+            spans += [
+                (part, t, row0, r, n, raw) for r, n, raw in self._chunk_spans(part, shape, step)
+            ]
             row0 += shape[0]
         for _ in _in_order(fill, spans, workers):
             pass
         # None: refused as native_layout would (its path then says so again)
         return out.layout()
 
-    def _blocks_direct(self, part: Part, t: int, k: int, n: int, bits: int) -> bool:
+    def _blocks_direct(self, part: Part, t: int, k: int, n: int) -> bool:
         """Whether a matrix's layout comes straight from its GGUF blocks (qmm.c
-        mvk_build_*): Q4_K, Q6_K, Q4_0 or Q8_0 in llama.cpp's order, in its own bits (not
-        widened for a fused part of more), rows in file order, a power-of-two row scale."""
+        mvk_build_*): a format the native kernel holds (kernels.BlocksLayout) in llama.cpp's
+        order, rows in file order, a power-of-two row scale."""
         return (
             BLOCKS_DIRECT
             and self.llamacpp_order
             and t in BlocksLayout.BLOCK_BYTES
-            and bits == _NATIVE[t][0]
             and part.perm is None
             and _pow2(part.row_scale)
             and k % BlocksLayout.BLOCK_BYTES[t][0] == 0
@@ -438,35 +439,7 @@ class WeightBuilder:
     ) -> Iterator[NativePart]:
         """One matrix's rows as the native kernel's pieces (row chunks)."""
         for _, n, raw in self._chunks(part, shape, native_chunk_rows(k)):
-            yield self._native_piece(part, t, k, repacked, n, raw)
-
-    def _native_piece(
-        self, part: Part, t: int, k: int, repacked: bool, n: int, raw: torch.Tensor
-    ) -> NativePart:
-        """``n`` rows of a matrix (its GGUF blocks ``raw``) as one native kernel piece."""
-        g = q6_k_groups(raw, (n, k)) if t == Q6_K else affine_groups(raw, t, (n, k))
-        width = 16 if t == Q6_K else 32
-        q, scale, offset = g.q, g.scale * part.row_scale, g.offset * part.row_scale
-        if part.perm is not None:
-            q, scale, offset = q[part.perm], scale[part.perm], offset[part.perm]
-        _, zero, mode, f16_scales = _NATIVE[t]
-        # a power-of-two row scale keeps float16 scales float16 values
-        pow2 = _pow2(part.row_scale)
-        exact16 = f16_scales and pow2
-        ks = None
-        if t in (Q4_K, Q5_K, Q6_K) and pow2:  # their own integer arithmetic (qmm.c)
-            ks = k_scales(raw, t, (n, k))
-            dmin = None if ks.dmin is None else ks.dmin * part.row_scale
-            ks = KScales(ks.sc, ks.mins, ks.d * part.row_scale, dmin)
-            if part.perm is not None:
-                p = part.perm
-                ks = KScales(
-                    ks.sc[p],
-                    None if ks.mins is None else ks.mins[p],
-                    ks.d[p],
-                    None if ks.dmin is None else ks.dmin[p],
-                )
-        return NativePart(q, scale, offset, width, zero, mode, exact16, ks, repacked)
+            yield native_piece(part, t, k, repacked, n, raw)
 
     def _chunk_spans(
         self, part: Part, shape: tuple[int, ...], step: int
@@ -579,6 +552,36 @@ class WeightBuilder:
                 w[row0 + r : row0 + r + n] = m.to(self.device)
             row0 += shape[0]
         return DenseLinear(w, bias)
+
+
+def native_piece(
+    part: Part, t: int, k: int, repacked: bool, n: int, raw: torch.Tensor
+) -> NativePart:
+    """``n`` rows of a matrix (its GGUF blocks ``raw``) as one native kernel piece, its
+    codes decoded in torch (kernels.native_layout's input)."""
+    g = q6_k_groups(raw, (n, k)) if t == Q6_K else affine_groups(raw, t, (n, k))
+    width = 16 if t == Q6_K else 32
+    q, scale, offset = g.q, g.scale * part.row_scale, g.offset * part.row_scale
+    if part.perm is not None:
+        q, scale, offset = q[part.perm], scale[part.perm], offset[part.perm]
+    _, zero, mode, f16_scales = _NATIVE[t]
+    # a power-of-two row scale keeps float16 scales float16 values
+    pow2 = _pow2(part.row_scale)
+    exact16 = f16_scales and pow2
+    ks = None
+    if t in (Q4_K, Q5_K, Q6_K) and pow2:  # their own integer arithmetic (qmm.c)
+        ks = k_scales(raw, t, (n, k))
+        dmin = None if ks.dmin is None else ks.dmin * part.row_scale
+        ks = KScales(ks.sc, ks.mins, ks.d * part.row_scale, dmin)
+        if part.perm is not None:
+            p = part.perm
+            ks = KScales(
+                ks.sc[p],
+                None if ks.mins is None else ks.mins[p],
+                ks.d[p],
+                None if ks.dmin is None else ks.dmin[p],
+            )
+    return NativePart(q, scale, offset, width, zero, mode, exact16, ks, repacked)
 
 
 def _pow2(x: float) -> bool:

@@ -190,7 +190,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.mvk_build_q4k.restype = None
     lib.mvk_build_q6k.argtypes = [_P, _I, _I, _P, _P, _P]
     lib.mvk_build_q6k.restype = None
-    lib.mvk_build_q0.argtypes = [_P, _I, _I, _C, _P, _P]
+    lib.mvk_build_q5k.argtypes = [_P, _I, _I, _P, _P, _P, _P, _P]
+    lib.mvk_build_q5k.restype = None
+    lib.mvk_build_q0.argtypes = [_P, _I, _I, _C, _C, _P, _P, _P]
     lib.mvk_build_q0.restype = None
     lib.mvk_set_prefetch.argtypes = [_C]
     lib.mvk_set_prefetch.restype = _C
