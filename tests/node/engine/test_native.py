@@ -204,6 +204,34 @@ def test_q4k_order_is_the_same_in_plain_c(lib: ctypes.CDLL, generic: ctypes.CDLL
         assert err < 2e-6, (rows, err)
 
 
+def test_q4k_prompt_rows_past_one_tile_are_the_same_in_plain_c(
+    lib: ctypes.CDLL, generic: ctypes.CDLL
+) -> None:
+    """A prompt's Q4_K rows in whole fours go through q4k_tile64, up to 64 at a time, its
+    mins' terms as 16-bit pairs of the activations' sums per 32: runs of 64 and a rest,
+    rows whose every sum per 32 is the largest (+-32 * 127) among them, give plain C's
+    bits."""
+    n, k = 40, 512
+    gen = torch.Generator().manual_seed(13)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    sc = torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=gen)
+    mins = torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=gen)
+    d = torch.rand(n, k // 256, generator=gen) * 1e-3
+    dmin = torch.rand(n, k // 256, generator=gen) * 1e-3
+    scale = d.repeat_interleave(8, 1) * sc.float()
+    offset = -dmin.repeat_interleave(8, 1) * mins.float()
+    part = NativePart(
+        q, scale, offset, 32, None, native.Q8_K_ACT, False, KScales(sc, mins, d, dmin)
+    )
+    layout = native_layout([part], 4, llamacpp_order=True)
+    assert layout is not None and layout.arith == native.ARITH_Q4K
+    for rows in (64, 68, 130):
+        x = torch.randn(rows, k, generator=gen) * 3
+        x[0], x[1] = 1.0, -1.0  # every activation code +-127
+        got = NativeLinear(lib, layout, n, k, None)(x)
+        assert torch.equal(got, NativeLinear(generic, layout, n, k, None)(x)), rows
+
+
 def test_q6k_order_is_the_same_in_plain_c(lib: ctypes.CDLL, generic: ctypes.CDLL) -> None:
     """Q6_K in llama.cpp's order (qmm.c q6k_tile: vec_dot's 8 lanes below 8 activation
     rows, the tiled GEMM's per-block total from 8 on): plain C gives the same bits, and
@@ -228,6 +256,30 @@ def test_q6k_order_is_the_same_in_plain_c(lib: ctypes.CDLL, generic: ctypes.CDLL
         want = _emulated(lib, lin, x, q, scale, -32 * scale, 16)
         err = float(((got.double() - add.double()) - want).abs().max() / want.abs().max())
         assert err < 2e-6, (rows, err)
+
+
+def test_q6k_prompt_rows_past_one_tile_are_the_same_in_plain_c(
+    lib: ctypes.CDLL, generic: ctypes.CDLL
+) -> None:
+    """A prompt's Q6_K rows (8 or more: the tiled GEMM) go through q6k_tile64, up to 64 at
+    a time: runs of 64 and a rest, rows with every activation code at +-127, give plain
+    C's bits."""
+    n, k = 40, 512
+    gen = torch.Generator().manual_seed(17)
+    q = torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=gen)
+    sc = torch.randint(-128, 128, (n, k // 16), dtype=torch.int8, generator=gen)
+    d = torch.rand(n, k // 256, generator=gen) * 1e-3
+    scale = d.repeat_interleave(16, 1) * sc.float()
+    part = NativePart(
+        q, scale, -32 * scale, 16, 32, native.Q8_K_ACT, False, KScales(sc, None, d, None)
+    )
+    layout = native_layout([part], 6, llamacpp_order=True)
+    assert layout is not None and layout.arith == native.ARITH_Q6K
+    for rows in (64, 70, 130):
+        x = torch.randn(rows, k, generator=gen) * 3
+        x[0], x[1] = 1.0, -1.0
+        got = NativeLinear(lib, layout, n, k, None)(x)
+        assert torch.equal(got, NativeLinear(generic, layout, n, k, None)(x)), rows
 
 
 def test_activation_quantisation_is_the_same_in_plain_c(

@@ -23,7 +23,8 @@
     }
 
 /* Tiles are runs of rows of one kind (row_kind): up to Q0_MAXT rows, one for Q6_K's
- * untiled rows (their 8 lanes' registers). */
+ * untiled rows (their 8 lanes' registers), up to Q4K_ROWS for Q4_K's per64 rows and
+ * Q6_K's tiled ones (q4k_tile64, q6k_tile64). */
 static void rows_q0(const mvk_job *j, int64_t n0, int64_t n1) {
     const int bit = j->arith == MVK_ARITH_Q4K                                 ? MVK_ROW_PER64
                     : j->arith == MVK_ARITH_Q6K || j->arith == MVK_ARITH_Q5K ? MVK_ROW_TILED
@@ -32,14 +33,21 @@ static void rows_q0(const mvk_job *j, int64_t n0, int64_t n1) {
         for (int64_t t0 = 0; t0 < j->t_rows;) {
             const int kind = bit ? row_kind(j, t0) & bit : 0;
             const int lanes8 = j->arith == MVK_ARITH_Q6K || j->arith == MVK_ARITH_Q5K;
-            const int64_t step = lanes8 && !kind ? 1 : Q0_MAXT;
+            const int64_t step = lanes8 && !kind                   ? 1
+                                 : j->arith == MVK_ARITH_Q4K && kind ? Q4K_ROWS
+                                 : j->arith == MVK_ARITH_Q6K         ? Q4K_ROWS
+                                                                     : Q0_MAXT;
             int64_t tt = 1;
             while (tt < step && t0 + tt < j->t_rows && (!bit || (row_kind(j, t0 + tt) & bit) == kind))
                 tt++;
-            if (j->arith == MVK_ARITH_Q4K) {
+            if (j->arith == MVK_ARITH_Q4K && kind) {
+                q4k_tile64(j, G, t0, (int)tt);
+            } else if (j->arith == MVK_ARITH_Q4K) {
                 MVK_BY_TK(q4k_tile, tt, kind != 0)
+            } else if (j->arith == MVK_ARITH_Q6K && kind) {
+                q6k_tile64(j, G, t0, (int)tt);
             } else if (j->arith == MVK_ARITH_Q6K) {
-                MVK_BY_TK(q6k_tile, tt, kind != 0)
+                q6k_tile(j, G, t0);
             } else if (j->arith == MVK_ARITH_Q5K) {
                 MVK_BY_TK(q5k_tile, tt, kind != 0)
             } else if (j->arith == MVK_ARITH_Q0R) {

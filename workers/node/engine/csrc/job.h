@@ -36,6 +36,9 @@ typedef struct {
     /* interleaved codes of at most 5 bits (Q5_0, Q5_1, Q5_K) in 5 bits: per piece of 16
      * rows x 32, the low nibbles as the nibble layout, then a bit plane (unpack5) */
     int bits5;
+    /* MVK_ARITH_Q4K: per activation row and 64 elements, its two sums per 32 as 16-bit
+     * halves (|sum| <= 32 * 128), the mins' vpdpwssd operand (NULL: none) */
+    const int32_t *qp64;
 } mvk_job;
 
 /* llama.cpp picks some sums by the number of rows in a product (see MVK_ARITH_Q4K and

@@ -38,7 +38,7 @@ typedef struct {
     int8_t *qx;
     float *dxe, *s16, *s32;
     int8_t *nq;
-    int32_t *corr, *qs16;
+    int32_t *corr, *qs16, *qp64;
     int nz;
 } prep_ctx;
 
@@ -69,6 +69,12 @@ static void prep_rows(const prep_ctx *c, int64_t r0, int64_t r1) {
             for (int k = 0; k < 16; k++) sum += qx[16 * i + k];
             c->qs16[r0 * kp / 16 + i] = sum;
         }
+    if (c->qp64) /* Q4_K: per 64, the two sums per 32 as 16-bit halves (q4k_tile64) */
+        for (int64_t i = 0; i < t * kp / 64; i++) {
+            const int32_t *s = c->qs16 + r0 * kp / 16 + 4 * i;
+            const uint32_t lo = (uint16_t)(s[0] + s[1]), hi = (uint16_t)(s[2] + s[3]);
+            c->qp64[r0 * kp / 64 + i] = (int32_t)(lo | hi << 16);
+        }
 }
 
 static void prep_task(const void *ctx, int64_t i) {
@@ -88,6 +94,8 @@ static int linear_part(const mvk_weights *w, const float *x, int64_t t_rows, int
     if (nz) need += (size_t)nz * (size_t)t_rows * (size_t)kp + 64;
     const int kq = arith_k(w->arith);
     if (kq) need += (size_t)t_rows * (size_t)(kp / 16) * 4 + 64;
+    const int qp = w->arith == MVK_ARITH_Q4K;
+    if (qp) need += (size_t)t_rows * (size_t)(kp / 64) * 4 + 64;
     if (w->norm) need += (size_t)t_rows * (size_t)k_in * 4 + 64;
     if (need > t_cap) {
         free(t_buf);
@@ -100,11 +108,12 @@ static int linear_part(const mvk_weights *w, const float *x, int64_t t_rows, int
     float *s32 = s16 + t_rows * kp / 16;
     int8_t *qx = (int8_t *)(s32 + t_rows * kp / 32);
     const uintptr_t past = (uintptr_t)(qx + t_rows * kp) + (w->norm ? t_rows * k_in * 4 + 64 : 0);
-    prep_ctx c = {w, x, ldx, k_in, kp, t_rows, NULL, qx, dxe, s16, s32, NULL, NULL, NULL, nz};
+    prep_ctx c = {w, x, ldx, k_in, kp, t_rows, NULL, qx, dxe, s16, s32, NULL, NULL, NULL, NULL, nz};
     if (w->norm) c.xn = (float *)(((uintptr_t)(qx + t_rows * kp) + 63) & ~(uintptr_t)63);
     if (q0) c.nq = (int8_t *)((past + 63) & ~(uintptr_t)63);
     if (nz) c.corr = (int32_t *)(((uintptr_t)(c.nq + t_rows * kp) + 63) & ~(uintptr_t)63);
     if (kq) c.qs16 = (int32_t *)((past + 63) & ~(uintptr_t)63);
+    if (qp) c.qp64 = (int32_t *)(((uintptr_t)(c.qs16 + t_rows * kp / 16) + 63) & ~(uintptr_t)63);
     const int64_t p0 = PROF_START();
     if (t_rows >= 16) /* a prompt's rows over the pool, 8 at a time */
         dispatch_task(prep_task, &c, (t_rows + 7) / 8);
@@ -116,7 +125,7 @@ static int linear_part(const mvk_weights *w, const float *x, int64_t t_rows, int
     mvk_job j = {qx, dxe, s16, s32, t_rows, kp, w->codes, w->scale, w->min, w->n, w->nibble,
                  w->sub, w->zero, w->f32, y, ldy, add, ldadd, nq, w->zrow, w->arith,
                  w->ksc, w->kmin, w->kd, w->kdmin, qs16, nz ? w->zg : NULL, corr, rowk,
-                 w->pad == 5};
+                 w->pad == 5, c.qp64};
     dispatch(j, MAX_THREADS);
     return 0;
 }

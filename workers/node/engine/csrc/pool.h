@@ -174,7 +174,7 @@ void mvk_matmul(const int8_t *qx, const float *dxe, const float *s16, const floa
                 const void *min, int64_t n, int nibble, int sub, int zero, int f32, float *y,
                 int64_t ldy, const float *add, int64_t ldadd, int threads) {
     mvk_job j = {qx, dxe, s16, s32, t_rows, kp, codes, scale, min, n, nibble, sub, zero, f32,
-                 y, ldy, add, ldadd, NULL, NULL, MVK_ARITH_GROUPS, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0};
+                 y, ldy, add, ldadd, NULL, NULL, MVK_ARITH_GROUPS, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0, NULL};
     dispatch(j, threads);
 }
 

@@ -77,7 +77,8 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *
  *   job.h            a product: mvk_job, the row kinds (MVK_ROW_*), the sums (MVK_ARITH_*)
  *   avx512_groups.h  AVX-512: the per-group format's rows (rows_simd)
  *   avx512_q0.h      AVX-512: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 tiles (q0_tile, q0r_tile)
- *   avx512_k.h       AVX-512: Q4_K / Q6_K / Q5_K tiles (q4k_tile, q6k_tile, q5k_tile)
+ *   avx512_k.h       AVX-512: Q4_K / Q6_K / Q5_K tiles (q4k_tile, q4k_tile64, q6k_tile,
+ *                    q6k_tile64, q5k_tile)
  *   avx512_tiles.h   AVX-512: which tile runs which rows (rows_q0, rows_simd_n)
  *   codes.h          float16, and the interleaved layout's codes and scales one at a time
  *   generic_q0.h     plain C: Q4_0 ... Q8_0 rows (rows_generic_q0, rows_generic_q0r)
