@@ -41,12 +41,22 @@ COUNT_WAIT_S = 10.0
 STOP_COUNT_WAIT_S = 3.0  # ... and a stop this long
 
 
+async def _either(a: asyncio.Event, b: asyncio.Event) -> None:
+    """Until ``a`` or ``b`` is set."""
+    waits = [asyncio.ensure_future(a.wait()), asyncio.ensure_future(b.wait())]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
 def streaming_look_in(period: float | None = None) -> float:
     """Seconds to a streaming prompt's next look for its end: the next multiple of
-    ``period`` (END_POLL_WHILE_STREAMING_S) on the loop's clock at least half a period away. Every streaming prompt
-    of a handle looks at the same instants, so one ``prompt_ends`` query (EndBoard) asks
-    for all of them: at 64 streams ~0.2 queries a second, not one per stream per period
-    (DECISIONS 101)."""
+    ``period`` (END_POLL_WHILE_STREAMING_S) at least half a period away. Every streaming
+    prompt looks at the same instants of the event loop's clock, so one ``prompt_ends`` query
+    (EndBoard) asks for all of a handle's: at 64 streams ~0.2 queries a second, not one
+    per stream per period (DECISIONS 101)."""
     period = END_POLL_WHILE_STREAMING_S if period is None else period
     now = asyncio.get_running_loop().time()
     return (math.floor((now + period / 2) / period) + 1) * period - now
@@ -63,6 +73,7 @@ class EndHint:
         direct stream is open before the wait asks the run anything."""
         self.streaming = False
         self.text_ended = asyncio.Event()
+        self.stream_closed = asyncio.Event()  # the direct stream ended, its end line or not
         self.terminal: Done | None = None
         self.decided = asyncio.Event()
         if not reader:
@@ -188,7 +199,7 @@ class PromptEnds(RunLifecycle):
         if hint.streaming:  # nothing to ask before the text ends (or a long while passes)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(streaming_look_in()):
-                    await hint.text_ended.wait()
+                    await _either(hint.text_ended, hint.stream_closed)
         while True:
             if hint.text_ended.is_set() and (done := self._told_end(prompt_id, request_id, hint)):
                 return done
@@ -208,10 +219,13 @@ class PromptEnds(RunLifecycle):
                 after = min(after * 2, high) if after else low
                 await asyncio.sleep(after)
                 continue
-            wait = streaming_look_in() if hint.streaming else pause
+            streaming = hint.streaming
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait):
-                    await hint.text_ended.wait()
+                async with asyncio.timeout(streaming_look_in() if streaming else pause):
+                    if streaming:
+                        await _either(hint.text_ended, hint.stream_closed)
+                    else:
+                        await hint.text_ended.wait()
             if not hint.streaming:
                 pause = min(pause * 1.5, END_POLL_S[1])
 

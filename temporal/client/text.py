@@ -123,6 +123,7 @@ class PromptText(PromptEnds):
                 hint.terminal = read.terminal
                 hint.text_ended.set()
         hint.streaming = False
+        hint.stream_closed.set()  # a wait on its end line looks at the run now
         terminal: Done | Fault | None = None
         if not read.direct_end and not await self._hosts_prompts():
             skip = len(read.text)

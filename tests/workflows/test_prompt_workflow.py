@@ -25,6 +25,8 @@ from mvp_core.models import (
     Done,
     Fault,
     GenerateInput,
+    NodeLossPolicy,
+    PromptHead,
     PromptInput,
     PromptOutcome,
     PromptStatus,
@@ -223,3 +225,86 @@ async def test_a_failed_generate_faults_the_prompt_and_reports_a_run_fault(
         f"prompt serving: generate on {head.queue} failed: engine fault on stage 0: RuntimeError: boom"
     )
     assert await status_of(handle) == "faulted"
+
+
+class DeadHead:
+    """A head node that is gone: its generate never ends and never heartbeats, a stop
+    pushed to it is never answered (the activities are cancelled when the test ends)."""
+
+    def __init__(self) -> None:
+        self.nonce8 = uuid.uuid4().hex[:8]
+        self.queue = names.node_task_queue(900, 1, self.nonce8)
+        self.generating = asyncio.Event()
+        self.stops = 0
+
+    @activity.defn(name=names.ACT_NODE_GENERATE)
+    async def generate(self, inp: GenerateInput) -> PromptOutcome:
+        self.generating.set()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    @activity.defn(name=names.ACT_NODE_STOP_GENERATE)
+    async def stop_generate(self, inp: StopGenerateInput) -> bool:
+        self.stops += 1
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize(
+    ("policy", "cancel"),
+    [(NodeLossPolicy.FAIL, False), (NodeLossPolicy.FAIL, True), (NodeLossPolicy.REPLACE, True)],
+)
+async def test_a_prompt_whose_head_is_gone_is_not_left_to_its_generate_s_heartbeat_timeout(
+    env: WorkflowEnvironment, task_queue: str, policy: NodeLossPolicy, cancel: bool
+) -> None:
+    """The run's news that the head node is gone (DECISIONS 101) ends a generating
+    prompt of a fail-stop run with a Fault naming the node, and a cancelled prompt (any
+    run) as cancelled, without waiting for the dead node's generate: no activity times
+    out in its history (the generate's heartbeat timeout is 10 minutes)."""
+    dead = DeadHead()
+    async with (
+        Worker(env.client, task_queue=task_queue, workflows=[PromptWorkflow]),
+        Worker(env.client, task_queue=dead.queue, activities=[dead.generate, dead.stop_generate]),
+    ):
+        handle = await env.client.start_workflow(
+            PromptWorkflow.run,
+            PromptInput(
+                run_id=900,
+                readiness_id=f"{dead.nonce8}-1-0",
+                prompt=SubmitPrompt(request_id=7, prompt_text="hello"),
+                max_new_tokens=5,
+                head_task_queue=dead.queue,
+                head_node_id=1,
+                start_active=True,
+                generate_heartbeat_s=600,
+                on_node_loss=policy,
+            ),
+            id=names.prompt_workflow_id(900, 7, uuid.uuid4().hex),
+            task_queue=task_queue,
+        )
+        try:
+            await asyncio.wait_for(dead.generating.wait(), 30)
+            if cancel:
+                await handle.signal(names.SIGNAL_PROMPT_CANCEL, "run is shutting down")
+            gone = PromptHead(
+                node_id=1, task_queue=dead.queue, readiness_id=f"{dead.nonce8}-1-0", ready=False
+            )
+            await handle.signal(names.SIGNAL_PROMPT_HEAD, gone)
+            async with asyncio.timeout(60):
+                outcome = PromptOutcome.model_validate(await handle.result())
+            history = await handle.fetch_history()
+        finally:
+            with contextlib.suppress(RPCError):
+                await handle.terminate("the test ended")
+    kinds = [e.event_type for e in history.events]
+    assert EventType.EVENT_TYPE_ACTIVITY_TASK_TIMED_OUT not in kinds, kinds
+    assert EventType.EVENT_TYPE_MARKER_RECORDED in kinds  # the patch (head-loss-ends-generate)
+    if cancel:
+        assert outcome.terminal == Fault(request_id=7, error="run is shutting down")
+        assert outcome.status is PromptStatus.CANCELLED
+    else:
+        assert outcome.terminal == Fault(
+            request_id=7, error="prompt serving fault: node 1 was lost while it generated"
+        )
+        assert outcome.status is PromptStatus.FAULTED and outcome.run_fault is None
+        assert dead.stops == 0  # nothing is pushed to a node that is gone

@@ -63,8 +63,8 @@ if TYPE_CHECKING:
 # workers/node/agent.py): with the default 30 s, every 12 s (DECISIONS 101). Its cancel's
 # stop is pushed (DECISIONS 65), a lost head is the run's news (DECISIONS 68, 101): the
 # heartbeat is the fallback for both, and in a run that replaces lost nodes the
-# checkpoint a resume starts from. Without a heartbeat timeout: the first after
-# FIRST_BEAT_S, then every HEARTBEAT_EVERY_S.
+# checkpoint a resume starts from where the heartbeat's timeout found the loss. Without
+# a heartbeat timeout: the first after FIRST_BEAT_S, then every HEARTBEAT_EVERY_S.
 BEAT_SHARE = 0.4
 HEARTBEAT_EVERY_S = 0.5
 FIRST_BEAT_S = 2.0

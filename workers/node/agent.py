@@ -237,10 +237,10 @@ async def amain() -> None:
         identity=cfg.identity,
         max_concurrent_activities=MAX_ACTIVE_PROMPTS + 8,  # generates, lease, the rest
         graceful_shutdown_timeout=timedelta(seconds=2),
-        # A heartbeat costs the Temporal server ~2-4 ms of CPU (measured on the dev server),
-        # and a generating prompt heartbeats all along: at most one per 2 s. A cancelled
-        # prompt's stop is pushed to the node (DECISIONS 65); a heartbeat's answer is the
-        # fallback, within this.
+        # A heartbeat costs the Temporal server ~2-4 ms of CPU (measured on the dev server):
+        # at most one per 2 s per activity (a generate hands one every 0.4 x its heartbeat
+        # timeout, DECISIONS 101). A cancelled prompt's stop is pushed to the node
+        # (DECISIONS 65); a heartbeat's answer is the fallback.
         max_heartbeat_throttle_interval=HEARTBEAT_THROTTLE,
         default_heartbeat_throttle_interval=HEARTBEAT_THROTTLE,
     )

@@ -64,6 +64,7 @@ class Prompts:
         self._on_run_fault = on_run_fault  # a prompt saw its pipeline fail
         self._children: dict[str, Any] = {}  # prompt workflows open
         self._hosted: dict[str, PromptServing] = {}  # run-hosted prompts open (DECISIONS 66)
+        self._told_gone: set[int] = set()  # heads whose prompts were told they are gone
         self._served: OrderedDict[str, ServedPrompt] = OrderedDict(  # ... that ended
             (p.workflow_id, p) for p in served[-SERVED_KEPT:]
         )
@@ -296,6 +297,24 @@ class Prompts:
             except Exception:
                 workflow.logger.info("head news to %s not delivered", wf_id)
 
+    async def tell_head_gone(self, head: NodeState) -> None:
+        """Head node ``head`` is gone and no replacement will serve its prompts: the open
+        ones are told (once per node), and end now rather than at their generates'
+        heartbeat timeout (DECISIONS 101; histories from before it: nothing is told)."""
+        if head.node_id in self._told_gone or not (self._hosted or self._children):
+            return
+        if not workflow.patched(names.PATCH_HEAD_LOSS_ENDS_GENERATE):
+            return
+        self._told_gone.add(head.node_id)
+        await self.tell_head(
+            PromptHead(
+                node_id=head.node_id,
+                task_queue=head.task_queue,
+                readiness_id=head.readiness_id,
+                ready=False,
+            )
+        )
+
     async def cancel(self, cancel: CancelPrompt) -> bool:
         """The ``cancel_prompt`` signal: a pending prompt leaves the queue, an active one
         is told to stop. False where no such prompt is open (the caller ignores it)."""
@@ -336,7 +355,8 @@ class Prompts:
 
     async def drain(self) -> None:
         """Every admitted prompt has its one terminal event before RunTornDown. A prompt
-        whose head node died ends only when its generate's heartbeat times out."""
+        whose head node is gone was told so (tell_head_gone); one whose generate ends on
+        nothing else (a head cut off from Temporal) ends when its heartbeat times out."""
         t = self._ctx.request.timeouts
         try:
             await workflow.wait_condition(

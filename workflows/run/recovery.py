@@ -13,7 +13,7 @@ from datetime import timedelta
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from mvp_core import metrics, names
+    from mvp_core import metrics
     from mvp_core.models import NodeLossPolicy, PromptHead, RunPhase
     from mvp_core.run_records import NodeState
     from workflows.run.context import RunContext, Stopping, describe, now_ms
@@ -39,8 +39,7 @@ class Recovery:
         self._prompts = prompts
         self._stop_node = stop_node
         self._task: asyncio.Task[None] | None = None
-        self._told_gone: set[int] = set()  # heads whose prompts were told they are gone
-        self._news: list[asyncio.Task[None]] = []
+        self._news: list[asyncio.Task[None]] = []  # head-gone news on its way
 
     def on_loss(self) -> None:
         """A node was lost: replace it (and any lost after it), unless one is under way."""
@@ -51,25 +50,24 @@ class Recovery:
 
     def _head_gone_news(self) -> None:
         """A head node gone where no replacement will serve its prompts (a fail-stop run,
-        or one that is stopping): its prompts are told, and end now rather than at their
-        generates' heartbeat timeout (DECISIONS 101). A run that replaces it tells them
-        in ``_replace``."""
+        or one that is stopping): its prompts are told (Prompts.tell_head_gone). A run
+        that replaces it tells them in ``_replace``."""
         state = self._ctx.state
         if not state.nodes:
             return
         head = state.head()
-        if not (head.exited or head.lease_lost) or head.node_id in self._told_gone:
+        if not (head.exited or head.lease_lost):
             return
         if state.node_loss is NodeLossPolicy.REPLACE and not state.stopping:
             return
-        if not workflow.patched(names.PATCH_HEAD_LOSS_ENDS_GENERATE):
-            return
-        self._told_gone.add(head.node_id)
-        self._news.append(asyncio.ensure_future(self._tell_prompts(head, ready=False)))
+        self._news.append(asyncio.ensure_future(self._prompts.tell_head_gone(head)))
 
     async def stop(self) -> None:
         """The run ends: a replacement in flight stops where it is (a start in flight
-        runs to its end, so that teardown knows the node it may have launched)."""
+        runs to its end, so that teardown knows the node it may have launched). A head
+        lost as the stop came, which no replacement will serve now, is told to its
+        prompts."""
+        self._head_gone_news()
         task = self._task
         if task is None:
             return

@@ -49,6 +49,11 @@ class Teardown:
         await self._stop_stages()
         await asyncio.gather(*(self.stop_node(n) for n in state.nodes_to_stop()))
         await self._membership.cancel(leases=False)
+        head = state.head() if state.nodes else None
+        if head is not None and (head.provider_stopped or head.exited):
+            # Its node is gone: a prompt whose generate did not end on its cancel, stop
+            # or StopRun need not wait for its heartbeat timeout (DECISIONS 101).
+            await self._prompts.tell_head_gone(head)
         if state.uses_token_endpoints:
             # The token endpoints live on the head's driver; its StopRun tears them down.
             head = state.head()
