@@ -60,6 +60,7 @@ _PASS_ENV = (
     "TMPDIR",
     "MVP_MODELS_DIR",
     "MVP_SWITCH_INTERVAL",
+    "MVP_PREFIX_CACHE_MB",  # a stage's prefix cache cap (0: off; DECISIONS 91)
     "XDG_CACHE_HOME",
     "CUDA_VISIBLE_DEVICES",
 )
