@@ -32,6 +32,35 @@ static inline uint8_t q4k_code(const uint8_t *qs, int j, int m) {
     return (j & 1) ? (uint8_t)(v >> 4) : (uint8_t)(v & 15);
 }
 
+/* A Q4_K or Q5_K block's d and dmin (its first 4 bytes, float16) as float32. */
+static inline void k_d_dmin(const uint8_t *blk, float *d, float *dmin) {
+    uint16_t h;
+    memcpy(&h, blk, 2);
+    *d = h2f(h);
+    memcpy(&h, blk + 2, 2);
+    *dmin = h2f(h);
+}
+
+/* Sub-block j's 6-bit scale and min from a Q4_K or Q5_K block's 12 scale bytes. */
+static inline void k_scale_min(const uint8_t *s, int j, uint8_t *sc, uint8_t *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4));
+        *mn = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+/* Sub-block j's 32 low nibbles (qs as Q4_K's, also Q5_K's) into a tile row's 4 vectors
+ * at ``out`` (vector c: lanes 2c and 2c + 1 as low and high nibbles, 4 codes a row). */
+static inline void put_k_nibbles(const uint8_t *qs, int j, uint8_t *out) {
+    for (int c = 0; c < 4; c++)
+        for (int i = 0; i < 4; i++)
+            out[64 * c + i] =
+                (uint8_t)(q4k_code(qs, j, 8 * c + i) | (q4k_code(qs, j, 8 * c + 4 + i) << 4));
+}
+
 /* Rows [0, n) (n a multiple of 16) of a Q4_K matrix of k inputs (a multiple of 256),
  * its blocks at `raw` (row-major, 144 bytes each), into the q4k_tile layout: codes
  * [n / 16][k / 32][256] (vector c of a sub-block: lanes 2c and 2c + 1 as low and high
@@ -44,26 +73,12 @@ void mvk_build_q4k(const uint8_t *raw, int64_t n, int64_t k, uint8_t *codes, uin
         for (int r = 0; r < 16; r++)
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *blk = raw + ((G * 16 + r) * nb + b) * 144;
-                uint16_t h;
-                memcpy(&h, blk, 2);
-                kd[(G * nb + b) * 16 + r] = h2f(h);
-                memcpy(&h, blk + 2, 2);
-                kdmin[(G * nb + b) * 16 + r] = h2f(h);
+                k_d_dmin(blk, &kd[(G * nb + b) * 16 + r], &kdmin[(G * nb + b) * 16 + r]);
                 const uint8_t *s = blk + 4, *qs = blk + 16;
                 for (int j = 0; j < 8; j++) {
                     const int64_t at = (G * ns + 8 * b + j) * 16 + r;
-                    if (j < 4) {
-                        ksc[at] = s[j] & 63;
-                        kmin[at] = s[j + 4] & 63;
-                    } else {
-                        ksc[at] = (uint8_t)((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4));
-                        kmin[at] = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
-                    }
-                    uint8_t *out = codes + (G * ns + 8 * b + j) * 256 + 4 * r;
-                    for (int c = 0; c < 4; c++)
-                        for (int i = 0; i < 4; i++)
-                            out[64 * c + i] = (uint8_t)(q4k_code(qs, j, 8 * c + i) |
-                                                        (q4k_code(qs, j, 8 * c + 4 + i) << 4));
+                    k_scale_min(s, j, &ksc[at], &kmin[at]);
+                    put_k_nibbles(qs, j, codes + (G * ns + 8 * b + j) * 256 + 4 * r);
                 }
             }
 }
@@ -79,11 +94,7 @@ void mvk_build_q5k(const uint8_t *raw, int64_t n, int64_t k, uint8_t *codes, uin
         for (int r = 0; r < 16; r++)
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *blk = raw + ((G * 16 + r) * nb + b) * 176;
-                uint16_t h;
-                memcpy(&h, blk, 2);
-                kd[(G * nb + b) * 16 + r] = h2f(h);
-                memcpy(&h, blk + 2, 2);
-                kdmin[(G * nb + b) * 16 + r] = h2f(h);
+                k_d_dmin(blk, &kd[(G * nb + b) * 16 + r], &kdmin[(G * nb + b) * 16 + r]);
                 const uint8_t *s = blk + 4, *qh = blk + 16, *qs = blk + 48;
                 /* byte l of hy[i]: qh[4 l + i], whose bit j is the fifth bit of code
                  * 4 l + i of sub-block j */
@@ -94,18 +105,9 @@ void mvk_build_q5k(const uint8_t *raw, int64_t n, int64_t k, uint8_t *codes, uin
                 }
                 for (int j = 0; j < 8; j++) {
                     const int64_t at = (G * ns + 8 * b + j) * 16 + r;
-                    if (j < 4) {
-                        ksc[at] = s[j] & 63;
-                        kmin[at] = s[j + 4] & 63;
-                    } else {
-                        ksc[at] = (uint8_t)((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4));
-                        kmin[at] = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
-                    }
+                    k_scale_min(s, j, &ksc[at], &kmin[at]);
                     uint8_t *out = codes + (G * ns + 8 * b + j) * 320 + 4 * r;
-                    for (int c = 0; c < 4; c++)
-                        for (int i = 0; i < 4; i++)
-                            out[64 * c + i] = (uint8_t)(q4k_code(qs, j, 8 * c + i) |
-                                                        (q4k_code(qs, j, 8 * c + 4 + i) << 4));
+                    put_k_nibbles(qs, j, out);
                     /* put_codes' fifth-bit byte: bit j of byte l moved to bit l (the
                      * products of the multiply land on distinct bits: no carries) */
                     for (int i = 0; i < 4; i++)
