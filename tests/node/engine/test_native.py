@@ -174,13 +174,11 @@ def test_llamacpp_order_with_mixed_zero_codes(lib: ctypes.CDLL, generic: ctypes.
         assert float((got.double() - want).abs().max() / want.abs().max()) < 2e-6
 
 
-def test_q4k_order_is_the_same_in_plain_c(lib: ctypes.CDLL, generic: ctypes.CDLL) -> None:
-    """Q4_K in llama.cpp's order (qmm.c q4k_tile: its 6-bit scales and mins, 16 rows
-    interleaved, rows off the 16-grid masked; per 256 for 1 to 3 activation rows, per 64
-    for rows in whole fours): the plain C build gives the same bits, and both are the
-    emulated arithmetic."""
-    n, k = 40, 512
-    gen = torch.Generator().manual_seed(12)
+def _random_q4k(
+    n: int, k: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, NativeLayout]:
+    """A random Q4_K matrix's codes, scales and offsets, and its layout in llama.cpp's
+    order (its 6-bit scales and mins, float32 d and dmin)."""
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
     sc = torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=gen)
     mins = torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=gen)
@@ -193,6 +191,17 @@ def test_q4k_order_is_the_same_in_plain_c(lib: ctypes.CDLL, generic: ctypes.CDLL
     )
     layout = native_layout([part], 4, llamacpp_order=True)
     assert layout is not None and layout.arith == native.ARITH_Q4K
+    return q, scale, offset, layout
+
+
+def test_q4k_order_is_the_same_in_plain_c(lib: ctypes.CDLL, generic: ctypes.CDLL) -> None:
+    """Q4_K in llama.cpp's order (qmm.c q4k_tile: its 6-bit scales and mins, 16 rows
+    interleaved, rows off the 16-grid masked; per 256 for 1 to 3 activation rows, per 64
+    for rows in whole fours): the plain C build gives the same bits, and both are the
+    emulated arithmetic."""
+    n, k = 40, 512
+    gen = torch.Generator().manual_seed(12)
+    q, scale, offset, layout = _random_q4k(n, k, gen)
     for rows in (1, 2, 3, 4, 5, 8, 9):
         x = torch.randn(rows, k, generator=gen) * 3
         add = torch.randn(rows, n, generator=gen)
@@ -213,18 +222,7 @@ def test_q4k_prompt_rows_past_one_tile_are_the_same_in_plain_c(
     bits."""
     n, k = 40, 512
     gen = torch.Generator().manual_seed(13)
-    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
-    sc = torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=gen)
-    mins = torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=gen)
-    d = torch.rand(n, k // 256, generator=gen) * 1e-3
-    dmin = torch.rand(n, k // 256, generator=gen) * 1e-3
-    scale = d.repeat_interleave(8, 1) * sc.float()
-    offset = -dmin.repeat_interleave(8, 1) * mins.float()
-    part = NativePart(
-        q, scale, offset, 32, None, native.Q8_K_ACT, False, KScales(sc, mins, d, dmin)
-    )
-    layout = native_layout([part], 4, llamacpp_order=True)
-    assert layout is not None and layout.arith == native.ARITH_Q4K
+    *_, layout = _random_q4k(n, k, gen)  # the same draws as before
     for rows in (64, 68, 130):
         x = torch.randn(rows, k, generator=gen) * 3
         x[0], x[1] = 1.0, -1.0  # every activation code +-127
