@@ -76,3 +76,38 @@ def test_a_server_that_exits_after_it_was_ready_says_how_and_why(tmp_path) -> No
         )
     finally:
         srv.stop()
+
+
+def test_a_file_backed_server_keeps_a_write_ahead_log_and_what_it_committed_survives_a_kill(
+    tmp_path,
+) -> None:
+    """DECISIONS 102: the SQLite file is in WAL mode (its -wal file beside it), and a
+    workflow started before the server was killed hard is there after a restart."""
+    import asyncio
+
+    from temporalio.client import Client
+
+    db = tmp_path / "dev.db"
+    srv = start_dev_server(str(db))
+    try:
+        assert (tmp_path / "dev.db-wal").exists()
+
+        async def start() -> None:
+            client = await Client.connect(srv.address)
+            await client.start_workflow("NoSuchWorkflow", id="kept", task_queue="nobody-polls")
+
+        asyncio.run(start())
+        srv.process.kill()  # no shutdown: nothing flushed on the way out
+        srv.process.wait(10)
+    finally:
+        srv.stop()
+    again = start_dev_server(str(db))
+    try:
+
+        async def describe() -> str:
+            client = await Client.connect(again.address)
+            return (await client.get_workflow_handle("kept").describe()).workflow_type
+
+        assert asyncio.run(describe()) == "NoSuchWorkflow"
+    finally:
+        again.stop()
