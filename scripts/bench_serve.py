@@ -95,7 +95,7 @@ PROMPTS = [
     "The recipe calls for",
     "Deep in the forest",
 ]
-# The chat workload's shared system prompt (~330 tokens of SmolLM2's vocabulary): every
+# The chat workload's shared system prompt (~512 tokens of SmolLM2's vocabulary): every
 # request starts with it, as an application's chats do, so a server that reuses a shared
 # prefix prefills it once (DECISIONS 91; llama-server: its slots' prompt cache).
 SYSTEM = (
@@ -115,7 +115,19 @@ SYSTEM = (
     "with the receipt. If a question is not about the shop, say politely that you can "
     "only help with the bakery, and suggest calling the shop for anything you are not "
     "sure of. Never invent prices: if asked, say that prices are on the website and in "
-    "the shop."
+    "the shop. Orders for collection can be placed online until eight in the evening for "
+    "the next morning; they wait at the counter under the customer's name until noon, "
+    "after which they go back on the shelves. Large orders for offices, schools and "
+    "parties, anything above twenty loaves or five cakes, need a week's notice and are "
+    "confirmed by phone by the head baker, who may suggest changes to the quantities. "
+    "Wedding cakes are not made in the shop; point such customers to the cake studio on "
+    "the market square, which the bakery works with. The shop runs classes on Saturday "
+    "afternoons: bread basics, sourdough starters and pastry, each for eight people, "
+    "booked online and paid in advance; a booking can be moved once, free of charge, up "
+    "to three days before the class. Loyalty cards give a free loaf for every ten "
+    "bought, stamped at the till; lost cards cannot be replaced. The shop does not sell "
+    "coffee or sandwiches, has no seats, and does not allow dogs inside. Complaints go to "
+    "the manager by email, and are answered within two working days."
 )
 SAME_REQUEST = {"repeat_penalty": 1.0}  # llama.cpp's default is 1.1; the gateway ignores it
 LLAMA_THREADS = 2
@@ -154,6 +166,9 @@ class Level:
     # Medians over the level's prompts (their PromptOutcome): queued in the run, tokenize,
     # encode end -> first token (joining the batch and the prefill), first token -> text out.
     ttft_split_ms: list[float] | None = None
+    # The share of them the head node started early, while the run admitted them: their
+    # encode and prefill overlap admission (DECISIONS 103).
+    early_share: float | None = None
     # The dev server's frontend calls per prompt, by operation (its /metrics), and its
     # persistence requests per prompt: what the level cost the server, call by call.
     server_calls_per_prompt: dict[str, float] | None = None
@@ -292,6 +307,13 @@ async def level(
     persistence = calls.pop("persistence", 0)
     ttft = [s.ttft_ms for s in streams if s.ttft_ms is not None]
     itl = [s.itl_ms for s in streams if s.itl_ms is not None]
+    split = (
+        None
+        if client is None
+        else await ttft_split(
+            client, started, args.prompt_host, names.run_workflow_id(RUN_ID + stages)
+        )
+    )
     lv = Level(
         server=server,
         stages=stages,
@@ -305,11 +327,8 @@ async def level(
         itl_p95_ms=_pct(itl, 0.95),
         cp_cpu_ms_per_token=cpu * 1000 / tokens if cpu_pids and tokens else None,
         cp_split_ms_per_token=[c * 1000 / tokens for c in each] if cpu_pids and tokens else None,
-        ttft_split_ms=None
-        if client is None
-        else await ttft_split(
-            client, started, args.prompt_host, names.run_workflow_id(RUN_ID + stages)
-        ),
+        ttft_split_ms=None if split is None else split[0],
+        early_share=None if split is None else split[1],
         server_calls_per_prompt={op: n / prompts for op, n in calls.most_common() if n > 0}
         if metrics_port is not None and prompts
         else None,
@@ -350,15 +369,17 @@ async def _outcomes(
 
 async def ttft_split(
     client: Client, since: datetime, prompt_host: str, run_wf_id: str
-) -> list[float] | None:
+) -> tuple[list[float], float] | None:
     """The medians of where the head node says the prompts' first-token time went, from
     the outcomes of the prompts admitted since ``since`` (the rest of the TTFT is
     admission: the gateway, the run's Update, the prompt workflow's start where there is
-    one, and the generate activity's dispatch)."""
+    one, and the generate activity's dispatch), and the share of them started early."""
     parts: list[list[float]] = [[] for _ in TTFT_PARTS]
+    early = 0
     for got in await _outcomes(client, since, prompt_host, run_wf_id):
         if got.timing is not None and got.queued_ms is not None:
             t = got.timing
+            early += t.early_ms is not None
             for acc, v in zip(
                 parts,
                 (got.queued_ms, t.encode_ms, t.prefill_ms, t.first_delta_ms),
@@ -367,7 +388,13 @@ async def ttft_split(
                 acc.append(v)
     if not parts[0]:
         return None
-    return [_pct(p, 0.5) or 0.0 for p in parts]
+    return [_pct(p, 0.5) or 0.0 for p in parts], early / len(parts[0])
+
+
+def context_of(args: argparse.Namespace) -> int:
+    """A prompt's context on both servers: a completion's prompt and tokens, or a chat
+    turn's ~512-token system prompt, question and reply."""
+    return 1024 if args.workload == "chat" else 512
 
 
 def gateway_env(address: str, tmp: Path, text: str) -> dict[str, str]:
@@ -405,7 +432,7 @@ async def bench_run(args: argparse.Namespace, stages: int, tmp: Path) -> list[Le
                 "prompt_host": args.prompt_host,
                 "layer_split": args.layer_split,
                 "prompt_queue_capacity": 8,
-                "max_context": 512,
+                "max_context": context_of(args),
                 "provider": args.provider,
                 "docker": {"cpus": args.cpus} if docker else {},
                 "engine": {"threads": args.threads} if args.threads else {},
@@ -506,7 +533,8 @@ async def bench_run(args: argparse.Namespace, stages: int, tmp: Path) -> list[Le
                     )
                     + " ms (the rest is admission: the gateway, the Update, "
                     + ("" if args.prompt_host == "run" else "the prompt workflow's start, ")
-                    + "the activity's dispatch)."
+                    + "the activity's dispatch); "
+                    + f"{(got.early_share or 0) * 100:.0f}% started early."
                 )
                 print(NOTES[-1], file=sys.stderr, flush=True)
             if got.server_calls_per_prompt is not None:
@@ -554,7 +582,7 @@ async def bench_llama(args: argparse.Namespace, tmp: Path) -> list[Level]:
                     "-t",
                     str(LLAMA_THREADS),
                     "-c",
-                    str(512 * slots),
+                    str(context_of(args) * slots),
                     "--host",
                     "127.0.0.1",
                     "--port",
@@ -710,7 +738,7 @@ def main() -> None:
         choices=["completion", "chat"],
         default="completion",
         help="completions of short distinct prompts (the default), or chat turns that all "
-        "start with one shared ~330-token system prompt (prefix reuse, DECISIONS 91)",
+        "start with one shared ~512-token system prompt (prefix reuse, DECISIONS 91)",
     )
     p.add_argument("--report", type=Path, default=None, metavar="DIR")
     args = p.parse_args()
