@@ -153,8 +153,17 @@ def provider_task_queue(host: str) -> str:
 
 
 def prompt_workflow_id(run_id: int, request_id: int, unique: str) -> str:
-    """Child workflow id of one prompt; ``unique`` is the admitting update's id."""
+    """Child workflow id of one prompt; ``unique`` is the admitting update's id
+    (:func:`update_key`)."""
     return f"mvp-run-{run_id}-prompt-{request_id}-{unique}"
+
+
+def update_key(update_id: str) -> str:
+    """The part of a prompt's id its admitting Update's id gives: its letters, digits and
+    dashes, at most 36 ("u" where none). A client that chooses the Update's id knows the
+    prompt's id before the run answers (an early start, DECISIONS 103)."""
+    cleaned = "".join(c for c in update_id if c.isalnum() or c == "-")
+    return cleaned[:36] or "u"
 
 
 def reaper_schedule_id(host: str) -> str:

@@ -42,6 +42,9 @@ log = logging.getLogger("mvp.text_stream")
 
 CONNECT_TIMEOUT_S = 5.0
 MAX_LINE = 1 << 22  # a delta's JSON line: the text of one flush
+# An early start's request line at most (the head node takes up to 4 MiB): a longer
+# prompt is read without one (DECISIONS 103).
+MAX_START_LINE = 1 << 20
 
 
 class TextStreamError(Exception):
@@ -127,11 +130,15 @@ async def read_text(
     start: int = 0,
     key: str | None = None,
     on_terminal: Callable[[Done], None] | None = None,
+    early: dict[str, Any] | None = None,
 ) -> AsyncGenerator[TextDelta, None]:
     """The prompt's deltas from the ``start``-th; returns at the node's end line. Raises
     TextStreamError when the stream cannot be opened or breaks off before its end. Without
     the run's token (no secret here) the reader shows ``key``, the prompt's ``text_key``.
-    ``on_terminal`` gets the prompt's Done where the end line carries it (DECISIONS 95)."""
+    ``on_terminal`` gets the prompt's Done where the end line carries it (DECISIONS 95).
+    ``early``: the prompt to start now, before its generate comes (a reader with the
+    run's token only; DECISIONS 103): ``{"prompt": SubmitPrompt, "max_new_tokens": n}``,
+    sent with the request where that line stays within MAX_START_LINE."""
     if key is None and target.token is None:
         raise TextStreamError("no text-stream token here and no key for this prompt")
     reader, writer = await _connect(target)
@@ -150,7 +157,11 @@ async def read_text(
             request: dict[str, object] = {"prompt_workflow_id": prompt_workflow_id, "from": start}
             if target.token is None:
                 request["key"] = key
-            writer.write(json.dumps(request).encode() + b"\n")
+            line = json.dumps(request).encode()
+            if early is not None and target.token is not None:
+                started = json.dumps({**request, "start": early}).encode()
+                line = started if len(started) < MAX_START_LINE else line
+            writer.write(line + b"\n")
             await writer.drain()
         except (OSError, TimeoutError, asyncio.IncompleteReadError) as err:
             raise TextStreamError(f"text stream handshake failed: {err!r}") from None

@@ -315,6 +315,12 @@ class PromptTiming(_Model):
     decode_tokens_per_s: float | None = Field(
         default=None, ge=0, description="Tokens after the first over the time they took"
     )
+    early_ms: float | None = Field(
+        default=None,
+        ge=0,
+        description="How long before its generate the head started it (an early start, "
+        "DECISIONS 103: its encode and prefill then overlap its admission)",
+    )
 
 
 class PromptOutcome(_Model):

@@ -19,13 +19,14 @@ from temporalio.client import (
 )
 from temporalio.service import RPCError
 
+from mvp_core import names
 from mvp_core.errors import ErrorType
 from mvp_core.models import CancelPrompt, Done, Fault, PromptAdmitted, SubmitPrompt, TextDelta
 from mvp_core.run_signals import signal_name
 from temporal.client.ends import EndHint
 from temporal.client.errors import rejection
 from temporal.client.refusals import quick_client
-from temporal.client.text import PromptEvents, PromptText
+from temporal.client.text import EarlyText, PromptEvents, PromptText
 from temporal.client.updates import OUTCOME_PEEK, drop, resent_when_not_ready
 from workflows.run import RunWorkflow
 
@@ -141,6 +142,25 @@ class PromptCalls(PromptText):
         else:
             drop(admit)
 
+    def _early_text(self, prompt: SubmitPrompt, update_id: str) -> EarlyText | None:
+        """The prompt's text stream opened now, before its admission, asking the head node
+        to start it at once (DECISIONS 103): where this handle reads the run's text with
+        the deployment's secret and already knows the head (no query before the Update),
+        and the run will hand the head this very prompt (its cap set; greedy or seeded,
+        so no seed is drawn at admission)."""
+        target = self._target
+        run_id = names.run_id_from_workflow_id(self.workflow_id)
+        if (
+            target is None
+            or target.token is None
+            or run_id is None
+            or not prompt.max_tokens
+            or (prompt.temperature > 0 and prompt.seed is None)
+        ):
+            return None
+        key = names.prompt_workflow_id(run_id, prompt.request_id, names.update_key(update_id))
+        return EarlyText(key, target, prompt)
+
     async def stream(
         self,
         prompt: SubmitPrompt,
@@ -157,12 +177,23 @@ class PromptCalls(PromptText):
         from the head node (DECISIONS 80)."""
         if self._direct_text and self._secret is None and prompt.text_key is None:
             prompt = prompt.model_copy(update={"text_key": secrets.token_hex(16)})
-        admit = asyncio.ensure_future(self._admit(prompt, uuid.uuid4().hex))
+        update_id = uuid.uuid4().hex
+        early = self._early_text(prompt, update_id)
+        admit = asyncio.ensure_future(self._admit(prompt, update_id))
         try:
             admitted = await asyncio.shield(admit)
         except asyncio.CancelledError:
             self._spawn(self._cancel_when_admitted(admit, prompt.request_id))
+            if early is not None:
+                self._spawn(early.close())
             raise
+        except BaseException:
+            if early is not None:
+                await early.close()
+            raise
+        if early is not None and early.key != admitted.prompt_id:
+            await early.close()  # admitted under another id (asked again): not that one
+            early = None
         if on_admitted is not None:
             on_admitted()
         hint = EndHint(reader=True)
@@ -174,7 +205,12 @@ class PromptCalls(PromptText):
         terminal: Done | Fault | None = None
         try:
             async for event in self._events(
-                admitted.prompt_id, result_task, poll_cooldown_ms, hint=hint, key=prompt.text_key
+                admitted.prompt_id,
+                result_task,
+                poll_cooldown_ms,
+                hint=hint,
+                key=prompt.text_key,
+                early=early,
             ):
                 if isinstance(event, TextDelta):
                     yield event

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from datetime import timedelta
 from typing import Any, cast
 
@@ -18,7 +18,15 @@ from temporalio.contrib.workflow_streams import WorkflowStreamClient
 from temporalio.service import RPCError
 
 from mvp_core import names
-from mvp_core.models import Done, Fault, PromptEvent, PromptHost, TextDelta, TokenLogprob
+from mvp_core.models import (
+    Done,
+    Fault,
+    PromptEvent,
+    PromptHost,
+    SubmitPrompt,
+    TextDelta,
+    TokenLogprob,
+)
 from temporal.client.ends import EndHint, PromptEnds
 from temporal.text_stream import (
     TextNotYet,
@@ -45,6 +53,40 @@ NEW_HEAD_POLL_S = 0.3
 # before it does, doubling up to the second figure, while its prompt runs.
 ASK_AGAIN_S = (0.25, 5.0)
 log = logging.getLogger("mvp.client")
+
+
+class EarlyText:
+    """A prompt's text stream opened before the run admits it, its request carrying the
+    prompt for the head node to start at once (DECISIONS 103): read as the prompt's
+    direct stream once the run admitted it under ``key``, closed otherwise."""
+
+    def __init__(self, key: str, target: TextStreamTarget, prompt: SubmitPrompt) -> None:
+        self.key = key
+        self.target = target
+        self.on_terminal: Callable[[Done], None] | None = None
+        self.deltas = read_text(
+            target,
+            key,
+            on_terminal=self._told,
+            early={"prompt": prompt.model_dump(mode="json"), "max_new_tokens": prompt.max_tokens},
+        )
+        # Its first step opens the connection and sends the request, now.
+        self.step: asyncio.Future[TextDelta] | None = asyncio.ensure_future(anext(self.deltas))
+
+    def _told(self, done: Done) -> None:
+        if self.on_terminal is not None:
+            self.on_terminal(done)
+
+    async def close(self) -> None:
+        """Not admitted under its key: the head node stops what it started."""
+        step, self.step = self.step, None
+        if step is not None and not step.done():
+            step.cancel()
+        with contextlib.suppress(BaseException):
+            if step is not None:
+                await step
+        with contextlib.suppress(Exception):
+            await self.deltas.aclose()
 
 
 class _Read:
@@ -100,6 +142,7 @@ class PromptText(PromptEnds):
         start: int = 0,
         hint: EndHint | None = None,
         key: str | None = None,
+        early: EarlyText | None = None,
     ) -> PromptEvents:
         """The prompt's text deltas (from the head node where this host can read it
         directly, else from the prompt workflow's stream), then its terminal event: the
@@ -107,17 +150,21 @@ class PromptText(PromptEnds):
         the whole text). ``start``: the deltas already seen of the workflow's stream.
         ``hint``: told whether a direct stream is open and when its text has ended, for
         the wait on the result (DECISIONS 77). ``key``: the prompt's ``text_key``, with
-        which a handle without the deployment's secret reads it directly (DECISIONS 80)."""
+        which a handle without the deployment's secret reads it directly (DECISIONS 80).
+        ``early``: its direct stream, opened before its admission (DECISIONS 103)."""
         hint = hint or EndHint()
         read = _Read()
         target: TextStreamTarget | None = None
         try:
-            target = await self._text_target(key) if not result_task.done() else None
+            if early is not None:
+                target = early.target
+            elif not result_task.done():
+                target = await self._text_target(key)
         finally:
             hint.streaming = target is not None
             hint.decided.set()
         if target is not None:
-            async for delta in self._from_head(target, child_id, result_task, key, read):
+            async for delta in self._from_head(target, child_id, result_task, key, read, early):
                 yield delta
             if read.direct_end:
                 hint.terminal = read.terminal
@@ -149,6 +196,7 @@ class PromptText(PromptEnds):
         result_task: asyncio.Future[Any],
         key: str | None,
         read: _Read,
+        early: EarlyText | None = None,
     ) -> AsyncGenerator[TextDelta, None]:
         """The prompt's deltas from its head node (``read.direct_end``: to its end line),
         from a replacement head where the run replaces it (DECISIONS 68); nothing more
@@ -157,8 +205,9 @@ class PromptText(PromptEnds):
         again = ASK_AGAIN_S[0]
         while target is not None:
             skip = len(read.text)  # a new head's stream starts from the first text
+            opened, early = early, None  # an early stream is the first try only
             try:
-                async for got in self._direct(target, child_id, result_task, key, read):
+                async for got in self._direct(target, child_id, result_task, key, read, opened):
                     delta, skip = cut(got, skip)
                     if delta is None:
                         continue
@@ -271,6 +320,7 @@ class PromptText(PromptEnds):
         result_task: asyncio.Future[Any],
         key: str | None = None,
         read: _Read | None = None,
+        early: EarlyText | None = None,
     ) -> AsyncGenerator[TextDelta, None]:
         """The head node's deltas of the prompt until its end line (its Done, where the
         line carries one, to ``read.terminal``). A prompt that ends without generating
@@ -281,11 +331,16 @@ class PromptText(PromptEnds):
             if read is not None:
                 read.terminal = done
 
-        deltas = read_text(target, child_id, key=key, on_terminal=told)
         step: asyncio.Future[TextDelta] | None = None
+        if early is not None:  # opened before the admission (DECISIONS 103)
+            early.on_terminal = told
+            deltas, step = early.deltas, early.step
+        else:
+            deltas = read_text(target, child_id, key=key, on_terminal=told)
         try:
             while True:
-                step = asyncio.ensure_future(anext(deltas))
+                if step is None:
+                    step = asyncio.ensure_future(anext(deltas))
                 done, _ = await asyncio.wait({step, result_task}, return_when=FIRST)
                 if step not in done:
                     done, _ = await asyncio.wait({step}, timeout=DIRECT_GRACE_S)

@@ -113,6 +113,25 @@ async def test_a_run_hosted_prompt_is_served_streamed_cancelled_and_re_attached(
             await asyncio.sleep(0.05)
     assert kept.outcome.terminal == ends[0] and text == ends[0].final_text
 
+    # An early start (DECISIONS 103): a handle that knows the head node already hands it
+    # the prompt with its text stream's request, before the run admits it; the idle head
+    # starts it, and the prompt's generate adopts it. Its text is, bit for bit, the text
+    # of the same prompt started by its generate (a handle's first: no head known yet).
+    fresh = RunHandle(runs.client, run_id)
+    got = []
+    for rid in (310, 311):
+        prompt = SubmitPrompt(request_id=rid, prompt_text=COUNTING, max_tokens=48)
+        text, ends = await _stream_all(fresh, prompt)
+        assert len(ends) == 1 and isinstance(ends[0], Done) and text == ends[0].final_text
+        async with asyncio.timeout(60):
+            while (kept := await fresh.served(rid)) is None:
+                await asyncio.sleep(0.05)
+        got.append((text, kept.outcome.timing))
+    (late_text, late), (early_text, early) = got
+    assert late is not None and late.early_ms is None, late
+    assert early is not None and early.early_ms is not None and early.early_ms > 0, early
+    assert early_text == late_text
+
     # Cancel one of eight mid-stream: it ends cancelled, the other seven finish.
     victim = SubmitPrompt(request_id=40, prompt_text="1, 2, 3, 4, 5,", max_tokens=900)
     first_text = asyncio.Event()

@@ -93,7 +93,8 @@ async def test_a_wrong_token_is_refused_by_name(node):
         (b"[1]\n", "not a JSON object"),
         (b'{"from": 0}\n', "prompt_workflow_id must be a non-empty string"),
         (b'{"prompt_workflow_id": "k", "from": -1}\n', "from must be a non-negative integer"),
-        (b"x" * 5000, "longer than 4096 bytes"),
+        # A reader with the run's token may send its prompt (an early start): 4 MiB.
+        (b"x" * (textpath.MAX_START_REQUEST + 1), f"longer than {4 << 20} bytes"),
     ],
 )
 def test_a_bad_request_line_is_answered_with_what_is_wrong(node, line, error):

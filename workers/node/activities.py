@@ -39,6 +39,7 @@ from mvp_core.models import (
     StageStopped,
     StopGenerateInput,
     StopRun,
+    SubmitPrompt,
     TextDelta,
     TokenEndpointsReady,
     TokenLogprob,
@@ -49,8 +50,10 @@ from temporal import telemetry
 from workers.node import layout
 from workers.node.config import FaultInjection, NodeConfig
 from workers.node.dataplane import DataPlaneServer
+from workers.node.early import EarlyStarts
+from workers.node.generation import Generation, start_generation
 from workers.node.nodestream import LoadProgress, NodeDatastream, NodeSampler
-from workers.node.textpath import NoTemporalText, TextFanout, TextHub, TextPipe
+from workers.node.textpath import NoTemporalText, TextFanout, TextHub
 
 if TYPE_CHECKING:
     # The runtime brings the engine and torch (~0.8 s to import): the agent imports it in
@@ -69,7 +72,6 @@ BEAT_SHARE = 0.4
 HEARTBEAT_EVERY_S = 0.5
 FIRST_BEAT_S = 2.0
 LEASE_GATE_POLL_S = 0.1  # a held-back lease report (fault injection) looks this often
-TEXT_GATE_POLL_S = 0.05  # held text (fault injection) looks for its gate this often
 MAX_EARLY_STOPS = 256  # stops remembered for generates not started yet
 TEXT_GATHER_S = 0.025  # the finest stream granularity: stream_batch_ms is at least this
 MAX_GATHER_S = 1.0  # the coarsest, however many prompts generate
@@ -98,6 +100,12 @@ class NodeActivities:
         # Prompts' text straight to clients that read it (DECISIONS 63), on the node's
         # data-plane port, for clients that show the run's text-stream token.
         self.text = TextHub()
+        # Prompts a reader with that token starts before their generate (DECISIONS 103):
+        # on the head, where nothing generates.
+        self.early = EarlyStarts(
+            asyncio.get_running_loop(), self._start_early, lambda: self.generating == 0
+        )
+        self.text.early = self.early
         if cfg.text_token:
             server.serve_text(cfg.text_token, self.text.serve)
         # The node's own datastream (DECISIONS 93), for followers that show the token
@@ -121,6 +129,13 @@ class NodeActivities:
             self.sampler.stop()
         self.datastream.close(reason, wait_s=DATASTREAM_END_S)
 
+    def _start_early(self, prompt: SubmitPrompt, max_new_tokens: int) -> Generation | None:
+        """An early start's token loop (DECISIONS 103): on the head, once it has a stage."""
+        runtime = self.runtime
+        if runtime is None or self.cfg.stage_index != 0:
+            return None
+        return start_generation(runtime, prompt, max_new_tokens)
+
     def _generate_ended(self, key: str, stopped: threading.Event) -> None:
         self.generating -= 1
         if self._stops.get(key) is stopped:
@@ -141,6 +156,7 @@ class NodeActivities:
         if stopped is not None:
             stopped.set()
             return True
+        self.early.drop(inp.prompt_workflow_id)  # started early, its generate not come
         self._early_stops[inp.prompt_workflow_id] = None
         while len(self._early_stops) > MAX_EARLY_STOPS:
             self._early_stops.popitem(last=False)
@@ -339,34 +355,13 @@ class NodeActivities:
         key = inp.prompt_workflow_id
         if key in self._early_stops:
             self._early_stops.pop(key)
+            self.early.drop(key)
             return PromptOutcome(terminal=Fault(request_id=request_id, error="cancelled"))
-        pipe = TextPipe(asyncio.get_running_loop())
-        stopped = threading.Event()
-        should_stop = stopped.is_set
-
-        on_text = _held_text(FaultInjection.from_env(), pipe.put, stopped)
-        prompt_tokens: list[int] = []  # set once, by the engine thread, before any text
-        cached_tokens: list[int] = []  # of them, from the prefix cache (set before any text)
-        generated: list[int] = []  # the tokens so far (the engine thread appends)
-        # Their logprobs, where the prompt asks for them (the engine thread appends).
-        logprobs: list[TokenLogprob | None] | None = [] if inp.prompt.logprobs else None
-
-        def work():  # type: ignore[no-untyped-def]
-            try:
-                return runtime.run(
-                    inp.prompt,
-                    inp.max_new_tokens,
-                    on_text,
-                    should_stop,
-                    prompt_tokens.append,
-                    resume=inp.resume,
-                    text_from=inp.text_from,
-                    generated=generated,
-                    logprobs=logprobs,
-                    on_cached=cached_tokens.append,
-                )
-            finally:
-                pipe.close()
+        entered = time.perf_counter()
+        gen = await self._generation(runtime, inp)
+        pipe, stopped = gen.pipe, gen.stopped
+        prompt_tokens, cached_tokens = gen.prompt_tokens, gen.cached_tokens
+        generated, logprobs, task = gen.generated, gen.logprobs, gen.task
 
         stream: WorkflowStreamClient | NoTemporalText = (
             WorkflowStreamClient.create(
@@ -385,7 +380,6 @@ class NodeActivities:
         )
         gather_s = min(MAX_GATHER_S, max(TEXT_GATHER_S, inp.stream_batch_ms / 4000))
         batch_s = inp.stream_batch_ms / 1000
-        task = asyncio.ensure_future(asyncio.to_thread(work))
         self.generating += 1
         self._stops[key] = stopped
         task.add_done_callback(lambda _: self._generate_ended(key, stopped))
@@ -491,13 +485,33 @@ class NodeActivities:
             # A run-hosted prompt's text so far goes with its end: no stream holds it.
             return _cancelled(request_id, None if inp.temporal_text else result)
         telemetry.note_prompt_end(result.tokens, result.stop_reason)  # on RunActivity's span
-        return PromptOutcome(terminal=done, timing=prompt_timing(result, first_published))
+        timing = prompt_timing(result, first_published)
+        if timing is not None and gen.started_at < entered:  # started early (DECISIONS 103)
+            timing = timing.model_copy(update={"early_ms": (entered - gen.started_at) * 1000})
+        return PromptOutcome(terminal=done, timing=timing)
+
+    async def _generation(self, runtime: StageRuntime, inp: GenerateInput) -> Generation:
+        """The prompt's token loop: the early start of this very prompt where one runs
+        (DECISIONS 103), else a new one, once the early starts of its id or request id
+        that it stopped have ended (their engine sequences gone before its own begins)."""
+        fresh = not inp.resume and inp.text_from is None  # a resume goes on from its tokens
+        adopted, ending = self.early.take(
+            inp.prompt_workflow_id, inp.prompt, inp.max_new_tokens, adopt=fresh
+        )
+        if adopted is not None:
+            return adopted
+        if ending:
+            await asyncio.wait({g.task for g in ending})
+        return start_generation(
+            runtime, inp.prompt, inp.max_new_tokens, resume=inp.resume, text_from=inp.text_from
+        )
 
     @activity.defn(name=names.ACT_NODE_STOP_STAGE)
     async def stop_stage(self, cmd: StopRun) -> None:
         cfg = self.cfg
         self._check(cmd.run_id, cmd.readiness_id, cmd.authorized_orchestrator)
         runtime, self.runtime = self.runtime, None
+        self.early.close()
         self.text.close()
         if runtime is not None:
             await asyncio.to_thread(runtime.close)
@@ -553,28 +567,6 @@ def _taken(
     if logprobs is None:
         return None
     return [e for e in logprobs[start:end] if e is not None]
-
-
-def _held_text(
-    faults: FaultInjection, put: Callable[[str, int], None], stopped: threading.Event
-) -> Callable[[str, int], None]:
-    """The engine's text callback, with the test-only faults that hold text: each piece
-    ``text_delay_s``, and every piece after the first until ``text_gate`` exists."""
-    delay, gate = faults.text_delay_s, faults.text_gate
-    if delay <= 0 and gate is None:
-        return put
-    pieces = 0
-
-    def held(piece: str, tokens: int) -> None:  # the engine's thread
-        nonlocal pieces
-        pieces += 1
-        time.sleep(delay)
-        while gate is not None and pieces > 1 and not os.path.exists(gate):
-            if stopped.wait(TEXT_GATE_POLL_S):
-                break
-        put(piece, tokens)
-
-    return held
 
 
 def _cancelled(request_id: int, result: GenerationResult | None) -> PromptOutcome:

@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mvp_core.models import Done, TextDelta, TokenLogprob, TopLogprob
 
@@ -266,6 +266,9 @@ END_LINE = b'{"type":"end"}\n'
 # a longer one is a plain end, and the reader asks the run for the end as before.
 MAX_TERMINAL_LINE = 1 << 20
 MAX_REQUEST = 4096  # bytes of a client's one request line
+# ... of one with the run's text-stream token, which may carry its prompt (an early
+# start, DECISIONS 103): a long prompt's text.
+MAX_START_REQUEST = 4 << 20
 REQUEST_TIMEOUT_S = 10.0
 SEND_TIMEOUT_S = 30.0  # a client that takes no text this long is dropped
 LINGER_S = 60.0  # an ended prompt's text stays readable this long
@@ -292,12 +295,22 @@ class _Text:
     end_line: bytes = END_LINE
 
 
+class EarlyStartSink(Protocol):
+    """Where a reader's ``start`` goes (workers/node/early.py, DECISIONS 103)."""
+
+    def offer(self, key: str, raw: object) -> None: ...
+
+    def left(self, key: str) -> None: ...
+
+
 class TextHub:
     """Every prompt this node generates (by prompt workflow id): its deltas so far, and
-    how many clients read it."""
+    how many clients read it. ``early``: where a reader with the run's token may start
+    its prompt before the prompt's generate comes (None: such a start is refused)."""
 
     def __init__(self, linger_s: float = LINGER_S) -> None:
         self.linger_s = linger_s
+        self.early: EarlyStartSink | None = None
         self._cond = threading.Condition()
         self._texts: dict[str, _Text] = {}
         self._readers: dict[str, int] = {}
@@ -351,10 +364,16 @@ class TextHub:
         the prompt's deltas from the one it asks for, then the end line. ``keyed``: it
         showed no text-stream token, and is served only once its request's key is the
         prompt's (DECISIONS 80); it counts as a reader from then on."""
+        started = False
         try:
-            key, start, shown = _read_request(sock, keyed)
+            key, start, shown, early = _read_request(sock, keyed)
             if keyed:
                 self._check_key(sock, key, shown)
+            if early is not None:
+                if self.early is None:
+                    raise TextRequestError("this node starts no prompt early")
+                self.early.offer(key, early)
+                started = True
         except TextRequestError as err:
             # A keyed reader needs no secret to get here: its refusal is no alarm, and
             # what it sent is quoted, never written as it came.
@@ -368,6 +387,8 @@ class TextHub:
         try:
             self._stream(sock, key, start)
         finally:
+            if started and self.early is not None:
+                self.early.left(key)  # a no-op once its generate adopted it
             with self._cond:
                 left = self._readers[key] - 1
                 if left:
@@ -434,22 +455,26 @@ def end_line(terminal: Done) -> bytes:
     return line if len(line) <= MAX_TERMINAL_LINE else END_LINE
 
 
-def _read_request(sock: socket.socket, keyed: bool = False) -> tuple[str, int, bytes]:
+def _read_request(
+    sock: socket.socket, keyed: bool = False
+) -> tuple[str, int, bytes, object | None]:
     """``{"prompt_workflow_id": str, "from": int}``: which prompt, from which delta; a
     keyed reader's with ``"key"``, 32 lowercase hex digits (returned as bytes; b"" for a
-    reader with the text-stream token)."""
+    reader with the text-stream token); a reader with the token's may carry ``"start"``,
+    its prompt to start early (returned as it came, checked by the early starts)."""
+    limit = MAX_REQUEST if keyed else MAX_START_REQUEST
     sock.settimeout(REQUEST_TIMEOUT_S)
     data = b""
     while b"\n" not in data:
         try:
-            chunk = sock.recv(MAX_REQUEST + 1 - len(data))
+            chunk = sock.recv(min(1 << 16, limit + 1 - len(data)))
         except TimeoutError:
             raise TextRequestError("no request line within 10 s") from None
         if not chunk:
             raise TextRequestError("closed before its request line")
         data += chunk
-        if len(data) > MAX_REQUEST:
-            raise TextRequestError(f"request line longer than {MAX_REQUEST} bytes")
+        if len(data) > limit:
+            raise TextRequestError(f"request line longer than {limit} bytes")
     try:
         req = json.loads(data.split(b"\n", 1)[0])
     except ValueError:
@@ -467,8 +492,11 @@ def _read_request(sock: socket.socket, keyed: bool = False) -> tuple[str, int, b
         if not isinstance(reader_key, str) or not READER_KEY.fullmatch(reader_key):
             raise TextRequestError("key must be the prompt's key: 32 lowercase hex digits")
         shown = reader_key.encode()
+    early = req.get("start")
+    if early is not None and keyed:
+        raise TextRequestError("start needs the run's text-stream token, not a prompt's key")
     sock.settimeout(SEND_TIMEOUT_S)
-    return key, start, shown
+    return key, start, shown, early
 
 
 def _send(sock: socket.socket, data: bytes) -> None:

@@ -135,7 +135,9 @@ class Prompts:
             # head node draws the same tokens (DECISIONS 68).
             prompt = prompt.model_copy(update={"seed": workflow.random().getrandbits(63)})
         update_id = (workflow.current_update_info() or _NoUpdate()).id
-        wf_id = names.prompt_workflow_id(state.run_id, prompt.request_id, _safe(update_id))
+        wf_id = names.prompt_workflow_id(
+            state.run_id, prompt.request_id, names.update_key(update_id)
+        )
         hosted = state.prompt_host is PromptHost.RUN
         record = state.admit(prompt.request_id, wf_id, update_id if hosted and awaited else None)
         ctx.admitted += 1
@@ -447,11 +449,6 @@ def _text_size(served: ServedPrompt) -> int:
     terminal = served.outcome.terminal
     text = terminal.final_text if terminal.type == "done" else terminal.text
     return len(text or "")
-
-
-def _safe(update_id: str) -> str:
-    cleaned = "".join(c for c in update_id if c.isalnum() or c == "-")
-    return cleaned[:36] or "u"
 
 
 def _terminal_size(terminal: PromptTerminal) -> int:

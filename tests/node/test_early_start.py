@@ -1,0 +1,230 @@
+"""Early starts (DECISIONS 103): a reader with the run's text-stream token hands the head
+node the prompt it is about to submit; an idle head starts it, the prompt's generate
+adopts it when it comes with the same prompt, and anything else stops it. The node half
+(workers/node/early.py behind workers/node/textpath.py) over a real loopback socket, with
+the token loop's start recorded instead of run (tests/integration/test_run_hosted.py runs
+real ones)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from mvp_core.edge_auth import (
+    ANSWER,
+    ANSWER_OK,
+    TEXT_READER_TOKEN,
+    TEXT_STREAM_EDGE_ID,
+    hello,
+    text_stream_token,
+)
+from mvp_core.models import SubmitPrompt, TextDelta
+from temporal.text_stream import TextStreamError, TextStreamTarget, read_text
+from tests.helpers.waits import eventually
+from workers.node.dataplane import DataPlaneServer
+from workers.node.early import EarlyStarts
+from workers.node.generation import Generation
+from workers.node.textpath import TextHub, TextPipe, TextRequestError
+
+TOKEN = text_stream_token(b"s" * 32, "mvp-run-7", "0123456789abcdef")
+KEY = "mvp-run-7-prompt-1-abc"
+PROMPT = SubmitPrompt(request_id=1, prompt_text="Once upon a time", max_tokens=8)
+START = {"prompt": PROMPT.model_dump(mode="json"), "max_new_tokens": 8}
+
+
+class Starts:
+    """The token loop's start, recorded: each start a generation whose task never ends
+    by itself (it ends when stopped)."""
+
+    def __init__(self) -> None:
+        self.started: list[tuple[SubmitPrompt, int]] = []
+        self.generations: list[Generation] = []
+
+    def __call__(self, prompt: SubmitPrompt, max_new_tokens: int) -> Generation:
+        loop = asyncio.get_running_loop()
+        stopped = threading.Event()
+        task = asyncio.ensure_future(asyncio.to_thread(stopped.wait, 30))
+        self.started.append((prompt, max_new_tokens))
+        gen = Generation(prompt, max_new_tokens, TextPipe(loop), stopped, task)  # type: ignore[arg-type]
+        self.generations.append(gen)
+        return gen
+
+
+@pytest.fixture
+def node() -> Iterator[tuple[DataPlaneServer, TextHub]]:
+    server = DataPlaneServer()
+    hub = TextHub()
+    server.serve_text(TOKEN, hub.serve)
+    yield server, hub
+    hub.close()
+    server.close()
+
+
+def _early(starts: Starts, idle: bool = True, hold_s: float = 30.0) -> EarlyStarts:
+    return EarlyStarts(asyncio.get_running_loop(), starts, lambda: idle, hold_s=hold_s)
+
+
+async def _stopped(gen: Generation) -> None:
+    await eventually(gen.stopped.is_set, timeout=10, what="the early start stopped")
+    await asyncio.wait_for(gen.task, 10)
+
+
+async def test_a_reader_with_the_token_starts_its_prompt_and_reads_it_once_its_generate_opened_it(
+    node,
+):
+    server, hub = node
+    starts = Starts()
+    hub.early = early = _early(starts)
+    target = TextStreamTarget(server.host, server.port, TOKEN)
+    deltas = read_text(target, KEY, early=START)
+    first = asyncio.ensure_future(anext(deltas))
+    await eventually(lambda: starts.started, timeout=10, what="the prompt started early")
+    assert starts.started == [(PROMPT, 8)] and early.started == 1
+    assert not first.done()  # nothing is published before its generate opens it
+    adopted, stale = early.take(KEY, PROMPT, 8)  # the generate, with this very prompt
+    assert adopted is starts.generations[0] and stale == [] and early.adopted == 1
+    hub.open(KEY)
+    hub.put(KEY, TextDelta(request_id=1, text="Once", tokens=1))
+    hub.end(KEY)
+    assert (await asyncio.wait_for(first, 10)).text == "Once"
+    with pytest.raises(StopAsyncIteration):
+        await anext(deltas)
+    # Its reader went after the adoption: the adopted loop runs on (the run's now).
+    await asyncio.sleep(0.2)
+    assert not adopted.stopped.is_set() and early.dropped == 0
+    adopted.stop()
+
+
+async def test_an_early_start_whose_reader_leaves_before_its_generate_is_stopped(node):
+    server, hub = node
+    starts = Starts()
+    hub.early = early = _early(starts)
+    deltas = read_text(TextStreamTarget(server.host, server.port, TOKEN), KEY, early=START)
+    step = asyncio.ensure_future(anext(deltas))
+    await eventually(lambda: starts.started, timeout=10, what="the prompt started early")
+    step.cancel()  # the client's admission was refused: it closes the stream
+    with pytest.raises(asyncio.CancelledError):
+        await step
+    await deltas.aclose()
+    await _stopped(starts.generations[0])  # the node notices within its 1 s idle check
+    assert early.dropped == 1 and early.take(KEY, PROMPT, 8)[0] is None
+
+
+async def test_an_early_start_nobody_adopts_in_time_is_stopped():
+    starts = Starts()
+    early = _early(starts, hold_s=0.05)
+    early.offer(KEY, START)
+    await eventually(lambda: starts.generations, timeout=10, what="the prompt started early")
+    await _stopped(starts.generations[0])
+    assert (early.started, early.adopted, early.dropped) == (1, 0, 1)
+    assert early.take(KEY, PROMPT, 8)[0] is None  # its generate starts its own
+
+
+async def test_a_generate_that_may_not_adopt_the_early_start_stops_it_and_waits_for_its_end():
+    """Another prompt or cap under its id (a seed drawn at admission), a resume (it goes
+    on from its tokens), or another prompt id with its request id (a pipeline keys its
+    sequences by request id): the early start stops, and its generate waits for it."""
+    for key, prompt, cap, adopt in [
+        (KEY, PROMPT.model_copy(update={"seed": 5}), 8, True),
+        (KEY, PROMPT, 9, True),
+        (KEY, PROMPT, 8, False),
+        ("mvp-run-7-prompt-1-other", PROMPT.model_copy(update={"prompt_text": "x"}), 8, True),
+    ]:
+        starts = Starts()
+        early = _early(starts)
+        early.offer(KEY, START)
+        await eventually(lambda s=starts: s.generations, timeout=10, what="an early start")
+        adopted, ending = early.take(key, prompt, cap, adopt=adopt)
+        assert adopted is None and ending == [starts.generations[0]]
+        await _stopped(ending[0])
+        assert (early.adopted, early.dropped) == (0, 1)
+        # Once its loop ended, a generate of that request id waits for nothing.
+        await eventually(
+            lambda e=early, k=key, p=prompt, c=cap: e.take(k, p, c) == (None, []),
+            timeout=10,
+            what="nothing left to wait for",
+        )
+
+
+async def test_a_busy_head_or_one_already_holding_an_early_start_starts_nothing_more():
+    starts = Starts()
+    early = _early(starts, idle=False)
+    early.offer(KEY, START)
+    await asyncio.sleep(0.05)
+    assert starts.started == [] and early.take(KEY, PROMPT, 8) == (None, [])
+    early = _early(starts)
+    early.offer(KEY, START)
+    early.offer("another", START | {"prompt": PROMPT.model_dump(mode="json") | {"request_id": 2}})
+    await asyncio.sleep(0.05)
+    assert len(starts.started) == 1  # one at a time
+    early.close()
+    await _stopped(starts.generations[0])
+
+
+@pytest.mark.parametrize(
+    ("start", "says"),
+    [
+        ({"prompt": {"request_id": 1}, "max_new_tokens": 8}, "start.prompt"),
+        ({"prompt": START["prompt"], "max_new_tokens": 0}, "start.max_new_tokens"),
+        ({"prompt": START["prompt"]}, "start.max_new_tokens: Field required"),
+        (START | {"extra": 1}, "start.extra"),
+        ("go", "start"),
+    ],
+)
+async def test_a_bad_start_is_refused_by_name_and_starts_nothing(start: Any, says: str):
+    starts = Starts()
+    early = _early(starts)
+    with pytest.raises(TextRequestError, match=says.replace(".", r"\.")):
+        early.offer(KEY, start)
+    await asyncio.sleep(0.05)
+    assert starts.started == []
+
+
+def _answer(server: DataPlaneServer, token: str, line: bytes) -> bytes:
+    with socket.create_connection((server.host, server.port), timeout=10) as sock:
+        sock.sendall(hello(TEXT_STREAM_EDGE_ID, token))
+        status, _ = ANSWER.unpack(sock.recv(ANSWER.size, socket.MSG_WAITALL))
+        assert status == ANSWER_OK
+        sock.sendall(line)
+        answer = b""
+        while not answer.endswith(b"\n"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+    return answer
+
+
+def test_a_start_over_the_text_stream_is_refused_where_it_may_not_start_anything(node):
+    server, hub = node
+    request = {"prompt_workflow_id": KEY, "from": 0, "start": START}
+    # A node without early starts (a later stage's).
+    assert b"this node starts no prompt early" in _answer(
+        server, TOKEN, json.dumps(request).encode() + b"\n"
+    )
+    # A keyed reader (a client without the deployment's secret): its prompt's key lets it
+    # read its text, not start work on the head.
+    keyed = request | {"key": "0" * 32}
+    hub.open(KEY, reader_key="0" * 32)
+    assert b"start needs the run's text-stream token" in _answer(
+        server, TEXT_READER_TOKEN, json.dumps(keyed).encode() + b"\n"
+    )
+    # ... whose request line stays within 4096 bytes.
+    assert b"longer than 4096 bytes" in _answer(server, TEXT_READER_TOKEN, b"x" * 5000)
+
+
+async def test_a_bad_start_over_the_text_stream_is_answered_with_what_is_wrong(node):
+    server, hub = node
+    starts = Starts()
+    hub.early = _early(starts)
+    bad = {"prompt": START["prompt"], "max_new_tokens": -1}
+    with pytest.raises(TextStreamError, match=r"start\.max_new_tokens"):
+        async for _ in read_text(TextStreamTarget(server.host, server.port, TOKEN), KEY, early=bad):
+            pass
+    assert starts.started == [] and hub.readers(KEY) == 0

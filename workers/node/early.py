@@ -1,0 +1,136 @@
+"""Early starts (DECISIONS 103): a client with the run's text-stream token may hand the
+head node a prompt it is about to submit, together with its request for the prompt's
+text. An idle head starts the prompt's token loop at once, while the run admits it; the
+prompt's generate, when it comes with the same prompt, adopts the running loop instead of
+starting one. Until then nothing of it is published: its text waits in its pipe, and its
+readers see the prompt only once its generate opened it. The run stays the authority:
+what it never hands the head (a refusal, a queue, a different prompt) is dropped, and an
+early start nobody adopts within ``hold_s`` or whose reader leaves is stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mvp_core.models import SubmitPrompt
+from workers.node.generation import Generation
+from workers.node.textpath import TextRequestError
+
+log = logging.getLogger(__name__)
+
+EARLY_HOLD_S = 2.0  # an early start its generate has not adopted by then is stopped
+
+
+class EarlyStart(BaseModel):
+    """What a reader's request line may carry as ``"start"``: the prompt as it submits it,
+    and the tokens the run will give it (``max_tokens``: an early start is for a prompt
+    whose cap the client knows)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt: SubmitPrompt
+    max_new_tokens: int = Field(ge=1)
+
+
+class EarlyStarts:
+    """The head node's early starts, at most one at a time, on the node's event loop."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        start: Callable[[SubmitPrompt, int], Generation | None],
+        idle: Callable[[], bool],
+        hold_s: float = EARLY_HOLD_S,
+    ) -> None:
+        self._loop = loop
+        self._start = start  # the token loop's start (None: no stage to run it on)
+        self._idle = idle  # nothing generates here
+        self._hold_s = hold_s
+        self._held: dict[str, Generation] = {}
+        self._ending: set[Generation] = set()  # stopped, their loops not ended yet
+        self.started = self.adopted = self.dropped = 0
+
+    # ------------------------------------------------------------------ the text stream's side
+    def offer(self, key: str, raw: object) -> None:
+        """A reader's ``start`` for prompt ``key`` (the text stream's thread): checked
+        here, begun on the event loop where this node is idle. TextRequestError names
+        what is wrong with it."""
+        try:
+            start = EarlyStart.model_validate(raw)
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(["start", *(str(p) for p in first["loc"])])
+            raise TextRequestError(f"{where}: {first['msg']}") from None
+        self._loop.call_soon_threadsafe(self._begin, key, start)
+
+    def left(self, key: str) -> None:
+        """The reader that started ``key`` went (the text stream's thread): unless its
+        generate has adopted it, it stops."""
+        self._loop.call_soon_threadsafe(self.drop, key)
+
+    # ------------------------------------------------------------------ the event loop's side
+    def _begin(self, key: str, start: EarlyStart) -> None:
+        if self._held or not self._idle():
+            return  # one at a time, and only where nothing else generates
+        try:
+            generation = self._start(start.prompt, start.max_new_tokens)
+        except Exception as err:  # a stage that stopped under it: the generate will say
+            log.warning("early start of %s: %s: %s", key, type(err).__name__, err)
+            return
+        if generation is None:
+            return
+        self._held[key] = generation
+        self.started += 1
+        self._loop.call_later(self._hold_s, self.drop, key, generation)
+
+    def drop(self, key: str, generation: Generation | None = None) -> None:
+        """Stop ``key``'s early start if it is still held (and is ``generation``)."""
+        held = self._held.get(key)
+        if held is None or (generation is not None and held is not generation):
+            return
+        del self._held[key]
+        self._stop(held)
+        log.info("early start of %s dropped: its generate did not come", key)
+
+    def _stop(self, generation: Generation) -> None:
+        generation.stop()
+        self.dropped += 1
+        self._ending.add(generation)
+        generation.task.add_done_callback(lambda _: self._ending.discard(generation))
+
+    def take(
+        self, key: str, prompt: SubmitPrompt, max_new_tokens: int | None, *, adopt: bool = True
+    ) -> tuple[Generation | None, list[Generation]]:
+        """The generate of ``key``: the early start it adopts where one runs with this
+        very prompt and cap (None otherwise, or where it may not: a resume), and the early
+        starts whose loops must end before it starts its own: one it does not adopt, and
+        any of its request id (a pipeline's sequences are keyed by it), stopped here."""
+        held = self._held.pop(key, None)
+        same = held is not None and held.prompt == prompt
+        if held is not None and adopt and same and held.max_new_tokens == max_new_tokens:
+            self.adopted += 1
+            return held, []
+        if held is not None:
+            log.info("early start of %s dropped: the run's prompt is not the one started", key)
+            self._stop(held)
+        for other, generation in list(self._held.items()):
+            if generation.prompt.request_id == prompt.request_id:
+                del self._held[other]
+                self._stop(generation)
+        ending = [g for g in self._ending if g.prompt.request_id == prompt.request_id]
+        return None, ending
+
+    def close(self) -> None:
+        """The stage stops: every early start held stops, and what they came to is said."""
+        for key in list(self._held):
+            self.drop(key)
+        if self.started:
+            log.info(
+                "early starts: %d started, %d adopted, %d dropped",
+                self.started,
+                self.adopted,
+                self.dropped,
+            )
