@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import socket
 import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -46,7 +48,8 @@ from workers.node.dataplane import (
     token_in_spec,
     token_out_spec,
 )
-from workers.node.dataplane.records import FORMAT_BLOCK_MAX
+from workers.node.dataplane.receiver import _RECV_BUF
+from workers.node.dataplane.records import FORMAT_BLOCK_MAX, HEADER_LEN
 
 MAX_SEQ = 512
 HIDDEN = 2048
@@ -352,6 +355,45 @@ def test_a_record_that_starts_at_the_end_of_an_idle_wait_gets_its_rest_s(
         assert not receiver.closed
     finally:
         peer.close()
+
+
+def _queued(receiver: EdgeReceiver) -> int:
+    """Bytes waiting in the receiver's socket, not read yet."""
+    return int(struct.unpack("i", fcntl.ioctl(receiver.fileno(), termios.FIONREAD, b"\0" * 4))[0])
+
+
+@pytest.mark.parametrize("tail", [2, 20, 38])
+def test_a_header_split_by_the_end_of_the_receive_buffer_keeps_the_record_boundaries(
+    server, tail: int
+) -> None:
+    """A 2-stage run at 64 streams broke edge 2 with "bad magic b'\\x18t,\\xc0'": the
+    receiver's buffer filled to its end with the first ``tail`` bytes of a header, the
+    next read compacted it (those bytes to its start), and the caller's ``_end +=`` of
+    the read's count undid that: the buffer's end stayed past what it held, and the
+    records after it were read from a stale payload's bytes."""
+    sender, receiver = pair(server, ACT)
+    with sender, receiver:
+        stale = b"\x18t,\xc0" * ((_RECV_BUF - tail - HEADER_LEN) // 4)  # fills the buffer
+        stale += b"\x18t,\xc0"[: _RECV_BUF - tail - HEADER_LEN - len(stale)]
+        sender.send(1, 0, stale)
+        sender.send(2, 0, b"B" * 8)
+        sender.send(3, 0, b"C" * 8)
+        # All of it waits in the socket: the first read fills the buffer to its end.
+        wait_until(
+            lambda: _queued(receiver) >= 3 * HEADER_LEN + len(stale) + 16,
+            timeout=5.0,
+            what="the records queued at the receiver",
+        )
+        header, payload = receiver.recv(2.0)
+        assert (header.object_id, bytes(payload)) == (1, stale)
+        assert _queued(receiver) == HEADER_LEN - tail + 8 + HEADER_LEN + 8
+        for obj, body in ((2, b"B" * 8), (3, b"C" * 8)):
+            header, payload = receiver.recv(2.0)
+            assert (header.object_id, header.extent, bytes(payload)) == (obj, 8, body)
+        sender.send(4, 0, b"D" * 8)  # sent after the others were read: nothing stale
+        header, payload = receiver.recv(2.0)
+        assert (header.object_id, bytes(payload)) == (4, b"D" * 8)
+        assert receiver.bytes == sender.bytes
 
 
 def _stage(server: DataPlaneServer, down: DataPlaneServer):

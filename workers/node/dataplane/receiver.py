@@ -34,7 +34,12 @@ class EdgeReceiver(EdgeEnd):
         self._end = 0
 
     def _fill(self, deadline: float, into: memoryview | None, partial: bool) -> int:
-        """One recv_into with the remaining deadline; raises on timeout/EOF/reset."""
+        """One recv_into with the remaining deadline; raises on timeout/EOF/reset.
+
+        ``into`` None: into the buffer, which it compacts first where it is full to its
+        end; it moves the buffer's bounds itself, the end past the bytes read too (a
+        caller that added the count to an ``_end`` read before the call undid a
+        compaction: stale bytes were then read as the next records)."""
         remaining = deadline - time.monotonic()
         try:
             if remaining <= 0:
@@ -74,6 +79,8 @@ class EdgeReceiver(EdgeEnd):
             else:
                 exc = EdgeClosed(f"edge {self.edge_id}: peer {self.peer} closed the connection")
             raise self._broken_by(exc, logging.ERROR if partial else logging.WARNING)
+        if into is None:
+            self._end += k
         return k
 
     def ready(self) -> bool:
@@ -110,7 +117,7 @@ class EdgeReceiver(EdgeEnd):
         while self._end - self._start < HEADER_LEN:
             if self._start == self._end:
                 self._start = self._end = 0
-            self._end += self._fill(deadline, None, partial=started)
+            self._fill(deadline, None, partial=started)
             if not started:
                 started = True
                 deadline = max(deadline, time.monotonic() + rest_s)
