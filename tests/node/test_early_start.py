@@ -9,30 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from mvp_core.edge_auth import (
-    ANSWER,
-    ANSWER_OK,
-    TEXT_READER_TOKEN,
-    TEXT_STREAM_EDGE_ID,
-    hello,
-    text_stream_token,
-)
+from mvp_core.edge_auth import TEXT_READER_TOKEN
 from mvp_core.models import SubmitPrompt, TextDelta
 from temporal.text_stream import TextStreamError, TextStreamTarget, read_text
 from tests.helpers.waits import eventually
-from workers.node.dataplane import DataPlaneServer
+from tests.node.conftest import TOKEN, answer_to
 from workers.node.early import EarlyStarts
 from workers.node.generation import Generation
-from workers.node.textpath import TextHub, TextPipe, TextRequestError
+from workers.node.textpath import TextPipe, TextRequestError
 
-TOKEN = text_stream_token(b"s" * 32, "mvp-run-7", "0123456789abcdef")
 KEY = "mvp-run-7-prompt-1-abc"
 PROMPT = SubmitPrompt(request_id=1, prompt_text="Once upon a time", max_tokens=8)
 START = {"prompt": PROMPT.model_dump(mode="json"), "max_new_tokens": 8}
@@ -56,16 +46,6 @@ class Starts:
         return gen
 
 
-@pytest.fixture
-def node() -> Iterator[tuple[DataPlaneServer, TextHub]]:
-    server = DataPlaneServer()
-    hub = TextHub()
-    server.serve_text(TOKEN, hub.serve)
-    yield server, hub
-    hub.close()
-    server.close()
-
-
 def _early(starts: Starts, idle: bool = True, hold_s: float = 30.0) -> EarlyStarts:
     return EarlyStarts(asyncio.get_running_loop(), starts, lambda: idle, hold_s=hold_s)
 
@@ -76,9 +56,9 @@ async def _stopped(gen: Generation) -> None:
 
 
 async def test_a_reader_with_the_token_starts_its_prompt_and_reads_it_once_its_generate_opened_it(
-    node,
+    text_node,
 ):
-    server, hub = node
+    server, hub = text_node
     starts = Starts()
     hub.early = early = _early(starts)
     target = TextStreamTarget(server.host, server.port, TOKEN)
@@ -101,8 +81,8 @@ async def test_a_reader_with_the_token_starts_its_prompt_and_reads_it_once_its_g
     adopted.stop()
 
 
-async def test_an_early_start_whose_reader_leaves_before_its_generate_is_stopped(node):
-    server, hub = node
+async def test_an_early_start_whose_reader_leaves_before_its_generate_is_stopped(text_node):
+    server, hub = text_node
     starts = Starts()
     hub.early = early = _early(starts)
     deltas = read_text(TextStreamTarget(server.host, server.port, TOKEN), KEY, early=START)
@@ -186,41 +166,26 @@ async def test_a_bad_start_is_refused_by_name_and_starts_nothing(start: Any, say
     assert starts.started == []
 
 
-def _answer(server: DataPlaneServer, token: str, line: bytes) -> bytes:
-    with socket.create_connection((server.host, server.port), timeout=10) as sock:
-        sock.sendall(hello(TEXT_STREAM_EDGE_ID, token))
-        status, _ = ANSWER.unpack(sock.recv(ANSWER.size, socket.MSG_WAITALL))
-        assert status == ANSWER_OK
-        sock.sendall(line)
-        answer = b""
-        while not answer.endswith(b"\n"):
-            chunk = sock.recv(4096)
-            if not chunk:
-                break
-            answer += chunk
-    return answer
-
-
-def test_a_start_over_the_text_stream_is_refused_where_it_may_not_start_anything(node):
-    server, hub = node
+def test_a_start_over_the_text_stream_is_refused_where_it_may_not_start_anything(text_node):
+    server, hub = text_node
     request = {"prompt_workflow_id": KEY, "from": 0, "start": START}
     # A node without early starts (a later stage's).
-    assert b"this node starts no prompt early" in _answer(
+    assert b"this node starts no prompt early" in answer_to(
         server, TOKEN, json.dumps(request).encode() + b"\n"
     )
     # A keyed reader (a client without the deployment's secret): its prompt's key lets it
     # read its text, not start work on the head.
     keyed = request | {"key": "0" * 32}
     hub.open(KEY, reader_key="0" * 32)
-    assert b"start needs the run's text-stream token" in _answer(
+    assert b"start needs the run's text-stream token" in answer_to(
         server, TEXT_READER_TOKEN, json.dumps(keyed).encode() + b"\n"
     )
     # ... whose request line stays within 4096 bytes.
-    assert b"longer than 4096 bytes" in _answer(server, TEXT_READER_TOKEN, b"x" * 5000)
+    assert b"longer than 4096 bytes" in answer_to(server, TEXT_READER_TOKEN, b"x" * 5000)
 
 
-async def test_a_bad_start_over_the_text_stream_is_answered_with_what_is_wrong(node):
-    server, hub = node
+async def test_a_bad_start_over_the_text_stream_is_answered_with_what_is_wrong(text_node):
+    server, hub = text_node
     starts = Starts()
     hub.early = _early(starts)
     bad = {"prompt": START["prompt"], "max_new_tokens": -1}

@@ -9,11 +9,10 @@ import asyncio
 import json
 import logging
 import socket
-from collections.abc import Iterator
 
 import pytest
 
-from mvp_core.edge_auth import ANSWER, ANSWER_OK, TEXT_STREAM_EDGE_ID, hello, text_stream_token
+from mvp_core.edge_auth import ANSWER, ANSWER_OK, TEXT_STREAM_EDGE_ID, hello
 from mvp_core.models import Done, TextDelta, TokenLogprob
 from temporal.text_stream import (
     TextStreamError,
@@ -24,22 +23,12 @@ from temporal.text_stream import (
     read_text,
 )
 from tests.helpers.waits import eventually
+from tests.node.conftest import TOKEN, answer_to
 from workers.node import textpath
 from workers.node.dataplane import DataPlaneServer
 from workers.node.textpath import TextFanout, TextHub, end_line
 
-TOKEN = text_stream_token(b"s" * 32, "mvp-run-7", "0123456789abcdef")
 KEY = "mvp-prompt-7-1-abc"
-
-
-@pytest.fixture
-def node() -> Iterator[tuple[DataPlaneServer, TextHub]]:
-    server = DataPlaneServer()
-    hub = TextHub()
-    server.serve_text(TOKEN, hub.serve)
-    yield server, hub
-    hub.close()
-    server.close()
 
 
 def _delta(i: int) -> TextDelta:
@@ -50,8 +39,8 @@ async def _read(target: TextStreamTarget, key: str = KEY, start: int = 0) -> lis
     return [d async for d in read_text(target, key, start)]
 
 
-async def test_a_reader_gets_every_delta_in_order_then_the_end(node):
-    server, hub = node
+async def test_a_reader_gets_every_delta_in_order_then_the_end(text_node):
+    server, hub = text_node
     target = TextStreamTarget(server.host, server.port, TOKEN)
     reading = asyncio.ensure_future(_read(target))  # before the prompt starts
     await eventually(lambda: hub.readers(KEY), timeout=10, what="the node to count a reader")
@@ -71,8 +60,8 @@ async def test_a_reader_gets_every_delta_in_order_then_the_end(node):
     assert await _read(target) == [_delta(i) for i in range(5)]
 
 
-async def test_a_wrong_token_is_refused_by_name(node):
-    server, hub = node
+async def test_a_wrong_token_is_refused_by_name(text_node):
+    server, hub = text_node
     hub.open(KEY)
     with pytest.raises(TextStreamRefused, match="wrong text-stream token"):
         await _read(TextStreamTarget(server.host, server.port, "x" * 32))
@@ -97,25 +86,15 @@ async def test_a_wrong_token_is_refused_by_name(node):
         (b"x" * (textpath.MAX_START_REQUEST + 1), f"longer than {4 << 20} bytes"),
     ],
 )
-def test_a_bad_request_line_is_answered_with_what_is_wrong(node, line, error):
-    server, hub = node
-    with socket.create_connection((server.host, server.port), timeout=10) as sock:
-        sock.sendall(hello(TEXT_STREAM_EDGE_ID, TOKEN))
-        status, size = ANSWER.unpack(sock.recv(ANSWER.size, socket.MSG_WAITALL))
-        assert status == ANSWER_OK and size == 0
-        sock.sendall(line)
-        answer = b""
-        while not answer.endswith(b"\n"):
-            chunk = sock.recv(4096)
-            if not chunk:
-                break
-            answer += chunk
+def test_a_bad_request_line_is_answered_with_what_is_wrong(text_node, line, error):
+    server, hub = text_node
+    answer = answer_to(server, TOKEN, line)
     assert b'"type": "error"' in answer and error.encode() in answer
     assert hub.readers("k") == 0
 
 
-async def test_a_reader_that_leaves_is_no_longer_counted(node):
-    server, hub = node
+async def test_a_reader_that_leaves_is_no_longer_counted(text_node):
+    server, hub = text_node
     hub.open(KEY)
     hub.put(KEY, _delta(0))
     target = TextStreamTarget(server.host, server.port, TOKEN)
@@ -127,11 +106,11 @@ async def test_a_reader_that_leaves_is_no_longer_counted(node):
     await eventually(lambda: hub.readers(KEY) == 0, timeout=10, what="the reader no longer counted")
 
 
-async def test_a_probe_knocks_without_a_secret_and_the_node_stays_quiet(node, caplog):
+async def test_a_probe_knocks_without_a_secret_and_the_node_stays_quiet(text_node, caplog):
     """DECISIONS 94: the gateway's knock at start shows the public reader token, gets the
     node's answer and leaves; the node counts no reader and warns of nothing. A port
     nobody listens on is TextStreamUnreachable, naming the address."""
-    server, hub = node
+    server, hub = text_node
     with caplog.at_level("DEBUG"):
         await probe(TextStreamTarget(server.host, server.port, TOKEN))
         await probe(TextStreamTarget(server.host, server.port, None))
@@ -163,8 +142,8 @@ def _keyed(server: DataPlaneServer) -> TextStreamTarget:
     return TextStreamTarget(server.host, server.port, None)
 
 
-async def test_a_keyed_reader_waits_for_its_prompt_then_reads_it_with_its_key(node):
-    server, hub = node
+async def test_a_keyed_reader_waits_for_its_prompt_then_reads_it_with_its_key(text_node):
+    server, hub = text_node
     reading = asyncio.ensure_future(_keyed_read(_keyed(server), READER_KEY))
     await asyncio.sleep(0.3)
     assert hub.readers(KEY) == 0  # not a reader before its key was checked
@@ -184,8 +163,8 @@ async def _keyed_read(target: TextStreamTarget, key: str, prompt: str = KEY) -> 
     return [d async for d in read_text(target, prompt, key=key)]
 
 
-async def test_a_wrong_or_missing_key_reads_nothing_and_counts_as_no_reader(node):
-    server, hub = node
+async def test_a_wrong_or_missing_key_reads_nothing_and_counts_as_no_reader(text_node):
+    server, hub = text_node
     hub.open(KEY, READER_KEY)
     hub.put(KEY, _delta(0))
     with pytest.raises(TextStreamError, match="wrong key for prompt"):
@@ -199,10 +178,10 @@ async def test_a_wrong_or_missing_key_reads_nothing_and_counts_as_no_reader(node
 
 
 @pytest.mark.parametrize("shown", [None, 7, "ABCDEF0123456789ABCDEF0123456789", "0" * 31, "0" * 33])
-def test_a_keyed_request_without_a_well_formed_key_is_refused_by_name(node, shown):
+def test_a_keyed_request_without_a_well_formed_key_is_refused_by_name(text_node, shown):
     from mvp_core.edge_auth import TEXT_READER_TOKEN
 
-    server, hub = node
+    server, hub = text_node
     hub.open("k", READER_KEY)
     request: dict[str, object] = {"prompt_workflow_id": "k", "from": 0}
     if shown is not None:
@@ -217,24 +196,26 @@ def test_a_keyed_request_without_a_well_formed_key_is_refused_by_name(node, show
     assert hub.readers("k") == 0
 
 
-async def test_a_keyed_reader_whose_prompt_does_not_come_is_told_to_ask_again(node, monkeypatch):
+async def test_a_keyed_reader_whose_prompt_does_not_come_is_told_to_ask_again(
+    text_node, monkeypatch
+):
     from temporal.text_stream import TextNotYet
     from workers.node import textpath
 
-    server, _hub = node
+    server, _hub = text_node
     monkeypatch.setattr(textpath, "KEYED_WAIT_S", 0.5)
     with pytest.raises(TextNotYet, match="not on this node yet"):
         await _keyed_read(_keyed(server), READER_KEY)
 
 
 @pytest.mark.parametrize("bound", ["MAX_KEYED_READERS", "MAX_KEYED_PER_PEER"])
-async def test_keyed_readers_at_once_are_bounded(node, monkeypatch, bound):
+async def test_keyed_readers_at_once_are_bounded(text_node, monkeypatch, bound):
     """In all, and from one address (the hello token is public: one peer may not hold
     every place); past the bound a reader is told the node is busy, to ask again."""
     from temporal.text_stream import TextNotYet
     from workers.node.dataplane import textserve
 
-    server, hub = node
+    server, hub = text_node
     monkeypatch.setattr(textserve, bound, 1)
     waiting = asyncio.ensure_future(_keyed_read(_keyed(server), READER_KEY))
     await eventually(lambda: sum(server._text._keyed.values()) == 1, timeout=10, what="held")
@@ -290,11 +271,11 @@ def _done(text: str = "piece0 piece1 ") -> Done:
     )
 
 
-async def test_an_end_with_the_prompts_done_hands_it_to_the_reader(node, monkeypatch):
+async def test_an_end_with_the_prompts_done_hands_it_to_the_reader(text_node, monkeypatch):
     """DECISIONS 95: the end line of a prompt the node generated to its end carries its
     Done, which the reader gets with the end; a plain end, a Done too long for an end
     line, or an end line whose Done does not read as one hand it nothing."""
-    server, hub = node
+    server, hub = text_node
     target = TextStreamTarget(server.host, server.port, TOKEN)
 
     async def read_end(key: str) -> tuple[list[TextDelta], list[Done]]:
@@ -318,8 +299,8 @@ async def test_an_end_with_the_prompts_done_hands_it_to_the_reader(node, monkeyp
     assert await read_end("long") == ([], [])
 
 
-async def test_an_end_line_whose_done_is_not_one_is_a_plain_end(node):
-    server, hub = node
+async def test_an_end_line_whose_done_is_not_one_is_a_plain_end(text_node):
+    server, hub = text_node
     hub.open(KEY)
     hub.put(KEY, _delta(0))
     hub.end(KEY)
