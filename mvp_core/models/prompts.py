@@ -310,7 +310,9 @@ class PromptTiming(_Model):
     encode_ms: float = Field(ge=0, description="Tokenize the prompt")
     prefill_ms: float = Field(ge=0, description="Encode end to the first token sampled")
     first_delta_ms: float = Field(
-        ge=0, description="First token to its text published on the prompt's stream"
+        ge=0,
+        description="First token to its text published on the prompt's stream (after an "
+        "early start: the wait for its admission too)",
     )
     decode_tokens_per_s: float | None = Field(
         default=None, ge=0, description="Tokens after the first over the time they took"

@@ -194,14 +194,19 @@ class PromptCalls(PromptText):
         if early is not None and early.key != admitted.prompt_id:
             await early.close()  # admitted under another id (asked again): not that one
             early = None
-        if on_admitted is not None:
-            on_admitted()
-        hint = EndHint(reader=True)
-        result_task: asyncio.Future[Done | Fault] = asyncio.ensure_future(
-            self.prompt_end(
-                admitted.prompt_id, prompt.request_id, hosted=admitted.hosted, hint=hint
+        try:
+            if on_admitted is not None:
+                on_admitted()
+            hint = EndHint(reader=True)
+            result_task: asyncio.Future[Done | Fault] = asyncio.ensure_future(
+                self.prompt_end(
+                    admitted.prompt_id, prompt.request_id, hosted=admitted.hosted, hint=hint
+                )
             )
-        )
+        except BaseException:
+            if early is not None:
+                await early.close()
+            raise
         terminal: Done | Fault | None = None
         try:
             async for event in self._events(
@@ -231,3 +236,5 @@ class PromptCalls(PromptText):
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await asyncio.shield(cancel)
             drop(result_task)
+            if early is not None:  # read to its end or not: closed either way
+                await early.close()

@@ -228,6 +228,11 @@ class PromptText(PromptEnds):
                 if not result_task.done():
                     continue
             except TextStreamError as err:
+                if opened is not None and not read.text:
+                    # An early start the head did not take with the request (a node
+                    # before DECISIONS 103, its request line then too long): read plainly.
+                    log.info("%s: text stream with an early start: %s", child_id, err)
+                    continue
                 self._target = None  # asked again next time (the head may have moved)
                 if resumes < DIRECT_RESUMES and await self._hosts_prompts():
                     # A run-hosted prompt has no Temporal stream: its text goes on from
@@ -334,7 +339,7 @@ class PromptText(PromptEnds):
         step: asyncio.Future[TextDelta] | None = None
         if early is not None:  # opened before the admission (DECISIONS 103)
             early.on_terminal = told
-            deltas, step = early.deltas, early.step
+            deltas, step, early.step = early.deltas, early.step, None  # its step is ours
         else:
             deltas = read_text(target, child_id, key=key, on_terminal=told)
         try:

@@ -10,15 +10,20 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from temporalio.testing import ActivityEnvironment
 
 from mvp_core.edge_auth import TEXT_READER_TOKEN
-from mvp_core.models import SubmitPrompt, TextDelta
-from temporal.text_stream import TextStreamError, TextStreamTarget, read_text
+from mvp_core.models import GenerateInput, StopGenerateInput, SubmitPrompt, TextDelta
+from temporal.text_stream import TextStreamTarget, read_text
 from tests.helpers.waits import eventually
 from tests.node.conftest import TOKEN, answer_to
+from tests.node.test_stage_authority import CFG
+from workers.node.activities import NodeActivities
+from workers.node.dataplane import DataPlaneServer
 from workers.node.early import EarlyStarts
 from workers.node.generation import Generation
 from workers.node.textpath import TextPipe, TextRequestError
@@ -29,17 +34,21 @@ START = {"prompt": PROMPT.model_dump(mode="json"), "max_new_tokens": 8}
 
 
 class Starts:
-    """The token loop's start, recorded: each start a generation whose task never ends
-    by itself (it ends when stopped)."""
+    """The token loop's start, recorded: each start a generation whose loop ends when it
+    is stopped, or (``linger``) only once ``release`` is set, as a pipeline head's loop
+    that waits for its next record does."""
 
-    def __init__(self) -> None:
+    def __init__(self, linger: bool = False) -> None:
         self.started: list[tuple[SubmitPrompt, int]] = []
         self.generations: list[Generation] = []
+        self.release = threading.Event()
+        self.linger = linger
 
     def __call__(self, prompt: SubmitPrompt, max_new_tokens: int) -> Generation:
         loop = asyncio.get_running_loop()
         stopped = threading.Event()
-        task = asyncio.ensure_future(asyncio.to_thread(stopped.wait, 30))
+        ends = self.release if self.linger else stopped
+        task = asyncio.ensure_future(asyncio.to_thread(ends.wait, 30))
         self.started.append((prompt, max_new_tokens))
         gen = Generation(prompt, max_new_tokens, TextPipe(loop), stopped, task)  # type: ignore[arg-type]
         self.generations.append(gen)
@@ -143,8 +152,8 @@ async def test_a_busy_head_or_one_already_holding_an_early_start_starts_nothing_
     early.offer("another", START | {"prompt": PROMPT.model_dump(mode="json") | {"request_id": 2}})
     await asyncio.sleep(0.05)
     assert len(starts.started) == 1  # one at a time
-    early.close()
-    await _stopped(starts.generations[0])
+    await early.aclose(10)
+    assert starts.generations[0].task.done()
 
 
 @pytest.mark.parametrize(
@@ -166,16 +175,11 @@ async def test_a_bad_start_is_refused_by_name_and_starts_nothing(start: Any, say
     assert starts.started == []
 
 
-def test_a_start_over_the_text_stream_is_refused_where_it_may_not_start_anything(text_node):
+def test_a_keyed_reader_may_not_start_its_prompt(text_node):
+    """A keyed reader (a client without the deployment's secret): its prompt's key lets it
+    read its text, not start work on the head."""
     server, hub = text_node
-    request = {"prompt_workflow_id": KEY, "from": 0, "start": START}
-    # A node without early starts (a later stage's).
-    assert b"this node starts no prompt early" in answer_to(
-        server, TOKEN, json.dumps(request).encode() + b"\n"
-    )
-    # A keyed reader (a client without the deployment's secret): its prompt's key lets it
-    # read its text, not start work on the head.
-    keyed = request | {"key": "0" * 32}
+    keyed = {"prompt_workflow_id": KEY, "from": 0, "start": START, "key": "0" * 32}
     hub.open(KEY, reader_key="0" * 32)
     assert b"start needs the run's text-stream token" in answer_to(
         server, TEXT_READER_TOKEN, json.dumps(keyed).encode() + b"\n"
@@ -184,12 +188,121 @@ def test_a_start_over_the_text_stream_is_refused_where_it_may_not_start_anything
     assert b"longer than 4096 bytes" in answer_to(server, TEXT_READER_TOKEN, b"x" * 5000)
 
 
-async def test_a_bad_start_over_the_text_stream_is_answered_with_what_is_wrong(text_node):
+@pytest.mark.parametrize("early", [True, False])
+async def test_a_start_that_cannot_be_taken_is_said_and_the_reader_reads_all_the_same(
+    text_node, caplog, early: bool
+):
+    """A start is advice: a bad one is logged with what is wrong, a node without early
+    starts (a later stage's) ignores it, and either way the reader reads its prompt."""
     server, hub = text_node
     starts = Starts()
-    hub.early = _early(starts)
+    if early:
+        hub.early = _early(starts)
     bad = {"prompt": START["prompt"], "max_new_tokens": -1}
-    with pytest.raises(TextStreamError, match=r"start\.max_new_tokens"):
-        async for _ in read_text(TextStreamTarget(server.host, server.port, TOKEN), KEY, early=bad):
-            pass
-    assert starts.started == [] and hub.readers(KEY) == 0
+    target = TextStreamTarget(server.host, server.port, TOKEN)
+    reading = asyncio.ensure_future(_all(read_text(target, KEY, early=bad if early else START)))
+    await eventually(lambda: hub.readers(KEY), timeout=10, what="the node to count a reader")
+    hub.open(KEY)
+    hub.put(KEY, TextDelta(request_id=1, text="Once", tokens=1))
+    hub.end(KEY)
+    assert [d.text for d in await asyncio.wait_for(reading, 10)] == ["Once"]
+    assert starts.started == []
+    if early:
+        assert "early start refused: start.max_new_tokens" in caplog.text
+
+
+async def _all(deltas) -> list[TextDelta]:  # type: ignore[no-untyped-def]
+    return [d async for d in deltas]
+
+
+async def test_a_stopped_early_start_whose_loop_runs_on_keeps_the_next_from_starting():
+    """A pipeline head keys its sequences by request id: while a stopped early start's
+    loop still runs, no other begins (the same request id could come again)."""
+    starts = Starts(linger=True)
+    early = _early(starts)
+    early.offer(KEY, START)
+    await eventually(lambda: starts.generations, timeout=10, what="an early start")
+    early.drop(KEY)  # its reader left; its loop waits for its next record
+    early.offer("mvp-run-7-prompt-1-again", START)
+    await asyncio.sleep(0.05)
+    assert len(starts.started) == 1
+    starts.release.set()
+    await asyncio.wait_for(starts.generations[0].task, 10)
+    await eventually(lambda: not early._ending, timeout=10, what="the loop's end seen")
+    early.offer("mvp-run-7-prompt-1-again", START)
+    await eventually(lambda: len(starts.started) == 2, timeout=10, what="the next start")
+    early.drop("mvp-run-7-prompt-1-again")
+
+
+async def test_another_prompts_generate_stops_the_held_early_start():
+    """The head is busy once any generate comes: a held early start of another prompt
+    (the run queued it) stops at once, not at the hold's end, so it holds no slot an
+    admitted prompt needs; its generate waits for nothing of another request id."""
+    starts = Starts()
+    early = _early(starts)
+    early.offer(KEY, START)
+    await eventually(lambda: starts.generations, timeout=10, what="an early start")
+    other = PROMPT.model_copy(update={"request_id": 2})
+    adopted, ending = early.take("mvp-run-7-prompt-2-xyz", other, 8)
+    assert adopted is None and ending == []
+    await _stopped(starts.generations[0])
+    assert early.dropped == 1
+
+
+async def test_a_loop_that_failed_is_not_adopted():
+    starts = Starts()
+    early = _early(starts)
+    early.offer(KEY, START)
+    await eventually(lambda: starts.generations, timeout=10, what="an early start")
+    gen = starts.generations[0]
+    failed: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+    failed.set_exception(RuntimeError("request 1 is already on the data plane"))
+    gen.stop()
+    await gen.task
+    gen.task = failed  # type: ignore[assignment]
+    assert early.take(KEY, PROMPT, 8) == (None, [gen])
+
+
+async def test_a_reader_that_leaves_stops_only_the_start_it_made():
+    starts = Starts()
+    early = _early(starts)
+    first = early.offer(KEY, START)
+    await eventually(lambda: starts.generations, timeout=10, what="an early start")
+    second = early.offer(KEY, START)  # another connection for the same prompt: none begun
+    early.left(KEY, second)
+    await asyncio.sleep(0.05)
+    assert not starts.generations[0].stopped.is_set()
+    early.left(KEY, first)
+    await _stopped(starts.generations[0])
+
+
+async def test_a_stop_pushed_while_a_pipeline_heads_generate_waits_for_an_early_loop_is_kept():
+    """A generate on a pipeline's head waits for a stopped early start of its request id
+    to end; a stop pushed meanwhile (DECISIONS 65) ends it cancelled, no loop started."""
+    server = DataPlaneServer()
+    try:
+        node = NodeActivities(CFG, client=None, server=server)  # type: ignore[arg-type]
+        starts = Starts(linger=True)
+        node.early._start = starts  # type: ignore[method-assign]
+        node.early.offer(KEY, START)
+        await eventually(lambda: starts.generations, timeout=10, what="an early start")
+        runtime = SimpleNamespace(provision=SimpleNamespace(driver_edges=["token edges"]))
+        inp = GenerateInput(
+            run_id=7,
+            readiness_id="ready-1",
+            prompt_workflow_id="mvp-run-7-prompt-1-other",  # admitted under another id
+            prompt=PROMPT,
+            max_new_tokens=8,
+        )
+        env = ActivityEnvironment()
+        waiting = asyncio.ensure_future(env.run(node._generation, runtime, inp))
+        await asyncio.sleep(0.1)
+        assert not waiting.done() and starts.generations[0].stopped.is_set()
+        stop = StopGenerateInput(
+            run_id=7, readiness_id="ready-1", prompt_workflow_id=inp.prompt_workflow_id
+        )
+        assert await env.run(node.stop_generate, stop) is False  # no loop of it runs yet
+        starts.release.set()
+        assert await asyncio.wait_for(waiting, 10) is None
+    finally:
+        server.close()

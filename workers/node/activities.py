@@ -75,7 +75,8 @@ LEASE_GATE_POLL_S = 0.1  # a held-back lease report (fault injection) looks this
 MAX_EARLY_STOPS = 256  # stops remembered for generates not started yet
 TEXT_GATHER_S = 0.025  # the finest stream granularity: stream_batch_ms is at least this
 MAX_GATHER_S = 1.0  # the coarsest, however many prompts generate
-DATASTREAM_END_S = 3.0  # at exit, the node's datastream followers get its end within this
+DATASTREAM_END_S = 3.0
+EARLY_END_S = 5.0  # at a stage's stop, its stopped early starts' loops get this to end  # at exit, the node's datastream followers get its end within this
 
 
 class NodeActivities:
@@ -102,8 +103,11 @@ class NodeActivities:
         self.text = TextHub()
         # Prompts a reader with that token starts before their generate (DECISIONS 103):
         # on the head, where nothing generates.
+        self._preparing = 0  # generates on their way to their token loop
         self.early = EarlyStarts(
-            asyncio.get_running_loop(), self._start_early, lambda: self.generating == 0
+            asyncio.get_running_loop(),
+            self._start_early,
+            lambda: self.generating == 0 and self._preparing == 0,
         )
         self.text.early = self.early
         if cfg.text_token:
@@ -358,7 +362,14 @@ class NodeActivities:
             self.early.drop(key)
             return PromptOutcome(terminal=Fault(request_id=request_id, error="cancelled"))
         entered = time.perf_counter()
-        gen = await self._generation(runtime, inp)
+        self._preparing += 1  # the head is busy from here on: no early start begins
+        try:
+            gen = await self._generation(runtime, inp)
+        finally:
+            self._preparing -= 1
+        if gen is None:  # stopped while it waited (DECISIONS 65)
+            self._early_stops.pop(key, None)
+            return PromptOutcome(terminal=Fault(request_id=request_id, error="cancelled"))
         pipe, stopped = gen.pipe, gen.stopped
         prompt_tokens, cached_tokens = gen.prompt_tokens, gen.cached_tokens
         generated, logprobs, task = gen.generated, gen.logprobs, gen.task
@@ -490,18 +501,23 @@ class NodeActivities:
             timing = timing.model_copy(update={"early_ms": (entered - gen.started_at) * 1000})
         return PromptOutcome(terminal=done, timing=timing)
 
-    async def _generation(self, runtime: StageRuntime, inp: GenerateInput) -> Generation:
+    async def _generation(self, runtime: StageRuntime, inp: GenerateInput) -> Generation | None:
         """The prompt's token loop: the early start of this very prompt where one runs
-        (DECISIONS 103), else a new one, once the early starts of its id or request id
-        that it stopped have ended (their engine sequences gone before its own begins)."""
+        (DECISIONS 103), else a new one. On a pipeline's head, whose sequences are keyed
+        by request id, a new one waits for the stopped early starts of its request id to
+        end first (heartbeating); None where its stop came meanwhile."""
         fresh = not inp.resume and inp.text_from is None  # a resume goes on from its tokens
-        adopted, ending = self.early.take(
-            inp.prompt_workflow_id, inp.prompt, inp.max_new_tokens, adopt=fresh
-        )
+        key = inp.prompt_workflow_id
+        adopted, ending = self.early.take(key, inp.prompt, inp.max_new_tokens, adopt=fresh)
         if adopted is not None:
             return adopted
-        if ending:
-            await asyncio.wait({g.task for g in ending})
+        if ending and runtime.provision.driver_edges:
+            waiting = {g.task for g in ending}
+            while waiting:
+                _, waiting = await asyncio.wait(waiting, timeout=HEARTBEAT_EVERY_S * 4)
+                activity.heartbeat()
+            if key in self._early_stops:
+                return None
         return start_generation(
             runtime, inp.prompt, inp.max_new_tokens, resume=inp.resume, text_from=inp.text_from
         )
@@ -511,7 +527,7 @@ class NodeActivities:
         cfg = self.cfg
         self._check(cmd.run_id, cmd.readiness_id, cmd.authorized_orchestrator)
         runtime, self.runtime = self.runtime, None
-        self.early.close()
+        await self.early.aclose(EARLY_END_S)
         self.text.close()
         if runtime is not None:
             await asyncio.to_thread(runtime.close)

@@ -4,20 +4,26 @@ text. An idle head starts the prompt's token loop at once, while the run admits 
 prompt's generate, when it comes with the same prompt, adopts the running loop instead of
 starting one. Until then nothing of it is published: its text waits in its pipe, and its
 readers see the prompt only once its generate opened it. The run stays the authority:
-what it never hands the head (a refusal, a queue, a different prompt) is dropped, and an
-early start nobody adopts within ``hold_s`` or whose reader leaves is stopped."""
+what it never hands the head (a refusal, a queue, a different prompt) is stopped, and so
+is an early start nobody adopts within ``hold_s``, whose reader leaves, or that any other
+prompt's generate finds (the head is busy from then on)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mvp_core.models import SubmitPrompt
 from workers.node.generation import Generation
 from workers.node.textpath import TextRequestError
+
+if TYPE_CHECKING:
+    from workers.node.runtime import GenerationResult
 
 log = logging.getLogger(__name__)
 
@@ -47,34 +53,38 @@ class EarlyStarts:
     ) -> None:
         self._loop = loop
         self._start = start  # the token loop's start (None: no stage to run it on)
-        self._idle = idle  # nothing generates here
+        self._idle = idle  # nothing generates here, and no generate is on its way in
         self._hold_s = hold_s
         self._held: dict[str, Generation] = {}
         self._ending: set[Generation] = set()  # stopped, their loops not ended yet
         self.started = self.adopted = self.dropped = 0
 
     # ------------------------------------------------------------------ the text stream's side
-    def offer(self, key: str, raw: object) -> None:
+    def offer(self, key: str, raw: object) -> object:
         """A reader's ``start`` for prompt ``key`` (the text stream's thread): checked
-        here, begun on the event loop where this node is idle. TextRequestError names
-        what is wrong with it."""
+        here, begun on the event loop where this node is idle. Returns the start's ticket,
+        for :meth:`left`. TextRequestError names what is wrong with it."""
         try:
             start = EarlyStart.model_validate(raw)
         except ValidationError as err:
             first = err.errors()[0]
             where = ".".join(["start", *(str(p) for p in first["loc"])])
             raise TextRequestError(f"{where}: {first['msg']}") from None
-        self._loop.call_soon_threadsafe(self._begin, key, start)
+        ticket = object()
+        self._loop.call_soon_threadsafe(self._begin, key, start, ticket)
+        return ticket
 
-    def left(self, key: str) -> None:
-        """The reader that started ``key`` went (the text stream's thread): unless its
-        generate has adopted it, it stops."""
-        self._loop.call_soon_threadsafe(self.drop, key)
+    def left(self, key: str, ticket: object) -> None:
+        """The reader whose start got ``ticket`` went (the text stream's thread): what that
+        start began stops, unless its generate adopted it."""
+        self._loop.call_soon_threadsafe(self._left, key, ticket)
 
     # ------------------------------------------------------------------ the event loop's side
-    def _begin(self, key: str, start: EarlyStart) -> None:
-        if self._held or not self._idle():
-            return  # one at a time, and only where nothing else generates
+    def _begin(self, key: str, start: EarlyStart, ticket: object) -> None:
+        # One at a time, where nothing generates or is on its way in, and no stopped one
+        # still runs (a pipeline's sequences are keyed by request id).
+        if self._held or self._ending or not self._idle():
+            return
         try:
             generation = self._start(start.prompt, start.max_new_tokens)
         except Exception as err:  # a stage that stopped under it: the generate will say
@@ -82,9 +92,15 @@ class EarlyStarts:
             return
         if generation is None:
             return
+        generation.ticket = ticket
         self._held[key] = generation
         self.started += 1
         self._loop.call_later(self._hold_s, self.drop, key, generation)
+
+    def _left(self, key: str, ticket: object) -> None:
+        held = self._held.get(key)
+        if held is not None and held.ticket is ticket:
+            self.drop(key, held)
 
     def drop(self, key: str, generation: Generation | None = None) -> None:
         """Stop ``key``'s early start if it is still held (and is ``generation``)."""
@@ -99,34 +115,52 @@ class EarlyStarts:
         generation.stop()
         self.dropped += 1
         self._ending.add(generation)
-        generation.task.add_done_callback(lambda _: self._ending.discard(generation))
+
+        def ended(task: asyncio.Future[GenerationResult]) -> None:
+            self._ending.discard(generation)
+            if not task.cancelled():
+                task.exception()  # retrieved: nobody reads a dropped loop's end
+
+        generation.task.add_done_callback(ended)
 
     def take(
         self, key: str, prompt: SubmitPrompt, max_new_tokens: int | None, *, adopt: bool = True
     ) -> tuple[Generation | None, list[Generation]]:
         """The generate of ``key``: the early start it adopts where one runs with this
-        very prompt and cap (None otherwise, or where it may not: a resume), and the early
-        starts whose loops must end before it starts its own: one it does not adopt, and
-        any of its request id (a pipeline's sequences are keyed by it), stopped here."""
+        very prompt and cap (None otherwise, or where it may not: a resume, or a loop
+        that failed), and the stopped early starts of its request id whose loops must end
+        before it starts its own (a pipeline's sequences are keyed by request id). Every
+        other early start held stops: the head is busy from here on."""
         held = self._held.pop(key, None)
-        same = held is not None and held.prompt == prompt
-        if held is not None and adopt and same and held.max_new_tokens == max_new_tokens:
+        if held is not None and adopt and self._adoptable(held, prompt, max_new_tokens):
             self.adopted += 1
+            self._stop_all()
             return held, []
         if held is not None:
             log.info("early start of %s dropped: the run's prompt is not the one started", key)
             self._stop(held)
-        for other, generation in list(self._held.items()):
-            if generation.prompt.request_id == prompt.request_id:
-                del self._held[other]
-                self._stop(generation)
+        self._stop_all()
         ending = [g for g in self._ending if g.prompt.request_id == prompt.request_id]
         return None, ending
 
-    def close(self) -> None:
-        """The stage stops: every early start held stops, and what they came to is said."""
+    @staticmethod
+    def _adoptable(held: Generation, prompt: SubmitPrompt, max_new_tokens: int | None) -> bool:
+        if held.prompt != prompt or held.max_new_tokens != max_new_tokens:
+            return False
+        task = held.task
+        return not task.done() or (not task.cancelled() and task.exception() is None)
+
+    def _stop_all(self) -> None:
         for key in list(self._held):
-            self.drop(key)
+            self._stop(self._held.pop(key))
+
+    async def aclose(self, wait_s: float) -> None:
+        """The stage stops: every early start held stops, their loops are given
+        ``wait_s`` to end, and what they came to is said."""
+        self._stop_all()
+        if self._ending:
+            with contextlib.suppress(Exception):
+                await asyncio.wait({g.task for g in self._ending}, timeout=wait_s)
         if self.started:
             log.info(
                 "early starts: %d started, %d adopted, %d dropped",

@@ -37,6 +37,7 @@ class Generation:
     # Their logprobs, where the prompt asks for them (the engine thread appends).
     logprobs: list[TokenLogprob | None] | None = None
     started_at: float = field(default_factory=time.perf_counter)
+    ticket: object | None = None  # an early start's: whose reader started it
 
     def stop(self) -> None:
         """Stop at the engine's next step (its thread ends, its KV slot is freed)."""

@@ -298,9 +298,9 @@ class _Text:
 class EarlyStartSink(Protocol):
     """Where a reader's ``start`` goes (workers/node/early.py, DECISIONS 103)."""
 
-    def offer(self, key: str, raw: object) -> None: ...
+    def offer(self, key: str, raw: object) -> object: ...
 
-    def left(self, key: str) -> None: ...
+    def left(self, key: str, ticket: object) -> None: ...
 
 
 class TextHub:
@@ -364,16 +364,11 @@ class TextHub:
         the prompt's deltas from the one it asks for, then the end line. ``keyed``: it
         showed no text-stream token, and is served only once its request's key is the
         prompt's (DECISIONS 80); it counts as a reader from then on."""
-        started = False
+        ticket: object | None = None
         try:
             key, start, shown, early = _read_request(sock, keyed)
             if keyed:
                 self._check_key(sock, key, shown)
-            if early is not None:
-                if self.early is None:
-                    raise TextRequestError("this node starts no prompt early")
-                self.early.offer(key, early)
-                started = True
         except TextRequestError as err:
             # A keyed reader needs no secret to get here: its refusal is no alarm, and
             # what it sent is quoted, never written as it came.
@@ -382,13 +377,20 @@ class TextHub:
             line = {"type": "error", "error": str(err)} | ({"retry": True} if err.retry else {})
             _send(sock, json.dumps(line).encode() + b"\n")
             return
+        if early is not None and self.early is not None:
+            # A start is advice (DECISIONS 103): one that is wrong is said here, and the
+            # reader reads its prompt all the same, once its generate opened it.
+            try:
+                ticket = self.early.offer(key, early)
+            except TextRequestError as err:
+                log.warning("text stream: %s: early start refused: %s", peer, err)
         with self._cond:
             self._readers[key] = self._readers.get(key, 0) + 1
         try:
             self._stream(sock, key, start)
         finally:
-            if started and self.early is not None:
-                self.early.left(key)  # a no-op once its generate adopted it
+            if ticket is not None and self.early is not None:
+                self.early.left(key, ticket)  # a no-op once its generate adopted it
             with self._cond:
                 left = self._readers[key] - 1
                 if left:
