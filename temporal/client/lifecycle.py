@@ -5,6 +5,7 @@ state, wait until it is prompt-ready or closed, and shut it down. The base of
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -41,6 +42,8 @@ from temporal.client.updates import drop
 from temporal.text_stream import TextStreamTarget, host_secret
 from workflows.run import RunWorkflow
 
+# "0": this process's run handles start no prompt early on the head node (DECISIONS 103).
+EARLY_START_ENV = "MVP_EARLY_START"
 QUERY_FAILED = (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError)
 
 
@@ -48,13 +51,25 @@ class RunLifecycle:
     """Run ``mvp-run-<run_id>``: its workflow handle, state, readiness and shutdown."""
 
     def __init__(
-        self, client: Client, run_id: int, *, direct_text: bool = True, quick_refusals: bool = False
+        self,
+        client: Client,
+        run_id: int,
+        *,
+        direct_text: bool = True,
+        quick_refusals: bool = False,
+        early_start: bool | None = None,
     ) -> None:
         """``direct_text``: read prompts' text from the run's head node: with the
         deployment's edge secret where this host holds it (DECISIONS 63), else each prompt
         this handle admits with its own random key (DECISIONS 80); False: from Temporal
         only. ``quick_refusals``: an admission the server refuses past its limits fails
-        within a second instead of after the SDK's retries (temporal/client/refusals.py)."""
+        within a second instead of after the SDK's retries (temporal/client/refusals.py).
+        ``early_start``: hand the head node a prompt with its text stream's request, for
+        it to start while the run admits it (DECISIONS 103); None: unless this process's
+        ``MVP_EARLY_START`` is ``0``."""
+        if early_start is None:
+            early_start = os.environ.get(EARLY_START_ENV, "1") != "0"
+        self._early_start = early_start
         self.client = client
         self._quick_refusals = quick_refusals
         self.run_id = run_id

@@ -151,7 +151,8 @@ class PromptCalls(PromptText):
         target = self._target
         run_id = names.run_id_from_workflow_id(self.workflow_id)
         if (
-            target is None
+            not self._early_start
+            or target is None
             or target.token is None
             or run_id is None
             or not prompt.max_tokens
