@@ -198,3 +198,9 @@ METRIC_TOKENS_PER_S = "mvp.prompt.decode_tokens_per_second"  # histogram: one pr
 METRIC_PROMPTS = "mvp.prompt.ended"  # counter by status
 METRIC_RECOVERY = "mvp.run.stage_recovery_time"  # histogram, ms: a loss to prompt-ready
 METRIC_STAGE_FORWARD = "mvp.stage.forward_time"  # histogram, ms, by stage and phase
+
+
+# "1" in a node's environment: it runs on the orchestrator worker's host (the process
+# provider's nodes), where an early start takes CPU from the admission it overlaps
+# (workers/node/early.py worth_starting_early, DECISIONS 103).
+SHARES_CONTROL_HOST_ENV = "MVP_SHARES_CONTROL_HOST"

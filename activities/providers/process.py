@@ -243,7 +243,14 @@ class ProcessProvider:
             host_env={k: os.environ[k] for k in _PASS_ENV if k in os.environ},
             shared_address=True,
         )
-        env.update({"PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE"})
+        # On the worker's host: early starts only where they leave the admission a core.
+        env.update(
+            {
+                "PYTHONUNBUFFERED": "1",
+                "OMP_WAIT_POLICY": "PASSIVE",
+                names.SHARES_CONTROL_HOST_ENV: "1",
+            }
+        )
         listen = os.environ.get(DATAPLANE_HOST_ENV, "").strip()
         if listen:
             env["MVP_DATAPLANE_HOST"] = listen

@@ -24,7 +24,7 @@ from tests.node.conftest import TOKEN, answer_to
 from tests.node.test_stage_authority import CFG
 from workers.node.activities import NodeActivities
 from workers.node.dataplane import DataPlaneServer
-from workers.node.early import EarlyStarts
+from workers.node.early import EarlyStarts, worth_starting_early
 from workers.node.generation import Generation
 from workers.node.textpath import TextPipe, TextRequestError
 
@@ -306,3 +306,20 @@ async def test_a_stop_pushed_while_a_pipeline_heads_generate_waits_for_an_early_
         assert await asyncio.wait_for(waiting, 10) is None
     finally:
         server.close()
+
+
+@pytest.mark.parametrize(
+    ("shares", "threads", "cores", "worth"),
+    [
+        (False, 2, 2, True),  # a host of its own: the admission runs elsewhere
+        (False, 0, 2, True),
+        (True, 1, 2, True),  # a 2-stage run's head on a 2-core host: a core is left
+        (True, 2, 2, False),  # a 1-stage run's head on every core of the control's host
+        (True, 0, 8, False),  # its threads not known: taken as every core
+        (True, 7, 8, True),
+    ],
+)
+def test_a_head_on_the_control_planes_host_starts_early_only_where_it_leaves_a_core(
+    shares: bool, threads: int, cores: int, worth: bool
+):
+    assert worth_starting_early(shares, threads, cores) is worth

@@ -50,7 +50,7 @@ from temporal import telemetry
 from workers.node import layout
 from workers.node.config import FaultInjection, NodeConfig
 from workers.node.dataplane import DataPlaneServer
-from workers.node.early import EarlyStarts
+from workers.node.early import EarlyStarts, worth_starting_early
 from workers.node.generation import Generation, start_generation
 from workers.node.nodestream import LoadProgress, NodeDatastream, NodeSampler
 from workers.node.textpath import NoTemporalText, TextFanout, TextHub
@@ -137,6 +137,10 @@ class NodeActivities:
         """An early start's token loop (DECISIONS 103): on the head, once it has a stage."""
         runtime = self.runtime
         if runtime is None or self.cfg.stage_index != 0:
+            return None
+        if not worth_starting_early(
+            self.cfg.shares_control_host, runtime.threads, os.cpu_count() or 1
+        ):
             return None
         return start_generation(runtime, prompt, max_new_tokens)
 

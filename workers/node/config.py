@@ -6,6 +6,8 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from mvp_core import names
+
 
 @dataclass(frozen=True)
 class NodeConfig:
@@ -26,6 +28,9 @@ class NodeConfig:
     # Longer than a control-plane outage the run rides out (60 s): a node leaves on its
     # own only when its run is closed, or when nothing reached it for this long.
     lease_silence_s: float = 120.0
+    # The node runs on the host of the orchestrator worker (the process provider's
+    # nodes): its early starts would take the CPU the admission needs (DECISIONS 103).
+    shares_control_host: bool = False
 
     @classmethod
     def from_env(cls) -> NodeConfig:
@@ -52,6 +57,7 @@ class NodeConfig:
             edge_token=need("MVP_EDGE_TOKEN"),
             text_token=env.get("MVP_TEXT_TOKEN", ""),
             lease_silence_s=float(env.get("MVP_LEASE_SILENCE_S", "120")),
+            shares_control_host=env.get(names.SHARES_CONTROL_HOST_ENV) == "1",
         )
 
 

@@ -30,6 +30,15 @@ log = logging.getLogger(__name__)
 EARLY_HOLD_S = 2.0  # an early start its generate has not adopted by then is stopped
 
 
+def worth_starting_early(shares_control_host: bool, threads: int, cores: int) -> bool:
+    """Whether an idle head starts prompts early: always on a host of its own; on the
+    control plane's host (the process provider's nodes) only where its token path's
+    ``threads`` leave one of the host's ``cores`` to the admission it would overlap (on
+    a 2-core host a 1-stage head's prefill on both cores slowed its admission more than
+    it saved: DECISIONS 103). ``threads`` 0: not known, taken as every core."""
+    return not shares_control_host or 0 < threads < cores
+
+
 class EarlyStart(BaseModel):
     """What a reader's request line may carry as ``"start"``: the prompt as it submits it,
     and the tokens the run will give it (``max_tokens``: an early start is for a prompt
