@@ -78,7 +78,9 @@ class EarlyText:
             self.on_terminal(done)
 
     async def close(self) -> None:
-        """Not admitted under its key: the head node stops what it started."""
+        """Closed (more than once is harmless): where the prompt was not admitted under
+        its key, or its reader is done, the head node stops what it started unless the
+        prompt's generate adopted it."""
         step, self.step = self.step, None
         if step is not None and not step.done():
             step.cancel()

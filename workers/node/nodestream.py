@@ -21,7 +21,6 @@ anyway with the node's secrets; never prompt text.
 from __future__ import annotations
 
 import logging
-import select
 import socket
 import threading
 import time
@@ -54,6 +53,7 @@ from mvp_core.node_datastream import (
     encode_message,
     valid_channel,
 )
+from workers.node.dataplane.sockets import readable_now
 
 log = logging.getLogger("mvp.node.datastream")
 
@@ -245,9 +245,8 @@ class NodeDatastream:
 def _left(sock: socket.socket) -> bool:
     """Whether the follower closed (it sends nothing after its hello)."""
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        return bool(readable) and not sock.recv(1, socket.MSG_PEEK)
-    except OSError:
+        return readable_now(sock) and not sock.recv(1, socket.MSG_PEEK)
+    except (OSError, ValueError):
         return True
 
 

@@ -36,7 +36,6 @@ import hmac
 import json
 import logging
 import re
-import select
 import socket
 import threading
 import time
@@ -45,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from mvp_core.models import Done, TextDelta, TokenLogprob, TopLogprob
+from workers.node.dataplane.sockets import readable_now
 
 if TYPE_CHECKING:
     from workers.node.dataplane.records import TokenLogprobs
@@ -508,8 +508,7 @@ def _send(sock: socket.socket, data: bytes) -> None:
 def _peer_gone(sock: socket.socket) -> bool:
     """The client closed its end (it sends nothing after its request)."""
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        if not readable:
+        if not readable_now(sock):
             return False
         return sock.recv(1, socket.MSG_PEEK) == b""
     except (OSError, ValueError):

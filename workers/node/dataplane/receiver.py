@@ -4,13 +4,13 @@ deadline that an idle wait may miss cleanly and a record begun may not."""
 from __future__ import annotations
 
 import logging
-import select
 import socket
 import time
 
 from .endpoint import EdgeEnd
 from .errors import EdgeClosed, EdgeTimeout
 from .records import HEADER_LEN, EdgeSpec, RecordError, RecordHeader, RecordOrder, decode_header
+from .sockets import readable_now
 
 __all__ = ["RECORD_REST_S", "EdgeReceiver"]
 
@@ -91,10 +91,9 @@ class EdgeReceiver(EdgeEnd):
         if self._closed or self._broken is not None:
             return True  # recv says why
         try:
-            readable, _, _ = select.select([self._sock], [], [], 0)
+            return readable_now(self._sock)
         except (OSError, ValueError):
             return True
-        return bool(readable)
 
     def recv(
         self, timeout_s: float, rest_s: float = RECORD_REST_S

@@ -1,14 +1,16 @@
 """Socket helpers every edge module shares: tuning, a hard close, the handshake's exact
-reads, a self-pipe that wakes a selector loop, and closing on leaving a ``with``."""
+reads, a look for bytes without waiting, a self-pipe that wakes a selector loop, and
+closing on leaving a ``with``."""
 
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import time
 from typing import Self
 
-__all__ = ["Closing", "Wakeup", "hard_close", "recv_exact", "tune"]
+__all__ = ["Closing", "Wakeup", "hard_close", "readable_now", "recv_exact", "tune"]
 
 
 def tune(sock: socket.socket) -> None:
@@ -20,6 +22,16 @@ def tune(sock: socket.socket) -> None:
         if opt is not None:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, opt, value)
+
+
+def readable_now(sock: socket.socket) -> bool:
+    """Whether ``sock`` has bytes, or its peer's close or an error, to read now. With
+    poll, not select: select cannot watch a descriptor of 1024 or more (FD_SETSIZE), which
+    a process holding many sockets hands out. Raises OSError or ValueError for a socket
+    already closed here."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def hard_close(sock: socket.socket) -> None:
