@@ -118,21 +118,31 @@ async def test_a_run_hosted_prompt_is_served_streamed_cancelled_and_re_attached(
     # starts it, and the prompt's generate adopts it. Its text is, bit for bit, the text
     # of the same prompt started by its generate (a handle's first: no head known yet).
     # A handle told not to (``MVP_EARLY_START=0`` for a whole process) never does.
-    fresh = RunHandle(runs.client, run_id)
-    plain = RunHandle(runs.client, run_id, early_start=False)
-    got = []
-    for reader, rid in ((fresh, 310), (fresh, 311), (plain, 312), (plain, 313)):
+    async def served(reader: RunHandle, rid: int) -> tuple[str, float | None]:
         prompt = SubmitPrompt(request_id=rid, prompt_text=COUNTING, max_tokens=48)
         text, ends = await _stream_all(reader, prompt)
         assert len(ends) == 1 and isinstance(ends[0], Done) and text == ends[0].final_text
         async with asyncio.timeout(60):
             while (kept := await reader.served(rid)) is None:
                 await asyncio.sleep(0.05)
-        got.append((text, kept.outcome.timing))
-    assert len({text for text, _ in got}) == 1
-    early = [None if t is None else t.early_ms for _, t in got]
-    assert early[0] is None and early[1] is not None and early[1] > 0, early
-    assert early[2:] == [None, None], early
+        timing = kept.outcome.timing
+        assert timing is not None
+        return text, timing.early_ms
+
+    fresh = RunHandle(runs.client, run_id)
+    plain = RunHandle(runs.client, run_id, early_start=False)
+    alone, early_ms = await served(fresh, 310)
+    assert early_ms is None
+    # The start races the run's admission to the head (a loaded host can lose it): one
+    # of ten is early.
+    for rid in range(311, 321):
+        text, early_ms = await served(fresh, rid)
+        assert text == alone
+        if early_ms is not None:
+            break
+    assert early_ms is not None and early_ms > 0
+    for rid in (330, 331):
+        assert await served(plain, rid) == (alone, None)
 
     # Cancel one of eight mid-stream: it ends cancelled, the other seven finish.
     victim = SubmitPrompt(request_id=40, prompt_text="1, 2, 3, 4, 5,", max_tokens=900)

@@ -27,7 +27,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-EARLY_HOLD_S = 2.0  # an early start its generate has not adopted by then is stopped
+# An early start its generate has not adopted by then is stopped: a backstop for a
+# client gone without closing its stream (a refusal closes it, any generate stops it),
+# longer than an admission takes on a loaded control plane.
+EARLY_HOLD_S = 10.0
 
 
 def worth_starting_early(shares_control_host: bool, threads: int, cores: int) -> bool:
