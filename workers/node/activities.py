@@ -75,8 +75,8 @@ LEASE_GATE_POLL_S = 0.1  # a held-back lease report (fault injection) looks this
 MAX_EARLY_STOPS = 256  # stops remembered for generates not started yet
 TEXT_GATHER_S = 0.025  # the finest stream granularity: stream_batch_ms is at least this
 MAX_GATHER_S = 1.0  # the coarsest, however many prompts generate
-DATASTREAM_END_S = 3.0
-EARLY_END_S = 5.0  # at a stage's stop, its stopped early starts' loops get this to end  # at exit, the node's datastream followers get its end within this
+DATASTREAM_END_S = 3.0  # at exit, the node's datastream followers get its end within this
+EARLY_END_S = 5.0  # at a stage's stop, its stopped early starts' loops get this to end
 
 
 class NodeActivities:

@@ -306,7 +306,7 @@ class EarlyStartSink(Protocol):
 class TextHub:
     """Every prompt this node generates (by prompt workflow id): its deltas so far, and
     how many clients read it. ``early``: where a reader with the run's token may start
-    its prompt before the prompt's generate comes (None: such a start is refused)."""
+    its prompt before the prompt's generate comes (None: such a start is ignored)."""
 
     def __init__(self, linger_s: float = LINGER_S) -> None:
         self.linger_s = linger_s
