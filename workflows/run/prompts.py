@@ -263,13 +263,13 @@ class Prompts:
         self._ctx.view.show()
         news = state.head_news(inp.head_task_queue)
         if news is not None:  # its head was replaced, or is being, since it was admitted
-            await child.signal(names.SIGNAL_PROMPT_HEAD, news)
+            await _tell(child, wf_id, names.SIGNAL_PROMPT_HEAD, news)
         early = self._early_cancels.pop(wf_id, None)
         if early is not None:
             await self.cancel_one(wf_id, early)
         await workflow.wait_condition(lambda: record.active or child.done() or state.stopping)
         if record.active and not child.done() and not inp.start_active:
-            await child.signal(names.SIGNAL_PROMPT_ACTIVATE)
+            await _tell(child, wf_id, names.SIGNAL_PROMPT_ACTIVATE)
         elif state.stopping and not child.done():
             await self.cancel_one(wf_id, "run is shutting down")
         try:
@@ -292,12 +292,8 @@ class Prompts:
         for serving in self._hosted.values():
             serving.move_head(news)
         for wf_id, child in list(self._children.items()):
-            if child.done():
-                continue
-            try:
-                await child.signal(names.SIGNAL_PROMPT_HEAD, news)
-            except Exception:
-                workflow.logger.info("head news to %s not delivered", wf_id)
+            if not child.done():
+                await _tell(child, wf_id, names.SIGNAL_PROMPT_HEAD, news)
 
     async def tell_head_gone(self, head: NodeState) -> None:
         """Head node ``head`` is gone and no replacement will serve its prompts: the open
@@ -345,10 +341,7 @@ class Prompts:
             return
         if child is None or child.done():
             return
-        try:
-            await child.signal(names.SIGNAL_PROMPT_CANCEL, reason)
-        except Exception:
-            workflow.logger.info("cancel signal to %s not delivered", wf_id)
+        await _tell(child, wf_id, names.SIGNAL_PROMPT_CANCEL, reason)
 
     async def cancel_all(self, reason: str) -> None:
         """Teardown: every open prompt is told the run ends."""
@@ -457,3 +450,16 @@ def _terminal_size(terminal: PromptTerminal) -> int:
     if isinstance(terminal, Fault):
         return len(terminal.text or "")
     return len(getattr(terminal, "final_text", "") or "")
+
+
+async def _tell(
+    child: workflow.ChildWorkflowHandle[Any, Any], wf_id: str, name: str, *arg: Any
+) -> None:
+    """Signal prompt workflow ``wf_id``. One that fails found the child ended (on a cancel
+    that reached it first, or closed from outside): its end comes by its result, so this
+    is no fault of the run's. An unguarded activation sent on the heels of a cancel once
+    faulted a whole run ("prompt serving: ... (ApplicationError)")."""
+    try:
+        await child.signal(name, *arg)
+    except Exception as err:  # the SDK's ApplicationError: the workflow was not found
+        workflow.logger.info("%s to prompt %s not delivered: %s", name, wf_id, type(err).__name__)
