@@ -11,8 +11,9 @@ in the llama-cpp-python 0.3.36 sdist, README "Benchmarks"), the same requests go
 ``llama-server -np c -t 2`` on the same GGUF in the same run of this script.
 
 - aggregate tok/s: completion tokens of all streams / wall time of the level
-- TTFT: request sent -> first text (ms), p50 and p95 over every stream of the level
-- ITL: a stream's (last text - first text) / (tokens - 1), p50 and p95 over streams (the
+- TTFT: request sent -> first text (ms), p50, p95 and p99 over every stream of the level
+  (with 50 streams or fewer, p99 is the slowest one)
+- ITL: a stream's (last text - first text) / (tokens - 1), p50, p95 and p99 over streams (the
   run flushes text every ``stream_batch_ms``, so a stream's text comes in batches)
 - control-plane CPU per token: user+system CPU of the dev server, the orchestrator worker
   and the gateway during the level (from /proc), over its completion tokens
@@ -162,6 +163,8 @@ class Level:
     itl_p50_ms: float | None
     itl_p95_ms: float | None
     cp_cpu_ms_per_token: float | None  # control plane (dev server, worker, gateway)
+    ttft_p99_ms: float | None = None
+    itl_p99_ms: float | None = None
     cp_split_ms_per_token: list[float] | None = None  # each of the three
     # Medians over the level's prompts (their PromptOutcome): queued in the run, tokenize,
     # encode end -> first token (joining the batch and the prefill), first token -> text out.
@@ -325,6 +328,8 @@ async def level(
         ttft_p95_ms=_pct(ttft, 0.95),
         itl_p50_ms=_pct(itl, 0.5),
         itl_p95_ms=_pct(itl, 0.95),
+        ttft_p99_ms=_pct(ttft, 0.99),
+        itl_p99_ms=_pct(itl, 0.99),
         cp_cpu_ms_per_token=cpu * 1000 / tokens if cpu_pids and tokens else None,
         cp_split_ms_per_token=[c * 1000 / tokens for c in each] if cpu_pids and tokens else None,
         ttft_split_ms=None if split is None else split[0],
@@ -632,8 +637,9 @@ def _row(lv: Level) -> str:
         cpu += " (" + " + ".join(f"{c:.1f}" for c in lv.cp_split_ms_per_token) + ")"
     return (
         f"| {lv.server} | {lv.stages} | {what} | {lv.aggregate_tok_s:.1f} | "
-        f"{_ms(lv.ttft_p50_ms)} / {_ms(lv.ttft_p95_ms)} | "
-        f"{lv.itl_p50_ms or 0:.1f} / {lv.itl_p95_ms or 0:.1f} | {cpu} | {lv.tokens} |"
+        f"{_ms(lv.ttft_p50_ms)} / {_ms(lv.ttft_p95_ms)} / {_ms(lv.ttft_p99_ms)} | "
+        f"{lv.itl_p50_ms or 0:.1f} / {lv.itl_p95_ms or 0:.1f} / {lv.itl_p99_ms or 0:.1f} | "
+        f"{cpu} | {lv.tokens} |"
     )
 
 
@@ -643,7 +649,8 @@ def table(levels: list[Level], args: argparse.Namespace) -> str:
         f"{args.rounds} round(s) per level; engine kernel "
         f"{os.environ.get('MVP_ENGINE_KERNEL', 'auto')}",
         "",
-        "| server | stages | streams | aggregate tok/s | TTFT p50 / p95 ms | ITL p50 / p95 ms "
+        "| server | stages | streams | aggregate tok/s | TTFT p50 / p95 / p99 ms "
+        "| ITL p50 / p95 / p99 ms "
         "| control-plane CPU ms/token (dev server + worker + gateway) | tokens |",
         "|---|---|---|---|---|---|---|---|",
     ]
