@@ -24,8 +24,10 @@ from tests.node.conftest import TOKEN, answer_to
 from tests.node.test_stage_authority import CFG
 from workers.node.activities import NodeActivities
 from workers.node.dataplane import DataPlaneServer
-from workers.node.early import EarlyStarts, worth_starting_early
+from workers.node.early import EarlyStarts, early_threads
+from workers.node.engine import native
 from workers.node.generation import Generation
+from workers.node.runtime import StageRuntime
 from workers.node.textpath import TextPipe, TextRequestError
 
 KEY = "mvp-run-7-prompt-1-abc"
@@ -309,17 +311,67 @@ async def test_a_stop_pushed_while_a_pipeline_heads_generate_waits_for_an_early_
 
 
 @pytest.mark.parametrize(
-    ("shares", "threads", "cores", "worth"),
+    ("shares", "threads", "cores", "early"),
     [
-        (False, 2, 2, True),  # a host of its own: the admission runs elsewhere
-        (False, 0, 2, True),
-        (True, 1, 2, True),  # a 2-stage run's head on a 2-core host: a core is left
-        (True, 2, 2, False),  # a 1-stage run's head on every core of the control's host
-        (True, 0, 8, False),  # its threads not known: taken as every core
-        (True, 7, 8, True),
+        (False, 2, 2, 2),  # a host of its own: the admission runs elsewhere
+        (False, 0, 2, 0),  # (0: its threads as they are)
+        (True, 1, 2, 1),  # a 2-stage run's head on a 2-core host: a core is left
+        (True, 2, 2, 1),  # a 1-stage run's head on every core: one core left, until adopted
+        (True, 0, 8, 7),  # its threads not known: taken as every core
+        (True, 7, 8, 7),
+        (True, 4, 4, 3),
+        (True, 1, 1, None),  # one core: nothing to leave the admission
     ],
 )
-def test_a_head_on_the_control_planes_host_starts_early_only_where_it_leaves_a_core(
-    shares: bool, threads: int, cores: int, worth: bool
+def test_a_head_on_the_control_planes_host_starts_early_leaving_the_admission_a_core(
+    shares: bool, threads: int, cores: int, early: int | None
 ):
-    assert worth_starting_early(shares, threads, cores) is worth
+    assert early_threads(shares, threads, cores) == early
+
+
+async def test_the_head_is_told_once_the_early_start_it_held_is_adopted_or_stopped():
+    """The node restores its engine threads then (DECISIONS 104): after an adoption, a
+    generate that adopts nothing, and a drop (the stop_generate of a prompt whose
+    generate never came, a reader gone, a hold run out)."""
+    settled: list[int] = []
+    starts = Starts()
+    early = EarlyStarts(
+        asyncio.get_running_loop(),
+        starts,
+        lambda: True,
+        settled=lambda: settled.append(len(starts.generations)),
+    )
+    early.offer(KEY, START)
+    await eventually(lambda: starts.generations, timeout=10, what="the first early start")
+    assert settled == []  # held: its threads stay narrowed
+    assert early.take(KEY, PROMPT, 8)[0] is starts.generations[0]
+    assert settled == [1]
+    starts.generations[0].stop()
+    early.offer(KEY, START)
+    await eventually(lambda: len(starts.generations) == 2, timeout=10, what="the second")
+    early.drop(KEY)
+    await _stopped(starts.generations[1])
+    assert settled == [1, 2]
+    assert early.take("another", PROMPT, 8)[0] is None  # a generate that adopts nothing
+    assert settled == [1, 2, 2]
+
+
+def test_an_early_start_s_threads_narrow_the_native_kernel_s_pool_and_come_back():
+    if native.library() is None:
+        pytest.fail("the native kernel did not build here")
+    before = native.threads()
+
+    def narrow(stage: Any, n: int | None) -> int | None:
+        change = StageRuntime.narrow_threads(stage, n)
+        return None if change is None else change.result(30)
+
+    try:
+        stage: Any = SimpleNamespace(native_kernel=True, threads=2)
+        assert narrow(stage, 1) == 1 and native.threads() == 1
+        assert narrow(stage, 5) == 2 and native.threads() == 2  # at most its own
+        narrow(stage, 1)
+        assert narrow(stage, None) == 2 and native.threads() == 2
+        torch_path: Any = SimpleNamespace(native_kernel=False, threads=2)
+        assert narrow(torch_path, 1) is None and native.threads() == 2
+    finally:
+        native.set_threads(max(1, before))

@@ -50,7 +50,7 @@ from temporal import telemetry
 from workers.node import layout
 from workers.node.config import FaultInjection, NodeConfig
 from workers.node.dataplane import DataPlaneServer
-from workers.node.early import EarlyStarts, worth_starting_early
+from workers.node.early import EarlyStarts, early_threads
 from workers.node.generation import Generation, start_generation
 from workers.node.nodestream import LoadProgress, NodeDatastream, NodeSampler
 from workers.node.textpath import NoTemporalText, TextFanout, TextHub
@@ -108,7 +108,9 @@ class NodeActivities:
             asyncio.get_running_loop(),
             self._start_early,
             lambda: self.generating == 0 and self._preparing == 0,
+            settled=self._early_settled,
         )
+        self._narrowed = False  # an early start runs on fewer threads (DECISIONS 104)
         self.text.early = self.early
         if cfg.text_token:
             server.serve_text(cfg.text_token, self.text.serve)
@@ -134,15 +136,30 @@ class NodeActivities:
         self.datastream.close(reason, wait_s=DATASTREAM_END_S)
 
     def _start_early(self, prompt: SubmitPrompt, max_new_tokens: int) -> Generation | None:
-        """An early start's token loop (DECISIONS 103): on the head, once it has a stage."""
+        """An early start's token loop (DECISIONS 103): on the head, once it has a stage,
+        on the threads early_threads gives it (DECISIONS 104)."""
         runtime = self.runtime
         if runtime is None or self.cfg.stage_index != 0:
             return None
-        if not worth_starting_early(
-            self.cfg.shares_control_host, runtime.threads, os.cpu_count() or 1
-        ):
+        threads = early_threads(self.cfg.shares_control_host, runtime.threads, os.cpu_count() or 1)
+        if threads is None:
             return None
-        return start_generation(runtime, prompt, max_new_tokens)
+        if threads != runtime.threads and not (
+            self._narrowed or runtime.narrow_threads(threads) is not None
+        ):
+            return None  # it cannot leave the admission a core: not worth starting
+        self._narrowed = threads != runtime.threads
+        try:
+            return start_generation(runtime, prompt, max_new_tokens)
+        except BaseException:
+            self._early_settled()
+            raise
+
+    def _early_settled(self) -> None:
+        """The early start held was adopted or stopped: the engine's own threads again."""
+        if self._narrowed and self.runtime is not None:
+            self.runtime.narrow_threads(None)
+        self._narrowed = False
 
     def _generate_ended(self, key: str, stopped: threading.Event) -> None:
         self.generating -= 1

@@ -33,13 +33,19 @@ log = logging.getLogger(__name__)
 EARLY_HOLD_S = 10.0
 
 
-def worth_starting_early(shares_control_host: bool, threads: int, cores: int) -> bool:
-    """Whether an idle head starts prompts early: always on a host of its own; on the
-    control plane's host (the process provider's nodes) only where its token path's
-    ``threads`` leave one of the host's ``cores`` to the admission it would overlap (on
-    a 2-core host a 1-stage head's prefill on both cores slowed its admission more than
-    it saved: DECISIONS 103). ``threads`` 0: not known, taken as every core."""
-    return not shares_control_host or 0 < threads < cores
+def early_threads(shares_control_host: bool, threads: int, cores: int) -> int | None:
+    """The engine threads an idle head runs an early start on until its generate adopts
+    it (then its own ``threads`` again), or None where it starts nothing early.
+
+    On a host of its own, its ``threads``. On the control plane's host (the process
+    provider's nodes) the early start overlaps the admission, which needs a core: its
+    ``threads`` where they leave one of the host's ``cores`` free, else one fewer than
+    the cores (on a 2-core host a 1-stage head's prefill on both cores slowed its
+    admission more than it saved: DECISIONS 103), and nothing on a 1-core host.
+    ``threads`` 0: not known, taken as every core."""
+    if not shares_control_host or 0 < threads < cores:
+        return threads
+    return cores - 1 if cores > 1 else None
 
 
 class EarlyStart(BaseModel):
@@ -62,10 +68,14 @@ class EarlyStarts:
         start: Callable[[SubmitPrompt, int], Generation | None],
         idle: Callable[[], bool],
         hold_s: float = EARLY_HOLD_S,
+        settled: Callable[[], None] = lambda: None,
     ) -> None:
         self._loop = loop
         self._start = start  # the token loop's start (None: no stage to run it on)
         self._idle = idle  # nothing generates here, and no generate is on its way in
+        # Told once the early start held has been adopted or stopped (the head restores
+        # the engine threads an early start ran on).
+        self._settled = settled
         self._hold_s = hold_s
         self._held: dict[str, Generation] = {}
         self._ending: set[Generation] = set()  # stopped, their loops not ended yet
@@ -121,6 +131,7 @@ class EarlyStarts:
             return
         del self._held[key]
         self._stop(held)
+        self._settled()
         log.info("early start of %s dropped: its generate did not come", key)
 
     def _stop(self, generation: Generation) -> None:
@@ -147,11 +158,13 @@ class EarlyStarts:
         if held is not None and adopt and self._adoptable(held, prompt, max_new_tokens):
             self.adopted += 1
             self._stop_all()
+            self._settled()
             return held, []
         if held is not None:
             log.info("early start of %s dropped: the run's prompt is not the one started", key)
             self._stop(held)
         self._stop_all()
+        self._settled()
         ending = [g for g in self._ending if g.prompt.request_id == prompt.request_id]
         return None, ending
 

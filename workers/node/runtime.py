@@ -12,6 +12,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,7 @@ from workers.node.engine import (
     SamplingParams,
     Stage,
     load_stage,
+    native,
     usable_cores,
     uses_native_kernel,
 )
@@ -45,6 +47,11 @@ from workers.node.nodestream import StepStats
 from workers.node.pipeline import Driver, Endpoint, StageLink
 from workers.node.scheduler import Scheduler
 from workers.node.textpath import Detokenizer
+
+# Changes to the kernel's thread count, applied in the order asked, one at a time, off the
+# asking thread: the kernel takes one between two products (on one thread, a product can
+# take milliseconds).
+THREAD_CHANGES = ThreadPoolExecutor(1, thread_name_prefix="mvp-engine-threads")
 
 # A token-out record later than this means a stage is stuck: a run fault, never a hang.
 RECORD_TIMEOUT_S = 60.0
@@ -102,6 +109,7 @@ class StageRuntime:
         # Response formats' vocabulary (DECISIONS 89): built at the first prompt that asks.
         self.formats = StageFormats(tokenizer, self.stop_ids)
         self.threads = 0  # the engine's CPU threads (set by load)
+        self.native_kernel = False  # its products on the native kernel's pool (load)
         # Its steps and KV slots in use, for the node's datastream (DECISIONS 93).
         self.steps = StepStats(provision.max_active_prompts)
         self.scheduler: Scheduler | None = None  # direct mode: the whole model here
@@ -133,11 +141,9 @@ class StageRuntime:
             precision=settings.precision,
             fp16_split_points=tuple(settings.fp16_split_points),
         )
+        native_kernel = uses_native_kernel(provision.model_path, opts)
         threads = settings.threads or default_threads(
-            usable_cores(),
-            host_nodes,
-            cpu_quota(),
-            native_kernel=uses_native_kernel(provision.model_path, opts),
+            usable_cores(), host_nodes, cpu_quota(), native_kernel=native_kernel
         )
         opts = dataclasses.replace(opts, threads=threads)
         stage = load_stage(
@@ -150,7 +156,20 @@ class StageRuntime:
         tokenizer = Tokenizer.from_gguf(provision.tokenizer_path)
         runtime = cls(provision, stage, tokenizer, time.perf_counter() - started)
         runtime.threads = opts.threads or 0
+        runtime.native_kernel = native_kernel
         return runtime
+
+    def narrow_threads(self, n: int | None) -> Future[int] | None:
+        """The native kernel's products on ``n`` threads from now on, or (None) on the
+        stage's own ``threads`` again: an early start on a host it shares with the
+        control plane leaves it a core (DECISIONS 104). Asked of THREAD_CHANGES, so the
+        caller (the node's event loop) never waits for the product running now; the
+        future is the count then in effect. None where the stage runs no native kernel
+        (nothing changes)."""
+        if not self.native_kernel or self.threads <= 0:
+            return None
+        count = self.threads if n is None else max(1, min(n, self.threads))
+        return THREAD_CHANGES.submit(native.set_threads, count)
 
     def edges(self) -> list[Edge]:
         """The data-plane edges of the stage's pipeline now (none in direct mode)."""
