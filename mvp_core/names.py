@@ -186,6 +186,7 @@ PATCH_CANCEL_BEFORE_CHILD_START = "cancel-before-child-start"  # DECISIONS 61
 PATCH_STOP_GENERATE = "stop-generate"  # DECISIONS 65
 PATCH_COMPLETE_BOOTSTRAP = "complete-bootstrap"  # DECISIONS 84
 PATCH_HEAD_LOSS_ENDS_GENERATE = "head-loss-ends-generate"  # DECISIONS 101
+PATCH_SIGNAL_ENDED_CHILD = "signal-ended-child"  # DECISIONS 105
 
 # --------------------------------------------------------------------------- metrics
 # Our own metrics (OpenTelemetry names; a Prometheus scrape shows them with dots as
@@ -201,6 +202,6 @@ METRIC_STAGE_FORWARD = "mvp.stage.forward_time"  # histogram, ms, by stage and p
 
 
 # "1" in a node's environment: it runs on the orchestrator worker's host (the process
-# provider's nodes), where an early start takes CPU from the admission it overlaps
-# (workers/node/early.py worth_starting_early, DECISIONS 103).
+# provider's nodes), where an early start leaves the admission it overlaps a core
+# (workers/node/early.py early_threads, DECISIONS 103 and 104).
 SHARES_CONTROL_HOST_ENV = "MVP_SHARES_CONTROL_HOST"

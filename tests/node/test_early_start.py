@@ -317,7 +317,7 @@ async def test_a_stop_pushed_while_a_pipeline_heads_generate_waits_for_an_early_
         (False, 0, 2, 0),  # (0: its threads as they are)
         (True, 1, 2, 1),  # a 2-stage run's head on a 2-core host: a core is left
         (True, 2, 2, 1),  # a 1-stage run's head on every core: one core left, until adopted
-        (True, 0, 8, 7),  # its threads not known: taken as every core
+        (True, 0, 8, 7),  # not known: taken as every core (a stage of 0 narrows nothing)
         (True, 7, 8, 7),
         (True, 4, 4, 3),
         (True, 1, 1, None),  # one core: nothing to leave the admission
@@ -375,3 +375,63 @@ def test_an_early_start_s_threads_narrow_the_native_kernel_s_pool_and_come_back(
         assert narrow(torch_path, 1) is None and native.threads() == 2
     finally:
         native.set_threads(max(1, before))
+
+
+class NarrowingRuntime:
+    """A stage whose thread changes are recorded (the node's side of DECISIONS 104)."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self.changes: list[int | None] = []
+
+    def narrow_threads(self, n: int | None) -> Any:
+        self.changes.append(n)
+        return SimpleNamespace()  # a change asked for (its future, unread here)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+async def test_a_head_on_the_control_plane_s_host_narrows_for_its_early_start_and_widens_after(
+    monkeypatch: pytest.MonkeyPatch, fails: bool
+):
+    """Its engine on every core of a 2-core host: the early start runs on one, and the
+    head has both again once the start is adopted, or at once where it failed to start."""
+    import dataclasses
+    import os
+
+    import workers.node.activities as node_activities
+
+    starts = Starts()
+
+    def start(runtime: Any, prompt: SubmitPrompt, max_new_tokens: int) -> Generation:
+        if fails:
+            raise RuntimeError("no KV slot")
+        return starts(prompt, max_new_tokens)
+
+    monkeypatch.setattr(node_activities, "start_generation", start)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    server = DataPlaneServer()
+    try:
+        cfg = dataclasses.replace(CFG, shares_control_host=True)
+        node = NodeActivities(cfg, client=None, server=server)  # type: ignore[arg-type]
+        runtime = NarrowingRuntime(threads=2)
+        node.runtime = runtime  # type: ignore[assignment]
+        node.early.offer(KEY, START)
+        if fails:
+            await eventually(lambda: len(runtime.changes) == 2, timeout=10, what="widened")
+            assert runtime.changes == [1, None] and not starts.generations
+            assert not node._narrowed
+            return
+        await eventually(lambda: starts.generations, timeout=10, what="the early start")
+        assert runtime.changes == [1] and node._narrowed
+        adopted, _ = node.early.take(KEY, PROMPT, 8)  # its generate came
+        assert adopted is starts.generations[0]
+        assert runtime.changes == [1, None] and not node._narrowed
+        adopted.stop()
+        # A head with a core to spare (a 2-stage run's: one thread) narrows nothing.
+        runtime.threads, runtime.changes = 1, []
+        node.early.offer("another", {**START})
+        await eventually(lambda: len(starts.generations) == 2, timeout=10, what="a second")
+        node.early.take("another", PROMPT, 8)[0].stop()  # type: ignore[union-attr]
+        assert runtime.changes == [] and not node._narrowed
+    finally:
+        server.close()

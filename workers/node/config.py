@@ -29,7 +29,7 @@ class NodeConfig:
     # own only when its run is closed, or when nothing reached it for this long.
     lease_silence_s: float = 120.0
     # The node runs on the host of the orchestrator worker (the process provider's
-    # nodes): its early starts would take the CPU the admission needs (DECISIONS 103).
+    # nodes): its early starts leave the admission a core (DECISIONS 103, 104).
     shares_control_host: bool = False
 
     @classmethod

@@ -183,6 +183,7 @@ class EarlyStarts:
         """The stage stops: every early start held stops, their loops are given
         ``wait_s`` to end, and what they came to is said."""
         self._stop_all()
+        self._settled()
         if self._ending:
             with contextlib.suppress(Exception):
                 await asyncio.wait({g.task for g in self._ending}, timeout=wait_s)

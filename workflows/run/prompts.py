@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.exceptions import ChildWorkflowError
+from temporalio.exceptions import ApplicationError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
     from mvp_core import names
@@ -455,11 +455,14 @@ def _terminal_size(terminal: PromptTerminal) -> int:
 async def _tell(
     child: workflow.ChildWorkflowHandle[Any, Any], wf_id: str, name: str, *arg: Any
 ) -> None:
-    """Signal prompt workflow ``wf_id``. One that fails found the child ended (on a cancel
-    that reached it first, or closed from outside): its end comes by its result, so this
-    is no fault of the run's. An unguarded activation sent on the heels of a cancel once
-    faulted a whole run ("prompt serving: ... (ApplicationError)")."""
+    """Signal prompt workflow ``wf_id``. One the server cannot deliver found the child
+    ended (on a cancel that reached it first, or closed from outside): its end comes by
+    its result, so this is no fault of the run's (DECISIONS 105). Unguarded, an
+    activation sent on the heels of a cancel once faulted a whole run ("prompt serving:
+    ... (ApplicationError)"); a history recorded so replays that way."""
     try:
         await child.signal(name, *arg)
-    except Exception as err:  # the SDK's ApplicationError: the workflow was not found
-        workflow.logger.info("%s to prompt %s not delivered: %s", name, wf_id, type(err).__name__)
+    except ApplicationError as err:  # the SDK's word for "external workflow not found"
+        if not workflow.patched(names.PATCH_SIGNAL_ENDED_CHILD):
+            raise
+        workflow.logger.warning("%s to prompt %s not delivered: %s", name, wf_id, err.message)
