@@ -293,7 +293,7 @@ class Prompts:
             serving.move_head(news)
         for wf_id, child in list(self._children.items()):
             if not child.done():
-                await _tell(child, wf_id, names.SIGNAL_PROMPT_HEAD, news)
+                await _tell(child, wf_id, names.SIGNAL_PROMPT_HEAD, news, always_tolerated=True)
 
     async def tell_head_gone(self, head: NodeState) -> None:
         """Head node ``head`` is gone and no replacement will serve its prompts: the open
@@ -341,7 +341,7 @@ class Prompts:
             return
         if child is None or child.done():
             return
-        await _tell(child, wf_id, names.SIGNAL_PROMPT_CANCEL, reason)
+        await _tell(child, wf_id, names.SIGNAL_PROMPT_CANCEL, reason, always_tolerated=True)
 
     async def cancel_all(self, reason: str) -> None:
         """Teardown: every open prompt is told the run ends."""
@@ -453,16 +453,24 @@ def _terminal_size(terminal: PromptTerminal) -> int:
 
 
 async def _tell(
-    child: workflow.ChildWorkflowHandle[Any, Any], wf_id: str, name: str, *arg: Any
+    child: workflow.ChildWorkflowHandle[Any, Any],
+    wf_id: str,
+    name: str,
+    *arg: Any,
+    always_tolerated: bool = False,
 ) -> None:
     """Signal prompt workflow ``wf_id``. One the server cannot deliver found the child
     ended (on a cancel that reached it first, or closed from outside): its end comes by
     its result, so this is no fault of the run's (DECISIONS 105). Unguarded, an
     activation sent on the heels of a cancel once faulted a whole run ("prompt serving:
-    ... (ApplicationError)"); a history recorded so replays that way."""
+    ... (ApplicationError)"); a history recorded so replays that way. A cancel and a
+    head's news (``always_tolerated``) were always only logged when not delivered."""
     try:
         await child.signal(name, *arg)
-    except ApplicationError as err:  # the SDK's word for "external workflow not found"
-        if not workflow.patched(names.PATCH_SIGNAL_ENDED_CHILD):
+    except Exception as err:
+        # ApplicationError: the SDK's word for "external workflow not found".
+        if not always_tolerated and not (
+            isinstance(err, ApplicationError) and workflow.patched(names.PATCH_SIGNAL_ENDED_CHILD)
+        ):
             raise
-        workflow.logger.warning("%s to prompt %s not delivered: %s", name, wf_id, err.message)
+        workflow.logger.warning("%s to prompt %s not delivered: %s", name, wf_id, err)
