@@ -27,27 +27,18 @@ class EndsAtOnce:
 
 
 @workflow.defn(sandboxed=False)
-class TellsAnEndedChild:
+class SignalsAnEndedChild:
     @workflow.run
-    async def run(self) -> str:
+    async def run(self, raw: bool) -> str:
         child = await workflow.start_child_workflow(
             EndsAtOnce.run, id=f"{workflow.info().workflow_id}-child"
         )
         ended = await child
         # The child is closed on the server: a raw signal fails (the SDK's ApplicationError,
         # which would fail this workflow); the run's own way logs it and goes on.
-        await _tell(child, "the child", names.SIGNAL_PROMPT_ACTIVATE)
-        return ended
-
-
-@workflow.defn(sandboxed=False)
-class SignalsAnEndedChildRaw:
-    @workflow.run
-    async def run(self) -> str:
-        child = await workflow.start_child_workflow(
-            EndsAtOnce.run, id=f"{workflow.info().workflow_id}-child"
-        )
-        await child
+        if not raw:
+            await _tell(child, "the child", names.SIGNAL_PROMPT_ACTIVATE)
+            return ended
         try:
             await child.signal(names.SIGNAL_PROMPT_ACTIVATE)
         except Exception as err:
@@ -61,17 +52,19 @@ async def test_a_signal_to_a_prompt_workflow_that_has_ended_does_not_fail_the_ru
     async with Worker(
         env.client,
         task_queue=task_queue,
-        workflows=[EndsAtOnce, TellsAnEndedChild, SignalsAnEndedChildRaw],
+        workflows=[EndsAtOnce, SignalsAnEndedChild],
     ):
         # What _tell guards against really happens: the raw signal fails.
         raw = await env.client.execute_workflow(
-            SignalsAnEndedChildRaw.run,
+            SignalsAnEndedChild.run,
+            True,
             id=f"{task_queue}-raw",
             task_queue=task_queue,
             execution_timeout=timedelta(seconds=60),
         )
         told = await env.client.execute_workflow(
-            TellsAnEndedChild.run,
+            SignalsAnEndedChild.run,
+            False,
             id=f"{task_queue}-told",
             task_queue=task_queue,
             execution_timeout=timedelta(seconds=60),
