@@ -144,9 +144,8 @@ class NodeActivities:
         threads = early_threads(self.cfg.shares_control_host, runtime.threads, os.cpu_count() or 1)
         if threads is None:
             return None
-        if threads != runtime.threads and not (
-            self._narrowed or runtime.narrow_threads(threads) is not None
-        ):
+        # No early start is held here (EarlyStarts begins one only then): nothing narrowed.
+        if threads != runtime.threads and runtime.narrow_threads(threads) is None:
             return None  # it cannot leave the admission a core: not worth starting
         self._narrowed = threads != runtime.threads
         try:
