@@ -21,6 +21,8 @@ REAPER_WORKFLOW = "ReaperWorkflow"
 UPDATE_SUBMIT_PROMPT = "submit_prompt"
 # ... and the one that answers at admission (DECISIONS 77): no Update held while it runs
 UPDATE_ADMIT_PROMPT = "admit_prompt"
+# ... several at once, each refused or admitted on its own (DECISIONS 106)
+UPDATE_ADMIT_PROMPTS = "admit_prompts"
 SIGNAL_REQUEST_SHUTDOWN = "request_shutdown"
 SIGNAL_CANCEL_PROMPT = "cancel_prompt"
 UPDATE_SHUTDOWN_AND_WAIT = "request_shutdown_and_wait"
@@ -31,6 +33,7 @@ QUERY_PROMPT_END = "prompt_end"  # a run-hosted prompt: open, or its terminal ev
 # ... of many prompts in one query: a client asks once for all it waits on (DECISIONS 78)
 QUERY_PROMPT_ENDS = "prompt_ends"
 PROMPT_ENDS_PER_QUERY = 256  # the most prompt keys one prompt_ends query may name
+ADMISSIONS_PER_UPDATE = 16  # the most prompts one admit_prompts Update may carry
 QUERY_PROMPT_STOPS = "prompt_stops"  # ... and the stop strings of one in flight or kept
 
 # Node reports (signals from node agents to the run).

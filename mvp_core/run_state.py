@@ -604,6 +604,17 @@ class RunState(BaseModel):
 
     # ------------------------------------------------------------------ prompts
     def admission_rejection(self, request_id: int, capacity: int) -> PromptRejection | None:
+        refused = self.serving_rejection()
+        if refused is not None:
+            return refused
+        if self.prompt(request_id) is not None:
+            return PromptRejection.DUPLICATE_REQUEST_ID
+        if self.prompts_in_flight() >= capacity:
+            return PromptRejection.QUEUE_FULL
+        return None
+
+    def serving_rejection(self) -> PromptRejection | None:
+        """Why the run takes no prompt now, whichever it is; None where it takes some."""
         if self.stopping:
             # A shutdown (or a fault) was asked for, though the phase may not show it yet
             # (in the same workflow task): say so, not "not prompt-ready".
@@ -614,23 +625,18 @@ class RunState(BaseModel):
             return PromptRejection.NOT_PROMPT_READY
         if self.rolling_over:
             return PromptRejection.ROLLING_OVER
-        if self.prompt(request_id) is not None:
-            return PromptRejection.DUPLICATE_REQUEST_ID
-        if self.prompts_in_flight() >= capacity:
-            return PromptRejection.QUEUE_FULL
         return None
 
-    def rejection_text(self, rejection: PromptRejection, request_id: int) -> str:
+    def rejection_text(self, rejection: PromptRejection, request_id: int | None) -> str:
         """The rejection's message: its type, what it means here, and the run's facts. A
         run that is prompt-ready but confirming a fault (its grace) says which, not only
-        "not prompt-ready" beside "phase prompt_ready"."""
+        "not prompt-ready" beside "phase prompt_ready". ``request_id`` None: a refusal of
+        every prompt of an ``admit_prompts`` Update (DECISIONS 106)."""
         text = REJECTION_TEXT[rejection]
         if rejection is PromptRejection.NOT_PROMPT_READY and self.suspected_fault:
             text = f"the run is faulting ({self.suspected_fault})"
-        return (
-            f"{rejection.value}: {text} (request_id {request_id}, run {self.run_id}, "
-            f"phase {self.phase.value})"
-        )
+        which = "" if request_id is None else f"request_id {request_id}, "
+        return f"{rejection.value}: {text} ({which}run {self.run_id}, phase {self.phase.value})"
 
     def prompts_in_flight(self) -> int:
         return len(self.pending) + len(self.actives())

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from mvp_core import names
 from mvp_core.constrain import MAX_FORMAT_BYTES, SchemaError, compile_format, format_text
 from mvp_core.errors import ErrorType
 from mvp_core.models._base import _DAY_S, _U32, _U64, _Model
@@ -358,6 +359,37 @@ class PromptAdmitted(_Model):
         "(a run-hosted prompt): its text stream, its end and a re-attach are keyed by it"
     )
     hosted: bool = Field(description="Served by the run itself (prompt_host run)")
+
+
+class PromptAdmission(_Model):
+    """One prompt of an ``admit_prompts`` Update (DECISIONS 106) and the key its client
+    chose for it: the prompt's id is made of it as ``admit_prompt``'s is of its Update's
+    id (names.update_key), so that the client knows it before the run answers."""
+
+    prompt: SubmitPrompt
+    key: str = Field(min_length=1, max_length=64)
+
+
+class PromptAdmissions(_Model):
+    """The ``admit_prompts`` Update's input: prompts admitted in this order, each on its
+    own (one refused leaves the others as they would be alone)."""
+
+    items: list[PromptAdmission] = Field(min_length=1, max_length=names.ADMISSIONS_PER_UPDATE)
+
+
+class AdmissionAnswer(_Model):
+    """What the run said to one prompt of an ``admit_prompts`` Update: admitted, or refused
+    with the type and message ``admit_prompt``'s validator would have raised."""
+
+    admitted: PromptAdmitted | None = None
+    refused_type: str | None = None
+    refused: str | None = None
+
+
+class AdmissionAnswers(_Model):
+    """The ``admit_prompts`` Update's result: an answer for each prompt, in its order."""
+
+    answers: list[AdmissionAnswer]
 
 
 class PromptEnd(_Model):

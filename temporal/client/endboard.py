@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 from mvp_core.models import PromptEnd
 from mvp_core.names import PROMPT_ENDS_PER_QUERY
-from temporal.client.errors import PromptUnavailable
+from temporal.client.errors import PromptUnavailable, copy_error
 
 Ask = Callable[[list[str]], Awaitable[list[PromptEnd | None]]]
 
@@ -62,13 +62,4 @@ def _fail(batch: dict[str, list[asyncio.Future[PromptEnd | None]]], err: Excepti
     for futures in batch.values():
         for future in futures:
             if not future.done():
-                future.set_exception(_copy(err))
-
-
-def _copy(err: Exception) -> Exception:
-    """An error of its own for each look (one raised in many tasks would gather their
-    tracebacks)."""
-    try:
-        return type(err)(*err.args)
-    except Exception:
-        return PromptUnavailable(str(err))
+                future.set_exception(copy_error(err))

@@ -40,6 +40,17 @@ class RunClosed(Exception):
         self.error = error
 
 
+def copy_error(err: Exception) -> Exception:
+    """An error of its own for each of many callers that one call failed (one raised in
+    many tasks would gather their tracebacks)."""
+    if isinstance(err, PromptRejected):
+        return PromptRejected(err.kind, str(err))
+    try:
+        return type(err)(*err.args)
+    except Exception:
+        return PromptUnavailable(str(err))
+
+
 def rejection(err: WorkflowUpdateFailedError) -> PromptRejected:
     """The ``submit_prompt`` validator's refusal, typed by its ApplicationError type."""
     cause = err.cause

@@ -35,6 +35,7 @@ from mvp_core.names import QUERY_TIMEOUT
 from mvp_core.run_signals import signal_name
 from mvp_core.run_state import RunState
 from mvp_core.web_ui import run_details, run_summary
+from temporal.client.admissions import Admissions
 from temporal.client.endboard import EndBoard
 from temporal.client.errors import PromptNotFound, PromptUnavailable, RunClosed, RunNotOpen
 from temporal.client.fetches import share_fetches
@@ -84,7 +85,7 @@ class RunLifecycle:
         self._looking: asyncio.Future[RunState | None] | None = None  # a shared snapshot
         self._prompt_host: PromptHost | None = None  # where the run serves prompts
         self.direct_streams = 0  # prompts whose text came from the head node to the end
-        self._admitting: asyncio.Semaphore | None = None  # admissions in flight (made in use)
+        self._admissions: Admissions | None = None  # admissions in flight (made in use)
         self._end_board: EndBoard | None = None  # prompts' ends, asked together (made in use)
         self._ends_in_one = True  # False: the run's worker has no prompt_ends query
         # Prompts whose end came with their text (DECISIONS 95), by prompt id: the run

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from temporalio.client import (
+    WorkflowHandle,
     WorkflowUpdateFailedError,
     WorkflowUpdateHandle,
     WorkflowUpdateRPCTimeoutOrCancelledError,
@@ -21,21 +22,27 @@ from temporalio.service import RPCError
 
 from mvp_core import names
 from mvp_core.errors import ErrorType
-from mvp_core.models import CancelPrompt, Done, Fault, PromptAdmitted, SubmitPrompt, TextDelta
+from mvp_core.models import (
+    AdmissionAnswer,
+    CancelPrompt,
+    Done,
+    Fault,
+    PromptAdmission,
+    PromptAdmissions,
+    PromptAdmitted,
+    SubmitPrompt,
+    TextDelta,
+)
 from mvp_core.run_signals import signal_name
+from temporal.client.admissions import Admissions
 from temporal.client.ends import EndHint
-from temporal.client.errors import rejection
+from temporal.client.errors import PromptRejected, rejection
 from temporal.client.refusals import quick_client
 from temporal.client.text import EarlyText, PromptEvents, PromptText
 from temporal.client.updates import OUTCOME_PEEK, drop, resent_when_not_ready
 from workflows.run import RunWorkflow
 
 CANCEL_TIMEOUT_S = 5.0  # a cancel_prompt signal that takes longer is given up
-# Admissions of one handle in flight at once: below the server's default limit on a
-# workflow's Updates in flight (history.maxInFlightUpdates, 10), so that a burst of
-# prompts from one gateway or host waits here a workflow task or two, never in the SDK's
-# retries of the server's refusal (~15 s). Each admission is one workflow task long.
-ADMISSIONS_AT_ONCE = 8
 ADMIT_WAIT_S = 30.0  # a stream cancelled while its admission is in flight waits this long
 # Refusals an end the run has not counted yet can cause (DECISIONS 95).
 COUNTED_LATE = frozenset({ErrorType.PROMPT_QUEUE_FULL.value, ErrorType.DUPLICATE_REQUEST_ID.value})
@@ -45,37 +52,53 @@ class PromptCalls(PromptText):
     """Submit, stream and cancel the run's prompts."""
 
     async def _admit(self, prompt: SubmitPrompt, update_id: str) -> PromptAdmitted:
-        """Admit the prompt with the ``admit_prompt`` Update (DECISIONS 77): it answers
-        once the run has admitted it, and holds nothing open while it runs. A refusal
-        raises PromptRejected."""
-        if self._admitting is None:
-            self._admitting = asyncio.Semaphore(ADMISSIONS_AT_ONCE)
-        workflow = self.workflow
-        if self._quick_refusals:
-            workflow = (await quick_client(self.client)).get_workflow_handle(self.workflow_id)
-
-        async def admit(uid: str) -> PromptAdmitted:
-            assert self._admitting is not None
-            async with self._admitting:
-                return await resent_when_not_ready(
-                    lambda: workflow.execute_update(RunWorkflow.admit_prompt, prompt, id=uid)
-                )
-
+        """Admit the prompt with the ``admit_prompt`` Update, or with others waiting in one
+        ``admit_prompts`` (DECISIONS 77, 106): it answers once the run has admitted it,
+        and holds nothing open while it runs. A refusal raises PromptRejected."""
+        if self._admissions is None:
+            self._admissions = Admissions(self._admit_one, self._admit_many)
         for attempt in range(2):
             try:
-                admitted = await admit(update_id)
+                admitted = await self._admissions.admit(prompt, update_id)
                 break
-            except WorkflowUpdateFailedError as err:
-                refused = rejection(err)
+            except PromptRejected as refused:
                 # An end this handle took from a head node's end line may not be counted
                 # by the run yet (DECISIONS 95): its slot or request id is then free a
                 # workflow task later. Asked again once the run has counted it.
                 if attempt == 0 and refused.kind in COUNTED_LATE and await self.wait_ends_counted():
                     update_id = uuid.uuid4().hex
                     continue
-                raise refused from None
+                raise
         self._cancelled.discard(prompt.request_id)  # a new prompt of this id
         return admitted
+
+    async def _updates_to(self) -> WorkflowHandle[Any, Any]:
+        """The run's handle the admissions' Updates go to."""
+        if self._quick_refusals:
+            return (await quick_client(self.client)).get_workflow_handle(self.workflow_id)
+        return self.workflow
+
+    async def _admit_one(self, prompt: SubmitPrompt, update_id: str) -> PromptAdmitted:
+        workflow = await self._updates_to()
+        try:
+            return await resent_when_not_ready(
+                lambda: workflow.execute_update(RunWorkflow.admit_prompt, prompt, id=update_id)
+            )
+        except WorkflowUpdateFailedError as err:
+            raise rejection(err) from None
+
+    async def _admit_many(self, items: list[PromptAdmission]) -> list[AdmissionAnswer]:
+        workflow = await self._updates_to()
+        update_id = uuid.uuid4().hex  # the same for each send again
+        try:
+            answers = await resent_when_not_ready(
+                lambda: workflow.execute_update(
+                    RunWorkflow.admit_prompts, PromptAdmissions(items=items), id=update_id
+                )
+            )
+        except WorkflowUpdateFailedError as err:
+            raise rejection(err) from None
+        return answers.answers
 
     async def start_prompt(self, prompt: SubmitPrompt) -> WorkflowUpdateHandle[Any]:
         """Submit with the spec's ``submit_prompt`` Update and return once the run has

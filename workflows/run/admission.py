@@ -1,7 +1,7 @@
-"""What the run's Updates accept: a prompt (``submit_prompt``) and a waiting shutdown
-(``request_shutdown_and_wait``), decoded from untrusted arguments into typed messages,
-and refused in their validators (so a refused one never enters history) with a typed
-error that names what was wrong."""
+"""What the run's Updates accept: a prompt (``submit_prompt``, ``admit_prompt``), several
+(``admit_prompts``) and a waiting shutdown (``request_shutdown_and_wait``), decoded from
+untrusted arguments into typed messages, and refused in their validators (so a refused
+one never enters history) with a typed error that names what was wrong."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ with workflow.unsafe.imports_passed_through():
     from mvp_core import names
     from mvp_core.errors import ErrorType
     from mvp_core.inputs import InvalidInput, decode_one
-    from mvp_core.models import RequestShutdown, RunRequest, SubmitPrompt
+    from mvp_core.models import PromptAdmissions, RequestShutdown, RunRequest, SubmitPrompt
     from mvp_core.run_records import PromptRejection, prompt_limit
     from mvp_core.run_state import RunState
 
@@ -30,9 +30,38 @@ def prompt_of(args: Sequence[Any]) -> SubmitPrompt:
         ) from None
 
 
+def admissions_of(args: Sequence[Any]) -> PromptAdmissions:
+    """The ``admit_prompts`` Update's prompts, or a typed InvalidPrompt naming the bad
+    fields (the whole Update is refused: one malformed prompt means a broken client)."""
+    try:
+        return decode_one(names.UPDATE_ADMIT_PROMPTS, PromptAdmissions, args)
+    except InvalidInput as err:
+        raise ApplicationError(
+            f"InvalidPrompt: {err.reason}", type=ErrorType.INVALID_PROMPT, non_retryable=True
+        ) from None
+
+
+def validate_admissions(state: RunState, args: Sequence[Any]) -> None:
+    """Refuse an ``admit_prompts`` Update that is malformed, or when the run takes no
+    prompt now (so that a refused one never enters history); each prompt's own refusals
+    (a request id in use, a full queue, an empty prompt) are its answer's (DECISIONS 106)."""
+    admissions_of(args)
+    rejection = state.serving_rejection()
+    if rejection is not None:
+        raise ApplicationError(
+            state.rejection_text(rejection, None),
+            type=rejection.value,
+            non_retryable=rejection is not PromptRejection.ROLLING_OVER,
+        )
+
+
 def validate_prompt(request: RunRequest, state: RunState, args: Sequence[Any]) -> None:
     """Refuse a prompt the run cannot take now, or one that is malformed."""
-    prompt = prompt_of(args)
+    check_prompt(request, state, prompt_of(args))
+
+
+def check_prompt(request: RunRequest, state: RunState, prompt: SubmitPrompt) -> None:
+    """``validate_prompt`` for a prompt already decoded."""
     if prompt.messages is not None and not prompt.chat:
         raise ApplicationError(
             "InvalidPrompt: messages need chat=true (they are rendered with the model's "

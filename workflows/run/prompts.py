@@ -16,10 +16,14 @@ from temporalio.exceptions import ApplicationError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
     from mvp_core import names
+    from mvp_core.errors import ErrorType
     from mvp_core.generation import effective_max_tokens
     from mvp_core.models import (
+        AdmissionAnswer,
+        AdmissionAnswers,
         CancelPrompt,
         Fault,
+        PromptAdmissions,
         PromptAdmitted,
         PromptEnd,
         PromptHead,
@@ -82,13 +86,44 @@ class Prompts:
     async def serve(self, args: Sequence[Any]) -> PromptTerminal:
         """``submit_prompt``: admit the prompt, serve it in its turn, and return its one
         terminal event (the Update is in flight all along)."""
-        _, serving = self._admit(args, awaited=True)
+        _, serving = self._admit(prompt_of(args), awaited=True)
         return await serving
 
     def admit(self, args: Sequence[Any]) -> PromptAdmitted:
         """``admit_prompt`` (DECISIONS 77): admit the prompt and return at once; it is
         served on in a task of the run's, its end kept as ``submit_prompt``'s is."""
-        admitted, serving = self._admit(args, awaited=False)
+        return self._admit_on(prompt_of(args), None)
+
+    def admit_all(
+        self, batch: PromptAdmissions, check: Callable[[SubmitPrompt], None]
+    ) -> AdmissionAnswers:
+        """``admit_prompts`` (DECISIONS 106): each prompt in its order, refused by
+        ``check`` (``admit_prompt``'s validator) or admitted as ``admit`` admits one, its
+        id made of its client's key; a key that names a prompt the run knows already is
+        refused (a client that sent one prompt twice)."""
+        answers: list[AdmissionAnswer] = []
+        for item in batch.items:
+            try:
+                check(item.prompt)
+                self._check_key(item.prompt.request_id, item.key)
+            except ApplicationError as err:
+                answers.append(AdmissionAnswer(refused_type=err.type, refused=err.message))
+                continue
+            answers.append(AdmissionAnswer(admitted=self._admit_on(item.prompt, item.key)))
+        return AdmissionAnswers(answers=answers)
+
+    def _check_key(self, request_id: int, key: str) -> None:
+        wf_id = names.prompt_workflow_id(self._ctx.state.run_id, request_id, names.update_key(key))
+        if wf_id in self._open or wf_id in self._closed or wf_id in self._served:
+            raise ApplicationError(
+                f"{ErrorType.DUPLICATE_REQUEST_ID.value}: prompt {wf_id} was admitted "
+                "already (its key is in use)",
+                type=ErrorType.DUPLICATE_REQUEST_ID.value,
+                non_retryable=True,
+            )
+
+    def _admit_on(self, prompt: SubmitPrompt, key: str | None) -> PromptAdmitted:
+        admitted, serving = self._admit(prompt, awaited=False, key=key)
         self._open.add(admitted.prompt_id)
         task = asyncio.create_task(self._serve_on(admitted, serving))
         self._tasks.add(task)
@@ -99,7 +134,7 @@ class Prompts:
         """A one-shot run's prompt (actor spec 8): admitted as ``admit_prompt`` admits
         one (no Update), served in its turn, its end kept; its terminal event (None: a
         defect past serving's guard, which faulted the run)."""
-        admitted, serving = self._admit([prompt.model_dump(mode="json")], awaited=False)
+        admitted, serving = self._admit(prompt, awaited=False)
         self._open.add(admitted.prompt_id)
         return await self._serve_on(admitted, serving)
 
@@ -123,20 +158,20 @@ class Prompts:
                 self._closed.popitem(last=False)
 
     def _admit(
-        self, args: Sequence[Any], *, awaited: bool
+        self, prompt: SubmitPrompt, *, awaited: bool, key: str | None = None
     ) -> tuple[PromptAdmitted, Coroutine[Any, Any, PromptTerminal]]:
         """Admit the prompt (its place in the run's FIFO is fixed from here on) and return
         it with the coroutine that serves it. ``awaited``: its Update waits for the end
-        (a re-attach can wait on that Update too)."""
+        (a re-attach can wait on that Update too). ``key``: what its id is made of (its
+        Update's id where None)."""
         ctx, state, req = self._ctx, self._ctx.state, self._ctx.request
-        prompt = prompt_of(args)
         if state.draws_seed(prompt.temperature, prompt.seed):
             # Its seed is drawn here, recorded in its input: a resume on a replacement
             # head node draws the same tokens (DECISIONS 68).
             prompt = prompt.model_copy(update={"seed": workflow.random().getrandbits(63)})
         update_id = (workflow.current_update_info() or _NoUpdate()).id
         wf_id = names.prompt_workflow_id(
-            state.run_id, prompt.request_id, names.update_key(update_id)
+            state.run_id, prompt.request_id, names.update_key(update_id if key is None else key)
         )
         hosted = state.prompt_host is PromptHost.RUN
         record = state.admit(prompt.request_id, wf_id, update_id if hosted and awaited else None)

@@ -19,6 +19,7 @@ with workflow.unsafe.imports_passed_through():
     from mvp_core import names
     from mvp_core.errors import ErrorType
     from mvp_core.models import (
+        AdmissionAnswers,
         CancelPrompt,
         DatastreamAddress,
         Fault,
@@ -236,6 +237,20 @@ class RunWorkflow:
     @admit_prompt.validator
     def _validate_admission(self, *args: Any) -> None:
         admission.validate_prompt(self._request, self._state, args)
+
+    @workflow.update(name=names.UPDATE_ADMIT_PROMPTS)
+    def admit_prompts(self, *args: Any) -> AdmissionAnswers:
+        """Admit several prompts in their order, each as ``admit_prompt`` would alone, and
+        answer for each at once (DECISIONS 106): a client with many prompts to admit
+        sends one Update for them, not one each."""
+        return self._prompts.admit_all(
+            admission.admissions_of(args),
+            lambda prompt: admission.check_prompt(self._request, self._state, prompt),
+        )
+
+    @admit_prompts.validator
+    def _validate_admissions(self, *args: Any) -> None:
+        admission.validate_admissions(self._state, args)
 
     @workflow.query(name=names.QUERY_PROMPT_END)
     def prompt_end(self, prompt_id: str) -> PromptEnd | None:

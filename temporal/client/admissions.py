@@ -1,0 +1,140 @@
+"""Prompts' admissions, many in one Update where many wait (DECISIONS 106).
+
+A handle keeps at most ADMISSIONS_AT_ONCE admissions in flight (under the server's
+default limit on a workflow's Updates in flight, ``history.maxInFlightUpdates``, 10). A
+prompt that finds one free goes at once in an ``admit_prompt`` Update of its own, as
+before: a lone prompt waits for nothing. Prompts that come while all are busy wait, and
+the next sender to be free takes every waiting one (up to ADMISSIONS_PER_UPDATE) in one
+``admit_prompts`` Update: a burst of 64 is admitted in a few workflow tasks instead of
+one task for every few prompts, and the server handles a few Updates, not 64.
+
+Each prompt still gets its own answer: admitted with the id its key gives, or refused
+with its own reason (PromptRejected). A run whose worker predates ``admit_prompts`` is
+sent each prompt alone from then on."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+from mvp_core.models import AdmissionAnswer, PromptAdmission, PromptAdmitted, SubmitPrompt
+from mvp_core.names import ADMISSIONS_PER_UPDATE, UPDATE_ADMIT_PROMPTS
+from temporal.client.errors import PromptRejected, PromptUnavailable, copy_error
+
+# Admissions of one handle in flight at once: below the server's default limit on a
+# workflow's Updates in flight (history.maxInFlightUpdates, 10), so that a burst of
+# prompts from one gateway or host waits here a workflow task or two, never in the SDK's
+# retries of the server's refusal (~15 s). Each admission is one workflow task long.
+ADMISSIONS_AT_ONCE = 8
+
+SendOne = Callable[[SubmitPrompt, str], Awaitable[PromptAdmitted]]
+SendMany = Callable[[list[PromptAdmission]], Awaitable[list[AdmissionAnswer]]]
+_Waiting = tuple[PromptAdmission, "asyncio.Future[PromptAdmitted]"]
+
+
+class Admissions:
+    """Admits a handle's prompts: ``one`` sends a prompt alone (``admit_prompt``),
+    ``many`` several (``admit_prompts``); either raises PromptRejected for a refusal of
+    what it sent as a whole."""
+
+    def __init__(
+        self,
+        one: SendOne,
+        many: SendMany,
+        *,
+        at_once: int = ADMISSIONS_AT_ONCE,
+        per_update: int = ADMISSIONS_PER_UPDATE,
+    ) -> None:
+        if at_once <= 0 or per_update <= 0:
+            raise ValueError("at_once and per_update must be positive")
+        self._one, self._many = one, many
+        self._at_once, self._per_update = at_once, per_update
+        self._waiting: deque[_Waiting] = deque()
+        self._senders: set[asyncio.Task[None]] = set()
+        self.many_known = True  # False: the run's worker has no admit_prompts
+        self.updates = 0  # Updates sent (for tests and figures)
+
+    async def admit(self, prompt: SubmitPrompt, key: str) -> PromptAdmitted:
+        """Admit ``prompt`` with ``key`` (what its id is made of: names.update_key) in the
+        next Update that is free; raises PromptRejected where the run refuses it. A caller
+        that leaves before its prompt was sent takes it out of the line."""
+        future: asyncio.Future[PromptAdmitted] = asyncio.get_running_loop().create_future()
+        self._waiting.append((PromptAdmission(prompt=prompt, key=key), future))
+        if len(self._senders) < self._at_once:
+            task = asyncio.create_task(self._send_all())
+            self._senders.add(task)
+            task.add_done_callback(self._senders.discard)
+        return await future
+
+    async def _send_all(self) -> None:
+        """Send what waits, a batch at a time, until nothing does."""
+        while True:
+            batch: list[_Waiting] = []
+            most = self._per_update if self.many_known else 1
+            while self._waiting and len(batch) < most:
+                item = self._waiting.popleft()
+                if not item[1].done():  # its caller left before it was sent
+                    batch.append(item)
+            if not batch:
+                return
+            try:
+                if len(batch) == 1:
+                    await self._send_one(batch[0])
+                else:
+                    await self._send_many(batch)
+            except BaseException:  # cancelled (the loop closing): no caller waits for ever
+                _fail(batch, PromptUnavailable("the admission was given up"))
+                raise
+
+    async def _send_one(self, item: _Waiting) -> None:
+        admission, future = item
+        self.updates += 1
+        try:
+            admitted = await self._one(admission.prompt, admission.key)
+        except Exception as err:
+            _fail([item], err)
+            return
+        if not future.done():
+            future.set_result(admitted)
+
+    async def _send_many(self, batch: list[_Waiting]) -> None:
+        self.updates += 1
+        try:
+            answers = await self._many([admission for admission, _ in batch])
+            if len(answers) != len(batch):
+                raise PromptUnavailable(
+                    f"the run answered {len(answers)} admissions for {len(batch)} prompts"
+                )
+        except PromptRejected as err:
+            if _unknown_update(err):
+                # A worker from before DECISIONS 106: nothing was admitted. Each goes alone.
+                self.many_known = False
+                self._waiting.extendleft(reversed(batch))
+                return
+            _fail(batch, err)
+            return
+        except Exception as err:
+            _fail(batch, err)
+            return
+        for (_, future), answer in zip(batch, answers, strict=True):
+            if future.done():
+                continue
+            if answer.admitted is not None:
+                future.set_result(answer.admitted)
+            else:
+                future.set_exception(
+                    PromptRejected(answer.refused_type or "Rejected", answer.refused or "refused")
+                )
+
+
+def _unknown_update(err: PromptRejected) -> bool:
+    """The worker's refusal of an Update it has no handler for."""
+    text = str(err)
+    return "expected but not found" in text and UPDATE_ADMIT_PROMPTS in text
+
+
+def _fail(batch: list[_Waiting], err: Exception) -> None:
+    for _, future in batch:
+        if not future.done():
+            future.set_exception(copy_error(err))
