@@ -22,7 +22,7 @@ from pathlib import Path
 from temporalio.api.enums.v1 import WorkflowExecutionStatus
 from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
-from temporalio.worker import Worker
+from temporalio.worker import PollerBehaviorSimpleMaximum, Worker
 
 from mvp_core.models import MAX_ACTIVE_PROMPTS, NodeRuntimeReady
 from mvp_core.run_signals import signal_name
@@ -38,6 +38,10 @@ from workers.node.self_destroy import NodeStopReason, self_destroy
 log = logging.getLogger("mvp.node")
 DEADMAN_CHECK_S = 2.0
 HEARTBEAT_THROTTLE = timedelta(seconds=2)
+# Activity polls open at once (the SDK's default is 5): a burst's generates reach the
+# head a poll each, and with 5 polls 64 of them trickled in over ~0.5 s after the run had
+# scheduled them all (DECISIONS 106). An idle poll is one long poll the server holds.
+ACTIVITY_POLLS = 16
 
 
 def advertised_host(bind_host: str) -> str:
@@ -236,6 +240,7 @@ async def amain() -> None:
         ],
         identity=cfg.identity,
         max_concurrent_activities=MAX_ACTIVE_PROMPTS + 8,  # generates, lease, the rest
+        activity_task_poller_behavior=PollerBehaviorSimpleMaximum(maximum=ACTIVITY_POLLS),
         graceful_shutdown_timeout=timedelta(seconds=2),
         # A heartbeat costs the Temporal server ~2-4 ms of CPU (measured on the dev server):
         # at most one per 2 s per activity (a generate hands one every 0.4 x its heartbeat
