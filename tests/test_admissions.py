@@ -9,15 +9,18 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from temporalio.service import RPCError, RPCStatusCode
 
 from mvp_core.errors import ErrorType
 from mvp_core.models import AdmissionAnswer, PromptAdmission, PromptAdmitted, SubmitPrompt
+from temporal.client import admissions
 from temporal.client.admissions import Admissions
 from temporal.client.errors import PromptRejected, PromptUnavailable
 
 
 class Run:
-    """Answers Updates when released; refuses request ids in ``refuse``."""
+    """Answers Updates when released (each at once, ``gate`` set); refuses request ids in
+    ``refuse``."""
 
     def __init__(self, *, knows_many: bool = True, refuse: frozenset[int] = frozenset()) -> None:
         self.knows_many, self.refuse = knows_many, refuse
@@ -68,8 +71,8 @@ class Run:
         ]
 
 
-def _prompt(request_id: int) -> SubmitPrompt:
-    return SubmitPrompt(request_id=request_id, prompt_text=f"p{request_id}")
+def _prompt(request_id: int, text: str | None = None) -> SubmitPrompt:
+    return SubmitPrompt(request_id=request_id, prompt_text=text or f"p{request_id}")
 
 
 async def _admit_all(adm: Admissions, ids: range) -> list[PromptAdmitted | BaseException]:
@@ -162,6 +165,60 @@ async def test_an_update_that_fails_fails_each_of_its_callers_with_its_own_error
     assert run.sent == [[0], [1, 2, 3]]
     run.fail_with = None  # the handle goes on
     assert (await adm.admit(_prompt(9), "k9")).prompt_id == "p-k9"
+
+
+async def test_one_sender_admits_prompt_after_prompt_and_strands_none():
+    """A sender that finds the line empty stops counting at once: the next prompt starts
+    a sender of its own, though the last one's task has not ended yet."""
+    run = Run()
+    adm = Admissions(run.one, run.many, at_once=1)
+    for i in range(5):
+        got = await asyncio.wait_for(adm.admit(_prompt(i), f"k{i}"), 5)
+        assert got.prompt_id == f"p-k{i}"
+    # Many at once, each as soon as the one before it is answered.
+    got = await asyncio.wait_for(_admit_all(adm, range(5, 40)), 5)
+    assert [a.prompt_id for a in got if isinstance(a, PromptAdmitted)] == [
+        f"p-k{i}" for i in range(5, 40)
+    ]
+
+
+@pytest.mark.parametrize("alone", [True, False])
+async def test_the_servers_refusal_reaches_each_caller_with_its_status(alone):
+    """The gateway answers RESOURCE_EXHAUSTED as 429 server_limit by the RPCError's status."""
+    run = Run()
+    run.gate.clear()
+    run.fail_with = RPCError("too many", RPCStatusCode.RESOURCE_EXHAUSTED, b"")
+    adm = Admissions(run.one, run.many, at_once=1)
+    head = asyncio.ensure_future(adm.admit(_prompt(0), "k0"))
+    await asyncio.sleep(0)
+    rest = asyncio.ensure_future(_admit_all(adm, range(1, 1 if alone else 4)))
+    await asyncio.sleep(0.01)
+    run.gate.set()
+    errors = [await asyncio.gather(head, return_exceptions=True), *await rest]
+    flat = [e[0] if isinstance(e, list) else e for e in errors]
+    assert len(flat) == (1 if alone else 4)
+    for e in flat:
+        assert isinstance(e, RPCError) and e.status is RPCStatusCode.RESOURCE_EXHAUSTED
+
+
+async def test_prompts_past_the_byte_bound_go_in_another_update_a_large_one_alone(monkeypatch):
+    one = len(PromptAdmission(prompt=_prompt(1, "a" * 200), key="k1").model_dump_json())
+    monkeypatch.setattr(admissions, "ADMISSION_BYTES", 2 * one + 10)  # two such, not three
+    run = Run()
+    run.gate.clear()
+    adm = Admissions(run.one, run.many, at_once=1)
+    head = asyncio.ensure_future(adm.admit(_prompt(0), "k0"))
+    await asyncio.sleep(0)
+    texts = {1: "a" * 200, 2: "b" * 200, 3: "c" * 200, 4: "d" * 2000, 5: "e"}
+    rest = asyncio.ensure_future(
+        asyncio.gather(*(adm.admit(_prompt(i, t), f"k{i}") for i, t in texts.items()))
+    )
+    await asyncio.sleep(0.01)
+    run.gate.set()
+    await head
+    assert [a.prompt_id for a in await rest] == [f"p-k{i}" for i in texts]
+    # Each Update's prompts in order, within the bound; the 2,000-character one alone.
+    assert run.sent == [[0], [1, 2], [3], [4], [5]]
 
 
 def test_bounds_must_be_positive():

@@ -15,6 +15,7 @@ sent each prompt alone from then on."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections import deque
 from collections.abc import Awaitable, Callable
 
@@ -27,6 +28,10 @@ from temporal.client.errors import PromptRejected, PromptUnavailable, copy_error
 # prompts from one gateway or host waits here a workflow task or two, never in the SDK's
 # retries of the server's refusal (~15 s). Each admission is one workflow task long.
 ADMISSIONS_AT_ONCE = 8
+# The most bytes of prompts (as JSON) one admit_prompts Update carries: the server warns
+# of payloads past 256 KB and refuses requests past 2 MB. A prompt larger than this goes
+# alone, in an admit_prompt Update of its own, as it would have before.
+ADMISSION_BYTES = 256 * 1024
 
 SendOne = Callable[[SubmitPrompt, str], Awaitable[PromptAdmitted]]
 SendMany = Callable[[list[PromptAdmission]], Awaitable[list[AdmissionAnswer]]]
@@ -51,7 +56,8 @@ class Admissions:
         self._one, self._many = one, many
         self._at_once, self._per_update = at_once, per_update
         self._waiting: deque[_Waiting] = deque()
-        self._senders: set[asyncio.Task[None]] = set()
+        self._senders: set[asyncio.Task[None]] = set()  # held: a task is not collected
+        self._sending = 0  # senders that will look at the line again
         self.many_known = True  # False: the run's worker has no admit_prompts
         self.updates = 0  # Updates sent (for tests and figures)
 
@@ -61,39 +67,60 @@ class Admissions:
         that leaves before its prompt was sent takes it out of the line."""
         future: asyncio.Future[PromptAdmitted] = asyncio.get_running_loop().create_future()
         self._waiting.append((PromptAdmission(prompt=prompt, key=key), future))
-        if len(self._senders) < self._at_once:
-            task = asyncio.create_task(self._send_all())
+        if self._sending < self._at_once:
+            # Counted now, and uncounted by the sender itself as it finds the line empty:
+            # a prompt never waits in a line that no sender will look at again.
+            self._sending += 1
+            task = asyncio.create_task(self._send_all(), context=contextvars.Context())
             self._senders.add(task)
             task.add_done_callback(self._senders.discard)
         return await future
 
     async def _send_all(self) -> None:
         """Send what waits, a batch at a time, until nothing does."""
-        while True:
-            batch: list[_Waiting] = []
-            most = self._per_update if self.many_known else 1
-            while self._waiting and len(batch) < most:
-                item = self._waiting.popleft()
-                if not item[1].done():  # its caller left before it was sent
-                    batch.append(item)
-            if not batch:
-                return
-            try:
-                if len(batch) == 1:
-                    await self._send_one(batch[0])
-                else:
-                    await self._send_many(batch)
-            except BaseException:  # cancelled (the loop closing): no caller waits for ever
-                _fail(batch, PromptUnavailable("the admission was given up"))
-                raise
+        try:
+            while True:
+                batch = self._next_batch()
+                if not batch:
+                    return
+                try:
+                    if len(batch) == 1:
+                        await self._send_one(batch[0])
+                    else:
+                        await self._send_many(batch)
+                except BaseException:  # cancelled (the loop closing): no caller waits on
+                    _fail(batch, PromptUnavailable("the admission was given up"))
+                    raise
+        finally:
+            self._sending -= 1
+
+    def _next_batch(self) -> list[_Waiting]:
+        """The next prompts in line whose callers still wait: up to ``per_update`` of them
+        and ADMISSION_BYTES of their JSON (one larger than that alone)."""
+        batch: list[_Waiting] = []
+        size = 0
+        most = self._per_update if self.many_known else 1
+        while self._waiting and len(batch) < most:
+            admission, future = self._waiting[0]
+            if future.done():  # its caller left before it was sent
+                self._waiting.popleft()
+                continue
+            n = len(admission.model_dump_json())
+            if batch and size + n > ADMISSION_BYTES:
+                break
+            self._waiting.popleft()
+            batch.append((admission, future))
+            size += n
+        return batch
 
     async def _send_one(self, item: _Waiting) -> None:
         admission, future = item
         self.updates += 1
         try:
             admitted = await self._one(admission.prompt, admission.key)
-        except Exception as err:
-            _fail([item], err)
+        except Exception as err:  # its own error, as it was raised
+            if not future.done():
+                future.set_exception(err)
             return
         if not future.done():
             future.set_result(admitted)
@@ -135,6 +162,10 @@ def _unknown_update(err: PromptRejected) -> bool:
 
 
 def _fail(batch: list[_Waiting], err: Exception) -> None:
+    """Each caller of ``batch`` gets ``err``: the first the error itself, the others a copy
+    of the same type (the SDK's RPCError, say, which the gateway answers by its status)."""
+    first = True
     for _, future in batch:
         if not future.done():
-            future.set_exception(copy_error(err))
+            future.set_exception(err if first else copy_error(err))
+            first = False

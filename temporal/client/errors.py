@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from temporalio.client import WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError
 
 
 class PromptRejected(Exception):
@@ -45,10 +46,13 @@ def copy_error(err: Exception) -> Exception:
     many tasks would gather their tracebacks)."""
     if isinstance(err, PromptRejected):
         return PromptRejected(err.kind, str(err))
+    if isinstance(err, RPCError):  # its status is what callers act on
+        return RPCError(err.message, err.status, err.raw_grpc_status)
     try:
-        return type(err)(*err.args)
+        copy = type(err)(*err.args)
     except Exception:
-        return PromptUnavailable(str(err))
+        return err  # not made again: the same one (its type is what callers act on)
+    return copy if type(copy) is type(err) else err
 
 
 def rejection(err: WorkflowUpdateFailedError) -> PromptRejected:

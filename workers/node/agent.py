@@ -39,8 +39,8 @@ log = logging.getLogger("mvp.node")
 DEADMAN_CHECK_S = 2.0
 HEARTBEAT_THROTTLE = timedelta(seconds=2)
 # Activity polls open at once (the SDK's default is 5): a burst's generates reach the
-# head a poll each, and with 5 polls 64 of them trickled in over ~0.5 s after the run had
-# scheduled them all (DECISIONS 106). An idle poll is one long poll the server holds.
+# head a poll each, and with 5 polls the last of 64 started ~0.4 s after the run had
+# scheduled it (DECISIONS 106). An idle poll is one long poll the server holds.
 ACTIVITY_POLLS = 16
 
 

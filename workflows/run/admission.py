@@ -1,7 +1,9 @@
 """What the run's Updates accept: a prompt (``submit_prompt``, ``admit_prompt``), several
 (``admit_prompts``) and a waiting shutdown (``request_shutdown_and_wait``), decoded from
 untrusted arguments into typed messages, and refused in their validators (so a refused
-one never enters history) with a typed error that names what was wrong."""
+one never enters history) with a typed error that names what was wrong. The prompts of an
+``admit_prompts`` Update are answered one by one in its handler: one refused there is in
+history with the Update (DECISIONS 106)."""
 
 from __future__ import annotations
 

@@ -110,6 +110,10 @@ class Prompts:
                 answers.append(AdmissionAnswer(refused_type=err.type, refused=err.message))
                 continue
             answers.append(AdmissionAnswer(admitted=self._admit_on(item.prompt, item.key)))
+        if all(a.admitted is None for a in answers):
+            # An Update in history all the same: counted toward the execution's limit on
+            # Updates, which ``admitted`` bounds (serve.ADMITTED_PER_EXECUTION).
+            self._ctx.admitted += 1
         return AdmissionAnswers(answers=answers)
 
     def _check_key(self, request_id: int, key: str) -> None:
