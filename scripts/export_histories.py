@@ -49,9 +49,12 @@ from temporalio.exceptions import ApplicationError
 
 from mvp_core import names
 from mvp_core.models import (
+    AdmissionAnswers,
     CancelPrompt,
     Done,
     Fault,
+    PromptAdmission,
+    PromptAdmissions,
     RequestShutdown,
     RunOutcome,
     RunPhase,
@@ -338,6 +341,47 @@ async def admitted(ctx: Ctx) -> WorkflowHandle[Any, Any]:
     return handle
 
 
+async def admitted_together(ctx: Ctx) -> WorkflowHandle[Any, Any]:
+    """DECISIONS 106: run-hosted prompts admitted together by one admit_prompts Update,
+    one of them refused as a request id in use and one as a full queue; then a batch
+    whose every prompt is refused; stop by signal."""
+    run_id = 3109
+    handle = await ctx.start(
+        run_id, prompt_host="run", max_active_prompts=2, prompt_queue_capacity=2
+    )
+    await wait_phase(handle, RunPhase.PROMPT_READY)
+
+    def item(rid: int, key: str) -> PromptAdmission:
+        prompt = SubmitPrompt(request_id=rid, prompt_text="Once upon a time", max_tokens=4)
+        return PromptAdmission(prompt=prompt, key=key)
+
+    got = await handle.execute_update(
+        names.UPDATE_ADMIT_PROMPTS,
+        PromptAdmissions(
+            items=[item(1, "a"), item(1, "b"), item(2, "c"), item(3, "d"), item(4, "e")]
+        ),
+        result_type=AdmissionAnswers,
+    )
+    check(
+        [a.admitted is not None for a in got.answers] == [True, False, True, True, False],
+        f"answers {got.answers}",
+    )
+    run = RunHandle(ctx.client, run_id)
+    for a in got.answers:
+        if a.admitted is not None:
+            end = await run.prompt_end(a.admitted.prompt_id, a.admitted.request_id, hosted=True)
+            check(isinstance(end, Done), f"end {end}")
+    again = await handle.execute_update(
+        names.UPDATE_ADMIT_PROMPTS,
+        PromptAdmissions(items=[item(1, "a")]),  # its key names a prompt that ended
+        result_type=AdmissionAnswers,
+    )
+    check(again.answers[0].admitted is None, f"again {again.answers}")
+    await handle.signal(names.SIGNAL_REQUEST_SHUTDOWN, RequestShutdown(run_id=run_id))
+    await stopped(handle)
+    return handle
+
+
 MAIN: dict[str, Scenario] = {
     "direct": direct,
     "two_stages": two_stages,
@@ -347,6 +391,7 @@ MAIN: dict[str, Scenario] = {
     "malformed": malformed,
     "recovered": recovered,
     "admitted": admitted,
+    "admitted_together": admitted_together,
 }
 ROLLING: dict[str, Scenario] = {"continue_as_new": continue_as_new}
 

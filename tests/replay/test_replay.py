@@ -5,7 +5,8 @@ added, removed or reordered against what the history recorded) fails here, befor
 deployment meets a live run. The histories come from real runs (real dev server, real
 nodes) covering each way a run goes: direct and two-stage serving, RunRejected,
 RunFaulted by a killed node, cancels (active and pending), malformed signals, a
-continue-as-new chain, and stage recovery (a middle and then a head node replaced).
+continue-as-new chain, stage recovery (a middle and then a head node replaced), and
+prompts admitted one by one and together (``admit_prompt``, ``admit_prompts``).
 
 Re-export (one command, ~1-2 min, replaces ``tests/histories/<scenario>/``)::
 
@@ -44,6 +45,7 @@ SCENARIOS = [
     "continue_as_new",
     "recovered",
     "admitted",
+    "admitted_together",
 ]
 # The workers' converter (pydantic payloads) without a payload key: the histories are
 # exported in plaintext, and replay needs only the payload and failure converters.
