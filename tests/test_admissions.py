@@ -7,6 +7,7 @@ each prompt alone; a caller that leaves before its prompt was sent is never sent
 from __future__ import annotations
 
 import asyncio
+import contextvars
 
 import pytest
 from temporalio.service import RPCError, RPCStatusCode
@@ -219,6 +220,47 @@ async def test_prompts_past_the_byte_bound_go_in_another_update_a_large_one_alon
     assert [a.prompt_id for a in await rest] == [f"p-k{i}" for i in texts]
     # Each Update's prompts in order, within the bound; the 2,000-character one alone.
     assert run.sent == [[0], [1, 2], [3], [4], [5]]
+
+
+TRACE: contextvars.ContextVar[str] = contextvars.ContextVar("trace", default="none")
+
+
+async def test_an_update_is_sent_in_its_first_callers_context():
+    """An Update belongs to its caller's trace (the gateway request's span): a prompt sent
+    alone in its own caller's context, a batch in its first caller's."""
+    seen: list[tuple[str, list[int]]] = []
+
+    async def one(prompt: SubmitPrompt, key: str) -> PromptAdmitted:
+        seen.append((TRACE.get(), [prompt.request_id]))
+        await gate.wait()
+        return PromptAdmitted(request_id=prompt.request_id, prompt_id=key, hosted=True)
+
+    async def many(items: list[PromptAdmission]) -> list[AdmissionAnswer]:
+        seen.append((TRACE.get(), [i.prompt.request_id for i in items]))
+        return [
+            AdmissionAnswer(
+                admitted=PromptAdmitted(
+                    request_id=i.prompt.request_id, prompt_id=i.key, hosted=True
+                )
+            )
+            for i in items
+        ]
+
+    gate = asyncio.Event()
+    adm = Admissions(one, many, at_once=1)
+
+    async def traced(rid: int) -> PromptAdmitted:
+        TRACE.set(f"request {rid}")
+        return await adm.admit(_prompt(rid), f"k{rid}")
+
+    head = asyncio.ensure_future(traced(0))
+    await asyncio.sleep(0)
+    rest = asyncio.ensure_future(asyncio.gather(traced(1), traced(2)))
+    await asyncio.sleep(0.01)
+    gate.set()
+    await head
+    await rest
+    assert seen == [("request 0", [0]), ("request 1", [1, 2])]
 
 
 def test_bounds_must_be_positive():

@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from mvp_core.models import AdmissionAnswer, PromptAdmission, PromptAdmitted, SubmitPrompt
 from mvp_core.names import ADMISSIONS_PER_UPDATE, UPDATE_ADMIT_PROMPTS
@@ -33,9 +34,11 @@ ADMISSIONS_AT_ONCE = 8
 # alone, in an admit_prompt Update of its own, as it would have before.
 ADMISSION_BYTES = 256 * 1024
 
-SendOne = Callable[[SubmitPrompt, str], Awaitable[PromptAdmitted]]
-SendMany = Callable[[list[PromptAdmission]], Awaitable[list[AdmissionAnswer]]]
-_Waiting = tuple[PromptAdmission, "asyncio.Future[PromptAdmitted]"]
+SendOne = Callable[[SubmitPrompt, str], Coroutine[Any, Any, PromptAdmitted]]
+SendMany = Callable[[list[PromptAdmission]], Coroutine[Any, Any, list[AdmissionAnswer]]]
+# A prompt in line: its admission, its caller's future, and its caller's context (the
+# trace an Update sent for it belongs to).
+_Waiting = tuple[PromptAdmission, "asyncio.Future[PromptAdmitted]", contextvars.Context]
 
 
 class Admissions:
@@ -66,12 +69,13 @@ class Admissions:
         next Update that is free; raises PromptRejected where the run refuses it. A caller
         that leaves before its prompt was sent takes it out of the line."""
         future: asyncio.Future[PromptAdmitted] = asyncio.get_running_loop().create_future()
-        self._waiting.append((PromptAdmission(prompt=prompt, key=key), future))
+        waiting = (PromptAdmission(prompt=prompt, key=key), future, contextvars.copy_context())
+        self._waiting.append(waiting)
         if self._sending < self._at_once:
             # Counted now, and uncounted by the sender itself as it finds the line empty:
             # a prompt never waits in a line that no sender will look at again.
             self._sending += 1
-            task = asyncio.create_task(self._send_all(), context=contextvars.Context())
+            task = asyncio.create_task(self._send_all())
             self._senders.add(task)
             task.add_done_callback(self._senders.discard)
         return await future
@@ -101,23 +105,26 @@ class Admissions:
         size = 0
         most = self._per_update if self.many_known else 1
         while self._waiting and len(batch) < most:
-            admission, future = self._waiting[0]
-            if future.done():  # its caller left before it was sent
+            item = self._waiting[0]
+            if item[1].done():  # its caller left before it was sent
                 self._waiting.popleft()
                 continue
-            n = len(admission.model_dump_json())
+            n = len(item[0].model_dump_json())
             if batch and size + n > ADMISSION_BYTES:
                 break
             self._waiting.popleft()
-            batch.append((admission, future))
+            batch.append(item)
             size += n
         return batch
 
     async def _send_one(self, item: _Waiting) -> None:
-        admission, future = item
+        admission, future, context = item
         self.updates += 1
         try:
-            admitted = await self._one(admission.prompt, admission.key)
+            # In its caller's context: the Update is part of that request's trace.
+            admitted = await asyncio.create_task(
+                self._one(admission.prompt, admission.key), context=context.copy()
+            )
         except Exception as err:  # its own error, as it was raised
             if not future.done():
                 future.set_exception(err)
@@ -128,7 +135,10 @@ class Admissions:
     async def _send_many(self, batch: list[_Waiting]) -> None:
         self.updates += 1
         try:
-            answers = await self._many([admission for admission, _ in batch])
+            # In the first caller's context: the Update is part of that request's trace.
+            answers = await asyncio.create_task(
+                self._many([admission for admission, _, _ in batch]), context=batch[0][2].copy()
+            )
             if len(answers) != len(batch):
                 raise PromptUnavailable(
                     f"the run answered {len(answers)} admissions for {len(batch)} prompts"
@@ -144,7 +154,7 @@ class Admissions:
         except Exception as err:
             _fail(batch, err)
             return
-        for (_, future), answer in zip(batch, answers, strict=True):
+        for (_, future, _), answer in zip(batch, answers, strict=True):
             if future.done():
                 continue
             if answer.admitted is not None:
@@ -165,7 +175,7 @@ def _fail(batch: list[_Waiting], err: Exception) -> None:
     """Each caller of ``batch`` gets ``err``: the first the error itself, the others a copy
     of the same type (the SDK's RPCError, say, which the gateway answers by its status)."""
     first = True
-    for _, future in batch:
+    for _, future, _ in batch:
         if not future.done():
             future.set_exception(err if first else copy_error(err))
             first = False
