@@ -7,6 +7,7 @@ at all), and upper bounds with a wide margin against the serialized behaviour.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -54,7 +55,11 @@ class Peer:
 def echo(conn: socket.socket) -> None:
     while data := conn.recv(65536):
         conn.sendall(data)
-    conn.shutdown(socket.SHUT_WR)
+    # The end passed on. A connection the proxy closed under it may be gone by now (a
+    # loaded host: its reset came first): nothing is left to half-close then, and the
+    # test's own asserts say what the client saw.
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_WR)
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
