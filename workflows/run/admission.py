@@ -8,7 +8,7 @@ history with the Update (DECISIONS 106)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from temporalio import workflow
 from temporalio.exceptions import ApplicationError
@@ -21,22 +21,23 @@ with workflow.unsafe.imports_passed_through():
     from mvp_core.run_records import PromptRejection, prompt_limit
     from mvp_core.run_state import RunState
 
+_P = TypeVar("_P", SubmitPrompt, PromptAdmissions)
+
 
 def prompt_of(args: Sequence[Any]) -> SubmitPrompt:
     """The update's SubmitPrompt, or a typed InvalidPrompt naming the bad fields."""
-    try:
-        return decode_one(names.UPDATE_SUBMIT_PROMPT, SubmitPrompt, args)
-    except InvalidInput as err:
-        raise ApplicationError(
-            f"InvalidPrompt: {err.reason}", type=ErrorType.INVALID_PROMPT, non_retryable=True
-        ) from None
+    return _decoded(names.UPDATE_SUBMIT_PROMPT, SubmitPrompt, args)
 
 
 def admissions_of(args: Sequence[Any]) -> PromptAdmissions:
     """The ``admit_prompts`` Update's prompts, or a typed InvalidPrompt naming the bad
     fields (the whole Update is refused: one malformed prompt means a broken client)."""
+    return _decoded(names.UPDATE_ADMIT_PROMPTS, PromptAdmissions, args)
+
+
+def _decoded(name: str, model: type[_P], args: Sequence[Any]) -> _P:
     try:
-        return decode_one(names.UPDATE_ADMIT_PROMPTS, PromptAdmissions, args)
+        return decode_one(name, model, args)
     except InvalidInput as err:
         raise ApplicationError(
             f"InvalidPrompt: {err.reason}", type=ErrorType.INVALID_PROMPT, non_retryable=True

@@ -117,7 +117,7 @@ class Prompts:
         return AdmissionAnswers(answers=answers)
 
     def _check_key(self, request_id: int, key: str) -> None:
-        wf_id = names.prompt_workflow_id(self._ctx.state.run_id, request_id, names.update_key(key))
+        wf_id = self._prompt_id(request_id, key)
         if wf_id in self._open or wf_id in self._closed or wf_id in self._served:
             raise ApplicationError(
                 f"{ErrorType.DUPLICATE_REQUEST_ID.value}: prompt {wf_id} was admitted "
@@ -125,6 +125,11 @@ class Prompts:
                 type=ErrorType.DUPLICATE_REQUEST_ID.value,
                 non_retryable=True,
             )
+
+    def _prompt_id(self, request_id: int, key: str) -> str:
+        """The id of the prompt admitted under ``key`` (its Update's id, or its client's
+        key in an ``admit_prompts`` Update)."""
+        return names.prompt_workflow_id(self._ctx.state.run_id, request_id, names.update_key(key))
 
     def _admit_on(self, prompt: SubmitPrompt, key: str | None) -> PromptAdmitted:
         admitted, serving = self._admit(prompt, awaited=False, key=key)
@@ -174,9 +179,7 @@ class Prompts:
             # head node draws the same tokens (DECISIONS 68).
             prompt = prompt.model_copy(update={"seed": workflow.random().getrandbits(63)})
         update_id = (workflow.current_update_info() or _NoUpdate()).id
-        wf_id = names.prompt_workflow_id(
-            state.run_id, prompt.request_id, names.update_key(update_id if key is None else key)
-        )
+        wf_id = self._prompt_id(prompt.request_id, update_id if key is None else key)
         hosted = state.prompt_host is PromptHost.RUN
         record = state.admit(prompt.request_id, wf_id, update_id if hosted and awaited else None)
         ctx.admitted += 1
